@@ -1,0 +1,3 @@
+from vidtune.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""The `vidtune` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from vidtune.errors import VidtuneError
+
+
+def _split_config_and_overrides(values: list[str]) -> tuple[str | None, list[str]]:
+    if values and "=" not in values[0]:
+        return values[0], values[1:]
+    return None, values
+
+
+def _load(values: list[str]):
+    from vidtune.config import load_config
+
+    path, overrides = _split_config_and_overrides(values)
+    return load_config(path, overrides)
+
+
+def command_train(args: argparse.Namespace) -> int:
+    from vidtune.trainers import build_trainer
+
+    config = _load(args.config)
+    started = time.perf_counter()
+    result = build_trainer(config).run()
+    print_summary(result, time.perf_counter() - started)
+    return 0
+
+
+def command_quickstart(args: argparse.Namespace) -> int:
+    from vidtune.quickstart import run_quickstart
+
+    started = time.perf_counter()
+    result = run_quickstart(Path(args.output), args.overrides)
+    print_summary(result, time.perf_counter() - started)
+    print(f"Config used: {Path(args.output).resolve() / 'quickstart.yaml'} (edit it and run `vidtune train` on it)")
+    return 0
+
+
+def command_data_check(args: argparse.Namespace) -> int:
+    from vidtune.data.overview import write_dataset_overview
+    from vidtune.data.sources import load_text_pair_dataset, validate_clips
+    from vidtune.models.registry import get_spec_class
+
+    config = _load(args.config)
+    spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
+    spec.check_source()
+    spec.check_video_shape(config.data.frames, config.data.height, config.data.width)
+    samples = load_text_pair_dataset(Path(config.data.root), config.data.videos, config.data.prompts)
+    infos = validate_clips(samples, config.data.frames, config.data.fps)
+    overview = Path(args.overview) if args.overview else Path(config.output_dir) / "dataset_overview.png"
+    overview.parent.mkdir(parents=True, exist_ok=True)
+    write_dataset_overview(samples, infos, overview)
+    print(f"The dataset is ready: {len(samples)} clips, every line valid.")
+    print(f"Overview: {overview.resolve()}")
+    return 0
+
+
+def print_summary(result, seconds: float) -> None:
+    print()
+    print(f"Finished {result.final_step} steps in {seconds:.0f} s.")
+    if result.losses:
+        print(f"Loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}")
+    print(f"Outputs in {result.output_dir.resolve()}:")
+    if result.weights_path:
+        print(f"  weights      {result.weights_path}")
+    print(f"  checkpoints  {result.output_dir / 'checkpoints'}")
+    print(f"  metrics      {result.output_dir / 'metrics.jsonl'}")
+    print(f"  loss curve   {result.output_dir / 'loss.png'}")
+    for path in result.sample_paths:
+        print(f"  sample       {path} (+ {path.with_suffix('.png').name})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vidtune", description="Fine-tune video diffusion models on your clips.")
+    parser.add_argument("--verbose", action="store_true", help="show library logs and full tracebacks")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train from a config file and/or section.key=value overrides")
+    train.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]")
+    train.set_defaults(handler=command_train)
+
+    quickstart = commands.add_parser("quickstart", help="tiny model + generated clips, trained end to end on CPU")
+    quickstart.add_argument("--output", default="vidtune-quickstart", help="folder for everything it writes")
+    quickstart.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    quickstart.set_defaults(handler=command_quickstart)
+
+    data = commands.add_parser("data", help="dataset tools")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    check = data_commands.add_parser("check", help="validate videos.txt / prompts.txt and draw an overview")
+    check.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]")
+    check.add_argument("--overview", help="where to write the overview PNG")
+    check.set_defaults(handler=command_data_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if not args.verbose:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    try:
+        return args.handler(args)
+    except VidtuneError as error:
+        if args.verbose:
+            raise
+        print(f"\nerror: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nInterrupted.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""The one typed configuration of a vidtune run.
+
+A config is a YAML or TOML file plus `section.key=value` overrides from the command line. Every key
+has a type and, where it makes sense, a range or a set of allowed values; unknown keys are errors.
+The resolved config (defaults filled in) is written into the output folder of each run.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from vidtune.errors import ConfigError
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, values are checked on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ModelConfig(Section):
+    name: str = Field(description="Model family, e.g. `ltx-video`.")
+    pretrained: str = Field(description="Hub id or local folder in the diffusers layout.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit).")
+    dtype: DType = Field("auto", description="Weights dtype of frozen components; auto: bf16 on GPU, fp32 on CPU.")
+    text_encoder_dtype: DType | None = Field(None, description="Overrides `dtype` for the text encoder(s).")
+    vae_dtype: DType | None = Field(None, description="Overrides `dtype` for the VAE.")
+    transformer_dtype: DType | None = Field(None, description="Overrides `dtype` for the denoiser.")
+    subfolders: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per-component path override, e.g. {transformer: /path/to/other/transformer}.",
+    )
+    max_sequence_length: int = Field(128, gt=0, description="Tokens kept per caption.")
+    frame_rate: float | None = Field(
+        None, gt=0, description="Frame rate the denoiser is told about; default: data.fps, else 25."
+    )
+
+
+class DataConfig(Section):
+    root: str = Field(description="Folder holding videos.txt and prompts.txt.")
+    videos: str = Field("videos.txt", description="File with one clip path a line (relative to root).")
+    prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
+    frames: int = Field(49, gt=0, description="Frames per training clip.")
+    height: int = Field(512, gt=0)
+    width: int = Field(768, gt=0)
+    fps: float | None = Field(None, gt=0, description="Resample clips to this rate; default: native frames.")
+    num_workers: int = Field(2, ge=0, description="Decoding worker processes.")
+    caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Probability of dropping a caption.")
+    caption_dropout_technique: Literal["empty", "zero"] = Field(
+        "empty", description="`empty`: encode an empty prompt; `zero`: zero the embedding."
+    )
+
+
+class TrainingConfig(Section):
+    algorithm: Literal["lora"] = "lora"
+    steps: int = Field(1000, gt=0, description="Optimizer steps.")
+    batch_size: int = Field(1, gt=0, description="Clips per micro-batch.")
+    gradient_accumulation: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    learning_rate: float = Field(1e-4, gt=0)
+    seed: int = Field(42, ge=0)
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Compute precision of the denoiser; auto: bf16 on GPU, fp32 on CPU."
+    )
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null disables it.")
+    gradient_checkpointing: bool = False
+    sigma_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    sigma_shift: float = Field(1.0, gt=0, description="Shift of sampled sigmas towards noise (>1) or data (<1).")
+    device: str = Field("auto", description="auto: cuda if available, else cpu.")
+
+
+class OptimizerConfig(Section):
+    name: Literal["adamw"] = "adamw"
+    weight_decay: float = Field(1e-4, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+
+
+class LoRAConfig(Section):
+    rank: int = Field(16, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = Field(
+        None, description="Module names to adapt; default: the model's attention projections."
+    )
+
+
+class CheckpointConfig(Section):
+    every: int = Field(500, ge=0, description="Save every N steps; 0 saves only at the end.")
+    keep: int = Field(2, gt=0, description="How many of the newest checkpoints to keep.")
+
+
+class ValidationConfig(Section):
+    enabled: bool = True
+    prompts: list[str] = Field(default_factory=list, description="Default: the first caption of the dataset.")
+    num_inference_steps: int = Field(30, gt=0)
+    guidance_scale: float = Field(1.0, ge=0)
+    seed: int = Field(0, ge=0)
+    frames: int | None = Field(None, gt=0, description="Default: data.frames.")
+    height: int | None = Field(None, gt=0, description="Default: data.height.")
+    width: int | None = Field(None, gt=0, description="Default: data.width.")
+
+
+class LoggingConfig(Section):
+    progress: bool = True
+    log_every: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
+
+
+class Config(Section):
+    model: ModelConfig
+    data: DataConfig
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    output_dir: str = "outputs/run"
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> Config:
+        if self.optimizer.warmup_steps > self.training.steps:
+            raise ValueError(
+                f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) is larger than training.steps "
+                f"({self.training.steps})"
+            )
+        return self
+
+    @property
+    def frame_rate(self) -> float:
+        """The frame rate the denoiser is conditioned on, in training and in sampling alike."""
+        return self.model.frame_rate or self.data.fps or 25.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"Config file not found: {path}")
+    text = path.read_text(encoding="utf-8-sig")
+    try:
+        if path.suffix.lower() == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix.lower() in (".yaml", ".yml", ".json"):
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"{path}: config files must end in .yaml, .yml, .toml or .json")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.').upper()}:\n{error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+    return data
+
+
+def parse_override(override: str) -> tuple[list[str], Any]:
+    """`training.steps=500` -> (["training", "steps"], 500). Values are read as YAML scalars/lists."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"Override '{override}' must look like section.key=value, e.g. training.steps=500")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for override in overrides:
+        path, value = parse_override(override)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"Override '{override}': '{part}' is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _section_model(location: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in location:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            return model if part == location[-1] else None
+    return model
+
+
+def _describe(error: dict[str, Any]) -> str:
+    location = tuple(error["loc"])
+    key = ".".join(str(part) for part in location) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        section = _section_model(location)
+        allowed = sorted(section.model_fields) if section else []
+        close = difflib.get_close_matches(str(location[-1]), allowed, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        return f"{key}: unknown key.{hint} Allowed keys here: {', '.join(allowed)}"
+    if kind == "missing":
+        return f"{key}: required, but not set"
+    if kind == "literal_error":
+        expected = error.get("ctx", {}).get("expected", "")
+        return f"{key}: {error['input']!r} is not allowed; choose one of {expected}"
+    return f"{key}: {error['msg']} (got {error.get('input')!r})"
+
+
+def build_config(data: dict[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as error:
+        problems = "\n".join(f"  - {_describe(e)}" for e in error.errors())
+        raise ConfigError(f"{source} has invalid settings:\n{problems}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> Config:
+    """Read a config file (or start empty), apply `section.key=value` overrides and validate."""
+    data = _read_file(Path(path)) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    return build_config(data, source=str(path) if path else "the command line")
+
+
+def write_resolved_config(config: Config, folder: str | os.PathLike[str]) -> Path:
+    """Write the resolved config next to the run's outputs (atomically), in YAML."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / "config.yaml"
+    temporary = target.with_suffix(".yaml.tmp")
+    temporary.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    os.replace(temporary, target)
+    return target
+
+
+def config_fingerprint(config: Config) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True)

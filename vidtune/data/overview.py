@@ -1,0 +1,139 @@
+"""A contact sheet of the dataset, so a user can eyeball clips and captions before training.
+
+One row per clip: first, middle and last frame, then the line number, length, size and caption.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+from vidtune.data.sources import Sample
+from vidtune.data.video import VideoInfo, format_fps, read_frames
+from vidtune.errors import VidtuneError
+
+THUMB_W, THUMB_H = 160, 90
+PAD = 8
+TEXT_W = 460
+HEADER_H = 30
+NOTE_H = 30
+ROW_H = THUMB_H + 2 * PAD
+WIDTH = PAD + 3 * (THUMB_W + PAD) + TEXT_W
+MAX_ROWS = 32
+
+_BACKGROUND = (24, 24, 28)
+_THUMB_BACKGROUND = (0, 0, 0)
+_TEXT = (235, 235, 235)
+_DIM_TEXT = (160, 160, 170)
+_CAPTION_WIDTH = 62  # characters per caption line; the default font is about 7 px per character
+_CAPTION_LINES = 3
+
+
+def overview_size(num_samples: int, max_rows: int = MAX_ROWS) -> tuple[int, int]:
+    """(width, height) of the sheet for `num_samples` clips."""
+    rows = min(num_samples, max_rows)
+    note = NOTE_H if num_samples > max_rows else 0
+    return WIDTH, HEADER_H + rows * ROW_H + note
+
+
+def write_dataset_overview(
+    samples: Sequence[Sample],
+    infos: Sequence[VideoInfo],
+    path: str | os.PathLike[str],
+    max_rows: int = MAX_ROWS,
+) -> Path:
+    """Write the contact sheet as a PNG at `path` (atomically) and return the path."""
+    if len(samples) != len(infos):
+        raise ValueError(f"got {len(samples)} samples but {len(infos)} video infos")
+    path = Path(path)
+    sheet = Image.new("RGB", overview_size(len(samples), max_rows), _BACKGROUND)
+    draw = ImageDraw.Draw(sheet)
+    font = ImageFont.load_default(size=13)
+    shown = min(len(samples), max_rows)
+    header = f"{len(samples)} clip{'s' if len(samples) != 1 else ''}"
+    if shown < len(samples):
+        header += f" (showing the first {shown})"
+    _text(draw, (PAD, PAD), header + "   |   first, middle and last frame of each clip", font, _TEXT)
+    for row, (sample, info) in enumerate(zip(samples[:shown], infos[:shown], strict=True)):
+        _draw_row(sheet, draw, font, HEADER_H + row * ROW_H, sample, info)
+    if shown < len(samples):
+        more = len(samples) - shown
+        note = f"... and {more} more clip{'s' if more != 1 else ''} not shown."
+        _text(draw, (PAD, HEADER_H + shown * ROW_H + PAD), note, font, _DIM_TEXT)
+    _save_png(sheet, path)
+    return path
+
+
+def _draw_row(
+    sheet: Image.Image,
+    draw: ImageDraw.ImageDraw,
+    font: ImageFont.ImageFont,
+    top: int,
+    sample: Sample,
+    info: VideoInfo,
+) -> None:
+    last = max(info.num_frames - 1, 0)
+    for column, index in enumerate((0, last // 2, last)):
+        left = PAD + column * (THUMB_W + PAD)
+        sheet.paste(_thumbnail(sample.video, index), (left, top + PAD))
+    text_left = PAD + 3 * (THUMB_W + PAD)
+    details = (
+        f"{info.num_frames} frames, {format_fps(info.fps)} fps, {info.width}x{info.height}, "
+        f"{info.duration:.1f} s"
+    )
+    lines = [(f"{sample.source} line {sample.line}: {sample.video.name}", _TEXT), (details, _DIM_TEXT)]
+    lines += [(line, _TEXT) for line in _wrap_caption(sample.caption)]
+    for number, (line, color) in enumerate(lines):
+        _text(draw, (text_left, top + PAD + number * 17), line, font, color)
+
+
+def _thumbnail(video: Path, index: int) -> Image.Image:
+    """The frame fitted into a THUMB_W x THUMB_H box (letterboxed), or a marked placeholder."""
+    box = Image.new("RGB", (THUMB_W, THUMB_H), _THUMB_BACKGROUND)
+    try:
+        frame = Image.fromarray(read_frames(video, [index])[0])
+    except VidtuneError:
+        draw = ImageDraw.Draw(box)
+        draw.text((PAD, THUMB_H // 2 - 6), "could not read", fill=(220, 80, 80))
+        return box
+    frame.thumbnail((THUMB_W, THUMB_H), Image.Resampling.LANCZOS)
+    box.paste(frame, ((THUMB_W - frame.width) // 2, (THUMB_H - frame.height) // 2))
+    return box
+
+
+def _wrap_caption(caption: str) -> list[str]:
+    lines = textwrap.wrap(caption, _CAPTION_WIDTH) or [""]
+    if len(lines) > _CAPTION_LINES:
+        lines = lines[:_CAPTION_LINES]
+        lines[-1] = lines[-1][: _CAPTION_WIDTH - 3].rstrip() + "..."
+    return lines
+
+
+def _text(
+    draw: ImageDraw.ImageDraw,
+    xy: tuple[int, int],
+    text: str,
+    font: ImageFont.ImageFont,
+    color: tuple[int, int, int],
+) -> None:
+    try:
+        draw.text(xy, text, font=font, fill=color)
+    except UnicodeEncodeError:  # bitmap fallback font (Pillow without FreeType) only knows Latin-1
+        draw.text(xy, text.encode("latin-1", "replace").decode("latin-1"), font=font, fill=color)
+
+
+def _save_png(image: Image.Image, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.close(handle)
+    try:
+        image.save(temp_name, format="PNG")
+        os.replace(temp_name, path)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise

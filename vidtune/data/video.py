@@ -1,0 +1,448 @@
+"""Reading and writing video files with PyAV.
+
+Clips are decoded lazily: only the frames a sample needs are decoded, seeking to the nearest earlier
+keyframe first, so reading a few frames from a long clip costs a few frames, not the whole file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import torch
+
+from vidtune.errors import VidtuneError
+
+# Formats FFmpeg uses for still images: they open as a one-frame "video", which is never what a user meant.
+_IMAGE_FORMATS = ("image2", "_pipe", "gif_pipe", "webp_pipe")
+
+
+class VideoDecodeError(VidtuneError):
+    """A file could not be read as a video (missing, not a video, damaged or incomplete)."""
+
+    def __init__(self, path: str | os.PathLike[str], reason: str, where: str = "") -> None:
+        self.path = Path(path)
+        self.reason = reason
+        place = f" ({where})" if where else ""
+        super().__init__(f"Could not use the video {self.path}{place}: {reason}")
+
+
+class ClipTooShortError(VidtuneError):
+    """A clip has fewer frames than a sample needs."""
+
+    def __init__(self, path: str | os.PathLike[str], available: int, needed: int, source_fps: float) -> None:
+        self.path = Path(path)
+        self.available = available
+        self.needed = needed
+        self.source_fps = source_fps
+        self.reason = (
+            f"it is too short: it has {describe_length(available, source_fps)}; {needed} frames are needed. "
+            "Use a longer clip or read fewer frames."
+        )
+        super().__init__(f"The video {self.path} {self.reason}")
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a probe learned about a clip. Width and height are as displayed (rotation applied)."""
+
+    path: Path
+    num_frames: int
+    fps: float
+    width: int
+    height: int
+
+    @property
+    def duration(self) -> float:
+        """Length in seconds (0 when the frame rate is unknown)."""
+        return self.num_frames / self.fps if self.fps > 0 else 0.0
+
+
+def format_fps(fps: float) -> str:
+    """24.0 -> '24', 29.97002997 -> '29.97'."""
+    return f"{fps:.2f}".rstrip("0").rstrip(".")
+
+
+def describe_length(num_frames: int, fps: float) -> str:
+    """'20 frames (0.83 s at 24 fps)', in words a user can check against their editor."""
+    noun = "frame" if num_frames == 1 else "frames"
+    if fps <= 0:
+        return f"{num_frames} {noun}"
+    return f"{num_frames} {noun} ({num_frames / fps:.2f} s at {format_fps(fps)} fps)"
+
+
+# --------------------------------------------------------------------------------------------------
+# Probing
+
+
+def probe_video(path: str | os.PathLike[str]) -> VideoInfo:
+    """Open a clip, decode its first frame and count its frames without decoding the rest.
+
+    Frames are counted by demuxing every packet (cheap: no decoding). The header's frame count is
+    only used to notice a file that was cut off: a header promising more frames than the file holds.
+    """
+    path = Path(path)
+    _check_file(path)
+    try:
+        with av.open(str(path)) as container:
+            stream = _video_stream(container, path)
+            fps = _stream_fps(stream)
+            first, packets = _first_frame_and_packet_count(container, stream, path)
+            promised = stream.frames
+            width, height = _display_size(first, stream)
+    except av.FFmpegError as error:
+        raise VideoDecodeError(path, _damaged_reason(error)) from error
+    if promised > 0 and packets < promised:
+        raise VideoDecodeError(
+            path,
+            f"the file is incomplete (probably cut off while copying or downloading): it should hold "
+            f"{promised} frames but only {packets} are there. Copy or export the clip again.",
+        )
+    return VideoInfo(path=path, num_frames=packets, fps=fps, width=width, height=height)
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise VideoDecodeError(path, "the file does not exist.")
+    if path.is_dir():
+        raise VideoDecodeError(path, "this is a folder, not a video file.")
+    if path.stat().st_size == 0:
+        raise VideoDecodeError(path, "the file is empty (0 bytes). Copy or export the clip again.")
+
+
+def _damaged_reason(error: Exception) -> str:
+    detail = getattr(error, "strerror", None) or str(error)
+    return (
+        "it is not a video file, or the file is damaged. Open it in a video player to check, and "
+        f"export it again (for example as .mp4). (Details: {detail})"
+    )
+
+
+def _video_stream(container: av.container.InputContainer, path: Path) -> av.video.stream.VideoStream:
+    """The first real video stream; cover art in audio files does not count."""
+    format_name = container.format.name
+    if format_name == "image2" or format_name.endswith("_pipe"):
+        raise VideoDecodeError(
+            path, "this is a still image, not a video. Use a video clip (for example .mp4)."
+        )
+    for stream in container.streams.video:
+        if not stream.disposition & av.stream.Disposition.attached_pic:
+            return stream
+    raise VideoDecodeError(
+        path, "the file has no video in it (is it an audio file?). Use a video clip (for example .mp4)."
+    )
+
+
+def _stream_fps(stream: av.video.stream.VideoStream) -> float:
+    """Frames per second, or 0.0 when the file does not say."""
+    for rate in (stream.average_rate, stream.guessed_rate, stream.base_rate):
+        if rate:
+            return float(rate)
+    return 0.0
+
+
+def _first_frame_and_packet_count(
+    container: av.container.InputContainer, stream: av.video.stream.VideoStream, path: Path
+) -> tuple[av.VideoFrame, int]:
+    """Decode until the first picture comes out, then only count the remaining packets."""
+    first: av.VideoFrame | None = None
+    packets = 0
+    for packet in container.demux(stream):
+        if packet.size:
+            packets += 1
+        if first is None:
+            frames = packet.decode()  # the final empty packet flushes the decoder
+            if frames:
+                first = frames[0]
+    if first is None:
+        raise VideoDecodeError(path, _damaged_reason(ValueError("no picture could be decoded")))
+    return first, packets
+
+
+def _rotation_turns(frame: av.VideoFrame) -> int:
+    """How many quarter turns counter-clockwise the frame must be rotated for display (phone clips)."""
+    return round(frame.rotation / 90) % 4
+
+
+def _sample_aspect(stream: av.video.stream.VideoStream) -> float:
+    sar = stream.sample_aspect_ratio
+    return float(sar) if sar and sar > 0 else 1.0
+
+
+def _display_size(frame: av.VideoFrame, stream: av.video.stream.VideoStream) -> tuple[int, int]:
+    width = max(1, round(frame.width * _sample_aspect(stream)))
+    height = frame.height
+    if _rotation_turns(frame) % 2:
+        width, height = height, width
+    return width, height
+
+
+# --------------------------------------------------------------------------------------------------
+# Choosing frames
+
+
+def _resampled_indices(num_frames: int, fps: float | None, source_fps: float, start: int) -> list[int]:
+    """Source frame indices for a sample, without checking the clip's length."""
+    if num_frames < 1:
+        raise ValueError(f"num_frames must be at least 1, got {num_frames}")
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    if fps is None:
+        return list(range(start, start + num_frames))
+    if fps <= 0:
+        raise ValueError(f"fps must be positive, got {fps}")
+    if source_fps <= 0:
+        raise VidtuneError(
+            f"Cannot read frames at {format_fps(fps)} fps: the clip does not say its own frame rate. "
+            "Export it again, or leave the frame rate unset to take consecutive frames."
+        )
+    step = source_fps / fps
+    # Nearest source frame to each target timestamp; the epsilon keeps exact halves from flipping.
+    return [start + math.floor(k * step + 0.5 + 1e-9) for k in range(num_frames)]
+
+
+def required_source_frames(num_frames: int, fps: float | None, source_fps: float) -> int:
+    """How many source frames (from the start) a clip needs to yield `num_frames` at `fps`."""
+    return _resampled_indices(num_frames, fps, source_fps, 0)[-1] + 1
+
+
+def select_frame_indices(info: VideoInfo, num_frames: int, fps: float | None, start: int = 0) -> list[int]:
+    """Source frame indices to read: consecutive frames, or resampled to `fps` by nearest timestamp.
+
+    A 30 fps clip read at 15 fps takes every second frame; reading faster than the source repeats frames.
+    """
+    indices = _resampled_indices(num_frames, fps, info.fps, start)
+    if indices[-1] >= info.num_frames:
+        raise ClipTooShortError(info.path, info.num_frames, indices[-1] + 1, info.fps)
+    return indices
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_clip(
+    path: str | os.PathLike[str],
+    num_frames: int,
+    height: int,
+    width: int,
+    fps: float | None = None,
+    start: int = 0,
+) -> torch.Tensor:
+    """Decode the frames a sample needs as a float32 tensor [F, 3, H, W] in [-1, 1].
+
+    Frames are resized to cover H x W keeping their aspect ratio, then center-cropped.
+    """
+    path = Path(path)
+    _check_file(path)
+    try:
+        with av.open(str(path)) as container:
+            stream = _video_stream(container, path)
+            stream.thread_type = "AUTO"
+            source_fps = _stream_fps(stream)
+            indices = _resampled_indices(num_frames, fps, source_fps, start)
+            images = _decode_indices(container, stream, indices, path, (height, width))
+    except av.FFmpegError as error:
+        raise VideoDecodeError(path, _damaged_reason(error)) from error
+    array = np.stack(images)
+    return torch.from_numpy(array).permute(0, 3, 1, 2).contiguous().float().div_(127.5).sub_(1.0)
+
+
+def read_frames(path: str | os.PathLike[str], indices: list[int]) -> list[np.ndarray]:
+    """Decode the given source frames at their display size, as uint8 RGB arrays [H, W, 3]."""
+    path = Path(path)
+    _check_file(path)
+    try:
+        with av.open(str(path)) as container:
+            stream = _video_stream(container, path)
+            return _decode_indices(container, stream, sorted(indices), path, None)
+    except av.FFmpegError as error:
+        raise VideoDecodeError(path, _damaged_reason(error)) from error
+
+
+def _decode_indices(
+    container: av.container.InputContainer,
+    stream: av.video.stream.VideoStream,
+    indices: list[int],
+    path: Path,
+    size: tuple[int, int] | None,
+) -> list[np.ndarray]:
+    """Convert the wanted frames (repeats allowed) to RGB, decoding no further than the last one."""
+    wanted: dict[int, int] = {}
+    for index in indices:
+        wanted[index] = wanted.get(index, 0) + 1
+    images: list[np.ndarray] = []
+    seen = 0
+    for index, frame in _frames_from(container, stream, indices[0]):
+        seen = index + 1
+        if index in wanted:
+            image = _to_rgb(frame, stream, size)
+            images.extend([image] * wanted[index])
+        if index >= indices[-1]:
+            return images
+    raise ClipTooShortError(path, seen, indices[-1] + 1, _stream_fps(stream))
+
+
+def _frames_from(
+    container: av.container.InputContainer, stream: av.video.stream.VideoStream, first: int
+) -> Iterator[tuple[int, av.VideoFrame]]:
+    """Yield (index, frame) in display order, starting at or before `first`.
+
+    Far from the start, seek to the keyframe before `first` and number frames from their timestamp.
+    If the seek lands too late (odd files), start over from the beginning.
+    """
+    fps = _stream_fps(stream)
+    if first > 0 and fps > 0:
+        origin = _start_seconds(stream)
+        # A few frames of margin: some formats seek by decode time, which runs ahead of display time.
+        target = origin + max(0, first - 4) / fps
+        container.seek(int(target / stream.time_base), stream=stream, backward=True)
+        index: int | None = None
+        for frame in _decoded_frames(container, stream):
+            if index is None:
+                if frame.time is None:
+                    break
+                index = max(0, round((frame.time - origin) * fps))
+                if index > first:
+                    break
+            yield index, frame
+            index += 1
+        else:
+            return  # end of file reached after a good seek
+        container.seek(stream.start_time or 0, stream=stream, backward=True)
+    for index, frame in enumerate(_decoded_frames(container, stream)):
+        yield index, frame
+
+
+def _start_seconds(stream: av.video.stream.VideoStream) -> float:
+    if stream.start_time is None:
+        return 0.0
+    return float(stream.start_time * stream.time_base)
+
+
+def _decoded_frames(
+    container: av.container.InputContainer, stream: av.video.stream.VideoStream
+) -> Iterator[av.VideoFrame]:
+    """Every decoded frame from the current position on; the final empty packet flushes the decoder."""
+    for packet in container.demux(stream):
+        yield from packet.decode()
+
+
+def _to_rgb(
+    frame: av.VideoFrame, stream: av.video.stream.VideoStream, size: tuple[int, int] | None
+) -> np.ndarray:
+    """RGB uint8 [H, W, 3] as displayed; with `size`, resized to cover it and center-cropped."""
+    turns = _rotation_turns(frame)
+    display_w, display_h = _display_size(frame, stream)
+    if size is None:
+        out_h, out_w = display_h, display_w
+    else:
+        scale = max(size[0] / display_h, size[1] / display_w)
+        out_h = max(size[0], round(display_h * scale))
+        out_w = max(size[1], round(display_w * scale))
+    coded_w, coded_h = (out_h, out_w) if turns % 2 else (out_w, out_h)
+    # AREA averages source pixels when shrinking (antialiased); BICUBIC is smoother when enlarging.
+    shrinking = coded_w * coded_h < frame.width * frame.height
+    image = frame.reformat(
+        width=coded_w, height=coded_h, format="rgb24", interpolation="AREA" if shrinking else "BICUBIC"
+    ).to_ndarray()
+    if turns:
+        image = np.rot90(image, k=turns)
+    if size is not None:
+        top = (out_h - size[0]) // 2
+        left = (out_w - size[1]) // 2
+        image = image[top : top + size[0], left : left + size[1]]
+    return np.ascontiguousarray(image)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_video(
+    path: str | os.PathLike[str],
+    frames: np.ndarray | torch.Tensor,
+    fps: float,
+    *,
+    crf: int = 18,
+    keyframe_interval: int | None = None,
+) -> Path:
+    """Write frames as an H.264 (yuv420p) mp4 that plays everywhere.
+
+    `frames` is uint8 [F, H, W, 3] or float [F, 3, H, W] in [-1, 1]. Odd sizes are padded by repeating
+    the last row/column, because yuv420p needs even sizes. The video is encoded to a temporary file next
+    to `path` and renamed at the end, so a crash never leaves a half-written file under the final name.
+    """
+    path = Path(path)
+    if fps <= 0:
+        raise ValueError(f"fps must be positive, got {fps}")
+    array = _pad_to_even(_frames_to_uint8(frames))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.close(handle)
+    temp = Path(temp_name)
+    try:
+        _encode_h264(temp, array, fps, crf, keyframe_interval)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _frames_to_uint8(frames: np.ndarray | torch.Tensor) -> np.ndarray:
+    """uint8 [F, H, W, 3] from either accepted layout."""
+    if isinstance(frames, torch.Tensor):
+        tensor = frames.detach().cpu()
+        if tensor.is_floating_point():
+            if tensor.ndim != 4 or tensor.shape[1] != 3:
+                raise ValueError(
+                    f"float frames must be [F, 3, H, W] in [-1, 1], got shape {tuple(tensor.shape)}"
+                )
+            tensor = (
+                ((tensor.float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+            )
+        frames = tensor.numpy()
+    array = np.asarray(frames)
+    if np.issubdtype(array.dtype, np.floating):
+        return _frames_to_uint8(torch.from_numpy(np.ascontiguousarray(array)))
+    if array.dtype != np.uint8 or array.ndim != 4 or array.shape[-1] != 3:
+        raise ValueError(
+            f"frames must be uint8 [F, H, W, 3] or float [F, 3, H, W]; got {array.dtype} {array.shape}"
+        )
+    if array.shape[0] == 0:
+        raise ValueError("cannot write a video with no frames")
+    return array
+
+
+def _pad_to_even(array: np.ndarray) -> np.ndarray:
+    pad_h = array.shape[1] % 2
+    pad_w = array.shape[2] % 2
+    if pad_h or pad_w:
+        array = np.pad(array, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    return np.ascontiguousarray(array)
+
+
+def _encode_h264(path: Path, array: np.ndarray, fps: float, crf: int, keyframe_interval: int | None) -> None:
+    rate = Fraction(fps).limit_denominator(1001)
+    with av.open(str(path), "w", format="mp4", options={"movflags": "+faststart"}) as container:
+        stream = container.add_stream("libx264", rate=rate, options={"crf": str(crf)})
+        stream.width = array.shape[2]
+        stream.height = array.shape[1]
+        stream.pix_fmt = "yuv420p"
+        if keyframe_interval is not None:
+            stream.codec_context.gop_size = keyframe_interval
+        for image in array:
+            container.mux(stream.encode(_to_video_frame(image)))
+        container.mux(stream.encode(None))
+
+
+def _to_video_frame(image: np.ndarray) -> av.VideoFrame:
+    return av.VideoFrame.from_ndarray(image, format="rgb24").reformat(format="yuv420p")

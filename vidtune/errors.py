@@ -1,0 +1,35 @@
+"""Errors meant for people, not for debuggers.
+
+A `VidtuneError` carries a message written for the user: the command-line entry point prints it
+without a traceback and exits non-zero. Anything else that escapes is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class VidtuneError(Exception):
+    """An error caused by the user's input, explained in plain words."""
+
+
+class ConfigError(VidtuneError):
+    """A config file or override is wrong."""
+
+
+class DataError(VidtuneError):
+    """One or more lines of the user's dataset are wrong.
+
+    All problems are collected first, so a user fixes every line in one go instead of one per run.
+    """
+
+    def __init__(self, problems: list[str], hint: str = "") -> None:
+        self.problems = list(problems)
+        count = len(self.problems)
+        header = f"The dataset has {count} problem{'s' if count != 1 else ''}; nothing was trained:"
+        lines = [header, *(f"  - {problem}" for problem in self.problems)]
+        if hint:
+            lines.append(hint)
+        super().__init__("\n".join(lines))
+
+
+class ModelError(VidtuneError):
+    """A model path, component or setting is wrong for the chosen model family."""

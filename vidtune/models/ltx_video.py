@@ -1,0 +1,175 @@
+"""LTX-Video (Lightricks): T5 text encoder, causal video VAE, and a DiT over packed latent tokens."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLLTXVideo,
+    FlowMatchEulerDiscreteScheduler,
+    LTXPipeline,
+    LTXVideoTransformer3DModel,
+)
+from torch import nn
+from transformers import AutoTokenizer, T5EncoderModel
+
+from vidtune.errors import ConfigError
+from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+from vidtune.objectives import FlowMatching
+
+logger = logging.getLogger(__name__)
+
+
+def nearest_multiple(value: int, multiple: int) -> int:
+    return max(1, round(value / multiple)) * multiple
+
+
+class LTXVideoSpec(ModelSpec):
+    name = "ltx-video"
+
+    def required_components(self) -> tuple[str, ...]:
+        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+
+    # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
+    @functools.cached_property
+    def compression(self) -> tuple[int, int, int, int]:
+        """(VAE spatial ratio, VAE temporal ratio, transformer patch size, transformer temporal patch)."""
+        vae = self.load_config(AutoencoderKLLTXVideo, "vae")
+        scaling = 2 ** sum(vae["spatio_temporal_scaling"])
+        spatial = vae.get("spatial_compression_ratio") or vae["patch_size"] * scaling
+        temporal = vae.get("temporal_compression_ratio") or vae["patch_size_t"] * scaling
+        transformer = self.load_config(LTXVideoTransformer3DModel, "transformer")
+        return spatial, temporal, transformer.get("patch_size", 1), transformer.get("patch_size_t", 1)
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        vae_spatial, temporal, patch, _ = self.compression
+        spatial = vae_spatial * patch
+        problems = []
+        if (frames - 1) % temporal != 0:
+            below = (frames - 1) // temporal * temporal + 1
+            choices = f"{below} or {below + temporal}" if below > 1 else str(below + temporal)
+            problems.append(
+                f"data.frames={frames} must be {temporal}k+1 for this model; nearest valid values: {choices}"
+            )
+        for key, value in (("data.height", height), ("data.width", width)):
+            if value % spatial != 0:
+                problems.append(
+                    f"{key}={value} must be a multiple of {spatial} for this model; nearest valid value: "
+                    f"{nearest_multiple(value, spatial)}"
+                )
+        if problems:
+            raise ConfigError("The clip shape does not fit LTX-Video:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    # ----- loading ---------------------------------------------------------------------------------
+    def load_text_components(self, device: torch.device) -> TextComponents:
+        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
+        dtype = self.component_dtype("text_encoder", device)
+        text_encoder = self.load_component(T5EncoderModel, "text_encoder", torch_dtype=dtype)
+        text_encoder.requires_grad_(False).eval().to(device)
+        return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
+
+    def load_vae(self, device: torch.device) -> nn.Module:
+        vae = self.load_component(AutoencoderKLLTXVideo, "vae", torch_dtype=self.component_dtype("vae", device))
+        return vae.requires_grad_(False).eval().to(device)
+
+    def load_denoiser(self, device: torch.device) -> nn.Module:
+        dtype = self.component_dtype("transformer", device)
+        transformer = self.load_component(LTXVideoTransformer3DModel, "transformer", torch_dtype=dtype)
+        return transformer.to(device)
+
+    def load_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return self.load_component(FlowMatchEulerDiscreteScheduler, "scheduler")
+
+    def objective(self, sampling: str, logit_mean: float, logit_std: float, shift: float) -> FlowMatching:
+        return FlowMatching(sampling=sampling, logit_mean=logit_mean, logit_std=logit_std, shift=shift)
+
+    # ----- tensors ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
+        """T5 embeddings + mask, exactly as LTXPipeline.encode_prompt computes them."""
+        tokenizer, text_encoder = text["tokenizer"], text["text_encoder"]
+        tokens = tokenizer(
+            list(captions),
+            padding="max_length",
+            max_length=self.config.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        )
+        device = text_encoder.device
+        # The pipeline runs T5 without the attention mask and applies the mask in the transformer only.
+        embeds = text_encoder(tokens.input_ids.to(device))[0]
+        return {"prompt_embeds": embeds, "prompt_attention_mask": tokens.attention_mask.bool().to(device)}
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
+        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
+        posterior = vae.encode(pixels).latent_dist
+        mean_shift = vae.latents_mean.view(1, -1, 1, 1, 1).to(posterior.mean)
+        scale = (vae.config.scaling_factor / vae.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
+        # The pipeline decodes latents * std / scaling + mean; normalise so that inverts it.
+        return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale}
+
+    def rope_interpolation_scale(self) -> tuple[float, float, float]:
+        """The scale LTXPipeline passes at inference; training with another one builds an unusable model."""
+        spatial, temporal, _, _ = self.compression
+        return (temporal / self.frame_rate, spatial, spatial)
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        patch = denoiser.config.patch_size
+        patch_t = denoiser.config.patch_size_t
+        _, _, frames, height, width = noisy_latents.shape
+        packed = LTXPipeline._pack_latents(noisy_latents, patch, patch_t)
+        prediction = denoiser(
+            hidden_states=packed,
+            encoder_hidden_states=conditions["prompt_embeds"],
+            timestep=timesteps,
+            encoder_attention_mask=conditions["prompt_attention_mask"],
+            num_frames=frames // patch_t,
+            height=height // patch,
+            width=width // patch,
+            rope_interpolation_scale=self.rope_interpolation_scale(),
+            return_dict=False,
+        )[0]
+        return LTXPipeline._unpack_latents(
+            prediction, frames // patch_t, height // patch, width // patch, patch, patch_t
+        )
+
+    # ----- pipeline and outputs ----------------------------------------------------------------------
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> LTXPipeline:
+        return LTXPipeline(
+            scheduler=self.load_scheduler(),
+            vae=vae,
+            text_encoder=text["text_encoder"],
+            tokenizer=text["tokenizer"],
+            transformer=denoiser,
+        )
+
+    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
+        output = pipeline(
+            prompt=prompt,
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            frame_rate=self.frame_rate,
+            max_sequence_length=self.config.max_sequence_length,
+            generator=generator,
+            output_type="pt",
+        )
+        return output.frames[0].float() * 2.0 - 1.0
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
+        LTXPipeline.save_lora_weights(
+            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+        )
+        return Path(folder) / "pytorch_lora_weights.safetensors"

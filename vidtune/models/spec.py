@@ -1,0 +1,188 @@
+"""The ModelSpec contract: what a model family provides, and nothing about how it is trained.
+
+A spec knows how to load its components, how to turn captions and clips into the tensors its denoiser
+takes, how to call the denoiser, which objective its scheduler implies, and how to sample and save in
+its diffusers pipeline's format. Trainers only ever talk to this interface.
+
+Latent conventions shared by every spec:
+    `prepare_latents` returns {"latents_mean", "latents_std"}: the VAE posterior, already normalised
+    exactly as the family's pipeline normalises latents, in the VAE's own layout [B, C, F, H, W].
+    A training latent is drawn as mean + std * eps each step (see `sample_latents`).
+    Noise, noisy latents, predictions and targets all live in that same layout; `forward` does any
+    packing/patching the denoiser needs and returns the prediction unpacked.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from vidtune.config import DType, ModelConfig
+from vidtune.errors import ModelError
+from vidtune.objectives import FlowMatching
+
+Conditions = dict[str, torch.Tensor]
+Latents = dict[str, torch.Tensor]
+
+
+def resolve_dtype(name: DType | None, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass
+class TextComponents:
+    """Text encoders and tokenizers of one model, by name (e.g. {"text_encoder": ..., "tokenizer": ...})."""
+
+    modules: dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.modules[key]
+
+    def to(self, device: torch.device) -> TextComponents:
+        for value in self.modules.values():
+            if isinstance(value, nn.Module):
+                value.to(device)
+        return self
+
+
+def sample_latents(latents: Latents, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one latent from the stored posterior (mean + std * eps), per step, so clips keep their noise."""
+    mean, std = latents["latents_mean"], latents["latents_std"]
+    eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32, device="cpu")
+    return mean + std * eps.to(device=mean.device, dtype=mean.dtype)
+
+
+class ModelSpec(ABC):
+    """One model family. Subclasses set the class attributes and implement the abstract methods."""
+
+    name: ClassVar[str]
+    default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+
+    def __init__(self, config: ModelConfig, frame_rate: float = 25.0) -> None:
+        self.config = config
+        self.frame_rate = frame_rate
+
+    # ----- where components come from -------------------------------------------------------------
+    def component_source(self, component: str) -> tuple[str, str | None]:
+        """(path or hub id, subfolder) of a component, honouring `model.subfolders` overrides."""
+        override = self.config.subfolders.get(component)
+        if override:
+            return override, None
+        return self.config.pretrained, component
+
+    def check_source(self) -> None:
+        """Fail early and clearly when a local model folder is missing or incomplete."""
+        pretrained = self.config.pretrained
+        looks_local = os.path.isabs(pretrained) or pretrained.startswith(".") or os.path.exists(pretrained)
+        if not looks_local:
+            return  # a hub id: loading reports what is wrong with it
+        folder = Path(pretrained)
+        if not folder.is_dir():
+            raise ModelError(
+                f"model.pretrained: the folder {folder.resolve()} does not exist. Point it at a model folder in "
+                "the diffusers layout (with model_index.json) or at a hub id such as Lightricks/LTX-Video."
+            )
+        missing = [
+            name
+            for name in self.required_components()
+            if name not in self.config.subfolders and not (folder / name).is_dir()
+        ]
+        if missing:
+            raise ModelError(
+                f"model.pretrained: {folder.resolve()} is not a complete {self.name} model folder; "
+                f"missing subfolder(s): {', '.join(missing)}. Expected the diffusers layout "
+                f"({', '.join(self.required_components())})."
+            )
+
+    def load_component(self, cls: Any, component: str, **kwargs: Any) -> Any:
+        source, subfolder = self.component_source(component)
+        extra = {"subfolder": subfolder} if subfolder else {}
+        if self.config.revision:
+            extra["revision"] = self.config.revision
+        try:
+            return cls.from_pretrained(source, **extra, **kwargs)
+        except (OSError, ValueError) as error:
+            where = f"{source}/{subfolder}" if subfolder else source
+            raise ModelError(
+                f"Could not load the {component} of {self.name} from {where}: {error}\n"
+                "Check model.pretrained (a local diffusers folder or a hub id you have downloaded)."
+            ) from None
+
+    def load_config(self, cls: Any, component: str) -> dict[str, Any]:
+        """A component's config.json, without loading its weights (for early shape checks)."""
+        source, subfolder = self.component_source(component)
+        try:
+            return dict(cls.load_config(source, subfolder=subfolder, revision=self.config.revision))
+        except (OSError, ValueError) as error:
+            where = f"{source}/{subfolder}" if subfolder else source
+            raise ModelError(f"Could not read the {component} config of {self.name} from {where}: {error}") from None
+
+    def component_dtype(self, component: str, device: torch.device) -> torch.dtype:
+        override = {
+            "text_encoder": self.config.text_encoder_dtype,
+            "vae": self.config.vae_dtype,
+            "transformer": self.config.transformer_dtype,
+        }.get(component)
+        return resolve_dtype(override or self.config.dtype, device)
+
+    # ----- the contract ------------------------------------------------------------------------------
+    @abstractmethod
+    def required_components(self) -> tuple[str, ...]:
+        """Subfolders a local model folder must have."""
+
+    @abstractmethod
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        """Raise a ConfigError naming the nearest valid values when the shape breaks the model's rules."""
+
+    @abstractmethod
+    def load_text_components(self, device: torch.device) -> TextComponents: ...
+
+    @abstractmethod
+    def load_vae(self, device: torch.device) -> nn.Module: ...
+
+    @abstractmethod
+    def load_denoiser(self, device: torch.device) -> nn.Module: ...
+
+    @abstractmethod
+    def load_scheduler(self) -> Any: ...
+
+    @abstractmethod
+    def objective(self, sampling: str, logit_mean: float, logit_std: float, shift: float) -> FlowMatching:
+        """The training objective implied by the family's scheduler."""
+
+    @abstractmethod
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions: ...
+
+    @abstractmethod
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        """videos: [B, F, 3, H, W] in [-1, 1] -> normalised posterior {"latents_mean", "latents_std"}."""
+
+    @abstractmethod
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
+        """The family's diffusers pipeline assembled from already loaded components."""
+
+    @abstractmethod
+    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
+        """Sample one video with the family's pipeline: float [F, 3, H, W] in [-1, 1]."""
+
+    @abstractmethod
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
+        """Write `pytorch_lora_weights.safetensors` in the format the family's `load_lora_weights` reads."""
+
+    def empty_conditions(self, conditions: Conditions) -> Conditions:
+        """The `zero` caption-dropout technique: same shapes, zero embedding (masks kept)."""
+        return {k: (torch.zeros_like(v) if v.is_floating_point() else v) for k, v in conditions.items()}

@@ -1,0 +1,18 @@
+"""Trainers, one per algorithm."""
+
+from __future__ import annotations
+
+from vidtune.config import Config
+from vidtune.trainers.base import Trainer, TrainResult
+
+ALGORITHMS = {"lora": "vidtune.trainers.lora:LoRATrainer"}
+
+
+def build_trainer(config: Config) -> Trainer:
+    import importlib
+
+    module_name, class_name = ALGORITHMS[config.training.algorithm].split(":")
+    return getattr(importlib.import_module(module_name), class_name)(config)
+
+
+__all__ = ["ALGORITHMS", "TrainResult", "Trainer", "build_trainer"]

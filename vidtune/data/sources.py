@@ -142,11 +142,15 @@ def _count_problems(videos: list[str], prompts: list[str], videos_name: str, pro
     first_extra = min(len(videos), len(prompts)) + 1
     extra = len(extra_lines) - first_extra + 1
     return [
-        f"{videos_name} has {len(videos)} lines but {prompts_name} has {len(prompts)}: every clip needs "
-        f"exactly one caption on the same line. {longer} has {extra} extra line{'s' if extra != 1 else ''}, "
+        f"{videos_name} has {_count(len(videos), 'line')} but {prompts_name} has {len(prompts)}: every clip "
+        f"needs exactly one caption on the same line. {longer} has {_count(extra, 'extra line')}, "
         f"starting at line {first_extra}: {_preview(extra_lines[first_extra - 1])}. "
         f"Add the missing lines to {shorter} or remove the extra ones from {longer}."
     ]
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _check_clip_line(

@@ -17,6 +17,7 @@ from pathlib import Path
 import av
 import numpy as np
 import torch
+from av.video.reformatter import Interpolation
 
 from vidtune.errors import VidtuneError
 
@@ -135,6 +136,8 @@ def _video_stream(container: av.container.InputContainer, path: Path) -> av.vide
     for stream in container.streams.video:
         if not stream.disposition & av.stream.Disposition.attached_pic:
             return stream
+    if not container.streams.audio:  # nothing readable at all: a damaged header, not an audio file
+        raise VideoDecodeError(path, _damaged_reason(ValueError("no streams found")))
     raise VideoDecodeError(
         path, "the file has no video in it (is it an audio file?). Use a video clip (for example .mp4)."
     )
@@ -349,10 +352,11 @@ def _to_rgb(
         out_w = max(size[1], round(display_w * scale))
     coded_w, coded_h = (out_h, out_w) if turns % 2 else (out_w, out_h)
     # AREA averages source pixels when shrinking (antialiased); BICUBIC is smoother when enlarging.
+    # Without the accuracy flags swscale's scaling path darkens colours by a level or two.
     shrinking = coded_w * coded_h < frame.width * frame.height
-    image = frame.reformat(
-        width=coded_w, height=coded_h, format="rgb24", interpolation="AREA" if shrinking else "BICUBIC"
-    ).to_ndarray()
+    kernel = Interpolation.AREA if shrinking else Interpolation.BICUBIC
+    flags = kernel | Interpolation.ACCURATE_RND | Interpolation.FULL_CHR_H_INT
+    image = frame.reformat(width=coded_w, height=coded_h, format="rgb24", interpolation=flags).to_ndarray()
     if turns:
         image = np.rot90(image, k=turns)
     if size is not None:

@@ -19,7 +19,6 @@ from transformers import AutoTokenizer, T5EncoderModel
 
 from vidtune.errors import ConfigError
 from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
-from vidtune.objectives import FlowMatching
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +82,6 @@ class LTXVideoSpec(ModelSpec):
 
     def load_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return self.load_component(FlowMatchEulerDiscreteScheduler, "scheduler")
-
-    def objective(self, sampling: str, logit_mean: float, logit_std: float, shift: float) -> FlowMatching:
-        return FlowMatching(sampling=sampling, logit_mean=logit_mean, logit_std=logit_std, shift=shift)
 
     # ----- tensors ---------------------------------------------------------------------------------
     @torch.no_grad()

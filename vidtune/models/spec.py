@@ -7,7 +7,8 @@ its diffusers pipeline's format. Trainers only ever talk to this interface.
 Latent conventions shared by every spec:
     `prepare_latents` returns {"latents_mean", "latents_std"}: the VAE posterior, already normalised
     exactly as the family's pipeline normalises latents, in the VAE's own layout [B, C, F, H, W].
-    A training latent is drawn as mean + std * eps each step (see `sample_latents`).
+    A training latent is drawn as mean + std * eps each step (see `sample_latents`). Other keys it
+    returns are conditions derived from the video (first-frame latents, image embeddings).
     Noise, noisy latents, predictions and targets all live in that same layout; `forward` does any
     packing/patching the denoiser needs and returns the prediction unpacked.
 """
@@ -23,12 +24,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from vidtune.config import DType, ModelConfig
+from vidtune.config import DType, ModelConfig, TrainingConfig
 from vidtune.errors import ModelError
-from vidtune.objectives import FlowMatching
+from vidtune.objectives import Objective, objective_from_scheduler
 
 Conditions = dict[str, torch.Tensor]
 Latents = dict[str, torch.Tensor]
+# Keys of `prepare_latents` that describe the posterior; any other key it returns is a video-derived
+# condition (e.g. an image-to-video first-frame latent) and is handed to `forward` with the text ones.
+POSTERIOR_KEYS = ("latents_mean", "latents_std")
 
 
 def resolve_dtype(name: DType | None, device: torch.device) -> torch.dtype:
@@ -154,9 +158,15 @@ class ModelSpec(ABC):
     @abstractmethod
     def load_scheduler(self) -> Any: ...
 
-    @abstractmethod
-    def objective(self, sampling: str, logit_mean: float, logit_std: float, shift: float) -> FlowMatching:
-        """The training objective implied by the family's scheduler."""
+    def objective(self, training: TrainingConfig) -> Objective:
+        """The training objective implied by the family's scheduler (override only to add to it)."""
+        return objective_from_scheduler(
+            self.load_scheduler(),
+            sampling=training.sigma_sampling,
+            logit_mean=training.logit_mean,
+            logit_std=training.logit_std,
+            shift=training.sigma_shift,
+        )
 
     @abstractmethod
     def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions: ...

@@ -148,6 +148,9 @@ def write_tiny_ltx_video(
 
 TINY_WRITERS = {"ltx-video": write_tiny_ltx_video}
 
+# A clip shape (frames, height, width) that each tiny model accepts; tests and the quickstart use it.
+TINY_SHAPES: dict[str, tuple[int, int, int]] = {"ltx-video": (9, 32, 32)}
+
 
 def write_tiny_model(family: str, folder: str | Path, **kwargs: object) -> Path:
     """Write the tiny model of a family (see TINY_WRITERS) into `folder`."""

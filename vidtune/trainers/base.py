@@ -32,8 +32,8 @@ from vidtune.data.sampler import StreamSampler
 from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
 from vidtune.errors import VidtuneError
 from vidtune.models.registry import get_spec_class
-from vidtune.models.spec import Conditions, ModelSpec, TextComponents, sample_latents
-from vidtune.objectives import FlowMatching
+from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, sample_latents
+from vidtune.objectives import Objective
 from vidtune.optim import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Trainer(ABC):
         self.text: TextComponents | None = None
         self.vae: nn.Module | None = None
         self.denoiser: nn.Module | None = None
-        self.objective: FlowMatching | None = None
+        self.objective: Objective | None = None
         self.empty_conditions: Conditions | None = None
 
     # ----- what an algorithm decides ------------------------------------------------------------------
@@ -140,9 +140,7 @@ class Trainer(ABC):
         self.denoiser = self.spec.load_denoiser(self.device)
         if training.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
-        self.objective = self.spec.objective(
-            training.sigma_sampling, training.logit_mean, training.logit_std, training.sigma_shift
-        )
+        self.objective = self.spec.objective(training)
         if self.config.data.caption_dropout > 0 and self.config.data.caption_dropout_technique == "empty":
             self.empty_conditions = self.spec.prepare_conditions(self.text, [""])
         return self.configure_trainable(self.denoiser)
@@ -188,9 +186,9 @@ class Trainer(ABC):
         """Sum over the micro-batch of each sample's mean squared error."""
         seed = self.config.training.seed
         generators = [sample_generator(seed, int(position)) for position in positions]
-        sigmas = torch.cat([self.objective.sample_sigmas(1, g) for g in generators])
+        levels = torch.cat([self.objective.sample_noise_levels(1, g) for g in generators])
         x0 = torch.cat([
-            sample_latents({k: v[i : i + 1] for k, v in latents.items()}, g) for i, g in enumerate(generators)
+            sample_latents({k: latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
         ]).float()
         noise = torch.cat([
             torch.randn(x0.shape[1:], generator=g).unsqueeze(0) for g in generators
@@ -200,15 +198,17 @@ class Trainer(ABC):
                 float(torch.rand(1, generator=g)) < self.config.data.caption_dropout for g in generators
             ])
             conditions = self.apply_caption_dropout(conditions, drop)
-        noisy = self.objective.noisy(x0, noise, sigmas)
-        target = self.objective.target(x0, noise, sigmas)
-        timesteps = self.objective.timesteps(sigmas).to(x0.device)
+        # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout.
+        conditions = {**conditions, **{k: v for k, v in latents.items() if k not in POSTERIOR_KEYS}}
+        noisy = self.objective.noisy(x0, noise, levels)
+        target = self.objective.target(x0, noise, levels)
+        timesteps = self.objective.timesteps(levels).to(x0.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             prediction = self.spec.forward(
-                self.denoiser, conditions, noisy.to(self.denoiser.dtype), timesteps.to(self.denoiser.dtype)
+                self.denoiser, conditions, noisy.to(self.denoiser.dtype), timesteps
             )
         per_sample = (prediction.float() - target).pow(2).flatten(1).mean(dim=1)
-        return per_sample.sum()
+        return (per_sample * self.objective.loss_weights(levels).to(per_sample.device)).sum()
 
     @property
     def use_bf16(self) -> bool:

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny models written to disk once per session, real mp4 datasets, configs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from vidtune.config import Config, build_config  # noqa: E402
+from vidtune.data.synthetic import render_shapes_dataset  # noqa: E402
+from vidtune.models.tiny import TINY_SHAPES, write_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """tiny_model_dir(family) -> folder of that family's tiny model, written once per session."""
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = write_tiny_model(family, tmp_path_factory.mktemp(f"tiny-{family}"))
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def shapes_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four real mp4 clips (33 frames, 48x48, 24 fps) with captions."""
+    return render_shapes_dataset(tmp_path_factory.mktemp("shapes"), num_clips=4, num_frames=33, height=48,
+                                 width=48, fps=24, seed=0)
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+@pytest.fixture
+def make_config(tiny_model_dir, shapes_dataset: Path, tmp_path: Path):
+    """make_config(family="ltx-video", **sections) -> a validated Config for a short CPU run."""
+
+    def build(family: str = "ltx-video", data_root: Path | None = None, **sections: Any) -> Config:
+        frames, height, width = TINY_SHAPES[family]
+        base = {
+            "model": {"name": family, "pretrained": str(tiny_model_dir(family))},
+            "data": {"root": str(data_root or shapes_dataset), "frames": frames, "height": height, "width": width,
+                     "num_workers": 0},
+            "training": {"steps": 4, "batch_size": 1, "learning_rate": 1e-3, "seed": 0, "precision": "fp32",
+                         "device": "cpu"},
+            "checkpoint": {"every": 0, "keep": 2},
+            "validation": {"enabled": False, "num_inference_steps": 2},
+            "logging": {"progress": False},
+            "output_dir": str(tmp_path / "run"),
+        }
+        return build_config(merge(base, sections))
+
+    return build

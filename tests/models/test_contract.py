@@ -1,0 +1,109 @@
+"""The ModelSpec contract, checked for every registered family (a new family is covered by registering it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vidtune.models.registry import available_models, get_spec_class
+from vidtune.models.spec import POSTERIOR_KEYS, sample_latents
+from vidtune.models.tiny import TINY_SHAPES, TINY_WRITERS
+from vidtune.trainers import build_trainer
+
+FAMILIES = available_models()
+CPU = torch.device("cpu")
+
+
+def test_every_family_has_a_tiny_model():
+    assert set(FAMILIES) <= set(TINY_WRITERS), "each registered family needs a tiny model in models/tiny.py"
+    assert set(FAMILIES) <= set(TINY_SHAPES)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+def _spec(make_config, family):
+    config = make_config(family)
+    return config, get_spec_class(family)(config.model, frame_rate=config.frame_rate)
+
+
+def _videos(family, batch=2):
+    frames, height, width = TINY_SHAPES[family]
+    return torch.rand(batch, frames, 3, height, width, generator=torch.Generator().manual_seed(0)) * 2 - 1
+
+
+def test_components_load_and_shapes_agree(make_config, family):
+    config, spec = _spec(make_config, family)
+    spec.check_source()
+    spec.check_video_shape(config.data.frames, config.data.height, config.data.width)
+    text = spec.load_text_components(CPU)
+    vae = spec.load_vae(CPU)
+    denoiser = spec.load_denoiser(CPU)
+
+    conditions = spec.prepare_conditions(text, ["a red circle", "a blue square moving left"])
+    assert all(value.shape[0] == 2 for value in conditions.values())
+    latents = spec.prepare_latents(vae, _videos(family))
+    assert latents["latents_mean"].shape == latents["latents_std"].shape
+    assert latents["latents_mean"].shape[0] == 2
+    # Narrow posterior, as for a trained VAE (see calm_*_vae_posterior in models/tiny.py).
+    assert latents["latents_std"].max() < 0.05
+
+    objective = spec.objective(config.training)
+    x0 = sample_latents(latents, torch.Generator().manual_seed(0))
+    noise = torch.randn_like(x0)
+    levels = objective.sample_noise_levels(2, torch.Generator().manual_seed(0))
+    noisy = objective.noisy(x0, noise, levels)
+    video_conditions = {k: v for k, v in latents.items() if k not in POSTERIOR_KEYS}
+    with torch.no_grad():
+        prediction = spec.forward(denoiser, {**conditions, **video_conditions}, noisy, objective.timesteps(levels))
+    assert prediction.shape == objective.target(x0, noise, levels).shape
+
+
+@pytest.mark.parametrize("bad", ["frames", "height"])
+def test_shape_rules_name_nearest_valid_values(make_config, family, bad):
+    from vidtune.errors import ConfigError
+
+    config, spec = _spec(make_config, family)
+    frames, height, width = TINY_SHAPES[family]
+    with pytest.raises(ConfigError, match=f"data.{bad}.*nearest valid"):
+        spec.check_video_shape(frames + 1 if bad == "frames" else frames,
+                               height + 1 if bad == "height" else height, width)
+
+
+def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_config, family):
+    config = make_config(family, training={"steps": 2, "learning_rate": 5e-2}, lora={"rank": 4, "alpha": 4})
+    trainer = build_trainer(config)
+    result = trainer.run()
+    fresh = trainer.spec.load_denoiser(CPU).state_dict()
+    trained = trainer.denoiser.state_dict()
+    adapter = {k for k in trained if "lora_" in k}
+    assert adapter, "no adapter weights"
+    for key, value in trained.items():
+        if key in adapter:
+            continue
+        assert torch.equal(value, fresh[key.replace(".base_layer", "")]), f"base weight {key} changed"
+    initial_b = [v for k, v in trained.items() if "lora_B" in k]
+    assert any(v.abs().max() > 0 for v in initial_b), "lora_B is still zero: the adapter did not train"
+
+    saved = load_file(result.weights_path)
+    assert saved and all(k.startswith("transformer.") and "lora_" in k for k in saved)
+
+    # The adapter loads into the family's own diffusers pipeline and changes what it produces.
+    spec = trainer.spec
+    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
+    pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
+    pipeline.set_progress_bar_config(disable=True)
+    frames, height, width = TINY_SHAPES[family]
+
+    def sample():
+        return spec.generate(pipeline, "a red circle", frames, height, width, 2, 1.0,
+                             torch.Generator().manual_seed(0))
+
+    plain = sample()
+    pipeline.load_lora_weights(config.output_dir)
+    adapted = sample()
+    assert plain.shape == adapted.shape
+    assert (plain - adapted).abs().max() > 1e-4

@@ -19,7 +19,9 @@ from vidtune.data.video import VideoDecodeError, read_frames, write_video
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return render_shapes_dataset(tmp_path_factory.mktemp("shapes"), num_clips=3, num_frames=12, height=40, width=48)
+    return render_shapes_dataset(
+        tmp_path_factory.mktemp("shapes"), num_clips=3, num_frames=12, height=40, width=48
+    )
 
 
 def test_dataset_items(shapes: Path) -> None:
@@ -29,7 +31,7 @@ def test_dataset_items(shapes: Path) -> None:
     item = dataset[1]
     assert item["video"].shape == (8, 3, 32, 32)
     assert item["video"].dtype == torch.float32
-    assert -1.0 <= item["video"].min() and item["video"].max() <= 1.0
+    assert item["video"].min() >= -1.0 and item["video"].max() <= 1.0
     assert item["caption"] == read_lines(shapes / "prompts.txt")[1]
     assert item["index"] == 1
 
@@ -44,7 +46,9 @@ def test_dataset_with_fps_takes_every_other_frame(shapes: Path) -> None:
 def test_collate_through_a_dataloader(shapes: Path) -> None:
     samples = load_text_pair_dataset(shapes)
     loader = DataLoader(
-        VideoCaptionDataset(samples, num_frames=4, height=16, width=24), batch_size=2, collate_fn=collate_samples
+        VideoCaptionDataset(samples, num_frames=4, height=16, width=24),
+        batch_size=2,
+        collate_fn=collate_samples,
     )
     batch = next(iter(loader))
     assert batch["video"].shape == (2, 4, 3, 16, 24)
@@ -76,7 +80,9 @@ def test_shapes_dataset_files_and_captions(shapes: Path) -> None:
     assert [caption.split()[2] for caption in captions] == ["circle", "square", "triangle"]
     assert all(caption.startswith("a ") and caption.endswith(" background") for caption in captions)
     infos = validate_clips(load_text_pair_dataset(shapes), 12, None, progress=False)
-    assert [(info.num_frames, info.width, info.height, info.fps) for info in infos] == [(12, 48, 40, 24.0)] * 3
+    assert [(info.num_frames, info.width, info.height, info.fps) for info in infos] == [
+        (12, 48, 40, 24.0)
+    ] * 3
 
 
 def foreground_center(image: np.ndarray, background: tuple[int, int, int]) -> np.ndarray:
@@ -99,8 +105,9 @@ def test_shapes_move_as_their_captions_say(shapes: Path) -> None:
         assert color in COLORS
         direction = next(words for words in directions if words in sample.caption)
         first, last = read_frames(sample.video, [0, 11])
-        assert np.abs(first[0, 0].astype(int) - BACKGROUNDS[background]).max() < 12  # corner shows background
-        moved = foreground_center(last, BACKGROUNDS[background]) - foreground_center(first, BACKGROUNDS[background])
+        assert np.abs(first[0, 0].astype(int) - BACKGROUNDS[background]).max() < 12  # corner: background
+        rgb = BACKGROUNDS[background]
+        moved = foreground_center(last, rgb) - foreground_center(first, rgb)
         assert np.sign(np.round(moved / 10)).tolist() == list(directions[direction]), sample.caption
 
 
@@ -126,11 +133,15 @@ def test_overview_png(shapes: Path, tmp_path: Path) -> None:
         pixels = np.asarray(image.convert("RGB"))
     assert size == (overview.WIDTH, overview.HEADER_H + 3 * overview.ROW_H)
     assert size == (3 * 168 + 8 + 460, 30 + 3 * 106)  # the layout itself, not just its own formula
-    # The first thumbnail (48x40 letterboxed into 160x90) shows clip 1's background in its middle row.
-    background = next(rgb for name, rgb in BACKGROUNDS.items() if samples[0].caption.endswith(f"{name} background"))
-    row = pixels[overview.HEADER_H + overview.PAD + overview.THUMB_H // 2]
-    left_edge = overview.PAD + (overview.THUMB_W - 108) // 2 + 2  # 48x40 scaled to 108x90
-    assert np.abs(row[left_edge].astype(int) - background).max() < 20
+    # The first thumbnail is the 48x40 frame scaled to 108x90 and centered: black bars left and right,
+    # clip 1's background just inside its top-left corner.
+    background = next(
+        rgb for name, rgb in BACKGROUNDS.items() if samples[0].caption.endswith(f"{name} background")
+    )
+    top = overview.HEADER_H + overview.PAD
+    left = overview.PAD + (overview.THUMB_W - 108) // 2
+    assert np.abs(pixels[top + 3, left + 3].astype(int) - background).max() < 20
+    assert pixels[top + 3, left - 3].max() == 0  # letterbox bar
     assert sorted(p.name for p in tmp_path.iterdir()) == ["overview.png"]  # no temp file left behind
 
 

@@ -1,4 +1,4 @@
-"""Reading the user's videos.txt / prompts.txt and checking their clips, with every problem reported at once."""
+"""Reading a user's videos.txt / prompts.txt and checking their clips; every problem reported at once."""
 
 from __future__ import annotations
 
@@ -56,8 +56,17 @@ def test_read_lines_names_the_line_that_is_not_utf8(tmp_path: Path) -> None:
     path.write_bytes("a cat\r\na dog\r\nun caf\u00e9\r\n".encode("latin-1"))
     with pytest.raises(DataError) as caught:
         read_lines(path)
-    assert caught.value.problems == ["prompts.txt line 3 is not UTF-8 text (the rest of the file was not read)."]
-    assert "UTF-8" in str(caught.value) and str(path) in str(caught.value)
+    [problem] = caught.value.problems
+    assert problem.startswith(
+        "prompts.txt line 3 is not UTF-8 text: save prompts.txt with the encoding 'UTF-8'"
+    )
+    assert str(path) in str(caught.value)
+
+
+def test_encoding_problem_is_reported_with_the_other_file_problems(tmp_path: Path) -> None:
+    root = make_dataset(tmp_path, b"a.mp4\nb.mp4\n", "cat\ncaf\u00e9\n".encode("cp1252"), clips=["a.mp4"])
+    problems = problems_of(root)
+    assert len(problems) == 1 and problems[0].startswith("prompts.txt line 2 is not UTF-8 text: save")
 
 
 # ----------------------------------------------------------------------------------- load_text_pair_dataset
@@ -120,9 +129,13 @@ def test_empty_caption_names_its_line(tmp_path: Path) -> None:
     # A blank last caption would be dropped as a trailing line, so this also reports the count.
     problems = problems_of(root)
     assert any("videos.txt has 2 lines but prompts.txt has 1" in problem for problem in problems)
-    root = make_dataset(tmp_path / "x", "a.mp4\nb.mp4\nc.mp4\n", "cat\n\nbird\n", clips=["a.mp4", "b.mp4", "c.mp4"])
+    root = make_dataset(
+        tmp_path / "x", "a.mp4\nb.mp4\nc.mp4\n", "cat\n\nbird\n", clips=["a.mp4", "b.mp4", "c.mp4"]
+    )
     [problem] = problems_of(root)
-    assert problem.startswith("prompts.txt line 2 is empty: write the caption for the clip on videos.txt line 2")
+    assert problem.startswith(
+        "prompts.txt line 2 is empty: write the caption for the clip on videos.txt line 2"
+    )
 
 
 def test_empty_clip_line_in_the_middle(tmp_path: Path) -> None:
@@ -178,10 +191,12 @@ def samples_for(folder: Path, names: list[str]) -> list[Sample]:
 
 
 def test_validate_clips_returns_one_info_per_clip(clip_folder: Path) -> None:
-    infos = validate_clips(samples_for(clip_folder, ["good.mp4", "short.mp4"]), 10, None, progress=False)
+    names = ["good.mp4", "short.mp4", "good.mp4"]  # the same clip twice, with two captions, is fine
+    infos = validate_clips(samples_for(clip_folder, names), 10, None, progress=False)
     assert [(info.path.name, info.num_frames, info.fps) for info in infos] == [
         ("good.mp4", 25, 24.0),
         ("short.mp4", 10, 24.0),
+        ("good.mp4", 25, 24.0),
     ]
 
 

@@ -26,12 +26,15 @@ from vidtune.data.video import (
 STEP = 4  # brightness step per frame: frame i is a flat gray of value STEP * (i % 64)
 
 
-def gray_clip(path: Path, num_frames: int, fps: float = 30, size: int = 32, keyframe_interval: int = 10) -> Path:
+def gray_clip(
+    path: Path, num_frames: int, fps: float = 30, size: int = 32, keyframe_interval: int = 10
+) -> Path:
     """A clip whose frame index can be read back from its brightness."""
     frames = np.empty((num_frames, size, size, 3), dtype=np.uint8)
     for index in range(num_frames):
         frames[index] = STEP * (index % 64)
-    return write_video(path, frames, fps, crf=0, keyframe_interval=keyframe_interval)  # lossless: exact levels
+    # Lossless, so every level survives; lossy x264 merges neighbouring flat grays.
+    return write_video(path, frames, fps, crf=0, keyframe_interval=keyframe_interval)
 
 
 def frame_numbers(clip: torch.Tensor) -> list[int]:
@@ -262,6 +265,30 @@ def test_read_clip_decodes_only_what_it_needs(tmp_path: Path, monkeypatch: pytes
     assert 9 <= counts[-1] <= 45
 
 
+class LateSeekContainer(CountingContainer):
+    """Its first seek lands one second later than asked, as in a badly indexed file."""
+
+    def __init__(self, container: av.container.InputContainer, seeks: list[int]) -> None:
+        super().__init__(container, [0])
+        self._seeks = seeks
+
+    def seek(self, offset: int, **kwargs) -> None:
+        self._seeks.append(offset)
+        late = int(1 / kwargs["stream"].time_base) if len(self._seeks) == 1 else 0
+        self._container.seek(offset + late, **kwargs)
+
+
+def test_read_clip_starts_over_when_a_seek_overshoots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = gray_clip(tmp_path / "a.mp4", 60, fps=30, keyframe_interval=10)
+    seeks: list[int] = []
+    real_open = av.open
+    monkeypatch.setattr(video.av, "open", lambda *a, **k: LateSeekContainer(real_open(*a, **k), seeks))
+    assert frame_numbers(read_clip(path, 3, 16, 16, start=20)) == [20, 21, 22]
+    assert len(seeks) == 2 and seeks[1] == 0  # the late seek, then back to the start
+
+
 def test_rotated_phone_clip_is_turned_upright(tmp_path: Path) -> None:
     path = tmp_path / "phone.mp4"
     image = banded_frame([WHITE, BLACK, BLACK, BLACK], 32, 64, vertical=False)  # white on the left
@@ -303,7 +330,9 @@ def test_write_video_rejects_bad_layout(tmp_path: Path) -> None:
     assert not (tmp_path / "a.mp4").exists()
 
 
-def test_write_video_never_leaves_a_half_written_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_write_video_never_leaves_a_half_written_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     old = gray_clip(tmp_path / "old.mp4", 5)
     calls = {"n": 0}
     real = video._to_video_frame

@@ -11,7 +11,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from vidtune.data.sources import Sample
 from vidtune.data.video import VideoInfo, format_fps, read_frames
@@ -93,7 +93,7 @@ def _draw_row(
 
 
 def _thumbnail(video: Path, index: int) -> Image.Image:
-    """The frame fitted into a THUMB_W x THUMB_H box (letterboxed), or a marked placeholder."""
+    """The whole frame scaled into a THUMB_W x THUMB_H box (letterboxed), or a marked placeholder."""
     box = Image.new("RGB", (THUMB_W, THUMB_H), _THUMB_BACKGROUND)
     try:
         frame = Image.fromarray(read_frames(video, [index])[0])
@@ -101,7 +101,7 @@ def _thumbnail(video: Path, index: int) -> Image.Image:
         draw = ImageDraw.Draw(box)
         draw.text((PAD, THUMB_H // 2 - 6), "could not read", fill=(220, 80, 80))
         return box
-    frame.thumbnail((THUMB_W, THUMB_H), Image.Resampling.LANCZOS)
+    frame = ImageOps.contain(frame, (THUMB_W, THUMB_H), Image.Resampling.LANCZOS)  # small clips grow too
     box.paste(frame, ((THUMB_W - frame.width) // 2, (THUMB_H - frame.height) // 2))
     return box
 

@@ -52,13 +52,20 @@ def read_lines(path: str | os.PathLike[str]) -> list[str]:
         raise DataError([f"{path} does not exist."]) from None
     except IsADirectoryError:
         raise DataError([f"{path} is a folder, but it should be a text file."]) from None
+    except OSError as error:
+        raise DataError(
+            [f"{path} could not be read ({error.strerror}). Check that the file is yours."]
+        ) from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as error:
         line = _line_of_offset(data, error.start)
         raise DataError(
-            [f"{path.name} line {line} is not UTF-8 text (the rest of the file was not read)."],
-            hint=f"Save {path} with the encoding 'UTF-8' (in most text editors: Save As, then Encoding).",
+            [
+                f"{path.name} line {line} is not UTF-8 text: save {path.name} with the encoding 'UTF-8' "
+                "(in most text editors: Save As, then choose the encoding)."
+            ],
+            hint=f"File: {path}",
         ) from None
     lines = [line.strip(_STRIP) for line in _LINE_BREAK.split(text)]
     while lines and not lines[-1]:
@@ -91,6 +98,21 @@ def load_text_pair_dataset(
 
     videos_name, prompts_name = _display_name(videos_file), _display_name(prompts_file)
     problems.extend(_count_problems(videos, prompts, videos_name, prompts_name))
+    samples = _pair_lines(root, videos, prompts, videos_name, prompts_name, problems)
+    if problems:
+        raise DataError(problems, hint=_hint(root))
+    return samples
+
+
+def _pair_lines(
+    root: Path,
+    videos: list[str],
+    prompts: list[str],
+    videos_name: str,
+    prompts_name: str,
+    problems: list[str],
+) -> list[Sample]:
+    """Samples for the lines that are fine; a problem is recorded for every line that is not."""
     samples: list[Sample] = []
     for number, text in enumerate(videos, start=1):
         clip = _check_clip_line(root, text, number, videos_name, prompts_name, problems)
@@ -107,8 +129,6 @@ def load_text_pair_dataset(
     for number in range(len(videos) + 1, len(prompts) + 1):
         if not prompts[number - 1]:
             problems.append(f"{prompts_name} line {number} is empty.")
-    if problems:
-        raise DataError(problems, hint=_hint(root))
     return samples
 
 
@@ -208,12 +228,17 @@ def validate_clips(
     """
     problems: list[str] = []
     infos: list[VideoInfo] = []
+    probed: dict[Path, VideoInfo | VideoDecodeError] = {}  # a clip may be listed twice with two captions
     for sample in tqdm(samples, desc="Checking clips", unit="clip", disable=not progress):
         where = f"{sample.source} line {sample.line} ({sample.video})"
-        try:
-            info = probe_video(sample.video)
-        except VideoDecodeError as error:
-            problems.append(f"{where}: {error.reason}")
+        if sample.video not in probed:
+            try:
+                probed[sample.video] = probe_video(sample.video)
+            except VideoDecodeError as error:
+                probed[sample.video] = error
+        info = probed[sample.video]
+        if isinstance(info, VideoDecodeError):
+            problems.append(f"{where}: {info.reason}")
             continue
         reason = _length_problem(info, num_frames, fps)
         if reason:

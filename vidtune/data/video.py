@@ -95,18 +95,18 @@ def probe_video(path: str | os.PathLike[str]) -> VideoInfo:
         with av.open(str(path)) as container:
             stream = _video_stream(container, path)
             fps = _stream_fps(stream)
-            first, packets = _first_frame_and_packet_count(container, stream, path)
+            first, stored, shown = _first_frame_and_packet_count(container, stream, path)
             promised = stream.frames
             width, height = _display_size(first, stream)
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
-    if promised > 0 and packets < promised:
+    if promised > 0 and stored < promised:
         raise VideoDecodeError(
             path,
             f"the file is incomplete (probably cut off while copying or downloading): it should hold "
-            f"{promised} frames but only {packets} are there. Copy or export the clip again.",
+            f"{promised} frames but only {stored} are there. Copy or export the clip again.",
         )
-    return VideoInfo(path=path, num_frames=packets, fps=fps, width=width, height=height)
+    return VideoInfo(path=path, num_frames=shown, fps=fps, width=width, height=height)
 
 
 def _check_file(path: Path) -> None:
@@ -153,25 +153,30 @@ def _stream_fps(stream: av.video.stream.VideoStream) -> float:
 
 def _first_frame_and_packet_count(
     container: av.container.InputContainer, stream: av.video.stream.VideoStream, path: Path
-) -> tuple[av.VideoFrame, int]:
-    """Decode until the first picture comes out, then only count the remaining packets."""
+) -> tuple[av.VideoFrame, int, int]:
+    """Decode until the first picture comes out, then only count the remaining packets.
+
+    Returns (first frame, packets stored, packets shown): packets marked "discard" (cut by an edit list)
+    are stored but never come out of the decoder, so they do not count as frames.
+    """
     first: av.VideoFrame | None = None
-    packets = 0
+    stored = shown = 0
     for packet in container.demux(stream):
         if packet.size:
-            packets += 1
+            stored += 1
+            shown += not packet.is_discard
         if first is None:
             frames = packet.decode()  # the final empty packet flushes the decoder
             if frames:
                 first = frames[0]
     if first is None:
         raise VideoDecodeError(path, _damaged_reason(ValueError("no picture could be decoded")))
-    return first, packets
+    return first, stored, shown
 
 
 def _rotation_turns(frame: av.VideoFrame) -> int:
     """How many quarter turns counter-clockwise the frame must be rotated for display (phone clips)."""
-    return round(frame.rotation / 90) % 4
+    return round(getattr(frame, "rotation", 0) / 90) % 4  # older PyAV has no rotation: assume upright
 
 
 def _sample_aspect(stream: av.video.stream.VideoStream) -> float:
@@ -254,20 +259,21 @@ def read_clip(
             images = _decode_indices(container, stream, indices, path, (height, width))
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
-    array = np.stack(images)
+    array = np.stack([images[index] for index in indices])
     return torch.from_numpy(array).permute(0, 3, 1, 2).contiguous().float().div_(127.5).sub_(1.0)
 
 
 def read_frames(path: str | os.PathLike[str], indices: list[int]) -> list[np.ndarray]:
-    """Decode the given source frames at their display size, as uint8 RGB arrays [H, W, 3]."""
+    """Decode the given source frames (in the order given) as displayed, uint8 RGB arrays [H, W, 3]."""
     path = Path(path)
     _check_file(path)
     try:
         with av.open(str(path)) as container:
             stream = _video_stream(container, path)
-            return _decode_indices(container, stream, sorted(indices), path, None)
+            images = _decode_indices(container, stream, indices, path, None)
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
+    return [images[index] for index in indices]
 
 
 def _decode_indices(
@@ -276,21 +282,19 @@ def _decode_indices(
     indices: list[int],
     path: Path,
     size: tuple[int, int] | None,
-) -> list[np.ndarray]:
-    """Convert the wanted frames (repeats allowed) to RGB, decoding no further than the last one."""
-    wanted: dict[int, int] = {}
-    for index in indices:
-        wanted[index] = wanted.get(index, 0) + 1
-    images: list[np.ndarray] = []
+) -> dict[int, np.ndarray]:
+    """RGB images of the wanted frames by index, decoding no further than the last one."""
+    wanted = set(indices)
+    first, last = min(wanted), max(wanted)
+    images: dict[int, np.ndarray] = {}
     seen = 0
-    for index, frame in _frames_from(container, stream, indices[0]):
+    for index, frame in _frames_from(container, stream, first):
         seen = index + 1
         if index in wanted:
-            image = _to_rgb(frame, stream, size)
-            images.extend([image] * wanted[index])
-        if index >= indices[-1]:
+            images[index] = _to_rgb(frame, stream, size)
+        if index >= last:
             return images
-    raise ClipTooShortError(path, seen, indices[-1] + 1, _stream_fps(stream))
+    raise ClipTooShortError(path, seen, last + 1, _stream_fps(stream))
 
 
 def _frames_from(

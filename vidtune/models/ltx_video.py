@@ -164,6 +164,19 @@ class LTXVideoSpec(ModelSpec):
         )
         return output.frames[0].float() * 2.0 - 1.0
 
+    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
+        packed = pipeline(
+            prompt=prompt, num_frames=frames, height=height, width=width,
+            num_inference_steps=num_inference_steps, guidance_scale=1.0, frame_rate=self.frame_rate,
+            max_sequence_length=self.config.max_sequence_length, generator=generator, output_type="latent",
+        ).frames
+        spatial, temporal, patch, patch_t = self.compression
+        return LTXPipeline._unpack_latents(
+            packed, ((frames - 1) // temporal + 1) // patch_t, height // spatial // patch, width // spatial // patch,
+            patch, patch_t,
+        )
+
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
         LTXPipeline.save_lora_weights(
             folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata

@@ -190,6 +190,13 @@ class ModelSpec(ABC):
         """Sample one video with the family's pipeline: float [F, 3, H, W] in [-1, 1]."""
 
     @abstractmethod
+    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
+        """Sample with the family's pipeline (its own scheduler, no guidance), returning the final latents
+        in the training layout [B, C, F, H, W], normalised like `prepare_latents` output. Used to check
+        that what the trainer teaches is what the pipeline samples."""
+
+    @abstractmethod
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
         """Write `pytorch_lora_weights.safetensors` in the format the family's `load_lora_weights` reads."""
 

@@ -77,6 +77,26 @@ def calm_ltx_vae_posterior(vae: torch.nn.Module, log_variance: float = -12.0) ->
         conv.bias[-1] = log_variance
 
 
+def reference_videos(frames: int = 9, size: int = 32) -> torch.Tensor:
+    """A few synthetic clips [B, F, 3, H, W] in [-1, 1] to measure a tiny VAE's latent statistics on."""
+    from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shape_frames
+
+    clips = [
+        ShapeClip(shape, color, background, direction)
+        for shape, color, background, direction in zip(SHAPES, COLORS, BACKGROUNDS, DIRECTIONS, strict=False)
+    ]
+    videos = [torch.from_numpy(render_shape_frames(clip, frames, size, size)) for clip in clips]
+    return torch.stack(videos).permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
+
+
+@torch.no_grad()
+def set_latent_statistics(vae: torch.nn.Module, latents: torch.Tensor) -> None:
+    """Store per-channel mean / std of real latents in the VAE, as trained checkpoints do, so that
+    normalised latents have unit scale (a random VAE's raw latents are far smaller)."""
+    vae.latents_mean.copy_(latents.mean(dim=(0, 2, 3, 4)))
+    vae.latents_std.copy_(latents.std(dim=(0, 2, 3, 4)).clamp_min(1e-4))
+
+
 def write_tiny_ltx_video(
     folder: str | Path,
     *,
@@ -127,6 +147,9 @@ def write_tiny_ltx_video(
         decoder_causal=False,
     )
     calm_ltx_vae_posterior(vae)
+    with torch.no_grad():
+        pixels = reference_videos().permute(0, 2, 1, 3, 4)  # the VAE takes [B, C, F, H, W]
+        set_latent_statistics(vae, vae.encode(pixels).latent_dist.mean)
     scheduler = FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True,
         base_shift=0.95,

@@ -157,7 +157,10 @@ def objective_from_scheduler(scheduler: Any, sampling: SigmaSampling = "logit_no
                              logit_std: float = 1.0, shift: float = 1.0) -> FlowMatching | DDPM:
     """Pick the objective a model was trained with from its diffusers scheduler instance."""
     config = scheduler.config
-    if "FlowMatch" in type(scheduler).__name__:
+    # Flow matching is recognised by name (FlowMatch*Scheduler) or by data: multistep solvers such as
+    # Wan's UniPCMultistepScheduler sample flow models with prediction_type="flow_prediction" / use_flow_sigmas.
+    flow_by_config = config.get("prediction_type") == "flow_prediction" or bool(config.get("use_flow_sigmas"))
+    if "FlowMatch" in type(scheduler).__name__ or flow_by_config:
         return FlowMatching(sampling=sampling, logit_mean=logit_mean, logit_std=logit_std, shift=shift,
                             invert_timesteps=bool(config.get("invert_sigmas", False)))
     if hasattr(scheduler, "alphas_cumprod"):

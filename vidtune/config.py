@@ -44,6 +44,13 @@ class ModelConfig(Section):
     frame_rate: float | None = Field(
         None, gt=0, description="Frame rate the denoiser is told about; default: data.fps, else 25."
     )
+    guidance_scale: float | None = Field(
+        None,
+        gt=0,
+        description="Embedded guidance of guidance-distilled families (HunyuanVideo), given to the denoiser in "
+        "training and used again when sampling; default: the family's (HunyuanVideo: 1.0, the unguided "
+        "data distribution). Ignored by families without a guidance embedding.",
+    )
 
 
 class DataConfig(Section):
@@ -120,6 +127,25 @@ class LoggingConfig(Section):
     log_every: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
 
 
+class PrecomputeConfig(Section):
+    enabled: bool = Field(
+        False, description="Encode captions and clips into the cache first, then train from it (off: on the fly)."
+    )
+    cache_dir: str | None = Field(None, description="Where the cache lives; default: <data.root>/.vidtune-cache.")
+    text_device: str = Field("auto", description="Device of the text encoder(s); auto: training.device.")
+    vae_devices: list[str] = Field(
+        default_factory=lambda: ["auto"],
+        min_length=1,
+        description="Devices of the VAE, one copy each, run concurrently with the text encoder(s).",
+    )
+    batch_size: int = Field(4, gt=0, description="Captions / clips per encoder call.")
+    store: Literal["posterior", "sample"] = Field(
+        "posterior",
+        description="`posterior`: VAE mean and std, a fresh latent every step; `sample`: one fixed latent "
+        "(half the disk).",
+    )
+
+
 class Config(Section):
     model: ModelConfig
     data: DataConfig
@@ -129,6 +155,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
     output_dir: str = "outputs/run"
 
     @model_validator(mode="after")

@@ -77,6 +77,8 @@ class FlowMatching:
 
     `invert_timesteps`: the denoiser is told (1 - sigma) * 1000 instead of sigma * 1000 (Mochi's
     convention, `invert_sigmas` in its scheduler config).
+    `negate_target`: the target is x0 - noise instead of noise - x0. A scheduler with `invert_sigmas` steps
+    x += (s_next - s) * prediction over s = 1 - sigma, so the prediction it needs is d x / d s = x0 - noise.
     """
 
     sampling: SigmaSampling = "logit_normal"
@@ -84,6 +86,7 @@ class FlowMatching:
     logit_std: float = 1.0
     shift: float = 1.0
     invert_timesteps: bool = False
+    negate_target: bool = False
 
     def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
         if self.sampling == "uniform":
@@ -96,7 +99,8 @@ class FlowMatching:
         return flow_matching_noisy(x0, noise, levels)
 
     def target(self, x0: torch.Tensor, noise: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-        return flow_matching_target(x0, noise)
+        target = flow_matching_target(x0, noise)
+        return -target if self.negate_target else target
 
     def timesteps(self, levels: torch.Tensor) -> torch.Tensor:
         sigmas = 1.0 - levels if self.invert_timesteps else levels
@@ -162,7 +166,8 @@ def objective_from_scheduler(scheduler: Any, sampling: SigmaSampling = "logit_no
     flow_by_config = config.get("prediction_type") == "flow_prediction" or bool(config.get("use_flow_sigmas"))
     if "FlowMatch" in type(scheduler).__name__ or flow_by_config:
         return FlowMatching(sampling=sampling, logit_mean=logit_mean, logit_std=logit_std, shift=shift,
-                            invert_timesteps=bool(config.get("invert_sigmas", False)))
+                            invert_timesteps=bool(config.get("invert_sigmas", False)),
+                            negate_target=bool(config.get("invert_sigmas", False)))
     if hasattr(scheduler, "alphas_cumprod"):
         prediction = config.get("prediction_type", "epsilon")
         if prediction not in ("epsilon", "v_prediction"):

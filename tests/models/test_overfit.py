@@ -19,6 +19,9 @@ CPU = torch.device("cpu")
 # family -> (optimizer steps, peak learning rate of a one-cycle schedule, relative error bound)
 SETTINGS: dict[str, tuple[int, float, float]] = {
     "ltx-video": (1000, 1e-2, 0.15),
+    "hunyuan-video": (400, 3e-3, 0.15),
+    "wan": (400, 3e-3, 0.15),
+    "wan-i2v": (400, 3e-3, 0.15),
 }
 FRAME_RATE = 24.0
 

@@ -10,6 +10,12 @@ from vidtune.models.spec import ModelSpec
 # name -> "module:class", imported lazily so one family's imports never slow down another's.
 SPECS: dict[str, str] = {
     "ltx-video": "vidtune.models.ltx_video:LTXVideoSpec",
+    "cogvideox": "vidtune.models.cogvideox:CogVideoXSpec",
+    "cogvideox-i2v": "vidtune.models.cogvideox:CogVideoXI2VSpec",
+    "mochi": "vidtune.models.mochi:MochiSpec",
+    "hunyuan-video": "vidtune.models.hunyuan_video:HunyuanVideoSpec",
+    "wan": "vidtune.models.wan:WanSpec",
+    "wan-i2v": "vidtune.models.wan:WanImageToVideoSpec",
 }
 
 

@@ -1,0 +1,92 @@
+"""The `vidtune` command as a user runs it: real subprocesses, real exit codes, plain messages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def vidtune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vidtune", *args], capture_output=True, text=True, env=ENV,
+                          cwd=cwd, timeout=600)
+
+
+@pytest.mark.slow
+def test_quickstart_runs_end_to_end(tmp_path):
+    out = tmp_path / "qs"
+    result = vidtune("quickstart", "--output", str(out), "training.steps=12", "checkpoint.every=5",
+                     "validation.num_inference_steps=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = out / "run"
+    assert (run / "pytorch_lora_weights.safetensors").stat().st_size > 0
+    assert (run / "loss.png").is_file() and (run / "metrics.jsonl").is_file()
+    assert list((run / "samples").glob("*.mp4")) and list((run / "samples").glob("*.png"))
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 12
+    assert "pytorch_lora_weights.safetensors" in result.stdout
+    # The written config is a normal one: the user can train on it again.
+    config = yaml.safe_load((out / "quickstart.yaml").read_text())
+    assert config["model"]["name"] == "ltx-video"
+    assert (out / "quickstart.yaml").read_text().startswith("# Run with: vidtune train")
+
+
+def _write_config(tmp_path: Path, tiny: Path, root: Path, **extra) -> Path:
+    config = {
+        "model": {"name": "ltx-video", "pretrained": str(tiny)},
+        "data": {"root": str(root), "frames": 9, "height": 32, "width": 32, "num_workers": 0},
+        "training": {"steps": 2, "device": "cpu", "precision": "fp32"},
+        "validation": {"enabled": False},
+        "output_dir": str(tmp_path / "run"),
+        **extra,
+    }
+    path = tmp_path / "my.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_bad_dataset_exits_nonzero_with_every_bad_line_and_trains_nothing(tmp_path, tiny_model_dir, shapes_dataset):
+    root = tmp_path / "data"
+    root.mkdir()
+    clips = sorted((shapes_dataset / "clips").glob("*.mp4"))
+    (root / "videos.txt").write_text(f"{clips[0]}\nmissing.mp4\n{clips[1]}\n")
+    (root / "prompts.txt").write_text("a red circle\n\n")
+    path = _write_config(tmp_path, tiny_model_dir("ltx-video"), root)
+    result = vidtune("train", str(path))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "missing.mp4" in result.stderr and "line 2" in result.stderr
+    assert "prompts.txt" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_bad_config_value_and_unknown_key(tmp_path, tiny_model_dir, shapes_dataset):
+    path = _write_config(tmp_path, tiny_model_dir("ltx-video"), shapes_dataset)
+    result = vidtune("train", str(path), "training.stepz=3", "lora.rank=0")
+    assert result.returncode == 2
+    assert "training.stepz: unknown key. Did you mean 'steps'?" in result.stderr
+    assert "lora.rank" in result.stderr and "greater than 0" in result.stderr
+
+
+def test_wrong_model_path_and_wrong_frame_count(tmp_path, tiny_model_dir, shapes_dataset):
+    path = _write_config(tmp_path, tmp_path / "no-model-here", shapes_dataset)
+    result = vidtune("train", str(path))
+    assert result.returncode == 2 and "does not exist" in result.stderr and "model.pretrained" in result.stderr
+
+    path = _write_config(tmp_path, tiny_model_dir("ltx-video"), shapes_dataset)
+    result = vidtune("train", str(path), "data.frames=10")
+    assert result.returncode == 2
+    assert "data.frames=10" in result.stderr and "9 or 13" in result.stderr
+
+
+def test_data_check_writes_overview(tmp_path, tiny_model_dir, shapes_dataset):
+    path = _write_config(tmp_path, tiny_model_dir("ltx-video"), shapes_dataset)
+    result = vidtune("data", "check", str(path), "--overview", str(tmp_path / "overview.png"))
+    assert result.returncode == 0, result.stderr
+    assert "4 clips" in result.stdout
+    assert (tmp_path / "overview.png").stat().st_size > 1000

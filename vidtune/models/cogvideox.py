@@ -1,0 +1,338 @@
+"""CogVideoX (THUDM / Zhipu AI): T5 text encoder, causal 3D VAE, and a DiT over [B, F, C, H, W] latents.
+
+Every convention below is read from CogVideoXPipeline / CogVideoXImageToVideoPipeline:
+  * text: T5 over captions padded to exactly `max_sequence_length` tokens (the transformer's
+    `max_text_seq_length`, 226 in released checkpoints), run without an attention mask; the transformer
+    has no text mask either and attends to every token, padding included.
+  * latents: the VAE posterior times `vae.config.scaling_factor` (the pipeline decodes latents / scaling_factor),
+    with no mean shift. The transformer takes [B, F, C, H, W]; `forward` permutes from the shared
+    [B, C, F, H, W] layout and back.
+  * objective: DDPM with the scheduler's own `alphas_cumprod` (SNR shift, zero terminal SNR) and v-prediction.
+  * 3D rotary embeddings, when `use_rotary_positional_embeddings`, computed by the pipeline's own function.
+  * image-to-video: first-frame latents padded with zeros to the latent frame count and concatenated to the
+    noisy latents on the channel dim; `ofs` = 2.0 where the transformer has an ofs embedding.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLCogVideoX,
+    CogVideoXDDIMScheduler,
+    CogVideoXDPMScheduler,
+    CogVideoXImageToVideoPipeline,
+    CogVideoXPipeline,
+    CogVideoXTransformer3DModel,
+)
+from torch import nn
+from transformers import AutoTokenizer, T5EncoderModel
+
+from vidtune.config import ModelConfig
+from vidtune.errors import ConfigError, ModelError
+from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+
+logger = logging.getLogger(__name__)
+
+
+def nearest_multiple(value: int, multiple: int) -> int:
+    return max(1, round(value / multiple)) * multiple
+
+
+def family_sequence_length(config: ModelConfig, native: int) -> int:
+    """Caption tokens for a family whose pipeline pads to its own length (`native`).
+
+    `model.max_sequence_length` left unset (None) or at the generic default means the family's own length,
+    so a resolved config.yaml (which spells the default out) reproduces the run it came from.
+    """
+    chosen = config.max_sequence_length
+    if chosen is None or chosen == ModelConfig.model_fields["max_sequence_length"].default:
+        return native
+    return chosen
+
+
+class CogVideoXSpec(ModelSpec):
+    name = "cogvideox"
+    pipeline_class: Any = CogVideoXPipeline
+
+    def required_components(self) -> tuple[str, ...]:
+        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+
+    # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
+    @functools.cached_property
+    def transformer_config(self) -> dict[str, Any]:
+        return self.load_config(CogVideoXTransformer3DModel, "transformer")
+
+    @functools.cached_property
+    def compression(self) -> tuple[int, int, int, int | None]:
+        """(VAE spatial ratio, VAE temporal ratio, patch size, temporal patch or None), as the pipeline reads them."""
+        vae = self.load_config(AutoencoderKLCogVideoX, "vae")
+        transformer = self.transformer_config
+        spatial = 2 ** (len(vae["block_out_channels"]) - 1)
+        temporal = int(vae["temporal_compression_ratio"])
+        return spatial, temporal, transformer["patch_size"], transformer.get("patch_size_t")
+
+    @functools.cached_property
+    def max_sequence_length(self) -> int:
+        """Caption tokens: the transformer's `max_text_seq_length` unless model.max_sequence_length says otherwise.
+
+        Transformers with absolute (sin-cos or learned) positional embeddings cover exactly
+        `max_text_seq_length` text tokens, so for them it is the only valid value.
+        """
+        transformer = self.transformer_config
+        native = int(transformer.get("max_text_seq_length", 226))
+        length = family_sequence_length(self.config, native)
+        absolute = not transformer.get("use_rotary_positional_embeddings", False) or transformer.get(
+            "use_learned_positional_embeddings", False
+        )
+        if length != native and absolute:
+            raise ConfigError(
+                f"model.max_sequence_length={length} does not fit this CogVideoX transformer: its positional "
+                f"embeddings cover exactly {native} text tokens; set model.max_sequence_length={native} (or leave "
+                "it unset)."
+            )
+        return length
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        vae_spatial, temporal, patch, patch_t = self.compression
+        spatial = vae_spatial * patch
+        step = patch_t or 1
+        problems = []
+        latent_frames = (frames - 1) / temporal + 1
+        if latent_frames != int(latent_frames) or int(latent_frames) % step != 0:
+            # frames = temporal * (latent - 1) + 1, with latent a multiple of the temporal patch.
+            valid = [temporal * (latent - 1) + 1 for latent in range(step, 4 * frames + 2 * step, step)]
+            below = [v for v in valid if v <= frames]
+            above = [v for v in valid if v > frames]
+            choices = " or ".join(str(v) for v in ([below[-1]] if below else []) + above[:1])
+            rule = f"{temporal}k+1" if step == 1 else f"{temporal}k+1 with k+1 a multiple of {step}"
+            problems.append(f"data.frames={frames} must be {rule} for this model; nearest valid values: {choices}")
+        for key, value in (("data.height", height), ("data.width", width)):
+            if value % spatial != 0:
+                problems.append(
+                    f"{key}={value} must be a multiple of {spatial} for this model; nearest valid value: "
+                    f"{nearest_multiple(value, spatial)}"
+                )
+        transformer = self.transformer_config
+        if transformer.get("use_learned_positional_embeddings", False):
+            # Learned positional embeddings exist for one latent size only (CogVideoX-5b-I2V: 480 x 720).
+            for key, value, sample in (("data.height", height, transformer["sample_height"]),
+                                       ("data.width", width, transformer["sample_width"])):
+                required = sample * vae_spatial
+                if value != required and value % spatial == 0:
+                    problems.append(
+                        f"{key}={value}: this model's learned positional embeddings fit {required} only; "
+                        f"nearest valid value: {required}"
+                    )
+        if problems:
+            raise ConfigError("The clip shape does not fit CogVideoX:\n" + "\n".join(f"  - {p}" for p in problems))
+        self.max_sequence_length  # noqa: B018 - raises early when model.max_sequence_length cannot work
+
+    # ----- loading ---------------------------------------------------------------------------------
+    def load_text_components(self, device: torch.device) -> TextComponents:
+        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
+        dtype = self.component_dtype("text_encoder", device)
+        text_encoder = self.load_component(T5EncoderModel, "text_encoder", torch_dtype=dtype)
+        text_encoder.requires_grad_(False).eval().to(device)
+        return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
+
+    def load_vae(self, device: torch.device) -> nn.Module:
+        vae = self.load_component(AutoencoderKLCogVideoX, "vae", torch_dtype=self.component_dtype("vae", device))
+        return vae.requires_grad_(False).eval().to(device)
+
+    def load_denoiser(self, device: torch.device) -> nn.Module:
+        dtype = self.component_dtype("transformer", device)
+        transformer = self.load_component(CogVideoXTransformer3DModel, "transformer", torch_dtype=dtype)
+        return transformer.to(device)
+
+    def load_scheduler(self) -> CogVideoXDDIMScheduler | CogVideoXDPMScheduler:
+        source, subfolder = self.component_source("scheduler")
+        try:
+            config = CogVideoXDDIMScheduler.load_config(source, subfolder=subfolder, revision=self.config.revision)
+        except (OSError, ValueError) as error:
+            raise ModelError(f"Could not read the scheduler config of {self.name} from {source}: {error}") from None
+        # Released checkpoints ship either scheduler (2b: DDIM, 5b: DPM); both share the training schedule.
+        cls = CogVideoXDPMScheduler if config.get("_class_name") == "CogVideoXDPMScheduler" else CogVideoXDDIMScheduler
+        return self.load_component(cls, "scheduler")
+
+    # The objective is the default one: DDPM v-prediction on the scheduler's alphas_cumprod, *unweighted*.
+    # CogVideoX's own fine-tuning scripts weight by 1 / (1 - alpha_bar_t), but they weight the error of the
+    # x0 estimate (`scheduler.get_velocity(model_output, noisy, t)` = sqrt(a) x_t - sqrt(1 - a) v); since
+    # x0_pred - x0 = -sqrt(1 - a) (v_pred - v), that weighted x0 loss *is* the plain v-prediction MSE.
+    # Enabling `snr_weighting` on the v target would weight twice (tests/models/test_cogvideox.py checks this).
+
+    # ----- tensors ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
+        """T5 embeddings exactly as CogVideoXPipeline.encode_prompt computes them (no mask anywhere)."""
+        tokenizer, text_encoder = text["tokenizer"], text["text_encoder"]
+        tokens = tokenizer(
+            list(captions),
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        )
+        embeds = text_encoder(tokens.input_ids.to(text_encoder.device))[0]
+        return {"prompt_embeds": embeds}
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout (and the shared training layout).
+        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
+        posterior = vae.encode(pixels).latent_dist
+        scale = vae.config.scaling_factor  # the pipeline decodes latents / scaling_factor
+        return {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
+
+    @staticmethod
+    def rotary_embeddings(denoiser: nn.Module, frames: int, height: int, width: int,
+                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pipeline's 3D rotary embeddings for a latent grid of frames x height x width.
+
+        Calls CogVideoXPipeline._prepare_rotary_positional_embeddings itself, with a VAE scale of 1 since
+        the sizes given are already latent sizes (the pipeline divides pixel sizes by its VAE scale).
+        """
+        if not denoiser.config.use_rotary_positional_embeddings:
+            return None
+        view = SimpleNamespace(vae_scale_factor_spatial=1, transformer=denoiser)
+        return CogVideoXPipeline._prepare_rotary_positional_embeddings(view, height, width, frames, device)
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        _, _, frames, height, width = noisy_latents.shape
+        hidden = noisy_latents.permute(0, 2, 1, 3, 4)  # [B, F, C, H, W], the transformer's layout
+        if "image_latents" in conditions:  # image-to-video: first-frame latents on the channel dim
+            image = conditions["image_latents"].permute(0, 2, 1, 3, 4).to(hidden)
+            hidden = torch.cat([hidden, image], dim=2)
+        ofs = None if denoiser.config.ofs_embed_dim is None else hidden.new_full((1,), 2.0)
+        prediction = denoiser(
+            hidden_states=hidden,
+            encoder_hidden_states=conditions["prompt_embeds"],
+            timestep=timesteps,
+            ofs=ofs,
+            image_rotary_emb=self.rotary_embeddings(denoiser, frames, height, width, hidden.device),
+            return_dict=False,
+        )[0]
+        return prediction.permute(0, 2, 1, 3, 4)
+
+    # ----- pipeline and outputs ----------------------------------------------------------------------
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
+        return self.pipeline_class(
+            tokenizer=text["tokenizer"],
+            text_encoder=text["text_encoder"],
+            vae=vae,
+            transformer=denoiser,
+            scheduler=self.load_scheduler(),
+        )
+
+    def pipeline_inputs(self, frames: int, height: int, width: int) -> dict[str, Any]:
+        """Arguments of the pipeline call beyond prompt, sizes and sampling settings."""
+        return {}
+
+    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
+        output = pipeline(
+            prompt=prompt,
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            generator=generator,
+            output_type="pt",
+            **self.pipeline_inputs(frames, height, width),
+        )
+        return output.frames[0].float() * 2.0 - 1.0
+
+    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
+        latents = pipeline(
+            prompt=prompt, num_frames=frames, height=height, width=width,
+            num_inference_steps=num_inference_steps, guidance_scale=1.0,
+            max_sequence_length=self.max_sequence_length, generator=generator, output_type="latent",
+            **self.pipeline_inputs(frames, height, width),
+        ).frames
+        return latents.permute(0, 2, 1, 3, 4)  # [B, F, C, H, W] -> [B, C, F, H, W]
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
+        self.pipeline_class.save_lora_weights(
+            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+        )
+        return Path(folder) / "pytorch_lora_weights.safetensors"
+
+
+def _content_generator(frame: torch.Tensor) -> torch.Generator:
+    """A generator seeded from a frame's pixels: the same clip always gets the same draw."""
+    digest = hashlib.blake2b(frame.detach().float().cpu().contiguous().numpy().tobytes(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") % 2**63)
+
+
+class CogVideoXI2VSpec(CogVideoXSpec):
+    """CogVideoX image-to-video (CogVideoXImageToVideoPipeline conventions).
+
+    Training condition (`prepare_latents` key "image_latents", layout [B, C, F, H, W] like the latents):
+    the clip's first frame, noise-augmented on pixels with sigma = exp(N(-3, 0.5)) as in CogVideoX's own
+    I2V training scripts, encoded alone, a posterior sample times scaling_factor (divided by it where the
+    VAE config sets `invert_scale_latents`, as the pipeline does), zero-padded to the latent frame count.
+    The augmentation noise is drawn from a generator seeded by the frame's content: each clip gets one
+    fixed augmentation, the same with on-the-fly and precomputed latents, after resuming and on any rank
+    (like CogVideoX's scripts with precomputed latents), rather than a new one per visit.
+
+    Sampling: the pipeline needs the first frame as its `image`. `generate` / `generate_latents` use the
+    frame given to `set_first_frame` (validation gives the first frame of the first dataset clip); if none
+    was given, the first frame of the first clip `prepare_latents` encoded.
+    """
+
+    name = "cogvideox-i2v"
+    pipeline_class = CogVideoXImageToVideoPipeline
+    image_noise_log_sigma: tuple[float, float] | None = (-3.0, 0.5)  # (mean, std) of log sigma; None: no noise
+
+    def __init__(self, config: ModelConfig, frame_rate: float = 25.0) -> None:
+        super().__init__(config, frame_rate)
+        self.first_frame: torch.Tensor | None = None
+
+    def set_first_frame(self, frame: torch.Tensor) -> None:
+        """The image sampling starts from: [3, H, W] in [-1, 1] (resized by the pipeline if needed)."""
+        self.first_frame = frame.detach().float().cpu()
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        latents = super().prepare_latents(vae, videos)
+        if self.first_frame is None:
+            self.set_first_frame(videos[0, 0])
+        images = []
+        for video in videos:
+            first = video[:1].float().cpu()  # [1, 3, H, W]
+            generator = _content_generator(first)
+            if self.image_noise_log_sigma is not None:
+                mean, std = self.image_noise_log_sigma
+                sigma = torch.exp(torch.randn(1, generator=generator) * std + mean)
+                first = first + torch.randn(first.shape, generator=generator) * sigma
+            pixels = first.to(device=vae.device, dtype=vae.dtype).permute(1, 0, 2, 3).unsqueeze(0)  # [1, 3, 1, H, W]
+            posterior = vae.encode(pixels).latent_dist
+            eps = torch.randn(posterior.mean.shape, generator=generator).to(posterior.mean)
+            images.append(posterior.mean + posterior.std * eps)  # a posterior sample, as the pipeline encodes
+        image = torch.cat(images)
+        scale = vae.config.scaling_factor
+        image = image / scale if vae.config.get("invert_scale_latents", False) else image * scale
+        padding = image.new_zeros(*image.shape[:2], latents["latents_mean"].shape[2] - 1, *image.shape[3:])
+        latents["image_latents"] = torch.cat([image, padding], dim=2)
+        return latents
+
+    def pipeline_inputs(self, frames: int, height: int, width: int) -> dict[str, Any]:
+        if self.first_frame is None:
+            raise ModelError(
+                "cogvideox-i2v samples from a first frame: call spec.set_first_frame(frame) (validation uses the "
+                "first frame of the first dataset clip) or encode a clip with prepare_latents first."
+            )
+        # The pipeline takes images in [0, 1] and normalises them to [-1, 1] itself.
+        return {"image": ((self.first_frame + 1.0) / 2.0).clamp(0.0, 1.0).unsqueeze(0)}

@@ -1,0 +1,234 @@
+"""HunyuanVideo (Tencent): Llama + CLIP text encoders, causal 3D VAE, and a guidance-distilled dual-stream DiT.
+
+Conventions taken from diffusers' HunyuanVideoPipeline:
+    text: the caption is wrapped in the pipeline's Llama prompt template, encoded with the attention mask,
+        the hidden state of the third-to-last layer is kept and the template's first `crop_start` tokens
+        are cropped (right padding, so the mask stays a prefix); CLIP's pooled output is the second input;
+    latents: the VAE posterior times `vae.config.scaling_factor` (the pipeline decodes latents / scaling);
+    guidance: the transformer's guidance embedding is given `model.guidance_scale * 1000` in training and
+        in sampling alike (default 1.0: the unguided, data distribution; the pipeline samples at 6.0);
+    captions: `model.max_sequence_length` Llama tokens after the template, default 256 as in the pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLHunyuanVideo,
+    FlowMatchEulerDiscreteScheduler,
+    HunyuanVideoPipeline,
+    HunyuanVideoTransformer3DModel,
+)
+from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+from torch import nn
+from transformers import AutoTokenizer, CLIPTextModel, LlamaModel
+
+from vidtune.errors import ConfigError
+from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+
+logger = logging.getLogger(__name__)
+
+PROMPT_TEMPLATE: dict[str, Any] = dict(DEFAULT_PROMPT_TEMPLATE)  # the template text and crop_start (95)
+LLAMA_LAYERS_TO_SKIP = 2  # the pipeline keeps hidden_states[-(2 + 1)]
+CLIP_MAX_LENGTH = 77
+DEFAULT_MAX_SEQUENCE_LENGTH = 256  # HunyuanVideoPipeline's default
+DEFAULT_GUIDANCE_SCALE = 1.0
+PIPELINE_SIDE_MULTIPLE = 16  # HunyuanVideoPipeline.check_inputs rejects other sizes
+
+
+def nearest_multiple(value: int, multiple: int) -> int:
+    return max(1, round(value / multiple)) * multiple
+
+
+class HunyuanVideoSpec(ModelSpec):
+    name = "hunyuan-video"
+
+    def required_components(self) -> tuple[str, ...]:
+        return ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae", "transformer", "scheduler")
+
+    @property
+    def guidance_scale(self) -> float:
+        """The embedded guidance the denoiser is trained and sampled with."""
+        value = getattr(self.config, "guidance_scale", None)
+        return DEFAULT_GUIDANCE_SCALE if value is None else float(value)
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Llama tokens kept after the template: `model.max_sequence_length` when set, else the pipeline's 256."""
+        if "max_sequence_length" in self.config.model_fields_set:
+            return self.config.max_sequence_length
+        return DEFAULT_MAX_SEQUENCE_LENGTH
+
+    # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
+    @functools.cached_property
+    def compression(self) -> tuple[int, int, int, int]:
+        """(VAE spatial ratio, VAE temporal ratio, transformer patch size, transformer temporal patch)."""
+        vae = self.load_config(AutoencoderKLHunyuanVideo, "vae")
+        transformer = self.load_config(HunyuanVideoTransformer3DModel, "transformer")
+        return (
+            vae.get("spatial_compression_ratio", 8),
+            vae.get("temporal_compression_ratio", 4),
+            transformer.get("patch_size", 2),
+            transformer.get("patch_size_t", 1),
+        )
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        vae_spatial, temporal, patch, patch_t = self.compression
+        spatial = math.lcm(vae_spatial * patch, PIPELINE_SIDE_MULTIPLE)
+        problems = []
+        latent_frames_ok = (frames - 1) % temporal == 0 and ((frames - 1) // temporal + 1) % patch_t == 0
+        if not latent_frames_ok:
+            below = (frames - 1) // temporal * temporal + 1
+            choices = f"{below} or {below + temporal}" if below > 1 else str(below + temporal)
+            problems.append(
+                f"data.frames={frames} must be {temporal}k+1 for this model; nearest valid values: {choices}"
+            )
+        for key, value in (("data.height", height), ("data.width", width)):
+            if value % spatial != 0:
+                problems.append(
+                    f"{key}={value} must be a multiple of {spatial} for this model; nearest valid value: "
+                    f"{nearest_multiple(value, spatial)}"
+                )
+        if problems:
+            raise ConfigError("The clip shape does not fit HunyuanVideo:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    # ----- loading ---------------------------------------------------------------------------------
+    def load_text_components(self, device: torch.device) -> TextComponents:
+        dtype = self.component_dtype("text_encoder", device)
+        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
+        tokenizer_2 = self.load_component(AutoTokenizer, "tokenizer_2")
+        text_encoder = self.load_component(LlamaModel, "text_encoder", torch_dtype=dtype)
+        text_encoder_2 = self.load_component(CLIPTextModel, "text_encoder_2", torch_dtype=dtype)
+        for encoder in (text_encoder, text_encoder_2):
+            encoder.requires_grad_(False).eval().to(device)
+        return TextComponents({
+            "tokenizer": tokenizer,
+            "text_encoder": text_encoder,
+            "tokenizer_2": tokenizer_2,
+            "text_encoder_2": text_encoder_2,
+        })
+
+    def load_vae(self, device: torch.device) -> nn.Module:
+        vae = self.load_component(AutoencoderKLHunyuanVideo, "vae", torch_dtype=self.component_dtype("vae", device))
+        return vae.requires_grad_(False).eval().to(device)
+
+    def load_denoiser(self, device: torch.device) -> nn.Module:
+        dtype = self.component_dtype("transformer", device)
+        transformer = self.load_component(HunyuanVideoTransformer3DModel, "transformer", torch_dtype=dtype)
+        return transformer.to(device)
+
+    def load_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return self.load_component(FlowMatchEulerDiscreteScheduler, "scheduler")
+
+    # ----- tensors ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
+        """Llama embeddings + mask and CLIP pooled embeddings, exactly as HunyuanVideoPipeline.encode_prompt."""
+        captions = list(captions)
+        tokenizer, text_encoder = text["tokenizer"], text["text_encoder"]
+        crop_start = PROMPT_TEMPLATE["crop_start"]
+        tokens = tokenizer(
+            [PROMPT_TEMPLATE["template"].format(caption) for caption in captions],
+            max_length=self.max_sequence_length + crop_start,
+            padding="max_length",
+            truncation=True,
+            return_tensors="pt",
+            return_attention_mask=True,
+        )
+        device = text_encoder.device
+        mask = tokens.attention_mask.to(device)
+        hidden = text_encoder(
+            input_ids=tokens.input_ids.to(device), attention_mask=mask, output_hidden_states=True
+        ).hidden_states[-(LLAMA_LAYERS_TO_SKIP + 1)]
+        prompt_embeds, mask = hidden[:, crop_start:], mask[:, crop_start:]
+
+        tokenizer_2, text_encoder_2 = text["tokenizer_2"], text["text_encoder_2"]
+        clip_tokens = tokenizer_2(
+            captions, padding="max_length", max_length=CLIP_MAX_LENGTH, truncation=True, return_tensors="pt"
+        )
+        pooled = text_encoder_2(clip_tokens.input_ids.to(text_encoder_2.device), output_hidden_states=False)
+        return {
+            "prompt_embeds": prompt_embeds,
+            "prompt_attention_mask": mask.bool(),
+            "pooled_prompt_embeds": pooled.pooler_output.to(prompt_embeds.dtype),
+        }
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
+        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
+        posterior = vae.encode(pixels).latent_dist
+        scale = vae.config.scaling_factor  # the pipeline decodes latents / scaling_factor
+        return {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        batch = noisy_latents.shape[0]
+        guidance = None
+        if denoiser.config.guidance_embeds:
+            guidance = torch.full((batch,), self.guidance_scale * 1000.0, device=noisy_latents.device,
+                                  dtype=noisy_latents.dtype)
+        return denoiser(
+            hidden_states=noisy_latents,
+            timestep=timesteps.to(noisy_latents.device),
+            encoder_hidden_states=conditions["prompt_embeds"].to(noisy_latents.dtype),
+            encoder_attention_mask=conditions["prompt_attention_mask"],
+            pooled_projections=conditions["pooled_prompt_embeds"].to(noisy_latents.dtype),
+            guidance=guidance,
+            return_dict=False,
+        )[0]
+
+    # ----- pipeline and outputs ----------------------------------------------------------------------
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> HunyuanVideoPipeline:
+        return HunyuanVideoPipeline(
+            text_encoder=text["text_encoder"],
+            tokenizer=text["tokenizer"],
+            transformer=denoiser,
+            vae=vae,
+            scheduler=self.load_scheduler(),
+            text_encoder_2=text["text_encoder_2"],
+            tokenizer_2=text["tokenizer_2"],
+        )
+
+    def _sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int, num_inference_steps: int,
+                generator: torch.Generator, output_type: str, true_cfg_scale: float = 1.0) -> torch.Tensor:
+        return pipeline(
+            prompt=prompt,
+            negative_prompt="" if true_cfg_scale > 1.0 else None,
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            true_cfg_scale=true_cfg_scale,
+            prompt_template=PROMPT_TEMPLATE,
+            max_sequence_length=self.max_sequence_length,
+            generator=generator,
+            output_type=output_type,
+        ).frames
+
+    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
+        """The embedded guidance is the trained `model.guidance_scale`; `guidance_scale` here (validation's) is
+        HunyuanVideo's true classifier-free guidance against an empty prompt, off at 1.0."""
+        video = self._sample(pipeline, prompt, frames, height, width, num_inference_steps, generator, "pt",
+                             true_cfg_scale=guidance_scale)
+        return video[0].float() * 2.0 - 1.0
+
+    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
+        # Already [B, C, F, H, W] and scaled like prepare_latents (the pipeline unscales only to decode).
+        return self._sample(pipeline, prompt, frames, height, width, num_inference_steps, generator, "latent")
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
+        HunyuanVideoPipeline.save_lora_weights(
+            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+        )
+        return Path(folder) / "pytorch_lora_weights.safetensors"

@@ -1,0 +1,222 @@
+"""Mochi 1 (Genmo): T5 text encoder, asymmetric VAE (12 latent channels), and an asymmetric DiT.
+
+Every convention below is read from MochiPipeline.__call__:
+  * text: T5 run *with* the attention mask, captions padded to `max_sequence_length` (the pipeline's 256);
+    the mask goes to the transformer too. Empty captions become all-zero ids and mask where the pipeline's
+    `force_zeros_for_empty_prompt` is set.
+  * latents: the pipeline decodes latents * latents_std / scaling_factor + latents_mean (per channel, from
+    the VAE config), so training latents are (posterior - mean) * scaling_factor / std. The transformer takes
+    the shared [B, C, F, H, W] layout as it is.
+  * time runs backwards: the scheduler has `invert_sigmas`, so at noise level sigma the transformer is told
+    timestep (1 - sigma) * 1000 (0 = pure noise), and the Euler step x += (s_next - s) * prediction runs over
+    s = 1 - sigma, i.e. the prediction is d x / d s = x0 - noise, minus the usual velocity. Both are data of
+    the objective (`FlowMatching.invert_timesteps` / `negate_target`, set from the scheduler's
+    `invert_sigmas` in `objective_from_scheduler`); nothing here special-cases them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLMochi,
+    FlowMatchEulerDiscreteScheduler,
+    MochiPipeline,
+    MochiTransformer3DModel,
+)
+from torch import nn
+from transformers import AutoTokenizer, T5EncoderModel
+
+from vidtune.config import ModelConfig
+from vidtune.errors import ConfigError
+from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+
+logger = logging.getLogger(__name__)
+
+
+def nearest_multiple(value: int, multiple: int) -> int:
+    return max(1, round(value / multiple)) * multiple
+
+
+def family_sequence_length(config: ModelConfig, native: int) -> int:
+    """Caption tokens: `native` (the pipeline's own) when model.max_sequence_length is unset or at the generic
+    default, so a resolved config.yaml (which spells the default out) reproduces its run."""
+    chosen = config.max_sequence_length
+    if chosen is None or chosen == ModelConfig.model_fields["max_sequence_length"].default:
+        return native
+    return chosen
+
+
+class MochiSpec(ModelSpec):
+    name = "mochi"
+
+    def required_components(self) -> tuple[str, ...]:
+        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+
+    # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
+    @functools.cached_property
+    def transformer_config(self) -> dict[str, Any]:
+        return self.load_config(MochiTransformer3DModel, "transformer")
+
+    @functools.cached_property
+    def compression(self) -> tuple[int, int, int]:
+        """(VAE spatial ratio, VAE temporal ratio, transformer patch size)."""
+        vae = self.load_config(AutoencoderKLMochi, "vae")
+        spatial = math.prod(vae.get("spatial_expansions", (2, 2, 2)))
+        temporal = math.prod(vae.get("temporal_expansions", (1, 2, 3)))
+        return spatial, temporal, self.transformer_config.get("patch_size", 2)
+
+    @functools.cached_property
+    def max_sequence_length(self) -> int:
+        """Caption tokens: the transformer's `max_sequence_length` (256, MochiPipeline's default, in the released
+        checkpoint) unless model.max_sequence_length says otherwise."""
+        return family_sequence_length(self.config, int(self.transformer_config.get("max_sequence_length", 256)))
+
+    @functools.cached_property
+    def force_zeros_for_empty_prompt(self) -> bool:
+        """The pipeline setting of model_index.json (False when there is none)."""
+        try:
+            config = MochiPipeline.load_config(self.config.pretrained, revision=self.config.revision)
+        except (OSError, ValueError):
+            return False
+        return bool(config.get("force_zeros_for_empty_prompt", False))
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        vae_spatial, temporal, patch = self.compression
+        spatial = vae_spatial * patch
+        problems = []
+        if (frames - 1) % temporal != 0:
+            below = (frames - 1) // temporal * temporal + 1
+            choices = f"{below} or {below + temporal}" if below > 1 else str(below + temporal)
+            problems.append(
+                f"data.frames={frames} must be {temporal}k+1 for this model; nearest valid values: {choices}"
+            )
+        for key, value in (("data.height", height), ("data.width", width)):
+            if value % spatial != 0:
+                problems.append(
+                    f"{key}={value} must be a multiple of {spatial} for this model; nearest valid value: "
+                    f"{nearest_multiple(value, spatial)}"
+                )
+        if problems:
+            raise ConfigError("The clip shape does not fit Mochi:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    # ----- loading ---------------------------------------------------------------------------------
+    def load_text_components(self, device: torch.device) -> TextComponents:
+        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
+        dtype = self.component_dtype("text_encoder", device)
+        text_encoder = self.load_component(T5EncoderModel, "text_encoder", torch_dtype=dtype)
+        text_encoder.requires_grad_(False).eval().to(device)
+        return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
+
+    def load_vae(self, device: torch.device) -> nn.Module:
+        vae = self.load_component(AutoencoderKLMochi, "vae", torch_dtype=self.component_dtype("vae", device))
+        return vae.requires_grad_(False).eval().to(device)
+
+    def load_denoiser(self, device: torch.device) -> nn.Module:
+        dtype = self.component_dtype("transformer", device)
+        transformer = self.load_component(MochiTransformer3DModel, "transformer", torch_dtype=dtype)
+        return transformer.to(device)
+
+    def load_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return self.load_component(FlowMatchEulerDiscreteScheduler, "scheduler")
+
+    # ----- tensors ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
+        """T5 embeddings + mask exactly as MochiPipeline.encode_prompt computes them."""
+        tokenizer, text_encoder = text["tokenizer"], text["text_encoder"]
+        tokens = tokenizer(
+            list(captions),
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_tensors="pt",
+        )
+        ids, mask = tokens.input_ids, tokens.attention_mask.bool()
+        if self.force_zeros_for_empty_prompt:
+            # Per caption; the pipeline zeroes a whole batch when its last prompt is empty.
+            empty = torch.tensor([caption == "" for caption in captions])
+            ids = torch.where(empty[:, None], torch.zeros_like(ids), ids)
+            mask = mask & ~empty[:, None]
+        device = text_encoder.device
+        embeds = text_encoder(ids.to(device), attention_mask=mask.to(device))[0]
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask.to(device)}
+
+    @staticmethod
+    def latent_normalisation(vae: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shift, scale) with normalised = (raw - shift) * scale, the inverse of the pipeline's decode."""
+        config = vae.config
+        channels = config.latent_channels
+        if config.get("latents_mean") is not None and config.get("latents_std") is not None:
+            shift = torch.tensor(config.latents_mean).view(1, channels, 1, 1, 1)
+            scale = config.scaling_factor / torch.tensor(config.latents_std).view(1, channels, 1, 1, 1)
+        else:
+            shift = torch.zeros(1, channels, 1, 1, 1)
+            scale = torch.full((1, channels, 1, 1, 1), float(config.scaling_factor))
+        return shift.to(like), scale.to(like)
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout (and the transformer's).
+        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
+        posterior = vae.encode(pixels).latent_dist
+        shift, scale = self.latent_normalisation(vae, posterior.mean)
+        return {"latents_mean": (posterior.mean - shift) * scale, "latents_std": posterior.std * scale}
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        return denoiser(
+            hidden_states=noisy_latents,
+            encoder_hidden_states=conditions["prompt_embeds"],
+            timestep=timesteps.to(noisy_latents.dtype),  # the pipeline's timestep dtype
+            encoder_attention_mask=conditions["prompt_attention_mask"],
+            return_dict=False,
+        )[0]
+
+    # ----- pipeline and outputs ----------------------------------------------------------------------
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> MochiPipeline:
+        return MochiPipeline(
+            scheduler=self.load_scheduler(),
+            vae=vae,
+            text_encoder=text["text_encoder"],
+            tokenizer=text["tokenizer"],
+            transformer=denoiser,
+            force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt,
+        )
+
+    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
+        output = pipeline(
+            prompt=prompt,
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            generator=generator,
+            output_type="pt",
+        )
+        return output.frames[0].float() * 2.0 - 1.0
+
+    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
+        # Already [B, C, F, H, W] and normalised: the pipeline denormalises only when decoding.
+        return pipeline(
+            prompt=prompt, num_frames=frames, height=height, width=width,
+            num_inference_steps=num_inference_steps, guidance_scale=1.0,
+            max_sequence_length=self.max_sequence_length, generator=generator, output_type="latent",
+        ).frames
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
+        MochiPipeline.save_lora_weights(
+            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+        )
+        return Path(folder) / "pytorch_lora_weights.safetensors"

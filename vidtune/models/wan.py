@@ -1,0 +1,363 @@
+"""Wan 2.1 (Alibaba): UMT5 text encoder, causal video VAE, and a DiT with cross-attention to the text.
+
+`wan` is text-to-video (WanPipeline), `wan-i2v` image-to-video (WanImageToVideoPipeline). Conventions taken
+from those pipelines:
+    text: the cleaned caption is tokenised to `max_sequence_length` tokens (default 512, the pipelines'),
+        encoded by UMT5 with the attention mask, then each embedding is cut to its caption's length and
+        zero padded back (the transformer has no text mask: padding is zeros, not pad-token states);
+    latents: the VAE posterior normalised per channel, (z - vae.config.latents_mean) / vae.config.latents_std,
+        which the pipelines invert before decoding;
+    objective: flow matching, read from the scheduler (UniPC with flow_prediction / use_flow_sigmas).
+Image-to-video adds two video-derived conditions, computed in `prepare_latents` from each clip's first
+frame: `image_embeds` (the CLIP vision encoder's penultimate hidden states) and `image_condition` (four
+mask channels plus the normalised latents of the first frame followed by zero frames), which `forward`
+concatenates to the noisy latents on the channel dim, as the pipeline does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import torch
+from diffusers import (
+    AutoencoderKLWan,
+    UniPCMultistepScheduler,
+    WanImageToVideoPipeline,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from PIL import Image
+from torch import nn
+from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
+
+from vidtune.errors import ConfigError, ModelError
+from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default; WanImageToVideoPipeline's transformer requires it
+
+
+def nearest_multiple(value: int, multiple: int) -> int:
+    return max(1, round(value / multiple)) * multiple
+
+
+def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
+    """[B, 3, H, W] in [-1, 1] -> RGB images, as a user would hand them to the pipeline."""
+    pixels = ((frames.detach().float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
+    return [Image.fromarray(array) for array in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+
+
+class WanSpec(ModelSpec):
+    name = "wan"
+    pipeline_class: type = WanPipeline
+
+    def required_components(self) -> tuple[str, ...]:
+        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+
+    @property
+    def max_sequence_length(self) -> int:
+        """UMT5 tokens per caption: `model.max_sequence_length` when set, else the pipeline's 512."""
+        if "max_sequence_length" in self.config.model_fields_set:
+            return self.config.max_sequence_length
+        return DEFAULT_MAX_SEQUENCE_LENGTH
+
+    # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
+    @functools.cached_property
+    def compression(self) -> tuple[int, int, tuple[int, int, int]]:
+        """(VAE spatial ratio, VAE temporal ratio, transformer patch size (t, h, w))."""
+        vae = self.load_config(AutoencoderKLWan, "vae")
+        spatial = vae.get("scale_factor_spatial") or 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
+        temporal = vae.get("scale_factor_temporal") or 2 ** sum(vae.get("temperal_downsample", [False, True, True]))
+        transformer = self.load_config(WanTransformer3DModel, "transformer")
+        return spatial, temporal, tuple(transformer.get("patch_size", (1, 2, 2)))
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        vae_spatial, temporal, patch = self.compression
+        problems = []
+        if (frames - 1) % temporal != 0 or ((frames - 1) // temporal + 1) % patch[0] != 0:
+            below = (frames - 1) // temporal * temporal + 1
+            choices = f"{below} or {below + temporal}" if below > 1 else str(below + temporal)
+            problems.append(
+                f"data.frames={frames} must be {temporal}k+1 for this model; nearest valid values: {choices}"
+            )
+        for key, value, multiple in (("data.height", height, vae_spatial * patch[1]),
+                                     ("data.width", width, vae_spatial * patch[2])):
+            if value % multiple != 0:
+                problems.append(
+                    f"{key}={value} must be a multiple of {multiple} for this model; nearest valid value: "
+                    f"{nearest_multiple(value, multiple)}"
+                )
+        if problems:
+            raise ConfigError("The clip shape does not fit Wan:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    # ----- loading ---------------------------------------------------------------------------------
+    def load_text_components(self, device: torch.device) -> TextComponents:
+        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
+        dtype = self.component_dtype("text_encoder", device)
+        text_encoder = self.load_component(UMT5EncoderModel, "text_encoder", torch_dtype=dtype)
+        text_encoder.requires_grad_(False).eval().to(device)
+        return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
+
+    def load_vae(self, device: torch.device) -> nn.Module:
+        vae = self.load_component(AutoencoderKLWan, "vae", torch_dtype=self.component_dtype("vae", device))
+        return vae.requires_grad_(False).eval().to(device)
+
+    def load_denoiser(self, device: torch.device) -> nn.Module:
+        dtype = self.component_dtype("transformer", device)
+        transformer = self.load_component(WanTransformer3DModel, "transformer", torch_dtype=dtype)
+        return transformer.to(device)
+
+    def load_scheduler(self) -> Any:
+        """The scheduler class the checkpoint names (Wan ships UniPCMultistepScheduler with flow sigmas)."""
+        name = self.load_config(UniPCMultistepScheduler, "scheduler").get("_class_name", "UniPCMultistepScheduler")
+        scheduler_class = getattr(diffusers, name, None)
+        if scheduler_class is None:
+            raise ConfigError(f"model.pretrained: unknown scheduler class {name!r} in the scheduler config")
+        return self.load_component(scheduler_class, "scheduler")
+
+    # ----- tensors ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
+        """UMT5 embeddings, exactly as WanPipeline.encode_prompt computes them."""
+        tokenizer, text_encoder = text["tokenizer"], text["text_encoder"]
+        length = self.max_sequence_length
+        tokens = tokenizer(
+            [prompt_clean(caption) for caption in captions],
+            padding="max_length",
+            max_length=length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        device = text_encoder.device
+        mask = tokens.attention_mask.to(device)
+        embeds = text_encoder(tokens.input_ids.to(device), mask).last_hidden_state
+        # Keep each caption's own tokens and zero the rest (the pipeline's trim + zero padding).
+        keep = torch.arange(length, device=device)[None, :] < mask.gt(0).sum(dim=1, keepdim=True)
+        return {"prompt_embeds": embeds * keep[..., None].to(embeds.dtype)}
+
+    def normalise(self, vae: nn.Module, latents: torch.Tensor, shift: bool = True) -> torch.Tensor:
+        """(z - latents_mean) / latents_std per channel, as the Wan pipelines normalise (inverted to decode)."""
+        channels = vae.config.z_dim
+        std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(latents)
+        if not shift:
+            return latents / std
+        mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(latents)
+        return (latents - mean) / std
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
+        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
+        posterior = vae.encode(pixels).latent_dist
+        return {
+            "latents_mean": self.normalise(vae, posterior.mean),
+            "latents_std": self.normalise(vae, posterior.std, shift=False),
+        }
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        return denoiser(
+            hidden_states=noisy_latents,
+            timestep=timesteps.to(noisy_latents.device),
+            encoder_hidden_states=conditions["prompt_embeds"].to(noisy_latents.dtype),
+            return_dict=False,
+        )[0]
+
+    # ----- pipeline and outputs ----------------------------------------------------------------------
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
+        return WanPipeline(
+            tokenizer=text["tokenizer"],
+            text_encoder=text["text_encoder"],
+            vae=vae,
+            scheduler=self.load_scheduler(),
+            transformer=denoiser,
+        )
+
+    def pipeline_inputs(self) -> dict[str, Any]:
+        """Extra inputs of the family's pipeline call (image-to-video: the conditioning image)."""
+        return {}
+
+    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
+        """How the caption reaches the pipeline call (text-to-video: as text, the pipeline encodes it)."""
+        return {"prompt": prompt}
+
+    def _sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int, num_inference_steps: int,
+                guidance_scale: float, generator: torch.Generator, output_type: str) -> torch.Tensor:
+        return pipeline(
+            **self.prompt_inputs(pipeline, prompt, guidance_scale),
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            generator=generator,
+            output_type=output_type,
+            **self.pipeline_inputs(),
+        ).frames
+
+    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
+        video = self._sample(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                             generator, "pt")
+        return video[0].float() * 2.0 - 1.0
+
+    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
+        # Already [B, C, F, H, W] and normalised like prepare_latents (the pipeline denormalises only to decode).
+        return self._sample(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator, "latent")
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
+        self.pipeline_class.save_lora_weights(
+            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+        )
+        return Path(folder) / "pytorch_lora_weights.safetensors"
+
+
+class WanImageEncoders(nn.Module):
+    """What `WanImageToVideoSpec.load_vae` returns: the VAE with the CLIP image encoder and its processor.
+
+    Opaque to trainers (they only hand it back to the spec); the spec's `prepare_latents` and `pipeline`
+    take it apart.
+    """
+
+    def __init__(self, vae: nn.Module, image_encoder: nn.Module, image_processor: CLIPImageProcessor) -> None:
+        super().__init__()
+        self.vae = vae
+        self.image_encoder = image_encoder
+        self.image_processor = image_processor
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vae.dtype
+
+
+class WanImageToVideoSpec(WanSpec):
+    """Wan 2.1 image-to-video. The conditioning image of `generate` / `generate_latents` is `reference_image`:
+    set it with `set_reference_video` (validation does, with the first frame of the first dataset clip);
+    otherwise it is the first frame of the first clip `prepare_latents` encoded."""
+
+    name = "wan-i2v"
+    pipeline_class = WanImageToVideoPipeline
+
+    def __init__(self, config: Any, frame_rate: float = 25.0) -> None:
+        super().__init__(config, frame_rate)
+        self.reference_image: Image.Image | None = None
+
+    def required_components(self) -> tuple[str, ...]:
+        return super().required_components() + ("image_encoder", "image_processor")
+
+    @property
+    def max_sequence_length(self) -> int:
+        length = super().max_sequence_length
+        if length != DEFAULT_MAX_SEQUENCE_LENGTH:
+            # The transformer splits its context as [image tokens, last 512 tokens = text]: no other length works.
+            raise ConfigError(
+                f"model.max_sequence_length={length}: Wan image-to-video needs {DEFAULT_MAX_SEQUENCE_LENGTH} "
+                "(its transformer takes the last 512 context tokens as text); leave it unset."
+            )
+        return length
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        super().check_video_shape(frames, height, width)
+        _ = self.max_sequence_length  # fails early on a text length the transformer cannot take
+
+    def set_reference_video(self, video: torch.Tensor) -> None:
+        """Condition sampling on the first frame of `video` ([F, 3, H, W] in [-1, 1])."""
+        self.reference_image = frames_to_pil(video[:1])[0]
+
+    def load_vae(self, device: torch.device) -> WanImageEncoders:
+        vae = super().load_vae(device)
+        dtype = self.component_dtype("image_encoder", device)
+        image_encoder = self.load_component(CLIPVisionModel, "image_encoder", torch_dtype=dtype)
+        image_processor = self.load_component(CLIPImageProcessor, "image_processor")
+        return WanImageEncoders(vae, image_encoder.requires_grad_(False).eval().to(device), image_processor)
+
+    @torch.no_grad()
+    def encode_image(self, encoders: WanImageEncoders, first_frames: torch.Tensor) -> torch.Tensor:
+        """CLIP penultimate hidden states of each first frame, as WanImageToVideoPipeline.encode_image."""
+        inputs = encoders.image_processor(images=frames_to_pil(first_frames), return_tensors="pt")
+        pixel_values = inputs.pixel_values.to(encoders.image_encoder.device, encoders.image_encoder.dtype)
+        return encoders.image_encoder(pixel_values=pixel_values, output_hidden_states=True).hidden_states[-2]
+
+    @torch.no_grad()
+    def image_condition(self, encoders: WanImageEncoders, first_frames: torch.Tensor, frames: int) -> torch.Tensor:
+        """Mask channels + normalised latents of [first frame, zeros...], as WanImageToVideoPipeline.prepare_latents."""
+        vae = encoders.vae
+        batch, channels, height, width = first_frames.shape
+        pixels = first_frames.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
+        video = torch.cat([pixels, pixels.new_zeros(batch, channels, frames - 1, height, width)], dim=2)
+        latents = self.normalise(vae, vae.encode(video).latent_dist.mode())
+        temporal = vae.config.scale_factor_temporal
+        _, _, latent_frames, latent_height, latent_width = latents.shape
+        # One mask value per pixel frame, the first repeated `temporal` times, folded into `temporal` channels.
+        mask = torch.zeros(batch, 1, frames + temporal - 1, latent_height, latent_width, device=latents.device)
+        mask[:, :, :temporal] = 1
+        mask = mask.view(batch, latent_frames, temporal, latent_height, latent_width).transpose(1, 2)
+        return torch.cat([mask.to(latents.dtype), latents], dim=1)
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: WanImageEncoders, videos: torch.Tensor) -> Latents:
+        latents = super().prepare_latents(vae.vae, videos)
+        first_frames = videos[:, 0]
+        if self.reference_image is None:
+            self.reference_image = frames_to_pil(first_frames[:1])[0]
+        latents["image_embeds"] = self.encode_image(vae, first_frames).to(latents["latents_mean"].dtype)
+        latents["image_condition"] = self.image_condition(vae, first_frames, videos.shape[1])
+        return latents
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = noisy_latents.dtype
+        hidden_states = torch.cat([noisy_latents, conditions["image_condition"].to(dtype)], dim=1)
+        return denoiser(
+            hidden_states=hidden_states,
+            timestep=timesteps.to(noisy_latents.device),
+            encoder_hidden_states=conditions["prompt_embeds"].to(dtype),
+            encoder_hidden_states_image=conditions["image_embeds"].to(dtype),
+            return_dict=False,
+        )[0]
+
+    def pipeline(self, text: TextComponents, vae: WanImageEncoders, denoiser: nn.Module) -> Any:
+        return WanImageToVideoPipeline(
+            tokenizer=text["tokenizer"],
+            text_encoder=text["text_encoder"],
+            vae=vae.vae,
+            scheduler=self.load_scheduler(),
+            image_processor=vae.image_processor,
+            image_encoder=vae.image_encoder,
+            transformer=denoiser,
+        )
+
+    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
+        """Embeddings computed like WanImageToVideoPipeline.encode_prompt: that pipeline cleans prompts with
+        `ftfy` unconditionally (WanPipeline only when it is installed), so handing it embeddings keeps ftfy
+        optional."""
+        text = TextComponents({"tokenizer": pipeline.tokenizer, "text_encoder": pipeline.text_encoder})
+        inputs = {"prompt_embeds": self.prepare_conditions(text, [prompt])["prompt_embeds"]}
+        if guidance_scale > 1.0:
+            inputs["negative_prompt_embeds"] = self.prepare_conditions(text, [""])["prompt_embeds"]
+        return inputs
+
+    def pipeline_inputs(self) -> dict[str, Any]:
+        if self.reference_image is None:
+            raise ModelError(
+                "wan-i2v samples from an image: call set_reference_video (validation uses the first frame of the "
+                "first dataset clip) or encode a clip with prepare_latents first."
+            )
+        return {"image": self.reference_image}
+

@@ -1,0 +1,185 @@
+"""Which cache entries a config needs, and the key of each: what makes the cache never stale.
+
+A condition's key covers the spec, the identity of every text component (tokenizers and encoders), the
+text encoder dtype, the sequence length and the caption text. A latent's key covers the spec, the VAE's
+identity and dtype, the preprocessing (frames, size, crop, fps), the clip's content hash and the storage
+mode. A component's identity is its hub id + commit (or revision), or, for a local folder, a hash of the
+contents of its files; a clip's identity is the hash of its content, not its name. Hashes are memoised in
+the cache folder by (path, size, mtime, ctime, inode), so only new or changed files are read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vidtune.config import Config
+from vidtune.data.sources import Sample
+from vidtune.errors import ConfigError
+from vidtune.models.spec import ModelSpec
+from vidtune.precompute.cache import CacheStore, Fingerprints, entry_key
+
+# Bump when `read_clip` changes what it returns for the same arguments.
+PREPROCESS_VERSION = 1
+TEXT_COMPONENT_PREFIXES = ("text_encoder", "tokenizer")
+
+
+def cache_root(config: Config) -> Path:
+    """`precompute.cache_dir`, or `<data.root>/.vidtune-cache`."""
+    folder = config.precompute.cache_dir or str(Path(config.data.root) / ".vidtune-cache")
+    return Path(folder).expanduser().absolute()
+
+
+def text_component_names(spec: ModelSpec) -> tuple[str, ...]:
+    """The tokenizers and text encoders of a spec (e.g. text_encoder, tokenizer, text_encoder_2, tokenizer_2)."""
+    names = getattr(spec, "text_component_names", None)
+    if names:
+        return tuple(names)
+    return tuple(n for n in spec.required_components() if n.startswith(TEXT_COMPONENT_PREFIXES))
+
+
+def _hub_commit(repo_id: str, subfolder: str | None, revision: str | None) -> str | None:
+    """The commit a hub revision resolves to in the local hub cache (what from_pretrained would load)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        filename = f"{subfolder}/config.json" if subfolder else "config.json"
+        found = try_to_load_from_cache(repo_id, filename, revision=revision)
+    except Exception:  # a malformed id or an unusual cache: fall back to the revision name
+        return None
+    if not isinstance(found, str):
+        return None
+    parts = Path(found).parts
+    return parts[parts.index("snapshots") + 1] if "snapshots" in parts else None
+
+
+def component_identity(spec: ModelSpec, component: str, fingerprints: Fingerprints) -> str:
+    """`local:<hash of the folder's files>` or `hub:<id>@<commit or revision>/<subfolder>`."""
+    source, subfolder = spec.component_source(component)
+    local = Path(source).expanduser()
+    if local.is_dir():
+        folder = local / subfolder if subfolder else local
+        if not folder.is_dir():
+            raise ConfigError(f"model: the {component} folder {folder} does not exist")
+        return "local:" + fingerprints.tree(folder)
+    revision = spec.config.revision
+    commit = _hub_commit(source, subfolder, revision)
+    return f"hub:{source}@{commit or revision or 'main'}/{subfolder or ''}"
+
+
+def _spec_identity(spec: ModelSpec) -> dict[str, Any]:
+    cls = type(spec)
+    return {"name": spec.name, "class": f"{cls.__module__}.{cls.__qualname__}",
+            "version": getattr(spec, "cache_version", 1)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """How a clip becomes the tensor the VAE sees (what `VideoCaptionDataset` / `read_clip` do)."""
+
+    frames: int
+    height: int
+    width: int
+    fps: float | None = None
+    crop: str = "center"  # read_clip: resize to cover, then center crop
+    start: int = 0
+
+    @classmethod
+    def from_config(cls, config: Config) -> Preprocess:
+        data = config.data
+        return cls(data.frames, data.height, data.width, data.fps)
+
+    def describe(self) -> dict[str, Any]:
+        return {"frames": self.frames, "height": self.height, "width": self.width, "fps": self.fps,
+                "crop": self.crop, "start": self.start, "version": PREPROCESS_VERSION}
+
+
+def resolve_device(name: str, fallback: str) -> torch.device:
+    """`auto` -> the training device; under torchrun, `cuda` means this rank's GPU."""
+    if name == "auto":
+        name = fallback
+    if name == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        name = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return torch.device(name)
+
+
+@dataclass
+class CachePlan:
+    """Per-sample keys and the unique entries they point to, for one config and dataset."""
+
+    cache: CacheStore
+    store: str
+    preprocess: Preprocess
+    text_device: torch.device
+    vae_devices: list[torch.device]
+    text_dtype: torch.dtype
+    vae_dtype: torch.dtype
+    condition_keys: list[str] = field(default_factory=list)  # one per sample
+    latent_keys: list[str] = field(default_factory=list)  # one per sample
+    conditions: dict[str, str] = field(default_factory=dict)  # key -> caption, dataset order
+    latents: dict[str, Path] = field(default_factory=dict)  # key -> clip, dataset order
+    condition_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    latent_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    empty_key: str | None = None  # the empty prompt, for caption dropout technique `empty`
+
+
+def build_plan(config: Config, spec: ModelSpec, samples: list[Sample], cache: CacheStore | None = None) -> CachePlan:
+    """Every key a config needs (hashing clips and weights it has not seen before)."""
+    cache = cache or CacheStore(cache_root(config))
+    options = config.precompute
+    fallback = config.training.device
+    text_device = resolve_device(options.text_device, fallback)
+    vae_devices = [resolve_device(name, fallback) for name in options.vae_devices]
+    text_dtype = spec.component_dtype("text_encoder", text_device)
+    vae_dtypes = {spec.component_dtype("vae", device) for device in vae_devices}
+    if len(vae_dtypes) > 1:
+        raise ConfigError(
+            f"precompute.vae_devices {options.vae_devices} would run the VAE in different dtypes "
+            f"({', '.join(sorted(dtype_name(d) for d in vae_dtypes))}); use devices of one kind or set model.vae_dtype"
+        )
+    preprocess = Preprocess.from_config(config)
+    plan = CachePlan(cache, options.store, preprocess, text_device, vae_devices, text_dtype, vae_dtypes.pop())
+
+    fingerprints = cache.fingerprints
+    spec_id = _spec_identity(spec)
+    text_parts = {
+        "spec": spec_id,
+        "components": {name: component_identity(spec, name, fingerprints) for name in text_component_names(spec)},
+        "dtype": dtype_name(plan.text_dtype),
+        "max_sequence_length": config.model.max_sequence_length,
+    }
+    latent_parts = {
+        "spec": spec_id,
+        "components": {"vae": component_identity(spec, "vae", fingerprints)},
+        "dtype": dtype_name(plan.vae_dtype),
+        "preprocess": preprocess.describe(),
+        "store": options.store,
+    }
+
+    def condition(caption: str) -> str:
+        key = entry_key("conditions", {**text_parts, "caption": caption})
+        plan.conditions.setdefault(key, caption)
+        plan.condition_info.setdefault(key, {"caption": caption})
+        return key
+
+    for sample in samples:
+        plan.condition_keys.append(condition(sample.caption))
+        clip_hash = fingerprints.file(sample.video)
+        key = entry_key("latents", {**latent_parts, "clip": clip_hash})
+        plan.latent_keys.append(key)
+        plan.latents.setdefault(key, sample.video)
+        plan.latent_info.setdefault(key, {"clip": str(sample.video), "clip_sha256": clip_hash,
+                                          **preprocess.describe(), "store": options.store})
+    if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
+        plan.empty_key = condition("")
+    return plan

@@ -1,8 +1,10 @@
 """Checkpoints of the whole training state, written so that a crash never leaves a broken one.
 
 A checkpoint is a folder `step-XXXXXXXX/` holding the trainable weights (safetensors), the optimizer,
-LR scheduler and RNG states, and the resolved config. It is written under a temporary name and
-renamed into place only when complete, so a folder named `step-*` is always whole.
+LR scheduler and RNG states (one entry per rank), the data position, and the resolved config. It is
+written under a temporary name and renamed into place only when complete, so a folder named `step-*`
+is always whole; a write that fails (a full disk) removes its temporary folder and leaves the
+checkpoints already there untouched.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from vidtune.config import Config, write_resolved_config
 
 WEIGHTS = "weights.safetensors"
 STATE = "training_state.pt"
+CONFIG = "config.yaml"
 PREFIX = "step-"
+INCOMPLETE = ".incomplete-"
+STALE = ".stale-"
+FORMAT = 1
 
 
 def rng_state() -> dict[str, Any]:
@@ -34,7 +40,12 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any], rank: int = 0) -> None:
+    """Restore the RNGs saved by `save` for `rank` (older checkpoints hold one unkeyed state)."""
+    if "python" not in state:
+        if rank not in state:
+            raise KeyError(f"the checkpoint holds no RNG state for rank {rank} (it has ranks {sorted(state)})")
+        state = state[rank]
     random.setstate(state["python"])
     name, keys, position, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
@@ -47,6 +58,21 @@ def _fsync_tree(folder: Path) -> None:
     for path in folder.iterdir():
         with path.open("rb") as handle:
             os.fsync(handle.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename inside `folder` durable (no-op where directories cannot be opened)."""
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def save(
@@ -59,38 +85,85 @@ def save(
     extra: dict[str, Any],
     config: Config,
     keep: int,
+    rank: int = 0,
 ) -> Path:
-    """Write checkpoint `step` atomically under `root`, then keep only the newest `keep`."""
+    """Write checkpoint `step` atomically under `root`, then keep only the newest `keep`.
+
+    Any error while writing (OSError for a full disk, ...) removes the temporary folder and is raised
+    again; the checkpoints already under `root` are untouched then.
+    """
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
-    temporary = root / f".incomplete-{PREFIX}{step:08d}-{os.getpid()}"
+    temporary = root / f"{INCOMPLETE}{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, temporary / WEIGHTS)
-    torch.save(
-        {"step": step, "optimizer": optimizer, "lr_scheduler": lr_scheduler, "rng": rng_state(), **extra},
-        temporary / STATE,
-    )
-    write_resolved_config(config, temporary)
-    _fsync_tree(temporary)
+    try:
+        temporary.mkdir()
+        save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, temporary / WEIGHTS)
+        torch.save(
+            {"format": FORMAT, "step": step, "optimizer": optimizer, "lr_scheduler": lr_scheduler,
+             "rng": {rank: rng_state()}, **extra},
+            temporary / STATE,
+        )
+        write_resolved_config(config, temporary)
+        _fsync_tree(temporary)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     if final.exists():
-        # Same step saved twice (e.g. at an interval and at the end): swap, never delete first.
-        stale = root / f".stale-{final.name}-{os.getpid()}"
+        # Same step saved twice: swap, never delete first (`recover` finishes a swap cut short).
+        stale = root / f"{STALE}{final.name}-{os.getpid()}"
         os.replace(final, stale)
         os.replace(temporary, final)
         shutil.rmtree(stale)
     else:
         os.replace(temporary, final)
+    _fsync_dir(root)
     prune(root, keep)
     return final
+
+
+def _has_files(folder: Path) -> bool:
+    return folder.is_dir() and all((folder / name).is_file() for name in (WEIGHTS, STATE, CONFIG))
+
+
+def is_complete(folder: Path) -> bool:
+    """A checkpoint folder renamed into place with every file; nothing else is ever listed or loaded."""
+    return folder.name.startswith(PREFIX) and folder.name[len(PREFIX):].isdigit() and _has_files(folder)
+
+
+def step_of(folder: Path) -> int:
+    return int(folder.name[len(PREFIX):])
 
 
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / STATE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
+
+
+def latest(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def recover(root: Path) -> None:
+    """Tidy what a killed process left under `root`: drop half-written folders, finish cut-short swaps.
+
+    Only call it while no other process writes checkpoints under `root`.
+    """
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if path.name.startswith(INCOMPLETE):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.startswith(STALE):
+            target = root / path.name[len(STALE):].rsplit("-", 1)[0]
+            if not is_complete(target) and _has_files(path) and target.name.startswith(PREFIX):
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(path, target)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def prune(root: Path, keep: int) -> None:
@@ -99,6 +172,10 @@ def prune(root: Path, keep: int) -> None:
 
 
 def load(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(trainable weights, training state) of a complete checkpoint folder."""
+    if not is_complete(folder):
+        raise FileNotFoundError(f"{folder} is not a complete checkpoint (a step-XXXXXXXX folder with {WEIGHTS}, "
+                                f"{STATE} and {CONFIG})")
     weights = load_file(folder / WEIGHTS, device=str(map_location))
     state = torch.load(folder / STATE, map_location=map_location, weights_only=True)
     return weights, state

@@ -64,6 +64,37 @@ def command_data_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_precompute(args: argparse.Namespace) -> int:
+    from vidtune.precompute import precompute
+
+    summary = precompute(_load(args.config))
+    if summary.rank == 0:
+        print(f"Cache: {summary.cache_dir} ({summary.seconds:.1f} s)")
+        print(summary.line())
+    return 0
+
+
+def command_cache_info(args: argparse.Namespace) -> int:
+    from vidtune.precompute.info import cache_report
+
+    config = _load(args.config) if args.config else None
+    if config is None and not args.cache_dir:
+        raise VidtuneError("vidtune cache info: give a config (CONFIG [KEY=VALUE ...]) or --cache-dir")
+    if config is not None and args.cache_dir:
+        config.precompute.cache_dir = args.cache_dir
+    report = cache_report(config, root=args.cache_dir, verify=args.verify, progress=config is not None)
+    print("\n".join(report.lines()))
+    return 0
+
+
+def command_export(args: argparse.Namespace) -> int:
+    from vidtune.export import export_checkpoint
+
+    written = export_checkpoint(args.checkpoint, args.output, overwrite=args.overwrite)
+    print(f"Exported {args.checkpoint} -> {written}")
+    return 0
+
+
 def print_summary(result, seconds: float) -> None:
     print()
     print(f"Finished {result.final_step} steps in {seconds:.0f} s.")
@@ -99,6 +130,29 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]")
     check.add_argument("--overview", help="where to write the overview PNG")
     check.set_defaults(handler=command_data_check)
+
+    precompute = commands.add_parser(
+        "precompute", help="encode captions and clips into the cache (what precompute.enabled=true runs first)"
+    )
+    precompute.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]")
+    precompute.set_defaults(handler=command_precompute)
+
+    cache = commands.add_parser("cache", help="precompute cache tools")
+    cache_commands = cache.add_subparsers(dest="cache_command", required=True)
+    info = cache_commands.add_parser("info", help="entries and size of a cache, and what a config would reuse")
+    info.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]")
+    info.add_argument("--cache-dir", help="the cache folder (default: the config's precompute.cache_dir)")
+    info.add_argument("--verify", action="store_true", help="read and checksum every entry the config needs")
+    info.set_defaults(handler=command_cache_info)
+
+    export = commands.add_parser(
+        "export", help="write a checkpoint's weights as a finished run's (LoRA adapter or transformer folder)"
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
+                        help="a checkpoints/step-XXXXXXXX folder, or a run folder (its newest checkpoint)")
+    export.add_argument("--output", required=True, help="folder to write the adapter or transformer/ into")
+    export.add_argument("--overwrite", action="store_true", help="replace weights already in --output")
+    export.set_defaults(handler=command_export)
     return parser
 
 
@@ -113,10 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     except VidtuneError as error:
         if args.verbose:
             raise
-        print(f"\nerror: {error}", file=sys.stderr)
-        return 2
+        code = getattr(error, "exit_code", 2)
+        print(f"\n{'error' if code == 2 else 'stopped'}: {error}", file=sys.stderr)
+        return code
     except KeyboardInterrupt:
-        print("\nInterrupted.", file=sys.stderr)
+        print("\nInterrupted at once; checkpoints already written are kept (continue with "
+              "checkpoint.resume=latest).", file=sys.stderr)
         return 130
 
 

@@ -69,7 +69,9 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
-    algorithm: Literal["lora"] = "lora"
+    algorithm: Literal["lora", "full"] = Field(
+        "lora", description="`lora`: train adapters, save them; `full`: train the denoiser's own weights (see `full`)."
+    )
     steps: int = Field(1000, gt=0, description="Optimizer steps.")
     batch_size: int = Field(1, gt=0, description="Clips per micro-batch.")
     gradient_accumulation: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
@@ -85,6 +87,12 @@ class TrainingConfig(Section):
     logit_std: float = Field(1.0, gt=0)
     sigma_shift: float = Field(1.0, gt=0, description="Shift of sampled sigmas towards noise (>1) or data (<1).")
     device: str = Field("auto", description="auto: cuda if available, else cpu.")
+    skip_nonfinite_steps: int = Field(
+        0,
+        ge=0,
+        description="Steps with a NaN/inf loss or gradient that may be skipped (nothing applied) before the run "
+        "stops; 0 stops at the first one. A skipped step still counts towards `steps`.",
+    )
 
 
 class OptimizerConfig(Section):
@@ -106,9 +114,29 @@ class LoRAConfig(Section):
     )
 
 
+class FullConfig(Section):
+    """Which denoiser weights a full fine-tune trains, by parameter name (fnmatch patterns, `*` matches dots).
+
+    A parameter trains when it matches one of `trainable_patterns` and none of `frozen_patterns`.
+    Names are those of `denoiser.named_parameters()`, e.g. `transformer_blocks.0.attn1.to_q.weight`.
+    """
+
+    trainable_patterns: list[str] = Field(
+        default_factory=lambda: ["*"], description="Parameters to train; default: all of them."
+    )
+    frozen_patterns: list[str] = Field(
+        default_factory=list, description="Parameters to keep frozen, e.g. ['patchify_proj.*', 'time_embed.*']."
+    )
+
+
 class CheckpointConfig(Section):
     every: int = Field(500, ge=0, description="Save every N steps; 0 saves only at the end.")
     keep: int = Field(2, gt=0, description="How many of the newest checkpoints to keep.")
+    resume: str | None = Field(
+        None,
+        description="`latest`: continue from the newest checkpoint in output_dir (or start if there is none); "
+        "or the path of a checkpoint folder (or of a run folder, meaning its newest checkpoint).",
+    )
 
 
 class ValidationConfig(Section):
@@ -152,6 +180,7 @@ class Config(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    full: FullConfig = Field(default_factory=FullConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

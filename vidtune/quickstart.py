@@ -21,7 +21,7 @@ QUICKSTART_SETTINGS = {
     "data": {"frames": 17, "height": 64, "width": 64, "fps": 24, "num_workers": 0},
     "training": {
         "algorithm": "lora",
-        "steps": 150,
+        "steps": 300,
         "batch_size": 2,
         "learning_rate": 2e-3,
         "seed": 0,
@@ -30,7 +30,7 @@ QUICKSTART_SETTINGS = {
     },
     "optimizer": {"lr_scheduler": "cosine", "warmup_steps": 10},
     "lora": {"rank": 16, "alpha": 16},
-    "checkpoint": {"every": 50, "keep": 2},
+    "checkpoint": {"every": 100, "keep": 2},
     "validation": {"num_inference_steps": 20, "guidance_scale": 1.0},
 }
 

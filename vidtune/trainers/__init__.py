@@ -5,7 +5,7 @@ from __future__ import annotations
 from vidtune.config import Config
 from vidtune.trainers.base import Trainer, TrainResult
 
-ALGORITHMS = {"lora": "vidtune.trainers.lora:LoRATrainer"}
+ALGORITHMS = {"lora": "vidtune.trainers.lora:LoRATrainer", "full": "vidtune.trainers.full:FullTrainer"}
 
 
 def build_trainer(config: Config) -> Trainer:

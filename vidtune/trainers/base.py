@@ -4,6 +4,11 @@ Read it top to bottom: `run` validates everything the user gave, loads the model
 stream, then loops over optimizer steps. An algorithm (LoRA, full fine-tune, ...) subclasses `Trainer`
 and decides only what is trainable (`configure_trainable`) and what is saved (`trainable_state_dict`,
 `save_final`).
+
+Checkpoints hold the whole training state, so a resumed run (`checkpoint.resume`) continues bit for bit
+where the saved one stopped: trainable weights, optimizer, LR schedule, the number of samples consumed
+(the data stream is seeded by position, see `vidtune.data.sampler`) and the RNGs. SIGINT / SIGTERM stop
+the loop after the current step with a checkpoint; a non-finite loss or gradient is never applied.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import logging
 import math
 import random
+import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -22,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
@@ -30,11 +37,22 @@ from vidtune.config import Config, write_resolved_config
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.sampler import StreamSampler
 from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
-from vidtune.errors import VidtuneError
+from vidtune.errors import ConfigError, VidtuneError
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, sample_latents
 from vidtune.objectives import Objective
 from vidtune.optim import build_lr_scheduler, build_optimizer
+from vidtune.precompute import CachedSamples, collate_cached, encode_captions, encode_videos, precompute, stack_items
+from vidtune.resume import (
+    FIXED_KEYS,
+    CheckpointError,
+    StopSignals,
+    TrainingInterrupted,
+    compare_configs,
+    resolve_resume,
+    saved_config,
+    truncate_metrics,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +109,16 @@ def _collate_with_positions(items: list[dict[str, Any]]) -> dict[str, Any]:
     return batch
 
 
+def _collate_cached_with_positions(items: list[dict[str, Any]]) -> dict[str, Any]:
+    batch = collate_cached(items)
+    batch["position"] = torch.tensor([item["position"] for item in items], dtype=torch.long)
+    return batch
+
+
+def _to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device, non_blocking=True) for key, value in tensors.items()}
+
+
 class Trainer(ABC):
     """The shared loop. Subclasses implement what differs per algorithm."""
 
@@ -135,21 +163,67 @@ class Trainer(ABC):
     # ----- 2. model ----------------------------------------------------------------------------------
     def load_models(self) -> list[nn.Parameter]:
         training = self.config.training
-        self.text = self.spec.load_text_components(self.device)
-        self.vae = self.spec.load_vae(self.device)
+        empty_prompt = self.config.data.caption_dropout > 0 and self.config.data.caption_dropout_technique == "empty"
+        if self.config.precompute.enabled:
+            # The precompute stage loads the text encoders and the VAE only for entries that are missing, and
+            # releases them before it returns: training from the cache never holds them.
+            summary = precompute(self.config, self.samples, progress=self.config.logging.progress)
+            if summary.rank == 0:
+                print(summary.line(), flush=True)
+            self.cached = CachedSamples(self.config, self.spec, summary.plan, self.samples)
+            self._encoders_on_demand = True
+            if empty_prompt:
+                self.empty_conditions = _to_device(self.cached.empty_conditions(), self.device)
+        else:
+            self.text = self.spec.load_text_components(self.device)
+            self.vae = self.spec.load_vae(self.device)
+            if empty_prompt:
+                self.empty_conditions = stack_items(encode_captions(self.spec, self.text, [""], batch_size=1))
         self.denoiser = self.spec.load_denoiser(self.device)
         if training.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
         self.objective = self.spec.objective(training)
-        if self.config.data.caption_dropout > 0 and self.config.data.caption_dropout_technique == "empty":
-            self.empty_conditions = self.spec.prepare_conditions(self.text, [""])
         return self.configure_trainable(self.denoiser)
+
+    # Text encoders and VAE. A run trained from the cache never loads them for training; only the validation
+    # sampler (after training) needs them, so there they are loaded lazily, on first use, at that point.
+    cached: CachedSamples | None = None
+    _encoders_on_demand = False
+    _text: TextComponents | None = None
+    _vae: nn.Module | None = None
+
+    @property
+    def text(self) -> TextComponents | None:
+        if self._text is None and self._encoders_on_demand:
+            logger.info("Loading the text encoders for validation (training used the cache).")
+            self._text = self.spec.load_text_components(self.device)
+        return self._text
+
+    @text.setter
+    def text(self, value: TextComponents | None) -> None:
+        self._text = value
+
+    @property
+    def vae(self) -> nn.Module | None:
+        if self._vae is None and self._encoders_on_demand:
+            logger.info("Loading the VAE for validation (training used the cache).")
+            self._vae = self.spec.load_vae(self.device)
+        return self._vae
+
+    @vae.setter
+    def vae(self, value: nn.Module | None) -> None:
+        self._vae = value
 
     # ----- 3. data -------------------------------------------------------------------------------------
     def batches(self, start_position: int) -> Iterator[dict[str, Any]]:
         data = self.config.data
+        sampler = StreamSampler(len(self.samples), self.config.training.seed, start=start_position)
+        if self.cached is not None:
+            # Reading an entry is far cheaper than a step: no worker processes (nor their memory) needed.
+            yield from DataLoader(_StreamDataset(self.cached), batch_size=self.config.training.batch_size,
+                                  sampler=sampler, num_workers=0, collate_fn=_collate_cached_with_positions)
+            return
         dataset = VideoCaptionDataset(self.samples, data.frames, data.height, data.width, data.fps)
-        sampler = StreamSampler(len(dataset), self.config.training.seed, start=start_position)
         loader = DataLoader(
             _StreamDataset(dataset),
             batch_size=self.config.training.batch_size,
@@ -162,9 +236,13 @@ class Trainer(ABC):
         yield from loader
 
     def encode_batch(self, batch: dict[str, Any]) -> tuple[Conditions, dict[str, torch.Tensor]]:
-        """Conditions and the VAE posterior of a batch (on the fly; precomputed runs skip this)."""
-        conditions = self.spec.prepare_conditions(self.text, batch["caption"])
-        latents = self.spec.prepare_latents(self.vae, batch["video"])
+        """Conditions and the VAE posterior of a batch: read from the cache, or computed on the fly with the
+        functional API the precompute stage uses (`vidtune.precompute.encode`), so both give the same batch."""
+        if "conditions" in batch:
+            return _to_device(batch["conditions"], self.device), _to_device(batch["latents"], self.device)
+        count = len(batch["caption"])
+        conditions = stack_items(encode_captions(self.spec, self.text, batch["caption"], batch_size=count))
+        latents = stack_items(encode_videos(self.spec, self.vae, batch["video"], batch_size=count))
         return conditions, latents
 
     def apply_caption_dropout(self, conditions: Conditions, drop: torch.Tensor) -> Conditions:
@@ -218,6 +296,8 @@ class Trainer(ABC):
     # ----- 5. the loop ---------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         config, training = self.config, self.config.training
+        resume_from = resolve_resume(config)  # refuses a used output_dir before anything is read or written
+        resumed = self.read_checkpoint(resume_from) if resume_from is not None else None
         self.check_inputs()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_resolved_config(config, self.output_dir)
@@ -226,49 +306,61 @@ class Trainer(ABC):
         parameters = self.load_models()
         optimizer = build_optimizer(parameters, config)
         lr_scheduler = build_lr_scheduler(optimizer, config)
-        step = 0
+        step, self.samples_consumed, self.nonfinite_skipped = 0, 0, 0
+        if resumed is not None:
+            step = self.restore_training_state(resumed, optimizer, lr_scheduler)
         samples_per_step = training.batch_size * training.gradient_accumulation
         metrics = MetricsLog(self.output_dir / "metrics.jsonl")
-        stream = self.batches(start_position=step * samples_per_step)
+        truncate_metrics(metrics.path, step)
+        saved_step = step if resumed is not None else None
 
         progress = tqdm(total=training.steps, initial=step, desc="training", unit="step",
                         disable=not config.logging.progress, dynamic_ncols=True)
         self.denoiser.train()
         losses: list[float] = []
-        while step < training.steps:
-            started = time.perf_counter()
-            step_loss = torch.zeros((), device=self.device)
-            for _ in range(training.gradient_accumulation):
-                batch = next(stream)
-                conditions, latents = self.encode_batch(batch)
-                loss = self.compute_loss(conditions, latents, batch["position"]) / samples_per_step
-                loss.backward()
-                step_loss += loss.detach()
-            grad_norm = self.clip_gradients(parameters)
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-
-            if step % config.logging.log_every == 0 or step == training.steps:
+        # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
+        with StopSignals() as stop:
+            stream = self.batches(start_position=self.samples_consumed)
+            if resumed is not None:
+                stream = self._continue_stream(stream, resumed.state["rng"], fetch=step < training.steps)
+            while step < training.steps and stop.received is None:
+                started = time.perf_counter()
+                step_loss = torch.zeros((), device=self.device)
+                for _ in range(training.gradient_accumulation):
+                    batch = next(stream)
+                    conditions, latents = self.encode_batch(batch)
+                    loss = self.compute_loss(conditions, latents, batch["position"]) / samples_per_step
+                    loss.backward()
+                    step_loss += loss.detach()
+                grad_norm = self.clip_gradients(parameters)
                 loss_value = float(step_loss)
-                if not math.isfinite(loss_value):
-                    raise TrainingError(
-                        f"The loss became {loss_value} at step {step}. Try a lower training.learning_rate "
-                        "or training.precision=fp32; checkpoints written so far are kept."
-                    )
-                seconds = time.perf_counter() - started
-                metrics.write(step=step, loss=loss_value, lr=lr_scheduler.get_last_lr()[0],
-                              grad_norm=grad_norm, seconds_per_step=seconds)
-                losses.append(loss_value)
-                progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
-            progress.update(1)
+                step += 1
+                self.samples_consumed += samples_per_step
+                finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
+                if finite:
+                    optimizer.step()
+                else:
+                    self.skip_nonfinite_step(step, loss_value, grad_norm)  # raises past the limit
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
 
-            if config.checkpoint.every and step % config.checkpoint.every == 0 and step < training.steps:
+                if finite and (step % config.logging.log_every == 0 or step == training.steps):
+                    seconds = time.perf_counter() - started
+                    metrics.write(step=step, loss=loss_value, lr=lr_scheduler.get_last_lr()[0],
+                                  grad_norm=grad_norm, seconds_per_step=seconds)
+                    losses.append(loss_value)
+                    progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
+                progress.update(1)
+
+                if config.checkpoint.every and step % config.checkpoint.every == 0 and step < training.steps:
+                    self.save_checkpoint(step, optimizer, lr_scheduler)
+                    saved_step = step
+            progress.close()
+            if saved_step != step:
                 self.save_checkpoint(step, optimizer, lr_scheduler)
-        progress.close()
+            if stop.received is not None:
+                raise TrainingInterrupted(self.interrupted_message(stop.received, step), stop.exit_code)
 
-        self.save_checkpoint(step, optimizer, lr_scheduler)
         weights = self.save_final(self.output_dir)
         from vidtune.validation import plot_loss_curve, render_validation_samples
 
@@ -277,23 +369,158 @@ class Trainer(ABC):
         return TrainResult(self.output_dir, step, losses, weights, samples)
 
     def clip_gradients(self, parameters: list[nn.Parameter]) -> float | None:
+        """Clip to `training.max_grad_norm` and return the norm before clipping (also when clipping is off,
+        so a non-finite gradient is caught before the optimizer applies it)."""
         max_norm = self.config.training.max_grad_norm
         if max_norm is None:
-            return None
+            grads = [p.grad for p in parameters if p.grad is not None]
+            return float(torch.nn.utils.get_total_norm(grads)) if grads else None
         return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
 
+    # ----- 6. checkpoints, resume, faults ----------------------------------------------------------------
+    # Config keys whose change a checkpoint of this algorithm cannot follow (beyond model and algorithm).
+    resume_fixed_keys: tuple[str, ...] = ()
+
+    @property
+    def checkpoints_root(self) -> Path:
+        return self.output_dir / "checkpoints"
+
     def save_checkpoint(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> Path:
+        """Everything a resumed run needs: weights, optimizer, schedule, data position, RNGs, config.
+
+        A failed write (full disk, ...) stops the run; the checkpoints already written stay whole."""
         samples_per_step = self.config.training.batch_size * self.config.training.gradient_accumulation
-        return checkpoints.save(
-            self.output_dir / "checkpoints",
-            step=step,
-            weights=self.trainable_state_dict(),
-            optimizer=optimizer.state_dict(),
-            lr_scheduler=lr_scheduler.state_dict(),
-            extra={"samples_consumed": step * samples_per_step, "algorithm": self.algorithm},
-            config=self.config,
-            keep=self.config.checkpoint.keep,
+        consumed = getattr(self, "samples_consumed", step * samples_per_step)
+        try:
+            return checkpoints.save(
+                self.checkpoints_root,
+                step=step,
+                weights=self.trainable_state_dict(),
+                optimizer=optimizer.state_dict(),
+                lr_scheduler=lr_scheduler.state_dict(),
+                extra={
+                    "samples_consumed": consumed,
+                    "algorithm": self.algorithm,
+                    "num_samples": len(self.samples),
+                    "nonfinite_skipped": getattr(self, "nonfinite_skipped", 0),
+                },
+                config=self.config,
+                keep=self.config.checkpoint.keep,
+            )
+        except OSError as error:
+            previous = checkpoints.latest(self.checkpoints_root)
+            kept = (f"The previous checkpoint {previous} is intact; free some space and continue from it with "
+                    "checkpoint.resume=latest." if previous else "No earlier checkpoint exists.")
+            raise TrainingError(f"Could not write the checkpoint of step {step}: {error}. {kept}") from error
+
+    def read_checkpoint(self, folder: Path) -> ResumedState:
+        """Check `folder` fits this config (refusing changes it cannot follow, stating the others) and load it."""
+        changes = compare_configs(saved_config(folder), self.config, FIXED_KEYS + self.resume_fixed_keys, folder)
+        try:
+            weights, state = checkpoints.load(folder)
+        except (OSError, RuntimeError, ValueError) as error:
+            raise CheckpointError(f"Could not read the checkpoint {folder}: {error}") from None
+        if state.get("algorithm", self.algorithm) != self.algorithm:
+            raise ConfigError(f"Cannot resume from {folder}: it was written by training.algorithm="
+                              f"{state['algorithm']}, this run uses {self.algorithm}.")
+        print(f"Resuming from {folder} (step {state['step']} of {self.config.training.steps}).", flush=True)
+        if changes:
+            print("Changed since that checkpoint:\n" + "\n".join(f"  - {line}" for line in changes), flush=True)
+        return ResumedState(folder, weights, state)
+
+    def restore_training_state(self, resumed: ResumedState, optimizer: torch.optim.Optimizer,
+                               lr_scheduler: Any) -> int:
+        """Load a checkpoint's weights, optimizer and schedule; return its step. The RNGs follow later."""
+        state = resumed.state
+        saved_samples = state.get("num_samples", len(self.samples))
+        if saved_samples != len(self.samples):
+            print(f"The dataset changed since that checkpoint: {saved_samples} clips -> {len(self.samples)} (the "
+                  "data order from here on differs from an uninterrupted run).", flush=True)
+        try:
+            self.load_trainable_state_dict({k: v.to(self.device) for k, v in resumed.weights.items()})
+            optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, RuntimeError) as error:
+            raise CheckpointError(f"The checkpoint {resumed.folder} does not fit this model: {error}") from None
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.apply_optimizer_config(optimizer, lr_scheduler)
+        self.samples_consumed = int(state["samples_consumed"])
+        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
+        return int(state["step"])
+
+    def apply_optimizer_config(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> None:
+        """After loading a checkpoint the config's learning rate, schedule and AdamW settings apply: the loaded
+        state dicts would otherwise bring back the values they were saved with. Unchanged values give the
+        same numbers bit for bit (LambdaLR's own formula)."""
+        options, learning_rate = self.config.optimizer, self.config.training.learning_rate
+        for group in optimizer.param_groups:
+            group.update(initial_lr=learning_rate, betas=(options.beta1, options.beta2), eps=options.eps,
+                         weight_decay=options.weight_decay)
+        if isinstance(lr_scheduler, LambdaLR):
+            lr_scheduler.base_lrs = [learning_rate for _ in optimizer.param_groups]
+            values = [base * fn(lr_scheduler.last_epoch)
+                      for fn, base in zip(lr_scheduler.lr_lambdas, lr_scheduler.base_lrs, strict=True)]
+            for group, value in zip(optimizer.param_groups, values, strict=True):
+                group["lr"] = value
+            lr_scheduler._last_lr = list(values)
+
+    def _continue_stream(self, stream: Iterator[dict[str, Any]], rng: dict[str, Any],
+                         fetch: bool) -> Iterator[dict[str, Any]]:
+        """The data stream of a resumed run, with the RNGs restored at the exact point they were saved.
+
+        Starting a DataLoader draws its base seed from the global RNG, as it did when the run began: take
+        the first batch, then restore the saved RNGs, so the steps that follow draw what they would have."""
+        if not fetch:
+            checkpoints.restore_rng_state(rng)
+            return
+        first = next(stream)
+        checkpoints.restore_rng_state(rng)
+        yield first
+        yield from stream
+
+    def skip_nonfinite_step(self, step: int, loss: float, grad_norm: float | None) -> None:
+        """Nothing of a non-finite step is applied; the run stops unless `training.skip_nonfinite_steps` allows."""
+        what = f"the loss was {loss}" if not math.isfinite(loss) else f"the gradient norm was {grad_norm}"
+        limit = self.config.training.skip_nonfinite_steps
+        if self.nonfinite_skipped >= limit:
+            previous = checkpoints.latest(self.checkpoints_root)
+            kept = (f"The last good checkpoint is kept: {previous}." if previous
+                    else "No checkpoint was written before it.")
+            skipped = f" ({self.nonfinite_skipped} such steps were skipped already)" if limit else ""
+            raise TrainingError(
+                f"Training stopped at step {step}: {what}{skipped}; nothing of that step was applied. {kept}\n"
+                "Try a lower training.learning_rate or training.precision=fp32 and continue with "
+                "checkpoint.resume=latest, or let a few such steps be skipped with training.skip_nonfinite_steps=N."
+            )
+        self.nonfinite_skipped += 1
+        logger.warning("Step %d skipped: %s (%d of %d allowed by training.skip_nonfinite_steps).",
+                       step, what, self.nonfinite_skipped, limit)
+
+    def interrupted_message(self, received: signal.Signals, step: int) -> str:
+        where = checkpoints.latest(self.checkpoints_root)
+        return (
+            f"{received.name} received: stopped after step {step} of {self.config.training.steps} and saved the "
+            f"checkpoint {where}.\n"
+            "To continue exactly where it stopped, run the same command again with checkpoint.resume=latest, "
+            "e.g. vidtune train CONFIG checkpoint.resume=latest\n"
+            f"To use what it learned so far: vidtune export {where} --output FOLDER"
         )
+
+    def export_weights(self, weights: dict[str, torch.Tensor], output: Path) -> Path:
+        """Write a checkpoint's weights as the run's final result into `output` (see `vidtune export`).
+
+        By default the denoiser is loaded and set up as for training, given the weights and saved with
+        `save_final`; an algorithm whose result needs no base model (LoRA) overrides this."""
+        self.denoiser = self.spec.load_denoiser(torch.device("cpu"))
+        self.configure_trainable(self.denoiser)
+        self.load_trainable_state_dict(weights)
+        return self.save_final(output)
+
+
+@dataclass
+class ResumedState:
+    folder: Path
+    weights: dict[str, torch.Tensor]
+    state: dict[str, Any]
 
 
 class MetricsLog:

@@ -18,6 +18,7 @@ LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 
 class LoRATrainer(Trainer):
     algorithm = "lora"
+    resume_fixed_keys = ("lora.rank", "lora.alpha", "lora.target_modules")
 
     def lora_config(self) -> LoraConfig:
         options = self.config.lora
@@ -55,3 +56,9 @@ class LoRATrainer(Trainer):
         metadata = self.lora_config().to_dict()
         metadata["target_modules"] = sorted(metadata["target_modules"])
         return self.spec.save_lora(folder, self.trainable_state_dict(), metadata)
+
+    def export_weights(self, weights: dict[str, torch.Tensor], output: Path) -> Path:
+        """A checkpoint holds the adapter exactly as `save_final` writes it: no base model needed."""
+        metadata = self.lora_config().to_dict()
+        metadata["target_modules"] = sorted(metadata["target_modules"])
+        return self.spec.save_lora(output, weights, metadata)

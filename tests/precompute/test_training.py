@@ -1,0 +1,164 @@
+"""Training from the cache: the same batches as on the fly, and no text encoder or VAE held while training."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+
+from vidtune.models.ltx_video import LTXVideoSpec
+from vidtune.trainers import build_trainer
+from vidtune.trainers.base import Trainer
+
+
+def _batches(config, count):
+    trainer = build_trainer(config)
+    trainer.check_inputs()
+    trainer.load_models()
+    stream = trainer.batches(0)
+    out = []
+    for _ in range(count):
+        batch = next(stream)
+        conditions, latents = trainer.encode_batch(batch)
+        out.append((batch["position"].tolist(), batch["index"].tolist(), conditions, latents))
+    return trainer, out
+
+
+@pytest.mark.parametrize(("batch_size", "precompute_batch", "exact"), [(1, 1, True), (2, 4, False)])
+def test_a_batch_read_from_the_cache_equals_the_batch_computed_on_the_fly(
+    config_for, tmp_path, batch_size, precompute_batch, exact
+):
+    def config(enabled, name):
+        return config_for(training={"batch_size": batch_size, "seed": 3}, output_dir=str(tmp_path / name),
+                          precompute={"enabled": enabled, "batch_size": precompute_batch})
+
+    live_trainer, live = _batches(config(False, "live"), 5)
+    cached_trainer, cached = _batches(config(True, "cached"), 5)
+    assert live_trainer.cached is None and cached_trainer.cached is not None
+    for (positions, indices, conditions, latents), (c_positions, c_indices, c_conditions, c_latents) in zip(
+        live, cached, strict=True
+    ):
+        assert positions == c_positions and indices == c_indices
+        for expected, got in ((conditions, c_conditions), (latents, c_latents)):
+            assert expected.keys() == got.keys()
+            for key in expected:
+                assert got[key].dtype == expected[key].dtype and got[key].device == expected[key].device
+                if exact or not expected[key].is_floating_point():
+                    assert torch.equal(got[key], expected[key]), key
+                else:  # the VAE batched differently: float rounding only
+                    torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
+
+
+def test_same_seed_same_losses_from_the_cache_and_on_the_fly(config_for, tmp_path):
+    losses = []
+    for enabled in (False, True):
+        config = config_for(training={"steps": 3, "seed": 5}, output_dir=str(tmp_path / f"run-{enabled}"),
+                            precompute={"enabled": enabled, "batch_size": 1})
+        losses.append(build_trainer(config).run().losses)
+    assert losses[0] == losses[1]
+
+
+def test_training_from_the_cache_never_loads_the_encoders(config_for, tmp_path, monkeypatch, capsys):
+    events: list[str] = []
+    loaded: list[weakref.ref] = []
+    real_text, real_vae = LTXVideoSpec.load_text_components, LTXVideoSpec.load_vae
+    real_loss = Trainer.compute_loss
+
+    def load_text(self, device):
+        events.append("load text")
+        text = real_text(self, device)
+        loaded.append(weakref.ref(text["text_encoder"]))
+        return text
+
+    def load_vae(self, device):
+        events.append("load vae")
+        vae = real_vae(self, device)
+        loaded.append(weakref.ref(vae))
+        return vae
+
+    def compute_loss(self, *args):
+        events.append("step")
+        return real_loss(self, *args)
+
+    monkeypatch.setattr(LTXVideoSpec, "load_text_components", load_text)
+    monkeypatch.setattr(LTXVideoSpec, "load_vae", load_vae)
+    monkeypatch.setattr(Trainer, "compute_loss", compute_loss)
+
+    # A cold cache: precompute loads the encoders, and they are gone before training starts.
+    trainer = build_trainer(config_for(output_dir=str(tmp_path / "cold")))
+    trainer.check_inputs()
+    trainer.load_models()
+    gc.collect()
+    assert sorted(events) == ["load text", "load vae"]
+    assert loaded and all(ref() is None for ref in loaded), "an encoder is still alive after precompute"
+    assert trainer._text is None and trainer._vae is None
+
+    # A warm cache: a whole run, validation included, loads them only for validation, after the last step.
+    events.clear()
+    config = config_for(training={"steps": 3}, validation={"enabled": True, "num_inference_steps": 1},
+                        output_dir=str(tmp_path / "warm"))
+    result = build_trainer(config).run()
+    assert events == ["step"] * 3 + ["load text", "load vae"]
+    assert len(result.sample_paths) == 1
+    assert "conditions: 0 computed, 4 reused; latents: 0 computed, 4 reused" in capsys.readouterr().out.splitlines()
+
+    # And without validation, not at all.
+    events.clear()
+    build_trainer(config_for(training={"steps": 2}, output_dir=str(tmp_path / "novalidation"))).run()
+    assert events == ["step"] * 2
+
+
+@pytest.mark.parametrize("technique", ["empty", "zero"])
+def test_caption_dropout_from_the_cache(config_for, tmp_path, technique):
+    data = {"caption_dropout": 1.0, "caption_dropout_technique": technique}
+    live = build_trainer(config_for(data=data, precompute={"enabled": False}, output_dir=str(tmp_path / "live")))
+    live.check_inputs()
+    live.load_models()
+    cached = build_trainer(config_for(data=data, training={"steps": 2}, output_dir=str(tmp_path / "cached")))
+    cached.run()
+    batch = next(cached.batches(0))
+    conditions, _ = cached.encode_batch(batch)
+    dropped = cached.apply_caption_dropout(conditions, torch.tensor([True]))
+    if technique == "empty":
+        assert cached.empty_conditions.keys() == live.empty_conditions.keys()
+        for key, value in live.empty_conditions.items():
+            assert torch.equal(cached.empty_conditions[key], value)
+            assert torch.equal(dropped[key], value)
+    else:
+        assert cached.empty_conditions is None
+        assert torch.count_nonzero(dropped["prompt_embeds"]) == 0
+        assert torch.equal(dropped["prompt_attention_mask"], conditions["prompt_attention_mask"])
+
+
+def test_an_entry_damaged_after_precompute_is_computed_again_when_read(config_for, tmp_path, caplog):
+    trainer = build_trainer(config_for(output_dir=str(tmp_path / "run")))
+    trainer.check_inputs()
+    trainer.load_models()
+    plan = trainer.cached.plan
+    key = plan.latent_keys[2]
+    good = plan.cache.read("latents", key)
+    path = plan.cache.path("latents", key)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        item = trainer.cached[2]
+    assert any("checksum" in r.getMessage() and path.name in r.getMessage() for r in caplog.records)
+    for name, value in good.items():
+        torch.testing.assert_close(item["latents"][name], value, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(plan.cache.read("latents", key)["latents_mean"], good["latents_mean"],
+                               rtol=1e-4, atol=1e-5)  # and the entry is whole again
+
+
+def test_stored_samples_train_with_the_stored_latent(config_for, tmp_path):
+    trainer = build_trainer(config_for(precompute={"store": "sample"}, training={"steps": 2},
+                                       output_dir=str(tmp_path / "run")))
+    result = trainer.run()
+    assert len(result.losses) == 2
+    item = trainer.cached[0]
+    assert torch.count_nonzero(item["latents"]["latents_std"]) == 0
+    stored = trainer.cached.plan.cache.read("latents", trainer.cached.plan.latent_keys[0])["latents"]
+    assert torch.equal(item["latents"]["latents_mean"], stored)

@@ -1,0 +1,256 @@
+"""Checkpoints, resume and faults, in-process: what a resumed run accepts, signals, NaNs and a full disk.
+
+The SIGKILL-and-resume checks with real processes are in tests/integration/test_kill_resume.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vidtune import checkpoint
+from vidtune.cli import main as cli_main
+from vidtune.errors import ConfigError
+from vidtune.resume import CheckpointError, StopSignals, TrainingInterrupted, truncate_metrics
+from vidtune.trainers import build_trainer
+from vidtune.trainers.base import TrainingError
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def _steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _names(out: Path) -> list[str]:
+    return [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")]
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def _on_call(trainer, number: int, action) -> None:
+    """Run `action(loss)` on the `number`-th micro-batch loss (1-based); it returns the loss to use."""
+    original, calls = trainer.compute_loss, [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        loss = original(*args, **kwargs)
+        return action(loss) if calls[0] == number else loss
+
+    trainer.compute_loss = wrapped
+
+
+def test_sigint_saves_at_the_step_and_resume_matches_an_uninterrupted_run(make_config, tmp_path, capsys):
+    settings = {"training": {"steps": 5}, "checkpoint": {"every": 2}, "lora": {"dropout": 0.1}}
+    reference = build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference")))
+    reference.run()
+
+    out = tmp_path / "stopped"
+    before = signal.getsignal(signal.SIGINT)
+    trainer = build_trainer(make_config(**settings, output_dir=str(out)))
+
+    def interrupt(loss):
+        os.kill(os.getpid(), signal.SIGINT)
+        return loss
+
+    _on_call(trainer, 3, interrupt)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer.run()
+    assert stopped.value.exit_code == 130
+    assert "after step 3 of 5" in str(stopped.value) and "checkpoint.resume=latest" in str(stopped.value)
+    assert signal.getsignal(signal.SIGINT) is before
+    assert _names(out) == ["step-00000002", "step-00000003"] and _steps(out) == [1, 2, 3]
+    assert not (out / LORA_FILE).exists()
+
+    settings["checkpoint"] = {"every": 2, "resume": "latest"}
+    resumed = build_trainer(make_config(**settings, output_dir=str(out)))
+    result = resumed.run()
+    assert "Resuming from" in capsys.readouterr().out
+    assert result.final_step == 5 and _steps(out) == [1, 2, 3, 4, 5]
+    # lora.dropout draws from the global RNG: equal weights also prove the RNGs were restored.
+    _assert_same(load_file(out / LORA_FILE), load_file(tmp_path / "reference" / LORA_FILE))
+    reference_rows = (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["loss"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [
+        json.loads(r)["loss"] for r in reference_rows
+    ]
+
+
+def test_a_second_signal_stops_at_once_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped, StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.received == signal.SIGTERM and stop.exit_code == 143
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert stopped.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(KeyboardInterrupt), StopSignals():
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+    # Outside the main thread nothing is installed (signal.signal would fail there).
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(StopSignals().__enter__().received))
+    thread.start()
+    thread.join()
+    assert errors == [None] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_config_changes_refused_or_stated(make_config, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    build_trainer(make_config(training={"steps": 2}, output_dir=out)).run()
+    resume = {"resume": "latest"}
+    refused = [
+        ({"lora": {"rank": 8}}, "lora.rank: 16 -> 8"),
+        ({"lora": {"target_modules": ["to_q"]}}, "lora.target_modules"),
+        ({"training": {"steps": 2, "algorithm": "full"}}, "training.algorithm: 'lora' -> 'full'"),
+        ({"model": {"pretrained": str(tmp_path / "other")}}, "model.pretrained"),
+    ]
+    for change, message in refused:
+        with pytest.raises(ConfigError, match="Cannot resume from") as error:
+            build_trainer(make_config(output_dir=out, checkpoint=resume, **change)).run()
+        assert message in str(error.value)
+
+    capsys.readouterr()
+    trainer = build_trainer(make_config(training={"steps": 3, "learning_rate": 5e-4}, output_dir=out,
+                                        checkpoint={"every": 0, "resume": "latest"}))
+    trainer.run()
+    printed = capsys.readouterr().out
+    assert "training.learning_rate: 0.001 -> 0.0005" in printed and "training.steps: 2 -> 3" in printed
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert rows[1]["lr"] == 1e-3 and rows[2]["lr"] == 5e-4  # the new learning rate is the one applied
+
+
+def test_a_used_output_dir_is_refused_without_resume(make_config, tmp_path):
+    config = make_config(training={"steps": 2})
+    build_trainer(config).run()
+    out = Path(config.output_dir)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointError, match="already holds a run") as error:
+        build_trainer(config).run()
+    assert "checkpoint.resume=latest" in str(error.value)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_nonfinite_loss_stops_keeping_the_last_good_checkpoint(make_config, tmp_path):
+    out = tmp_path / "nan"
+    trainer = build_trainer(make_config(training={"steps": 4}, checkpoint={"every": 2}, output_dir=str(out)))
+    _on_call(trainer, 3, lambda loss: loss * float("nan"))
+    with pytest.raises(TrainingError, match="stopped at step 3: the loss was nan") as error:
+        trainer.run()
+    assert "step-00000002" in str(error.value)
+    assert _names(out) == ["step-00000002"] and _steps(out) == [1, 2]
+    weights, state = checkpoint.load(out / "checkpoints" / "step-00000002")
+    assert state["step"] == 2 and all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_nonfinite_steps_are_skipped_up_to_the_limit(make_config, tmp_path):
+    out = tmp_path / "skip"
+    trainer = build_trainer(make_config(training={"steps": 4, "skip_nonfinite_steps": 1}, output_dir=str(out)))
+    _on_call(trainer, 3, lambda loss: loss * float("inf"))
+    result = trainer.run()
+    assert result.final_step == 4 and _steps(out) == [1, 2, 4]
+    _, state = checkpoint.load(out / "checkpoints" / "step-00000004")
+    assert state["nonfinite_skipped"] == 1
+    assert all(torch.isfinite(w).all() for w in load_file(out / LORA_FILE).values())
+
+    trainer = build_trainer(make_config(training={"steps": 5, "skip_nonfinite_steps": 1},
+                                        output_dir=str(tmp_path / "limit")))
+    for number in (2, 4):
+        _on_call(trainer, number, lambda loss: loss * float("nan"))
+    with pytest.raises(TrainingError, match=r"stopped at step 4: .*1 such steps were skipped already"):
+        trainer.run()
+
+
+@pytest.mark.parametrize("writer", ["save_file", "torch.save"])
+def test_a_failed_write_keeps_the_previous_checkpoint(make_config, tmp_path, monkeypatch, writer):
+    out = tmp_path / "full-disk"
+    config = make_config(training={"steps": 4}, checkpoint={"every": 2}, output_dir=str(out))
+    real = checkpoint.save_file if writer == "save_file" else torch.save
+    calls = [0]
+
+    def failing(obj, path, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:  # the second checkpoint: half a file, then the disk is full
+            Path(path).write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(obj, path, *args, **kwargs)
+
+    if writer == "save_file":
+        monkeypatch.setattr(checkpoint, "save_file", failing)
+    else:
+        monkeypatch.setattr(torch, "save", failing)
+    with pytest.raises(TrainingError, match="No space left on device") as error:
+        build_trainer(config).run()
+    monkeypatch.undo()
+    assert "step-00000002 is intact" in str(error.value)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]  # nothing half-written
+    weights, state = checkpoint.load(out / "checkpoints" / "step-00000002")
+    assert state["step"] == 2 and weights
+    resumed = make_config(training={"steps": 4}, checkpoint={"every": 2, "resume": "latest"}, output_dir=str(out))
+    assert build_trainer(resumed).run().final_step == 4
+
+
+def test_incomplete_folders_are_never_listed_or_loaded(make_config, tmp_path):
+    config = make_config(training={"steps": 2})
+    build_trainer(config).run()
+    root = Path(config.output_dir) / "checkpoints"
+    good = root / "step-00000002"
+    half = root / "step-00000009"
+    half.mkdir()
+    (half / checkpoint.WEIGHTS).write_bytes((good / checkpoint.WEIGHTS).read_bytes())
+    (root / ".incomplete-step-00000010-99999").mkdir()
+    assert checkpoint.list_checkpoints(root) == [good]
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        build_trainer(make_config(checkpoint={"resume": str(half)}, output_dir=str(tmp_path / "x"))).run()
+    with pytest.raises(FileNotFoundError):
+        checkpoint.load(half)
+    # A swap cut short (`.stale-` holds the only copy of a step) is finished; half-written folders go.
+    os.replace(good, root / ".stale-step-00000002-99999")
+    checkpoint.recover(root)
+    assert checkpoint.list_checkpoints(root) == [good]
+    assert not (root / ".incomplete-step-00000010-99999").exists()
+
+
+def test_truncate_metrics_drops_later_and_cut_rows(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n{"step": 3, "loss": 0.4}\n{"step": 4, "lo')
+    truncate_metrics(path, 2)
+    assert path.read_text() == '{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n'
+    truncate_metrics(path, 0)
+    assert path.read_text() == ""
+
+
+@pytest.mark.parametrize("algorithm", ["lora", "full"])
+def test_export_turns_a_checkpoint_into_the_final_weights(make_config, tmp_path, algorithm, capsys):
+    config = make_config(training={"steps": 3, "algorithm": algorithm}, checkpoint={"every": 2, "keep": 3})
+    result = build_trainer(config).run()
+    run = Path(config.output_dir)
+    relative = LORA_FILE if algorithm == "lora" else "transformer/diffusion_pytorch_model.safetensors"
+
+    assert cli_main(["export", str(run / "checkpoints" / "step-00000003"), "--output", str(tmp_path / "e3")]) == 0
+    _assert_same(load_file(tmp_path / "e3" / relative), load_file(result.weights_path.parent / relative))
+    # A run folder means its newest checkpoint; an earlier checkpoint gives the earlier weights.
+    assert cli_main(["export", str(run), "--output", str(tmp_path / "e-run")]) == 0
+    _assert_same(load_file(tmp_path / "e-run" / relative), load_file(tmp_path / "e3" / relative))
+    assert cli_main(["export", str(run / "checkpoints" / "step-00000002"), "--output", str(tmp_path / "e2")]) == 0
+    step2, _ = checkpoint.load(run / "checkpoints" / "step-00000002")
+    exported = load_file(tmp_path / "e2" / relative)
+    if algorithm == "full":
+        assert all(torch.equal(exported[k], v) for k, v in step2.items())
+    else:
+        assert not all(torch.equal(exported[k], v) for k, v in load_file(tmp_path / "e3" / relative).items())
+    capsys.readouterr()
+    assert cli_main(["export", str(run), "--output", str(tmp_path / "e3")]) == 2
+    assert "already holds" in capsys.readouterr().err

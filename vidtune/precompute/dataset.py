@@ -1,0 +1,78 @@
+"""Training from the cache: each sample's conditions and VAE posterior, read instead of computed.
+
+Reads verify each entry (see `CacheStore.read`). An entry that is damaged or gone is reported with a warning
+and computed again, loading the one component it needs just for that and releasing it afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from vidtune.config import Config
+from vidtune.data.sources import Sample
+from vidtune.models.spec import ModelSpec
+from vidtune.precompute.cache import CorruptEntryError
+from vidtune.precompute.encode import Tensors, as_posterior, recompute_entry, stack_items
+from vidtune.precompute.plan import CachePlan
+
+logger = logging.getLogger(__name__)
+
+
+class CachedSamples(Dataset):
+    """Yields {"conditions": {...}, "latents": {...}, "caption": str, "index": int}, tensors without batch dim."""
+
+    def __init__(self, config: Config, spec: ModelSpec, plan: CachePlan, samples: Sequence[Sample]) -> None:
+        self.config = config
+        self.spec = spec
+        self.plan = plan
+        self.samples = list(samples)
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def read(self, kind: str, key: str) -> Tensors:
+        try:
+            return self.plan.cache.read(kind, key)
+        except CorruptEntryError as error:
+            logger.warning("%s; computing it again.", error)
+        except FileNotFoundError as error:
+            logger.warning("The cache entry %s is gone; computing it again.", error.filename)
+        with self._lock:
+            return recompute_entry(self.config, self.spec, self.plan, kind, key)
+
+    def conditions(self, key: str) -> Tensors:
+        return self.read("conditions", key)
+
+    def empty_conditions(self) -> Tensors:
+        """The cached empty-prompt conditions (caption dropout technique `empty`), batch of one."""
+        if self.plan.empty_key is None:
+            raise ValueError("the plan has no empty prompt (caption dropout is off or technique is `zero`)")
+        return stack_items([self.conditions(self.plan.empty_key)])
+
+    def __getitem__(self, item: int) -> dict[str, Any]:
+        sample = self.samples[item]
+        return {
+            "conditions": self.conditions(self.plan.condition_keys[item]),
+            "latents": as_posterior(self.read("latents", self.plan.latent_keys[item])),
+            "caption": sample.caption,
+            "index": sample.index,
+        }
+
+
+def collate_cached(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Stack conditions and latents to batches; captions stay a list; indices become a LongTensor."""
+    if not items:
+        raise ValueError("cannot collate an empty batch")
+    return {
+        "conditions": stack_items([item["conditions"] for item in items]),
+        "latents": stack_items([item["latents"] for item in items]),
+        "caption": [item["caption"] for item in items],
+        "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
+    }

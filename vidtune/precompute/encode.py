@@ -1,0 +1,478 @@
+"""Encoding captions and clips: a functional API, and the precompute stage built on it.
+
+The functional API needs no trainer:
+
+    from vidtune.precompute import encode_captions, encode_videos, Preprocess
+    conditions = encode_captions(spec, spec.load_text_components(device), ["a cat"], batch_size=8)
+    latents = encode_videos(spec, spec.load_vae(device), ["clip.mp4"], preprocess=Preprocess(49, 512, 768))
+
+Each returns one dict of tensors per item (no batch dimension; `stack_items` batches them again). The
+trainer's on-the-fly path calls the same two functions, so a batch read from the cache is the batch it would
+have computed.
+
+`precompute(config)` fills the cache for a whole dataset: the text encoders on `precompute.text_device` and
+one VAE per entry of `precompute.vae_devices` work concurrently (threads; PyTorch releases the GIL), clips are
+decoded by a pool of threads ahead of the VAEs, and each entry is written as soon as it is computed, so an
+interrupted run resumes where it stopped. Components are loaded only if something is missing, and released
+before it returns. Under torchrun, rank r computes items r, r + world, ... of the work; all ranks then wait
+for each other, so every rank can read every entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from tqdm.auto import tqdm
+
+from vidtune.config import Config
+from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
+from vidtune.data.video import read_clip
+from vidtune.models.registry import get_spec_class
+from vidtune.models.spec import POSTERIOR_KEYS, ModelSpec, TextComponents, sample_latents
+from vidtune.precompute.cache import CacheStore, CorruptEntryError
+from vidtune.precompute.plan import CachePlan, Preprocess, build_plan, cache_root
+
+logger = logging.getLogger(__name__)
+
+# Loading is not thread-safe: diffusers / transformers patch torch globally while they build a model (meta
+# device, skipped initialisation), which would leak into a model another thread builds at the same time.
+# Workers load one at a time, then encode concurrently.
+_LOAD_LOCK = threading.Lock()
+
+Tensors = dict[str, torch.Tensor]
+Clip = torch.Tensor | str | os.PathLike | Sample
+T = TypeVar("T")
+
+
+# ----- functional API --------------------------------------------------------------------------------------
+def place(tensors: Tensors, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Tensors:
+    """Move every tensor to `device` and cast floating ones to `dtype` (None: leave as is)."""
+    def one(value: torch.Tensor) -> torch.Tensor:
+        target = dtype if dtype is not None and value.is_floating_point() else value.dtype
+        return value.to(device=device or value.device, dtype=target)
+
+    return {key: one(value) for key, value in tensors.items()}
+
+
+def split_items(batch: Tensors, count: int, device: torch.device | str | None = None,
+                dtype: torch.dtype | None = None) -> list[Tensors]:
+    """A batched dict -> one dict per item (see `place` for device and dtype)."""
+    return [place({key: value[i] for key, value in batch.items()}, device, dtype) for i in range(count)]
+
+
+def stack_items(items: Sequence[Tensors]) -> Tensors:
+    """One dict per item -> a batched dict (the inverse of `split_items`)."""
+    if not items:
+        raise ValueError("nothing to stack")
+    return {key: torch.stack([item[key] for item in items]) for key in items[0]}
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+@torch.no_grad()
+def encode_captions(spec: ModelSpec, text: TextComponents, captions: Sequence[str], batch_size: int = 8,
+                    device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[Tensors]:
+    """Conditions of each caption (the spec's `prepare_conditions`, `batch_size` captions per call)."""
+    items: list[Tensors] = []
+    for chunk in _chunks(list(captions), batch_size):
+        items.extend(split_items(spec.prepare_conditions(text, list(chunk)), len(chunk), device, dtype))
+    return items
+
+
+def read_clips(clips: Sequence[Clip], preprocess: Preprocess | None, workers: int = 2,
+               lookahead: int = 8) -> Iterator[torch.Tensor]:
+    """Clips as [F, 3, H, W] tensors in order, decoded by `workers` threads up to `lookahead` clips ahead."""
+    def decode(clip: Clip) -> torch.Tensor:
+        if isinstance(clip, torch.Tensor):
+            return clip
+        if preprocess is None:
+            raise ValueError("encode_videos: pass preprocess=Preprocess(frames, height, width) to read clip files")
+        path = clip.video if isinstance(clip, Sample) else clip
+        return read_clip(path, preprocess.frames, preprocess.height, preprocess.width, fps=preprocess.fps,
+                         start=preprocess.start)
+
+    if workers <= 0:
+        yield from (decode(clip) for clip in clips)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="vidtune-decode") as pool:
+        pending: list[Future] = []
+        for clip in clips:
+            pending.append(pool.submit(decode, clip))
+            if len(pending) > lookahead:
+                yield pending.pop(0).result()
+        for future in pending:
+            yield future.result()
+
+
+def _latent_items(spec: ModelSpec, vae: torch.nn.Module, videos: torch.Tensor, store: str,
+                  generators: Sequence[torch.Generator | None] | None, device: torch.device | str | None,
+                  dtype: torch.dtype | None) -> list[Tensors]:
+    items = split_items(spec.prepare_latents(vae, videos), len(videos))
+    if store == "sample":
+        generators = generators or [None] * len(items)
+        items = [
+            {"latents": sample_latents(item, generator),
+             **{k: v for k, v in item.items() if k not in POSTERIOR_KEYS}}
+            for item, generator in zip(items, generators, strict=True)
+        ]
+    return [place(item, device, dtype) for item in items]
+
+
+@torch.no_grad()
+def encode_videos(spec: ModelSpec, vae: torch.nn.Module, clips: torch.Tensor | Sequence[Clip], batch_size: int = 4,
+                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                  preprocess: Preprocess | None = None, store: str = "posterior",
+                  generators: Sequence[torch.Generator] | None = None, decode_workers: int = 2) -> list[Tensors]:
+    """The normalised VAE posterior of each clip ({"latents_mean", "latents_std"} + video-derived conditions).
+
+    `clips`: a [B, F, 3, H, W] tensor in [-1, 1], or a list of such [F, 3, H, W] tensors, video paths or
+    `Sample`s (files are decoded with `preprocess`, ahead of the VAE). `store="sample"` returns one drawn
+    latent per clip instead ({"latents"}, drawn with `generators`).
+    """
+    if store not in ("posterior", "sample"):
+        raise ValueError(f"store must be 'posterior' or 'sample', not {store!r}")
+    if isinstance(clips, torch.Tensor):
+        batches: Iterator[torch.Tensor] = (clips[i : i + batch_size] for i in range(0, len(clips), batch_size))
+    else:
+        decoded = read_clips(list(clips), preprocess, workers=decode_workers, lookahead=2 * batch_size)
+        batches = _batched_stack(decoded, batch_size)
+    items: list[Tensors] = []
+    for videos in batches:
+        chunk_generators = generators[len(items) : len(items) + len(videos)] if generators else None
+        items.extend(_latent_items(spec, vae, videos, store, chunk_generators, device, dtype))
+    return items
+
+
+def _batched_stack(tensors: Iterator[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
+    batch: list[torch.Tensor] = []
+    for tensor in tensors:
+        batch.append(tensor)
+        if len(batch) == size:
+            yield torch.stack(batch)
+            batch = []
+    if batch:
+        yield torch.stack(batch)
+
+
+def as_posterior(entry: Tensors) -> Tensors:
+    """A latents entry in the layout training expects: a stored sample becomes a posterior with std 0."""
+    if "latents" not in entry:
+        return entry
+    sample = entry["latents"]
+    rest = {k: v for k, v in entry.items() if k != "latents"}
+    return {"latents_mean": sample, "latents_std": torch.zeros_like(sample), **rest}
+
+
+def sample_generator_for(key: str) -> torch.Generator:
+    """The generator of a stored latent sample (store: sample): fixed by the entry's key."""
+    return torch.Generator().manual_seed(int(key[:15], 16))
+
+
+# ----- the precompute stage --------------------------------------------------------------------------------
+def shard(items: Sequence[T], rank: int, world: int) -> list[T]:
+    """Rank `rank`'s share of `items`: every item in exactly one share, shares differ in size by at most 1."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    return list(items[rank::world])
+
+
+@dataclass
+class WorkerReport:
+    """What one worker did, and when (for the summary and to show that workers ran concurrently)."""
+
+    name: str
+    device: str
+    items: int = 0
+    started: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class PrecomputeSummary:
+    conditions_computed: int = 0
+    conditions_reused: int = 0
+    latents_computed: int = 0
+    latents_reused: int = 0
+    corrupt: int = 0
+    seconds: float = 0.0
+    rank: int = 0
+    world: int = 1
+    cache_dir: Path | None = None
+    workers: list[WorkerReport] = field(default_factory=list)
+    computed_keys: dict[str, list[str]] = field(default_factory=dict)  # this rank's, by kind
+    plan: CachePlan | None = None
+
+    def line(self) -> str:
+        return (f"conditions: {self.conditions_computed} computed, {self.conditions_reused} reused; "
+                f"latents: {self.latents_computed} computed, {self.latents_reused} reused")
+
+
+def build_spec(config: Config) -> ModelSpec:
+    return get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
+
+
+def load_samples(config: Config, spec: ModelSpec, progress: bool = True) -> list[Sample]:
+    """The dataset, checked like `vidtune train` checks it."""
+    data = config.data
+    spec.check_source()
+    spec.check_video_shape(data.frames, data.height, data.width)
+    samples = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
+    validate_clips(samples, data.frames, data.fps, progress=progress)
+    return samples
+
+
+def _check_existing(cache: CacheStore, kind: str, keys: list[str]) -> tuple[list[str], int, int]:
+    """(keys to compute, entries reused, damaged entries found) - every existing entry is read and verified."""
+    todo: list[str] = []
+    reused = corrupt = 0
+    for key in keys:
+        try:
+            cache.read(kind, key)
+            reused += 1
+        except FileNotFoundError:
+            todo.append(key)
+        except CorruptEntryError as error:
+            logger.warning("%s; computing it again.", error)
+            cache.remove(kind, key)
+            corrupt += 1
+            todo.append(key)
+    return todo, reused, corrupt
+
+
+class _Stage:
+    """Threads of one precompute: shared stop flag, first error, reports."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.reports: list[WorkerReport] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str, device: str, target: Callable[[WorkerReport], None]) -> None:
+        report = WorkerReport(name, device)
+        self.reports.append(report)
+
+        def run() -> None:
+            report.started = time.perf_counter()
+            try:
+                target(report)
+            except BaseException as error:
+                self.errors.append(error)
+                self.stop.set()
+            finally:
+                report.finished = time.perf_counter()
+
+        thread = threading.Thread(target=run, name=f"vidtune-{name}", daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def join(self) -> None:
+        try:
+            for thread in self.threads:
+                thread.join()
+        except BaseException:  # Ctrl-C: let the workers stop after their current batch
+            self.stop.set()
+            raise
+        if self.errors:
+            raise self.errors[0]
+
+
+def _put(items: queue.Queue, value: Any, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            items.put(value, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], latent_keys: list[str], *,
+                 batch_size: int, decode_workers: int, progress: bool = True) -> list[WorkerReport]:
+    """Compute and write the given entries: text and VAE workers concurrently, decoding ahead of the VAEs."""
+    cache, stage = plan.cache, _Stage()
+    bars = {
+        "conditions": tqdm(total=len(condition_keys), desc="conditions", unit="caption", position=0,
+                           disable=not progress or not condition_keys, dynamic_ncols=True),
+        "latents": tqdm(total=len(latent_keys), desc="latents", unit="clip", position=1,
+                        disable=not progress or not latent_keys, dynamic_ncols=True),
+    }
+    lock = threading.Lock()
+
+    def advance(kind: str, count: int) -> None:
+        with lock:
+            bars[kind].update(count)
+
+    def text_worker(report: WorkerReport) -> None:
+        with _LOAD_LOCK:
+            text = spec.load_text_components(plan.text_device)
+        for chunk in _chunks(condition_keys, batch_size):
+            if stage.stop.is_set():
+                return
+            items = encode_captions(spec, text, [plan.conditions[k] for k in chunk], batch_size=len(chunk))
+            for key, item in zip(chunk, items, strict=True):
+                cache.write("conditions", key, item, plan.condition_info[key])
+            report.items += len(chunk)
+            advance("conditions", len(chunk))
+        del text
+
+    # Clips are decoded by a thread pool, a few batches ahead of the VAE workers, which take whole batches
+    # (fixed compositions, so results do not depend on timing) from one queue.
+    work: queue.Queue = queue.Queue(maxsize=2 * len(plan.vae_devices))
+    pool = ThreadPoolExecutor(max(1, decode_workers), thread_name_prefix="vidtune-decode")
+
+    def decode(key: str) -> torch.Tensor:
+        pre = plan.preprocess
+        return read_clip(plan.latents[key], pre.frames, pre.height, pre.width, fps=pre.fps, start=pre.start)
+
+    def producer(report: WorkerReport) -> None:
+        for chunk in _chunks(latent_keys, batch_size):
+            if not _put(work, (chunk, [pool.submit(decode, key) for key in chunk]), stage.stop):
+                return
+            report.items += len(chunk)
+        for _ in plan.vae_devices:
+            _put(work, None, stage.stop)
+
+    def vae_worker(device: torch.device, report: WorkerReport) -> None:
+        with _LOAD_LOCK:
+            vae = spec.load_vae(device)
+        while not stage.stop.is_set():
+            try:
+                job = work.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if job is None:
+                break
+            chunk, futures = job
+            videos = torch.stack([future.result() for future in futures])
+            generators = [sample_generator_for(key) for key in chunk]
+            items = _latent_items(spec, vae, videos, plan.store, generators, None, None)
+            for key, item in zip(chunk, items, strict=True):
+                cache.write("latents", key, item, plan.latent_info[key])
+            report.items += len(chunk)
+            advance("latents", len(chunk))
+        del vae
+
+    try:
+        if condition_keys:
+            stage.start("text", str(plan.text_device), text_worker)
+        if latent_keys:
+            stage.start("decode", "cpu", producer)
+            for number, device in enumerate(plan.vae_devices):
+                stage.start(f"vae{number}", str(device), lambda report, device=device: vae_worker(device, report))
+        stage.join()
+    finally:
+        stage.stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        for bar in bars.values():
+            bar.close()
+    return stage.reports
+
+
+def release_memory(devices: Sequence[torch.device]) -> None:
+    """Give memory of released components back (Python objects, then the CUDA caching allocator)."""
+    gc.collect()
+    if any(device.type == "cuda" for device in devices) and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def distributed_world(rank: int | None = None, world: int | None = None) -> tuple[int, int]:
+    """(rank, world size): given, else torch.distributed's, else torchrun's RANK / WORLD_SIZE, else (0, 1)."""
+    if rank is not None and world is not None:
+        return rank, world
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+@contextlib.contextmanager
+def _process_group(world: int, rank: int) -> Iterator[Any]:
+    """torch.distributed for the ranks to wait for each other: the one in use, or a gloo group made here."""
+    if world <= 1:
+        yield None
+        return
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield dist
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def precompute(config: Config, samples: list[Sample] | None = None, *, progress: bool | None = None,
+               rank: int | None = None, world: int | None = None) -> PrecomputeSummary:
+    """Fill the cache for a config's dataset; returns counts (see `PrecomputeSummary.line`) and the plan."""
+    started = time.perf_counter()
+    progress = config.logging.progress if progress is None else progress
+    spec = build_spec(config)
+    if samples is None:
+        samples = load_samples(config, spec, progress=progress)
+    cache = CacheStore(cache_root(config))
+    cache.remove_stale_temporary_files()
+    plan = build_plan(config, spec, samples, cache)
+    rank, world = distributed_world(rank, world)
+
+    with _process_group(world, rank) as dist:
+        condition_todo, condition_reused, bad_conditions = _check_existing(
+            cache, "conditions", shard(list(plan.conditions), rank, world))
+        latent_todo, latent_reused, bad_latents = _check_existing(
+            cache, "latents", shard(list(plan.latents), rank, world))
+        reports = run_encoders(spec, plan, condition_todo, latent_todo, batch_size=config.precompute.batch_size,
+                               decode_workers=max(1, config.data.num_workers), progress=progress)
+        if condition_todo or latent_todo:
+            release_memory([plan.text_device, *plan.vae_devices])
+        counts = [len(condition_todo), condition_reused, len(latent_todo), latent_reused, bad_conditions + bad_latents]
+        if dist is not None:
+            total = torch.tensor(counts, dtype=torch.long)
+            if dist.get_backend() == "nccl":
+                total = total.cuda()
+            dist.all_reduce(total)  # also waits for every rank: all entries exist after this
+            counts = [int(v) for v in total.cpu()]
+            dist.barrier()
+
+    return PrecomputeSummary(
+        *counts, seconds=time.perf_counter() - started, rank=rank, world=world, cache_dir=cache.root,
+        workers=reports, computed_keys={"conditions": condition_todo, "latents": latent_todo}, plan=plan,
+    )
+
+
+def recompute_entry(config: Config, spec: ModelSpec, plan: CachePlan, kind: str, key: str) -> Tensors:
+    """Compute one entry again (it was missing or damaged when training read it), write it, release the
+    component it needed, and return it."""
+    if kind == "conditions":
+        with _LOAD_LOCK:
+            text = spec.load_text_components(plan.text_device)
+        (item,) = encode_captions(spec, text, [plan.conditions[key]], batch_size=1)
+        del text
+        info = plan.condition_info[key]
+    else:
+        with _LOAD_LOCK:
+            vae = spec.load_vae(plan.vae_devices[0])
+        (item,) = encode_videos(spec, vae, [plan.latents[key]], batch_size=1, preprocess=plan.preprocess,
+                                store=plan.store, generators=[sample_generator_for(key)], decode_workers=0)
+        del vae
+        info = plan.latent_info[key]
+    plan.cache.write(kind, key, item, info)
+    release_memory([plan.text_device, *plan.vae_devices])
+    return {k: v.detach().cpu() for k, v in item.items()}

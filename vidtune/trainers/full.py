@@ -1,0 +1,112 @@
+"""Full fine-tuning: the denoiser's own weights train (all of them, or those `full.*` patterns select).
+
+The result is the whole denoiser in the family's diffusers format under `output_dir/transformer/`: load it
+with the family's transformer class `from_pretrained`, or point `model.subfolders.transformer` at it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from fnmatch import fnmatchcase
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vidtune.errors import ConfigError
+from vidtune.trainers.base import Trainer
+
+TRANSFORMER_FOLDER = "transformer"
+
+
+def select_trainable(names: list[str], trainable: list[str], frozen: list[str]) -> set[str]:
+    """Names matching a `trainable` pattern and no `frozen` one (fnmatch, case-sensitive; `*` matches dots).
+
+    Raises ConfigError for a pattern that matches no parameter (a typo would otherwise train the wrong set)
+    and when nothing is left to train."""
+    unused = [
+        f"full.{key}: '{pattern}'"
+        for key, patterns in (("trainable_patterns", trainable), ("frozen_patterns", frozen))
+        for pattern in patterns
+        if not any(fnmatchcase(name, pattern) for name in names)
+    ]
+    if unused:
+        examples = ", ".join(names[:3] + names[-2:])
+        raise ConfigError(
+            "These patterns match no parameter of the denoiser:\n" + "\n".join(f"  - {u}" for u in unused)
+            + f"\nPatterns are fnmatch patterns over parameter names such as: {examples}"
+        )
+    selected = {
+        name for name in names
+        if any(fnmatchcase(name, p) for p in trainable) and not any(fnmatchcase(name, p) for p in frozen)
+    }
+    if not selected:
+        raise ConfigError("full.trainable_patterns / full.frozen_patterns leave no parameter to train.")
+    return selected
+
+
+class FullTrainer(Trainer):
+    algorithm = "full"
+    resume_fixed_keys = ("full.trainable_patterns", "full.frozen_patterns")
+    # The dtype the denoiser was loaded in: trainable weights train in fp32 and are saved back in it.
+    base_dtype: torch.dtype = torch.float32
+
+    def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
+        options = self.config.full
+        named = dict(denoiser.named_parameters())
+        selected = select_trainable(list(named), options.trainable_patterns, options.frozen_patterns)
+        self.base_dtype = next(iter(named.values())).dtype
+        denoiser.requires_grad_(False)
+        for name, parameter in named.items():
+            if name in selected:
+                parameter.requires_grad_(True)
+                if parameter.dtype != torch.float32:
+                    # fp32 master weights (bf16 + Adam loses small updates); compute stays under autocast.
+                    parameter.data = parameter.data.float()
+        return [parameter for name, parameter in named.items() if name in selected]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.denoiser.named_parameters() if p.requires_grad}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        named = {name: p for name, p in self.denoiser.named_parameters() if p.requires_grad}
+        missing, unexpected = sorted(named.keys() - state.keys()), sorted(state.keys() - named.keys())
+        if missing or unexpected:
+            raise ValueError(f"checkpoint weights do not match the trainable parameters (missing: {missing[:5]}, "
+                             f"unexpected: {unexpected[:5]})")
+        with torch.no_grad():
+            for name, parameter in named.items():
+                if state[name].shape != parameter.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(state[name].shape)}, model "
+                                     f"{tuple(parameter.shape)}")
+                parameter.copy_(state[name])
+
+    def save_final(self, folder: Path) -> Path:
+        """`folder/transformer/` via `save_pretrained`, in the dtype the denoiser was loaded in; written beside
+        and renamed into place, so an existing result is replaced only by a complete one."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / TRANSFORMER_FOLDER
+        temporary = folder / f".incomplete-{TRANSFORMER_FOLDER}-{os.getpid()}"
+        shutil.rmtree(temporary, ignore_errors=True)
+        cast = [p for p in self.denoiser.parameters() if p.dtype != self.base_dtype]
+        originals = [p.data for p in cast]
+        try:
+            for parameter in cast:
+                parameter.data = parameter.data.to(self.base_dtype)
+            self.denoiser.save_pretrained(temporary, safe_serialization=True)
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)
+            raise
+        finally:
+            for parameter, data in zip(cast, originals, strict=True):
+                parameter.data = data
+        if target.exists():
+            stale = folder / f".stale-{TRANSFORMER_FOLDER}-{os.getpid()}"
+            os.replace(target, stale)
+            os.replace(temporary, target)
+            shutil.rmtree(stale)
+        else:
+            os.replace(temporary, target)
+        return target

@@ -1,0 +1,82 @@
+"""Write docs/configuration.md from the config classes, so the reference never disagrees with the code.
+
+    python -m vidtune.config_docs > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+import json
+import types
+import typing
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from vidtune.config import Config
+
+HEADER = """# Configuration reference
+
+Generated from `vidtune/config.py` by `python -m vidtune.config_docs > docs/configuration.md`;
+a test fails when this file and the code disagree.
+
+A config is a YAML or TOML file; any key can be overridden on the command line as `section.key=value`
+(values are read as YAML: `training.steps=500`, `lora.target_modules=[to_q,to_v]`, `data.fps=null`).
+Unknown keys and out-of-range values are errors that name the key. The resolved config, with every default
+filled in, is written to `output_dir/config.yaml`.
+"""
+
+
+def _type_name(annotation: object) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return " / ".join(f"`{value}`" for value in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if arg is type(None) else _type_name(arg) for arg in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(arg) for arg in args)}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(field) -> str:
+    if field.default is PydanticUndefined and field.default_factory is None:
+        return "**required**"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "(section)"
+    return f"`{json.dumps(value)}`"
+
+
+def _limits(field) -> str:
+    parts = []
+    for item in field.metadata:
+        for name, symbol in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if getattr(item, name, None) is not None:
+                parts.append(f"{symbol} {getattr(item, name)}")
+    return ", ".join(parts)
+
+
+def render() -> str:
+    lines = [HEADER]
+    top = [(name, field) for name, field in Config.model_fields.items()]
+    for name, field in top:
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines.append(f"\n## `{name}`\n")
+            lines.append("| key | type | default | limits | meaning |")
+            lines.append("|---|---|---|---|---|")
+            for key, sub in annotation.model_fields.items():
+                kind = _type_name(sub.annotation)
+                cells = [f"`{name}.{key}`", kind, _default(sub), _limits(sub), sub.description or ""]
+                lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    lines.append("\n## Top level\n")
+    lines.append("| key | default | meaning |")
+    lines.append("|---|---|---|")
+    for name, field in top:
+        annotation = field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            lines.append(f"| `{name}` | {_default(field)} | {field.description or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")

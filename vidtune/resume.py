@@ -98,7 +98,14 @@ def resolve_resume(config: Config) -> Path | None:
             )
         return None
     if resume == "latest":
-        return checkpoints.latest(root)
+        newest = checkpoints.latest(root)
+        finished = [name for name in FINAL_OUTPUTS if (output_dir / name).exists()]
+        if newest is None and finished:
+            raise CheckpointError(
+                f"checkpoint.resume=latest: output_dir {output_dir} holds {', '.join(finished)} but no checkpoint "
+                "to continue from; nothing was changed. Choose another output_dir to start a new run."
+            )
+        return newest
     return find_checkpoint(resume)
 
 

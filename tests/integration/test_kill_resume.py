@@ -21,7 +21,7 @@ from vidtune.models.tiny import TINY_SHAPES
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 FINAL = {"lora": "pytorch_lora_weights.safetensors", "full": "transformer/diffusion_pytorch_model.safetensors"}
-STEPS, EVERY = 12, 2
+STEPS, EVERY = 8, 2
 
 
 def _config(tmp_path: Path, tiny: Path, data: Path, algorithm: str) -> Path:

@@ -8,12 +8,14 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from vidtune import checkpoint
@@ -143,6 +145,17 @@ def test_a_used_output_dir_is_refused_without_resume(make_config, tmp_path):
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_latest_starts_a_new_run_but_never_over_final_weights(make_config, tmp_path, capsys):
+    config = make_config(training={"steps": 1}, checkpoint={"resume": "latest"})
+    assert build_trainer(config).run().final_step == 1  # nothing to resume: a job script can always pass it
+    assert "Resuming" not in capsys.readouterr().out
+    out = Path(config.output_dir)
+    for folder in checkpoint.list_checkpoints(out / "checkpoints"):
+        shutil.rmtree(folder)
+    with pytest.raises(CheckpointError, match=r"holds pytorch_lora_weights\.safetensors but no checkpoint"):
+        build_trainer(config).run()
+
+
 def test_nonfinite_loss_stops_keeping_the_last_good_checkpoint(make_config, tmp_path):
     out = tmp_path / "nan"
     trainer = build_trainer(make_config(training={"steps": 4}, checkpoint={"every": 2}, output_dir=str(out)))
@@ -173,27 +186,37 @@ def test_nonfinite_steps_are_skipped_up_to_the_limit(make_config, tmp_path):
         trainer.run()
 
 
-@pytest.mark.parametrize("writer", ["save_file", "torch.save"])
+# What each writer raises on a full disk (checked on a tiny tmpfs): safetensors its own error, torch.save a
+# RuntimeError from its zip writer, and plain file writes OSError(ENOSPC).
+FULL_DISK = {
+    "save_file": SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+    "torch.save": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+    "config": OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+}
+
+
+@pytest.mark.parametrize("writer", sorted(FULL_DISK))
 def test_a_failed_write_keeps_the_previous_checkpoint(make_config, tmp_path, monkeypatch, writer):
     out = tmp_path / "full-disk"
     config = make_config(training={"steps": 4}, checkpoint={"every": 2}, output_dir=str(out))
-    real = checkpoint.save_file if writer == "save_file" else torch.save
+    real = {"save_file": checkpoint.save_file, "torch.save": torch.save, "config": checkpoint.write_resolved_config}
     calls = [0]
 
     def failing(obj, path, *args, **kwargs):
         calls[0] += 1
         if calls[0] == 2:  # the second checkpoint: half a file, then the disk is full
-            Path(path).write_bytes(b"\0" * 100)
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return real(obj, path, *args, **kwargs)
+            (Path(path) / "config.yaml" if writer == "config" else Path(path)).write_bytes(b"\0" * 100)
+            raise FULL_DISK[writer]
+        return real[writer](obj, path, *args, **kwargs)
 
-    if writer == "save_file":
-        monkeypatch.setattr(checkpoint, "save_file", failing)
-    else:
+    if writer == "torch.save":
         monkeypatch.setattr(torch, "save", failing)
-    with pytest.raises(TrainingError, match="No space left on device") as error:
+    else:
+        monkeypatch.setattr(checkpoint, "save_file" if writer == "save_file" else "write_resolved_config", failing)
+    with pytest.raises(TrainingError, match="Could not write the checkpoint of step 4") as error:
         build_trainer(config).run()
     monkeypatch.undo()
+    assert str(FULL_DISK[writer]) in str(error.value) and "Is the disk full?" in str(error.value)
     assert "step-00000002 is intact" in str(error.value)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]  # nothing half-written
     weights, state = checkpoint.load(out / "checkpoints" / "step-00000002")

@@ -19,6 +19,7 @@ import math
 import random
 import signal
 import time
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader, Dataset
@@ -321,8 +323,10 @@ class Trainer(ABC):
         # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
         with StopSignals() as stop:
             stream = self.batches(start_position=self.samples_consumed)
-            if resumed is not None:
-                stream = self._continue_stream(stream, resumed.state["rng"], fetch=step < training.steps)
+            if resumed is not None and step < training.steps:
+                stream = self._continue_stream(stream, resumed.state["rng"])
+            elif resumed is not None:
+                checkpoints.restore_rng_state(resumed.state["rng"])
             while step < training.steps and stop.received is None:
                 started = time.perf_counter()
                 step_loss = torch.zeros((), device=self.device)
@@ -339,9 +343,12 @@ class Trainer(ABC):
                 finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
                 if finite:
                     optimizer.step()
+                    lr_scheduler.step()
                 else:
                     self.skip_nonfinite_step(step, loss_value, grad_norm)  # raises past the limit
-                lr_scheduler.step()
+                    with warnings.catch_warnings():  # the schedule follows the step count, skipped or not
+                        warnings.simplefilter("ignore", UserWarning)
+                        lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
 
                 if finite and (step % config.logging.log_every == 0 or step == training.steps):
@@ -407,11 +414,14 @@ class Trainer(ABC):
                 config=self.config,
                 keep=self.config.checkpoint.keep,
             )
-        except OSError as error:
+        except (OSError, RuntimeError, SafetensorError) as error:
+            # A full disk reaches here as OSError (config), SafetensorError (weights) or RuntimeError (torch.save).
             previous = checkpoints.latest(self.checkpoints_root)
-            kept = (f"The previous checkpoint {previous} is intact; free some space and continue from it with "
-                    "checkpoint.resume=latest." if previous else "No earlier checkpoint exists.")
-            raise TrainingError(f"Could not write the checkpoint of step {step}: {error}. {kept}") from error
+            kept = (f"The previous checkpoint {previous} is intact; free some space (or fix the folder) and "
+                    "continue from it with checkpoint.resume=latest." if previous
+                    else "No earlier checkpoint exists.")
+            raise TrainingError(f"Could not write the checkpoint of step {step} under {self.checkpoints_root}: "
+                                f"{error}\nIs the disk full? {kept}") from error
 
     def read_checkpoint(self, folder: Path) -> ResumedState:
         """Check `folder` fits this config (refusing changes it cannot follow, stating the others) and load it."""
@@ -463,15 +473,11 @@ class Trainer(ABC):
                 group["lr"] = value
             lr_scheduler._last_lr = list(values)
 
-    def _continue_stream(self, stream: Iterator[dict[str, Any]], rng: dict[str, Any],
-                         fetch: bool) -> Iterator[dict[str, Any]]:
+    def _continue_stream(self, stream: Iterator[dict[str, Any]], rng: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The data stream of a resumed run, with the RNGs restored at the exact point they were saved.
 
         Starting a DataLoader draws its base seed from the global RNG, as it did when the run began: take
         the first batch, then restore the saved RNGs, so the steps that follow draw what they would have."""
-        if not fetch:
-            checkpoints.restore_rng_state(rng)
-            return
         first = next(stream)
         checkpoints.restore_rng_state(rng)
         yield first

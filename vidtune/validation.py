@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vidtune.data.video import write_video
+from vidtune.data.video import read_clip, write_video
 
 if TYPE_CHECKING:
     from vidtune.trainers.base import Trainer
@@ -48,6 +48,10 @@ def render_validation_samples(trainer: Trainer, step: int) -> list[Path]:
     trainer.denoiser.eval()
     pipeline = trainer.spec.pipeline(trainer.text, trainer.vae, trainer.denoiser)
     pipeline.set_progress_bar_config(disable=True)
+    height, width = options.height or config.data.height, options.width or config.data.width
+    if hasattr(trainer.spec, "set_reference_video"):
+        # Image-to-video families sample from a first frame: that of the first dataset clip.
+        trainer.spec.set_reference_video(read_clip(trainer.samples[0].video, 1, height, width))
     written = []
     for number, prompt in enumerate(prompts):
         generator = torch.Generator().manual_seed(options.seed + number)
@@ -56,8 +60,8 @@ def render_validation_samples(trainer: Trainer, step: int) -> list[Path]:
                 pipeline,
                 prompt,
                 frames=options.frames or config.data.frames,
-                height=options.height or config.data.height,
-                width=options.width or config.data.width,
+                height=height,
+                width=width,
                 num_inference_steps=options.num_inference_steps,
                 guidance_scale=options.guidance_scale,
                 generator=generator,

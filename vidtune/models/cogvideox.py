@@ -120,19 +120,26 @@ class CogVideoXSpec(ModelSpec):
                     f"{nearest_multiple(value, spatial)}"
                 )
         transformer = self.transformer_config
-        if transformer.get("use_learned_positional_embeddings", False):
-            # Learned positional embeddings exist for one latent size only (CogVideoX-5b-I2V: 480 x 720).
-            for key, value, sample in (("data.height", height, transformer["sample_height"]),
-                                       ("data.width", width, transformer["sample_width"])):
-                required = sample * vae_spatial
-                if value != required and value % spatial == 0:
-                    problems.append(
-                        f"{key}={value}: this model's learned positional embeddings fit {required} only; "
-                        f"nearest valid value: {required}"
-                    )
+        for key, value, sample in (("data.height", height, transformer["sample_height"]),
+                                   ("data.width", width, transformer["sample_width"])):
+            size = sample * vae_spatial
+            if value % spatial != 0:
+                continue
+            if transformer.get("use_learned_positional_embeddings", False) and value != size:
+                # Learned positional embeddings exist for one latent size only (CogVideoX-5b-I2V: 480 x 720).
+                problems.append(
+                    f"{key}={value}: this model's learned positional embeddings fit {size} only; "
+                    f"nearest valid value: {size}"
+                )
+            elif patch_t and transformer.get("use_rotary_positional_embeddings", False) and value > size:
+                # CogVideoX 1.5 slices its rotary table, which covers sample_height x sample_width latents.
+                problems.append(
+                    f"{key}={value}: this model's rotary embeddings cover at most {size}; nearest valid value: "
+                    f"{size // spatial * spatial}"
+                )
         if problems:
             raise ConfigError("The clip shape does not fit CogVideoX:\n" + "\n".join(f"  - {p}" for p in problems))
-        self.max_sequence_length  # noqa: B018 - raises early when model.max_sequence_length cannot work
+        _ = self.max_sequence_length  # fails early on a text length the transformer cannot take
 
     # ----- loading ---------------------------------------------------------------------------------
     def load_text_components(self, device: torch.device) -> TextComponents:
@@ -288,7 +295,7 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     (like CogVideoX's scripts with precomputed latents), rather than a new one per visit.
 
     Sampling: the pipeline needs the first frame as its `image`. `generate` / `generate_latents` use the
-    frame given to `set_first_frame` (validation gives the first frame of the first dataset clip); if none
+    first frame of the clip given to `set_reference_video` (validation gives the first dataset clip); if none
     was given, the first frame of the first clip `prepare_latents` encoded.
     """
 
@@ -300,16 +307,16 @@ class CogVideoXI2VSpec(CogVideoXSpec):
         super().__init__(config, frame_rate)
         self.first_frame: torch.Tensor | None = None
 
-    def set_first_frame(self, frame: torch.Tensor) -> None:
-        """The image sampling starts from: [3, H, W] in [-1, 1] (resized by the pipeline if needed)."""
-        self.first_frame = frame.detach().float().cpu()
+    def set_reference_video(self, video: torch.Tensor) -> None:
+        """Sample from this clip's first frame: video [F, 3, H, W] in [-1, 1] (the pipeline resizes it if needed)."""
+        self.first_frame = video[0].detach().float().cpu()
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
         latents = super().prepare_latents(vae, videos)
         if self.first_frame is None:
-            self.set_first_frame(videos[0, 0])
-        images = []
+            self.set_reference_video(videos[0])
+        firsts, generators = [], []
         for video in videos:
             first = video[:1].float().cpu()  # [1, 3, H, W]
             generator = _content_generator(first)
@@ -317,11 +324,12 @@ class CogVideoXI2VSpec(CogVideoXSpec):
                 mean, std = self.image_noise_log_sigma
                 sigma = torch.exp(torch.randn(1, generator=generator) * std + mean)
                 first = first + torch.randn(first.shape, generator=generator) * sigma
-            pixels = first.to(device=vae.device, dtype=vae.dtype).permute(1, 0, 2, 3).unsqueeze(0)  # [1, 3, 1, H, W]
-            posterior = vae.encode(pixels).latent_dist
-            eps = torch.randn(posterior.mean.shape, generator=generator).to(posterior.mean)
-            images.append(posterior.mean + posterior.std * eps)  # a posterior sample, as the pipeline encodes
-        image = torch.cat(images)
+            firsts.append(first)
+            generators.append(generator)
+        pixels = torch.stack(firsts).to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)  # [B, 3, 1, H, W]
+        posterior = vae.encode(pixels).latent_dist  # the first frame alone, as the pipeline encodes its image
+        eps = torch.cat([torch.randn(posterior.mean.shape[1:], generator=g).unsqueeze(0) for g in generators])
+        image = posterior.mean + posterior.std * eps.to(posterior.mean)  # a posterior sample, like the pipeline's
         scale = vae.config.scaling_factor
         image = image / scale if vae.config.get("invert_scale_latents", False) else image * scale
         padding = image.new_zeros(*image.shape[:2], latents["latents_mean"].shape[2] - 1, *image.shape[3:])
@@ -331,8 +339,8 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     def pipeline_inputs(self, frames: int, height: int, width: int) -> dict[str, Any]:
         if self.first_frame is None:
             raise ModelError(
-                "cogvideox-i2v samples from a first frame: call spec.set_first_frame(frame) (validation uses the "
-                "first frame of the first dataset clip) or encode a clip with prepare_latents first."
+                "cogvideox-i2v samples from a first frame: call spec.set_reference_video(video) (validation uses "
+                "the first dataset clip) or encode a clip with prepare_latents first."
             )
         # The pipeline takes images in [0, 1] and normalises them to [-1, 1] itself.
         return {"image": ((self.first_frame + 1.0) / 2.0).clamp(0.0, 1.0).unsqueeze(0)}

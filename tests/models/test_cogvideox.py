@@ -53,7 +53,7 @@ def test_prepare_conditions_equal_the_pipeline_encode_prompt(t2v_folder):
 
 
 def test_sequence_length_defaults_to_the_transformer_and_absolute_embeddings_allow_no_other(t2v_folder, i2v_folder):
-    assert _spec(CogVideoXSpec, t2v_folder, max_sequence_length=128).max_sequence_length == 16  # generic default
+    assert _spec(CogVideoXSpec, t2v_folder, max_sequence_length=None).max_sequence_length == 16  # unset: the family's
     assert _spec(CogVideoXSpec, t2v_folder, max_sequence_length=8).max_sequence_length == 8  # rotary only: free
     frames, size, _ = TINY_SHAPES["cogvideox-i2v"]
     spec = _spec(CogVideoXI2VSpec, i2v_folder, max_sequence_length=8)  # learned positional embeddings

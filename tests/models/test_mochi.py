@@ -105,7 +105,7 @@ def test_force_zeros_for_empty_prompt_is_read_from_the_pipeline_config(folder, t
 
 
 def test_sequence_length_defaults_to_the_transformers(folder):
-    assert _spec(folder, max_sequence_length=128).max_sequence_length == 16  # the generic default
+    assert _spec(folder, max_sequence_length=None).max_sequence_length == 16  # unset: the family's own
     assert _spec(folder, max_sequence_length=40).max_sequence_length == 40
 
 

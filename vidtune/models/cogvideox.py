@@ -36,25 +36,9 @@ from transformers import AutoTokenizer, T5EncoderModel
 
 from vidtune.config import ModelConfig
 from vidtune.errors import ConfigError, ModelError
-from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents, nearest_multiple
 
 logger = logging.getLogger(__name__)
-
-
-def nearest_multiple(value: int, multiple: int) -> int:
-    return max(1, round(value / multiple)) * multiple
-
-
-def family_sequence_length(config: ModelConfig, native: int) -> int:
-    """Caption tokens for a family whose pipeline pads to its own length (`native`).
-
-    `model.max_sequence_length` left unset (None) or at the generic default means the family's own length,
-    so a resolved config.yaml (which spells the default out) reproduces the run it came from.
-    """
-    chosen = config.max_sequence_length
-    if chosen is None or chosen == ModelConfig.model_fields["max_sequence_length"].default:
-        return native
-    return chosen
 
 
 class CogVideoXSpec(ModelSpec):
@@ -87,7 +71,7 @@ class CogVideoXSpec(ModelSpec):
         """
         transformer = self.transformer_config
         native = int(transformer.get("max_text_seq_length", 226))
-        length = family_sequence_length(self.config, native)
+        length = self.config.max_sequence_length or native
         absolute = not transformer.get("use_rotary_positional_embeddings", False) or transformer.get(
             "use_learned_positional_embeddings", False
         )

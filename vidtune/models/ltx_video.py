@@ -18,13 +18,9 @@ from torch import nn
 from transformers import AutoTokenizer, T5EncoderModel
 
 from vidtune.errors import ConfigError
-from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents, nearest_multiple
 
 logger = logging.getLogger(__name__)
-
-
-def nearest_multiple(value: int, multiple: int) -> int:
-    return max(1, round(value / multiple)) * multiple
 
 
 class LTXVideoSpec(ModelSpec):
@@ -91,7 +87,7 @@ class LTXVideoSpec(ModelSpec):
         tokens = tokenizer(
             list(captions),
             padding="max_length",
-            max_length=self.config.max_sequence_length,
+            max_length=self.max_sequence_length,
             truncation=True,
             add_special_tokens=True,
             return_tensors="pt",
@@ -158,7 +154,7 @@ class LTXVideoSpec(ModelSpec):
             num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale,
             frame_rate=self.frame_rate,
-            max_sequence_length=self.config.max_sequence_length,
+            max_sequence_length=self.max_sequence_length,
             generator=generator,
             output_type="pt",
         )
@@ -169,7 +165,7 @@ class LTXVideoSpec(ModelSpec):
         packed = pipeline(
             prompt=prompt, num_frames=frames, height=height, width=width,
             num_inference_steps=num_inference_steps, guidance_scale=1.0, frame_rate=self.frame_rate,
-            max_sequence_length=self.config.max_sequence_length, generator=generator, output_type="latent",
+            max_sequence_length=self.max_sequence_length, generator=generator, output_type="latent",
         ).frames
         spatial, temporal, patch, patch_t = self.compression
         return LTXPipeline._unpack_latents(

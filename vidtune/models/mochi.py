@@ -32,24 +32,10 @@ from diffusers import (
 from torch import nn
 from transformers import AutoTokenizer, T5EncoderModel
 
-from vidtune.config import ModelConfig
 from vidtune.errors import ConfigError
-from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents, nearest_multiple
 
 logger = logging.getLogger(__name__)
-
-
-def nearest_multiple(value: int, multiple: int) -> int:
-    return max(1, round(value / multiple)) * multiple
-
-
-def family_sequence_length(config: ModelConfig, native: int) -> int:
-    """Caption tokens: `native` (the pipeline's own) when model.max_sequence_length is unset or at the generic
-    default, so a resolved config.yaml (which spells the default out) reproduces its run."""
-    chosen = config.max_sequence_length
-    if chosen is None or chosen == ModelConfig.model_fields["max_sequence_length"].default:
-        return native
-    return chosen
 
 
 class MochiSpec(ModelSpec):
@@ -71,11 +57,9 @@ class MochiSpec(ModelSpec):
         temporal = math.prod(vae.get("temporal_expansions", (1, 2, 3)))
         return spatial, temporal, self.transformer_config.get("patch_size", 2)
 
-    @functools.cached_property
-    def max_sequence_length(self) -> int:
-        """Caption tokens: the transformer's `max_sequence_length` (256, MochiPipeline's default, in the released
-        checkpoint) unless model.max_sequence_length says otherwise."""
-        return family_sequence_length(self.config, int(self.transformer_config.get("max_sequence_length", 256)))
+    def native_max_sequence_length(self) -> int:
+        """The transformer's `max_sequence_length` (256, MochiPipeline's default, in the released checkpoint)."""
+        return int(self.transformer_config.get("max_sequence_length", 256))
 
     @functools.cached_property
     def force_zeros_for_empty_prompt(self) -> bool:

@@ -15,6 +15,7 @@ Latent conventions shared by every spec:
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -64,6 +65,11 @@ def sample_latents(latents: Latents, generator: torch.Generator | None = None) -
     return mean + std * eps.to(device=mean.device, dtype=mean.dtype)
 
 
+def nearest_multiple(value: int, multiple: int) -> int:
+    """The multiple of `multiple` nearest to `value` (at least one multiple): for shape-rule messages."""
+    return max(1, round(value / multiple)) * multiple
+
+
 class ModelSpec(ABC):
     """One model family. Subclasses set the class attributes and implement the abstract methods."""
 
@@ -73,6 +79,15 @@ class ModelSpec(ABC):
     def __init__(self, config: ModelConfig, frame_rate: float = 25.0) -> None:
         self.config = config
         self.frame_rate = frame_rate
+
+    def native_max_sequence_length(self) -> int:
+        """Caption tokens the family's pipeline uses by default."""
+        return 128
+
+    @functools.cached_property
+    def max_sequence_length(self) -> int:
+        """Caption tokens: `model.max_sequence_length` when set, else the family's own."""
+        return self.config.max_sequence_length or self.native_max_sequence_length()
 
     # ----- where components come from -------------------------------------------------------------
     def component_source(self, component: str) -> tuple[str, str | None]:

@@ -22,6 +22,7 @@ def config_for(make_config, dataset: Path, tmp_path: Path):
     def build(**sections):
         precompute = {"enabled": True, "cache_dir": str(tmp_path / "cache"), "batch_size": 2,
                       **sections.pop("precompute", {})}
-        return make_config(data_root=sections.pop("data_root", dataset), precompute=precompute, **sections)
+        return make_config(sections.pop("family", "ltx-video"), data_root=sections.pop("data_root", dataset),
+                           precompute=precompute, **sections)
 
     return build

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import weakref
 
@@ -52,6 +51,21 @@ def test_a_batch_read_from_the_cache_equals_the_batch_computed_on_the_fly(
                     torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["hunyuan-video", "wan-i2v", "cogvideox-i2v"])
+def test_families_with_two_text_encoders_or_image_conditions(config_for, tmp_path, family):
+    """Every key a spec returns is cached: second text encoder outputs, image embeddings, first-frame latents."""
+    live = _batches(config_for(family=family, precompute={"enabled": False}, output_dir=str(tmp_path / "l")), 2)[1]
+    cached = _batches(config_for(family=family, precompute={"batch_size": 1}, output_dir=str(tmp_path / "c")), 2)[1]
+    for (_, indices, conditions, latents), (_, c_indices, c_conditions, c_latents) in zip(live, cached, strict=True):
+        assert indices == c_indices
+        for expected, got in ((conditions, c_conditions), (latents, c_latents)):
+            assert expected.keys() == got.keys()
+            for key in expected:
+                torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
+    if family != "hunyuan-video":
+        assert set(latents) > {"latents_mean", "latents_std"}  # video-derived conditions are cached too
+
+
 def test_same_seed_same_losses_from_the_cache_and_on_the_fly(config_for, tmp_path):
     losses = []
     for enabled in (False, True):
@@ -91,7 +105,6 @@ def test_training_from_the_cache_never_loads_the_encoders(config_for, tmp_path, 
     trainer = build_trainer(config_for(output_dir=str(tmp_path / "cold")))
     trainer.check_inputs()
     trainer.load_models()
-    gc.collect()
     assert sorted(events) == ["load text", "load vae"]
     assert loaded and all(ref() is None for ref in loaded), "an encoder is still alive after precompute"
     assert trainer._text is None and trainer._vae is None

@@ -60,15 +60,18 @@ def entry_key(kind: str, parts: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that `path` is either absent, the old file, or the whole new file."""
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write `data` to `path` so that `path` is either absent, the old file, or the whole new file.
+
+    `durable`: fsync before the rename, so that a power cut cannot leave a renamed but empty file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{_TEMPORARY}")
     try:
         with temporary.open("wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -115,8 +118,8 @@ class Fingerprints:
             digest = text if len(text) == 64 else None
         if digest is None:
             digest = _sha256_file(path)
-            if memo is not None:
-                atomic_write_bytes(memo, (digest + "\n").encode("ascii"))
+            if memo is not None:  # a memo lost in a power cut is only hashed again: no fsync needed
+                atomic_write_bytes(memo, (digest + "\n").encode("ascii"), durable=False)
         with self._lock:
             self._memory[stat_key] = digest
         return digest

@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -262,6 +263,10 @@ class _Stage:
         self.errors: list[BaseException] = []
         self.reports: list[WorkerReport] = []
         self.threads: list[threading.Thread] = []
+        self.loaded: list[weakref.ref] = []  # every module a worker loaded, to check it is gone afterwards
+
+    def track(self, *objects: Any) -> None:
+        self.loaded.extend(weakref.ref(o) for o in objects if isinstance(o, torch.nn.Module))
 
     def start(self, name: str, device: str, target: Callable[[WorkerReport], None]) -> None:
         report = WorkerReport(name, device)
@@ -321,6 +326,7 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
     def text_worker(report: WorkerReport) -> None:
         with _LOAD_LOCK:
             text = spec.load_text_components(plan.text_device)
+        stage.track(*text.modules.values())
         for chunk in _chunks(condition_keys, batch_size):
             if stage.stop.is_set():
                 return
@@ -351,6 +357,8 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
     def vae_worker(device: torch.device, report: WorkerReport) -> None:
         with _LOAD_LOCK:
             vae = spec.load_vae(device)
+        # The VAE, or a wrapper (e.g. VAE + image encoder) and what it holds.
+        stage.track(vae, *getattr(vae, "__dict__", {}).values())
         while not stage.stop.is_set():
             try:
                 job = work.get(timeout=0.1)
@@ -381,12 +389,14 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
         pool.shutdown(wait=True, cancel_futures=True)
         for bar in bars.values():
             bar.close()
+    # The workers dropped their components; reference counting frees them unless they sit in a cycle.
+    if any(ref() is not None for ref in stage.loaded):
+        gc.collect()
     return stage.reports
 
 
 def release_memory(devices: Sequence[torch.device]) -> None:
-    """Give memory of released components back (Python objects, then the CUDA caching allocator)."""
-    gc.collect()
+    """Give the memory of released components back to the device (the CUDA caching allocator)."""
     if any(device.type == "cuda" for device in devices) and torch.cuda.is_available():
         torch.cuda.empty_cache()
 

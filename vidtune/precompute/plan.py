@@ -36,10 +36,13 @@ def cache_root(config: Config) -> Path:
 
 def text_component_names(spec: ModelSpec) -> tuple[str, ...]:
     """The tokenizers and text encoders of a spec (e.g. text_encoder, tokenizer, text_encoder_2, tokenizer_2)."""
-    names = getattr(spec, "text_component_names", None)
-    if names:
-        return tuple(names)
     return tuple(n for n in spec.required_components() if n.startswith(TEXT_COMPONENT_PREFIXES))
+
+
+def video_component_names(spec: ModelSpec) -> tuple[str, ...]:
+    """What `spec.load_vae` loads: the VAE, plus e.g. the image encoder of an image-to-video family."""
+    text = set(text_component_names(spec))
+    return tuple(n for n in spec.required_components() if n not in text and n not in ("transformer", "scheduler"))
 
 
 def _hub_commit(repo_id: str, subfolder: str | None, revision: str | None) -> str | None:
@@ -71,9 +74,19 @@ def component_identity(spec: ModelSpec, component: str, fingerprints: Fingerprin
     return f"hub:{source}@{commit or revision or 'main'}/{subfolder or ''}"
 
 
+_PLAIN = (str, int, float, bool, tuple, type(None))
+
+
 def _spec_identity(spec: ModelSpec) -> dict[str, Any]:
+    """The family, its class, and the plain settings its class declares (e.g. an image-to-video family's
+    noise augmentation of first frames), so editing one of those invalidates what it computed."""
     cls = type(spec)
-    return {"name": spec.name, "class": f"{cls.__module__}.{cls.__qualname__}",
+    settings: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[: cls.__mro__.index(ModelSpec)]):
+        for name, value in vars(klass).items():
+            if not name.startswith("_") and name != "default_lora_targets" and isinstance(value, _PLAIN):
+                settings[name] = repr(value)
+    return {"name": spec.name, "class": f"{cls.__module__}.{cls.__qualname__}", "settings": settings,
             "version": getattr(spec, "cache_version", 1)}
 
 
@@ -141,12 +154,15 @@ def build_plan(config: Config, spec: ModelSpec, samples: list[Sample], cache: Ca
     text_device = resolve_device(options.text_device, fallback)
     vae_devices = [resolve_device(name, fallback) for name in options.vae_devices]
     text_dtype = spec.component_dtype("text_encoder", text_device)
-    vae_dtypes = {spec.component_dtype("vae", device) for device in vae_devices}
-    if len(vae_dtypes) > 1:
+    video_components = video_component_names(spec)
+    video_dtypes = {tuple(dtype_name(spec.component_dtype(n, device)) for n in video_components)
+                    for device in vae_devices}
+    if len(video_dtypes) > 1:
         raise ConfigError(
-            f"precompute.vae_devices {options.vae_devices} would run the VAE in different dtypes "
-            f"({', '.join(sorted(dtype_name(d) for d in vae_dtypes))}); use devices of one kind or set model.vae_dtype"
+            f"precompute.vae_devices {options.vae_devices} would run the VAE in different dtypes; use devices "
+            "of one kind, or set model.vae_dtype"
         )
+    vae_dtypes = {spec.component_dtype("vae", device) for device in vae_devices}
     preprocess = Preprocess.from_config(config)
     plan = CachePlan(cache, options.store, preprocess, text_device, vae_devices, text_dtype, vae_dtypes.pop())
 
@@ -156,12 +172,14 @@ def build_plan(config: Config, spec: ModelSpec, samples: list[Sample], cache: Ca
         "spec": spec_id,
         "components": {name: component_identity(spec, name, fingerprints) for name in text_component_names(spec)},
         "dtype": dtype_name(plan.text_dtype),
-        "max_sequence_length": config.model.max_sequence_length,
+        # The effective length (model.max_sequence_length, else the family's own).
+        "max_sequence_length": getattr(spec, "max_sequence_length", config.model.max_sequence_length),
     }
     latent_parts = {
         "spec": spec_id,
-        "components": {"vae": component_identity(spec, "vae", fingerprints)},
+        "components": {name: component_identity(spec, name, fingerprints) for name in video_components},
         "dtype": dtype_name(plan.vae_dtype),
+        "dtypes": dict(zip(video_components, video_dtypes.pop(), strict=True)),
         "preprocess": preprocess.describe(),
         "store": options.store,
     }

@@ -77,3 +77,10 @@ def test_every_shipped_config_loads_and_says_how_to_run_it(path):
     assert path.read_text().startswith("# Run with: vidtune train")
     config = load_config(path)
     assert config.model.name
+
+
+def test_configuration_reference_is_up_to_date():
+    from vidtune.config_docs import render
+
+    committed = (Path(vidtune.__file__).parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert committed == render(), "run: python -m vidtune.config_docs > docs/configuration.md"

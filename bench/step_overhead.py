@@ -20,13 +20,13 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch  # noqa: E402
-from peft import LoraConfig  # noqa: E402
+import torch
+from peft import LoraConfig
 
-from vidtune.config import build_config  # noqa: E402
-from vidtune.data.synthetic import render_shapes_dataset  # noqa: E402
-from vidtune.models.tiny import write_tiny_ltx_video  # noqa: E402
-from vidtune.trainers.lora import LoRATrainer  # noqa: E402
+from vidtune.config import build_config
+from vidtune.data.synthetic import render_shapes_dataset
+from vidtune.models.tiny import write_tiny_ltx_video
+from vidtune.trainers.lora import LoRATrainer
 
 FRAMES, SIZE = 17, 64
 

@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # OpenMP threads that spin while waiting starve each other on a small, shared machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

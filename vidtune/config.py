@@ -41,7 +41,7 @@ class ModelConfig(Section):
         description="Per-component path override, e.g. {transformer: /path/to/other/transformer}.",
     )
     max_sequence_length: int | None = Field(
-        None, gt=0, description="Tokens kept per caption; default: the family's own (LTX-Video 128, CogVideoX 226, ...)."
+        None, gt=0, description="Tokens kept per caption; default: the family's own (LTX-Video 128, CogVideoX 226)."
     )
     frame_rate: float | None = Field(
         None, gt=0, description="Frame rate the denoiser is told about; default: data.fps, else 25."

@@ -66,7 +66,7 @@ def test_components_load_and_shapes_agree(make_config, family):
 def test_shape_rules_name_nearest_valid_values(make_config, family, bad):
     from vidtune.errors import ConfigError
 
-    config, spec = _spec(make_config, family)
+    _, spec = _spec(make_config, family)
     frames, height, width = TINY_SHAPES[family]
     with pytest.raises(ConfigError, match=f"data.{bad}.*nearest valid"):
         spec.check_video_shape(frames + 1 if bad == "frames" else frames,

@@ -89,7 +89,7 @@ def test_outputs_of_a_run(make_config, tmp_path):
 
 def test_unknown_target_module_is_a_clear_error(make_config):
     config = make_config(lora={"target_modules": ["no_such_layer"]})
-    with pytest.raises(ConfigError, match="lora.target_modules"):
+    with pytest.raises(ConfigError, match=r"lora\.target_modules"):
         build_trainer(config).run()
 
 

@@ -45,7 +45,7 @@ def test_timesteps_follow_the_scheduler_convention():
 
 def test_uniform_sigmas_distribution():
     sigmas = sample_uniform_sigmas(200_000, torch.Generator().manual_seed(0))
-    assert 0 <= sigmas.min() and sigmas.max() < 1
+    assert sigmas.min() >= 0 and sigmas.max() < 1
     assert abs(sigmas.mean().item() - 0.5) < 0.005
     assert abs(sigmas.var().item() - 1 / 12) < 0.002
 

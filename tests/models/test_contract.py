@@ -107,3 +107,15 @@ def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_confi
     adapted = sample()
     assert plain.shape == adapted.shape
     assert (plain - adapted).abs().max() > 1e-4
+
+
+def test_full_fine_tune_saves_a_transformer_the_family_class_loads(make_config, family):
+    config = make_config(family, training={"algorithm": "full", "steps": 1, "learning_rate": 1e-3})
+    trainer = build_trainer(config)
+    result = trainer.run()
+    fresh = trainer.spec.load_denoiser(CPU)
+    trained = dict(trainer.denoiser.named_parameters())
+    assert any(not torch.equal(p, trained[n]) for n, p in fresh.named_parameters()), "nothing trained"
+    loaded = type(fresh).from_pretrained(result.weights_path)
+    for name, parameter in loaded.named_parameters():
+        assert torch.equal(parameter, trained[name].to(parameter.dtype)), name

@@ -63,7 +63,8 @@ def test_gradient_checkpointing_gives_the_same_step(make_config, tmp_path):
 
     results = []
     for flag in (False, True):
-        config = make_config(training={"steps": 2, "gradient_checkpointing": flag}, output_dir=str(tmp_path / str(flag)))
+        config = make_config(training={"steps": 2, "gradient_checkpointing": flag},
+                             output_dir=str(tmp_path / str(flag)))
         trainer = build_trainer(config)
         result = trainer.run()
         assert trainer.denoiser.gradient_checkpointing is flag

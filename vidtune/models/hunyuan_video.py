@@ -58,11 +58,8 @@ class HunyuanVideoSpec(ModelSpec):
         value = getattr(self.config, "guidance_scale", None)
         return DEFAULT_GUIDANCE_SCALE if value is None else float(value)
 
-    @property
-    def max_sequence_length(self) -> int:
-        """Llama tokens kept after the template: `model.max_sequence_length` when set, else the pipeline's 256."""
-        if "max_sequence_length" in self.config.model_fields_set:
-            return self.config.max_sequence_length
+    def native_max_sequence_length(self) -> int:
+        """Llama tokens kept after the template: the pipeline's 256."""
         return DEFAULT_MAX_SEQUENCE_LENGTH
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------

@@ -236,7 +236,7 @@ def write_tiny_cogvideox(
     *,
     num_layers: int = 2,
     attention_head_dim: int = 16,
-    num_attention_heads: int = 2,
+    num_attention_heads: int = 4,
     text_hidden: int = 32,
     latent_channels: int = 4,
     max_text_seq_length: int = 16,
@@ -300,7 +300,7 @@ def write_tiny_cogvideox_i2v(
     *,
     num_layers: int = 2,
     attention_head_dim: int = 16,
-    num_attention_heads: int = 2,
+    num_attention_heads: int = 4,
     text_hidden: int = 32,
     latent_channels: int = 4,
     max_text_seq_length: int = 16,
@@ -363,8 +363,8 @@ def write_tiny_mochi(
     folder: str | Path,
     *,
     num_layers: int = 2,
-    attention_head_dim: int = 8,
-    num_attention_heads: int = 2,
+    attention_head_dim: int = 16,
+    num_attention_heads: int = 4,
     text_hidden: int = 32,
     max_sequence_length: int = 16,
     seed: int = 0,
@@ -443,7 +443,6 @@ def build_tiny_llama_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFas
     prefix), the template's header tokens as special tokens."""
     import regex
     from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
-
     from tokenizers import Regex
 
     tokenizer = Tokenizer(models.BPE())
@@ -458,7 +457,7 @@ def build_tiny_llama_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFas
         show_progress=False,
     )
     specials = "|".join(regex.escape(token) for token in _LLAMA3_SPECIALS)
-    template = [part for part in regex.split(specials, DEFAULT_PROMPT_TEMPLATE["template"].replace("{}", " "))]
+    template = regex.split(specials, DEFAULT_PROMPT_TEMPLATE["template"].replace("{}", " "))
     tokenizer.train_from_iterator(template * 8 + _CORPUS * 4, trainer=trainer)
     bos = tokenizer.token_to_id("<|begin_of_text|>")
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -480,12 +479,13 @@ def build_tiny_llama_tokenizer(vocab_size: int = 1024) -> PreTrainedTokenizerFas
     return fast
 
 
-def build_tiny_clip_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """A CLIP-style BPE (lower case, `</w>` word ends, `<|startoftext|> ... <|endoftext|>`, padded on the right
-    with `<|endoftext|>` like openai/clip-vit-large-patch14, so the pooled token is the first eos)."""
+def build_tiny_clip_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A CLIP-style BPE (lower case, `<|startoftext|> ... <|endoftext|>`, padded on the right with `<|endoftext|>`
+    like openai/clip-vit-large-patch14, so the pooled token is the first eos). No `</w>` word ends: the
+    trainer orders those tokens differently from run to run, and tiny models must be reproducible."""
     from tokenizers import Regex
 
-    tokenizer = Tokenizer(models.BPE(unk_token="<|endoftext|>", end_of_word_suffix="</w>"))
+    tokenizer = Tokenizer(models.BPE(unk_token="<|endoftext|>"))
     tokenizer.normalizer = normalizers.Sequence([
         normalizers.NFC(), normalizers.Replace(Regex(r"\s+"), " "), normalizers.Lowercase(),
     ])
@@ -497,7 +497,6 @@ def build_tiny_clip_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTo
         vocab_size=vocab_size,
         special_tokens=["<|startoftext|>", "<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        end_of_word_suffix="</w>",
         show_progress=False,
     )
     tokenizer.train_from_iterator(_CORPUS * 4, trainer=trainer)
@@ -692,11 +691,12 @@ def write_tiny_wan(
     attention_head_dim: int = 12,
     num_attention_heads: int = 2,
     text_hidden: int = 32,
-    latent_channels: int = 16,
+    latent_channels: int = 4,
     seed: int = 0,
 ) -> Path:
     """A tiny Wan 2.1 text-to-video model as in diffusers' Wan tests: patch (1, 2, 2), so frames are 4k+1 and
-    sides multiples of 16."""
+    sides multiples of 16. 4 latent channels (not the tests' 16): a patch then has 16 features, fewer than the
+    transformer's width, so the tiny model can represent its input and learn."""
     from diffusers import WanPipeline
 
     folder = Path(folder)
@@ -715,12 +715,12 @@ def write_tiny_wan_i2v(
     attention_head_dim: int = 12,
     num_attention_heads: int = 2,
     text_hidden: int = 32,
-    latent_channels: int = 16,
+    latent_channels: int = 4,
     image_hidden: int = 8,
     seed: int = 0,
 ) -> Path:
     """A tiny Wan 2.1 image-to-video model as in diffusers' Wan I2V tests: the transformer takes noisy latents,
-    4 mask channels and the first-frame latents (2 x 16 + 4 channels) and cross-attends to CLIP image tokens
+    4 mask channels and the first-frame latents (2 x 4 + 4 channels) and cross-attends to CLIP image tokens
     through added key/value projections; a CLIP vision encoder (patch 4 on 32 x 32 images) and its processor."""
     from diffusers import WanImageToVideoPipeline
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel

@@ -60,11 +60,8 @@ class WanSpec(ModelSpec):
     def required_components(self) -> tuple[str, ...]:
         return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
 
-    @property
-    def max_sequence_length(self) -> int:
-        """UMT5 tokens per caption: `model.max_sequence_length` when set, else the pipeline's 512."""
-        if "max_sequence_length" in self.config.model_fields_set:
-            return self.config.max_sequence_length
+    def native_max_sequence_length(self) -> int:
+        """UMT5 tokens per caption: the pipelines' 512."""
         return DEFAULT_MAX_SEQUENCE_LENGTH
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
@@ -258,11 +255,11 @@ class WanImageToVideoSpec(WanSpec):
         self.reference_image: Image.Image | None = None
 
     def required_components(self) -> tuple[str, ...]:
-        return super().required_components() + ("image_encoder", "image_processor")
+        return (*super().required_components(), "image_encoder", "image_processor")
 
-    @property
+    @functools.cached_property
     def max_sequence_length(self) -> int:
-        length = super().max_sequence_length
+        length = self.config.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         if length != DEFAULT_MAX_SEQUENCE_LENGTH:
             # The transformer splits its context as [image tokens, last 512 tokens = text]: no other length works.
             raise ConfigError(

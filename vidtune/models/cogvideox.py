@@ -32,11 +32,19 @@ from diffusers import (
     CogVideoXTransformer3DModel,
 )
 from torch import nn
-from transformers import AutoTokenizer, T5EncoderModel
+from transformers import T5EncoderModel
 
 from vidtune.config import ModelConfig
 from vidtune.errors import ConfigError, ModelError
-from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents, nearest_multiple
+from vidtune.models.spec import (
+    Conditions,
+    Latents,
+    ModelSpec,
+    TextComponents,
+    frame_count_problem,
+    raise_shape_problems,
+    side_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,23 +94,7 @@ class CogVideoXSpec(ModelSpec):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch, patch_t = self.compression
         spatial = vae_spatial * patch
-        step = patch_t or 1
-        problems = []
-        latent_frames = (frames - 1) / temporal + 1
-        if latent_frames != int(latent_frames) or int(latent_frames) % step != 0:
-            # frames = temporal * (latent - 1) + 1, with latent a multiple of the temporal patch.
-            valid = [temporal * (latent - 1) + 1 for latent in range(step, 4 * frames + 2 * step, step)]
-            below = [v for v in valid if v <= frames]
-            above = [v for v in valid if v > frames]
-            choices = " or ".join(str(v) for v in ([below[-1]] if below else []) + above[:1])
-            rule = f"{temporal}k+1" if step == 1 else f"{temporal}k+1 with k+1 a multiple of {step}"
-            problems.append(f"data.frames={frames} must be {rule} for this model; nearest valid values: {choices}")
-        for key, value in (("data.height", height), ("data.width", width)):
-            if value % spatial != 0:
-                problems.append(
-                    f"{key}={value} must be a multiple of {spatial} for this model; nearest valid value: "
-                    f"{nearest_multiple(value, spatial)}"
-                )
+        problems = [frame_count_problem(frames, temporal, patch_t or 1), *side_problems(height, width, spatial)]
         transformer = self.transformer_config
         for key, value, sample in (("data.height", height, transformer["sample_height"]),
                                    ("data.width", width, transformer["sample_width"])):
@@ -121,26 +113,13 @@ class CogVideoXSpec(ModelSpec):
                     f"{key}={value}: this model's rotary embeddings cover at most {size}; nearest valid value: "
                     f"{size // spatial * spatial}"
                 )
-        if problems:
-            raise ConfigError("The clip shape does not fit CogVideoX:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise_shape_problems("CogVideoX", problems)
         _ = self.max_sequence_length  # fails early on a text length the transformer cannot take
 
     # ----- loading ---------------------------------------------------------------------------------
-    def load_text_components(self, device: torch.device) -> TextComponents:
-        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
-        dtype = self.component_dtype("text_encoder", device)
-        text_encoder = self.load_component(T5EncoderModel, "text_encoder", torch_dtype=dtype)
-        text_encoder.requires_grad_(False).eval().to(device)
-        return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
-
-    def load_vae(self, device: torch.device) -> nn.Module:
-        vae = self.load_component(AutoencoderKLCogVideoX, "vae", torch_dtype=self.component_dtype("vae", device))
-        return vae.requires_grad_(False).eval().to(device)
-
-    def load_denoiser(self, device: torch.device) -> nn.Module:
-        dtype = self.component_dtype("transformer", device)
-        transformer = self.load_component(CogVideoXTransformer3DModel, "transformer", torch_dtype=dtype)
-        return transformer.to(device)
+    text_encoder_class = T5EncoderModel
+    vae_class = AutoencoderKLCogVideoX
+    denoiser_class = CogVideoXTransformer3DModel
 
     def load_scheduler(self) -> CogVideoXDDIMScheduler | CogVideoXDPMScheduler:
         source, subfolder = self.component_source("scheduler")

@@ -29,8 +29,15 @@ from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PRO
 from torch import nn
 from transformers import AutoTokenizer, CLIPTextModel, LlamaModel
 
-from vidtune.errors import ConfigError
-from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+from vidtune.models.spec import (
+    Conditions,
+    Latents,
+    ModelSpec,
+    TextComponents,
+    frame_count_problem,
+    raise_shape_problems,
+    side_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +47,6 @@ CLIP_MAX_LENGTH = 77
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # HunyuanVideoPipeline's default
 DEFAULT_GUIDANCE_SCALE = 1.0
 PIPELINE_SIDE_MULTIPLE = 16  # HunyuanVideoPipeline.check_inputs rejects other sizes
-
-
-def nearest_multiple(value: int, multiple: int) -> int:
-    return max(1, round(value / multiple)) * multiple
 
 
 class HunyuanVideoSpec(ModelSpec):
@@ -78,22 +81,8 @@ class HunyuanVideoSpec(ModelSpec):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch, patch_t = self.compression
         spatial = math.lcm(vae_spatial * patch, PIPELINE_SIDE_MULTIPLE)
-        problems = []
-        latent_frames_ok = (frames - 1) % temporal == 0 and ((frames - 1) // temporal + 1) % patch_t == 0
-        if not latent_frames_ok:
-            below = (frames - 1) // temporal * temporal + 1
-            choices = f"{below} or {below + temporal}" if below > 1 else str(below + temporal)
-            problems.append(
-                f"data.frames={frames} must be {temporal}k+1 for this model; nearest valid values: {choices}"
-            )
-        for key, value in (("data.height", height), ("data.width", width)):
-            if value % spatial != 0:
-                problems.append(
-                    f"{key}={value} must be a multiple of {spatial} for this model; nearest valid value: "
-                    f"{nearest_multiple(value, spatial)}"
-                )
-        if problems:
-            raise ConfigError("The clip shape does not fit HunyuanVideo:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise_shape_problems("HunyuanVideo", [frame_count_problem(frames, temporal, patch_t),
+                                              *side_problems(height, width, spatial)])
 
     # ----- loading ---------------------------------------------------------------------------------
     def load_text_components(self, device: torch.device) -> TextComponents:
@@ -111,17 +100,9 @@ class HunyuanVideoSpec(ModelSpec):
             "text_encoder_2": text_encoder_2,
         })
 
-    def load_vae(self, device: torch.device) -> nn.Module:
-        vae = self.load_component(AutoencoderKLHunyuanVideo, "vae", torch_dtype=self.component_dtype("vae", device))
-        return vae.requires_grad_(False).eval().to(device)
-
-    def load_denoiser(self, device: torch.device) -> nn.Module:
-        dtype = self.component_dtype("transformer", device)
-        transformer = self.load_component(HunyuanVideoTransformer3DModel, "transformer", torch_dtype=dtype)
-        return transformer.to(device)
-
-    def load_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        return self.load_component(FlowMatchEulerDiscreteScheduler, "scheduler")
+    vae_class = AutoencoderKLHunyuanVideo
+    denoiser_class = HunyuanVideoTransformer3DModel
+    scheduler_class = FlowMatchEulerDiscreteScheduler
 
     # ----- tensors ---------------------------------------------------------------------------------
     @torch.no_grad()

@@ -15,10 +15,17 @@ from diffusers import (
     LTXVideoTransformer3DModel,
 )
 from torch import nn
-from transformers import AutoTokenizer, T5EncoderModel
+from transformers import T5EncoderModel
 
-from vidtune.errors import ConfigError
-from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents, nearest_multiple
+from vidtune.models.spec import (
+    Conditions,
+    Latents,
+    ModelSpec,
+    TextComponents,
+    frame_count_problem,
+    raise_shape_problems,
+    side_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,43 +48,16 @@ class LTXVideoSpec(ModelSpec):
         return spatial, temporal, transformer.get("patch_size", 1), transformer.get("patch_size_t", 1)
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
-        vae_spatial, temporal, patch, _ = self.compression
-        spatial = vae_spatial * patch
-        problems = []
-        if (frames - 1) % temporal != 0:
-            below = (frames - 1) // temporal * temporal + 1
-            choices = f"{below} or {below + temporal}" if below > 1 else str(below + temporal)
-            problems.append(
-                f"data.frames={frames} must be {temporal}k+1 for this model; nearest valid values: {choices}"
-            )
-        for key, value in (("data.height", height), ("data.width", width)):
-            if value % spatial != 0:
-                problems.append(
-                    f"{key}={value} must be a multiple of {spatial} for this model; nearest valid value: "
-                    f"{nearest_multiple(value, spatial)}"
-                )
-        if problems:
-            raise ConfigError("The clip shape does not fit LTX-Video:\n" + "\n".join(f"  - {p}" for p in problems))
+        vae_spatial, temporal, patch, patch_t = self.compression
+        raise_shape_problems("LTX-Video", [
+            frame_count_problem(frames, temporal, patch_t), *side_problems(height, width, vae_spatial * patch)
+        ])
 
-    # ----- loading ---------------------------------------------------------------------------------
-    def load_text_components(self, device: torch.device) -> TextComponents:
-        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
-        dtype = self.component_dtype("text_encoder", device)
-        text_encoder = self.load_component(T5EncoderModel, "text_encoder", torch_dtype=dtype)
-        text_encoder.requires_grad_(False).eval().to(device)
-        return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
-
-    def load_vae(self, device: torch.device) -> nn.Module:
-        vae = self.load_component(AutoencoderKLLTXVideo, "vae", torch_dtype=self.component_dtype("vae", device))
-        return vae.requires_grad_(False).eval().to(device)
-
-    def load_denoiser(self, device: torch.device) -> nn.Module:
-        dtype = self.component_dtype("transformer", device)
-        transformer = self.load_component(LTXVideoTransformer3DModel, "transformer", torch_dtype=dtype)
-        return transformer.to(device)
-
-    def load_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        return self.load_component(FlowMatchEulerDiscreteScheduler, "scheduler")
+    # ----- loading: the defaults of ModelSpec, with these classes ----------------------------------------------
+    text_encoder_class = T5EncoderModel
+    vae_class = AutoencoderKLLTXVideo
+    denoiser_class = LTXVideoTransformer3DModel
+    scheduler_class = FlowMatchEulerDiscreteScheduler
 
     # ----- tensors ---------------------------------------------------------------------------------
     @torch.no_grad()

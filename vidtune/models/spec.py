@@ -24,9 +24,10 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from transformers import AutoTokenizer
 
 from vidtune.config import DType, ModelConfig, TrainingConfig
-from vidtune.errors import ModelError
+from vidtune.errors import ConfigError, ModelError
 from vidtune.objectives import Objective, objective_from_scheduler
 
 Conditions = dict[str, torch.Tensor]
@@ -70,11 +71,46 @@ def nearest_multiple(value: int, multiple: int) -> int:
     return max(1, round(value / multiple)) * multiple
 
 
+def frame_count_problem(frames: int, temporal: int, latent_multiple: int = 1) -> str | None:
+    """The usual video-VAE rule: frames = temporal * (latents - 1) + 1, latents a multiple of `latent_multiple`
+    (a transformer's temporal patch). Returns the message naming the nearest valid values, or None."""
+    latents = (frames - 1) / temporal + 1
+    if latents == int(latents) and int(latents) % latent_multiple == 0:
+        return None
+    valid = [temporal * (n - 1) + 1 for n in range(latent_multiple, frames // temporal + 2 * latent_multiple + 1,
+                                                     latent_multiple)]
+    nearest = [v for v in valid if v < frames][-1:] + [v for v in valid if v > frames][:1]
+    rule = f"{temporal}k+1" if latent_multiple == 1 else f"{temporal}k+1 with k+1 a multiple of {latent_multiple}"
+    return (f"data.frames={frames} must be {rule} for this model; nearest valid values: "
+            f"{' or '.join(str(v) for v in nearest)}")
+
+
+def side_problems(height: int, width: int, height_multiple: int, width_multiple: int | None = None) -> list[str]:
+    problems = []
+    for key, value, multiple in (("data.height", height, height_multiple),
+                                 ("data.width", width, width_multiple or height_multiple)):
+        if value % multiple != 0:
+            problems.append(f"{key}={value} must be a multiple of {multiple} for this model; nearest valid value: "
+                            f"{nearest_multiple(value, multiple)}")
+    return problems
+
+
+def raise_shape_problems(family: str, problems: list[str | None]) -> None:
+    found = [problem for problem in problems if problem]
+    if found:
+        raise ConfigError(f"The clip shape does not fit {family}:\n" + "\n".join(f"  - {p}" for p in found))
+
+
 class ModelSpec(ABC):
     """One model family. Subclasses set the class attributes and implement the abstract methods."""
 
     name: ClassVar[str]
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    # diffusers / transformers classes of the components, used by the default loaders below.
+    text_encoder_class: ClassVar[Any] = None
+    vae_class: ClassVar[Any]
+    denoiser_class: ClassVar[Any]
+    scheduler_class: ClassVar[Any]
 
     def __init__(self, config: ModelConfig, frame_rate: float = 25.0) -> None:
         self.config = config
@@ -161,17 +197,25 @@ class ModelSpec(ABC):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         """Raise a ConfigError naming the nearest valid values when the shape breaks the model's rules."""
 
-    @abstractmethod
-    def load_text_components(self, device: torch.device) -> TextComponents: ...
+    def load_text_components(self, device: torch.device) -> TextComponents:
+        """One tokenizer + one frozen text encoder (`text_encoder_class`); families with more override this."""
+        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
+        dtype = self.component_dtype("text_encoder", device)
+        text_encoder = self.load_component(self.text_encoder_class, "text_encoder", torch_dtype=dtype)
+        text_encoder.requires_grad_(False).eval().to(device)
+        return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
 
-    @abstractmethod
-    def load_vae(self, device: torch.device) -> nn.Module: ...
+    def load_vae(self, device: torch.device) -> Any:
+        """The frozen VAE; opaque to trainers (image-to-video families may return a container with more)."""
+        vae = self.load_component(self.vae_class, "vae", torch_dtype=self.component_dtype("vae", device))
+        return vae.requires_grad_(False).eval().to(device)
 
-    @abstractmethod
-    def load_denoiser(self, device: torch.device) -> nn.Module: ...
+    def load_denoiser(self, device: torch.device) -> nn.Module:
+        dtype = self.component_dtype("transformer", device)
+        return self.load_component(self.denoiser_class, "transformer", torch_dtype=dtype).to(device)
 
-    @abstractmethod
-    def load_scheduler(self) -> Any: ...
+    def load_scheduler(self) -> Any:
+        return self.load_component(self.scheduler_class, "scheduler")
 
     def objective(self, training: TrainingConfig) -> Objective:
         """The training objective implied by the family's scheduler (override only to add to it)."""

@@ -33,18 +33,22 @@ from diffusers import (
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from PIL import Image
 from torch import nn
-from transformers import AutoTokenizer, CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
+from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from vidtune.errors import ConfigError, ModelError
-from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+from vidtune.models.spec import (
+    Conditions,
+    Latents,
+    ModelSpec,
+    TextComponents,
+    frame_count_problem,
+    raise_shape_problems,
+    side_problems,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default; WanImageToVideoPipeline's transformer requires it
-
-
-def nearest_multiple(value: int, multiple: int) -> int:
-    return max(1, round(value / multiple)) * multiple
 
 
 def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
@@ -76,39 +80,13 @@ class WanSpec(ModelSpec):
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch = self.compression
-        problems = []
-        if (frames - 1) % temporal != 0 or ((frames - 1) // temporal + 1) % patch[0] != 0:
-            below = (frames - 1) // temporal * temporal + 1
-            choices = f"{below} or {below + temporal}" if below > 1 else str(below + temporal)
-            problems.append(
-                f"data.frames={frames} must be {temporal}k+1 for this model; nearest valid values: {choices}"
-            )
-        for key, value, multiple in (("data.height", height, vae_spatial * patch[1]),
-                                     ("data.width", width, vae_spatial * patch[2])):
-            if value % multiple != 0:
-                problems.append(
-                    f"{key}={value} must be a multiple of {multiple} for this model; nearest valid value: "
-                    f"{nearest_multiple(value, multiple)}"
-                )
-        if problems:
-            raise ConfigError("The clip shape does not fit Wan:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise_shape_problems("Wan", [frame_count_problem(frames, temporal, patch[0]),
+                                     *side_problems(height, width, vae_spatial * patch[1], vae_spatial * patch[2])])
 
     # ----- loading ---------------------------------------------------------------------------------
-    def load_text_components(self, device: torch.device) -> TextComponents:
-        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
-        dtype = self.component_dtype("text_encoder", device)
-        text_encoder = self.load_component(UMT5EncoderModel, "text_encoder", torch_dtype=dtype)
-        text_encoder.requires_grad_(False).eval().to(device)
-        return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
-
-    def load_vae(self, device: torch.device) -> nn.Module:
-        vae = self.load_component(AutoencoderKLWan, "vae", torch_dtype=self.component_dtype("vae", device))
-        return vae.requires_grad_(False).eval().to(device)
-
-    def load_denoiser(self, device: torch.device) -> nn.Module:
-        dtype = self.component_dtype("transformer", device)
-        transformer = self.load_component(WanTransformer3DModel, "transformer", torch_dtype=dtype)
-        return transformer.to(device)
+    text_encoder_class = UMT5EncoderModel
+    vae_class = AutoencoderKLWan
+    denoiser_class = WanTransformer3DModel
 
     def load_scheduler(self) -> Any:
         """The scheduler class the checkpoint names (Wan ships UniPCMultistepScheduler with flow sigmas)."""

@@ -13,11 +13,16 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
+import sys
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vidtune.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 

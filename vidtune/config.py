@@ -10,10 +10,10 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import sys
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 

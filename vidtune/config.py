@@ -150,7 +150,10 @@ class ValidationConfig(Section):
     enabled: bool = True
     prompts: list[str] = Field(default_factory=list, description="Default: the first caption of the dataset.")
     num_inference_steps: int = Field(30, gt=0)
-    guidance_scale: float = Field(1.0, ge=0)
+    guidance_scale: float | None = Field(
+        None, ge=0, description="Classifier-free guidance of the samples; default: the family's recommended value."
+    )
+    every: int = Field(0, ge=0, description="Also sample every N steps; 0: only at the end of the run.")
     seed: int = Field(0, ge=0)
     frames: int | None = Field(None, gt=0, description="Default: data.frames.")
     height: int | None = Field(None, gt=0, description="Default: data.height.")

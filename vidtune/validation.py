@@ -49,7 +49,7 @@ def render_validation_samples(trainer: Trainer, step: int) -> list[Path]:
     pipeline = trainer.spec.pipeline(trainer.text, trainer.vae, trainer.denoiser)
     pipeline.set_progress_bar_config(disable=True)
     height, width = options.height or config.data.height, options.width or config.data.width
-    if hasattr(trainer.spec, "set_reference_video"):
+    if trainer.spec.image_to_video:
         # Image-to-video families sample from a first frame: that of the first dataset clip.
         trainer.spec.set_reference_video(read_clip(trainer.samples[0].video, 1, height, width))
     written = []
@@ -63,7 +63,9 @@ def render_validation_samples(trainer: Trainer, step: int) -> list[Path]:
                 height=height,
                 width=width,
                 num_inference_steps=options.num_inference_steps,
-                guidance_scale=options.guidance_scale,
+                guidance_scale=(
+                    trainer.spec.validation_guidance_scale if options.guidance_scale is None else options.guidance_scale
+                ),
                 generator=generator,
             )
         pixels = frames_to_uint8(frames)

@@ -60,7 +60,7 @@ def test_outputs_of_a_run(make_config, tmp_path):
     config = make_config(
         training={"steps": 4, "batch_size": 2},
         checkpoint={"every": 1, "keep": 2},
-        validation={"enabled": True, "num_inference_steps": 2},
+        validation={"enabled": True, "num_inference_steps": 2, "every": 2},
     )
     result = build_trainer(config).run()
     out = Path(config.output_dir)
@@ -79,6 +79,8 @@ def test_outputs_of_a_run(make_config, tmp_path):
     with Image.open(out / "loss.png") as image:
         assert image.size[0] > 300
     assert len(result.sample_paths) == 1
+    # Sampled during the run (validation.every) and at the end.
+    assert sorted(p.name for p in (out / "samples").glob("*.mp4")) == ["step-00000002-0.mp4", "step-00000004-0.mp4"]
     with av.open(str(result.sample_paths[0])) as container:
         frames = list(container.decode(video=0))
     assert len(frames) == config.data.frames

@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 class CogVideoXSpec(ModelSpec):
     name = "cogvideox"
+    validation_guidance_scale = 6.0
     pipeline_class: Any = CogVideoXPipeline
 
     def required_components(self) -> tuple[str, ...]:
@@ -263,6 +264,7 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     """
 
     name = "cogvideox-i2v"
+    image_to_video = True
     pipeline_class = CogVideoXImageToVideoPipeline
     image_noise_log_sigma: tuple[float, float] | None = (-3.0, 0.5)  # (mean, std) of log sigma; None: no noise
 

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
+    validation_guidance_scale = 3.0
 
     def required_components(self) -> tuple[str, ...]:
         return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")

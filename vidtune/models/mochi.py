@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 class MochiSpec(ModelSpec):
     name = "mochi"
+    validation_guidance_scale = 4.5
 
     def required_components(self) -> tuple[str, ...]:
         return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")

@@ -106,6 +106,10 @@ class ModelSpec(ABC):
 
     name: ClassVar[str]
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Classifier-free guidance the family's pipeline recommends; validation samples use it unless configured.
+    validation_guidance_scale: ClassVar[float] = 1.0
+    # Image-to-video families condition on a first frame; they implement `set_reference_video`.
+    image_to_video: ClassVar[bool] = False
     # diffusers / transformers classes of the components, used by the default loaders below.
     text_encoder_class: ClassVar[Any] = None
     vae_class: ClassVar[Any]
@@ -258,6 +262,11 @@ class ModelSpec(ABC):
     @abstractmethod
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
         """Write `pytorch_lora_weights.safetensors` in the format the family's `load_lora_weights` reads."""
+
+    def set_reference_video(self, video: torch.Tensor) -> None:
+        """Image-to-video families: sample from the first frame of `video` ([F, 3, H, W] in [-1, 1])."""
+        if self.image_to_video:
+            raise NotImplementedError(f"{type(self).__name__} must implement set_reference_video")
 
     def empty_conditions(self, conditions: Conditions) -> Conditions:
         """The `zero` caption-dropout technique: same shapes, zero embedding (masks kept)."""

@@ -59,6 +59,7 @@ def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
 
 class WanSpec(ModelSpec):
     name = "wan"
+    validation_guidance_scale = 5.0
     pipeline_class: type = WanPipeline
 
     def required_components(self) -> tuple[str, ...]:
@@ -226,6 +227,7 @@ class WanImageToVideoSpec(WanSpec):
     otherwise it is the first frame of the first clip `prepare_latents` encoded."""
 
     name = "wan-i2v"
+    image_to_video = True
     pipeline_class = WanImageToVideoPipeline
 
     def __init__(self, config: Any, frame_rate: float = 25.0) -> None:

@@ -55,6 +55,7 @@ from vidtune.resume import (
     saved_config,
     truncate_metrics,
 )
+from vidtune.validation import plot_loss_curve, render_validation_samples
 
 logger = logging.getLogger(__name__)
 
@@ -362,6 +363,9 @@ class Trainer(ABC):
                 if config.checkpoint.every and step % config.checkpoint.every == 0 and step < training.steps:
                     self.save_checkpoint(step, optimizer, lr_scheduler)
                     saved_step = step
+                if config.validation.enabled and config.validation.every and step % config.validation.every == 0 \
+                        and step < training.steps:
+                    render_validation_samples(self, step)
             progress.close()
             if saved_step != step:
                 self.save_checkpoint(step, optimizer, lr_scheduler)
@@ -369,8 +373,6 @@ class Trainer(ABC):
                 raise TrainingInterrupted(self.interrupted_message(stop.received, step), stop.exit_code)
 
         weights = self.save_final(self.output_dir)
-        from vidtune.validation import plot_loss_curve, render_validation_samples
-
         plot_loss_curve(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png")
         samples = render_validation_samples(self, step) if config.validation.enabled else []
         return TrainResult(self.output_dir, step, losses, weights, samples)

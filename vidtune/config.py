@@ -284,6 +284,9 @@ def _describe(error: dict[str, Any]) -> str:
         return f"{key}: unknown key.{hint} Allowed keys here: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required, but not set"
+    if kind == "value_error" and not location:
+        # A check across sections: its message names the keys; the whole input would only bury it.
+        return str(error["msg"]).removeprefix("Value error, ")
     if kind == "literal_error":
         expected = error.get("ctx", {}).get("expected", "")
         return f"{key}: {error['input']!r} is not allowed; choose one of {expected}"

@@ -85,3 +85,11 @@ def test_configuration_reference_is_up_to_date():
 
     committed = (Path(vidtune.__file__).parent.parent / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert committed == render(), "run: python -m vidtune.config_docs > docs/configuration.md"
+
+
+def test_cross_section_checks_name_both_keys_plainly():
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [*REQUIRED, "training.steps=6", "optimizer.warmup_steps=10"])
+    message = str(error.value)
+    assert "optimizer.warmup_steps (10) is larger than training.steps (6)" in message
+    assert "model" not in message.split("\n", 1)[1]  # the input is not dumped

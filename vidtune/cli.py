@@ -20,7 +20,13 @@ def _split_config_and_overrides(values: list[str]) -> tuple[str | None, list[str
 
 def _load(values: list[str]):
     from vidtune.config import load_config
+    from vidtune.errors import ConfigError
 
+    if not values:
+        raise ConfigError(
+            "Give a config file (YAML or TOML), e.g. vidtune train my.yaml [section.key=value ...].\n"
+            "`vidtune quickstart` writes a complete example config; every key is listed in docs/configuration.md."
+        )
     path, overrides = _split_config_and_overrides(values)
     return load_config(path, overrides)
 

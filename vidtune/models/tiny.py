@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -23,6 +24,13 @@ _CORPUS = [
 ]
 
 TINY_VOCAB_SIZE = 384
+
+
+def _save_tiny(pipeline: Any, folder: Path, family: str, seed: int) -> Path:
+    """Save a tiny pipeline in the diffusers layout, with a marker naming what wrote it."""
+    pipeline.save_pretrained(folder)
+    (folder / "vidtune_tiny.json").write_text(json.dumps({"family": family, "seed": seed}) + "\n")
+    return folder
 
 
 def build_tiny_tokenizer(max_length: int = 128) -> PreTrainedTokenizerFast:
@@ -164,9 +172,7 @@ def write_tiny_ltx_video(
         tokenizer=build_tiny_tokenizer(),
         transformer=transformer,
     )
-    pipeline.save_pretrained(folder)
-    (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "ltx-video", "seed": seed}) + "\n")
-    return folder
+    return _save_tiny(pipeline, folder, "ltx-video", seed)
 
 
 def calm_cogvideox_vae_posterior(vae: torch.nn.Module, log_variance: float = -12.0) -> None:
@@ -290,9 +296,7 @@ def write_tiny_cogvideox(
         transformer=transformer,
         scheduler=scheduler,
     )
-    pipeline.save_pretrained(folder)
-    (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "cogvideox", "seed": seed}) + "\n")
-    return folder
+    return _save_tiny(pipeline, folder, "cogvideox", seed)
 
 
 def write_tiny_cogvideox_i2v(
@@ -354,9 +358,7 @@ def write_tiny_cogvideox_i2v(
         transformer=transformer,
         scheduler=scheduler,
     )
-    pipeline.save_pretrained(folder)
-    (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "cogvideox-i2v", "seed": seed}) + "\n")
-    return folder
+    return _save_tiny(pipeline, folder, "cogvideox-i2v", seed)
 
 
 def write_tiny_mochi(
@@ -419,9 +421,7 @@ def write_tiny_mochi(
         tokenizer=build_tiny_tokenizer(),
         transformer=transformer,
     )
-    pipeline.save_pretrained(folder)
-    (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "mochi", "seed": seed}) + "\n")
-    return folder
+    return _save_tiny(pipeline, folder, "mochi", seed)
 
 
 # ----- HunyuanVideo and Wan -----------------------------------------------------------------------------
@@ -622,9 +622,7 @@ def write_tiny_hunyuan_video(
         text_encoder_2=text_encoder_2,
         tokenizer_2=tokenizer_2,
     )
-    pipeline.save_pretrained(folder)
-    (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "hunyuan-video", "seed": seed}) + "\n")
-    return folder
+    return _save_tiny(pipeline, folder, "hunyuan-video", seed)
 
 
 def _tiny_wan_parts(family: str, text_hidden: int, latent_channels: int, seed: int) -> dict[str, object]:
@@ -703,9 +701,7 @@ def write_tiny_wan(
     parts = _tiny_wan_parts("wan", text_hidden, latent_channels, seed)
     transformer = _tiny_wan_transformer(seed, latent_channels, latent_channels, text_hidden, num_layers,
                                         num_attention_heads, attention_head_dim)
-    WanPipeline(transformer=transformer, **parts).save_pretrained(folder)
-    (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "wan", "seed": seed}) + "\n")
-    return folder
+    return _save_tiny(WanPipeline(transformer=transformer, **parts), folder, "wan", seed)
 
 
 def write_tiny_wan_i2v(
@@ -735,11 +731,10 @@ def write_tiny_wan_i2v(
         image_size=32, intermediate_size=16, patch_size=4,
     )).eval()
     image_processor = CLIPImageProcessor(crop_size=32, size=32)
-    WanImageToVideoPipeline(
+    pipeline = WanImageToVideoPipeline(
         transformer=transformer, image_encoder=image_encoder, image_processor=image_processor, **parts
-    ).save_pretrained(folder)
-    (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "wan-i2v", "seed": seed}) + "\n")
-    return folder
+    )
+    return _save_tiny(pipeline, folder, "wan-i2v", seed)
 
 
 TINY_WRITERS = {

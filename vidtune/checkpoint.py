@@ -86,8 +86,11 @@ def save(
     config: Config,
     keep: int,
     rank: int = 0,
+    rng: dict[int, Any] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically under `root`, then keep only the newest `keep`.
+
+    `rng`: the RNG states by rank (under torchrun, every rank's); default: this process's, as `rank`.
 
     Any error while writing (OSError for a full disk, ...) removes the temporary folder and is raised
     again; the checkpoints already under `root` are untouched then.
@@ -101,7 +104,7 @@ def save(
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, temporary / WEIGHTS)
         torch.save(
             {"format": FORMAT, "step": step, "optimizer": optimizer, "lr_scheduler": lr_scheduler,
-             "rng": {rank: rng_state()}, **extra},
+             "rng": {rank: rng_state()} if rng is None else rng, **extra},
             temporary / STATE,
         )
         write_resolved_config(config, temporary)

@@ -32,12 +32,14 @@ def _load(values: list[str]):
 
 
 def command_train(args: argparse.Namespace) -> int:
+    from vidtune import parallel
     from vidtune.trainers import build_trainer
 
     config = _load(args.config)
     started = time.perf_counter()
     result = build_trainer(config).run()
-    print_summary(result, time.perf_counter() - started)
+    if parallel.is_main():  # under torchrun, once
+        print_summary(result, time.perf_counter() - started)
     return 0
 
 

@@ -80,7 +80,7 @@ class TrainingConfig(Section):
         "lora", description="`lora`: train adapters, save them; `full`: train the denoiser's own weights (see `full`)."
     )
     steps: int = Field(1000, gt=0, description="Optimizer steps.")
-    batch_size: int = Field(1, gt=0, description="Clips per micro-batch.")
+    batch_size: int = Field(1, gt=0, description="Clips per micro-batch (per process under torchrun).")
     gradient_accumulation: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
     learning_rate: float = Field(1e-4, gt=0)
     seed: int = Field(42, ge=0)
@@ -93,7 +93,9 @@ class TrainingConfig(Section):
     logit_mean: float = 0.0
     logit_std: float = Field(1.0, gt=0)
     sigma_shift: float = Field(1.0, gt=0, description="Shift of sampled sigmas towards noise (>1) or data (<1).")
-    device: str = Field("auto", description="auto: cuda if available, else cpu.")
+    device: str = Field(
+        "auto", description="auto: cuda if available, else cpu. Under torchrun auto / cuda: cuda:LOCAL_RANK."
+    )
     skip_nonfinite_steps: int = Field(
         0,
         ge=0,

@@ -20,7 +20,6 @@ for each other, so every rank can read every entry.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import os
@@ -37,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 from tqdm.auto import tqdm
 
+from vidtune import parallel
 from vidtune.config import Config
 from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
 from vidtune.data.video import read_clip
@@ -405,29 +405,7 @@ def distributed_world(rank: int | None = None, world: int | None = None) -> tupl
     """(rank, world size): given, else torch.distributed's, else torchrun's RANK / WORLD_SIZE, else (0, 1)."""
     if rank is not None and world is not None:
         return rank, world
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-@contextlib.contextmanager
-def _process_group(world: int, rank: int) -> Iterator[Any]:
-    """torch.distributed for the ranks to wait for each other: the one in use, or a gloo group made here."""
-    if world <= 1:
-        yield None
-        return
-    import torch.distributed as dist
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        yield dist
-    finally:
-        if created:
-            dist.destroy_process_group()
+    return parallel.rank(), parallel.world_size()
 
 
 def precompute(config: Config, samples: list[Sample] | None = None, *, progress: bool | None = None,
@@ -443,7 +421,8 @@ def precompute(config: Config, samples: list[Sample] | None = None, *, progress:
     plan = build_plan(config, spec, samples, cache)
     rank, world = distributed_world(rank, world)
 
-    with _process_group(world, rank) as dist:
+    # gloo even beside GPUs: the ranks only exchange a few counts (and a training run's nccl group is reused).
+    with parallel.process_group(backend="gloo", this_rank=rank, world=world) as distributed:
         condition_todo, condition_reused, bad_conditions = _check_existing(
             cache, "conditions", shard(list(plan.conditions), rank, world))
         latent_todo, latent_reused, bad_latents = _check_existing(
@@ -453,13 +432,10 @@ def precompute(config: Config, samples: list[Sample] | None = None, *, progress:
         if condition_todo or latent_todo:
             release_memory([plan.text_device, *plan.vae_devices])
         counts = [len(condition_todo), condition_reused, len(latent_todo), latent_reused, bad_conditions + bad_latents]
-        if dist is not None:
-            total = torch.tensor(counts, dtype=torch.long)
-            if dist.get_backend() == "nccl":
-                total = total.cuda()
-            dist.all_reduce(total)  # also waits for every rank: all entries exist after this
-            counts = [int(v) for v in total.cpu()]
-            dist.barrier()
+        if distributed:
+            # Also waits for every rank: all entries exist after this.
+            counts = [int(v) for v in parallel.all_reduce_sum(counts, dtype=torch.long)]
+            parallel.barrier()
 
     return PrecomputeSummary(
         *counts, seconds=time.perf_counter() - started, rank=rank, world=world, cache_dir=cache.root,

@@ -9,6 +9,10 @@ Checkpoints hold the whole training state, so a resumed run (`checkpoint.resume`
 where the saved one stopped: trainable weights, optimizer, LR schedule, the number of samples consumed
 (the data stream is seeded by position, see `vidtune.data.sampler`) and the RNGs. SIGINT / SIGTERM stop
 the loop after the current step with a checkpoint; a non-finite loss or gradient is never applied.
+
+Under torchrun (`vidtune.parallel`) every rank runs this loop on its own device and its own samples (rank r reads
+stream positions r, r + world, ...); DistributedDataParallel averages the gradients, so a step of `world` ranks
+with `batch_size` each is a step of one process with `batch_size * world`. Rank 0 alone writes files.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from vidtune import checkpoint as checkpoints
+from vidtune import parallel
 from vidtune.config import Config, write_resolved_config
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.sampler import StreamSampler
@@ -47,6 +52,7 @@ from vidtune.optim import build_lr_scheduler, build_optimizer
 from vidtune.precompute import CachedSamples, collate_cached, encode_captions, encode_videos, precompute, stack_items
 from vidtune.resume import (
     FIXED_KEYS,
+    SIGNAL_EXIT_CODES,
     CheckpointError,
     StopSignals,
     TrainingInterrupted,
@@ -74,9 +80,8 @@ class TrainResult:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """`training.device` -> this process's device (under torchrun: the GPU of its LOCAL_RANK)."""
+    return parallel.resolve_device(name)
 
 
 def seed_everything(seed: int) -> None:
@@ -118,6 +123,24 @@ def _collate_cached_with_positions(items: list[dict[str, Any]]) -> dict[str, Any
     return batch
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_votes(stop: StopSignals) -> list[float]:
+    """This process's vote on stopping, one entry per signal in STOP_SIGNALS (summed over ranks)."""
+    return [float(stop.received == number) for number in STOP_SIGNALS]
+
+
+def agreed_stop(stop: StopSignals, votes: list[float] | None = None) -> signal.Signals | None:
+    """The signal the run stops on. One process: the one it received. Under torchrun every rank must stop after the
+    same step, and a signal reaches the ranks at different moments: one rank's is enough (`votes`, summed over
+    ranks; gathered here when not given)."""
+    if not parallel.is_distributed():
+        return stop.received
+    votes = parallel.all_reduce_sum(stop_votes(stop)) if votes is None else votes
+    return next((number for number, count in zip(STOP_SIGNALS, votes, strict=True) if count > 0), None)
+
+
 def _to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {key: value.to(device, non_blocking=True) for key, value in tensors.items()}
 
@@ -138,6 +161,9 @@ class Trainer(ABC):
         self.denoiser: nn.Module | None = None
         self.objective: Objective | None = None
         self.empty_conditions: Conditions | None = None
+        # What the loop calls: the denoiser, or under torchrun its DistributedDataParallel wrapper (`self.denoiser`
+        # stays the plain module, for state dicts, saving and sampling).
+        self.trained_denoiser: nn.Module | None = None
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -161,7 +187,12 @@ class Trainer(ABC):
         self.spec.check_source()
         self.spec.check_video_shape(data.frames, data.height, data.width)
         self.samples = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
-        validate_clips(self.samples, data.frames, data.fps, progress=self.config.logging.progress)
+        validate_clips(self.samples, data.frames, data.fps, progress=self.progress)
+
+    @property
+    def progress(self) -> bool:
+        """Progress bars: as configured, on rank 0 only."""
+        return self.config.logging.progress and parallel.is_main()
 
     # ----- 2. model ----------------------------------------------------------------------------------
     def load_models(self) -> list[nn.Parameter]:
@@ -170,7 +201,7 @@ class Trainer(ABC):
         if self.config.precompute.enabled:
             # The precompute stage loads the text encoders and the VAE only for entries that are missing, and
             # releases them before it returns: training from the cache never holds them.
-            summary = precompute(self.config, self.samples, progress=self.config.logging.progress)
+            summary = precompute(self.config, self.samples, progress=self.progress)
             if summary.rank == 0:
                 print(summary.line(), flush=True)
             self.cached = CachedSamples(self.config, self.spec, summary.plan, self.samples)
@@ -220,7 +251,8 @@ class Trainer(ABC):
     # ----- 3. data -------------------------------------------------------------------------------------
     def batches(self, start_position: int) -> Iterator[dict[str, Any]]:
         data = self.config.data
-        sampler = StreamSampler(len(self.samples), self.config.training.seed, start=start_position)
+        sampler = StreamSampler(len(self.samples), self.config.training.seed, start=start_position,
+                                rank=parallel.rank(), world=parallel.world_size())
         if self.cached is not None:
             # Reading an entry is far cheaper than a step: no worker processes (nor their memory) needed.
             yield from DataLoader(_StreamDataset(self.cached), batch_size=self.config.training.batch_size,
@@ -284,10 +316,9 @@ class Trainer(ABC):
         noisy = self.objective.noisy(x0, noise, levels)
         target = self.objective.target(x0, noise, levels)
         timesteps = self.objective.timesteps(levels).to(x0.device)
+        denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
-            prediction = self.spec.forward(
-                self.denoiser, conditions, noisy.to(self.denoiser.dtype), timesteps
-            )
+            prediction = self.spec.forward(denoiser, conditions, noisy.to(self.denoiser.dtype), timesteps)
         per_sample = (prediction.float() - target).pow(2).flatten(1).mean(dim=1)
         return (per_sample * self.objective.loss_weights(levels).to(per_sample.device)).sum()
 
@@ -298,13 +329,20 @@ class Trainer(ABC):
 
     # ----- 5. the loop ---------------------------------------------------------------------------------
     def run(self) -> TrainResult:
+        # Under torchrun: this run's process group (or the one already set up), taken down at the end.
+        with parallel.process_group(self.device):
+            return self._run()
+
+    def _run(self) -> TrainResult:
         config, training = self.config, self.config.training
-        resume_from = resolve_resume(config)  # refuses a used output_dir before anything is read or written
+        # Refuses a used output_dir before anything is read or written. Rank 0 decides (it also tidies what a killed
+        # run left among the checkpoints) and every rank follows, or raises the same error.
+        resume_from = parallel.on_main(lambda: resolve_resume(config))
         resumed = self.read_checkpoint(resume_from) if resume_from is not None else None
         self.check_inputs()
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        write_resolved_config(config, self.output_dir)
-        seed_everything(training.seed)
+        parallel.on_main(self.prepare_output_dir)
+        # Rank 0 draws what one process draws; other ranks draw their own (e.g. LoRA dropout masks).
+        seed_everything(training.seed + parallel.rank())
 
         parameters = self.load_models()
         optimizer = build_optimizer(parameters, config)
@@ -312,13 +350,19 @@ class Trainer(ABC):
         step, self.samples_consumed, self.nonfinite_skipped = 0, 0, 0
         if resumed is not None:
             step = self.restore_training_state(resumed, optimizer, lr_scheduler)
+        # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
+        self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
+        world = parallel.world_size()
+        # A rank's loss is the sum over its samples / (batch_size * accumulation); DDP averages the gradients over
+        # the ranks, so they are those of one process with batch_size * world: sum / (batch_size * accum * world).
         samples_per_step = training.batch_size * training.gradient_accumulation
         metrics = MetricsLog(self.output_dir / "metrics.jsonl")
-        truncate_metrics(metrics.path, step)
+        parallel.on_main(lambda: truncate_metrics(metrics.path, step))
         saved_step = step if resumed is not None else None
+        first_step = step
 
         progress = tqdm(total=training.steps, initial=step, desc="training", unit="step",
-                        disable=not config.logging.progress, dynamic_ncols=True)
+                        disable=not self.progress, dynamic_ncols=True)
         self.denoiser.train()
         losses: list[float] = []
         # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
@@ -327,20 +371,29 @@ class Trainer(ABC):
             if resumed is not None and step < training.steps:
                 stream = self._continue_stream(stream, resumed.state["rng"])
             elif resumed is not None:
-                checkpoints.restore_rng_state(resumed.state["rng"])
-            while step < training.steps and stop.received is None:
+                self.restore_rng(resumed.state["rng"])
+            stopped_by = agreed_stop(stop)
+            while step < training.steps and stopped_by is None:
                 started = time.perf_counter()
                 step_loss = torch.zeros((), device=self.device)
-                for _ in range(training.gradient_accumulation):
+                for micro in range(training.gradient_accumulation):
                     batch = next(stream)
-                    conditions, latents = self.encode_batch(batch)
-                    loss = self.compute_loss(conditions, latents, batch["position"]) / samples_per_step
-                    loss.backward()
+                    # Under torchrun the gradients are averaged once per step, on the last micro-batch.
+                    with parallel.accumulating(self.trained_denoiser, sync=micro == training.gradient_accumulation - 1):
+                        conditions, latents = self.encode_batch(batch)
+                        loss = self.compute_loss(conditions, latents, batch["position"]) / samples_per_step
+                        loss.backward()
                     step_loss += loss.detach()
+                if step == first_step:
+                    self.check_every_parameter_trains(parameters)
                 grad_norm = self.clip_gradients(parameters)
-                loss_value = float(step_loss)
+                # Under torchrun, one collective per step: the loss summed over ranks (its mean is logged, and every
+                # rank must take the same finite / non-finite decision or the replicas drift apart) and whether a
+                # rank was asked to stop (all ranks stop after the same step). One process: the values as they are.
+                votes = parallel.all_reduce_sum([float(step_loss), *stop_votes(stop)])
+                loss_value = votes[0] / world
                 step += 1
-                self.samples_consumed += samples_per_step
+                self.samples_consumed += samples_per_step * world
                 finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
                 if finite:
                     optimizer.step()
@@ -354,8 +407,9 @@ class Trainer(ABC):
 
                 if finite and (step % config.logging.log_every == 0 or step == training.steps):
                     seconds = time.perf_counter() - started
-                    metrics.write(step=step, loss=loss_value, lr=lr_scheduler.get_last_lr()[0],
-                                  grad_norm=grad_norm, seconds_per_step=seconds)
+                    if parallel.is_main():
+                        metrics.write(step=step, loss=loss_value, lr=lr_scheduler.get_last_lr()[0],
+                                      grad_norm=grad_norm, seconds_per_step=seconds)
                     losses.append(loss_value)
                     progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
                 progress.update(1)
@@ -365,17 +419,42 @@ class Trainer(ABC):
                     saved_step = step
                 if config.validation.enabled and config.validation.every and step % config.validation.every == 0 \
                         and step < training.steps:
-                    render_validation_samples(self, step)
+                    parallel.on_main(lambda step=step: render_validation_samples(self, step))
+                stopped_by = agreed_stop(stop, votes[1:])
             progress.close()
             if saved_step != step:
                 self.save_checkpoint(step, optimizer, lr_scheduler)
-            if stop.received is not None:
-                raise TrainingInterrupted(self.interrupted_message(stop.received, step), stop.exit_code)
+            stopped_by = agreed_stop(stop)
+            if stopped_by is not None:
+                raise TrainingInterrupted(self.interrupted_message(stopped_by, step), SIGNAL_EXIT_CODES[stopped_by])
 
+        weights, samples = parallel.on_main(lambda: self.write_results(step))
+        return TrainResult(self.output_dir, step, losses, weights, samples)
+
+    def prepare_output_dir(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        write_resolved_config(self.config, self.output_dir)
+
+    def write_results(self, step: int) -> tuple[Path, list[Path]]:
+        """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""
         weights = self.save_final(self.output_dir)
         plot_loss_curve(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png")
-        samples = render_validation_samples(self, step) if config.validation.enabled else []
-        return TrainResult(self.output_dir, step, losses, weights, samples)
+        samples = render_validation_samples(self, step) if self.config.validation.enabled else []
+        return weights, samples
+
+    def check_every_parameter_trains(self, parameters: list[nn.Parameter]) -> None:
+        """Under torchrun, after the first step: DDP (which does not search for unused parameters, that would cost
+        a graph traversal every step) needs every trainable parameter to take part in the loss."""
+        if not parallel.is_distributed():
+            return
+        names = {id(p): name for name, p in self.denoiser.named_parameters()}
+        unused = [names.get(id(p), "?") for p in parameters if p.grad is None]
+        if unused:
+            raise TrainingError(
+                f"{len(unused)} trainable parameters take no part in the loss, e.g. {', '.join(unused[:5])}; "
+                "training on several processes needs every one to. Leave them out (full.frozen_patterns, "
+                "lora.target_modules)."
+            )
 
     def clip_gradients(self, parameters: list[nn.Parameter]) -> float | None:
         """Clip to `training.max_grad_norm` and return the norm before clipping (also when clipping is off,
@@ -397,9 +476,16 @@ class Trainer(ABC):
     def save_checkpoint(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> Path:
         """Everything a resumed run needs: weights, optimizer, schedule, data position, RNGs, config.
 
-        A failed write (full disk, ...) stops the run; the checkpoints already written stay whole."""
-        samples_per_step = self.config.training.batch_size * self.config.training.gradient_accumulation
+        A failed write (full disk, ...) stops the run; the checkpoints already written stay whole. Under torchrun
+        every rank calls it: each one's RNG states are gathered (a resumed rank restores its own), rank 0 writes."""
+        world = parallel.world_size()
+        samples_per_step = self.config.training.batch_size * self.config.training.gradient_accumulation * world
         consumed = getattr(self, "samples_consumed", step * samples_per_step)
+        rng = dict(enumerate(parallel.gather_objects(checkpoints.rng_state())))
+        return parallel.on_main(lambda: self._write_checkpoint(step, optimizer, lr_scheduler, consumed, rng))
+
+    def _write_checkpoint(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: Any, consumed: int,
+                          rng: dict[int, Any]) -> Path:
         try:
             return checkpoints.save(
                 self.checkpoints_root,
@@ -412,9 +498,11 @@ class Trainer(ABC):
                     "algorithm": self.algorithm,
                     "num_samples": len(self.samples),
                     "nonfinite_skipped": getattr(self, "nonfinite_skipped", 0),
+                    "world_size": len(rng),
                 },
                 config=self.config,
                 keep=self.config.checkpoint.keep,
+                rng=rng,
             )
         except (OSError, RuntimeError, SafetensorError) as error:
             # A full disk reaches here as OSError (config), SafetensorError (weights) or RuntimeError (torch.save).
@@ -435,9 +523,10 @@ class Trainer(ABC):
         if state.get("algorithm", self.algorithm) != self.algorithm:
             raise ConfigError(f"Cannot resume from {folder}: it was written by training.algorithm="
                               f"{state['algorithm']}, this run uses {self.algorithm}.")
-        print(f"Resuming from {folder} (step {state['step']} of {self.config.training.steps}).", flush=True)
-        if changes:
-            print("Changed since that checkpoint:\n" + "\n".join(f"  - {line}" for line in changes), flush=True)
+        if parallel.is_main():
+            print(f"Resuming from {folder} (step {state['step']} of {self.config.training.steps}).", flush=True)
+            if changes:
+                print("Changed since that checkpoint:\n" + "\n".join(f"  - {line}" for line in changes), flush=True)
         return ResumedState(folder, weights, state)
 
     def restore_training_state(self, resumed: ResumedState, optimizer: torch.optim.Optimizer,
@@ -445,9 +534,15 @@ class Trainer(ABC):
         """Load a checkpoint's weights, optimizer and schedule; return its step. The RNGs follow later."""
         state = resumed.state
         saved_samples = state.get("num_samples", len(self.samples))
-        if saved_samples != len(self.samples):
+        if saved_samples != len(self.samples) and parallel.is_main():
             print(f"The dataset changed since that checkpoint: {saved_samples} clips -> {len(self.samples)} (the "
                   "data order from here on differs from an uninterrupted run).", flush=True)
+        saved_world, world = int(state.get("world_size", 1)), parallel.world_size()
+        if saved_world != world and parallel.is_main():
+            per_step = self.config.training.batch_size * self.config.training.gradient_accumulation * world
+            print(f"The number of processes changed since that checkpoint: {saved_world} -> {world} (a step now "
+                  f"takes {per_step} samples; the data each process reads and its random draws differ from an "
+                  "uninterrupted run).", flush=True)
         try:
             self.load_trainable_state_dict({k: v.to(self.device) for k, v in resumed.weights.items()})
             optimizer.load_state_dict(state["optimizer"])
@@ -481,9 +576,16 @@ class Trainer(ABC):
         Starting a DataLoader draws its base seed from the global RNG, as it did when the run began: take
         the first batch, then restore the saved RNGs, so the steps that follow draw what they would have."""
         first = next(stream)
-        checkpoints.restore_rng_state(rng)
+        self.restore_rng(rng)
         yield first
         yield from stream
+
+    def restore_rng(self, saved: dict[Any, Any]) -> None:
+        """This rank's RNG states from a checkpoint. A rank it has none for (the run now has more processes than
+        when it was saved) keeps its freshly seeded ones."""
+        rank = parallel.rank()
+        if "python" in saved or rank in saved:
+            checkpoints.restore_rng_state(saved, rank)
 
     def skip_nonfinite_step(self, step: int, loss: float, grad_norm: float | None) -> None:
         """Nothing of a non-finite step is applied; the run stops unless `training.skip_nonfinite_steps` allows."""

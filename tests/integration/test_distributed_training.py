@@ -1,0 +1,207 @@
+"""Data-parallel training with real processes on CPU (gloo), as torchrun runs it.
+
+Two ranks with batch 1 must train what one process trains with batch 2, each rank reading its own stream
+positions, rank 0 alone writing the outputs; a stop requested on one rank stops both after the same step, and a
+resumed two-rank run ends bit for bit where the uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import yaml
+from safetensors.torch import load_file
+
+from vidtune import checkpoint, parallel
+from vidtune.config import build_config
+from vidtune.resume import TrainingInterrupted
+from vidtune.trainers import build_trainer
+from vidtune.trainers.base import TrainingError
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+STEPS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as handle:
+        handle.bind(("127.0.0.1", 0))
+        return handle.getsockname()[1]
+
+
+def _train(config: dict, port: int, stop_on: tuple[int, int] | None = None, unused: bool = False) -> dict:
+    """One run of this rank under a fresh process group (set up by the trainer from the environment, as under
+    torchrun); `stop_on=(rank, micro_batch)` sends that rank SIGTERM during that micro-batch; `unused` adds a
+    trainable parameter the denoiser never uses."""
+    os.environ["MASTER_PORT"] = str(port)
+    trainer = build_trainer(build_config(config))
+    if unused:
+        configure = trainer.configure_trainable
+
+        def with_unused(denoiser):
+            denoiser.register_parameter("never_used", torch.nn.Parameter(torch.zeros(3)))
+            return [*configure(denoiser), denoiser.never_used]
+
+        trainer.configure_trainable = with_unused
+    positions: list[int] = []
+    original = trainer.compute_loss
+
+    def recording(conditions, latents, batch_positions):
+        positions.extend(int(p) for p in batch_positions)
+        if stop_on is not None and stop_on == (int(os.environ["RANK"]), len(positions)):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(conditions, latents, batch_positions)
+
+    trainer.compute_loss = recording
+    try:
+        result = trainer.run()
+    except TrainingInterrupted as stopped:
+        return {"positions": positions, "exit_code": stopped.exit_code, "message": str(stopped)}
+    except TrainingError as error:
+        return {"positions": positions, "error": str(error)}
+    return {"positions": positions, "losses": result.losses, "weights": str(result.weights_path)}
+
+
+def _rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], ports: list[int], out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    parallel.TIMEOUT = timedelta(seconds=120)  # a broken collective fails the test instead of hanging for an hour
+    results = {name: _train(config, port, **options) for (name, config, options), port in zip(runs, ports, strict=True)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _adapter(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / LORA_FILE)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_config, tmp_path):
+    def config(name: str, **sections) -> dict:
+        sections["training"] = {"steps": STEPS, "learning_rate": 1e-2, **sections.get("training", {})}
+        return make_config(output_dir=str(tmp_path / name), **sections).to_dict()
+
+    # LoRA dropout draws from each rank's global RNG: a bitwise resume needs every rank's RNG state back.
+    every = {"every": 2, "keep": 2}
+    four = {"training": {"steps": 4}, "lora": {"dropout": 0.1}}
+    full = {"training": {"algorithm": "full", "steps": 2}}
+    runs = [
+        ("ddp", config("ddp", checkpoint=every), {}),
+        ("full", config("full", **full), {}),
+        ("cached", config("cached", precompute={"enabled": True, "batch_size": 1,
+                                                     "cache_dir": str(tmp_path / "cache")}), {}),
+        ("reference", config("reference", checkpoint=every, **four), {}),
+        # SIGTERM reaches rank 1 only, during step 2: both ranks must stop after step 2 and save it.
+        ("stopped", config("stopped", checkpoint=every, **four), {"stop_on": (1, 2)}),
+        ("resumed", config("stopped", checkpoint={**every, "resume": "latest"}, **four), {}),
+        ("unused", config("unused"), {"unused": True}),
+    ]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # One process, batch 2: the same samples, the same noise, the same steps.
+    single = make_config(training={"steps": STEPS, "batch_size": 2, "learning_rate": 1e-2},
+                         output_dir=str(tmp_path / "single"))
+    single_result = build_trainer(single).run()
+    ddp_dir = tmp_path / "ddp"
+
+    # (a) The same adapter and the same (rank-averaged) losses, on both ranks.
+    expected, trained = _adapter(tmp_path / "single"), _adapter(ddp_dir)
+    assert expected.keys() == trained.keys() and expected
+    for key in expected:
+        torch.testing.assert_close(trained[key], expected[key], rtol=1e-3, atol=1e-4)
+    assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
+    for result in ranks:
+        assert result["ddp"]["losses"] == pytest.approx(single_result.losses, rel=1e-4)
+        assert result["ddp"]["weights"] == str(ddp_dir / LORA_FILE)
+
+    # Training from the cache, which the ranks filled together (one clip per VAE call, as on the fly), gives the
+    # same adapter.
+    cached = _adapter(tmp_path / "cached")
+    assert all(torch.equal(cached[key], trained[key]) for key in trained)
+
+    # (b) Disjoint positions, together 0 .. steps * batch * world - 1.
+    seen = [result["ddp"]["positions"] for result in ranks]
+    assert seen == [[0, 2, 4], [1, 3, 5]]
+    assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(STEPS * 2))
+
+    # (c) One set of outputs: rank 0's, each step logged once; checkpoints hold both ranks' RNGs.
+    assert sorted(p.name for p in ddp_dir.iterdir()) == ["checkpoints", "config.yaml", "loss.png", "metrics.jsonl",
+                                                        LORA_FILE]
+    rows = [json.loads(line) for line in (ddp_dir / "metrics.jsonl").read_text().splitlines()]
+    single_rows = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["loss"] for row in rows] == pytest.approx(single_result.losses, rel=1e-4)
+    # Adam hides a wrong gradient scale in the weights; the gradient norm (before clipping) does not.
+    assert [row["grad_norm"] for row in rows] == pytest.approx([row["grad_norm"] for row in single_rows], rel=1e-4)
+    assert sorted(p.name for p in (ddp_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
+    _, state = checkpoint.load(ddp_dir / "checkpoints" / "step-00000003")
+    assert sorted(state["rng"]) == [0, 1] and state["world_size"] == 2
+    assert state["samples_consumed"] == STEPS * 2
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])
+
+    # A stop asked of one rank stops both after the same step, with a checkpoint there; resuming it with two
+    # ranks gives bitwise the adapter of the run that never stopped.
+    stopped_dir = tmp_path / "stopped"
+    for result in ranks:
+        assert result["stopped"]["exit_code"] == 143 and "stopped after step 2 of 4" in result["stopped"]["message"]
+        assert result["resumed"]["positions"] == result["reference"]["positions"][2:]
+    assert [p.name for p in checkpoint.list_checkpoints(stopped_dir / "checkpoints")] == ["step-00000002",
+                                                                                           "step-00000004"]
+    resumed, reference = _adapter(stopped_dir), _adapter(tmp_path / "reference")
+    assert resumed.keys() == reference.keys()
+    assert all(torch.equal(resumed[key], reference[key]) for key in reference)
+    assert [json.loads(line)["loss"] for line in (stopped_dir / "metrics.jsonl").read_text().splitlines()] == \
+        [json.loads(line)["loss"] for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
+
+    # Full fine-tuning: the same equality as LoRA's.
+    single_full = make_config(training={"algorithm": "full", "steps": 2, "batch_size": 2, "learning_rate": 1e-2},
+                              output_dir=str(tmp_path / "single-full"))
+    build_trainer(single_full).run()
+    weights = "transformer/diffusion_pytorch_model.safetensors"
+    expected, trained = load_file(tmp_path / "single-full" / weights), load_file(tmp_path / "full" / weights)
+    assert expected.keys() == trained.keys() and expected
+    for key in expected:
+        torch.testing.assert_close(trained[key], expected[key], rtol=1e-3, atol=1e-4)
+
+    # A trainable parameter outside the loss is named after the first step, on every rank (DDP would fail later
+    # with a message about buckets).
+    for result in ranks:
+        assert "take no part in the loss, e.g. never_used" in result["unused"]["error"]
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
+    config = make_config(training={"steps": 2}, output_dir=str(tmp_path / "run"))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+    def torchrun() -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(_free_port()), "-m", "vidtune", "train", str(path)]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+    result = torchrun()
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "run"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "loss.png", "metrics.jsonl",
+                                                     LORA_FILE]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert result.stdout.count("Finished 2 steps") == 1  # the summary, from rank 0
+
+    # An error rank 0 finds (here: the output_dir holds a run) stops every rank, none is left waiting.
+    again = torchrun()
+    assert again.returncode != 0
+    assert again.stderr.count(f"output_dir {out} already holds a run") == 2, again.stderr[-3000:]

@@ -161,6 +161,9 @@ class Trainer(ABC):
         self.denoiser: nn.Module | None = None
         self.objective: Objective | None = None
         self.empty_conditions: Conditions | None = None
+        # Progress of the run: positions of the data stream consumed, non-finite steps skipped.
+        self.samples_consumed = 0
+        self.nonfinite_skipped = 0
         # What the loop calls: the denoiser, or under torchrun its DistributedDataParallel wrapper (`self.denoiser`
         # stays the plain module, for state dicts, saving and sampling).
         self.trained_denoiser: nn.Module | None = None
@@ -478,10 +481,8 @@ class Trainer(ABC):
 
         A failed write (full disk, ...) stops the run; the checkpoints already written stay whole. Under torchrun
         every rank calls it: each one's RNG states are gathered (a resumed rank restores its own), rank 0 writes."""
-        world = parallel.world_size()
-        samples_per_step = self.config.training.batch_size * self.config.training.gradient_accumulation * world
-        consumed = getattr(self, "samples_consumed", step * samples_per_step)
         rng = dict(enumerate(parallel.gather_objects(checkpoints.rng_state())))
+        consumed = self.samples_consumed
         return parallel.on_main(lambda: self._write_checkpoint(step, optimizer, lr_scheduler, consumed, rng))
 
     def _write_checkpoint(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: Any, consumed: int,
@@ -497,7 +498,7 @@ class Trainer(ABC):
                     "samples_consumed": consumed,
                     "algorithm": self.algorithm,
                     "num_samples": len(self.samples),
-                    "nonfinite_skipped": getattr(self, "nonfinite_skipped", 0),
+                    "nonfinite_skipped": self.nonfinite_skipped,
                     "world_size": len(rng),
                 },
                 config=self.config,

@@ -162,6 +162,14 @@ class ValidationConfig(Section):
     width: int | None = Field(None, gt=0, description="Default: data.width.")
 
 
+class MemoryConfig(Section):
+    fp8_base_weights: bool = Field(
+        False,
+        description="LoRA only: keep the frozen denoiser weights in float8 (e4m3) and upcast each layer as it runs; "
+        "the weights take half the memory of bf16, at some cost in speed and precision.",
+    )
+
+
 class LoggingConfig(Section):
     progress: bool = True
     log_every: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
@@ -195,6 +203,7 @@ class Config(Section):
     full: FullConfig = Field(default_factory=FullConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
     output_dir: str = "outputs/run"
@@ -205,6 +214,11 @@ class Config(Section):
             raise ValueError(
                 f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) is larger than training.steps "
                 f"({self.training.steps})"
+            )
+        if self.memory.fp8_base_weights and self.training.algorithm != "lora":
+            raise ValueError(
+                "memory.fp8_base_weights works with training.algorithm=lora only: full fine-tuning trains those "
+                "weights, which cannot be stored in float8"
             )
         return self
 

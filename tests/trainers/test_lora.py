@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import av
@@ -118,3 +119,30 @@ def test_config_file_round_trip_through_cli_overrides(make_config, tmp_path):
     loaded = load_config(path, ["training.steps=7", "lora.rank=32"])
     assert loaded.training.steps == 7 and loaded.lora.rank == 32
     assert loaded.model == config.model
+
+
+def test_fp8_base_weights_train_an_adapter_that_loads_in_a_plain_pipeline(make_config, tiny_model_dir):
+    from diffusers import LTXPipeline
+
+    config = make_config(training={"steps": 3, "learning_rate": 1e-2}, memory={"fp8_base_weights": True})
+    trainer = build_trainer(config)
+    result = trainer.run()
+    stored = {p.dtype for name, p in trainer.denoiser.named_parameters() if "to_q.base_layer.weight" in name}
+    assert stored == {torch.float8_e4m3fn}
+    adapter = [p for p in trainer.denoiser.parameters() if p.requires_grad]
+    assert adapter and all(p.dtype == torch.float32 for p in adapter)
+    assert all(math.isfinite(loss) for loss in result.losses)
+    fp8_bytes = sum(p.numel() * p.element_size() for p in trainer.denoiser.parameters() if not p.requires_grad)
+    plain = trainer.spec.load_denoiser(torch.device("cpu"))
+    assert fp8_bytes < 0.5 * sum(p.numel() * p.element_size() for p in plain.parameters())
+
+    pipeline = LTXPipeline.from_pretrained(tiny_model_dir("ltx-video"))
+    pipeline.set_progress_bar_config(disable=True)
+    pipeline.load_lora_weights(config.output_dir)
+    video = trainer.spec.generate(pipeline, "a red circle", 9, 32, 32, 2, 1.0, torch.Generator().manual_seed(0))
+    assert torch.isfinite(video).all()
+
+
+def test_fp8_base_weights_need_lora(make_config):
+    with pytest.raises(ConfigError, match="fp8_base_weights works with"):
+        make_config(training={"algorithm": "full"}, memory={"fp8_base_weights": True})

@@ -11,6 +11,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 from vidtune.errors import ConfigError
+from vidtune.memory import store_frozen_weights_in_fp8
 from vidtune.trainers.base import Trainer
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
@@ -32,6 +33,8 @@ class LoRATrainer(Trainer):
 
     def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
         denoiser.requires_grad_(False)
+        if self.config.memory.fp8_base_weights:
+            store_frozen_weights_in_fp8(denoiser)
         try:
             denoiser.add_adapter(self.lora_config())
         except ValueError as error:

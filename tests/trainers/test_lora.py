@@ -79,6 +79,8 @@ def test_outputs_of_a_run(make_config, tmp_path):
     assert result.weights_path == out / "pytorch_lora_weights.safetensors"
     with Image.open(out / "loss.png") as image:
         assert image.size[0] > 300
+    with Image.open(out / "dataset_overview.png") as image:
+        assert image.size[1] > 4 * 40  # a row per clip
     assert len(result.sample_paths) == 1
     # Sampled during the run (validation.every) and at the end.
     assert sorted(p.name for p in (out / "samples").glob("*.mp4")) == ["step-00000002-0.mp4", "step-00000004-0.mp4"]

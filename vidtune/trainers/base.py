@@ -42,8 +42,10 @@ from vidtune import checkpoint as checkpoints
 from vidtune import parallel
 from vidtune.config import Config, write_resolved_config
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
+from vidtune.data.overview import write_dataset_overview
 from vidtune.data.sampler import StreamSampler
 from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
+from vidtune.data.video import VideoInfo
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, sample_latents
@@ -156,6 +158,7 @@ class Trainer(ABC):
         self.device = resolve_device(config.training.device)
         self.spec: ModelSpec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
         self.samples: list[Sample] = []
+        self.clip_infos: list[VideoInfo] = []
         self.text: TextComponents | None = None
         self.vae: nn.Module | None = None
         self.denoiser: nn.Module | None = None
@@ -190,7 +193,7 @@ class Trainer(ABC):
         self.spec.check_source()
         self.spec.check_video_shape(data.frames, data.height, data.width)
         self.samples = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
-        validate_clips(self.samples, data.frames, data.fps, progress=self.progress)
+        self.clip_infos = validate_clips(self.samples, data.frames, data.fps, progress=self.progress)
 
     @property
     def progress(self) -> bool:
@@ -437,6 +440,8 @@ class Trainer(ABC):
     def prepare_output_dir(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_resolved_config(self.config, self.output_dir)
+        # What the run trains on, to look at: first / middle / last frame and caption of each clip.
+        write_dataset_overview(self.samples, self.clip_infos, self.output_dir / "dataset_overview.png")
 
     def write_results(self, step: int) -> tuple[Path, list[Path]]:
         """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""

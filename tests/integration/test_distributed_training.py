@@ -137,8 +137,8 @@ def test_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_confi
     assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(STEPS * 2))
 
     # (c) One set of outputs: rank 0's, each step logged once; checkpoints hold both ranks' RNGs.
-    assert sorted(p.name for p in ddp_dir.iterdir()) == ["checkpoints", "config.yaml", "loss.png", "metrics.jsonl",
-                                                        LORA_FILE]
+    expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE]
+    assert sorted(p.name for p in ddp_dir.iterdir()) == expected
     rows = [json.loads(line) for line in (ddp_dir / "metrics.jsonl").read_text().splitlines()]
     single_rows = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -196,8 +196,8 @@ def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
     result = torchrun()
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "run"
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "loss.png", "metrics.jsonl",
-                                                     LORA_FILE]
+    expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE]
+    assert sorted(p.name for p in out.iterdir()) == expected
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert result.stdout.count("Finished 2 steps") == 1  # the summary, from rank 0
 

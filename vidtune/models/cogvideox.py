@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,7 +51,7 @@ logger = logging.getLogger(__name__)
 class CogVideoXSpec(ModelSpec):
     name = "cogvideox"
     validation_guidance_scale = 6.0
-    pipeline_class: Any = CogVideoXPipeline
+    pipeline_class = CogVideoXPipeline
 
     def required_components(self) -> tuple[str, ...]:
         return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
@@ -204,41 +203,8 @@ class CogVideoXSpec(ModelSpec):
             scheduler=self.load_scheduler(),
         )
 
-    def pipeline_inputs(self, frames: int, height: int, width: int) -> dict[str, Any]:
-        """Arguments of the pipeline call beyond prompt, sizes and sampling settings."""
-        return {}
-
-    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
-        output = pipeline(
-            prompt=prompt,
-            num_frames=frames,
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=self.max_sequence_length,
-            generator=generator,
-            output_type="pt",
-            **self.pipeline_inputs(frames, height, width),
-        )
-        return output.frames[0].float() * 2.0 - 1.0
-
-    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
-        latents = pipeline(
-            prompt=prompt, num_frames=frames, height=height, width=width,
-            num_inference_steps=num_inference_steps, guidance_scale=1.0,
-            max_sequence_length=self.max_sequence_length, generator=generator, output_type="latent",
-            **self.pipeline_inputs(frames, height, width),
-        ).frames
+    def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
         return latents.permute(0, 2, 1, 3, 4)  # [B, F, C, H, W] -> [B, C, F, H, W]
-
-    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
-        self.pipeline_class.save_lora_weights(
-            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
-        )
-        return Path(folder) / "pytorch_lora_weights.safetensors"
 
 
 def _content_generator(frame: torch.Tensor) -> torch.Generator:
@@ -301,7 +267,7 @@ class CogVideoXI2VSpec(CogVideoXSpec):
         latents["image_latents"] = torch.cat([image, padding], dim=2)
         return latents
 
-    def pipeline_inputs(self, frames: int, height: int, width: int) -> dict[str, Any]:
+    def pipeline_inputs(self) -> dict[str, Any]:
         if self.first_frame is None:
             raise ModelError(
                 "cogvideox-i2v samples from a first frame: call spec.set_reference_video(video) (validation uses "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,6 +102,7 @@ class HunyuanVideoSpec(ModelSpec):
     vae_class = AutoencoderKLHunyuanVideo
     denoiser_class = HunyuanVideoTransformer3DModel
     scheduler_class = FlowMatchEulerDiscreteScheduler
+    pipeline_class = HunyuanVideoPipeline
 
     # ----- tensors ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -175,38 +175,21 @@ class HunyuanVideoSpec(ModelSpec):
             tokenizer_2=text["tokenizer_2"],
         )
 
-    def _sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int, num_inference_steps: int,
-                generator: torch.Generator, output_type: str, true_cfg_scale: float = 1.0) -> torch.Tensor:
+    def sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int, num_inference_steps: int,
+               guidance_scale: float, generator: torch.Generator, output_type: str) -> torch.Tensor:
+        """The embedded guidance is the trained `model.guidance_scale`; `guidance_scale` here (validation's) is
+        HunyuanVideo's true classifier-free guidance against an empty prompt, off at 1.0."""
         return pipeline(
             prompt=prompt,
-            negative_prompt="" if true_cfg_scale > 1.0 else None,
+            negative_prompt="" if guidance_scale > 1.0 else None,
             num_frames=frames,
             height=height,
             width=width,
             num_inference_steps=num_inference_steps,
             guidance_scale=self.guidance_scale,
-            true_cfg_scale=true_cfg_scale,
+            true_cfg_scale=guidance_scale,
             prompt_template=PROMPT_TEMPLATE,
             max_sequence_length=self.max_sequence_length,
             generator=generator,
             output_type=output_type,
         ).frames
-
-    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
-        """The embedded guidance is the trained `model.guidance_scale`; `guidance_scale` here (validation's) is
-        HunyuanVideo's true classifier-free guidance against an empty prompt, off at 1.0."""
-        video = self._sample(pipeline, prompt, frames, height, width, num_inference_steps, generator, "pt",
-                             true_cfg_scale=guidance_scale)
-        return video[0].float() * 2.0 - 1.0
-
-    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
-        # Already [B, C, F, H, W] and scaled like prepare_latents (the pipeline unscales only to decode).
-        return self._sample(pipeline, prompt, frames, height, width, num_inference_steps, generator, "latent")
-
-    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
-        HunyuanVideoPipeline.save_lora_weights(
-            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
-        )
-        return Path(folder) / "pytorch_lora_weights.safetensors"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,6 +58,7 @@ class LTXVideoSpec(ModelSpec):
     vae_class = AutoencoderKLLTXVideo
     denoiser_class = LTXVideoTransformer3DModel
     scheduler_class = FlowMatchEulerDiscreteScheduler
+    pipeline_class = LTXPipeline
 
     # ----- tensors ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -125,37 +125,12 @@ class LTXVideoSpec(ModelSpec):
             transformer=denoiser,
         )
 
-    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
-        output = pipeline(
-            prompt=prompt,
-            num_frames=frames,
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            frame_rate=self.frame_rate,
-            max_sequence_length=self.max_sequence_length,
-            generator=generator,
-            output_type="pt",
-        )
-        return output.frames[0].float() * 2.0 - 1.0
+    def pipeline_inputs(self) -> dict[str, Any]:
+        return {"frame_rate": self.frame_rate}
 
-    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
-        packed = pipeline(
-            prompt=prompt, num_frames=frames, height=height, width=width,
-            num_inference_steps=num_inference_steps, guidance_scale=1.0, frame_rate=self.frame_rate,
-            max_sequence_length=self.max_sequence_length, generator=generator, output_type="latent",
-        ).frames
+    def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
         spatial, temporal, patch, patch_t = self.compression
         return LTXPipeline._unpack_latents(
-            packed, ((frames - 1) // temporal + 1) // patch_t, height // spatial // patch, width // spatial // patch,
+            latents, ((frames - 1) // temporal + 1) // patch_t, height // spatial // patch, width // spatial // patch,
             patch, patch_t,
         )
-
-    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
-        LTXPipeline.save_lora_weights(
-            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
-        )
-        return Path(folder) / "pytorch_lora_weights.safetensors"

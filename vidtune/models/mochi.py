@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,6 +87,7 @@ class MochiSpec(ModelSpec):
     vae_class = AutoencoderKLMochi
     denoiser_class = MochiTransformer3DModel
     scheduler_class = FlowMatchEulerDiscreteScheduler
+    pipeline_class = MochiPipeline
 
     # ----- tensors ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -154,33 +154,3 @@ class MochiSpec(ModelSpec):
             transformer=denoiser,
             force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt,
         )
-
-    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
-        output = pipeline(
-            prompt=prompt,
-            num_frames=frames,
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=self.max_sequence_length,
-            generator=generator,
-            output_type="pt",
-        )
-        return output.frames[0].float() * 2.0 - 1.0
-
-    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
-        # Already [B, C, F, H, W] and normalised: the pipeline denormalises only when decoding.
-        return pipeline(
-            prompt=prompt, num_frames=frames, height=height, width=width,
-            num_inference_steps=num_inference_steps, guidance_scale=1.0,
-            max_sequence_length=self.max_sequence_length, generator=generator, output_type="latent",
-        ).frames
-
-    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
-        MochiPipeline.save_lora_weights(
-            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
-        )
-        return Path(folder) / "pytorch_lora_weights.safetensors"

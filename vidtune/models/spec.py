@@ -110,7 +110,9 @@ class ModelSpec(ABC):
     validation_guidance_scale: ClassVar[float] = 1.0
     # Image-to-video families condition on a first frame; they implement `set_reference_video`.
     image_to_video: ClassVar[bool] = False
-    # diffusers / transformers classes of the components, used by the default loaders below.
+    # diffusers / transformers classes of the components, used by the default loaders below, and the
+    # family's pipeline (its `save_lora_weights` writes the LoRA format the family's tools read).
+    pipeline_class: ClassVar[Any]
     text_encoder_class: ClassVar[Any] = None
     vae_class: ClassVar[Any]
     denoiser_class: ClassVar[Any]
@@ -247,21 +249,56 @@ class ModelSpec(ABC):
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
         """The family's diffusers pipeline assembled from already loaded components."""
 
-    @abstractmethod
+    # ----- sampling with the family's pipeline, and its LoRA format ---------------------------------------------
+    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
+        """How the caption reaches the pipeline call (by default as text: the pipeline encodes it)."""
+        return {"prompt": prompt}
+
+    def pipeline_inputs(self) -> dict[str, Any]:
+        """Family-specific inputs of the pipeline call (a frame rate, an image-to-video first frame, ...)."""
+        return {}
+
+    def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+        """The pipeline's `output_type="latent"` result in the training layout [B, C, F, H, W]."""
+        return latents
+
+    def sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int, num_inference_steps: int,
+               guidance_scale: float, generator: torch.Generator, output_type: str) -> torch.Tensor:
+        """One call of the family's pipeline; returns its `.frames`."""
+        return pipeline(
+            **self.prompt_inputs(pipeline, prompt, guidance_scale),
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            generator=generator,
+            output_type=output_type,
+            **self.pipeline_inputs(),
+        ).frames
+
     def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                  num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
         """Sample one video with the family's pipeline: float [F, 3, H, W] in [-1, 1]."""
+        video = self.sample(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale, generator,
+                            "pt")
+        return video[0].float() * 2.0 - 1.0
 
-    @abstractmethod
     def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                          num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
         """Sample with the family's pipeline (its own scheduler, no guidance), returning the final latents
         in the training layout [B, C, F, H, W], normalised like `prepare_latents` output. Used to check
         that what the trainer teaches is what the pipeline samples."""
+        latents = self.sample(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator, "latent")
+        return self.latents_from_pipeline(latents, frames, height, width)
 
-    @abstractmethod
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
         """Write `pytorch_lora_weights.safetensors` in the format the family's `load_lora_weights` reads."""
+        self.pipeline_class.save_lora_weights(
+            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+        )
+        return Path(folder) / "pytorch_lora_weights.safetensors"
 
     def set_reference_video(self, video: torch.Tensor) -> None:
         """Image-to-video families: sample from the first frame of `video` ([F, 3, H, W] in [-1, 1])."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from pathlib import Path
 from typing import Any
 
 import diffusers
@@ -60,7 +59,7 @@ def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
 class WanSpec(ModelSpec):
     name = "wan"
     validation_guidance_scale = 5.0
-    pipeline_class: type = WanPipeline
+    pipeline_class = WanPipeline
 
     def required_components(self) -> tuple[str, ...]:
         return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
@@ -158,45 +157,6 @@ class WanSpec(ModelSpec):
             transformer=denoiser,
         )
 
-    def pipeline_inputs(self) -> dict[str, Any]:
-        """Extra inputs of the family's pipeline call (image-to-video: the conditioning image)."""
-        return {}
-
-    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
-        """How the caption reaches the pipeline call (text-to-video: as text, the pipeline encodes it)."""
-        return {"prompt": prompt}
-
-    def _sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int, num_inference_steps: int,
-                guidance_scale: float, generator: torch.Generator, output_type: str) -> torch.Tensor:
-        return pipeline(
-            **self.prompt_inputs(pipeline, prompt, guidance_scale),
-            num_frames=frames,
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=self.max_sequence_length,
-            generator=generator,
-            output_type=output_type,
-            **self.pipeline_inputs(),
-        ).frames
-
-    def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
-        video = self._sample(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
-                             generator, "pt")
-        return video[0].float() * 2.0 - 1.0
-
-    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
-        # Already [B, C, F, H, W] and normalised like prepare_latents (the pipeline denormalises only to decode).
-        return self._sample(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator, "latent")
-
-    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
-        self.pipeline_class.save_lora_weights(
-            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
-        )
-        return Path(folder) / "pytorch_lora_weights.safetensors"
 
 
 class WanImageEncoders(nn.Module):

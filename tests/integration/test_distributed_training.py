@@ -189,8 +189,9 @@ def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
     def torchrun() -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(_free_port()), "-m", "vidtune", "train", str(path)]
+        # --standalone: torchrun picks a free port itself (no window for another process to take it).
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                   "-m", "vidtune", "train", str(path)]
         return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
 
     result = torchrun()

@@ -24,6 +24,7 @@ import torch
 from peft import LoraConfig
 
 from vidtune.config import build_config
+from vidtune.data.stream import Batch, BatchSource
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.models.tiny import write_tiny_ltx_video
 from vidtune.trainers.lora import LoRATrainer
@@ -31,19 +32,34 @@ from vidtune.trainers.lora import LoRATrainer
 FRAMES, SIZE = 17, 64
 
 
+class FixedBatches(BatchSource):
+    """The same precomputed tensors at every position of the stream."""
+
+    def __init__(self, tensors: tuple[dict, dict]) -> None:
+        self.tensors = tensors
+
+    def batches(self, start_position: int):
+        position = start_position
+        while True:
+            yield Batch(*self.tensors, positions=torch.tensor([position]), indices=torch.tensor([0]))
+            position += 1
+
+    def loader(self, sampler):
+        raise NotImplementedError("FixedBatches yields its batches directly")
+
+    encode = loader
+
+    def empty_caption(self):
+        raise NotImplementedError("caption dropout is off in this benchmark")
+
+
 class PrecomputedLoRATrainer(LoRATrainer):
     """The real trainer, fed the same precomputed tensors as the bare loop (no decoding, no encoders)."""
 
     tensors: tuple[dict, dict]
 
-    def batches(self, start_position: int):
-        position = start_position
-        while True:
-            yield {"position": torch.tensor([position]), "caption": ["x"]}
-            position += 1
-
-    def encode_batch(self, batch):
-        return self.tensors
+    def open_batch_source(self) -> BatchSource:
+        return FixedBatches(self.tensors)
 
 
 def make_config(model: Path, data: Path, output: Path, steps: int, clip: bool):

@@ -1,15 +1,14 @@
 """Checkpoints of the whole training state, written so that a crash never leaves a broken one.
 
-A checkpoint is a folder `step-XXXXXXXX/` holding the trainable weights (safetensors), the optimizer,
-LR scheduler and RNG states (one entry per rank), the data position, and the resolved config. It is
-written under a temporary name and renamed into place only when complete, so a folder named `step-*`
-is always whole; a write that fails (a full disk) removes its temporary folder and leaves the
-checkpoints already there untouched.
+A checkpoint is a folder `step-XXXXXXXX/` holding the trainable weights (safetensors), the optimizer and RNG
+states (one entry per rank; the LR schedule is a function of the step, see `vidtune.state`), the data
+position, and the resolved config. It is written under a temporary name and renamed into place only when
+complete (`vidtune.files.atomic_folder`), so a folder named `step-*` is always whole; a write that fails
+(a full disk) removes its temporary folder and leaves the checkpoints already there untouched.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
@@ -20,13 +19,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vidtune.config import Config, write_resolved_config
+from vidtune.files import atomic_folder, fsync_tree, recover_folders
 
 WEIGHTS = "weights.safetensors"
 STATE = "training_state.pt"
 CONFIG = "config.yaml"
 PREFIX = "step-"
-INCOMPLETE = ".incomplete-"
-STALE = ".stale-"
 FORMAT = 1
 
 
@@ -54,34 +52,12 @@ def restore_rng_state(state: dict[str, Any], rank: int = 0) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.iterdir():
-        with path.open("rb") as handle:
-            os.fsync(handle.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename inside `folder` durable (no-op where directories cannot be opened)."""
-    try:
-        handle = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)
-
-
 def save(
     root: Path,
     *,
     step: int,
     weights: dict[str, torch.Tensor],
     optimizer: dict[str, Any],
-    lr_scheduler: dict[str, Any],
     extra: dict[str, Any],
     config: Config,
     keep: int,
@@ -95,32 +71,16 @@ def save(
     Any error while writing (OSError for a full disk, ...) removes the temporary folder and is raised
     again; the checkpoints already under `root` are untouched then.
     """
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
-    temporary = root / f"{INCOMPLETE}{PREFIX}{step:08d}-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    try:
-        temporary.mkdir()
+    with atomic_folder(final) as temporary:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, temporary / WEIGHTS)
         torch.save(
-            {"format": FORMAT, "step": step, "optimizer": optimizer, "lr_scheduler": lr_scheduler,
+            {"format": FORMAT, "step": step, "optimizer": optimizer,
              "rng": {rank: rng_state()} if rng is None else rng, **extra},
             temporary / STATE,
         )
         write_resolved_config(config, temporary)
-        _fsync_tree(temporary)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    if final.exists():
-        # Same step saved twice: swap, never delete first (`recover` finishes a swap cut short).
-        stale = root / f"{STALE}{final.name}-{os.getpid()}"
-        os.replace(final, stale)
-        os.replace(temporary, final)
-        shutil.rmtree(stale)
-    else:
-        os.replace(temporary, final)
-    _fsync_dir(root)
+        fsync_tree(temporary)
     prune(root, keep)
     return final
 
@@ -151,22 +111,8 @@ def latest(root: Path) -> Path | None:
 
 
 def recover(root: Path) -> None:
-    """Tidy what a killed process left under `root`: drop half-written folders, finish cut-short swaps.
-
-    Only call it while no other process writes checkpoints under `root`.
-    """
-    if not root.is_dir():
-        return
-    for path in root.iterdir():
-        if path.name.startswith(INCOMPLETE):
-            shutil.rmtree(path, ignore_errors=True)
-        elif path.name.startswith(STALE):
-            target = root / path.name[len(STALE):].rsplit("-", 1)[0]
-            if not is_complete(target) and _has_files(path) and target.name.startswith(PREFIX):
-                shutil.rmtree(target, ignore_errors=True)
-                os.replace(path, target)
-            else:
-                shutil.rmtree(path, ignore_errors=True)
+    """Tidy what a killed process left under `root` (see `vidtune.files.recover_folders`)."""
+    recover_folders(root)
 
 
 def prune(root: Path, keep: int) -> None:

@@ -326,13 +326,10 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
 
 def write_resolved_config(config: Config, folder: str | os.PathLike[str]) -> Path:
     """Write the resolved config next to the run's outputs (atomically), in YAML."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / "config.yaml"
-    temporary = target.with_suffix(".yaml.tmp")
-    temporary.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
-    os.replace(temporary, target)
-    return target
+    from vidtune.files import atomic_write_text
+    from vidtune.outputs import RESOLVED_CONFIG
+
+    return atomic_write_text(Path(folder) / RESOLVED_CONFIG, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 def config_fingerprint(config: Config) -> str:

@@ -33,3 +33,8 @@ class DataError(VidtuneError):
 
 class ModelError(VidtuneError):
     """A model path, component or setting is wrong for the chosen model family."""
+
+
+class TrainingError(VidtuneError):
+    """Training cannot go on (the loss became NaN, a checkpoint cannot be written); the message says where and
+    what to try."""

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from vidtune import checkpoint as checkpoints
 from vidtune.config import load_config
-from vidtune.resume import FINAL_OUTPUTS, CheckpointError, find_checkpoint
+from vidtune.outputs import FINAL_OUTPUTS
+from vidtune.resume import CheckpointError, find_checkpoint
 
 
 def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str],

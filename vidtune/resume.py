@@ -1,19 +1,14 @@
-"""Where a run starts from, and stopping it cleanly.
+"""Where a run starts from: a fresh start in an unused output_dir, or a checkpoint to continue.
 
 - `resolve_resume`: `checkpoint.resume` (`latest` or a path) -> the checkpoint folder to continue from, or
   None to start at step 0; a new run never starts in an output_dir that already holds one.
 - `compare_configs`: a resumed run refuses config changes the checkpoint cannot follow (model, algorithm,
   adapter shape, ...) and states the changes it accepts (learning rate, total steps, ...).
-- `StopSignals`: SIGINT / SIGTERM ask the loop to stop after the current step; a second one stops at once.
-- `truncate_metrics`: metrics.jsonl keeps only the rows up to the step a run starts from.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +17,8 @@ import yaml
 from vidtune import checkpoint as checkpoints
 from vidtune.config import Config
 from vidtune.errors import ConfigError, VidtuneError
-
-# Files and folders a finished run leaves in its output_dir (LoRA adapter, full transformer).
-FINAL_OUTPUTS = ("pytorch_lora_weights.safetensors", "transformer")
+from vidtune.files import recover_folders
+from vidtune.outputs import FINAL_OUTPUTS, checkpoints_root
 
 # Changes a checkpoint cannot follow, whatever the algorithm; trainers add their own (`Trainer.resume_fixed_keys`).
 FIXED_KEYS = (
@@ -42,18 +36,6 @@ NEUTRAL_PREFIXES = ("checkpoint.", "logging.", "validation.", "output_dir", "dat
 
 class CheckpointError(VidtuneError):
     """A checkpoint to resume from or export is missing, incomplete or does not fit the config."""
-
-
-class TrainingInterrupted(VidtuneError):
-    """SIGINT / SIGTERM stopped the run after a checkpoint was saved; `exit_code` is 130 or 143."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def checkpoints_root(output_dir: Path) -> Path:
-    return Path(output_dir) / "checkpoints"
 
 
 def existing_run(output_dir: Path) -> list[str]:
@@ -86,7 +68,9 @@ def resolve_resume(config: Config) -> Path | None:
     """The checkpoint this run continues from (None: start at step 0). Raises before anything is written."""
     output_dir = Path(config.output_dir)
     root = checkpoints_root(output_dir)
+    # What a killed run left: a half-written checkpoint or final save, a swap of either cut short.
     checkpoints.recover(root)
+    recover_folders(output_dir)
     resume = config.checkpoint.resume
     if resume is None:
         found = existing_run(output_dir)
@@ -142,67 +126,3 @@ def compare_configs(saved: dict[str, Any], current: Config, fixed_keys: tuple[st
         )
     note = " (from here on the run may differ from an uninterrupted one)"
     return [line(key) + ("" if key.startswith(NEUTRAL_PREFIXES) else note) for key in changed]
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the rows of metrics.jsonl up to `step` (rows a killed run wrote after its checkpoint go)."""
-    if not path.is_file():
-        return
-    kept = []
-    for text in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(text)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(temporary, path)
-
-
-SIGNAL_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-
-class StopSignals:
-    """While active, SIGINT / SIGTERM set `received` instead of killing the process; a second one stops at once.
-
-    Handlers are installed only from the main thread and restored on exit. Worker processes forked while
-    it is active (DataLoader workers) inherit the handler and ignore the signals: the main process owns
-    the stop, so a Ctrl+C in a terminal cannot kill a worker in the middle of the step being finished.
-    """
-
-    def __init__(self) -> None:
-        self.received: signal.Signals | None = None
-        self._previous: dict[signal.Signals, Any] = {}
-        self._pid = os.getpid()
-
-    def __enter__(self) -> StopSignals:
-        self._pid = os.getpid()
-        if threading.current_thread() is threading.main_thread():
-            for number in SIGNAL_EXIT_CODES:
-                self._previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        for number, previous in self._previous.items():
-            signal.signal(number, previous)
-        self._previous.clear()
-
-    @property
-    def exit_code(self) -> int:
-        return SIGNAL_EXIT_CODES.get(self.received, 1) if self.received is not None else 0
-
-    def _handle(self, number: int, frame: Any) -> None:
-        if os.getpid() != self._pid:
-            return  # a forked worker: the main process decides
-        if self.received is not None:
-            self.__exit__()
-            if number == signal.SIGINT:
-                raise KeyboardInterrupt
-            raise SystemExit(SIGNAL_EXIT_CODES.get(signal.Signals(number), 1))
-        self.received = signal.Signals(number)
-        key = "Ctrl+C" if number == signal.SIGINT else "the signal"
-        # os.write, not print: a handler can run while print holds stderr's lock.
-        os.write(2, f"\n{self.received.name}: stopping after the current step and saving a checkpoint. "
-                    f"Send {key} again to quit at once without saving.\n".encode())

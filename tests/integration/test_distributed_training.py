@@ -24,9 +24,9 @@ from safetensors.torch import load_file
 
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
-from vidtune.resume import TrainingInterrupted
+from vidtune.errors import TrainingError
 from vidtune.trainers import build_trainer
-from vidtune.trainers.base import TrainingError
+from vidtune.trainers.stop import TrainingInterrupted
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 STEPS = 3
@@ -55,11 +55,11 @@ def _train(config: dict, port: int, stop_on: tuple[int, int] | None = None, unus
     positions: list[int] = []
     original = trainer.compute_loss
 
-    def recording(conditions, latents, batch_positions):
-        positions.extend(int(p) for p in batch_positions)
+    def recording(batch):
+        positions.extend(int(p) for p in batch.positions)
         if stop_on is not None and stop_on == (int(os.environ["RANK"]), len(positions)):
             os.kill(os.getpid(), signal.SIGTERM)
-        return original(conditions, latents, batch_positions)
+        return original(batch)
 
     trainer.compute_loss = recording
     try:

@@ -6,8 +6,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vidtune.data.video import read_clip
 from vidtune.models.registry import available_models, get_spec_class
-from vidtune.models.spec import POSTERIOR_KEYS, sample_latents
+from vidtune.models.spec import POSTERIOR_KEYS, draw_latent
 from vidtune.models.tiny import TINY_SHAPES, TINY_WRITERS
 from vidtune.trainers import build_trainer
 
@@ -52,7 +53,7 @@ def test_components_load_and_shapes_agree(make_config, family):
     assert latents["latents_std"].max() < 0.05
 
     objective = spec.objective(config.training)
-    x0 = sample_latents(latents, torch.Generator().manual_seed(0))
+    x0 = draw_latent(latents, torch.Generator().manual_seed(0))
     noise = torch.randn_like(x0)
     levels = objective.sample_noise_levels(2, torch.Generator().manual_seed(0))
     noisy = objective.noisy(x0, noise, levels)
@@ -97,10 +98,11 @@ def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_confi
     pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
     pipeline.set_progress_bar_config(disable=True)
     frames, height, width = TINY_SHAPES[family]
+    reference = read_clip(trainer.clips[0].video, 1, height, width) if spec.image_to_video else None
 
     def sample():
         return spec.generate(pipeline, "a red circle", frames, height, width, 2, 1.0,
-                             torch.Generator().manual_seed(0))
+                             torch.Generator().manual_seed(0), reference=reference)
 
     plain = sample()
     pipeline.load_lora_weights(config.output_dir)

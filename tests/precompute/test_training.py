@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 
+from vidtune.data.stream import CachedBatches, EncodedBatches
 from vidtune.models.ltx_video import LTXVideoSpec
 from vidtune.trainers import build_trainer
 from vidtune.trainers.base import Trainer
@@ -17,12 +18,11 @@ def _batches(config, count):
     trainer = build_trainer(config)
     trainer.check_inputs()
     trainer.load_models()
-    stream = trainer.batches(0)
+    stream = trainer.source.batches(0)
     out = []
     for _ in range(count):
         batch = next(stream)
-        conditions, latents = trainer.encode_batch(batch)
-        out.append((batch["position"].tolist(), batch["index"].tolist(), conditions, latents))
+        out.append((batch.positions.tolist(), batch.indices.tolist(), batch.conditions, batch.latents))
     return trainer, out
 
 
@@ -36,7 +36,7 @@ def test_a_batch_read_from_the_cache_equals_the_batch_computed_on_the_fly(
 
     live_trainer, live = _batches(config(False, "live"), 5)
     cached_trainer, cached = _batches(config(True, "cached"), 5)
-    assert live_trainer.cached is None and cached_trainer.cached is not None
+    assert isinstance(live_trainer.source, EncodedBatches) and isinstance(cached_trainer.source, CachedBatches)
     for (positions, indices, conditions, latents), (c_positions, c_indices, c_conditions, c_latents) in zip(
         live, cached, strict=True
     ):
@@ -107,7 +107,7 @@ def test_training_from_the_cache_never_loads_the_encoders(config_for, tmp_path, 
     trainer.load_models()
     assert sorted(events) == ["load text", "load vae"]
     assert loaded and all(ref() is None for ref in loaded), "an encoder is still alive after precompute"
-    assert trainer._text is None and trainer._vae is None
+    assert trainer.text is None and trainer.vae is None
 
     # A warm cache: a whole run, validation included, loads them only for validation, after the last step.
     events.clear()
@@ -132,16 +132,15 @@ def test_caption_dropout_from_the_cache(config_for, tmp_path, technique):
     live.load_models()
     cached = build_trainer(config_for(data=data, training={"steps": 2}, output_dir=str(tmp_path / "cached")))
     cached.run()
-    batch = next(cached.batches(0))
-    conditions, _ = cached.encode_batch(batch)
+    conditions = next(cached.source.batches(0)).conditions
     dropped = cached.apply_caption_dropout(conditions, torch.tensor([True]))
     if technique == "empty":
-        assert cached.empty_conditions.keys() == live.empty_conditions.keys()
-        for key, value in live.empty_conditions.items():
-            assert torch.equal(cached.empty_conditions[key], value)
+        assert cached.empty_caption.keys() == live.empty_caption.keys()
+        for key, value in live.empty_caption.items():
+            assert torch.equal(cached.empty_caption[key], value)
             assert torch.equal(dropped[key], value)
     else:
-        assert cached.empty_conditions is None
+        assert cached.empty_caption is None
         assert torch.count_nonzero(dropped["prompt_embeds"]) == 0
         assert torch.equal(dropped["prompt_attention_mask"], conditions["prompt_attention_mask"])
 
@@ -150,7 +149,7 @@ def test_an_entry_damaged_after_precompute_is_computed_again_when_read(config_fo
     trainer = build_trainer(config_for(output_dir=str(tmp_path / "run")))
     trainer.check_inputs()
     trainer.load_models()
-    plan = trainer.cached.plan
+    plan = trainer.source.cached.plan
     key = plan.latent_keys[2]
     good = plan.cache.read("latents", key)
     path = plan.cache.path("latents", key)
@@ -158,7 +157,7 @@ def test_an_entry_damaged_after_precompute_is_computed_again_when_read(config_fo
     data[-1] ^= 0x40
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        item = trainer.cached[2]
+        item = trainer.source.cached[2]
     assert any("checksum" in r.getMessage() and path.name in r.getMessage() for r in caplog.records)
     for name, value in good.items():
         torch.testing.assert_close(item["latents"][name], value, rtol=1e-4, atol=1e-5)
@@ -171,7 +170,8 @@ def test_stored_samples_train_with_the_stored_latent(config_for, tmp_path):
                                        output_dir=str(tmp_path / "run")))
     result = trainer.run()
     assert len(result.losses) == 2
-    item = trainer.cached[0]
+    cached = trainer.source.cached
+    item = cached[0]
     assert torch.count_nonzero(item["latents"]["latents_std"]) == 0
-    stored = trainer.cached.plan.cache.read("latents", trainer.cached.plan.latent_keys[0])["latents"]
+    stored = cached.plan.cache.read("latents", cached.plan.latent_keys[0])["latents"]
     assert torch.equal(item["latents"]["latents_mean"], stored)

@@ -20,10 +20,11 @@ from safetensors.torch import load_file
 
 from vidtune import checkpoint
 from vidtune.cli import main as cli_main
-from vidtune.errors import ConfigError
-from vidtune.resume import CheckpointError, StopSignals, TrainingInterrupted, truncate_metrics
+from vidtune.errors import ConfigError, TrainingError
+from vidtune.metrics import truncate_metrics
+from vidtune.resume import CheckpointError
 from vidtune.trainers import build_trainer
-from vidtune.trainers.base import TrainingError
+from vidtune.trainers.stop import StopSignals, TrainingInterrupted
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 

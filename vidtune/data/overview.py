@@ -6,7 +6,6 @@ One row per clip: first, middle and last frame, then the line number, length, si
 from __future__ import annotations
 
 import os
-import tempfile
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +15,7 @@ from PIL import Image, ImageDraw, ImageFont, ImageOps
 from vidtune.data.sources import Sample
 from vidtune.data.video import VideoInfo, format_fps, read_frames
 from vidtune.errors import VidtuneError
+from vidtune.files import atomic_path
 
 THUMB_W, THUMB_H = 160, 90
 PAD = 8
@@ -128,12 +128,5 @@ def _text(
 
 
 def _save_png(image: Image.Image, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(handle)
-    try:
-        image.save(temp_name, format="PNG")
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as temporary:
+        image.save(temporary, format="PNG")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -20,6 +19,7 @@ import torch
 from av.video.reformatter import Interpolation
 
 from vidtune.errors import VidtuneError
+from vidtune.files import atomic_path
 
 # Formats FFmpeg uses for still images: they open as a one-frame "video", which is never what a user meant.
 _IMAGE_FORMATS = ("image2", "_pipe", "gif_pipe", "webp_pipe")
@@ -391,22 +391,15 @@ def write_video(
     path = Path(path)
     if fps <= 0:
         raise ValueError(f"fps must be positive, got {fps}")
-    array = _pad_to_even(_frames_to_uint8(frames))
+    array = _pad_to_even(frames_to_uint8(frames))
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(handle)
-    temp = Path(temp_name)
-    try:
-        _encode_h264(temp, array, fps, crf, keyframe_interval)
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as temporary:
+        _encode_h264(temporary, array, fps, crf, keyframe_interval)
     return path
 
 
-def _frames_to_uint8(frames: np.ndarray | torch.Tensor) -> np.ndarray:
-    """uint8 [F, H, W, 3] from either accepted layout."""
+def frames_to_uint8(frames: np.ndarray | torch.Tensor) -> np.ndarray:
+    """uint8 [F, H, W, 3] from uint8 [F, H, W, 3] or float [F, 3, H, W] in [-1, 1] (clamped)."""
     if isinstance(frames, torch.Tensor):
         tensor = frames.detach().cpu()
         if tensor.is_floating_point():
@@ -420,7 +413,7 @@ def _frames_to_uint8(frames: np.ndarray | torch.Tensor) -> np.ndarray:
         frames = tensor.numpy()
     array = np.asarray(frames)
     if np.issubdtype(array.dtype, np.floating):
-        return _frames_to_uint8(torch.from_numpy(np.ascontiguousarray(array)))
+        return frames_to_uint8(torch.from_numpy(np.ascontiguousarray(array)))
     if array.dtype != np.uint8 or array.ndim != 4 or array.shape[-1] != 3:
         raise ValueError(
             f"frames must be uint8 [F, H, W, 3] or float [F, 3, H, W]; got {array.dtype} {array.shape}"

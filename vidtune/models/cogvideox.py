@@ -33,7 +33,6 @@ from diffusers import (
 from torch import nn
 from transformers import T5EncoderModel
 
-from vidtune.config import ModelConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.models.spec import (
     Conditions,
@@ -224,9 +223,8 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     fixed augmentation, the same with on-the-fly and precomputed latents, after resuming and on any rank
     (like CogVideoX's scripts with precomputed latents), rather than a new one per visit.
 
-    Sampling: the pipeline needs the first frame as its `image`. `generate` / `generate_latents` use the
-    first frame of the clip given to `set_reference_video` (validation gives the first dataset clip); if none
-    was given, the first frame of the first clip `prepare_latents` encoded.
+    Sampling: the pipeline needs the first frame as its `image`: that of the `reference` clip handed to
+    `generate` / `generate_latents` (validation gives the first dataset clip).
     """
 
     name = "cogvideox-i2v"
@@ -234,19 +232,9 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     pipeline_class = CogVideoXImageToVideoPipeline
     image_noise_log_sigma: tuple[float, float] | None = (-3.0, 0.5)  # (mean, std) of log sigma; None: no noise
 
-    def __init__(self, config: ModelConfig, frame_rate: float = 25.0) -> None:
-        super().__init__(config, frame_rate)
-        self.first_frame: torch.Tensor | None = None
-
-    def set_reference_video(self, video: torch.Tensor) -> None:
-        """Sample from this clip's first frame: video [F, 3, H, W] in [-1, 1] (the pipeline resizes it if needed)."""
-        self.first_frame = video[0].detach().float().cpu()
-
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
         latents = super().prepare_latents(vae, videos)
-        if self.first_frame is None:
-            self.set_reference_video(videos[0])
         firsts, generators = [], []
         for video in videos:
             first = video[:1].float().cpu()  # [1, 3, H, W]
@@ -267,11 +255,10 @@ class CogVideoXI2VSpec(CogVideoXSpec):
         latents["image_latents"] = torch.cat([image, padding], dim=2)
         return latents
 
-    def pipeline_inputs(self) -> dict[str, Any]:
-        if self.first_frame is None:
-            raise ModelError(
-                "cogvideox-i2v samples from a first frame: call spec.set_reference_video(video) (validation uses "
-                "the first dataset clip) or encode a clip with prepare_latents first."
-            )
-        # The pipeline takes images in [0, 1] and normalises them to [-1, 1] itself.
-        return {"image": ((self.first_frame + 1.0) / 2.0).clamp(0.0, 1.0).unsqueeze(0)}
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
+        if reference is None:
+            raise ModelError("cogvideox-i2v samples from a first frame: pass the clip to start from as `reference` "
+                             "(validation uses the first dataset clip).")
+        # The pipeline takes images in [0, 1] (it resizes them if needed) and normalises them to [-1, 1] itself.
+        first_frame = reference[0].detach().float().cpu()
+        return {"image": ((first_frame + 1.0) / 2.0).clamp(0.0, 1.0).unsqueeze(0)}

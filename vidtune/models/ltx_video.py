@@ -125,7 +125,7 @@ class LTXVideoSpec(ModelSpec):
             transformer=denoiser,
         )
 
-    def pipeline_inputs(self) -> dict[str, Any]:
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
         return {"frame_rate": self.frame_rate}
 
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ its diffusers pipeline's format. Trainers only ever talk to this interface.
 Latent conventions shared by every spec:
     `prepare_latents` returns {"latents_mean", "latents_std"}: the VAE posterior, already normalised
     exactly as the family's pipeline normalises latents, in the VAE's own layout [B, C, F, H, W].
-    A training latent is drawn as mean + std * eps each step (see `sample_latents`). Other keys it
+    A training latent is drawn as mean + std * eps each step (see `draw_latent`). Other keys it
     returns are conditions derived from the video (first-frame latents, image embeddings).
     Noise, noisy latents, predictions and targets all live in that same layout; `forward` does any
     packing/patching the denoiser needs and returns the prediction unpacked.
@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 from vidtune.config import DType, ModelConfig, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.objectives import Objective, objective_from_scheduler
+from vidtune.outputs import LORA_WEIGHTS
 
 Conditions = dict[str, torch.Tensor]
 Latents = dict[str, torch.Tensor]
@@ -59,7 +60,7 @@ class TextComponents:
         return self
 
 
-def sample_latents(latents: Latents, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw_latent(latents: Latents, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one latent from the stored posterior (mean + std * eps), per step, so clips keep their noise."""
     mean, std = latents["latents_mean"], latents["latents_std"]
     eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32, device="cpu")
@@ -108,7 +109,8 @@ class ModelSpec(ABC):
     default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     # Classifier-free guidance the family's pipeline recommends; validation samples use it unless configured.
     validation_guidance_scale: ClassVar[float] = 1.0
-    # Image-to-video families condition on a first frame; they implement `set_reference_video`.
+    # Image-to-video families sample from a first frame: `generate(..., reference=video)` hands it to
+    # `pipeline_inputs`. A spec holds no per-run state, so the reference is always an argument.
     image_to_video: ClassVar[bool] = False
     # diffusers / transformers classes of the components, used by the default loaders below, and the
     # family's pipeline (its `save_lora_weights` writes the LoRA format the family's tools read).
@@ -254,16 +256,18 @@ class ModelSpec(ABC):
         """How the caption reaches the pipeline call (by default as text: the pipeline encodes it)."""
         return {"prompt": prompt}
 
-    def pipeline_inputs(self) -> dict[str, Any]:
-        """Family-specific inputs of the pipeline call (a frame rate, an image-to-video first frame, ...)."""
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
+        """Family-specific inputs of the pipeline call (a frame rate, an image-to-video first frame, ...).
+        `reference`: the clip ([F, 3, H, W] in [-1, 1]) whose first frame image-to-video families start from."""
         return {}
 
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
         """The pipeline's `output_type="latent"` result in the training layout [B, C, F, H, W]."""
         return latents
 
-    def sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int, num_inference_steps: int,
-               guidance_scale: float, generator: torch.Generator, output_type: str) -> torch.Tensor:
+    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                     reference: torch.Tensor | None = None) -> torch.Tensor:
         """One call of the family's pipeline; returns its `.frames`."""
         return pipeline(
             **self.prompt_inputs(pipeline, prompt, guidance_scale),
@@ -275,35 +279,33 @@ class ModelSpec(ABC):
             max_sequence_length=self.max_sequence_length,
             generator=generator,
             output_type=output_type,
-            **self.pipeline_inputs(),
+            **self.pipeline_inputs(reference),
         ).frames
 
     def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator) -> torch.Tensor:
+                 num_inference_steps: int, guidance_scale: float, generator: torch.Generator,
+                 reference: torch.Tensor | None = None) -> torch.Tensor:
         """Sample one video with the family's pipeline: float [F, 3, H, W] in [-1, 1]."""
-        video = self.sample(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale, generator,
-                            "pt")
+        video = self.run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                  generator, "pt", reference)
         return video[0].float() * 2.0 - 1.0
 
     def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                         num_inference_steps: int, generator: torch.Generator) -> torch.Tensor:
+                         num_inference_steps: int, generator: torch.Generator,
+                         reference: torch.Tensor | None = None) -> torch.Tensor:
         """Sample with the family's pipeline (its own scheduler, no guidance), returning the final latents
         in the training layout [B, C, F, H, W], normalised like `prepare_latents` output. Used to check
         that what the trainer teaches is what the pipeline samples."""
-        latents = self.sample(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator, "latent")
+        latents = self.run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator,
+                                    "latent", reference)
         return self.latents_from_pipeline(latents, frames, height, width)
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
-        """Write `pytorch_lora_weights.safetensors` in the format the family's `load_lora_weights` reads."""
+        """Write the adapter (`LORA_WEIGHTS`) in the format the family's `load_lora_weights` reads."""
         self.pipeline_class.save_lora_weights(
             folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
         )
-        return Path(folder) / "pytorch_lora_weights.safetensors"
-
-    def set_reference_video(self, video: torch.Tensor) -> None:
-        """Image-to-video families: sample from the first frame of `video` ([F, 3, H, W] in [-1, 1])."""
-        if self.image_to_video:
-            raise NotImplementedError(f"{type(self).__name__} must implement set_reference_video")
+        return Path(folder) / LORA_WEIGHTS
 
     def empty_conditions(self, conditions: Conditions) -> Conditions:
         """The `zero` caption-dropout technique: same shapes, zero embedding (masks kept)."""

@@ -34,6 +34,7 @@ from PIL import Image
 from torch import nn
 from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
+from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError
 from vidtune.models.spec import (
     Conditions,
@@ -52,8 +53,7 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default; WanImageToVideoPipel
 
 def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
     """[B, 3, H, W] in [-1, 1] -> RGB images, as a user would hand them to the pipeline."""
-    pixels = ((frames.detach().float().clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
-    return [Image.fromarray(array) for array in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+    return [Image.fromarray(array) for array in frames_to_uint8(frames)]
 
 
 class WanSpec(ModelSpec):
@@ -182,17 +182,12 @@ class WanImageEncoders(nn.Module):
 
 
 class WanImageToVideoSpec(WanSpec):
-    """Wan 2.1 image-to-video. The conditioning image of `generate` / `generate_latents` is `reference_image`:
-    set it with `set_reference_video` (validation does, with the first frame of the first dataset clip);
-    otherwise it is the first frame of the first clip `prepare_latents` encoded."""
+    """Wan 2.1 image-to-video. The conditioning image of `generate` / `generate_latents` is the first frame of
+    their `reference` clip (validation gives the first dataset clip)."""
 
     name = "wan-i2v"
     image_to_video = True
     pipeline_class = WanImageToVideoPipeline
-
-    def __init__(self, config: Any, frame_rate: float = 25.0) -> None:
-        super().__init__(config, frame_rate)
-        self.reference_image: Image.Image | None = None
 
     def required_components(self) -> tuple[str, ...]:
         return (*super().required_components(), "image_encoder", "image_processor")
@@ -211,10 +206,6 @@ class WanImageToVideoSpec(WanSpec):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         super().check_video_shape(frames, height, width)
         _ = self.max_sequence_length  # fails early on a text length the transformer cannot take
-
-    def set_reference_video(self, video: torch.Tensor) -> None:
-        """Condition sampling on the first frame of `video` ([F, 3, H, W] in [-1, 1])."""
-        self.reference_image = frames_to_pil(video[:1])[0]
 
     def load_vae(self, device: torch.device) -> WanImageEncoders:
         vae = super().load_vae(device)
@@ -250,8 +241,6 @@ class WanImageToVideoSpec(WanSpec):
     def prepare_latents(self, vae: WanImageEncoders, videos: torch.Tensor) -> Latents:
         latents = super().prepare_latents(vae.vae, videos)
         first_frames = videos[:, 0]
-        if self.reference_image is None:
-            self.reference_image = frames_to_pil(first_frames[:1])[0]
         latents["image_embeds"] = self.encode_image(vae, first_frames).to(latents["latents_mean"].dtype)
         latents["image_condition"] = self.image_condition(vae, first_frames, videos.shape[1])
         return latents
@@ -290,11 +279,9 @@ class WanImageToVideoSpec(WanSpec):
             inputs["negative_prompt_embeds"] = self.prepare_conditions(text, [""])["prompt_embeds"]
         return inputs
 
-    def pipeline_inputs(self) -> dict[str, Any]:
-        if self.reference_image is None:
-            raise ModelError(
-                "wan-i2v samples from an image: call set_reference_video (validation uses the first frame of the "
-                "first dataset clip) or encode a clip with prepare_latents first."
-            )
-        return {"image": self.reference_image}
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
+        if reference is None:
+            raise ModelError("wan-i2v samples from an image: pass the clip whose first frame to start from as "
+                             "`reference` (validation uses the first dataset clip).")
+        return {"image": frames_to_pil(reference[:1])[0]}
 

@@ -24,7 +24,6 @@ import json
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +34,12 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from vidtune.errors import VidtuneError
+from vidtune.files import TEMPORARY_SUFFIX, atomic_write_bytes
 
 # Bump when what an entry holds, or how it is computed, changes in a way its key does not capture.
 FORMAT_VERSION = 1
 KINDS = ("conditions", "latents")
 SUFFIX = ".safetensors"
-_TEMPORARY = ".tmp"
 _CHUNK = 1 << 20
 
 
@@ -58,24 +57,6 @@ def entry_key(kind: str, parts: dict[str, Any]) -> str:
     description = {"format": FORMAT_VERSION, "kind": kind, **parts}
     text = json.dumps(description, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
-    """Write `data` to `path` so that `path` is either absent, the old file, or the whole new file.
-
-    `durable`: fsync before the rename, so that a power cut cannot leave a renamed but empty file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{_TEMPORARY}")
-    try:
-        with temporary.open("wb") as handle:
-            handle.write(data)
-            handle.flush()
-            if durable:
-                os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def _sha256_file(path: Path) -> str:
@@ -230,7 +211,7 @@ class CacheStore:
 
     def temporary_files(self) -> list[Path]:
         """Leftovers of writes that were interrupted (never read; safe to delete)."""
-        return [p for kind in KINDS for p in (self.root / kind).glob(f"*/.*{_TEMPORARY}")]
+        return [p for kind in KINDS for p in (self.root / kind).glob(f"*/.*{TEMPORARY_SUFFIX}*")]
 
     def remove_stale_temporary_files(self, older_than_s: float = 3600.0) -> int:
         """Delete temporary files old enough that no live writer can still own them."""

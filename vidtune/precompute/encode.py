@@ -41,7 +41,7 @@ from vidtune.config import Config
 from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
 from vidtune.data.video import read_clip
 from vidtune.models.registry import get_spec_class
-from vidtune.models.spec import POSTERIOR_KEYS, ModelSpec, TextComponents, sample_latents
+from vidtune.models.spec import POSTERIOR_KEYS, ModelSpec, TextComponents, draw_latent
 from vidtune.precompute.cache import CacheStore, CorruptEntryError
 from vidtune.precompute.plan import CachePlan, Preprocess, build_plan, cache_root
 
@@ -127,7 +127,7 @@ def _latent_items(spec: ModelSpec, vae: torch.nn.Module, videos: torch.Tensor, s
     if store == "sample":
         generators = generators or [None] * len(items)
         items = [
-            {"latents": sample_latents(item, generator),
+            {"latents": draw_latent(item, generator),
              **{k: v for k, v in item.items() if k not in POSTERIOR_KEYS}}
             for item, generator in zip(items, generators, strict=True)
         ]
@@ -179,7 +179,7 @@ def as_posterior(entry: Tensors) -> Tensors:
     return {"latents_mean": sample, "latents_std": torch.zeros_like(sample), **rest}
 
 
-def sample_generator_for(key: str) -> torch.Generator:
+def latent_draw_generator(key: str) -> torch.Generator:
     """The generator of a stored latent sample (store: sample): fixed by the entry's key."""
     return torch.Generator().manual_seed(int(key[:15], 16))
 
@@ -368,7 +368,7 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
                 break
             chunk, futures = job
             videos = torch.stack([future.result() for future in futures])
-            generators = [sample_generator_for(key) for key in chunk]
+            generators = [latent_draw_generator(key) for key in chunk]
             items = _latent_items(spec, vae, videos, plan.store, generators, None, None)
             for key, item in zip(chunk, items, strict=True):
                 cache.write("latents", key, item, plan.latent_info[key])
@@ -456,7 +456,7 @@ def recompute_entry(config: Config, spec: ModelSpec, plan: CachePlan, kind: str,
         with _LOAD_LOCK:
             vae = spec.load_vae(plan.vae_devices[0])
         (item,) = encode_videos(spec, vae, [plan.latents[key]], batch_size=1, preprocess=plan.preprocess,
-                                store=plan.store, generators=[sample_generator_for(key)], decode_workers=0)
+                                store=plan.store, generators=[latent_draw_generator(key)], decode_workers=0)
         del vae
         info = plan.latent_info[key]
     plan.cache.write(kind, key, item, info)

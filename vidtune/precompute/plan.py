@@ -10,13 +10,13 @@ the cache folder by (path, size, mtime, ctime, inode), so only new or changed fi
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from vidtune import parallel
 from vidtune.config import Config
 from vidtune.data.sources import Sample
 from vidtune.errors import ConfigError
@@ -115,15 +115,10 @@ class Preprocess:
                 "crop": self.crop, "start": self.start, "version": PREPROCESS_VERSION}
 
 
-def resolve_device(name: str, fallback: str) -> torch.device:
-    """`auto` -> the training device; under torchrun, `cuda` means this rank's GPU."""
-    if name == "auto":
-        name = fallback
-    if name == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        name = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return torch.device(name)
+def precompute_device(name: str, training_device: str) -> torch.device:
+    """A precompute device: `auto` is the training device (`vidtune.parallel.resolve_device`'s rule, so under
+    torchrun this rank's GPU); an explicit name is taken as given (several VAE workers may use several GPUs)."""
+    return parallel.resolve_device(training_device) if name == "auto" else torch.device(name)
 
 
 @dataclass
@@ -151,8 +146,8 @@ def build_plan(config: Config, spec: ModelSpec, samples: list[Sample], cache: Ca
     cache = cache or CacheStore(cache_root(config))
     options = config.precompute
     fallback = config.training.device
-    text_device = resolve_device(options.text_device, fallback)
-    vae_devices = [resolve_device(name, fallback) for name in options.vae_devices]
+    text_device = precompute_device(options.text_device, fallback)
+    vae_devices = [precompute_device(name, fallback) for name in options.vae_devices]
     text_dtype = spec.component_dtype("text_encoder", text_device)
     video_components = video_component_names(spec)
     video_dtypes = {tuple(dtype_name(spec.component_dtype(n, device)) for n in video_components)

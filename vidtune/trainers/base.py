@@ -1,14 +1,15 @@
-"""The training loop every algorithm shares.
+"""The training loop every algorithm shares: `run` -> `train` -> `train_step` -> `forward_backward` -> `compute_loss`.
 
-Read it top to bottom: `run` validates everything the user gave, loads the model, builds the data
-stream, then loops over optimizer steps. An algorithm (LoRA, full fine-tune, ...) subclasses `Trainer`
-and decides only what is trainable (`configure_trainable`) and what is saved (`trainable_state_dict`,
-`save_final`).
+Read it top to bottom. `train` checks everything the user gave, loads the model, opens the batch source
+(`vidtune.data.stream`: the cache or on-the-fly encoding) and loops over optimizer steps; the whole training
+state (optimizer, schedule, data position, RNGs, checkpoints) lives in `vidtune.state.TrainingState`.
 
-Checkpoints hold the whole training state, so a resumed run (`checkpoint.resume`) continues bit for bit
-where the saved one stopped: trainable weights, optimizer, LR schedule, the number of samples consumed
-(the data stream is seeded by position, see `vidtune.data.sampler`) and the RNGs. SIGINT / SIGTERM stop
-the loop after the current step with a checkpoint; a non-finite loss or gradient is never applied.
+An algorithm (LoRA, full fine-tune, ...) subclasses `Trainer` and decides what is trainable
+(`configure_trainable`), what a checkpoint stores (`trainable_state_dict`) and what a finished run writes
+(`save_final`); one that needs another loss (control, distillation) overrides `compute_loss`.
+
+A resumed run (`checkpoint.resume`) continues bit for bit; SIGINT / SIGTERM stop the loop after the current
+step with a checkpoint (`vidtune.trainers.stop`); a non-finite loss or gradient is never applied.
 
 Under torchrun (`vidtune.parallel`) every rank runs this loop on its own device and its own samples (rank r reads
 stream positions r, r + world, ...); DistributedDataParallel averages the gradients, so a step of `world` ranks
@@ -17,73 +18,72 @@ with `batch_size` each is a step of one process with `batch_size * world`. Rank 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
 import signal
 import time
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
-from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from vidtune import checkpoint as checkpoints
-from vidtune import parallel
+from vidtune import outputs, parallel
 from vidtune.config import Config, write_resolved_config
-from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.overview import write_dataset_overview
-from vidtune.data.sampler import StreamSampler
 from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
+from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.data.video import VideoInfo
-from vidtune.errors import ConfigError, VidtuneError
+from vidtune.errors import TrainingError
+from vidtune.metrics import MetricsLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
-from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, sample_latents
+from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
-from vidtune.optim import build_lr_scheduler, build_optimizer
-from vidtune.precompute import CachedSamples, collate_cached, encode_captions, encode_videos, precompute, stack_items
-from vidtune.resume import (
-    FIXED_KEYS,
-    SIGNAL_EXIT_CODES,
-    CheckpointError,
-    StopSignals,
-    TrainingInterrupted,
-    compare_configs,
-    resolve_resume,
-    saved_config,
-    truncate_metrics,
-)
-from vidtune.validation import plot_loss_curve, render_validation_samples
+from vidtune.precompute import CachedSamples, precompute
+from vidtune.resume import resolve_resume
+from vidtune.sampling import SampleSettings, reference_clip, render_samples
+from vidtune.state import SavedState, TrainingState, read_checkpoint, restore_rng, resume_stream
+from vidtune.trainers.stop import SIGNAL_EXIT_CODES, StopSignals, TrainingInterrupted, agreed_stop, stop_votes
 
 logger = logging.getLogger(__name__)
 
-
-class TrainingError(VidtuneError):
-    """Training cannot go on (e.g. the loss became NaN); the message says where and what to try."""
+__all__ = ["TrainResult", "Trainer", "TrainingError"]
 
 
 @dataclass
 class TrainResult:
     output_dir: Path
     final_step: int
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # the logged losses of the steps this process ran
     weights_path: Path | None = None
     sample_paths: list[Path] = field(default_factory=list)
+    first_step: int = 0  # the step this process started from (> 0 after a resume)
 
 
-def resolve_device(name: str) -> torch.device:
-    """`training.device` -> this process's device (under torchrun: the GPU of its LOCAL_RANK)."""
-    return parallel.resolve_device(name)
+@dataclass
+class StepOutcome:
+    loss: float  # mean over ranks of the step's loss
+    grad_norm: float | None
+    finite: bool
+    stopped_by: signal.Signals | None  # the signal every rank stops on after this step, if any
+    seconds: float
+
+
+@dataclass
+class NoisyInputs:
+    """What the denoiser sees for one micro-batch, and what it should predict."""
+
+    conditions: Conditions
+    noisy: torch.Tensor
+    timesteps: torch.Tensor
+    target: torch.Tensor
+    levels: torch.Tensor  # the objective's noise levels (sigmas or DDPM timesteps), for the loss weights
 
 
 def seed_everything(seed: int) -> None:
@@ -92,84 +92,36 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def sample_generator(seed: int, position: int) -> torch.Generator:
-    """Randomness of one visit of one sample: independent of batch size, accumulation and rank."""
+def visit_generator(seed: int, position: int) -> torch.Generator:
+    """Randomness of one visit of one clip: independent of batch size, accumulation and rank."""
     return torch.Generator().manual_seed((seed * 1_000_003 + position * 7_919 + 17) % 2**63)
-
-
-class _StreamDataset(Dataset):
-    """Adapts a map-style dataset to the (position, index) pairs of StreamSampler."""
-
-    def __init__(self, dataset: VideoCaptionDataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
-        position, index = key
-        item = dict(self.dataset[index])
-        item["position"] = position
-        return item
-
-
-def _collate_with_positions(items: list[dict[str, Any]]) -> dict[str, Any]:
-    batch = collate_samples(items)
-    batch["position"] = torch.tensor([item["position"] for item in items], dtype=torch.long)
-    return batch
-
-
-def _collate_cached_with_positions(items: list[dict[str, Any]]) -> dict[str, Any]:
-    batch = collate_cached(items)
-    batch["position"] = torch.tensor([item["position"] for item in items], dtype=torch.long)
-    return batch
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def stop_votes(stop: StopSignals) -> list[float]:
-    """This process's vote on stopping, one entry per signal in STOP_SIGNALS (summed over ranks)."""
-    return [float(stop.received == number) for number in STOP_SIGNALS]
-
-
-def agreed_stop(stop: StopSignals, votes: list[float] | None = None) -> signal.Signals | None:
-    """The signal the run stops on. One process: the one it received. Under torchrun every rank must stop after the
-    same step, and a signal reaches the ranks at different moments: one rank's is enough (`votes`, summed over
-    ranks; gathered here when not given)."""
-    if not parallel.is_distributed():
-        return stop.received
-    votes = parallel.all_reduce_sum(stop_votes(stop)) if votes is None else votes
-    return next((number for number, count in zip(STOP_SIGNALS, votes, strict=True) if count > 0), None)
-
-
-def _to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {key: value.to(device, non_blocking=True) for key, value in tensors.items()}
 
 
 class Trainer(ABC):
     """The shared loop. Subclasses implement what differs per algorithm."""
 
     algorithm: str
+    # Config keys whose change a checkpoint of this algorithm cannot follow (beyond model and algorithm).
+    resume_fixed_keys: tuple[str, ...] = ()
 
     def __init__(self, config: Config) -> None:
         self.config = config
         self.output_dir = Path(config.output_dir)
-        self.device = resolve_device(config.training.device)
+        self.device = parallel.resolve_device(config.training.device)
         self.spec: ModelSpec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
-        self.samples: list[Sample] = []
+        self.clips: list[Sample] = []
         self.clip_infos: list[VideoInfo] = []
+        # Text encoders and VAE: loaded for on-the-fly training, or (training from the cache) only for validation.
         self.text: TextComponents | None = None
         self.vae: nn.Module | None = None
         self.denoiser: nn.Module | None = None
-        self.objective: Objective | None = None
-        self.empty_conditions: Conditions | None = None
-        # Progress of the run: positions of the data stream consumed, non-finite steps skipped.
-        self.samples_consumed = 0
-        self.nonfinite_skipped = 0
-        # What the loop calls: the denoiser, or under torchrun its DistributedDataParallel wrapper (`self.denoiser`
-        # stays the plain module, for state dicts, saving and sampling).
+        # What the loop calls: the denoiser, or under torchrun its DistributedDataParallel wrapper.
         self.trained_denoiser: nn.Module | None = None
+        self.objective: Objective | None = None
+        self.source: BatchSource | None = None
+        self.empty_caption: Conditions | None = None
+        self.state: TrainingState | None = None
+        self.first_step = 0  # the step this process started from
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -187,104 +139,118 @@ class Trainer(ABC):
     def save_final(self, folder: Path) -> Path:
         """Write the run's result (adapter or full weights) in the family's diffusers format."""
 
-    # ----- 1. check everything before any long work ----------------------------------------------------
-    def check_inputs(self) -> None:
-        data = self.config.data
-        self.spec.check_source()
-        self.spec.check_video_shape(data.frames, data.height, data.width)
-        self.samples = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
-        self.clip_infos = validate_clips(self.samples, data.frames, data.fps, progress=self.progress)
+    # ----- the run ---------------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        # Under torchrun: this run's process group (or the one already set up), taken down at the end.
+        with parallel.process_group(self.device):
+            return self.train()
 
-    @property
-    def progress(self) -> bool:
-        """Progress bars: as configured, on rank 0 only."""
-        return self.config.logging.progress and parallel.is_main()
+    def train(self) -> TrainResult:
+        """Check the inputs, set up, then take optimizer steps until `training.steps` or a stop signal."""
+        saved = self.find_checkpoint()
+        self.check_inputs()
+        parallel.on_main(self.prepare_output_dir)
+        # Rank 0 draws what one process draws; other ranks draw their own (e.g. LoRA dropout masks).
+        seed_everything(self.config.training.seed + parallel.rank())
+        parameters = self.load_models()
+        state = self.state = TrainingState(self.config, self.algorithm, parameters, len(self.clips),
+                                           self.trainable_state_dict, self.load_trainable_state_dict)
+        if saved is not None:
+            state.restore(saved, self.device)
+        self.first_step = state.step
+        # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
+        self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
+        metrics = MetricsLog(self.output_dir / outputs.METRICS)
+        parallel.on_main(lambda: truncate_metrics(metrics.path, state.step))
+        progress = tqdm(total=self.config.training.steps, initial=state.step, desc="training", unit="step",
+                        disable=not self.show_progress, dynamic_ncols=True)
+        losses: list[float] = []
+        self.denoiser.train()
+        # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
+        with StopSignals() as stop:
+            stream = self.batch_stream(saved)
+            stopped_by = agreed_stop(stop)
+            while state.step < self.config.training.steps and stopped_by is None:
+                outcome = self.train_step(stream, parameters, stop)
+                stopped_by = outcome.stopped_by
+                if outcome.finite and self.due(self.config.logging.log_every, final=True):
+                    parallel.on_main(lambda o=outcome: metrics.write(
+                        step=state.step, loss=o.loss, lr=state.learning_rate, grad_norm=o.grad_norm,
+                        seconds_per_step=o.seconds))
+                    losses.append(outcome.loss)
+                    progress.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{state.learning_rate:.2e}")
+                progress.update(1)
+                self.between_steps()
+            progress.close()
+            if state.saved_step != state.step:
+                state.save(self.checkpoints_root)
+            stopped_by = agreed_stop(stop)
+            if stopped_by is not None:
+                raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
+        weights, samples = parallel.on_main(self.write_results)
+        return TrainResult(self.output_dir, state.step, losses, weights, samples, first_step=self.first_step)
 
-    # ----- 2. model ----------------------------------------------------------------------------------
-    def load_models(self) -> list[nn.Parameter]:
-        training = self.config.training
-        empty_prompt = self.config.data.caption_dropout > 0 and self.config.data.caption_dropout_technique == "empty"
-        if self.config.precompute.enabled:
-            # The precompute stage loads the text encoders and the VAE only for entries that are missing, and
-            # releases them before it returns: training from the cache never holds them.
-            summary = precompute(self.config, self.samples, progress=self.progress)
-            if summary.rank == 0:
-                print(summary.line(), flush=True)
-            self.cached = CachedSamples(self.config, self.spec, summary.plan, self.samples)
-            self._encoders_on_demand = True
-            if empty_prompt:
-                self.empty_conditions = _to_device(self.cached.empty_conditions(), self.device)
-        else:
-            self.text = self.spec.load_text_components(self.device)
-            self.vae = self.spec.load_vae(self.device)
-            if empty_prompt:
-                self.empty_conditions = stack_items(encode_captions(self.spec, self.text, [""], batch_size=1))
-        self.denoiser = self.spec.load_denoiser(self.device)
-        if training.gradient_checkpointing:
-            self.denoiser.enable_gradient_checkpointing()
-        self.objective = self.spec.objective(training)
-        return self.configure_trainable(self.denoiser)
+    def train_step(self, stream: Iterator[Batch], parameters: list[nn.Parameter], stop: StopSignals) -> StepOutcome:
+        """One optimizer step: `gradient_accumulation` micro-batches, clipping, then the update unless non-finite."""
+        state, accumulation = self.state, self.config.training.gradient_accumulation
+        started = time.perf_counter()
+        step_loss = torch.zeros((), device=self.device)
+        for micro in range(accumulation):
+            # Under torchrun the gradients are averaged once per step, on the last micro-batch.
+            step_loss += self.forward_backward(next(stream), sync=micro == accumulation - 1)
+        if state.step == self.first_step:
+            self.check_every_parameter_trains(parameters)
+        grad_norm = self.clip_gradients(parameters)
+        # Under torchrun, one collective per step: the loss summed over ranks (its mean is logged, and every rank
+        # must take the same finite / non-finite decision or the replicas drift apart) and whether a rank was
+        # asked to stop (all ranks stop after the same step). One process: the values as they are.
+        loss_sum, *stop_counts = parallel.all_reduce_sum([float(step_loss), *stop_votes(stop)])
+        loss = loss_sum / parallel.world_size()
+        state.step += 1
+        state.samples_consumed += self.samples_per_step * parallel.world_size()
+        finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+        if not finite:
+            self.skip_nonfinite_step(loss, grad_norm)  # raises past the limit
+        state.apply_update(finite)
+        return StepOutcome(loss, grad_norm, finite, agreed_stop(stop, stop_counts), time.perf_counter() - started)
 
-    # Text encoders and VAE. A run trained from the cache never loads them for training; only the validation
-    # sampler (after training) needs them, so there they are loaded lazily, on first use, at that point.
-    cached: CachedSamples | None = None
-    _encoders_on_demand = False
-    _text: TextComponents | None = None
-    _vae: nn.Module | None = None
+    def forward_backward(self, batch: Batch, sync: bool) -> torch.Tensor:
+        """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
+        returns the scaled loss. A rank's share is sum / (batch_size * accumulation); DDP averages over ranks."""
+        with parallel.accumulating(self.trained_denoiser, sync=sync):
+            loss = self.compute_loss(batch) / self.samples_per_step
+            loss.backward()
+        return loss.detach()
 
-    @property
-    def text(self) -> TextComponents | None:
-        if self._text is None and self._encoders_on_demand:
-            logger.info("Loading the text encoders for validation (training used the cache).")
-            self._text = self.spec.load_text_components(self.device)
-        return self._text
+    def compute_loss(self, batch: Batch) -> torch.Tensor:
+        """Sum over the micro-batch of each clip's weighted mean squared error (the method to override for
+        another loss)."""
+        inputs = self.noisy_inputs(batch)
+        denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
+            prediction = self.spec.forward(denoiser, inputs.conditions, inputs.noisy.to(self.denoiser.dtype),
+                                           inputs.timesteps)
+        per_clip = (prediction.float() - inputs.target).pow(2).flatten(1).mean(dim=1)
+        return (per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)).sum()
 
-    @text.setter
-    def text(self, value: TextComponents | None) -> None:
-        self._text = value
-
-    @property
-    def vae(self) -> nn.Module | None:
-        if self._vae is None and self._encoders_on_demand:
-            logger.info("Loading the VAE for validation (training used the cache).")
-            self._vae = self.spec.load_vae(self.device)
-        return self._vae
-
-    @vae.setter
-    def vae(self, value: nn.Module | None) -> None:
-        self._vae = value
-
-    # ----- 3. data -------------------------------------------------------------------------------------
-    def batches(self, start_position: int) -> Iterator[dict[str, Any]]:
-        data = self.config.data
-        sampler = StreamSampler(len(self.samples), self.config.training.seed, start=start_position,
-                                rank=parallel.rank(), world=parallel.world_size())
-        if self.cached is not None:
-            # Reading an entry is far cheaper than a step: no worker processes (nor their memory) needed.
-            yield from DataLoader(_StreamDataset(self.cached), batch_size=self.config.training.batch_size,
-                                  sampler=sampler, num_workers=0, collate_fn=_collate_cached_with_positions)
-            return
-        dataset = VideoCaptionDataset(self.samples, data.frames, data.height, data.width, data.fps)
-        loader = DataLoader(
-            _StreamDataset(dataset),
-            batch_size=self.config.training.batch_size,
-            sampler=sampler,
-            num_workers=data.num_workers,
-            collate_fn=_collate_with_positions,
-            persistent_workers=data.num_workers > 0,
-            prefetch_factor=2 if data.num_workers > 0 else None,
-        )
-        yield from loader
-
-    def encode_batch(self, batch: dict[str, Any]) -> tuple[Conditions, dict[str, torch.Tensor]]:
-        """Conditions and the VAE posterior of a batch: read from the cache, or computed on the fly with the
-        functional API the precompute stage uses (`vidtune.precompute.encode`), so both give the same batch."""
-        if "conditions" in batch:
-            return _to_device(batch["conditions"], self.device), _to_device(batch["latents"], self.device)
-        count = len(batch["caption"])
-        conditions = stack_items(encode_captions(self.spec, self.text, batch["caption"], batch_size=count))
-        latents = stack_items(encode_videos(self.spec, self.vae, batch["video"], batch_size=count))
-        return conditions, latents
+    def noisy_inputs(self, batch: Batch) -> NoisyInputs:
+        """Draw each clip's latent, noise level, noise and caption dropout from its visit's own generator."""
+        seed, dropout = self.config.training.seed, self.config.data.caption_dropout
+        generators = [visit_generator(seed, int(position)) for position in batch.positions]
+        levels = torch.cat([self.objective.sample_noise_levels(1, g) for g in generators])
+        x0 = torch.cat([
+            draw_latent({k: batch.latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
+        ]).float()
+        noise = torch.cat([torch.randn(x0.shape[1:], generator=g).unsqueeze(0) for g in generators]).to(x0.device)
+        conditions = batch.conditions
+        if dropout > 0:
+            drop = torch.tensor([float(torch.rand(1, generator=g)) < dropout for g in generators])
+            conditions = self.apply_caption_dropout(conditions, drop)
+        # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout.
+        conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS}}
+        return NoisyInputs(conditions, self.objective.noisy(x0, noise, levels),
+                           self.objective.timesteps(levels).to(x0.device), self.objective.target(x0, noise, levels),
+                           levels)
 
     def apply_caption_dropout(self, conditions: Conditions, drop: torch.Tensor) -> Conditions:
         if not bool(drop.any()):
@@ -292,164 +258,109 @@ class Trainer(ABC):
         if self.config.data.caption_dropout_technique == "zero":
             replacement = self.spec.empty_conditions(conditions)
         else:
-            replacement = {k: v.expand_as(conditions[k]) for k, v in self.empty_conditions.items()}
+            replacement = {k: v.expand_as(conditions[k]) for k, v in self.empty_caption.items()}
         mask = drop.to(conditions[next(iter(conditions))].device)
         return {
             key: torch.where(mask.view(-1, *([1] * (value.ndim - 1))), replacement[key].to(value), value)
             for key, value in conditions.items()
         }
 
-    # ----- 4. one micro-batch -------------------------------------------------------------------------
-    def compute_loss(self, conditions: Conditions, latents: dict[str, torch.Tensor],
-                     positions: torch.Tensor) -> torch.Tensor:
-        """Sum over the micro-batch of each sample's mean squared error."""
-        seed = self.config.training.seed
-        generators = [sample_generator(seed, int(position)) for position in positions]
-        levels = torch.cat([self.objective.sample_noise_levels(1, g) for g in generators])
-        x0 = torch.cat([
-            sample_latents({k: latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
-        ]).float()
-        noise = torch.cat([
-            torch.randn(x0.shape[1:], generator=g).unsqueeze(0) for g in generators
-        ]).to(x0.device)
-        if self.config.data.caption_dropout > 0:
-            drop = torch.tensor([
-                float(torch.rand(1, generator=g)) < self.config.data.caption_dropout for g in generators
-            ])
-            conditions = self.apply_caption_dropout(conditions, drop)
-        # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout.
-        conditions = {**conditions, **{k: v for k, v in latents.items() if k not in POSTERIOR_KEYS}}
-        noisy = self.objective.noisy(x0, noise, levels)
-        target = self.objective.target(x0, noise, levels)
-        timesteps = self.objective.timesteps(levels).to(x0.device)
-        denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
-            prediction = self.spec.forward(denoiser, conditions, noisy.to(self.denoiser.dtype), timesteps)
-        per_sample = (prediction.float() - target).pow(2).flatten(1).mean(dim=1)
-        return (per_sample * self.objective.loss_weights(levels).to(per_sample.device)).sum()
+    def between_steps(self) -> None:
+        """Checkpoints and validation samples every N steps (the last step's come after the loop)."""
+        if self.due(self.config.checkpoint.every):
+            self.state.save(self.checkpoints_root)
+        if self.config.validation.enabled and self.due(self.config.validation.every):
+            parallel.on_main(self.validate)
+
+    def due(self, every: int | None, final: bool = False) -> bool:
+        """Whether something done every `every` steps is due now (`final`: also after the last step)."""
+        step, last = self.state.step, self.config.training.steps
+        return (bool(every) and step % every == 0 and step < last) or (final and step == last)
+
+    # ----- setting up ------------------------------------------------------------------------------------
+    @property
+    def show_progress(self) -> bool:
+        """Progress bars: as configured, on rank 0 only."""
+        return self.config.logging.progress and parallel.is_main()
 
     @property
     def use_bf16(self) -> bool:
         precision = self.config.training.precision
         return precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
 
-    # ----- 5. the loop ---------------------------------------------------------------------------------
-    def run(self) -> TrainResult:
-        # Under torchrun: this run's process group (or the one already set up), taken down at the end.
-        with parallel.process_group(self.device):
-            return self._run()
+    @property
+    def samples_per_step(self) -> int:
+        """Samples one process takes per optimizer step."""
+        return self.config.training.batch_size * self.config.training.gradient_accumulation
 
-    def _run(self) -> TrainResult:
-        config, training = self.config, self.config.training
-        # Refuses a used output_dir before anything is read or written. Rank 0 decides (it also tidies what a killed
-        # run left among the checkpoints) and every rank follows, or raises the same error.
-        resume_from = parallel.on_main(lambda: resolve_resume(config))
-        resumed = self.read_checkpoint(resume_from) if resume_from is not None else None
-        self.check_inputs()
-        parallel.on_main(self.prepare_output_dir)
-        # Rank 0 draws what one process draws; other ranks draw their own (e.g. LoRA dropout masks).
-        seed_everything(training.seed + parallel.rank())
+    @property
+    def checkpoints_root(self) -> Path:
+        return outputs.checkpoints_root(self.output_dir)
 
-        parameters = self.load_models()
-        optimizer = build_optimizer(parameters, config)
-        lr_scheduler = build_lr_scheduler(optimizer, config)
-        step, self.samples_consumed, self.nonfinite_skipped = 0, 0, 0
-        if resumed is not None:
-            step = self.restore_training_state(resumed, optimizer, lr_scheduler)
-        # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
-        self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
-        world = parallel.world_size()
-        # A rank's loss is the sum over its samples / (batch_size * accumulation); DDP averages the gradients over
-        # the ranks, so they are those of one process with batch_size * world: sum / (batch_size * accum * world).
-        samples_per_step = training.batch_size * training.gradient_accumulation
-        metrics = MetricsLog(self.output_dir / "metrics.jsonl")
-        parallel.on_main(lambda: truncate_metrics(metrics.path, step))
-        saved_step = step if resumed is not None else None
-        first_step = step
+    def find_checkpoint(self) -> SavedState | None:
+        """The checkpoint this run continues from, checked against the config. A used output_dir is refused before
+        anything is read or written. Rank 0 decides (it also tidies what a killed run left) and every rank
+        follows, or raises the same error."""
+        folder = parallel.on_main(lambda: resolve_resume(self.config))
+        if folder is None:
+            return None
+        return read_checkpoint(folder, self.config, self.algorithm, self.resume_fixed_keys)
 
-        progress = tqdm(total=training.steps, initial=step, desc="training", unit="step",
-                        disable=not self.progress, dynamic_ncols=True)
-        self.denoiser.train()
-        losses: list[float] = []
-        # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
-        with StopSignals() as stop:
-            stream = self.batches(start_position=self.samples_consumed)
-            if resumed is not None and step < training.steps:
-                stream = self._continue_stream(stream, resumed.state["rng"])
-            elif resumed is not None:
-                self.restore_rng(resumed.state["rng"])
-            stopped_by = agreed_stop(stop)
-            while step < training.steps and stopped_by is None:
-                started = time.perf_counter()
-                step_loss = torch.zeros((), device=self.device)
-                for micro in range(training.gradient_accumulation):
-                    batch = next(stream)
-                    # Under torchrun the gradients are averaged once per step, on the last micro-batch.
-                    with parallel.accumulating(self.trained_denoiser, sync=micro == training.gradient_accumulation - 1):
-                        conditions, latents = self.encode_batch(batch)
-                        loss = self.compute_loss(conditions, latents, batch["position"]) / samples_per_step
-                        loss.backward()
-                    step_loss += loss.detach()
-                if step == first_step:
-                    self.check_every_parameter_trains(parameters)
-                grad_norm = self.clip_gradients(parameters)
-                # Under torchrun, one collective per step: the loss summed over ranks (its mean is logged, and every
-                # rank must take the same finite / non-finite decision or the replicas drift apart) and whether a
-                # rank was asked to stop (all ranks stop after the same step). One process: the values as they are.
-                votes = parallel.all_reduce_sum([float(step_loss), *stop_votes(stop)])
-                loss_value = votes[0] / world
-                step += 1
-                self.samples_consumed += samples_per_step * world
-                finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
-                if finite:
-                    optimizer.step()
-                    lr_scheduler.step()
-                else:
-                    self.skip_nonfinite_step(step, loss_value, grad_norm)  # raises past the limit
-                    with warnings.catch_warnings():  # the schedule follows the step count, skipped or not
-                        warnings.simplefilter("ignore", UserWarning)
-                        lr_scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-
-                if finite and (step % config.logging.log_every == 0 or step == training.steps):
-                    seconds = time.perf_counter() - started
-                    if parallel.is_main():
-                        metrics.write(step=step, loss=loss_value, lr=lr_scheduler.get_last_lr()[0],
-                                      grad_norm=grad_norm, seconds_per_step=seconds)
-                    losses.append(loss_value)
-                    progress.set_postfix(loss=f"{loss_value:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
-                progress.update(1)
-
-                if config.checkpoint.every and step % config.checkpoint.every == 0 and step < training.steps:
-                    self.save_checkpoint(step, optimizer, lr_scheduler)
-                    saved_step = step
-                if config.validation.enabled and config.validation.every and step % config.validation.every == 0 \
-                        and step < training.steps:
-                    parallel.on_main(lambda step=step: render_validation_samples(self, step))
-                stopped_by = agreed_stop(stop, votes[1:])
-            progress.close()
-            if saved_step != step:
-                self.save_checkpoint(step, optimizer, lr_scheduler)
-            stopped_by = agreed_stop(stop)
-            if stopped_by is not None:
-                raise TrainingInterrupted(self.interrupted_message(stopped_by, step), SIGNAL_EXIT_CODES[stopped_by])
-
-        weights, samples = parallel.on_main(lambda: self.write_results(step))
-        return TrainResult(self.output_dir, step, losses, weights, samples)
+    def check_inputs(self) -> None:
+        """Model folder, clip shape, dataset files and every clip, before any long work."""
+        data = self.config.data
+        self.spec.check_source()
+        self.spec.check_video_shape(data.frames, data.height, data.width)
+        self.clips = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
+        self.clip_infos = validate_clips(self.clips, data.frames, data.fps, progress=self.show_progress)
 
     def prepare_output_dir(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_resolved_config(self.config, self.output_dir)
         # What the run trains on, to look at: first / middle / last frame and caption of each clip.
-        write_dataset_overview(self.samples, self.clip_infos, self.output_dir / "dataset_overview.png")
+        write_dataset_overview(self.clips, self.clip_infos, self.output_dir / outputs.DATASET_OVERVIEW)
 
-    def write_results(self, step: int) -> tuple[Path, list[Path]]:
-        """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""
-        weights = self.save_final(self.output_dir)
-        plot_loss_curve(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png")
-        samples = render_validation_samples(self, step) if self.config.validation.enabled else []
-        return weights, samples
+    def load_models(self) -> list[nn.Parameter]:
+        """The batch source, the denoiser and the objective; returns the parameters to train."""
+        self.source = self.open_batch_source()
+        if self.config.data.caption_dropout > 0 and self.config.data.caption_dropout_technique == "empty":
+            self.empty_caption = self.source.empty_caption()
+        self.denoiser = self.spec.load_denoiser(self.device)
+        if self.config.training.gradient_checkpointing:
+            self.denoiser.enable_gradient_checkpointing()
+        self.objective = self.spec.objective(self.config.training)
+        return self.configure_trainable(self.denoiser)
 
+    def open_batch_source(self) -> BatchSource:
+        """From the cache (`precompute.enabled`: missing entries are computed first, with the encoders loaded and
+        released by that stage, so training never holds them), or encoded on the fly (the encoders loaded here)."""
+        if not self.config.precompute.enabled:
+            self.load_encoders()
+            return EncodedBatches(self.config, self.clips, self.device, self.spec, self.text, self.vae)
+        summary = precompute(self.config, self.clips, progress=self.show_progress)
+        if summary.rank == 0:
+            print(summary.line(), flush=True)
+        cached = CachedSamples(self.config, self.spec, summary.plan, self.clips)
+        return CachedBatches(self.config, self.clips, self.device, cached)
+
+    def load_encoders(self) -> None:
+        """The text encoders and the VAE, unless loaded already."""
+        if self.text is None:
+            self.text = self.spec.load_text_components(self.device)
+        if self.vae is None:
+            self.vae = self.spec.load_vae(self.device)
+
+    def batch_stream(self, saved: SavedState | None) -> Iterator[Batch]:
+        """The batches from the current data position; after a resume, with the saved RNGs in place."""
+        stream = self.source.batches(self.state.samples_consumed)
+        if saved is None:
+            return stream
+        if self.state.step < self.config.training.steps:
+            return resume_stream(stream, saved)
+        restore_rng(saved)
+        return stream
+
+    # ----- guards ----------------------------------------------------------------------------------------
     def check_every_parameter_trains(self, parameters: list[nn.Parameter]) -> None:
         """Under torchrun, after the first step: DDP (which does not search for unused parameters, that would cost
         a graph traversal every step) needs every trainable parameter to take part in the loss."""
@@ -473,153 +384,53 @@ class Trainer(ABC):
             return float(torch.nn.utils.get_total_norm(grads)) if grads else None
         return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
 
-    # ----- 6. checkpoints, resume, faults ----------------------------------------------------------------
-    # Config keys whose change a checkpoint of this algorithm cannot follow (beyond model and algorithm).
-    resume_fixed_keys: tuple[str, ...] = ()
-
-    @property
-    def checkpoints_root(self) -> Path:
-        return self.output_dir / "checkpoints"
-
-    def save_checkpoint(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> Path:
-        """Everything a resumed run needs: weights, optimizer, schedule, data position, RNGs, config.
-
-        A failed write (full disk, ...) stops the run; the checkpoints already written stay whole. Under torchrun
-        every rank calls it: each one's RNG states are gathered (a resumed rank restores its own), rank 0 writes."""
-        rng = dict(enumerate(parallel.gather_objects(checkpoints.rng_state())))
-        consumed = self.samples_consumed
-        return parallel.on_main(lambda: self._write_checkpoint(step, optimizer, lr_scheduler, consumed, rng))
-
-    def _write_checkpoint(self, step: int, optimizer: torch.optim.Optimizer, lr_scheduler: Any, consumed: int,
-                          rng: dict[int, Any]) -> Path:
-        try:
-            return checkpoints.save(
-                self.checkpoints_root,
-                step=step,
-                weights=self.trainable_state_dict(),
-                optimizer=optimizer.state_dict(),
-                lr_scheduler=lr_scheduler.state_dict(),
-                extra={
-                    "samples_consumed": consumed,
-                    "algorithm": self.algorithm,
-                    "num_samples": len(self.samples),
-                    "nonfinite_skipped": self.nonfinite_skipped,
-                    "world_size": len(rng),
-                },
-                config=self.config,
-                keep=self.config.checkpoint.keep,
-                rng=rng,
-            )
-        except (OSError, RuntimeError, SafetensorError) as error:
-            # A full disk reaches here as OSError (config), SafetensorError (weights) or RuntimeError (torch.save).
-            previous = checkpoints.latest(self.checkpoints_root)
-            kept = (f"The previous checkpoint {previous} is intact; free some space (or fix the folder) and "
-                    "continue from it with checkpoint.resume=latest." if previous
-                    else "No earlier checkpoint exists.")
-            raise TrainingError(f"Could not write the checkpoint of step {step} under {self.checkpoints_root}: "
-                                f"{error}\nIs the disk full? {kept}") from error
-
-    def read_checkpoint(self, folder: Path) -> ResumedState:
-        """Check `folder` fits this config (refusing changes it cannot follow, stating the others) and load it."""
-        changes = compare_configs(saved_config(folder), self.config, FIXED_KEYS + self.resume_fixed_keys, folder)
-        try:
-            weights, state = checkpoints.load(folder)
-        except (OSError, RuntimeError, ValueError) as error:
-            raise CheckpointError(f"Could not read the checkpoint {folder}: {error}") from None
-        if state.get("algorithm", self.algorithm) != self.algorithm:
-            raise ConfigError(f"Cannot resume from {folder}: it was written by training.algorithm="
-                              f"{state['algorithm']}, this run uses {self.algorithm}.")
-        if parallel.is_main():
-            print(f"Resuming from {folder} (step {state['step']} of {self.config.training.steps}).", flush=True)
-            if changes:
-                print("Changed since that checkpoint:\n" + "\n".join(f"  - {line}" for line in changes), flush=True)
-        return ResumedState(folder, weights, state)
-
-    def restore_training_state(self, resumed: ResumedState, optimizer: torch.optim.Optimizer,
-                               lr_scheduler: Any) -> int:
-        """Load a checkpoint's weights, optimizer and schedule; return its step. The RNGs follow later."""
-        state = resumed.state
-        saved_samples = state.get("num_samples", len(self.samples))
-        if saved_samples != len(self.samples) and parallel.is_main():
-            print(f"The dataset changed since that checkpoint: {saved_samples} clips -> {len(self.samples)} (the "
-                  "data order from here on differs from an uninterrupted run).", flush=True)
-        saved_world, world = int(state.get("world_size", 1)), parallel.world_size()
-        if saved_world != world and parallel.is_main():
-            per_step = self.config.training.batch_size * self.config.training.gradient_accumulation * world
-            print(f"The number of processes changed since that checkpoint: {saved_world} -> {world} (a step now "
-                  f"takes {per_step} samples; the data each process reads and its random draws differ from an "
-                  "uninterrupted run).", flush=True)
-        try:
-            self.load_trainable_state_dict({k: v.to(self.device) for k, v in resumed.weights.items()})
-            optimizer.load_state_dict(state["optimizer"])
-        except (KeyError, ValueError, RuntimeError) as error:
-            raise CheckpointError(f"The checkpoint {resumed.folder} does not fit this model: {error}") from None
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.apply_optimizer_config(optimizer, lr_scheduler)
-        self.samples_consumed = int(state["samples_consumed"])
-        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
-        return int(state["step"])
-
-    def apply_optimizer_config(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any) -> None:
-        """After loading a checkpoint the config's learning rate, schedule and AdamW settings apply: the loaded
-        state dicts would otherwise bring back the values they were saved with. Unchanged values give the
-        same numbers bit for bit (LambdaLR's own formula)."""
-        options, learning_rate = self.config.optimizer, self.config.training.learning_rate
-        for group in optimizer.param_groups:
-            group.update(initial_lr=learning_rate, betas=(options.beta1, options.beta2), eps=options.eps,
-                         weight_decay=options.weight_decay)
-        if isinstance(lr_scheduler, LambdaLR):
-            lr_scheduler.base_lrs = [learning_rate for _ in optimizer.param_groups]
-            values = [base * fn(lr_scheduler.last_epoch)
-                      for fn, base in zip(lr_scheduler.lr_lambdas, lr_scheduler.base_lrs, strict=True)]
-            for group, value in zip(optimizer.param_groups, values, strict=True):
-                group["lr"] = value
-            lr_scheduler._last_lr = list(values)
-
-    def _continue_stream(self, stream: Iterator[dict[str, Any]], rng: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """The data stream of a resumed run, with the RNGs restored at the exact point they were saved.
-
-        Starting a DataLoader draws its base seed from the global RNG, as it did when the run began: take
-        the first batch, then restore the saved RNGs, so the steps that follow draw what they would have."""
-        first = next(stream)
-        self.restore_rng(rng)
-        yield first
-        yield from stream
-
-    def restore_rng(self, saved: dict[Any, Any]) -> None:
-        """This rank's RNG states from a checkpoint. A rank it has none for (the run now has more processes than
-        when it was saved) keeps its freshly seeded ones."""
-        rank = parallel.rank()
-        if "python" in saved or rank in saved:
-            checkpoints.restore_rng_state(saved, rank)
-
-    def skip_nonfinite_step(self, step: int, loss: float, grad_norm: float | None) -> None:
+    def skip_nonfinite_step(self, loss: float, grad_norm: float | None) -> None:
         """Nothing of a non-finite step is applied; the run stops unless `training.skip_nonfinite_steps` allows."""
+        state, limit = self.state, self.config.training.skip_nonfinite_steps
         what = f"the loss was {loss}" if not math.isfinite(loss) else f"the gradient norm was {grad_norm}"
-        limit = self.config.training.skip_nonfinite_steps
-        if self.nonfinite_skipped >= limit:
+        if state.nonfinite_skipped >= limit:
             previous = checkpoints.latest(self.checkpoints_root)
             kept = (f"The last good checkpoint is kept: {previous}." if previous
                     else "No checkpoint was written before it.")
-            skipped = f" ({self.nonfinite_skipped} such steps were skipped already)" if limit else ""
+            skipped = f" ({state.nonfinite_skipped} such steps were skipped already)" if limit else ""
             raise TrainingError(
-                f"Training stopped at step {step}: {what}{skipped}; nothing of that step was applied. {kept}\n"
+                f"Training stopped at step {state.step}: {what}{skipped}; nothing of that step was applied. {kept}\n"
                 "Try a lower training.learning_rate or training.precision=fp32 and continue with "
                 "checkpoint.resume=latest, or let a few such steps be skipped with training.skip_nonfinite_steps=N."
             )
-        self.nonfinite_skipped += 1
+        state.nonfinite_skipped += 1
         logger.warning("Step %d skipped: %s (%d of %d allowed by training.skip_nonfinite_steps).",
-                       step, what, self.nonfinite_skipped, limit)
+                       state.step, what, state.nonfinite_skipped, limit)
 
-    def interrupted_message(self, received: signal.Signals, step: int) -> str:
+    def interrupted_message(self, received: signal.Signals) -> str:
         where = checkpoints.latest(self.checkpoints_root)
         return (
-            f"{received.name} received: stopped after step {step} of {self.config.training.steps} and saved the "
-            f"checkpoint {where}.\n"
+            f"{received.name} received: stopped after step {self.state.step} of {self.config.training.steps} and "
+            f"saved the checkpoint {where}.\n"
             "To continue exactly where it stopped, run the same command again with checkpoint.resume=latest, "
             "e.g. vidtune train CONFIG checkpoint.resume=latest\n"
             f"To use what it learned so far: vidtune export {where} --output FOLDER"
         )
+
+    # ----- results ---------------------------------------------------------------------------------------
+    def validate(self) -> list[Path]:
+        """Sample the validation prompts with the weights as they are now (rank 0). A run trained from the cache
+        loads the text encoders and the VAE for it, once, and says so."""
+        if self.text is None or self.vae is None:
+            print("Loading the text encoders and the VAE for validation samples (training read the cache).",
+                  flush=True)
+            self.load_encoders()
+        settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
+        return render_samples(self.spec, self.text, self.vae, self.denoiser, settings,
+                              self.output_dir / outputs.SAMPLES, f"step-{self.state.step:08d}",
+                              reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
+
+    def write_results(self) -> tuple[Path, list[Path]]:
+        """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""
+        weights = self.save_final(self.output_dir)
+        plot_loss_curve(self.output_dir / outputs.METRICS, self.output_dir / outputs.LOSS_PLOT)
+        samples = self.validate() if self.config.validation.enabled else []
+        return weights, samples
 
     def export_weights(self, weights: dict[str, torch.Tensor], output: Path) -> Path:
         """Write a checkpoint's weights as the run's final result into `output` (see `vidtune export`).
@@ -630,21 +441,3 @@ class Trainer(ABC):
         self.configure_trainable(self.denoiser)
         self.load_trainable_state_dict(weights)
         return self.save_final(output)
-
-
-@dataclass
-class ResumedState:
-    folder: Path
-    weights: dict[str, torch.Tensor]
-    state: dict[str, Any]
-
-
-class MetricsLog:
-    """metrics.jsonl: one JSON object per logged step, flushed as it is written."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def write(self, **values: Any) -> None:
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(values) + "\n")

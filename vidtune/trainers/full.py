@@ -6,8 +6,6 @@ with the family's transformer class `from_pretrained`, or point `model.subfolder
 
 from __future__ import annotations
 
-import os
-import shutil
 from fnmatch import fnmatchcase
 from pathlib import Path
 
@@ -15,9 +13,9 @@ import torch
 from torch import nn
 
 from vidtune.errors import ConfigError
+from vidtune.files import atomic_folder
+from vidtune.outputs import TRANSFORMER_FOLDER
 from vidtune.trainers.base import Trainer
-
-TRANSFORMER_FOLDER = "transformer"
 
 
 def select_trainable(names: list[str], trainable: list[str], frozen: list[str]) -> set[str]:
@@ -85,28 +83,15 @@ class FullTrainer(Trainer):
     def save_final(self, folder: Path) -> Path:
         """`folder/transformer/` via `save_pretrained`, in the dtype the denoiser was loaded in; written beside
         and renamed into place, so an existing result is replaced only by a complete one."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        target = folder / TRANSFORMER_FOLDER
-        temporary = folder / f".incomplete-{TRANSFORMER_FOLDER}-{os.getpid()}"
-        shutil.rmtree(temporary, ignore_errors=True)
+        target = Path(folder) / TRANSFORMER_FOLDER
         cast = [p for p in self.denoiser.parameters() if p.dtype != self.base_dtype]
         originals = [p.data for p in cast]
         try:
             for parameter in cast:
                 parameter.data = parameter.data.to(self.base_dtype)
-            self.denoiser.save_pretrained(temporary, safe_serialization=True)
-        except BaseException:
-            shutil.rmtree(temporary, ignore_errors=True)
-            raise
+            with atomic_folder(target) as temporary:
+                self.denoiser.save_pretrained(temporary, safe_serialization=True)
         finally:
             for parameter, data in zip(cast, originals, strict=True):
                 parameter.data = data
-        if target.exists():
-            stale = folder / f".stale-{TRANSFORMER_FOLDER}-{os.getpid()}"
-            os.replace(target, stale)
-            os.replace(temporary, target)
-            shutil.rmtree(stale)
-        else:
-            os.replace(temporary, target)
         return target

@@ -14,8 +14,6 @@ from vidtune.errors import ConfigError
 from vidtune.memory import store_frozen_weights_in_fp8
 from vidtune.trainers.base import Trainer
 
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-
 
 class LoRATrainer(Trainer):
     algorithm = "lora"

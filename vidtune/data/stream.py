@@ -1,0 +1,151 @@
+"""The seeded, resumable stream of training batches: one interface, from the cache or encoded on the fly.
+
+A `Batch` holds what the loss needs: the conditions (text encoders' outputs), the latents (the VAE posterior
+and any video-derived conditions) and the stream positions of its clips, which seed each visit's randomness
+(see `vidtune.data.sampler`). Two sources give the same batches for the same config:
+
+- `CachedBatches` reads precomputed entries (`vidtune.precompute`); the encoders are never loaded.
+- `EncodedBatches` decodes clips in DataLoader workers and encodes them in this process with the functional
+  API the precompute stage uses (`encode_captions`, `encode_videos`).
+
+Both also give the conditions of the empty caption, for caption dropout with the `empty` technique.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from vidtune import parallel
+from vidtune.config import Config
+from vidtune.data.dataset import VideoCaptionDataset, collate_samples
+from vidtune.data.sampler import StreamSampler
+from vidtune.data.sources import Sample
+from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+from vidtune.precompute import CachedSamples, collate_cached, encode_captions, encode_videos, stack_items
+
+
+@dataclass
+class Batch:
+    conditions: Conditions
+    latents: Latents
+    positions: torch.Tensor  # [B] long: each clip's position in the stream
+    indices: torch.Tensor  # [B] long: each clip's index in the dataset
+
+
+class BatchSource(ABC):
+    """Batches of `training.batch_size` clips, for this rank, from any position of the stream, on `device`."""
+
+    def __init__(self, config: Config, clips: Sequence[Sample], device: torch.device) -> None:
+        self.config = config
+        self.clips = list(clips)
+        self.device = device
+
+    def batches(self, start_position: int) -> Iterator[Batch]:
+        """The endless stream from `start_position` (samples consumed so far by all ranks)."""
+        sampler = StreamSampler(len(self.clips), self.config.training.seed, start=start_position,
+                                rank=parallel.rank(), world=parallel.world_size())
+        for raw in self.loader(sampler):
+            conditions, latents = self.encode(raw)
+            yield Batch(to_device(conditions, self.device), to_device(latents, self.device), raw["position"],
+                        raw["index"])
+
+    @abstractmethod
+    def loader(self, sampler: StreamSampler) -> DataLoader:
+        """Batches of items in `sampler`'s order, each with its "position"."""
+
+    @abstractmethod
+    def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
+        """(conditions, latents) of one loaded batch."""
+
+    @abstractmethod
+    def empty_caption(self) -> Conditions:
+        """The conditions of the empty caption, a batch of one, on `device`."""
+
+
+class CachedBatches(BatchSource):
+    """Batches read from the precompute cache (an entry that is damaged or gone is computed again)."""
+
+    def __init__(self, config: Config, clips: Sequence[Sample], device: torch.device, cached: CachedSamples) -> None:
+        super().__init__(config, clips, device)
+        self.cached = cached
+
+    def loader(self, sampler: StreamSampler) -> DataLoader:
+        # Reading an entry is far cheaper than a step: no worker processes (nor their memory) needed.
+        return DataLoader(_Positioned(self.cached), batch_size=self.config.training.batch_size, sampler=sampler,
+                          num_workers=0, collate_fn=_CollateWithPositions(collate_cached))
+
+    def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
+        return raw["conditions"], raw["latents"]
+
+    def empty_caption(self) -> Conditions:
+        return to_device(self.cached.empty_conditions(), self.device)
+
+
+class EncodedBatches(BatchSource):
+    """Clips decoded by `data.num_workers` worker processes and encoded here, batch by batch."""
+
+    def __init__(self, config: Config, clips: Sequence[Sample], device: torch.device, spec: ModelSpec,
+                 text: TextComponents, vae: nn.Module) -> None:
+        super().__init__(config, clips, device)
+        self.spec = spec
+        self.text = text
+        self.vae = vae
+
+    def loader(self, sampler: StreamSampler) -> DataLoader:
+        data = self.config.data
+        dataset = VideoCaptionDataset(self.clips, data.frames, data.height, data.width, data.fps)
+        return DataLoader(
+            _Positioned(dataset),
+            batch_size=self.config.training.batch_size,
+            sampler=sampler,
+            num_workers=data.num_workers,
+            collate_fn=_CollateWithPositions(collate_samples),
+            persistent_workers=data.num_workers > 0,
+            prefetch_factor=2 if data.num_workers > 0 else None,
+        )
+
+    def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
+        count = len(raw["caption"])
+        conditions = stack_items(encode_captions(self.spec, self.text, raw["caption"], batch_size=count))
+        latents = stack_items(encode_videos(self.spec, self.vae, raw["video"], batch_size=count))
+        return conditions, latents
+
+    def empty_caption(self) -> Conditions:
+        return to_device(stack_items(encode_captions(self.spec, self.text, [""], batch_size=1)), self.device)
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {key: value.to(device, non_blocking=True) for key, value in tensors.items()}
+
+
+class _Positioned(Dataset):
+    """A map-style dataset read at the (position, index) pairs of StreamSampler; items carry their position."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
+        position, index = key
+        return {**self.dataset[index], "position": position}
+
+
+class _CollateWithPositions:
+    """`collate` plus the items' positions as a LongTensor (a class, so DataLoader workers can pickle it)."""
+
+    def __init__(self, collate: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collate(items)
+        batch["position"] = torch.tensor([item["position"] for item in items], dtype=torch.long)
+        return batch

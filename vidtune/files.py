@@ -1,0 +1,139 @@
+"""Writing files and folders so that a crash or a kill never leaves a half-written one under its final name.
+
+Every output of a run (weights, checkpoints, samples, pictures, the resolved config, cache entries) is written
+to a temporary name beside its target and renamed into place when complete. Temporary files are created
+with a plain `open`, so what lands follows the user's umask like any other file (never mkstemp's 0600).
+
+A folder that replaces an existing one is swapped in two renames, never deleted first: `replace_folder`.
+A kill between the two leaves `.stale-NAME-PID` beside a missing `NAME`; `recover_folders` finishes the
+swap (or drops the leftover), so nothing that was complete is ever lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+INCOMPLETE = ".incomplete-"
+STALE = ".stale-"
+TEMPORARY_SUFFIX = ".part"
+
+
+def temporary_name(path: Path) -> Path:
+    """A hidden name beside `path`, unique to this process and call, that keeps `path`'s suffix (some
+    writers, PIL or PyAV, pick the format from it)."""
+    return path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMPORARY_SUFFIX}{path.suffix}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], durable: bool = False) -> Iterator[Path]:
+    """Yield a temporary path to write `path` to; it is renamed into place when the block succeeds and
+    removed when it fails. `durable`: fsync the file before the rename (a power cut then cannot leave a
+    renamed but empty file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_name(path)
+    try:
+        yield temporary
+        if durable:
+            with temporary.open("rb") as handle:
+                os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, durable: bool = True) -> Path:
+    with atomic_path(path, durable=durable) as temporary:
+        temporary.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, durable: bool = False) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"), durable=durable)
+
+
+def incomplete_folder(target: Path) -> Path:
+    """Where a folder that will become `target` is written (see `replace_folder`)."""
+    return target.with_name(f"{INCOMPLETE}{target.name}-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_folder(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield an empty temporary folder to fill; when the block succeeds it replaces `target` (see
+    `replace_folder`), when it fails it is removed and `target` is untouched."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = incomplete_folder(target)
+    shutil.rmtree(temporary, ignore_errors=True)
+    try:
+        temporary.mkdir()
+        yield temporary
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    replace_folder(temporary, target)
+
+
+def replace_folder(temporary: Path, target: Path) -> None:
+    """Rename the complete folder `temporary` to `target`. An existing `target` is first renamed aside and
+    removed only once the new one is in place."""
+    if target.exists():
+        stale = target.with_name(f"{STALE}{target.name}-{os.getpid()}")
+        os.replace(target, stale)
+        os.replace(temporary, target)
+        shutil.rmtree(stale)
+    else:
+        os.replace(temporary, target)
+    fsync_folder(target.parent)
+
+
+def recover_folders(parent: Path) -> None:
+    """Tidy what a killed writer left in `parent`: drop half-written folders, finish swaps cut short.
+
+    A `.stale-NAME-PID` folder is the complete old NAME: it goes back to NAME when NAME is missing (the kill
+    came between the two renames), and is dropped when NAME is there (the kill came after). Only call it while
+    no other process writes in `parent`."""
+    if not parent.is_dir():
+        return
+    for path in parent.iterdir():
+        if not path.is_dir():
+            continue
+        if path.name.startswith(INCOMPLETE):
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.startswith(STALE):
+            target = parent / path.name[len(STALE):].rsplit("-", 1)[0]
+            if target.exists():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.replace(path, target)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file of `folder` (not recursive) and the folder itself to disk."""
+    for path in folder.iterdir():
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    fsync_folder(folder)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename inside `folder` durable (a no-op where folders cannot be opened)."""
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError as error:  # some file systems refuse fsync on folders; the rename itself has happened
+        if error.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(handle)

@@ -1,0 +1,68 @@
+"""The run's metrics: `metrics.jsonl` (one JSON object per logged step) and its picture, `loss.png`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vidtune.files import atomic_path, atomic_write_text
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON object per logged step, flushed as it is written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def write(self, **values: Any) -> None:
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(values) + "\n")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the rows of metrics.jsonl up to `step` (rows a killed run wrote after its checkpoint go)."""
+    if not path.is_file():
+        return
+    kept = []
+    for text in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(text)
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
+def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
+    """loss.png: raw loss per step and a moving average, from metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not metrics_path.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not rows:
+        return None
+    steps = np.array([row["step"] for row in rows])
+    losses = np.array([row["loss"] for row in rows])
+    window = max(1, len(losses) // 20)
+    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+    figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
+    axis.plot(steps, losses, color="#9bbbd4", linewidth=0.8, label="loss")
+    axis.plot(steps[window - 1 :], smooth, color="#1f4e79", linewidth=2, label=f"mean of {window}")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("loss")
+    axis.set_title("Training loss")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    with atomic_path(output) as temporary:
+        figure.savefig(temporary, format="png")
+    plt.close(figure)
+    return output

@@ -1,0 +1,188 @@
+"""The whole training state, in one object: what a checkpoint holds and what a resumed run restores.
+
+- the trainable weights (read and written through the algorithm's own accessors),
+- the optimizer, and its LR schedule (a pure function of the step and the config: rebuilt at the restored
+  step, never loaded, so a changed learning rate or schedule simply applies from there on),
+- the data position (samples consumed; the stream is seeded by position, see `vidtune.data.sampler`),
+- the RNGs of every rank, and the number of non-finite steps skipped so far.
+
+`save` writes it as a checkpoint (`vidtune.checkpoint` makes the folder atomic); `read_checkpoint` checks a
+saved one fits the config and loads it; `restore` puts it back. A run resumed this way continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors import SafetensorError
+from torch import nn
+
+from vidtune import checkpoint as checkpoints
+from vidtune import parallel
+from vidtune.config import Config
+from vidtune.errors import ConfigError, TrainingError
+from vidtune.optim import build_lr_scheduler, build_optimizer
+from vidtune.resume import FIXED_KEYS, CheckpointError, compare_configs, saved_config
+
+T = TypeVar("T")
+Weights = dict[str, torch.Tensor]
+
+
+@dataclass
+class SavedState:
+    """A checkpoint as read from disk: its folder, trainable weights and the rest of the state."""
+
+    folder: Path
+    weights: Weights
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tuple[str, ...] = ()) -> SavedState:
+    """Check that `folder` fits this config (refusing changes it cannot follow, stating the others) and load it."""
+    changes = compare_configs(saved_config(folder), config, FIXED_KEYS + fixed_keys, folder)
+    try:
+        weights, state = checkpoints.load(folder)
+    except (OSError, RuntimeError, ValueError) as error:
+        raise CheckpointError(f"Could not read the checkpoint {folder}: {error}") from None
+    if state.get("algorithm", algorithm) != algorithm:
+        raise ConfigError(f"Cannot resume from {folder}: it was written by training.algorithm="
+                          f"{state['algorithm']}, this run uses {algorithm}.")
+    if parallel.is_main():
+        print(f"Resuming from {folder} (step {state['step']} of {config.training.steps}).", flush=True)
+        if changes:
+            print("Changed since that checkpoint:\n" + "\n".join(f"  - {line}" for line in changes), flush=True)
+    return SavedState(folder, weights, state)
+
+
+class TrainingState:
+    """Optimizer, schedule, step, data position and skip count of one run, and its checkpoints."""
+
+    def __init__(self, config: Config, algorithm: str, parameters: list[nn.Parameter], num_clips: int,
+                 get_weights: Callable[[], Weights], set_weights: Callable[[Weights], None]) -> None:
+        self.config = config
+        self.algorithm = algorithm
+        self.num_clips = num_clips
+        self.get_weights = get_weights
+        self.set_weights = set_weights
+        self.optimizer = build_optimizer(parameters, config)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
+        self.step = 0
+        self.samples_consumed = 0
+        self.nonfinite_skipped = 0
+        self.saved_step: int | None = None  # the step of the newest checkpoint of this run
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr_scheduler.get_last_lr()[0]
+
+    def apply_update(self, finite: bool) -> None:
+        """The optimizer step (only for a finite step) and the schedule's step (always: it counts steps)."""
+        if finite:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+        else:
+            with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
+                warnings.simplefilter("ignore", UserWarning)
+                self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ----- checkpoints ----------------------------------------------------------------------------------------
+    def save(self, root: Path) -> Path:
+        """Write a checkpoint of this step under `root`. Under torchrun every rank calls it: each rank's RNG
+        states are gathered (a resumed rank restores its own) and rank 0 writes.
+
+        A failed write (full disk, ...) stops the run; the checkpoints already written stay whole."""
+        rng = dict(enumerate(parallel.gather_objects(checkpoints.rng_state())))
+        folder = parallel.on_main(lambda: self._write(root, rng))
+        self.saved_step = self.step
+        return folder
+
+    def _write(self, root: Path, rng: dict[int, Any]) -> Path:
+        try:
+            return checkpoints.save(
+                root,
+                step=self.step,
+                weights=self.get_weights(),
+                optimizer=self.optimizer.state_dict(),
+                extra={
+                    "samples_consumed": self.samples_consumed,
+                    "algorithm": self.algorithm,
+                    "num_samples": self.num_clips,
+                    "nonfinite_skipped": self.nonfinite_skipped,
+                    "world_size": len(rng),
+                },
+                config=self.config,
+                keep=self.config.checkpoint.keep,
+                rng=rng,
+            )
+        except (OSError, RuntimeError, SafetensorError) as error:
+            # A full disk reaches here as OSError (config), SafetensorError (weights) or RuntimeError (torch.save).
+            previous = checkpoints.latest(root)
+            kept = (f"The previous checkpoint {previous} is intact; free some space (or fix the folder) and "
+                    "continue from it with checkpoint.resume=latest." if previous
+                    else "No earlier checkpoint exists.")
+            raise TrainingError(f"Could not write the checkpoint of step {self.step} under {root}: "
+                                f"{error}\nIs the disk full? {kept}") from error
+
+    def restore(self, saved: SavedState, device: torch.device) -> None:
+        """Weights, optimizer, schedule, data position and skip count of `saved`; the RNGs follow with the data
+        stream (`resume_stream`). The config's learning rate, schedule and AdamW settings apply from here on."""
+        state = saved.state
+        self._say_what_differs(state)
+        try:
+            self.set_weights({key: value.to(device) for key, value in saved.weights.items()})
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, RuntimeError) as error:
+            raise CheckpointError(f"The checkpoint {saved.folder} does not fit this model: {error}") from None
+        # The loaded optimizer state would otherwise bring back the hyper-parameters it was saved with.
+        options, learning_rate = self.config.optimizer, self.config.training.learning_rate
+        for group in self.optimizer.param_groups:
+            group.update(lr=learning_rate, initial_lr=learning_rate, betas=(options.beta1, options.beta2),
+                         eps=options.eps, weight_decay=options.weight_decay)
+        self.step = saved.step
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config, completed_steps=self.step)
+        self.samples_consumed = int(state["samples_consumed"])
+        self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
+        self.saved_step = self.step
+
+    def _say_what_differs(self, state: dict[str, Any]) -> None:
+        if not parallel.is_main():
+            return
+        saved_clips = state.get("num_samples", self.num_clips)
+        if saved_clips != self.num_clips:
+            print(f"The dataset changed since that checkpoint: {saved_clips} clips -> {self.num_clips} (the data "
+                  "order from here on differs from an uninterrupted run).", flush=True)
+        saved_world, world = int(state.get("world_size", 1)), parallel.world_size()
+        if saved_world != world:
+            per_step = self.config.training.batch_size * self.config.training.gradient_accumulation * world
+            print(f"The number of processes changed since that checkpoint: {saved_world} -> {world} (a step now "
+                  f"takes {per_step} samples; the data each process reads and its random draws differ from an "
+                  "uninterrupted run).", flush=True)
+
+
+def resume_stream(stream: Iterator[T], saved: SavedState) -> Iterator[T]:
+    """The data stream of a resumed run, with this rank's RNGs restored at the exact point they were saved.
+
+    Starting a DataLoader draws its base seed from the global RNG, as it did when the run began: the first
+    batch is taken first, then the saved RNGs are restored, so the steps that follow draw what they would have.
+    A rank the checkpoint has no RNG state for (the run now has more processes) keeps its fresh ones."""
+    first = next(stream)
+    restore_rng(saved)
+    yield first
+    yield from stream
+
+
+def restore_rng(saved: SavedState) -> None:
+    """This rank's RNG states from a checkpoint, where it has them."""
+    rng, rank = saved.state["rng"], parallel.rank()
+    if "python" in rng or rank in rng:
+        checkpoints.restore_rng_state(rng, rank)

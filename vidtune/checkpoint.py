@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vidtune.config import Config, write_resolved_config
-from vidtune.files import atomic_folder, fsync_tree, recover_folders
+from vidtune.files import atomic_folder, follow_umask, fsync_tree, recover_folders
 
 WEIGHTS = "weights.safetensors"
 STATE = "training_state.pt"
@@ -74,6 +74,7 @@ def save(
     final = root / f"{PREFIX}{step:08d}"
     with atomic_folder(final) as temporary:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, temporary / WEIGHTS)
+        follow_umask(temporary / WEIGHTS)
         torch.save(
             {"format": FORMAT, "step": step, "optimizer": optimizer,
              "rng": {rank: rng_state()} if rng is None else rng, **extra},

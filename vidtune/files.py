@@ -59,6 +59,26 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, durable: bool = F
     return atomic_write_bytes(path, text.encode("utf-8"), durable=durable)
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it where the system tells it (Linux), so no other thread
+    can create a file under a cleared umask meanwhile."""
+    status = Path("/proc/self/status")
+    lines = status.read_text().splitlines() if status.is_file() else []
+    for line in lines:
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(*paths: Path) -> None:
+    """Give files written by other libraries (safetensors writes 0600) the mode a plain `open` would give them."""
+    mode = 0o666 & ~process_umask()
+    for path in paths:
+        os.chmod(path, mode)
+
+
 def incomplete_folder(target: Path) -> Path:
     """Where a folder that will become `target` is written (see `replace_folder`)."""
     return target.with_name(f"{INCOMPLETE}{target.name}-{os.getpid()}")

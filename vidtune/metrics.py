@@ -4,22 +4,37 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
+from vidtune import parallel
 from vidtune.files import atomic_path, atomic_write_text
 
 
-class MetricsLog:
-    """metrics.jsonl: one JSON object per logged step, flushed as it is written."""
+class StepLog:
+    """What a run shows and records of its steps: the progress bar, metrics.jsonl (one JSON object per logged
+    step, written by rank 0 and flushed as it is written) and the losses this process logged."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, total: int, initial: int, show: bool) -> None:
         self.path = path
+        self.losses: list[float] = []
+        self.progress = tqdm(total=total, initial=initial, desc="training", unit="step", disable=not show,
+                             dynamic_ncols=True)
 
-    def write(self, **values: Any) -> None:
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(values) + "\n")
+    def record(self, step: int, loss: float, lr: float, grad_norm: float | None, seconds: float) -> None:
+        if parallel.is_main():
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                         "seconds_per_step": seconds}) + "\n")
+        self.losses.append(loss)
+        self.progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+
+    def advance(self) -> None:
+        self.progress.update(1)
+
+    def close(self) -> None:
+        self.progress.close()
 
 
 def truncate_metrics(path: Path, step: int) -> None:

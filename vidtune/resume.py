@@ -17,7 +17,7 @@ import yaml
 from vidtune import checkpoint as checkpoints
 from vidtune.config import Config
 from vidtune.errors import ConfigError, VidtuneError
-from vidtune.files import recover_folders
+from vidtune.files import INCOMPLETE, recover_folders
 from vidtune.outputs import FINAL_OUTPUTS, checkpoints_root
 
 # Changes a checkpoint cannot follow, whatever the algorithm; trainers add their own (`Trainer.resume_fixed_keys`).
@@ -57,7 +57,7 @@ def find_checkpoint(path: str | os.PathLike[str]) -> Path:
         newest = checkpoints.latest(root)
         if newest is not None:
             return newest
-    if folder.name.startswith(checkpoints.PREFIX) or folder.name.startswith(checkpoints.INCOMPLETE):
+    if folder.name.startswith(checkpoints.PREFIX) or folder.name.startswith(INCOMPLETE):
         raise CheckpointError(f"{folder} is not a complete checkpoint (it was not fully written); use an earlier "
                               f"one from {folder.parent}.")
     raise CheckpointError(f"{folder} holds no complete checkpoint (looked for step-XXXXXXXX folders in it and in "

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from vidtune.files import temporary_name
 from vidtune.precompute import cache as cache_module
 from vidtune.precompute.cache import CacheStore, CorruptEntryError, Fingerprints, entry_key
 
@@ -77,14 +78,18 @@ def test_a_failed_write_leaves_neither_an_entry_nor_a_temporary_file(tmp_path, m
 def test_temporary_files_of_killed_writers_are_ignored_and_cleaned(tmp_path):
     store = CacheStore(tmp_path)
     store.write("latents", "34" * 32, _tensors())
-    leftover = store.path("latents", "34" * 32).with_name(".x.safetensors.123.abcd.tmp")
-    leftover.write_bytes(b"half an entry")
+    entry = store.path("latents", "34" * 32)
+    # One left by this version's writer, one by an earlier version's.
+    leftovers = sorted([temporary_name(entry), entry.with_name(".x.safetensors.123.abcd.tmp")])
+    for leftover in leftovers:
+        leftover.write_bytes(b"half an entry")
     assert [entry.key for entry in store.entries()] == ["34" * 32]
-    assert store.temporary_files() == [leftover]
+    assert store.temporary_files() == leftovers
     assert store.remove_stale_temporary_files(older_than_s=3600) == 0  # it may belong to a live writer
-    os.utime(leftover, (0, 0))
-    assert store.remove_stale_temporary_files(older_than_s=3600) == 1
-    assert not leftover.exists()
+    for leftover in leftovers:
+        os.utime(leftover, (0, 0))
+    assert store.remove_stale_temporary_files(older_than_s=3600) == 2
+    assert not any(leftover.exists() for leftover in leftovers)
 
 
 def test_keys_cover_every_part_and_the_format_version(monkeypatch):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from vidtune.data.stream import CachedBatches, EncodedBatches
 from vidtune.models.ltx_video import LTXVideoSpec
@@ -175,3 +178,27 @@ def test_stored_samples_train_with_the_stored_latent(config_for, tmp_path):
     assert torch.count_nonzero(item["latents"]["latents_std"]) == 0
     stored = cached.plan.cache.read("latents", cached.plan.latent_keys[0])["latents"]
     assert torch.equal(item["latents"]["latents_mean"], stored)
+
+
+@pytest.mark.parametrize("family", ["cogvideox-i2v", "wan-i2v"])
+def test_validation_samples_do_not_depend_on_how_many_vae_workers_precomputed(config_for, tmp_path, family):
+    """Image-to-video sampling starts from the first dataset clip whatever order the VAE workers encoded the
+    clips in: the spec keeps nothing from `prepare_latents`."""
+
+    def samples(vae_devices: list[str], name: str) -> list[np.ndarray]:
+        config = config_for(family=family, training={"steps": 1},
+                            validation={"enabled": True, "num_inference_steps": 2},
+                            precompute={"vae_devices": vae_devices, "batch_size": 1,
+                                        "cache_dir": str(tmp_path / f"cache-{name}")},
+                            output_dir=str(tmp_path / name))
+        trainer = build_trainer(config)
+        result = trainer.run()
+        # What a spec may hold: its config, and what it derives from it once (cached properties).
+        derived = {name for cls in type(trainer.spec).__mro__ for name, value in vars(cls).items()
+                   if isinstance(value, functools.cached_property)}
+        assert set(vars(trainer.spec)) <= {"config", "frame_rate", *derived}, vars(trainer.spec)
+        return [np.asarray(Image.open(path.with_suffix(".png"))) for path in result.sample_paths]
+
+    one, two = samples(["cpu"], "one-worker"), samples(["cpu", "cpu"], "two-workers")
+    assert len(one) == len(two) == 1
+    assert np.array_equal(one[0], two[0])

@@ -175,8 +175,9 @@ class HunyuanVideoSpec(ModelSpec):
             tokenizer_2=text["tokenizer_2"],
         )
 
-    def sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int, num_inference_steps: int,
-               guidance_scale: float, generator: torch.Generator, output_type: str) -> torch.Tensor:
+    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                     reference: torch.Tensor | None = None) -> torch.Tensor:
         """The embedded guidance is the trained `model.guidance_scale`; `guidance_scale` here (validation's) is
         HunyuanVideo's true classifier-free guidance against an empty prompt, off at 1.0."""
         return pipeline(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from transformers import AutoTokenizer
 
 from vidtune.config import DType, ModelConfig, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
+from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.objectives import Objective, objective_from_scheduler
 from vidtune.outputs import LORA_WEIGHTS
 
@@ -302,10 +304,17 @@ class ModelSpec(ABC):
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
         """Write the adapter (`LORA_WEIGHTS`) in the format the family's `load_lora_weights` reads."""
-        self.pipeline_class.save_lora_weights(
-            folder, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
-        )
-        return Path(folder) / LORA_WEIGHTS
+        # Written beside and renamed into place: a kill never leaves a cut-short adapter over a complete one.
+        target = Path(folder) / LORA_WEIGHTS
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=INCOMPLETE) as scratch:
+            written = Path(scratch) / LORA_WEIGHTS
+            self.pipeline_class.save_lora_weights(
+                scratch, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+            )
+            follow_umask(written)
+            os.replace(written, target)
+        return target
 
     def empty_conditions(self, conditions: Conditions) -> Conditions:
         """The `zero` caption-dropout technique: same shapes, zero embedding (masks kept)."""

@@ -210,8 +210,10 @@ class CacheStore:
                     yield EntryFile(kind, path.name[: -len(SUFFIX)], path, path.stat().st_size)
 
     def temporary_files(self) -> list[Path]:
-        """Leftovers of writes that were interrupted (never read; safe to delete)."""
-        return [p for kind in KINDS for p in (self.root / kind).glob(f"*/.*{TEMPORARY_SUFFIX}*")]
+        """Leftovers of writes that were interrupted (never read; safe to delete). Caches written by earlier
+        versions named them `.*.tmp`."""
+        return sorted(p for kind in KINDS for pattern in (f".*{TEMPORARY_SUFFIX}*", ".*.tmp")
+                      for p in (self.root / kind).glob(f"*/{pattern}"))
 
     def remove_stale_temporary_files(self, older_than_s: float = 3600.0) -> int:
         """Delete temporary files old enough that no live writer can still own them."""

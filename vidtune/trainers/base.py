@@ -31,7 +31,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
@@ -41,7 +40,7 @@ from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
 from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.data.video import VideoInfo
 from vidtune.errors import TrainingError
-from vidtune.metrics import MetricsLog, plot_loss_curve, truncate_metrics
+from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
@@ -160,11 +159,8 @@ class Trainer(ABC):
         self.first_step = state.step
         # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
         self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
-        metrics = MetricsLog(self.output_dir / outputs.METRICS)
-        parallel.on_main(lambda: truncate_metrics(metrics.path, state.step))
-        progress = tqdm(total=self.config.training.steps, initial=state.step, desc="training", unit="step",
-                        disable=not self.show_progress, dynamic_ncols=True)
-        losses: list[float] = []
+        log = StepLog(self.output_dir / outputs.METRICS, self.config.training.steps, state.step, self.show_progress)
+        parallel.on_main(lambda: truncate_metrics(log.path, state.step))
         self.denoiser.train()
         # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
         with StopSignals() as stop:
@@ -174,21 +170,17 @@ class Trainer(ABC):
                 outcome = self.train_step(stream, parameters, stop)
                 stopped_by = outcome.stopped_by
                 if outcome.finite and self.due(self.config.logging.log_every, final=True):
-                    parallel.on_main(lambda o=outcome: metrics.write(
-                        step=state.step, loss=o.loss, lr=state.learning_rate, grad_norm=o.grad_norm,
-                        seconds_per_step=o.seconds))
-                    losses.append(outcome.loss)
-                    progress.set_postfix(loss=f"{outcome.loss:.4f}", lr=f"{state.learning_rate:.2e}")
-                progress.update(1)
+                    log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds)
+                log.advance()
                 self.between_steps()
-            progress.close()
+            log.close()
             if state.saved_step != state.step:
                 state.save(self.checkpoints_root)
             stopped_by = agreed_stop(stop)
             if stopped_by is not None:
                 raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
         weights, samples = parallel.on_main(self.write_results)
-        return TrainResult(self.output_dir, state.step, losses, weights, samples, first_step=self.first_step)
+        return TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
 
     def train_step(self, stream: Iterator[Batch], parameters: list[nn.Parameter], stop: StopSignals) -> StepOutcome:
         """One optimizer step: `gradient_accumulation` micro-batches, clipping, then the update unless non-finite."""

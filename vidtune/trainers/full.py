@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from vidtune.errors import ConfigError
-from vidtune.files import atomic_folder
+from vidtune.files import atomic_folder, follow_umask
 from vidtune.outputs import TRANSFORMER_FOLDER
 from vidtune.trainers.base import Trainer
 
@@ -91,6 +91,7 @@ class FullTrainer(Trainer):
                 parameter.data = parameter.data.to(self.base_dtype)
             with atomic_folder(target) as temporary:
                 self.denoiser.save_pretrained(temporary, safe_serialization=True)
+                follow_umask(*(path for path in temporary.rglob("*") if path.is_file()))
         finally:
             for parameter, data in zip(cast, originals, strict=True):
                 parameter.data = data

@@ -242,6 +242,10 @@ class CogVideoXI2VSpec(CogVideoXSpec):
         """Sample from this clip's first frame: video [F, 3, H, W] in [-1, 1] (the pipeline resizes it if needed)."""
         self.first_frame = video[0].detach().float().cpu()
 
+    def latent_identity(self) -> dict[str, Any]:
+        noise = self.image_noise_log_sigma
+        return {**super().latent_identity(), "image_noise_log_sigma": None if noise is None else list(noise)}
+
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
         latents = super().prepare_latents(vae, videos)

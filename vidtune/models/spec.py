@@ -110,6 +110,9 @@ class ModelSpec(ABC):
     validation_guidance_scale: ClassVar[float] = 1.0
     # Image-to-video families condition on a first frame; they implement `set_reference_video`.
     image_to_video: ClassVar[bool] = False
+    # Bump when the family's prepare_conditions / prepare_latents code changes what it computes, so that
+    # precomputed entries made by the old code are not reused (see `condition_identity`).
+    cache_version: ClassVar[int] = 1
     # diffusers / transformers classes of the components, used by the default loaders below, and the
     # family's pipeline (its `save_lora_weights` writes the LoRA format the family's tools read).
     pipeline_class: ClassVar[Any]
@@ -232,6 +235,23 @@ class ModelSpec(ABC):
             logit_std=training.logit_std,
             shift=training.sigma_shift,
         )
+
+    # ----- what a precomputed entry depends on ----------------------------------------------------------
+    def condition_identity(self) -> dict[str, Any]:
+        """Everything `prepare_conditions` depends on besides the text components' weights, their dtype and the
+        caption (the cache adds those): part of every precomputed condition's key, and nothing else is.
+
+        A family adds the constants its `prepare_conditions` reads (a prompt template, a hidden layer, a
+        setting read from the model folder outside the text components). JSON values only. Settings that do
+        not change the tensors (validation, LoRA targets, the denoiser's inputs) stay out, so that changing
+        them keeps the cache."""
+        return {"family": self.name, "version": self.cache_version, "max_sequence_length": self.max_sequence_length}
+
+    def latent_identity(self) -> dict[str, Any]:
+        """Everything `prepare_latents` depends on besides the VAE's (and image encoder's) weights, their dtype,
+        the preprocessing and the clip (the cache adds those); a family adds the constants its
+        `prepare_latents` reads (e.g. the noise augmentation of an image-to-video first frame). JSON values."""
+        return {"family": self.name, "version": self.cache_version}
 
     @abstractmethod
     def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions: ...

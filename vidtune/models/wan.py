@@ -17,6 +17,7 @@ concatenates to the noisy latents on the channel dim, as the pipeline does.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 from typing import Any
 
@@ -30,6 +31,7 @@ from diffusers import (
     WanTransformer3DModel,
 )
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.utils import is_ftfy_available
 from PIL import Image
 from torch import nn
 from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
@@ -48,6 +50,16 @@ from vidtune.models.spec import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default; WanImageToVideoPipeline's transformer requires it
+
+
+def _ftfy_version() -> str | None:
+    """The ftfy that `prompt_clean` uses, or None when it is not installed."""
+    if not is_ftfy_available():
+        return None
+    try:
+        return importlib.metadata.version("ftfy")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
@@ -97,6 +109,10 @@ class WanSpec(ModelSpec):
         return self.load_component(scheduler_class, "scheduler")
 
     # ----- tensors ---------------------------------------------------------------------------------
+    def condition_identity(self) -> dict[str, Any]:
+        # diffusers' prompt_clean fixes captions with ftfy only when it is installed: other text, other embeddings.
+        return {**super().condition_identity(), "ftfy": _ftfy_version()}
+
     @torch.no_grad()
     def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
         """UMT5 embeddings, exactly as WanPipeline.encode_prompt computes them."""

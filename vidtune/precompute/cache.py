@@ -6,7 +6,8 @@ Layout of a cache folder (default `<data.root>/.vidtune-cache`):
     latents/12/123456....safetensors      one clip's VAE posterior (or one sampled latent)
     fingerprints/<stat-hash>              memoised content hashes of clips and weight files
 
-An entry's file name is the SHA-256 of everything that determines it (see `entry_key`): the spec, the
+An entry's file name is the SHA-256 of everything that determines it (see `entry_key`): what the spec
+declares its conditions or latents depend on (`ModelSpec.condition_identity` / `latent_identity`), the
 identity of the component that computed it (hub id + commit, or a hash of the local weight files), its
 dtype, the preprocessing, the clip's content hash or the caption text, and `FORMAT_VERSION`. So an entry is
 never stale: when anything it depends on changes, its key changes and it is computed again; the old file

@@ -33,3 +33,11 @@ class DataError(VidtuneError):
 
 class ModelError(VidtuneError):
     """A model path, component or setting is wrong for the chosen model family."""
+
+
+class CacheError(VidtuneError):
+    """The precompute cache folder cannot be used, or one of its entries cannot be trusted."""
+
+
+class SchedulerError(ModelError):
+    """A model's scheduler config names a scheduler (or prediction type) vidtune has no training objective for."""

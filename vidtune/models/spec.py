@@ -142,6 +142,17 @@ class ModelSpec(ABC):
             return override, None
         return self.config.pretrained, component
 
+    def describe_file(self, component: str, filename: str) -> str:
+        """For messages: the config key and the file a component's `filename` comes from, e.g.
+        `model.pretrained: /models/wan/scheduler/scheduler_config.json`."""
+        source, subfolder = self.component_source(component)
+        key = f"model.subfolders.{component}" if self.config.subfolders.get(component) else "model.pretrained"
+        relative = f"{subfolder}/{filename}" if subfolder else filename
+        local = Path(source).expanduser()
+        if local.is_dir():
+            return f"{key}: {(local / relative).resolve()}"
+        return f"{key}: {relative} of {source}"
+
     def check_source(self) -> None:
         """Fail early and clearly when a local model folder is missing or incomplete."""
         pretrained = self.config.pretrained
@@ -234,6 +245,7 @@ class ModelSpec(ABC):
             logit_mean=training.logit_mean,
             logit_std=training.logit_std,
             shift=training.sigma_shift,
+            source=self.describe_file("scheduler", "scheduler_config.json"),
         )
 
     # ----- what a precomputed entry depends on ----------------------------------------------------------

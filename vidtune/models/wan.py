@@ -25,6 +25,7 @@ import diffusers
 import torch
 from diffusers import (
     AutoencoderKLWan,
+    SchedulerMixin,
     UniPCMultistepScheduler,
     WanImageToVideoPipeline,
     WanPipeline,
@@ -36,7 +37,7 @@ from PIL import Image
 from torch import nn
 from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
-from vidtune.errors import ConfigError, ModelError
+from vidtune.errors import ConfigError, ModelError, SchedulerError
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -46,6 +47,7 @@ from vidtune.models.spec import (
     raise_shape_problems,
     side_problems,
 )
+from vidtune.objectives import SUPPORTED_SCHEDULERS
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +105,12 @@ class WanSpec(ModelSpec):
     def load_scheduler(self) -> Any:
         """The scheduler class the checkpoint names (Wan ships UniPCMultistepScheduler with flow sigmas)."""
         name = self.load_config(UniPCMultistepScheduler, "scheduler").get("_class_name", "UniPCMultistepScheduler")
-        scheduler_class = getattr(diffusers, name, None)
-        if scheduler_class is None:
-            raise ConfigError(f"model.pretrained: unknown scheduler class {name!r} in the scheduler config")
+        scheduler_class = getattr(diffusers, str(name), None)
+        if not (isinstance(scheduler_class, type) and issubclass(scheduler_class, SchedulerMixin)):
+            raise SchedulerError(
+                f"{self.describe_file('scheduler', 'scheduler_config.json')}: _class_name {name!r} is not a diffusers "
+                f"scheduler. Supported: {SUPPORTED_SCHEDULERS}."
+            )
         return self.load_component(scheduler_class, "scheduler")
 
     # ----- tensors ---------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from vidtune.errors import VidtuneError
+from vidtune.errors import CacheError
 
 # Bump when what an entry holds, or how it is computed, changes in a way its key does not capture.
 FORMAT_VERSION = 1
@@ -45,7 +45,7 @@ _TEMPORARY = ".tmp"
 _CHUNK = 1 << 20
 
 
-class CorruptEntryError(VidtuneError):
+class CorruptEntryError(CacheError):
     """A cache entry exists but cannot be trusted (truncated, damaged, or not what its name says)."""
 
     def __init__(self, path: Path, reason: str) -> None:
@@ -163,6 +163,22 @@ class CacheStore:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()
         self.fingerprints = Fingerprints(self.root / "fingerprints")
+
+    def prepare(self) -> None:
+        """Create the cache folder, or say plainly why it cannot be used, before any long work."""
+        if self.root.exists() and not self.root.is_dir():
+            raise CacheError(f"precompute.cache_dir: {self.root} is a file, not a folder; set precompute.cache_dir "
+                             "to a folder (it is created if missing)")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file in the way, no permission, a read-only file system
+            raise CacheError(
+                f"precompute.cache_dir: cannot create the cache folder {self.root} ({error.strerror or error}); "
+                "set precompute.cache_dir to a folder you can write to"
+            ) from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise CacheError(f"precompute.cache_dir: the cache folder {self.root} is not writable; set "
+                             "precompute.cache_dir to a folder you can write to")
 
     def path(self, kind: str, key: str) -> Path:
         if kind not in KINDS:

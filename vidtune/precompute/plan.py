@@ -27,6 +27,7 @@ from vidtune.config import Config
 from vidtune.data.sources import Sample
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
+from vidtune.parallel import parse_device
 from vidtune.precompute.cache import CacheStore, Fingerprints, entry_key
 
 # Bump when `read_clip` changes what it returns for the same arguments.
@@ -105,15 +106,16 @@ class Preprocess:
                 "crop": self.crop, "start": self.start, "version": PREPROCESS_VERSION}
 
 
-def resolve_device(name: str, fallback: str) -> torch.device:
-    """`auto` -> the training device; under torchrun, `cuda` means this rank's GPU."""
+def resolve_device(name: str, fallback: str, key: str = "precompute.text_device") -> torch.device:
+    """`auto` -> the training device; under torchrun, `cuda` means this rank's GPU. `key` names the setting in
+    messages about a device that does not exist."""
     if name == "auto":
-        name = fallback
+        name, key = fallback, "training.device"
     if name == "auto":
         if not torch.cuda.is_available():
             return torch.device("cpu")
         name = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-    return torch.device(name)
+    return parse_device(name, key)
 
 
 @dataclass
@@ -141,8 +143,8 @@ def build_plan(config: Config, spec: ModelSpec, samples: list[Sample], cache: Ca
     cache = cache or CacheStore(cache_root(config))
     options = config.precompute
     fallback = config.training.device
-    text_device = resolve_device(options.text_device, fallback)
-    vae_devices = [resolve_device(name, fallback) for name in options.vae_devices]
+    text_device = resolve_device(options.text_device, fallback, "precompute.text_device")
+    vae_devices = [resolve_device(name, fallback, "precompute.vae_devices") for name in options.vae_devices]
     text_dtype = spec.component_dtype("text_encoder", text_device)
     video_components = video_component_names(spec)
     video_dtypes = {tuple(dtype_name(spec.component_dtype(n, device)) for n in video_components)

@@ -112,8 +112,10 @@ def _config_file(tmp_path: Path, tiny: Path, root: Path, family: str = "ltx-vide
     (["data", "check", "{config}", "--overview", "{file}/overview.png"], "--overview: cannot write the overview "
                                                                          "{file}/overview.png"),
     (["quickstart", "--output", "{file}"], "--output: cannot create the folder {file}"),
+    (["train", "{config}", "model.name=cogvideox"], "model.pretrained: {ltx}/vae/config.json names "
+     "AutoencoderKLLTXVideo, but model.name=cogvideox needs AutoencoderKLCogVideoX; it fits model.name=ltx-video"),
 ], ids=["cache-dir-is-a-file", "no-such-device", "no-such-gpu", "training-device", "missing-cache", "overview",
-        "quickstart-output"])
+        "quickstart-output", "folder-of-another-family"])
 def test_settings_that_cannot_work_exit_2_naming_the_key(argv, expected, tmp_path, tiny_model_dir, shapes_dataset,
                                                          capsys):
     from vidtune.cli import main
@@ -121,9 +123,29 @@ def test_settings_that_cannot_work_exit_2_naming_the_key(argv, expected, tmp_pat
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     values = {"config": _config_file(tmp_path, tiny_model_dir("ltx-video"), shapes_dataset), "file": blocker,
-              "tmp": tmp_path, "gpus": torch.cuda.device_count()}
+              "tmp": tmp_path, "gpus": torch.cuda.device_count(), "ltx": tiny_model_dir("ltx-video").resolve()}
     code = main([arg.format(**values) for arg in argv])
     error = capsys.readouterr().err
     assert code == 2, error
     assert f"error: {expected.format(**values)}" in error
     assert not (tmp_path / "run").exists()
+
+
+def test_a_full_disk_during_precompute_exits_2_naming_the_cache(tmp_path, tiny_model_dir, shapes_dataset, monkeypatch,
+                                                                capsys):
+    from vidtune.cli import main
+    from vidtune.precompute import cache as cache_module
+
+    write = cache_module.atomic_write_bytes
+
+    def full_disk(path, data, durable=True):
+        if path.suffix == ".safetensors":
+            raise OSError(28, "No space left on device")
+        write(path, data, durable)
+
+    monkeypatch.setattr(cache_module, "atomic_write_bytes", full_disk)
+    code = main(["precompute", str(_config_file(tmp_path, tiny_model_dir("ltx-video"), shapes_dataset))])
+    error = capsys.readouterr().err
+    assert code == 2, error
+    assert f"error: precompute.cache_dir: could not write the cache entry {tmp_path / 'cache'}" in error
+    assert "(No space left on device)" in error

@@ -195,10 +195,30 @@ class ModelSpec(ABC):
         """A component's config.json, without loading its weights (for early shape checks)."""
         source, subfolder = self.component_source(component)
         try:
-            return dict(cls.load_config(source, subfolder=subfolder, revision=self.config.revision))
+            config = dict(cls.load_config(source, subfolder=subfolder, revision=self.config.revision))
         except (OSError, ValueError) as error:
             where = f"{source}/{subfolder}" if subfolder else source
             raise ModelError(f"Could not read the {component} config of {self.name} from {where}: {error}") from None
+        self.check_component_class(cls, component, config)
+        return config
+
+    def check_component_class(self, cls: Any, component: str, config: dict[str, Any]) -> None:
+        """A model folder of another family (model.name does not match model.pretrained) fails here, plainly,
+        instead of on a config key the family expects. Schedulers are exempt: several classes serve a family."""
+        found = config.get("_class_name")
+        if component == "scheduler" or not found or found == cls.__name__:
+            return
+        from vidtune.models.registry import SPECS, get_spec_class  # the registry imports this module
+
+        def classes(name: str) -> set[str]:
+            return {getattr(get_spec_class(name), attr, type).__name__ for attr in ("vae_class", "denoiser_class")}
+
+        fits = [name for name in SPECS if found in classes(name)]
+        hint = f"; it fits model.name={' or '.join(fits)}" if fits else ""
+        raise ModelError(
+            f"{self.describe_file(component, 'config.json')} names {found}, but model.name={self.name} needs "
+            f"{cls.__name__}{hint}. Check model.name and model.pretrained."
+        )
 
     def component_dtype(self, component: str, device: torch.device) -> torch.dtype:
         override = {

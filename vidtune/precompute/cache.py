@@ -54,6 +54,16 @@ class CorruptEntryError(CacheError):
         super().__init__(f"The cache entry {path} is damaged ({reason})")
 
 
+class CacheWriteError(CacheError, OSError):
+    """An entry could not be written (a full disk, lost permissions). Still an OSError for callers that expect one."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        self.path = path
+        super().__init__(f"precompute.cache_dir: could not write the cache entry {path} ({error.strerror or error}); "
+                         "free some space or point precompute.cache_dir elsewhere, then run again: entries already "
+                         "written are reused")
+
+
 def entry_key(kind: str, parts: dict[str, Any]) -> str:
     """The SHA-256 of an entry's kind, everything that determines it, and the format version."""
     description = {"format": FORMAT_VERSION, "kind": kind, **parts}
@@ -204,7 +214,10 @@ class CacheStore:
         if _data_section(blob)[1] != data:  # the checksum must describe exactly the bytes written
             raise RuntimeError("safetensors laid out the same tensors differently twice")
         path = self.path(kind, key)
-        atomic_write_bytes(path, blob)
+        try:
+            atomic_write_bytes(path, blob)
+        except OSError as error:  # typically a full disk; nothing is left behind (see atomic_write_bytes)
+            raise CacheWriteError(path, error) from error
         return path
 
     def read(self, kind: str, key: str) -> dict[str, torch.Tensor]:

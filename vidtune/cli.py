@@ -65,11 +65,20 @@ def command_data_check(args: argparse.Namespace) -> int:
     samples = load_text_pair_dataset(Path(config.data.root), config.data.videos, config.data.prompts)
     infos = validate_clips(samples, config.data.frames, config.data.fps)
     overview = Path(args.overview) if args.overview else Path(config.output_dir) / "dataset_overview.png"
-    overview.parent.mkdir(parents=True, exist_ok=True)
-    write_dataset_overview(samples, infos, overview)
+    try:
+        overview.parent.mkdir(parents=True, exist_ok=True)
+        write_dataset_overview(samples, infos, overview)
+    except OSError as error:  # a file in the way, no permission, a full disk
+        where = "--overview" if args.overview else "output_dir"
+        raise VidtuneError(f"{where}: cannot write the overview {overview} ({_os_reason(error)})") from None
     print(f"The dataset is ready: {len(samples)} clips, every line valid.")
     print(f"Overview: {overview.resolve()}")
     return 0
+
+
+def _os_reason(error: OSError) -> str:
+    """`No such file or directory: /path` rather than a traceback's `[Errno 2] ...`."""
+    return f"{error.strerror}: {error.filename}" if error.strerror and error.filename else str(error)
 
 
 def command_precompute(args: argparse.Namespace) -> int:

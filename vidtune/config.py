@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,11 +18,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vidtune.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # Python 3.10
-    import tomli as tomllib
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 

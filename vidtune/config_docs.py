@@ -10,7 +10,7 @@ import types
 import typing
 
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
+from pydantic.fields import PydanticUndefined
 
 from vidtune.config import Config
 

@@ -38,3 +38,11 @@ class ModelError(VidtuneError):
 class TrainingError(VidtuneError):
     """Training cannot go on (the loss became NaN, a checkpoint cannot be written); the message says where and
     what to try."""
+
+
+class CacheError(VidtuneError):
+    """The precompute cache folder cannot be used, or one of its entries cannot be trusted."""
+
+
+class SchedulerError(ModelError):
+    """A model's scheduler config names a scheduler (or prediction type) vidtune has no training objective for."""

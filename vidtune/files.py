@@ -25,9 +25,10 @@ TEMPORARY_SUFFIX = ".part"
 
 
 def temporary_name(path: Path) -> Path:
-    """A hidden name beside `path`, unique to this process and call, that keeps `path`'s suffix (some
-    writers, PIL or PyAV, pick the format from it)."""
-    return path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMPORARY_SUFFIX}{path.suffix}")
+    """A hidden name beside `path`, unique to this process and call. It does not end in `path`'s suffix, so
+    nothing that lists `*.safetensors` (or `*.png`) mistakes it for a finished file: writers that pick the
+    format from the name (PIL, PyAV) are told the format."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMPORARY_SUFFIX}")
 
 
 @contextlib.contextmanager

@@ -17,8 +17,11 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from vidtune.errors import SchedulerError
+
 SigmaSampling = Literal["uniform", "logit_normal"]
 NUM_TRAIN_TIMESTEPS = 1000
+DDPM_PREDICTIONS = ("epsilon", "v_prediction")
 
 
 def sample_uniform_sigmas(batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -157,9 +160,21 @@ class DDPM:
         return 1.0 / (1.0 - self._alphas(levels)).clamp_min(1e-6)
 
 
+SUPPORTED_SCHEDULERS = (
+    "flow matching: FlowMatchEulerDiscreteScheduler (or another FlowMatch*Scheduler), or a scheduler with "
+    "prediction_type 'flow_prediction' or use_flow_sigmas (e.g. UniPCMultistepScheduler, as Wan ships it); "
+    "DDPM: a scheduler with alphas_cumprod (DDPMScheduler, DDIMScheduler, CogVideoXDDIMScheduler, "
+    "CogVideoXDPMScheduler, DPMSolverMultistepScheduler, ...) with prediction_type 'epsilon' or 'v_prediction'"
+)
+
+
 def objective_from_scheduler(scheduler: Any, sampling: SigmaSampling = "logit_normal", logit_mean: float = 0.0,
-                             logit_std: float = 1.0, shift: float = 1.0) -> FlowMatching | DDPM:
-    """Pick the objective a model was trained with from its diffusers scheduler instance."""
+                             logit_std: float = 1.0, shift: float = 1.0,
+                             source: str = "the scheduler config") -> FlowMatching | DDPM:
+    """Pick the objective a model was trained with from its diffusers scheduler instance.
+
+    `source` names where the scheduler came from (its scheduler_config.json) for the SchedulerError raised when
+    no objective fits."""
     config = scheduler.config
     # Flow matching is recognised by name (FlowMatch*Scheduler) or by data: multistep solvers such as
     # Wan's UniPCMultistepScheduler sample flow models with prediction_type="flow_prediction" / use_flow_sigmas.
@@ -168,9 +183,16 @@ def objective_from_scheduler(scheduler: Any, sampling: SigmaSampling = "logit_no
         return FlowMatching(sampling=sampling, logit_mean=logit_mean, logit_std=logit_std, shift=shift,
                             invert_timesteps=bool(config.get("invert_sigmas", False)),
                             negate_target=bool(config.get("invert_sigmas", False)))
+    name = type(scheduler).__name__
     if hasattr(scheduler, "alphas_cumprod"):
         prediction = config.get("prediction_type", "epsilon")
-        if prediction not in ("epsilon", "v_prediction"):
-            raise ValueError(f"unsupported prediction_type {prediction!r} in {type(scheduler).__name__}")
+        if prediction not in DDPM_PREDICTIONS:
+            raise SchedulerError(
+                f"{source}: {name} with prediction_type {prediction!r} has no training objective in vidtune. "
+                f"Supported: {SUPPORTED_SCHEDULERS}. Use the scheduler config the model was released with."
+            )
         return DDPM(alphas_cumprod=scheduler.alphas_cumprod.clone(), prediction_type=prediction)
-    raise ValueError(f"no training objective known for scheduler {type(scheduler).__name__}")
+    raise SchedulerError(
+        f"{source}: {name} has no training objective in vidtune. Supported: {SUPPORTED_SCHEDULERS}. Use the "
+        "scheduler config the model was released with."
+    )

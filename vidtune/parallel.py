@@ -73,11 +73,26 @@ def barrier() -> None:
         _dist().barrier()
 
 
+def parse_device(name: str, key: str) -> torch.device:
+    """A device the config names under `key`: a typo, or a GPU this machine does not have, is a ConfigError
+    (torch would fail later, deep in a model's `.to`)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"{key}={name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            found = f"{count} CUDA device(s)" if count else "no CUDA device (or this torch is built without CUDA)"
+            raise ConfigError(f"{key}={name}: this machine has {found}; use auto or cpu, or another device index")
+    return device
+
+
 def resolve_device(name: str) -> torch.device:
     """`training.device` -> this process's device. Under torchrun, `auto` and `cuda` mean cuda:LOCAL_RANK."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    device = parse_device(name, "training.device")
     if world_size() <= 1 or device.type != "cuda":
         return device
     if device.index is not None:

@@ -14,6 +14,7 @@ import yaml
 
 from vidtune.config import load_config
 from vidtune.data.synthetic import render_shapes_dataset
+from vidtune.errors import VidtuneError
 from vidtune.models.tiny import write_tiny_model
 from vidtune.trainers import TrainResult, build_trainer
 
@@ -37,7 +38,11 @@ QUICKSTART_SETTINGS = {
 
 def prepare_quickstart(folder: Path, num_clips: int = 4) -> Path:
     """Write model, clips and config under `folder`; return the config path."""
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a file in the way, no permission
+        raise VidtuneError(f"--output: cannot create the folder {folder} ({error.strerror or error}); choose "
+                           "another --output") from None
     model_dir = write_tiny_model("ltx-video", folder / "tiny-ltx-video")
     data = QUICKSTART_SETTINGS["data"]
     data_dir = render_shapes_dataset(

@@ -92,21 +92,6 @@ def test_the_key_covers_component_weights_and_dtype(config_for, tiny_model_dir, 
     assert counts(precompute(config_for(model={"max_sequence_length": 64}))) == (4, 0, 0, 4)
 
 
-def test_the_key_covers_the_specs_own_settings(config_for, monkeypatch):
-    from vidtune.precompute import build_plan
-    from vidtune.precompute.encode import build_spec, load_samples
-
-    config = config_for()
-    spec = build_spec(config)
-    samples = load_samples(config, spec, progress=False)
-    before = build_plan(config, spec, samples)
-    # e.g. an image-to-video family's noise augmentation of first frames, declared on its class
-    monkeypatch.setattr(LTXVideoSpec, "image_noise_log_sigma", (-3.0, 0.5), raising=False)
-    after = build_plan(config, build_spec(config), samples)
-    assert not set(after.latent_keys) & set(before.latent_keys)
-    assert not set(after.condition_keys) & set(before.condition_keys)
-
-
 def test_damaged_entries_are_reported_and_computed_again(config_for, caplog):
     config = config_for()
     first = precompute(config)

@@ -232,6 +232,10 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     pipeline_class = CogVideoXImageToVideoPipeline
     image_noise_log_sigma: tuple[float, float] | None = (-3.0, 0.5)  # (mean, std) of log sigma; None: no noise
 
+    def latent_identity(self) -> dict[str, Any]:
+        noise = self.image_noise_log_sigma
+        return {**super().latent_identity(), "image_noise_log_sigma": None if noise is None else list(noise)}
+
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
         latents = super().prepare_latents(vae, videos)

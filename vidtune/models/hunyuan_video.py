@@ -105,6 +105,11 @@ class HunyuanVideoSpec(ModelSpec):
     pipeline_class = HunyuanVideoPipeline
 
     # ----- tensors ---------------------------------------------------------------------------------
+    def condition_identity(self) -> dict[str, Any]:
+        # Read at call time, so the key follows the constants prepare_conditions uses.
+        return {**super().condition_identity(), "prompt_template": PROMPT_TEMPLATE,
+                "llama_layers_to_skip": LLAMA_LAYERS_TO_SKIP, "clip_max_length": CLIP_MAX_LENGTH}
+
     @torch.no_grad()
     def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
         """Llama embeddings + mask and CLIP pooled embeddings, exactly as HunyuanVideoPipeline.encode_prompt."""

@@ -90,6 +90,10 @@ class MochiSpec(ModelSpec):
     pipeline_class = MochiPipeline
 
     # ----- tensors ---------------------------------------------------------------------------------
+    def condition_identity(self) -> dict[str, Any]:
+        # Read from model_index.json, which is not part of the text components' identity.
+        return {**super().condition_identity(), "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt}
+
     @torch.no_grad()
     def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
         """T5 embeddings + mask exactly as MochiPipeline.encode_prompt computes them."""

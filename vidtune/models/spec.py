@@ -114,6 +114,9 @@ class ModelSpec(ABC):
     # Image-to-video families sample from a first frame: `generate(..., reference=video)` hands it to
     # `pipeline_inputs`. A spec holds no per-run state, so the reference is always an argument.
     image_to_video: ClassVar[bool] = False
+    # Bump when the family's prepare_conditions / prepare_latents code changes what it computes, so that
+    # precomputed entries made by the old code are not reused (see `condition_identity`).
+    cache_version: ClassVar[int] = 1
     # diffusers / transformers classes of the components, used by the default loaders below, and the
     # family's pipeline (its `save_lora_weights` writes the LoRA format the family's tools read).
     pipeline_class: ClassVar[Any]
@@ -142,6 +145,17 @@ class ModelSpec(ABC):
         if override:
             return override, None
         return self.config.pretrained, component
+
+    def describe_file(self, component: str, filename: str) -> str:
+        """For messages: the config key and the file a component's `filename` comes from, e.g.
+        `model.pretrained: /models/wan/scheduler/scheduler_config.json`."""
+        source, subfolder = self.component_source(component)
+        key = f"model.subfolders.{component}" if self.config.subfolders.get(component) else "model.pretrained"
+        relative = f"{subfolder}/{filename}" if subfolder else filename
+        local = Path(source).expanduser()
+        if local.is_dir():
+            return f"{key}: {(local / relative).resolve()}"
+        return f"{key}: {relative} of {source}"
 
     def check_source(self) -> None:
         """Fail early and clearly when a local model folder is missing or incomplete."""
@@ -185,10 +199,30 @@ class ModelSpec(ABC):
         """A component's config.json, without loading its weights (for early shape checks)."""
         source, subfolder = self.component_source(component)
         try:
-            return dict(cls.load_config(source, subfolder=subfolder, revision=self.config.revision))
+            config = dict(cls.load_config(source, subfolder=subfolder, revision=self.config.revision))
         except (OSError, ValueError) as error:
             where = f"{source}/{subfolder}" if subfolder else source
             raise ModelError(f"Could not read the {component} config of {self.name} from {where}: {error}") from None
+        self.check_component_class(cls, component, config)
+        return config
+
+    def check_component_class(self, cls: Any, component: str, config: dict[str, Any]) -> None:
+        """A model folder of another family (model.name does not match model.pretrained) fails here, plainly,
+        instead of on a config key the family expects. Schedulers are exempt: several classes serve a family."""
+        found = config.get("_class_name")
+        if component == "scheduler" or not found or found == cls.__name__:
+            return
+        from vidtune.models.registry import SPECS, get_spec_class  # the registry imports this module
+
+        def classes(name: str) -> set[str]:
+            return {getattr(get_spec_class(name), attr, type).__name__ for attr in ("vae_class", "denoiser_class")}
+
+        fits = [name for name in SPECS if found in classes(name)]
+        hint = f"; it fits model.name={' or '.join(fits)}" if fits else ""
+        raise ModelError(
+            f"{self.describe_file(component, 'config.json')} names {found}, but model.name={self.name} needs "
+            f"{cls.__name__}{hint}. Check model.name and model.pretrained."
+        )
 
     def component_dtype(self, component: str, device: torch.device) -> torch.dtype:
         override = {
@@ -235,7 +269,25 @@ class ModelSpec(ABC):
             logit_mean=training.logit_mean,
             logit_std=training.logit_std,
             shift=training.sigma_shift,
+            source=self.describe_file("scheduler", "scheduler_config.json"),
         )
+
+    # ----- what a precomputed entry depends on ----------------------------------------------------------
+    def condition_identity(self) -> dict[str, Any]:
+        """Everything `prepare_conditions` depends on besides the text components' weights, their dtype and the
+        caption (the cache adds those): part of every precomputed condition's key, and nothing else is.
+
+        A family adds the constants its `prepare_conditions` reads (a prompt template, a hidden layer, a
+        setting read from the model folder outside the text components). JSON values only. Settings that do
+        not change the tensors (validation, LoRA targets, the denoiser's inputs) stay out, so that changing
+        them keeps the cache."""
+        return {"family": self.name, "version": self.cache_version, "max_sequence_length": self.max_sequence_length}
+
+    def latent_identity(self) -> dict[str, Any]:
+        """Everything `prepare_latents` depends on besides the VAE's (and image encoder's) weights, their dtype,
+        the preprocessing and the clip (the cache adds those); a family adds the constants its
+        `prepare_latents` reads (e.g. the noise augmentation of an image-to-video first frame). JSON values."""
+        return {"family": self.name, "version": self.cache_version}
 
     @abstractmethod
     def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions: ...

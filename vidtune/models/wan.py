@@ -17,6 +17,7 @@ concatenates to the noisy latents on the channel dim, as the pipeline does.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import logging
 from typing import Any
 
@@ -24,18 +25,20 @@ import diffusers
 import torch
 from diffusers import (
     AutoencoderKLWan,
+    SchedulerMixin,
     UniPCMultistepScheduler,
     WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
 )
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from diffusers.utils import is_ftfy_available
 from PIL import Image
 from torch import nn
 from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from vidtune.data.video import frames_to_uint8
-from vidtune.errors import ConfigError, ModelError
+from vidtune.errors import ConfigError, ModelError, SchedulerError
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -45,10 +48,21 @@ from vidtune.models.spec import (
     raise_shape_problems,
     side_problems,
 )
+from vidtune.objectives import SUPPORTED_SCHEDULERS
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline's default; WanImageToVideoPipeline's transformer requires it
+
+
+def _ftfy_version() -> str | None:
+    """The ftfy that `prompt_clean` uses, or None when it is not installed."""
+    if not is_ftfy_available():
+        return None
+    try:
+        return importlib.metadata.version("ftfy")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
@@ -91,12 +105,19 @@ class WanSpec(ModelSpec):
     def load_scheduler(self) -> Any:
         """The scheduler class the checkpoint names (Wan ships UniPCMultistepScheduler with flow sigmas)."""
         name = self.load_config(UniPCMultistepScheduler, "scheduler").get("_class_name", "UniPCMultistepScheduler")
-        scheduler_class = getattr(diffusers, name, None)
-        if scheduler_class is None:
-            raise ConfigError(f"model.pretrained: unknown scheduler class {name!r} in the scheduler config")
+        scheduler_class = getattr(diffusers, str(name), None)
+        if not (isinstance(scheduler_class, type) and issubclass(scheduler_class, SchedulerMixin)):
+            raise SchedulerError(
+                f"{self.describe_file('scheduler', 'scheduler_config.json')}: _class_name {name!r} is not a diffusers "
+                f"scheduler. Supported: {SUPPORTED_SCHEDULERS}."
+            )
         return self.load_component(scheduler_class, "scheduler")
 
     # ----- tensors ---------------------------------------------------------------------------------
+    def condition_identity(self) -> dict[str, Any]:
+        # diffusers' prompt_clean fixes captions with ftfy only when it is installed: other text, other embeddings.
+        return {**super().condition_identity(), "ftfy": _ftfy_version()}
+
     @torch.no_grad()
     def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
         """UMT5 embeddings, exactly as WanPipeline.encode_prompt computes them."""

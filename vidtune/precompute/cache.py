@@ -6,7 +6,8 @@ Layout of a cache folder (default `<data.root>/.vidtune-cache`):
     latents/12/123456....safetensors      one clip's VAE posterior (or one sampled latent)
     fingerprints/<stat-hash>              memoised content hashes of clips and weight files
 
-An entry's file name is the SHA-256 of everything that determines it (see `entry_key`): the spec, the
+An entry's file name is the SHA-256 of everything that determines it (see `entry_key`): what the spec
+declares its conditions or latents depend on (`ModelSpec.condition_identity` / `latent_identity`), the
 identity of the component that computed it (hub id + commit, or a hash of the local weight files), its
 dtype, the preprocessing, the clip's content hash or the caption text, and `FORMAT_VERSION`. So an entry is
 never stale: when anything it depends on changes, its key changes and it is computed again; the old file
@@ -33,7 +34,7 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from vidtune.errors import VidtuneError
+from vidtune.errors import CacheError
 from vidtune.files import TEMPORARY_SUFFIX, atomic_write_bytes
 
 # Bump when what an entry holds, or how it is computed, changes in a way its key does not capture.
@@ -43,13 +44,23 @@ SUFFIX = ".safetensors"
 _CHUNK = 1 << 20
 
 
-class CorruptEntryError(VidtuneError):
+class CorruptEntryError(CacheError):
     """A cache entry exists but cannot be trusted (truncated, damaged, or not what its name says)."""
 
     def __init__(self, path: Path, reason: str) -> None:
         self.path = path
         self.reason = reason
         super().__init__(f"The cache entry {path} is damaged ({reason})")
+
+
+class CacheWriteError(CacheError, OSError):
+    """An entry could not be written (a full disk, lost permissions). Still an OSError for callers that expect one."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        self.path = path
+        super().__init__(f"precompute.cache_dir: could not write the cache entry {path} ({error.strerror or error}); "
+                         "free some space or point precompute.cache_dir elsewhere, then run again: entries already "
+                         "written are reused")
 
 
 def entry_key(kind: str, parts: dict[str, Any]) -> str:
@@ -144,6 +155,22 @@ class CacheStore:
         self.root = Path(root).expanduser().absolute()
         self.fingerprints = Fingerprints(self.root / "fingerprints")
 
+    def prepare(self) -> None:
+        """Create the cache folder, or say plainly why it cannot be used, before any long work."""
+        if self.root.exists() and not self.root.is_dir():
+            raise CacheError(f"precompute.cache_dir: {self.root} is a file, not a folder; set precompute.cache_dir "
+                             "to a folder (it is created if missing)")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # a file in the way, no permission, a read-only file system
+            raise CacheError(
+                f"precompute.cache_dir: cannot create the cache folder {self.root} ({error.strerror or error}); "
+                "set precompute.cache_dir to a folder you can write to"
+            ) from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise CacheError(f"precompute.cache_dir: the cache folder {self.root} is not writable; set "
+                             "precompute.cache_dir to a folder you can write to")
+
     def path(self, kind: str, key: str) -> Path:
         if kind not in KINDS:
             raise ValueError(f"unknown cache kind {kind!r}")
@@ -168,7 +195,10 @@ class CacheStore:
         if _data_section(blob)[1] != data:  # the checksum must describe exactly the bytes written
             raise RuntimeError("safetensors laid out the same tensors differently twice")
         path = self.path(kind, key)
-        atomic_write_bytes(path, blob)
+        try:
+            atomic_write_bytes(path, blob)
+        except OSError as error:  # typically a full disk; nothing is left behind (see atomic_write_bytes)
+            raise CacheWriteError(path, error) from error
         return path
 
     def read(self, kind: str, key: str) -> dict[str, torch.Tensor]:
@@ -212,7 +242,7 @@ class CacheStore:
     def temporary_files(self) -> list[Path]:
         """Leftovers of writes that were interrupted (never read; safe to delete). Caches written by earlier
         versions named them `.*.tmp`."""
-        return sorted(p for kind in KINDS for pattern in (f".*{TEMPORARY_SUFFIX}*", ".*.tmp")
+        return sorted(p for kind in KINDS for pattern in (f".*{TEMPORARY_SUFFIX}", ".*.tmp")
                       for p in (self.root / kind).glob(f"*/{pattern}"))
 
     def remove_stale_temporary_files(self, older_than_s: float = 3600.0) -> int:

@@ -417,6 +417,7 @@ def precompute(config: Config, samples: list[Sample] | None = None, *, progress:
     if samples is None:
         samples = load_samples(config, spec, progress=progress)
     cache = CacheStore(cache_root(config))
+    cache.prepare()
     cache.remove_stale_temporary_files()
     plan = build_plan(config, spec, samples, cache)
     rank, world = distributed_world(rank, world)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vidtune.config import Config
+from vidtune.errors import CacheError
 from vidtune.precompute.cache import KINDS, CacheStore, CorruptEntryError
 from vidtune.precompute.encode import build_spec, load_samples
 from vidtune.precompute.plan import build_plan, cache_root
@@ -52,6 +53,10 @@ def cache_report(config: Config | None = None, root: str | Path | None = None, v
                  progress: bool = False) -> CacheReport:
     """Entries and size of a cache; with a config, how many of the entries it needs are there already."""
     cache = CacheStore(root or cache_root(config))
+    # Without a config the folder is all there is to report on: a missing one is most likely a typo.
+    if (cache.root.exists() and not cache.root.is_dir()) or (config is None and not cache.root.exists()):
+        state = "is not a folder" if cache.root.exists() else "does not exist"
+        raise CacheError(f"The cache folder {cache.root} {state}; check --cache-dir (or precompute.cache_dir)")
     report = CacheReport(cache.root, {k: 0 for k in KINDS}, {k: 0 for k in KINDS})
     for entry in cache.entries():
         report.entries[entry.kind] += 1

@@ -1,11 +1,17 @@
 """Which cache entries a config needs, and the key of each: what makes the cache never stale.
 
-A condition's key covers the spec, the identity of every text component (tokenizers and encoders), the
-text encoder dtype, the sequence length and the caption text. A latent's key covers the spec, the VAE's
-identity and dtype, the preprocessing (frames, size, crop, fps), the clip's content hash and the storage
-mode. A component's identity is its hub id + commit (or revision), or, for a local folder, a hash of the
-contents of its files; a clip's identity is the hash of its content, not its name. Hashes are memoised in
-the cache folder by (path, size, mtime, ctime, inode), so only new or changed files are read.
+A condition's key covers the spec's `condition_identity()` (the family, its format version, the caption
+length, and the constants its `prepare_conditions` reads, e.g. HunyuanVideo's prompt template), the identity
+of every text component (tokenizers and encoders), the text encoder dtype and the caption text. A latent's key
+covers the spec's `latent_identity()` (the family, its format version, and the constants its `prepare_latents`
+reads, e.g. an image-to-video family's first-frame noise), the identity and dtype of the VAE (and image
+encoder), the preprocessing (frames, size, crop, fps), the clip's content hash and the storage mode. Nothing
+else is in a key: settings that do not change the tensors (validation, LoRA, the optimizer) keep the cache,
+and a change that touches only one kind re-encodes only that kind.
+
+A component's identity is its hub id + commit (or revision), or, for a local folder, a hash of the contents
+of its files; a clip's identity is the hash of its content, not its name. Hashes are memoised in the cache
+folder by (path, size, mtime, ctime, inode), so only new or changed files are read.
 """
 
 from __future__ import annotations
@@ -74,22 +80,6 @@ def component_identity(spec: ModelSpec, component: str, fingerprints: Fingerprin
     return f"hub:{source}@{commit or revision or 'main'}/{subfolder or ''}"
 
 
-_PLAIN = (str, int, float, bool, tuple, type(None))
-
-
-def _spec_identity(spec: ModelSpec) -> dict[str, Any]:
-    """The family, its class, and the plain settings its class declares (e.g. an image-to-video family's
-    noise augmentation of first frames), so editing one of those invalidates what it computed."""
-    cls = type(spec)
-    settings: dict[str, str] = {}
-    for klass in reversed(cls.__mro__[: cls.__mro__.index(ModelSpec)]):
-        for name, value in vars(klass).items():
-            if not name.startswith("_") and name != "default_lora_targets" and isinstance(value, _PLAIN):
-                settings[name] = repr(value)
-    return {"name": spec.name, "class": f"{cls.__module__}.{cls.__qualname__}", "settings": settings,
-            "version": getattr(spec, "cache_version", 1)}
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -115,10 +105,11 @@ class Preprocess:
                 "crop": self.crop, "start": self.start, "version": PREPROCESS_VERSION}
 
 
-def precompute_device(name: str, training_device: str) -> torch.device:
+def precompute_device(name: str, training_device: str, key: str) -> torch.device:
     """A precompute device: `auto` is the training device (`vidtune.parallel.resolve_device`'s rule, so under
-    torchrun this rank's GPU); an explicit name is taken as given (several VAE workers may use several GPUs)."""
-    return parallel.resolve_device(training_device) if name == "auto" else torch.device(name)
+    torchrun this rank's GPU); an explicit name (the setting `key`) is taken as given, as several VAE workers
+    may use several GPUs."""
+    return parallel.resolve_device(training_device) if name == "auto" else parallel.parse_device(name, key)
 
 
 @dataclass
@@ -146,8 +137,8 @@ def build_plan(config: Config, spec: ModelSpec, samples: list[Sample], cache: Ca
     cache = cache or CacheStore(cache_root(config))
     options = config.precompute
     fallback = config.training.device
-    text_device = precompute_device(options.text_device, fallback)
-    vae_devices = [precompute_device(name, fallback) for name in options.vae_devices]
+    text_device = precompute_device(options.text_device, fallback, "precompute.text_device")
+    vae_devices = [precompute_device(name, fallback, "precompute.vae_devices") for name in options.vae_devices]
     text_dtype = spec.component_dtype("text_encoder", text_device)
     video_components = video_component_names(spec)
     video_dtypes = {tuple(dtype_name(spec.component_dtype(n, device)) for n in video_components)
@@ -162,16 +153,14 @@ def build_plan(config: Config, spec: ModelSpec, samples: list[Sample], cache: Ca
     plan = CachePlan(cache, options.store, preprocess, text_device, vae_devices, text_dtype, vae_dtypes.pop())
 
     fingerprints = cache.fingerprints
-    spec_id = _spec_identity(spec)
+    # Each kind gets only its own side of the spec's identity: a prompt template change leaves latents alone.
     text_parts = {
-        "spec": spec_id,
+        "spec": spec.condition_identity(),
         "components": {name: component_identity(spec, name, fingerprints) for name in text_component_names(spec)},
         "dtype": dtype_name(plan.text_dtype),
-        # The effective length (model.max_sequence_length, else the family's own).
-        "max_sequence_length": getattr(spec, "max_sequence_length", config.model.max_sequence_length),
     }
     latent_parts = {
-        "spec": spec_id,
+        "spec": spec.latent_identity(),
         "components": {name: component_identity(spec, name, fingerprints) for name in video_components},
         "dtype": dtype_name(plan.vae_dtype),
         "dtypes": dict(zip(video_components, video_dtypes.pop(), strict=True)),

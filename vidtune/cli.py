@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from vidtune.errors import VidtuneError
@@ -118,6 +119,23 @@ def print_summary(result, seconds: float) -> None:
         print(f"  sample       {path} (+ {path.with_suffix('.png').name})")
 
 
+# Libraries whose warnings and log lines are for their developers, not for someone training a model.
+THIRD_PARTY_LOGGERS = ("huggingface_hub", "diffusers", "transformers", "peft", "torch", "httpx", "httpx2", "PIL",
+                       "matplotlib", "accelerate")
+
+
+def quiet_third_party() -> None:
+    """Normal runs show vidtune's own messages only: library warnings (deprecations, retries, ...) are hidden and
+    library loggers report errors only. `--verbose` shows everything."""
+    # These three set their own level when imported (later, lazily): tell them through their variables too.
+    for variable in ("HF_HUB_VERBOSITY", "TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY"):
+        os.environ.setdefault(variable, "error")
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"vidtune(\.|$)")
+    for name in THIRD_PARTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vidtune", description="Fine-tune video diffusion models on your clips.")
     parser.add_argument("--verbose", action="store_true", help="show library logs and full tracebacks")
@@ -168,8 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if not args.verbose:
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+        quiet_third_party()
     try:
         return args.handler(args)
     except VidtuneError as error:

@@ -90,3 +90,39 @@ def test_data_check_writes_overview(tmp_path, tiny_model_dir, shapes_dataset):
     assert result.returncode == 0, result.stderr
     assert "4 clips" in result.stdout
     assert (tmp_path / "overview.png").stat().st_size > 1000
+
+
+def test_hub_id_without_network_fails_within_seconds_saying_what_to_do(tmp_path, shapes_dataset):
+    """The README's config on a machine without network: one plain message in seconds, not 30 s of retries."""
+    path = tmp_path / "my.yaml"
+    path.write_text(yaml.safe_dump({"model": {"name": "ltx-video", "pretrained": "Lightricks/LTX-Video"},
+                                    "data": {"root": str(shapes_dataset)}, "output_dir": str(tmp_path / "run")}))
+    # No HF_HUB_OFFLINE, and a hub endpoint where nothing answers: no network, on any machine.
+    env = {key: value for key, value in ENV.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_CACHE=str(tmp_path / "hub-cache"))
+    result = subprocess.run([sys.executable, "-m", "vidtune", "train", str(path)], capture_output=True, text=True,
+                            env=env, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert "cannot reach the Hugging Face hub (http://127.0.0.1:9) to get Lightricks/LTX-Video" in result.stderr
+    assert "What to do:" in result.stderr and "hf download Lightricks/LTX-Video" in result.stderr
+    assert "does not appear to have a file" not in result.stderr and "Retrying" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 2, result.stderr  # the message, no library lines
+    assert not (tmp_path / "run").exists()
+
+
+def test_cached_hub_model_offline_runs_without_library_warnings(tmp_path, tiny_model_dir, shapes_dataset):
+    from tests.models.test_hub import fake_hub_cache
+
+    fake_hub_cache(tmp_path / "hub-cache", "someone/tiny-ltx", tiny_model_dir("ltx-video"))
+    path = _write_config(tmp_path, "someone/tiny-ltx", shapes_dataset)
+    env = {**ENV, "HF_HUB_CACHE": str(tmp_path / "hub-cache")}
+    result = subprocess.run([sys.executable, "-m", "vidtune", "data", "check", str(path)], capture_output=True,
+                            text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr and "warn" not in result.stderr, result.stderr
+
+    missing = subprocess.run([sys.executable, "-m", "vidtune", "data", "check", str(path),
+                              "model.pretrained=someone/not-cached"], capture_output=True, text=True, env=env,
+                             timeout=600)
+    assert missing.returncode == 2
+    assert "someone/not-cached is not in this machine's hub cache" in missing.stderr

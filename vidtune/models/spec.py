@@ -16,7 +16,6 @@ Latent conventions shared by every spec:
 from __future__ import annotations
 
 import functools
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from transformers import AutoTokenizer
 
 from vidtune.config import DType, ModelConfig, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
+from vidtune.models.hub import check_hub_model, looks_local
 from vidtune.objectives import Objective, objective_from_scheduler
 
 Conditions = dict[str, torch.Tensor]
@@ -140,28 +140,36 @@ class ModelSpec(ABC):
         return self.config.pretrained, component
 
     def check_source(self) -> None:
-        """Fail early and clearly when a local model folder is missing or incomplete."""
+        """Fail early and clearly when the model cannot be had: a local folder missing or incomplete, or a hub id
+        the hub cannot give (unreachable, offline and not cached, gated, missing, a wrong revision)."""
         pretrained = self.config.pretrained
-        looks_local = os.path.isabs(pretrained) or pretrained.startswith(".") or os.path.exists(pretrained)
-        if not looks_local:
-            return  # a hub id: loading reports what is wrong with it
-        folder = Path(pretrained)
+        needed = tuple(name for name in self.required_components() if name not in self.config.subfolders)
+        if not looks_local(pretrained):
+            check_hub_model(pretrained, self.config.revision, self.name, needed)
+            return
+        folder = Path(pretrained).expanduser()
         if not folder.is_dir():
             raise ModelError(
-                f"model.pretrained: the folder {folder.resolve()} does not exist. Point it at a model folder in "
-                "the diffusers layout (with model_index.json) or at a hub id such as Lightricks/LTX-Video."
+                f"model.pretrained: the folder {folder.resolve()} does not exist.\n"
+                "What to do: point it at a model folder in the diffusers layout (with model_index.json; relative "
+                "paths in a config file are relative to the file's folder) or at a hub id such as "
+                "Lightricks/LTX-Video."
             )
-        missing = [
-            name
-            for name in self.required_components()
-            if name not in self.config.subfolders and not (folder / name).is_dir()
-        ]
+        missing = [name for name in needed if not (folder / name).is_dir()]
         if missing:
             raise ModelError(
                 f"model.pretrained: {folder.resolve()} is not a complete {self.name} model folder; "
-                f"missing subfolder(s): {', '.join(missing)}. Expected the diffusers layout "
-                f"({', '.join(self.required_components())})."
+                f"missing subfolder(s): {', '.join(missing)}.\n"
+                f"What to do: use a folder in the diffusers layout ({', '.join(self.required_components())}), "
+                "or give the missing parts with model.subfolders (e.g. {transformer: /path/to/transformer})."
             )
+
+    def _load_problem(self, what: str, source: str, subfolder: str | None, error: BaseException) -> ModelError:
+        where = f"{source}/{subfolder}" if subfolder else source
+        hint = ("check model.pretrained and model.subfolders (a local folder in the diffusers layout, or a hub id "
+                "whose files this machine can download or has in its hub cache); `vidtune data check CONFIG` "
+                "checks the model before anything long starts.")
+        return ModelError(f"Could not load the {what} of {self.name} from {where}: {error}\nWhat to do: {hint}")
 
     def load_component(self, cls: Any, component: str, **kwargs: Any) -> Any:
         source, subfolder = self.component_source(component)
@@ -171,20 +179,18 @@ class ModelSpec(ABC):
         try:
             return cls.from_pretrained(source, **extra, **kwargs)
         except (OSError, ValueError) as error:
-            where = f"{source}/{subfolder}" if subfolder else source
-            raise ModelError(
-                f"Could not load the {component} of {self.name} from {where}: {error}\n"
-                "Check model.pretrained (a local diffusers folder or a hub id you have downloaded)."
-            ) from None
+            raise self._load_problem(component, source, subfolder, error) from None
 
     def load_config(self, cls: Any, component: str) -> dict[str, Any]:
         """A component's config.json, without loading its weights (for early shape checks)."""
         source, subfolder = self.component_source(component)
+        if not looks_local(source):
+            # Shape checks read configs before `check_source` may have run: ask the hub once, plainly, first.
+            self.check_source()
         try:
             return dict(cls.load_config(source, subfolder=subfolder, revision=self.config.revision))
         except (OSError, ValueError) as error:
-            where = f"{source}/{subfolder}" if subfolder else source
-            raise ModelError(f"Could not read the {component} config of {self.name} from {where}: {error}") from None
+            raise self._load_problem(f"{component} config", source, subfolder, error) from None
 
     def component_dtype(self, component: str, device: torch.device) -> torch.dtype:
         override = {

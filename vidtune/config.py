@@ -8,9 +8,11 @@ The resolved config (defaults filled in) is written into the output folder of ea
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -61,7 +63,7 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    root: str = Field(description="Folder holding videos.txt and prompts.txt.")
+    root: str = Field(description="Folder holding videos.txt and prompts.txt (in a file: relative to its folder).")
     videos: str = Field("videos.txt", description="File with one clip path a line (relative to root).")
     prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
     frames: int = Field(49, gt=0, description="Frames per training clip.")
@@ -206,7 +208,10 @@ class Config(Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
-    output_dir: str = "outputs/run"
+    output_dir: str = Field(
+        "outputs/run", description="Folder for everything a run writes (in a file: relative to its folder; the "
+        "default: to the current folder)."
+    )
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
@@ -233,7 +238,9 @@ class Config(Section):
 
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"Config file not found: {path}")
+        raise ConfigError(f"Config file not found: {path.absolute()}\n"
+                          "What to do: check the path (relative to the current folder), or write a config: "
+                          "`vidtune quickstart` leaves a complete example, `vidtune config show` lists every key.")
     text = path.read_text(encoding="utf-8-sig")
     try:
         if path.suffix.lower() == ".toml":
@@ -241,21 +248,64 @@ def _read_file(path: Path) -> dict[str, Any]:
         elif path.suffix.lower() in (".yaml", ".yml", ".json"):
             data = yaml.safe_load(text)
         else:
-            raise ConfigError(f"{path}: config files must end in .yaml, .yml, .toml or .json")
+            raise ConfigError(f"{path}: config files must end in .yaml, .yml, .toml or .json.\n"
+                              "What to do: rename the file (its content decides nothing about its format).")
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as error:
-        raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.').upper()}:\n{error}") from None
+        raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.').upper()}:\n{error}\n"
+                          "What to do: fix the line shown above (indentation, a missing ':' or quote).") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...).\n"
+                          "What to do: start from the config `vidtune quickstart` writes.")
     return data
+
+
+# Keys that hold paths. A relative path is resolved against the folder of the config file it is written in, or
+# against the current folder when it comes from the command line (or is a default). `hub`: a local folder or a
+# hub id, which is left as it is unless it starts with `.` or names an existing folder. `latest`: that word or a path.
+PATH_KEYS: dict[str, str] = {
+    "model.pretrained": "hub",
+    "model.subfolders.*": "hub",
+    "data.root": "path",
+    "precompute.cache_dir": "path",
+    "checkpoint.resume": "latest",
+    "output_dir": "path",
+}
+
+
+def _path_kind(key: str) -> str | None:
+    return next((kind for pattern, kind in PATH_KEYS.items() if fnmatch.fnmatchcase(key, pattern)), None)
+
+
+def resolve_path(value: Any, kind: str, base: Path) -> Any:
+    """`value` as an absolute path from `base` (see PATH_KEYS); anything else is returned as it is."""
+    if not isinstance(value, str) or not value or (kind == "latest" and value == "latest"):
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    candidate = base / path
+    if kind == "hub" and not value.startswith(".") and not candidate.exists():
+        return value  # a hub id such as Lightricks/LTX-Video
+    return os.path.normpath(candidate.absolute())
+
+
+def resolve_paths(data: Any, base: Path, prefix: str = "") -> Any:
+    """Every path of `data` (nested sections, keys as in PATH_KEYS under `prefix`) made absolute from `base`."""
+    if isinstance(data, dict):
+        return {key: resolve_paths(value, base, f"{prefix}{key}.") for key, value in data.items()}
+    kind = _path_kind(prefix.rstrip("."))
+    return resolve_path(data, kind, base) if kind else data
 
 
 def parse_override(override: str) -> tuple[list[str], Any]:
     """`training.steps=500` -> (["training", "steps"], 500). Values are read as YAML scalars/lists."""
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"Override '{override}' must look like section.key=value, e.g. training.steps=500")
+        raise ConfigError(f"Override '{override}' (command line) must look like section.key=value, e.g. "
+                          "training.steps=500.\nWhat to do: write it as section.key=value; `vidtune config show` "
+                          "lists every key.")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -263,14 +313,18 @@ def parse_override(override: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | None = None) -> dict[str, Any]:
+    """Set each `section.key=value` in `data`; with `base`, relative paths among them are resolved from it."""
     for override in overrides:
         path, value = parse_override(override)
+        if base is not None:
+            value = resolve_paths(value, base, ".".join(path) + ".")
         node = data
         for part in path[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"Override '{override}': '{part}' is a value, not a section")
+                raise ConfigError(f"Override '{override}' (command line): '{part}' is a value, not a section.\n"
+                                  "What to do: set a key inside a section, e.g. training.steps=500.")
             node = child
         node[path[-1]] = value
     return data
@@ -309,19 +363,112 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{key}: {error['msg']} (got {error.get('input')!r})"
 
 
-def build_config(data: dict[str, Any], source: str = "config") -> Config:
+def yaml_key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """The line (1-based) of every key of a YAML mapping, by its path of keys: where to point at a bad one."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                here = (*path, str(key.value))
+                lines[here] = key.start_mark.line + 1
+                walk(value, here)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+@dataclass
+class Origins:
+    """Where the settings came from, to blame each invalid one on the right place: a file (and its line) or the
+    command line."""
+
+    file: Path | None = None
+    file_lines: dict[tuple[str, ...], int] = field(default_factory=dict)
+    overrides: dict[tuple[str, ...], str] = field(default_factory=dict)
+
+    def command_line(self, location: tuple[str, ...]) -> str | None:
+        """The override that set `location` (or a section holding it, or a key inside it), if any."""
+        for path, override in reversed(list(self.overrides.items())):
+            common = min(len(path), len(location))
+            if common and path[:common] == location[:common]:
+                return override
+        return None
+
+    def where(self, location: tuple[str, ...]) -> str:
+        if self.command_line(location) is not None or self.file is None:
+            return "on the command line"
+        return f"in {self.file}"
+
+    def line(self, location: tuple[str, ...]) -> int | None:
+        while location:
+            if location in self.file_lines:
+                return self.file_lines[location]
+            location = location[:-1]
+        return None
+
+
+def _problems(error: ValidationError, origins: Origins) -> str:
+    groups: dict[str, list[str]] = {}
+    for item in error.errors():
+        location = tuple(str(part) for part in item["loc"])
+        text = _describe(item)
+        if not location:
+            where = "between settings"
+        else:
+            where = origins.where(location)
+            line = origins.line(location) if where.startswith("in ") else None
+            override = origins.command_line(location)
+            if line is not None:
+                text = f"line {line}: {text}"
+            elif override is not None and not override.startswith(".".join(location) + "="):
+                text = f"{text} (from {override})"
+        groups.setdefault(where, []).append(text)
+    count = sum(len(items) for items in groups.values())
+    lines = [f"The config has {count} invalid setting{'s' if count != 1 else ''}; nothing was started."]
+    for where, items in groups.items():
+        lines.append(f"{where[0].upper()}{where[1:]}:")
+        lines.extend(f"  - {text}" for text in items)
+    lines.append("What to do: correct (or add) these keys (a key given on the command line replaces the file's); "
+                 "`vidtune config show` lists every key with its default and meaning.")
+    return "\n".join(lines)
+
+
+def build_config(data: dict[str, Any], source: str = "config", origins: Origins | None = None) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as error:
-        problems = "\n".join(f"  - {_describe(e)}" for e in error.errors())
-        raise ConfigError(f"{source} has invalid settings:\n{problems}") from None
+        if origins is None:
+            origins = Origins(file=Path(source)) if source not in ("config", "the command line") else Origins()
+        raise ConfigError(_problems(error, origins)) from None
 
 
 def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> Config:
-    """Read a config file (or start empty), apply `section.key=value` overrides and validate."""
-    data = _read_file(Path(path)) if path is not None else {}
-    data = apply_overrides(data, list(overrides or []))
-    return build_config(data, source=str(path) if path else "the command line")
+    """Read a config file (or start empty), apply `section.key=value` overrides and validate.
+
+    Relative paths (PATH_KEYS) written in the file are relative to the file's folder; those given as overrides,
+    and the default output_dir, are relative to the current folder. The config holds them as absolute paths."""
+    overrides = list(overrides or [])
+    origins = Origins()
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        data = resolve_paths(_read_file(file), file.absolute().parent)
+        origins.file = file
+        if file.suffix.lower() in (".yaml", ".yml", ".json"):
+            origins.file_lines = yaml_key_lines(file.read_text(encoding="utf-8-sig"))
+    for override in overrides:
+        origins.overrides[tuple(parse_override(override)[0])] = override
+    data = apply_overrides(data, overrides, base=Path.cwd())
+    config = build_config(data, origins=origins)
+    if not Path(config.output_dir).is_absolute():  # the default: where the command runs
+        config.output_dir = os.path.normpath(Path(config.output_dir).absolute())
+    return config
 
 
 def write_resolved_config(config: Config, folder: str | os.PathLike[str]) -> Path:

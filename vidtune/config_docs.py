@@ -12,7 +12,7 @@ import typing
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from vidtune.config import Config
+from vidtune.config import PATH_KEYS, Config
 
 HEADER = """# Configuration reference
 
@@ -21,8 +21,15 @@ a test fails when this file and the code disagree.
 
 A config is a YAML or TOML file; any key can be overridden on the command line as `section.key=value`
 (values are read as YAML: `training.steps=500`, `lora.target_modules=[to_q,to_v]`, `data.fps=null`).
-Unknown keys and out-of-range values are errors that name the key. The resolved config, with every default
-filled in, is written to `output_dir/config.yaml`.
+Unknown keys and out-of-range values are errors that name the key (and the file's line, or the command line).
+The resolved config, with every default filled in, is written to `output_dir/config.yaml`;
+`vidtune config show [CONFIG] [section.key=value ...]` prints it with a line on each key.
+
+**Paths.** A relative path written in a config file is relative to the folder of that file, wherever the command
+runs; a path given on the command line (and the default `output_dir`) is relative to the current folder. The
+keys that hold paths are {keys}. `model.pretrained` (and a `model.subfolders` value) is a local folder when it
+starts with `.` or names an existing folder, and a hub id otherwise. The resolved config holds absolute paths.
+`data.videos`, `data.prompts` and the clip paths listed in them are relative to `data.root`.
 """
 
 
@@ -56,7 +63,7 @@ def _limits(field) -> str:
 
 
 def render() -> str:
-    lines = [HEADER]
+    lines = [HEADER.format(keys=", ".join(f"`{key}`" for key in PATH_KEYS))]
     top = [(name, field) for name, field in Config.model_fields.items()]
     for name, field in top:
         annotation = field.annotation

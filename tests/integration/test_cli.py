@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,19 @@ def test_cached_hub_model_offline_runs_without_library_warnings(tmp_path, tiny_m
                              timeout=600)
     assert missing.returncode == 2
     assert "someone/not-cached is not in this machine's hub cache" in missing.stderr
+
+
+def test_relative_paths_in_a_config_work_from_another_folder(tmp_path, tiny_model_dir, shapes_dataset):
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copytree(shapes_dataset, project / "clips")
+    shutil.copytree(tiny_model_dir("ltx-video"), project / "model")
+    (project / "my.yaml").write_text(yaml.safe_dump({
+        "model": {"name": "ltx-video", "pretrained": "model"},
+        "data": {"root": "clips", "frames": 9, "height": 32, "width": 32},
+        "output_dir": "runs/first",
+    }))
+    result = vidtune("data", "check", "../project/my.yaml", cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert (project / "runs" / "first" / "dataset_overview.png").is_file()
+    assert not (elsewhere / "runs").exists()

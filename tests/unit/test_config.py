@@ -93,3 +93,48 @@ def test_cross_section_checks_name_both_keys_plainly():
     message = str(error.value)
     assert "optimizer.warmup_steps (10) is larger than training.steps (6)" in message
     assert "model" not in message.split("\n", 1)[1]  # the input is not dumped
+
+
+def test_paths_in_a_file_are_relative_to_its_folder_and_on_the_command_line_to_the_current_one(tmp_path,
+                                                                                              monkeypatch):
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "models" / "tiny").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "my.yaml").write_text(
+        "model: {name: ltx-video, pretrained: models/tiny, subfolders: {transformer: ./other/transformer}}\n"
+        "data: {root: clips}\nprecompute: {cache_dir: ../cache}\ncheckpoint: {resume: runs/a}\noutput_dir: runs/a\n"
+    )
+    monkeypatch.chdir(elsewhere)
+    config = load_config("../project/my.yaml")
+    assert config.data.root == str(project / "clips")
+    assert config.output_dir == str(project / "runs" / "a")
+    assert config.precompute.cache_dir == str(tmp_path / "cache")
+    assert config.checkpoint.resume == str(project / "runs" / "a")
+    assert config.model.pretrained == str(project / "models" / "tiny")  # an existing folder, not a hub id
+    assert config.model.subfolders["transformer"] == str(project / "other" / "transformer")
+
+    config = load_config("../project/my.yaml", ["output_dir=out", "data.root=../clips2", "checkpoint.resume=latest",
+                                                "model.pretrained=Lightricks/LTX-Video"])
+    assert config.output_dir == str(elsewhere / "out") and config.data.root == str(tmp_path / "clips2")
+    assert config.checkpoint.resume == "latest" and config.model.pretrained == "Lightricks/LTX-Video"
+    # The default output_dir is where the command runs; the resolved config written to a run shows absolute paths.
+    config = load_config(None, REQUIRED)
+    assert config.output_dir == str(elsewhere / "outputs" / "run") and config.data.root == str(elsewhere / "clips")
+    written = yaml.safe_load(write_resolved_config(config, tmp_path / "run").read_text())
+    assert Path(written["data"]["root"]).is_absolute() and Path(written["output_dir"]).is_absolute()
+
+
+def test_a_bad_key_is_blamed_where_it_was_written(tmp_path):
+    (tmp_path / "my.yaml").write_text("model: {name: ltx-video, pretrained: m}\ndata:\n  root: d\n  frames: 0\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "my.yaml", ["training.stepz=3"])
+    message = str(error.value)
+    file_part, command_part = message.split("On the command line:")[0], message.split("On the command line:")[1]
+    assert "training.stepz: unknown key" in command_part and "training.stepz" not in file_part
+    assert f"In {tmp_path / 'my.yaml'}:\n  - line 4: data.frames: Input should be greater than 0" in message
+    assert message.splitlines()[-1].startswith("What to do:")
+    # A file's bad value replaced on the command line by another bad one is the command line's.
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "my.yaml", ["data.frames=-1"])
+    assert "On the command line:\n  - data.frames: Input should be greater than 0 (got -1)" in str(error.value)
+    assert "my.yaml" not in str(error.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -32,13 +33,32 @@ def _load(values: list[str]):
     return load_config(path, overrides)
 
 
+def resume_command(config: str | None, overrides: list[str], verbose: bool = False) -> str:
+    """The command that continues this run: the user's own config and overrides (any earlier checkpoint.resume
+    left out) plus checkpoint.resume=latest, quoted for a shell. Under torchrun, the same launcher."""
+    kept = [item for item in overrides if item.partition("=")[0].strip() != "checkpoint.resume"]
+    words = [*(["--verbose"] if verbose else []), "train", *([config] if config else []), *kept,
+             "checkpoint.resume=latest"]
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ:
+        local, world = os.environ.get("LOCAL_WORLD_SIZE", "N"), os.environ.get("WORLD_SIZE")
+        launcher = (f"torchrun --nproc_per_node {local}" if world in (None, local)
+                    else "torchrun [the same torchrun options]")
+        return f"{launcher} -m vidtune {shlex.join(words)}"
+    return shlex.join(["vidtune", *words])
+
+
 def command_train(args: argparse.Namespace) -> int:
     from vidtune import parallel
+    from vidtune.resume import TrainingInterrupted
     from vidtune.trainers import build_trainer
 
     config = _load(args.config)
     started = time.perf_counter()
-    result = build_trainer(config).run()
+    try:
+        result = build_trainer(config).run()
+    except TrainingInterrupted as stopped:
+        again = resume_command(*_split_config_and_overrides(args.config), verbose=args.verbose)
+        raise TrainingInterrupted(f"{stopped}\nWhat to do: to continue, run {again}", stopped.exit_code) from None
     if parallel.is_main():  # under torchrun, once
         print_summary(result, time.perf_counter() - started)
     return 0
@@ -105,10 +125,21 @@ def command_export(args: argparse.Namespace) -> int:
 
 
 def print_summary(result, seconds: float) -> None:
+    """What this process did (a resumed run: the steps it ran, not the whole run's) and where the outputs are."""
     print()
-    print(f"Finished {result.final_step} steps in {seconds:.0f} s.")
+    ran = result.final_step - result.first_step
+    if ran == 0:
+        print(f"Nothing left to train: the run was already at step {result.final_step}; the outputs were written "
+              f"again in {seconds:.0f} s.")
+    elif result.first_step:
+        print(f"Resumed from step {result.first_step}: finished steps {result.first_step + 1}-{result.final_step} "
+              f"({ran} steps) in {seconds:.0f} s.")
+    else:
+        print(f"Finished {result.final_step} steps in {seconds:.0f} s.")
     if result.losses:
-        print(f"Loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}")
+        losses = result.losses
+        print(f"Loss over these steps: first {losses[0]:.4f}, last {losses[-1]:.4f} "
+              f"(lowest {min(losses):.4f}, highest {max(losses):.4f})")
     print(f"Outputs in {result.output_dir.resolve()}:")
     if result.weights_path:
         print(f"  weights      {result.weights_path}")
@@ -196,8 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'error' if code == 2 else 'stopped'}: {error}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
-        print("\nInterrupted at once; checkpoints already written are kept (continue with "
-              "checkpoint.resume=latest).", file=sys.stderr)
+        again = (resume_command(*_split_config_and_overrides(args.config), verbose=args.verbose)
+                 if args.command == "train" else "the same command with checkpoint.resume=latest")
+        print(f"\nInterrupted at once; the checkpoints already written are kept.\nWhat to do: to continue, run "
+              f"{again}", file=sys.stderr)
         return 130
 
 

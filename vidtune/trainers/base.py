@@ -79,6 +79,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     weights_path: Path | None = None
     sample_paths: list[Path] = field(default_factory=list)
+    first_step: int = 0  # the step this process started from (a resumed run's checkpoint step)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -435,7 +436,7 @@ class Trainer(ABC):
                 raise TrainingInterrupted(self.interrupted_message(stopped_by, step), SIGNAL_EXIT_CODES[stopped_by])
 
         weights, samples = parallel.on_main(lambda: self.write_results(step))
-        return TrainResult(self.output_dir, step, losses, weights, samples)
+        return TrainResult(self.output_dir, step, losses, weights, samples, first_step=first_step)
 
     def prepare_output_dir(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -616,8 +617,7 @@ class Trainer(ABC):
         return (
             f"{received.name} received: stopped after step {step} of {self.config.training.steps} and saved the "
             f"checkpoint {where}.\n"
-            "To continue exactly where it stopped, run the same command again with checkpoint.resume=latest, "
-            "e.g. vidtune train CONFIG checkpoint.resume=latest\n"
+            "To continue exactly where it stopped, run the same command again with checkpoint.resume=latest.\n"
             f"To use what it learned so far: vidtune export {where} --output FOLDER"
         )
 

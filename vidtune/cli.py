@@ -49,10 +49,12 @@ def resume_command(config: str | None, overrides: list[str], verbose: bool = Fal
 
 def command_train(args: argparse.Namespace) -> int:
     from vidtune import parallel
+    from vidtune.cpu import configure_cpu_threads
     from vidtune.resume import TrainingInterrupted
     from vidtune.trainers import build_trainer
 
     config = _load(args.config)
+    configure_cpu_threads(config)
     started = time.perf_counter()
     try:
         result = build_trainer(config).run()
@@ -94,9 +96,12 @@ def command_data_check(args: argparse.Namespace) -> int:
 
 
 def command_precompute(args: argparse.Namespace) -> int:
+    from vidtune.cpu import configure_cpu_threads
     from vidtune.precompute import precompute
 
-    summary = precompute(_load(args.config))
+    config = _load(args.config)
+    configure_cpu_threads(config)
+    summary = precompute(config)
     if summary.rank == 0:
         print(f"Cache: {summary.cache_dir} ({summary.seconds:.1f} s)")
         print(summary.line())

@@ -98,6 +98,12 @@ class TrainingConfig(Section):
     device: str = Field(
         "auto", description="auto: cuda if available, else cpu. Under torchrun auto / cuda: cuda:LOCAL_RANK."
     )
+    cpu_threads: int | None = Field(
+        None,
+        gt=0,
+        description="Threads torch computes with on the CPU; null: OMP_NUM_THREADS when set, else the cores this "
+        "process may use (CPU affinity, container quota) less data.num_workers less one, at least 1.",
+    )
     skip_nonfinite_steps: int = Field(
         0,
         ge=0,

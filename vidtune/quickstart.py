@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from vidtune.config import load_config
+from vidtune.cpu import configure_cpu_threads
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.models.tiny import write_tiny_model
 from vidtune.trainers import TrainResult, build_trainer
@@ -63,4 +64,5 @@ def run_quickstart(folder: Path, overrides: list[str] | None = None) -> TrainRes
         shutil.rmtree(folder / "run")
     config_path = prepare_quickstart(folder)
     config = load_config(config_path, overrides)
+    configure_cpu_threads(config)
     return build_trainer(config).run()

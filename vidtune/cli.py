@@ -121,6 +121,31 @@ def command_cache_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_config_show(args: argparse.Namespace) -> int:
+    from vidtune.config import load_config
+    from vidtune.config_docs import NOT_SET, render_resolved
+
+    path, overrides = _split_config_and_overrides(args.config)
+    config = load_config(path, overrides, required_placeholder=NOT_SET)
+    source = path or "the defaults"
+    if overrides:
+        source += " with " + " ".join(overrides)
+    print(render_resolved(config, source), end="")
+    return 0
+
+
+def sections_help() -> str:
+    """The config's sections, one line each, for `vidtune train --help`."""
+    from vidtune.config import Config
+
+    width = max(len(name) for name in Config.model_fields)
+    lines = [f"  {name.ljust(width)}  {field.description or ''}" for name, field in Config.model_fields.items()]
+    return ("the config's sections (set any key in the file, or on the command line as section.key=value):\n"
+            + "\n".join(lines) + "\n\n"
+            "Every key with its value and meaning: vidtune config show [CONFIG] [section.key=value ...]\n"
+            "Reference with limits: docs/configuration.md. Example: vidtune train my.yaml training.steps=500")
+
+
 def command_export(args: argparse.Namespace) -> int:
     from vidtune.export import export_checkpoint
 
@@ -177,8 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="show library logs and full tracebacks")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train from a config file and/or section.key=value overrides")
-    train.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]")
+    train = commands.add_parser("train", help="train from a config file and/or section.key=value overrides",
+                                epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]",
+                       help="a config file (YAML or TOML), then section.key=value overrides")
     train.set_defaults(handler=command_train)
 
     quickstart = commands.add_parser("quickstart", help="tiny model + generated clips, trained end to end on CPU")
@@ -206,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--cache-dir", help="the cache folder (default: the config's precompute.cache_dir)")
     info.add_argument("--verify", action="store_true", help="read and checksum every entry the config needs")
     info.set_defaults(handler=command_cache_info)
+
+    config = commands.add_parser("config", help="config tools")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser(
+        "show", help="print the resolved config: every key, its value (defaults filled in) and what it means",
+        description="Print the resolved config of CONFIG and the overrides (without CONFIG: the defaults), "
+        "every key with its value and a one-line description. The output is YAML you can save and edit.")
+    show.add_argument("config", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
+    show.set_defaults(handler=command_config_show)
 
     export = commands.add_parser(
         "export", help="write a checkpoint's weights as a finished run's (LoRA adapter or transformer folder)"

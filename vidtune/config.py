@@ -67,8 +67,8 @@ class DataConfig(Section):
     videos: str = Field("videos.txt", description="File with one clip path a line (relative to root).")
     prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
     frames: int = Field(49, gt=0, description="Frames per training clip.")
-    height: int = Field(512, gt=0)
-    width: int = Field(768, gt=0)
+    height: int = Field(512, gt=0, description="Height of the training clips in pixels (resized, then center-cropped).")
+    width: int = Field(768, gt=0, description="Width of the training clips in pixels.")
     fps: float | None = Field(None, gt=0, description="Resample clips to this rate; default: native frames.")
     num_workers: int = Field(2, ge=0, description="Decoding worker processes.")
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Probability of dropping a caption.")
@@ -84,16 +84,20 @@ class TrainingConfig(Section):
     steps: int = Field(1000, gt=0, description="Optimizer steps.")
     batch_size: int = Field(1, gt=0, description="Clips per micro-batch (per process under torchrun).")
     gradient_accumulation: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    learning_rate: float = Field(1e-4, gt=0)
-    seed: int = Field(42, ge=0)
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate of the optimizer.")
+    seed: int = Field(42, ge=0, description="Seed of the data order, noise and initial adapter weights.")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="Compute precision of the denoiser; auto: bf16 on GPU, fp32 on CPU."
     )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null disables it.")
-    gradient_checkpointing: bool = False
-    sigma_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, slower steps."
+    )
+    sigma_sampling: Literal["uniform", "logit_normal"] = Field(
+        "logit_normal", description="How training noise levels are drawn."
+    )
+    logit_mean: float = Field(0.0, description="Mean of the logit-normal noise levels (>0: noisier).")
+    logit_std: float = Field(1.0, gt=0, description="Spread of the logit-normal noise levels.")
     sigma_shift: float = Field(1.0, gt=0, description="Shift of sampled sigmas towards noise (>1) or data (<1).")
     device: str = Field(
         "auto", description="auto: cuda if available, else cpu. Under torchrun auto / cuda: cuda:LOCAL_RANK."
@@ -113,19 +117,21 @@ class TrainingConfig(Section):
 
 
 class OptimizerConfig(Section):
-    name: Literal["adamw"] = "adamw"
-    weight_decay: float = Field(1e-4, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.999, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    name: Literal["adamw"] = Field("adamw", description="The optimizer.")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate schedule after the warmup (linear and cosine decay to 0)."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to the learning rate.")
 
 
 class LoRAConfig(Section):
-    rank: int = Field(16, gt=0)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: int = Field(16, gt=0, description="LoRA rank: the adapter's size and capacity.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] | None = Field(
         None, description="Module names to adapt; default: the model's attention projections."
     )
@@ -157,14 +163,14 @@ class CheckpointConfig(Section):
 
 
 class ValidationConfig(Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Sample videos with the trained weights at the end of the run.")
     prompts: list[str] = Field(default_factory=list, description="Default: the first caption of the dataset.")
-    num_inference_steps: int = Field(30, gt=0)
+    num_inference_steps: int = Field(30, gt=0, description="Denoising steps of each validation sample.")
     guidance_scale: float | None = Field(
         None, ge=0, description="Classifier-free guidance of the samples; default: the family's recommended value."
     )
     every: int = Field(0, ge=0, description="Also sample every N steps; 0: only at the end of the run.")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="Seed of the validation samples' noise.")
     frames: int | None = Field(None, gt=0, description="Default: data.frames.")
     height: int | None = Field(None, gt=0, description="Default: data.height.")
     width: int | None = Field(None, gt=0, description="Default: data.width.")
@@ -179,7 +185,7 @@ class MemoryConfig(Section):
 
 
 class LoggingConfig(Section):
-    progress: bool = True
+    progress: bool = Field(True, description="Show progress bars.")
     log_every: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
 
 
@@ -203,17 +209,27 @@ class PrecomputeConfig(Section):
 
 
 class Config(Section):
-    model: ModelConfig
-    data: DataConfig
-    training: TrainingConfig = Field(default_factory=TrainingConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    lora: LoRAConfig = Field(default_factory=LoRAConfig)
-    full: FullConfig = Field(default_factory=FullConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    validation: ValidationConfig = Field(default_factory=ValidationConfig)
-    memory: MemoryConfig = Field(default_factory=MemoryConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
+    model: ModelConfig = Field(description="Which model family and weights to train (required).")
+    data: DataConfig = Field(description="Your clips and captions, and the clip shape (required).")
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig, description="Algorithm, steps, batch, learning rate, device, precision."
+    )
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and LR schedule.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="The adapter (training.algorithm=lora).")
+    full: FullConfig = Field(
+        default_factory=FullConfig, description="Which weights train (training.algorithm=full)."
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="How often to save, how many to keep, resuming."
+    )
+    validation: ValidationConfig = Field(
+        default_factory=ValidationConfig, description="Sample videos made with the trained weights."
+    )
+    memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Memory savers.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bars and metrics.")
+    precompute: PrecomputeConfig = Field(
+        default_factory=PrecomputeConfig, description="Encoding captions and clips once, into a cache."
+    )
     output_dir: str = Field(
         "outputs/run", description="Folder for everything a run writes (in a file: relative to its folder; the "
         "default: to the current folder)."
@@ -454,11 +470,14 @@ def build_config(data: dict[str, Any], source: str = "config", origins: Origins 
         raise ConfigError(_problems(error, origins)) from None
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None,
+                required_placeholder: str | None = None) -> Config:
     """Read a config file (or start empty), apply `section.key=value` overrides and validate.
 
     Relative paths (PATH_KEYS) written in the file are relative to the file's folder; those given as overrides,
-    and the default output_dir, are relative to the current folder. The config holds them as absolute paths."""
+    and the default output_dir, are relative to the current folder. The config holds them as absolute paths.
+    With `required_placeholder`, required keys left unset hold that text instead of being errors (to show a
+    config that is not complete yet)."""
     overrides = list(overrides or [])
     origins = Origins()
     data: dict[str, Any] = {}
@@ -471,10 +490,25 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
     for override in overrides:
         origins.overrides[tuple(parse_override(override)[0])] = override
     data = apply_overrides(data, overrides, base=Path.cwd())
+    if required_placeholder is not None:
+        for section, keys in required_keys().items():
+            if isinstance(data.setdefault(section, {}), dict):
+                for key in keys:
+                    data[section].setdefault(key, required_placeholder)
     config = build_config(data, origins=origins)
     if not Path(config.output_dir).is_absolute():  # the default: where the command runs
         config.output_dir = os.path.normpath(Path(config.output_dir).absolute())
     return config
+
+
+def required_keys() -> dict[str, list[str]]:
+    """Section -> its keys without a default (all of them text: model.name, model.pretrained, data.root)."""
+    found: dict[str, list[str]] = {}
+    for name, field_info in Config.model_fields.items():
+        annotation = field_info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and field_info.is_required():
+            found[name] = [key for key, sub in annotation.model_fields.items() if sub.is_required()]
+    return found
 
 
 def write_resolved_config(config: Config, folder: str | os.PathLike[str]) -> Path:

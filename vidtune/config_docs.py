@@ -9,6 +9,7 @@ import json
 import types
 import typing
 
+import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
@@ -69,6 +70,8 @@ def render() -> str:
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             lines.append(f"\n## `{name}`\n")
+            if field.description:
+                lines.append(f"{field.description}\n")
             lines.append("| key | type | default | limits | meaning |")
             lines.append("|---|---|---|---|---|")
             for key, sub in annotation.model_fields.items():
@@ -82,6 +85,41 @@ def render() -> str:
         annotation = field.annotation
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             lines.append(f"| `{name}` | {_default(field)} | {field.description or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+NOT_SET = "\x00not set"  # what a required key holds in `vidtune config show` before the user sets it
+
+
+def _yaml_value(value: object) -> str:
+    """`value` as YAML on one line (flow style), as it would be written in a config file."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix("\n...\n").strip()
+
+
+def render_resolved(config: Config, source: str) -> str:
+    """`vidtune config show`: every key with its resolved value and a one-line description, as YAML a user can
+    save and edit. Required keys still unset show empty, marked as required."""
+    values = config.to_dict()
+    rows: list[tuple[str, str]] = []
+
+    def add(indent: str, key: str, value: object, field_info) -> None:
+        description = field_info.description or ""
+        if value == NOT_SET:
+            rows.append((f"{indent}{key}:", f"REQUIRED, not set. {description}"))
+        elif isinstance(value, dict) and isinstance(field_info.annotation, type) \
+                and issubclass(field_info.annotation, BaseModel):
+            rows.append((f"{indent}{key}:", description))
+            for sub_key, sub_field in field_info.annotation.model_fields.items():
+                add(indent + "  ", sub_key, value[sub_key], sub_field)
+        else:
+            rows.append((f"{indent}{key}: {_yaml_value(value)}", description))
+
+    for name, field_info in Config.model_fields.items():
+        add("", name, values[name], field_info)
+    width = min(48, max(len(text) for text, _ in rows))
+    lines = [f"# The resolved config of {source}: every key, its value and what it means.",
+             "# Save it as a .yaml file to start a config of your own; limits: docs/configuration.md."]
+    lines += [f"{text.ljust(width)}  # {note}" if note else text for text, note in rows]
     return "\n".join(lines) + "\n"
 
 

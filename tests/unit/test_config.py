@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 import vidtune
 from vidtune.config import Config, load_config, parse_override, write_resolved_config
@@ -138,3 +139,45 @@ def test_a_bad_key_is_blamed_where_it_was_written(tmp_path):
         load_config(tmp_path / "my.yaml", ["data.frames=-1"])
     assert "On the command line:\n  - data.frames: Input should be greater than 0 (got -1)" in str(error.value)
     assert "my.yaml" not in str(error.value)
+
+
+def test_config_show_prints_every_key_with_its_value_and_meaning(tmp_path, capsys, monkeypatch):
+    from vidtune.cli import main
+
+    assert main(["config", "show"]) == 0
+    shown = capsys.readouterr().out
+    values = yaml.safe_load(shown)  # the output is a config file to start from
+    lines, section = {}, None
+    for text in shown.splitlines():
+        if not text.startswith(("#", " ")):
+            section = text.split(":")[0]
+            lines[(section,)] = text
+        elif text.startswith("  "):
+            lines[(section, text.split(":")[0].strip())] = text
+    for name, field in Config.model_fields.items():
+        assert field.description and field.description in lines[(name,)]
+        section = field.annotation
+        keys = section.model_fields if isinstance(section, type) and issubclass(section, BaseModel) else {}
+        for key, sub in keys.items():
+            assert key in values[name], f"{name}.{key}"
+            assert sub.description and f"{sub.description}" in lines[(name, key)], lines[(name, key)]
+    assert values["training"]["steps"] == 1000 and values["model"]["name"] is None
+    assert "REQUIRED, not set. Model family" in shown
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.yaml").write_text("model: {name: ltx-video, pretrained: some/model}\ndata: {root: clips}\n")
+    assert main(["config", "show", "my.yaml", "training.steps=7"]) == 0
+    values = yaml.safe_load(capsys.readouterr().out)
+    assert values["training"]["steps"] == 7 and values["data"]["root"] == str(tmp_path / "clips")
+    assert values["output_dir"] == str(tmp_path / "outputs" / "run")
+
+
+def test_train_help_lists_the_sections_and_points_at_config_show(capsys):
+    from vidtune.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for name in Config.model_fields:
+        assert f"\n  {name} " in text
+    assert "vidtune config show [CONFIG]" in text

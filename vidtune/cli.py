@@ -67,12 +67,23 @@ def command_train(args: argparse.Namespace) -> int:
 
 
 def command_quickstart(args: argparse.Namespace) -> int:
-    from vidtune.quickstart import run_quickstart
+    from vidtune.quickstart import QUICKSTART_SETTINGS, run_quickstart
 
     started = time.perf_counter()
-    result = run_quickstart(Path(args.output), args.overrides)
+    output = Path(args.output).absolute()
+    result = run_quickstart(output, args.overrides)
     print_summary(result, time.perf_counter() - started)
-    print(f"Config used: {Path(args.output).resolve() / 'quickstart.yaml'} (edit it and run `vidtune train` on it)")
+    config = output / "quickstart.yaml"
+    data = QUICKSTART_SETTINGS["data"]
+    print(f"\nWhat it used (all in {output}):")
+    print(f"  config       {config} (edit it and run `vidtune train` on it)")
+    print(f"  tiny model   {output / 'tiny-ltx-video'} (random weights, in the diffusers layout)")
+    print(f"  clips        {output / 'data'} (videos.txt, prompts.txt, clips/)")
+    print("\nTo train the tiny model on your own clips, put videos.txt (one clip a line) and prompts.txt (one caption "
+          f"a line) in their folder (clips of at least {data['frames']} frames at {data['fps']} fps), then run")
+    print("  " + shlex.join(["vidtune", "train", str(config), "data.root=/path/to/your/clips",
+                             "output_dir=my-first-run"]))
+    print("For a real model, start from the config under \"Train on your own clips\" in README.md.")
     return 0
 
 

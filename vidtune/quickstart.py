@@ -39,7 +39,16 @@ QUICKSTART_SETTINGS = {
 def prepare_quickstart(folder: Path, num_clips: int = 4) -> Path:
     """Write model, clips and config under `folder`; return the config path."""
     folder.mkdir(parents=True, exist_ok=True)
-    model_dir = write_tiny_model("ltx-video", folder / "tiny-ltx-video")
+    from transformers.utils import logging as transformers_logging
+
+    # Saving the tiny text encoder draws a progress bar of one shard: noise in the quickstart's output.
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        model_dir = write_tiny_model("ltx-video", folder / "tiny-ltx-video")
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
     data = QUICKSTART_SETTINGS["data"]
     data_dir = render_shapes_dataset(
         folder / "data", num_clips=num_clips, num_frames=data["frames"] + 8, height=96, width=96,

@@ -35,6 +35,21 @@ def test_quickstart_runs_end_to_end(tmp_path):
     config = yaml.safe_load((out / "quickstart.yaml").read_text())
     assert config["model"]["name"] == "ltx-video"
     assert (out / "quickstart.yaml").read_text().startswith("# Run with: vidtune train")
+    # Where its tiny model and clips are, and the exact command to train the tiny model on one's own clips.
+    assert f"tiny model   {out / 'tiny-ltx-video'}" in result.stdout and f"clips        {out / 'data'}" in result.stdout
+    assert (f"vidtune train {out / 'quickstart.yaml'} data.root=/path/to/your/clips output_dir=my-first-run"
+            in result.stdout)
+
+    # Its config again: the refusal names a fresh output_dir to use.
+    again = vidtune("train", str(out / "quickstart.yaml"))
+    assert again.returncode == 2
+    assert f"add output_dir={run}-2" in again.stderr and "checkpoint.resume=latest" in again.stderr
+    # A shape the tiny model refuses: the rule is the tiny model's own, and the published one is shown beside it.
+    shape = vidtune("train", str(out / "quickstart.yaml"), "data.frames=10", f"output_dir={tmp_path / 'other'}")
+    assert shape.returncode == 2
+    assert (f"does not fit the ltx-video model at {out / 'tiny-ltx-video'} (its rule, read from its own configs: "
+            "frames 4k+1, sides multiples of 4)") in shape.stderr
+    assert "the published LTX-Video checkpoints need frames 8k+1, sides multiples of 32" in shape.stderr
 
 
 def _write_config(tmp_path: Path, tiny: Path, root: Path, **extra) -> Path:

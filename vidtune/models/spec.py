@@ -95,10 +95,46 @@ def side_problems(height: int, width: int, height_multiple: int, width_multiple:
     return problems
 
 
-def raise_shape_problems(family: str, problems: list[str | None]) -> None:
+# The clip rules of each family's published checkpoints (what README.md lists), to compare a model's own rule with.
+PUBLISHED_SHAPE_RULES = {
+    "ltx-video": "frames 8k+1, sides multiples of 32",
+    "cogvideox": "frames 4k+1 (CogVideoX 1.5: an even number of latent frames), sides multiples of 16",
+    "cogvideox-i2v": "frames 4k+1, 480x720",
+    "hunyuan-video": "frames 4k+1, sides multiples of 16",
+    "mochi": "frames 6k+1, sides multiples of 16",
+    "wan": "frames 4k+1, sides multiples of 16",
+    "wan-i2v": "frames 4k+1, sides multiples of 16",
+}
+
+
+def shape_rule(temporal: int, latent_multiple: int, height_multiple: int, width_multiple: int | None = None) -> str:
+    """A model's clip rule in words, e.g. `frames 8k+1, sides multiples of 32`."""
+    frames = f"{temporal}k+1" if latent_multiple == 1 else f"{temporal}k+1 with k+1 a multiple of {latent_multiple}"
+    if width_multiple in (None, height_multiple):
+        return f"frames {frames}, sides multiples of {height_multiple}"
+    return f"frames {frames}, height a multiple of {height_multiple}, width of {width_multiple}"
+
+
+def raise_shape_problems(family: str, problems: list[str | None], spec: ModelSpec | None = None,
+                         rule: str = "") -> None:
+    """One ConfigError listing every problem of the clip shape. With `spec`, it names the model whose rule it is
+    (read from that model's configs: a tiny or custom model has its own) and, for a local model, the published
+    checkpoints' rule to compare with."""
     found = [problem for problem in problems if problem]
-    if found:
-        raise ConfigError(f"The clip shape does not fit {family}:\n" + "\n".join(f"  - {p}" for p in found))
+    if not found:
+        return
+    if spec is None:
+        lines = [f"The clip shape does not fit {family}:"]
+    else:
+        its_rule = f" (its rule, read from its own configs: {rule})" if rule else ""
+        lines = [f"The clip shape does not fit the {spec.name} model at {spec.config.pretrained}{its_rule}:"]
+    lines += [f"  - {problem}" for problem in found]
+    published = PUBLISHED_SHAPE_RULES.get(spec.name) if spec is not None else None
+    if published and looks_local(spec.config.pretrained):
+        lines.append(f"For comparison, the published {family} checkpoints need {published}.")
+    lines.append("What to do: set the nearest valid values above (data.frames, data.height, data.width; in the config "
+                 "or on the command line).")
+    raise ConfigError("\n".join(lines))
 
 
 class ModelSpec(ABC):

@@ -26,8 +26,9 @@ def _load(values: list[str]):
 
     if not values:
         raise ConfigError(
-            "Give a config file (YAML or TOML), e.g. vidtune train my.yaml [section.key=value ...].\n"
-            "`vidtune quickstart` writes a complete example config; every key is listed in docs/configuration.md."
+            "No config given: the command needs a config file (YAML or TOML) and/or section.key=value settings.\n"
+            "What to do: run it as e.g. vidtune train my.yaml [section.key=value ...]; `vidtune quickstart` writes "
+            "a complete example config and `vidtune config show` lists every key."
         )
     path, overrides = _split_config_and_overrides(values)
     return load_config(path, overrides)
@@ -124,7 +125,8 @@ def command_cache_info(args: argparse.Namespace) -> int:
 
     config = _load(args.config) if args.config else None
     if config is None and not args.cache_dir:
-        raise VidtuneError("vidtune cache info: give a config (CONFIG [KEY=VALUE ...]) or --cache-dir")
+        raise VidtuneError("vidtune cache info: no cache given.\nWhat to do: give a config (CONFIG [KEY=VALUE ...]) "
+                           "or --cache-dir.")
     if config is not None and args.cache_dir:
         config.precompute.cache_dir = args.cache_dir
     report = cache_report(config, root=args.cache_dir, verify=args.verify, progress=config is not None)

@@ -158,3 +158,42 @@ def test_relative_paths_in_a_config_work_from_another_folder(tmp_path, tiny_mode
     assert result.returncode == 0, result.stderr
     assert (project / "runs" / "first" / "dataset_overview.png").is_file()
     assert not (elsewhere / "runs").exists()
+
+
+@pytest.mark.parametrize("case", ["no config", "missing file", "bad key on the command line", "unknown model",
+                                  "no model folder", "not cached offline", "no data folder", "missing clip",
+                                  "shape", "used output_dir"])
+def test_every_error_says_what_where_and_what_to_do(case, tmp_path, tiny_model_dir, shapes_dataset, capsys,
+                                                    monkeypatch):
+    from huggingface_hub import constants
+
+    from vidtune.cli import main
+    from vidtune.models import hub
+
+    hub.check_hub_model.cache_clear()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "videos.txt").write_text("clips/missing.mp4\n")
+    (data / "prompts.txt").write_text("a caption\n")
+    path = _write_config(tmp_path, tiny_model_dir("ltx-video"), shapes_dataset)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "pytorch_lora_weights.safetensors").write_bytes(b"")  # what a finished run leaves
+    args, where = {
+        "no config": (["train"], "No config given"),
+        "missing file": (["train", str(tmp_path / "nope.yaml")], str(tmp_path / "nope.yaml")),
+        "bad key on the command line": (["train", str(path), "lora.rnak=4"], "On the command line:\n  - lora.rnak"),
+        "unknown model": (["data", "check", str(path), "model.name=ltx"], "model.name: unknown model 'ltx'"),
+        "no model folder": (["data", "check", str(path), f"model.pretrained={tmp_path / 'm'}"], "model.pretrained"),
+        "not cached offline": (["data", "check", str(path), "model.pretrained=someone/model"], "someone/model"),
+        "no data folder": (["data", "check", str(path), f"data.root={tmp_path / 'd'}"], str(tmp_path / "d")),
+        "missing clip": (["data", "check", str(path), f"data.root={data}"], "videos.txt line 1"),
+        "shape": (["data", "check", str(path), "data.frames=10"], "data.frames=10"),
+        "used output_dir": (["train", str(path)], f"output_dir {tmp_path / 'run'} already holds a run"),
+    }[case]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "\nerror: " in err, err
+    err = err[err.index("\nerror: "):]  # (a fixture's progress bar may come first)
+    assert where in err, err
+    assert err.strip().splitlines()[-1].startswith("What to do: "), err

@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import time
+import warnings
 from pathlib import Path
 
+from vidtune import outputs
 from vidtune.errors import VidtuneError
 
 
@@ -24,32 +27,65 @@ def _load(values: list[str]):
 
     if not values:
         raise ConfigError(
-            "Give a config file (YAML or TOML), e.g. vidtune train my.yaml [section.key=value ...].\n"
-            "`vidtune quickstart` writes a complete example config; every key is listed in docs/configuration.md."
+            "No config given: the command needs a config file (YAML or TOML) and/or section.key=value settings.\n"
+            "What to do: run it as e.g. vidtune train my.yaml [section.key=value ...]; `vidtune quickstart` writes "
+            "a complete example config and `vidtune config show` lists every key."
         )
     path, overrides = _split_config_and_overrides(values)
     return load_config(path, overrides)
 
 
+def resume_command(config: str | None, overrides: list[str], verbose: bool = False) -> str:
+    """The command that continues this run: the user's own config and overrides (any earlier checkpoint.resume
+    left out) plus checkpoint.resume=latest, quoted for a shell. Under torchrun, the same launcher."""
+    kept = [item for item in overrides if item.partition("=")[0].strip() != "checkpoint.resume"]
+    words = [*(["--verbose"] if verbose else []), "train", *([config] if config else []), *kept,
+             "checkpoint.resume=latest"]
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ:
+        local, world = os.environ.get("LOCAL_WORLD_SIZE", "N"), os.environ.get("WORLD_SIZE")
+        launcher = (f"torchrun --nproc_per_node {local}" if world in (None, local)
+                    else "torchrun [the same torchrun options]")
+        return f"{launcher} -m vidtune {shlex.join(words)}"
+    return shlex.join(["vidtune", *words])
+
+
 def command_train(args: argparse.Namespace) -> int:
     from vidtune import parallel
+    from vidtune.cpu import configure_cpu_threads
+    from vidtune.trainers.stop import TrainingInterrupted
     from vidtune.trainers import build_trainer
 
     config = _load(args.config)
+    configure_cpu_threads(config)
     started = time.perf_counter()
-    result = build_trainer(config).run()
+    try:
+        result = build_trainer(config).run()
+    except TrainingInterrupted as stopped:
+        again = resume_command(*_split_config_and_overrides(args.config), verbose=args.verbose)
+        raise TrainingInterrupted(f"{stopped}\nWhat to do: to continue, run {again}", stopped.exit_code) from None
     if parallel.is_main():  # under torchrun, once
         print_summary(result, time.perf_counter() - started)
     return 0
 
 
 def command_quickstart(args: argparse.Namespace) -> int:
-    from vidtune.quickstart import run_quickstart
+    from vidtune.quickstart import QUICKSTART_SETTINGS, run_quickstart
 
     started = time.perf_counter()
-    result = run_quickstart(Path(args.output), args.overrides)
+    output = Path(args.output).absolute()
+    result = run_quickstart(output, args.overrides)
     print_summary(result, time.perf_counter() - started)
-    print(f"Config used: {Path(args.output).resolve() / 'quickstart.yaml'} (edit it and run `vidtune train` on it)")
+    config = output / "quickstart.yaml"
+    data = QUICKSTART_SETTINGS["data"]
+    print(f"\nWhat it used (all in {output}):")
+    print(f"  config       {config} (edit it and run `vidtune train` on it)")
+    print(f"  tiny model   {output / 'tiny-ltx-video'} (random weights, in the diffusers layout)")
+    print(f"  clips        {output / 'data'} (videos.txt, prompts.txt, clips/)")
+    print("\nTo train the tiny model on your own clips, put videos.txt (one clip a line) and prompts.txt (one caption "
+          f"a line) in their folder (clips of at least {data['frames']} frames at {data['fps']} fps), then run")
+    print("  " + shlex.join(["vidtune", "train", str(config), "data.root=/path/to/your/clips",
+                             "output_dir=my-first-run"]))
+    print("For a real model, start from the config under \"Train on your own clips\" in README.md.")
     return 0
 
 
@@ -64,7 +100,7 @@ def command_data_check(args: argparse.Namespace) -> int:
     spec.check_video_shape(config.data.frames, config.data.height, config.data.width)
     samples = load_text_pair_dataset(Path(config.data.root), config.data.videos, config.data.prompts)
     infos = validate_clips(samples, config.data.frames, config.data.fps)
-    overview = Path(args.overview) if args.overview else Path(config.output_dir) / "dataset_overview.png"
+    overview = Path(args.overview) if args.overview else Path(config.output_dir) / outputs.DATASET_OVERVIEW
     try:
         overview.parent.mkdir(parents=True, exist_ok=True)
         write_dataset_overview(samples, infos, overview)
@@ -82,9 +118,12 @@ def _os_reason(error: OSError) -> str:
 
 
 def command_precompute(args: argparse.Namespace) -> int:
+    from vidtune.cpu import configure_cpu_threads
     from vidtune.precompute import precompute
 
-    summary = precompute(_load(args.config))
+    config = _load(args.config)
+    configure_cpu_threads(config)
+    summary = precompute(config)
     if summary.rank == 0:
         print(f"Cache: {summary.cache_dir} ({summary.seconds:.1f} s)")
         print(summary.line())
@@ -96,12 +135,38 @@ def command_cache_info(args: argparse.Namespace) -> int:
 
     config = _load(args.config) if args.config else None
     if config is None and not args.cache_dir:
-        raise VidtuneError("vidtune cache info: give a config (CONFIG [KEY=VALUE ...]) or --cache-dir")
+        raise VidtuneError("vidtune cache info: no cache given.\nWhat to do: give a config (CONFIG [KEY=VALUE ...]) "
+                           "or --cache-dir.")
     if config is not None and args.cache_dir:
         config.precompute.cache_dir = args.cache_dir
     report = cache_report(config, root=args.cache_dir, verify=args.verify, progress=config is not None)
     print("\n".join(report.lines()))
     return 0
+
+
+def command_config_show(args: argparse.Namespace) -> int:
+    from vidtune.config import load_config
+    from vidtune.config_docs import NOT_SET, render_resolved
+
+    path, overrides = _split_config_and_overrides(args.config)
+    config = load_config(path, overrides, required_placeholder=NOT_SET)
+    source = path or "the defaults"
+    if overrides:
+        source += " with " + " ".join(overrides)
+    print(render_resolved(config, source), end="")
+    return 0
+
+
+def sections_help() -> str:
+    """The config's sections, one line each, for `vidtune train --help`."""
+    from vidtune.config import Config
+
+    width = max(len(name) for name in Config.model_fields)
+    lines = [f"  {name.ljust(width)}  {field.description or ''}" for name, field in Config.model_fields.items()]
+    return ("the config's sections (set any key in the file, or on the command line as section.key=value):\n"
+            + "\n".join(lines) + "\n\n"
+            "Every key with its value and meaning: vidtune config show [CONFIG] [section.key=value ...]\n"
+            "Reference with limits: docs/configuration.md. Example: vidtune train my.yaml training.steps=500")
 
 
 def command_export(args: argparse.Namespace) -> int:
@@ -113,18 +178,46 @@ def command_export(args: argparse.Namespace) -> int:
 
 
 def print_summary(result, seconds: float) -> None:
+    """What this process did (a resumed run: the steps it ran, not the whole run's) and where the outputs are."""
     print()
-    print(f"Finished {result.final_step} steps in {seconds:.0f} s.")
+    ran = result.final_step - result.first_step
+    if ran == 0:
+        print(f"Nothing left to train: the run was already at step {result.final_step}; the outputs were written "
+              f"again in {seconds:.0f} s.")
+    elif result.first_step:
+        print(f"Resumed from step {result.first_step}: finished steps {result.first_step + 1}-{result.final_step} "
+              f"({ran} steps) in {seconds:.0f} s.")
+    else:
+        print(f"Finished {result.final_step} steps in {seconds:.0f} s.")
     if result.losses:
-        print(f"Loss: first {result.losses[0]:.4f}, last {result.losses[-1]:.4f}")
+        losses = result.losses
+        print(f"Loss over these steps: first {losses[0]:.4f}, last {losses[-1]:.4f} "
+              f"(lowest {min(losses):.4f}, highest {max(losses):.4f})")
     print(f"Outputs in {result.output_dir.resolve()}:")
     if result.weights_path:
         print(f"  weights      {result.weights_path}")
-    print(f"  checkpoints  {result.output_dir / 'checkpoints'}")
-    print(f"  metrics      {result.output_dir / 'metrics.jsonl'}")
-    print(f"  loss curve   {result.output_dir / 'loss.png'}")
+    print(f"  checkpoints  {outputs.checkpoints_root(result.output_dir)}")
+    print(f"  metrics      {result.output_dir / outputs.METRICS}")
+    print(f"  loss curve   {result.output_dir / outputs.LOSS_PLOT}")
     for path in result.sample_paths:
         print(f"  sample       {path} (+ {path.with_suffix('.png').name})")
+
+
+# Libraries whose warnings and log lines are for their developers, not for someone training a model.
+THIRD_PARTY_LOGGERS = ("huggingface_hub", "diffusers", "transformers", "peft", "torch", "httpx", "httpx2", "PIL",
+                       "matplotlib", "accelerate")
+
+
+def quiet_third_party() -> None:
+    """Normal runs show vidtune's own messages only: library warnings (deprecations, retries, ...) are hidden and
+    library loggers report errors only. `--verbose` shows everything."""
+    # These three set their own level when imported (later, lazily): tell them through their variables too.
+    for variable in ("HF_HUB_VERBOSITY", "TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY"):
+        os.environ.setdefault(variable, "error")
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"vidtune(\.|$)")
+    for name in THIRD_PARTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,8 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verbose", action="store_true", help="show library logs and full tracebacks")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train from a config file and/or section.key=value overrides")
-    train.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]")
+    train = commands.add_parser("train", help="train from a config file and/or section.key=value overrides",
+                                epilog=sections_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]",
+                       help="a config file (YAML or TOML), then section.key=value overrides")
     train.set_defaults(handler=command_train)
 
     quickstart = commands.add_parser("quickstart", help="tiny model + generated clips, trained end to end on CPU")
@@ -162,6 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--verify", action="store_true", help="read and checksum every entry the config needs")
     info.set_defaults(handler=command_cache_info)
 
+    config = commands.add_parser("config", help="config tools")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser(
+        "show", help="print the resolved config: every key, its value (defaults filled in) and what it means",
+        description="Print the resolved config of CONFIG and the overrides (without CONFIG: the defaults), "
+        "every key with its value and a one-line description. The output is YAML you can save and edit.")
+    show.add_argument("config", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
+    show.set_defaults(handler=command_config_show)
+
     export = commands.add_parser(
         "export", help="write a checkpoint's weights as a finished run's (LoRA adapter or transformer folder)"
     )
@@ -177,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if not args.verbose:
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+        quiet_third_party()
     try:
         return args.handler(args)
     except VidtuneError as error:
@@ -188,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'error' if code == 2 else 'stopped'}: {error}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
-        print("\nInterrupted at once; checkpoints already written are kept (continue with "
-              "checkpoint.resume=latest).", file=sys.stderr)
+        again = (resume_command(*_split_config_and_overrides(args.config), verbose=args.verbose)
+                 if args.command == "train" else "the same command with checkpoint.resume=latest")
+        print(f"\nInterrupted at once; the checkpoints already written are kept.\nWhat to do: to continue, run "
+              f"{again}", file=sys.stderr)
         return 130
 
 

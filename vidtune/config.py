@@ -8,9 +8,11 @@ The resolved config (defaults filled in) is written into the output folder of ea
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import json
 import os
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,12 +58,12 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    root: str = Field(description="Folder holding videos.txt and prompts.txt.")
+    root: str = Field(description="Folder holding videos.txt and prompts.txt (in a file: relative to its folder).")
     videos: str = Field("videos.txt", description="File with one clip path a line (relative to root).")
     prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
     frames: int = Field(49, gt=0, description="Frames per training clip.")
-    height: int = Field(512, gt=0)
-    width: int = Field(768, gt=0)
+    height: int = Field(512, gt=0, description="Height of the training clips in pixels (resized, then center-cropped).")
+    width: int = Field(768, gt=0, description="Width of the training clips in pixels.")
     fps: float | None = Field(None, gt=0, description="Resample clips to this rate; default: native frames.")
     num_workers: int = Field(2, ge=0, description="Decoding worker processes.")
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Probability of dropping a caption.")
@@ -77,19 +79,29 @@ class TrainingConfig(Section):
     steps: int = Field(1000, gt=0, description="Optimizer steps.")
     batch_size: int = Field(1, gt=0, description="Clips per micro-batch (per process under torchrun).")
     gradient_accumulation: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    learning_rate: float = Field(1e-4, gt=0)
-    seed: int = Field(42, ge=0)
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate of the optimizer.")
+    seed: int = Field(42, ge=0, description="Seed of the data order, noise and initial adapter weights.")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="Compute precision of the denoiser; auto: bf16 on GPU, fp32 on CPU."
     )
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null disables it.")
-    gradient_checkpointing: bool = False
-    sigma_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory, slower steps."
+    )
+    sigma_sampling: Literal["uniform", "logit_normal"] = Field(
+        "logit_normal", description="How training noise levels are drawn."
+    )
+    logit_mean: float = Field(0.0, description="Mean of the logit-normal noise levels (>0: noisier).")
+    logit_std: float = Field(1.0, gt=0, description="Spread of the logit-normal noise levels.")
     sigma_shift: float = Field(1.0, gt=0, description="Shift of sampled sigmas towards noise (>1) or data (<1).")
     device: str = Field(
         "auto", description="auto: cuda if available, else cpu. Under torchrun auto / cuda: cuda:LOCAL_RANK."
+    )
+    cpu_threads: int | None = Field(
+        None,
+        gt=0,
+        description="Threads torch computes with on the CPU; null: OMP_NUM_THREADS when set, else the cores this "
+        "process may use (CPU affinity, container quota) less data.num_workers less one, at least 1.",
     )
     skip_nonfinite_steps: int = Field(
         0,
@@ -100,19 +112,21 @@ class TrainingConfig(Section):
 
 
 class OptimizerConfig(Section):
-    name: Literal["adamw"] = "adamw"
-    weight_decay: float = Field(1e-4, ge=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.999, ge=0, lt=1)
-    eps: float = Field(1e-8, gt=0)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    name: Literal["adamw"] = Field("adamw", description="The optimizer.")
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="Learning-rate schedule after the warmup (linear and cosine decay to 0)."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to the learning rate.")
 
 
 class LoRAConfig(Section):
-    rank: int = Field(16, gt=0)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    rank: int = Field(16, gt=0, description="LoRA rank: the adapter's size and capacity.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
     target_modules: list[str] | None = Field(
         None, description="Module names to adapt; default: the model's attention projections."
     )
@@ -144,14 +158,14 @@ class CheckpointConfig(Section):
 
 
 class ValidationConfig(Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="Sample videos with the trained weights at the end of the run.")
     prompts: list[str] = Field(default_factory=list, description="Default: the first caption of the dataset.")
-    num_inference_steps: int = Field(30, gt=0)
+    num_inference_steps: int = Field(30, gt=0, description="Denoising steps of each validation sample.")
     guidance_scale: float | None = Field(
         None, ge=0, description="Classifier-free guidance of the samples; default: the family's recommended value."
     )
     every: int = Field(0, ge=0, description="Also sample every N steps; 0: only at the end of the run.")
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, description="Seed of the validation samples' noise.")
     frames: int | None = Field(None, gt=0, description="Default: data.frames.")
     height: int | None = Field(None, gt=0, description="Default: data.height.")
     width: int | None = Field(None, gt=0, description="Default: data.width.")
@@ -166,7 +180,7 @@ class MemoryConfig(Section):
 
 
 class LoggingConfig(Section):
-    progress: bool = True
+    progress: bool = Field(True, description="Show progress bars.")
     log_every: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
 
 
@@ -190,18 +204,31 @@ class PrecomputeConfig(Section):
 
 
 class Config(Section):
-    model: ModelConfig
-    data: DataConfig
-    training: TrainingConfig = Field(default_factory=TrainingConfig)
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    lora: LoRAConfig = Field(default_factory=LoRAConfig)
-    full: FullConfig = Field(default_factory=FullConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    validation: ValidationConfig = Field(default_factory=ValidationConfig)
-    memory: MemoryConfig = Field(default_factory=MemoryConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
-    output_dir: str = "outputs/run"
+    model: ModelConfig = Field(description="Which model family and weights to train (required).")
+    data: DataConfig = Field(description="Your clips and captions, and the clip shape (required).")
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig, description="Algorithm, steps, batch, learning rate, device, precision."
+    )
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and LR schedule.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="The adapter (training.algorithm=lora).")
+    full: FullConfig = Field(
+        default_factory=FullConfig, description="Which weights train (training.algorithm=full)."
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="How often to save, how many to keep, resuming."
+    )
+    validation: ValidationConfig = Field(
+        default_factory=ValidationConfig, description="Sample videos made with the trained weights."
+    )
+    memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Memory savers.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bars and metrics.")
+    precompute: PrecomputeConfig = Field(
+        default_factory=PrecomputeConfig, description="Encoding captions and clips once, into a cache."
+    )
+    output_dir: str = Field(
+        "outputs/run", description="Folder for everything a run writes (in a file: relative to its folder; the "
+        "default: to the current folder)."
+    )
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
@@ -228,7 +255,9 @@ class Config(Section):
 
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"Config file not found: {path}")
+        raise ConfigError(f"Config file not found: {path.absolute()}\n"
+                          "What to do: check the path (relative to the current folder), or write a config: "
+                          "`vidtune quickstart` leaves a complete example, `vidtune config show` lists every key.")
     text = path.read_text(encoding="utf-8-sig")
     try:
         if path.suffix.lower() == ".toml":
@@ -236,21 +265,64 @@ def _read_file(path: Path) -> dict[str, Any]:
         elif path.suffix.lower() in (".yaml", ".yml", ".json"):
             data = yaml.safe_load(text)
         else:
-            raise ConfigError(f"{path}: config files must end in .yaml, .yml, .toml or .json")
+            raise ConfigError(f"{path}: config files must end in .yaml, .yml, .toml or .json.\n"
+                              "What to do: rename the file (its content decides nothing about its format).")
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as error:
-        raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.').upper()}:\n{error}") from None
+        raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.').upper()}:\n{error}\n"
+                          "What to do: fix the line shown above (indentation, a missing ':' or quote).") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...).\n"
+                          "What to do: start from the config `vidtune quickstart` writes.")
     return data
+
+
+# Keys that hold paths. A relative path is resolved against the folder of the config file it is written in, or
+# against the current folder when it comes from the command line (or is a default). `hub`: a local folder or a
+# hub id, which is left as it is unless it starts with `.` or names an existing folder. `latest`: that word or a path.
+PATH_KEYS: dict[str, str] = {
+    "model.pretrained": "hub",
+    "model.subfolders.*": "hub",
+    "data.root": "path",
+    "precompute.cache_dir": "path",
+    "checkpoint.resume": "latest",
+    "output_dir": "path",
+}
+
+
+def _path_kind(key: str) -> str | None:
+    return next((kind for pattern, kind in PATH_KEYS.items() if fnmatch.fnmatchcase(key, pattern)), None)
+
+
+def resolve_path(value: Any, kind: str, base: Path) -> Any:
+    """`value` as an absolute path from `base` (see PATH_KEYS); anything else is returned as it is."""
+    if not isinstance(value, str) or not value or (kind == "latest" and value == "latest"):
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return str(path)
+    candidate = base / path
+    if kind == "hub" and not value.startswith(".") and not candidate.exists():
+        return value  # a hub id such as Lightricks/LTX-Video
+    return os.path.normpath(candidate.absolute())
+
+
+def resolve_paths(data: Any, base: Path, prefix: str = "") -> Any:
+    """Every path of `data` (nested sections, keys as in PATH_KEYS under `prefix`) made absolute from `base`."""
+    if isinstance(data, dict):
+        return {key: resolve_paths(value, base, f"{prefix}{key}.") for key, value in data.items()}
+    kind = _path_kind(prefix.rstrip("."))
+    return resolve_path(data, kind, base) if kind else data
 
 
 def parse_override(override: str) -> tuple[list[str], Any]:
     """`training.steps=500` -> (["training", "steps"], 500). Values are read as YAML scalars/lists."""
     key, sep, raw = override.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"Override '{override}' must look like section.key=value, e.g. training.steps=500")
+        raise ConfigError(f"Override '{override}' (command line) must look like section.key=value, e.g. "
+                          "training.steps=500.\nWhat to do: write it as section.key=value; `vidtune config show` "
+                          "lists every key.")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -258,14 +330,18 @@ def parse_override(override: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | None = None) -> dict[str, Any]:
+    """Set each `section.key=value` in `data`; with `base`, relative paths among them are resolved from it."""
     for override in overrides:
         path, value = parse_override(override)
+        if base is not None:
+            value = resolve_paths(value, base, ".".join(path) + ".")
         node = data
         for part in path[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"Override '{override}': '{part}' is a value, not a section")
+                raise ConfigError(f"Override '{override}' (command line): '{part}' is a value, not a section.\n"
+                                  "What to do: set a key inside a section, e.g. training.steps=500.")
             node = child
         node[path[-1]] = value
     return data
@@ -304,19 +380,130 @@ def _describe(error: dict[str, Any]) -> str:
     return f"{key}: {error['msg']} (got {error.get('input')!r})"
 
 
-def build_config(data: dict[str, Any], source: str = "config") -> Config:
+def yaml_key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """The line (1-based) of every key of a YAML mapping, by its path of keys: where to point at a bad one."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                here = (*path, str(key.value))
+                lines[here] = key.start_mark.line + 1
+                walk(value, here)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+@dataclass
+class Origins:
+    """Where the settings came from, to blame each invalid one on the right place: a file (and its line) or the
+    command line."""
+
+    file: Path | None = None
+    file_lines: dict[tuple[str, ...], int] = field(default_factory=dict)
+    overrides: dict[tuple[str, ...], str] = field(default_factory=dict)
+
+    def command_line(self, location: tuple[str, ...]) -> str | None:
+        """The override that set `location` (or a section holding it, or a key inside it), if any."""
+        for path, override in reversed(list(self.overrides.items())):
+            common = min(len(path), len(location))
+            if common and path[:common] == location[:common]:
+                return override
+        return None
+
+    def where(self, location: tuple[str, ...]) -> str:
+        if self.command_line(location) is not None or self.file is None:
+            return "on the command line"
+        return f"in {self.file}"
+
+    def line(self, location: tuple[str, ...]) -> int | None:
+        while location:
+            if location in self.file_lines:
+                return self.file_lines[location]
+            location = location[:-1]
+        return None
+
+
+def _problems(error: ValidationError, origins: Origins) -> str:
+    groups: dict[str, list[str]] = {}
+    for item in error.errors():
+        location = tuple(str(part) for part in item["loc"])
+        text = _describe(item)
+        if not location:
+            where = "between settings"
+        else:
+            where = origins.where(location)
+            line = origins.line(location) if where.startswith("in ") else None
+            override = origins.command_line(location)
+            if line is not None:
+                text = f"line {line}: {text}"
+            elif override is not None and not override.startswith(".".join(location) + "="):
+                text = f"{text} (from {override})"
+        groups.setdefault(where, []).append(text)
+    count = sum(len(items) for items in groups.values())
+    lines = [f"The config has {count} invalid setting{'s' if count != 1 else ''}; nothing was started."]
+    for where, items in groups.items():
+        lines.append(f"{where[0].upper()}{where[1:]}:")
+        lines.extend(f"  - {text}" for text in items)
+    lines.append("What to do: correct (or add) these keys (a key given on the command line replaces the file's); "
+                 "`vidtune config show` lists every key with its default and meaning.")
+    return "\n".join(lines)
+
+
+def build_config(data: dict[str, Any], source: str = "config", origins: Origins | None = None) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as error:
-        problems = "\n".join(f"  - {_describe(e)}" for e in error.errors())
-        raise ConfigError(f"{source} has invalid settings:\n{problems}") from None
+        if origins is None:
+            origins = Origins(file=Path(source)) if source not in ("config", "the command line") else Origins()
+        raise ConfigError(_problems(error, origins)) from None
 
 
-def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None) -> Config:
-    """Read a config file (or start empty), apply `section.key=value` overrides and validate."""
-    data = _read_file(Path(path)) if path is not None else {}
-    data = apply_overrides(data, list(overrides or []))
-    return build_config(data, source=str(path) if path else "the command line")
+def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None,
+                required_placeholder: str | None = None) -> Config:
+    """Read a config file (or start empty), apply `section.key=value` overrides and validate.
+
+    Relative paths (PATH_KEYS) written in the file are relative to the file's folder; those given as overrides,
+    and the default output_dir, are relative to the current folder. The config holds them as absolute paths.
+    With `required_placeholder`, required keys left unset hold that text instead of being errors (to show a
+    config that is not complete yet)."""
+    overrides = list(overrides or [])
+    origins = Origins()
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        data = resolve_paths(_read_file(file), file.absolute().parent)
+        origins.file = file
+        if file.suffix.lower() in (".yaml", ".yml", ".json"):
+            origins.file_lines = yaml_key_lines(file.read_text(encoding="utf-8-sig"))
+    for override in overrides:
+        origins.overrides[tuple(parse_override(override)[0])] = override
+    data = apply_overrides(data, overrides, base=Path.cwd())
+    if required_placeholder is not None:
+        for section, keys in required_keys().items():
+            if isinstance(data.setdefault(section, {}), dict):
+                for key in keys:
+                    data[section].setdefault(key, required_placeholder)
+    config = build_config(data, origins=origins)
+    if not Path(config.output_dir).is_absolute():  # the default: where the command runs
+        config.output_dir = os.path.normpath(Path(config.output_dir).absolute())
+    return config
+
+
+def required_keys() -> dict[str, list[str]]:
+    """Section -> its keys without a default (all of them text: model.name, model.pretrained, data.root)."""
+    found: dict[str, list[str]] = {}
+    for name, field_info in Config.model_fields.items():
+        annotation = field_info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and field_info.is_required():
+            found[name] = [key for key, sub in annotation.model_fields.items() if sub.is_required()]
+    return found
 
 
 def write_resolved_config(config: Config, folder: str | os.PathLike[str]) -> Path:

@@ -9,10 +9,11 @@ import json
 import types
 import typing
 
+import yaml
 from pydantic import BaseModel
 from pydantic.fields import PydanticUndefined
 
-from vidtune.config import Config
+from vidtune.config import PATH_KEYS, Config
 
 HEADER = """# Configuration reference
 
@@ -21,8 +22,15 @@ a test fails when this file and the code disagree.
 
 A config is a YAML or TOML file; any key can be overridden on the command line as `section.key=value`
 (values are read as YAML: `training.steps=500`, `lora.target_modules=[to_q,to_v]`, `data.fps=null`).
-Unknown keys and out-of-range values are errors that name the key. The resolved config, with every default
-filled in, is written to `output_dir/config.yaml`.
+Unknown keys and out-of-range values are errors that name the key (and the file's line, or the command line).
+The resolved config, with every default filled in, is written to `output_dir/config.yaml`;
+`vidtune config show [CONFIG] [section.key=value ...]` prints it with a line on each key.
+
+**Paths.** A relative path written in a config file is relative to the folder of that file, wherever the command
+runs; a path given on the command line (and the default `output_dir`) is relative to the current folder. The
+keys that hold paths are {keys}. `model.pretrained` (and a `model.subfolders` value) is a local folder when it
+starts with `.` or names an existing folder, and a hub id otherwise. The resolved config holds absolute paths.
+`data.videos`, `data.prompts` and the clip paths listed in them are relative to `data.root`.
 """
 
 
@@ -56,12 +64,14 @@ def _limits(field) -> str:
 
 
 def render() -> str:
-    lines = [HEADER]
+    lines = [HEADER.format(keys=", ".join(f"`{key}`" for key in PATH_KEYS))]
     top = [(name, field) for name, field in Config.model_fields.items()]
     for name, field in top:
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             lines.append(f"\n## `{name}`\n")
+            if field.description:
+                lines.append(f"{field.description}\n")
             lines.append("| key | type | default | limits | meaning |")
             lines.append("|---|---|---|---|---|")
             for key, sub in annotation.model_fields.items():
@@ -75,6 +85,41 @@ def render() -> str:
         annotation = field.annotation
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             lines.append(f"| `{name}` | {_default(field)} | {field.description or ''} |")
+    return "\n".join(lines) + "\n"
+
+
+NOT_SET = "\x00not set"  # what a required key holds in `vidtune config show` before the user sets it
+
+
+def _yaml_value(value: object) -> str:
+    """`value` as YAML on one line (flow style), as it would be written in a config file."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).removesuffix("\n...\n").strip()
+
+
+def render_resolved(config: Config, source: str) -> str:
+    """`vidtune config show`: every key with its resolved value and a one-line description, as YAML a user can
+    save and edit. Required keys still unset show empty, marked as required."""
+    values = config.to_dict()
+    rows: list[tuple[str, str]] = []
+
+    def add(indent: str, key: str, value: object, field_info) -> None:
+        description = field_info.description or ""
+        if value == NOT_SET:
+            rows.append((f"{indent}{key}:", f"REQUIRED, not set. {description}"))
+        elif isinstance(value, dict) and isinstance(field_info.annotation, type) \
+                and issubclass(field_info.annotation, BaseModel):
+            rows.append((f"{indent}{key}:", description))
+            for sub_key, sub_field in field_info.annotation.model_fields.items():
+                add(indent + "  ", sub_key, value[sub_key], sub_field)
+        else:
+            rows.append((f"{indent}{key}: {_yaml_value(value)}", description))
+
+    for name, field_info in Config.model_fields.items():
+        add("", name, values[name], field_info)
+    width = min(48, max(len(text) for text, _ in rows))
+    lines = [f"# The resolved config of {source}: every key, its value and what it means.",
+             "# Save it as a .yaml file to start a config of your own; limits: docs/configuration.md."]
+    lines += [f"{text.ljust(width)}  # {note}" if note else text for text, note in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 
 class VidtuneError(Exception):
-    """An error caused by the user's input, explained in plain words."""
+    """An error caused by the user's input, explained in plain words.
+
+    Every message has the same shape: what is wrong and where (the config key, the file and line, the folder),
+    then a last line `What to do: ...`."""
 
 
 class ConfigError(VidtuneError):
@@ -26,8 +29,7 @@ class DataError(VidtuneError):
         count = len(self.problems)
         header = f"The dataset has {count} problem{'s' if count != 1 else ''}; nothing was trained:"
         lines = [header, *(f"  - {problem}" for problem in self.problems)]
-        if hint:
-            lines.append(hint)
+        lines.append(f"What to do: {hint or 'fix the lines above and run again.'}")
         super().__init__("\n".join(lines))
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from vidtune.config import load_config
+from vidtune.cpu import configure_cpu_threads
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.errors import VidtuneError
 from vidtune.models.tiny import write_tiny_model
@@ -43,7 +44,16 @@ def prepare_quickstart(folder: Path, num_clips: int = 4) -> Path:
     except OSError as error:  # a file in the way, no permission
         raise VidtuneError(f"--output: cannot create the folder {folder} ({error.strerror or error}); choose "
                            "another --output") from None
-    model_dir = write_tiny_model("ltx-video", folder / "tiny-ltx-video")
+    from transformers.utils import logging as transformers_logging
+
+    # Saving the tiny text encoder draws a progress bar of one shard: noise in the quickstart's output.
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        model_dir = write_tiny_model("ltx-video", folder / "tiny-ltx-video")
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
     data = QUICKSTART_SETTINGS["data"]
     data_dir = render_shapes_dataset(
         folder / "data", num_clips=num_clips, num_frames=data["frames"] + 8, height=96, width=96,
@@ -68,4 +78,5 @@ def run_quickstart(folder: Path, overrides: list[str] | None = None) -> TrainRes
         shutil.rmtree(folder / "run")
     config_path = prepare_quickstart(folder)
     config = load_config(config_path, overrides)
+    configure_cpu_threads(config)
     return build_trainer(config).run()

@@ -75,10 +75,11 @@ def resolve_resume(config: Config) -> Path | None:
     if resume is None:
         found = existing_run(output_dir)
         if found:
+            fresh = next(f"{output_dir}-{n}" for n in range(2, 10**6) if not Path(f"{output_dir}-{n}").exists())
             raise CheckpointError(
-                f"output_dir {output_dir} already holds a run ({', '.join(found[-3:])}); nothing was changed. "
-                "To continue it, add checkpoint.resume=latest. To start over, choose another output_dir "
-                "(or delete that folder yourself)."
+                f"output_dir {output_dir} already holds a run ({', '.join(found[-3:])}); nothing was changed.\n"
+                f"What to do: to start a new run, choose a fresh output_dir (e.g. add output_dir={fresh}); to "
+                "continue this one, add checkpoint.resume=latest (or delete that folder yourself)."
             )
         return None
     if resume == "latest":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 import shutil
 import signal
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -278,3 +280,48 @@ def test_export_turns_a_checkpoint_into_the_final_weights(make_config, tmp_path,
     capsys.readouterr()
     assert cli_main(["export", str(run), "--output", str(tmp_path / "e3")]) == 2
     assert "already holds" in capsys.readouterr().err
+
+
+def test_the_cli_hint_repeats_the_users_command_and_the_resumed_summary_counts_this_run(make_config, tmp_path,
+                                                                                        capsys, monkeypatch):
+    from vidtune.trainers.base import Trainer
+
+    config = make_config(training={"steps": 5}, checkpoint={"every": 2})
+    path = tmp_path / "my config.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    out = tmp_path / "the run"
+    original, calls = Trainer.compute_loss, [0]
+
+    def interrupt_on_third(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "compute_loss", interrupt_on_third)
+    code = cli_main(["train", str(path), "lora.rank=4", f"output_dir={out}", "checkpoint.resume=latest"])
+    err = capsys.readouterr().err
+    assert code == 130
+    expected = shlex.join(["vidtune", "train", str(path), "lora.rank=4", f"output_dir={out}",
+                           "checkpoint.resume=latest"])
+    assert err.strip().splitlines()[-1] == f"What to do: to continue, run {expected}"
+    assert "CONFIG" not in err
+
+    # The hint's own command continues the run; the summary counts the steps this process ran.
+    monkeypatch.setattr(Trainer, "compute_loss", original)
+    assert cli_main(shlex.split(expected)[1:]) == 0
+    stdout = capsys.readouterr().out
+    assert "Resumed from step 3: finished steps 4-5 (2 steps) in " in stdout
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()[3:]]
+    assert f"Loss over these steps: first {losses[0]:.4f}, last {losses[-1]:.4f}" in stdout
+
+
+def test_the_resume_command_under_torchrun_names_the_launcher(monkeypatch):
+    from vidtune.cli import resume_command
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert (resume_command("my.yaml", ["checkpoint.resume=old", "lora.rank=8"])
+            == "torchrun --nproc_per_node 2 -m vidtune train my.yaml lora.rank=8 checkpoint.resume=latest")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # several machines: their own launcher options
+    assert resume_command("my.yaml", []).startswith("torchrun [the same torchrun options] -m vidtune train my.yaml")

@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 import vidtune
 from vidtune.config import Config, load_config, parse_override, write_resolved_config
@@ -93,3 +94,90 @@ def test_cross_section_checks_name_both_keys_plainly():
     message = str(error.value)
     assert "optimizer.warmup_steps (10) is larger than training.steps (6)" in message
     assert "model" not in message.split("\n", 1)[1]  # the input is not dumped
+
+
+def test_paths_in_a_file_are_relative_to_its_folder_and_on_the_command_line_to_the_current_one(tmp_path,
+                                                                                              monkeypatch):
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    (project / "models" / "tiny").mkdir(parents=True)
+    elsewhere.mkdir()
+    (project / "my.yaml").write_text(
+        "model: {name: ltx-video, pretrained: models/tiny, subfolders: {transformer: ./other/transformer}}\n"
+        "data: {root: clips}\nprecompute: {cache_dir: ../cache}\ncheckpoint: {resume: runs/a}\noutput_dir: runs/a\n"
+    )
+    monkeypatch.chdir(elsewhere)
+    config = load_config("../project/my.yaml")
+    assert config.data.root == str(project / "clips")
+    assert config.output_dir == str(project / "runs" / "a")
+    assert config.precompute.cache_dir == str(tmp_path / "cache")
+    assert config.checkpoint.resume == str(project / "runs" / "a")
+    assert config.model.pretrained == str(project / "models" / "tiny")  # an existing folder, not a hub id
+    assert config.model.subfolders["transformer"] == str(project / "other" / "transformer")
+
+    config = load_config("../project/my.yaml", ["output_dir=out", "data.root=../clips2", "checkpoint.resume=latest",
+                                                "model.pretrained=Lightricks/LTX-Video"])
+    assert config.output_dir == str(elsewhere / "out") and config.data.root == str(tmp_path / "clips2")
+    assert config.checkpoint.resume == "latest" and config.model.pretrained == "Lightricks/LTX-Video"
+    # The default output_dir is where the command runs; the resolved config written to a run shows absolute paths.
+    config = load_config(None, REQUIRED)
+    assert config.output_dir == str(elsewhere / "outputs" / "run") and config.data.root == str(elsewhere / "clips")
+    written = yaml.safe_load(write_resolved_config(config, tmp_path / "run").read_text())
+    assert Path(written["data"]["root"]).is_absolute() and Path(written["output_dir"]).is_absolute()
+
+
+def test_a_bad_key_is_blamed_where_it_was_written(tmp_path):
+    (tmp_path / "my.yaml").write_text("model: {name: ltx-video, pretrained: m}\ndata:\n  root: d\n  frames: 0\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "my.yaml", ["training.stepz=3"])
+    message = str(error.value)
+    file_part, command_part = message.split("On the command line:")[0], message.split("On the command line:")[1]
+    assert "training.stepz: unknown key" in command_part and "training.stepz" not in file_part
+    assert f"In {tmp_path / 'my.yaml'}:\n  - line 4: data.frames: Input should be greater than 0" in message
+    assert message.splitlines()[-1].startswith("What to do:")
+    # A file's bad value replaced on the command line by another bad one is the command line's.
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "my.yaml", ["data.frames=-1"])
+    assert "On the command line:\n  - data.frames: Input should be greater than 0 (got -1)" in str(error.value)
+    assert "my.yaml" not in str(error.value)
+
+
+def test_config_show_prints_every_key_with_its_value_and_meaning(tmp_path, capsys, monkeypatch):
+    from vidtune.cli import main
+
+    assert main(["config", "show"]) == 0
+    shown = capsys.readouterr().out
+    values = yaml.safe_load(shown)  # the output is a config file to start from
+    lines, section = {}, None
+    for text in shown.splitlines():
+        if not text.startswith(("#", " ")):
+            section = text.split(":")[0]
+            lines[(section,)] = text
+        elif text.startswith("  "):
+            lines[(section, text.split(":")[0].strip())] = text
+    for name, field in Config.model_fields.items():
+        assert field.description and field.description in lines[(name,)]
+        section = field.annotation
+        keys = section.model_fields if isinstance(section, type) and issubclass(section, BaseModel) else {}
+        for key, sub in keys.items():
+            assert key in values[name], f"{name}.{key}"
+            assert sub.description and f"{sub.description}" in lines[(name, key)], lines[(name, key)]
+    assert values["training"]["steps"] == 1000 and values["model"]["name"] is None
+    assert "REQUIRED, not set. Model family" in shown
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.yaml").write_text("model: {name: ltx-video, pretrained: some/model}\ndata: {root: clips}\n")
+    assert main(["config", "show", "my.yaml", "training.steps=7"]) == 0
+    values = yaml.safe_load(capsys.readouterr().out)
+    assert values["training"]["steps"] == 7 and values["data"]["root"] == str(tmp_path / "clips")
+    assert values["output_dir"] == str(tmp_path / "outputs" / "run")
+
+
+def test_train_help_lists_the_sections_and_points_at_config_show(capsys):
+    from vidtune.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for name in Config.model_fields:
+        assert f"\n  {name} " in text
+    assert "vidtune config show [CONFIG]" in text

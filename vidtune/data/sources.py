@@ -87,7 +87,8 @@ def load_text_pair_dataset(
         what = "is a file, not a folder" if root.exists() else "does not exist"
         raise DataError(
             [f"The dataset folder {root} {what}."],
-            hint=f"Create a folder holding your clips, {videos_file} and {prompts_file}, and point to it.",
+            hint=f"create a folder holding your clips, {videos_file} and {prompts_file}, and point data.root at it "
+            "(in a config file, relative to the file's folder).",
         )
     videos_path, prompts_path = root / videos_file, root / prompts_file
     problems: list[str] = []
@@ -216,7 +217,7 @@ def _preview(text: str) -> str:
 
 
 def _hint(root: Path) -> str:
-    return f"Dataset folder: {root}. Fix the lines above and run again."
+    return f"fix the lines above (in the dataset folder {root}) and run again."
 
 
 def validate_clips(
@@ -246,7 +247,7 @@ def validate_clips(
         infos.append(info)
     if problems:
         raise DataError(
-            problems, hint="Fix or replace these clips (keep the captions in prompts.txt in step)."
+            problems, hint="fix or replace these clips (keep the captions in prompts.txt in step)."
         )
     return infos
 

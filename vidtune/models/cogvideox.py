@@ -41,6 +41,7 @@ from vidtune.models.spec import (
     TextComponents,
     frame_count_problem,
     raise_shape_problems,
+    shape_rule,
     side_problems,
 )
 
@@ -112,7 +113,7 @@ class CogVideoXSpec(ModelSpec):
                     f"{key}={value}: this model's rotary embeddings cover at most {size}; nearest valid value: "
                     f"{size // spatial * spatial}"
                 )
-        raise_shape_problems("CogVideoX", problems)
+        raise_shape_problems("CogVideoX", problems, self, shape_rule(temporal, patch_t or 1, spatial))
         _ = self.max_sequence_length  # fails early on a text length the transformer cannot take
 
     # ----- loading ---------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from vidtune.models.spec import (
     TextComponents,
     frame_count_problem,
     raise_shape_problems,
+    shape_rule,
     side_problems,
 )
 
@@ -81,7 +82,8 @@ class HunyuanVideoSpec(ModelSpec):
         vae_spatial, temporal, patch, patch_t = self.compression
         spatial = math.lcm(vae_spatial * patch, PIPELINE_SIDE_MULTIPLE)
         raise_shape_problems("HunyuanVideo", [frame_count_problem(frames, temporal, patch_t),
-                                              *side_problems(height, width, spatial)])
+                                              *side_problems(height, width, spatial)],
+                             self, shape_rule(temporal, patch_t, spatial))
 
     # ----- loading ---------------------------------------------------------------------------------
     def load_text_components(self, device: torch.device) -> TextComponents:

@@ -23,6 +23,7 @@ from vidtune.models.spec import (
     TextComponents,
     frame_count_problem,
     raise_shape_problems,
+    shape_rule,
     side_problems,
 )
 
@@ -51,7 +52,7 @@ class LTXVideoSpec(ModelSpec):
         vae_spatial, temporal, patch, patch_t = self.compression
         raise_shape_problems("LTX-Video", [
             frame_count_problem(frames, temporal, patch_t), *side_problems(height, width, vae_spatial * patch)
-        ])
+        ], self, shape_rule(temporal, patch_t, vae_spatial * patch))
 
     # ----- loading: the defaults of ModelSpec, with these classes ----------------------------------------------
     text_encoder_class = T5EncoderModel

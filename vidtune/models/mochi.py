@@ -38,6 +38,7 @@ from vidtune.models.spec import (
     TextComponents,
     frame_count_problem,
     raise_shape_problems,
+    shape_rule,
     side_problems,
 )
 
@@ -80,7 +81,8 @@ class MochiSpec(ModelSpec):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch = self.compression
         raise_shape_problems("Mochi", [frame_count_problem(frames, temporal), *side_problems(height, width,
-                                                                                          vae_spatial * patch)])
+                                                                                          vae_spatial * patch)],
+                             self, shape_rule(temporal, 1, vae_spatial * patch))
 
     # ----- loading: the defaults of ModelSpec, with these classes ----------------------------------------------
     text_encoder_class = T5EncoderModel

@@ -25,6 +25,7 @@ def available_models() -> list[str]:
 
 def get_spec_class(name: str) -> type[ModelSpec]:
     if name not in SPECS:
-        raise ConfigError(f"model.name: unknown model '{name}'; choose one of {', '.join(available_models())}")
+        raise ConfigError(f"model.name: unknown model '{name}'.\nWhat to do: choose one of "
+                          f"{', '.join(available_models())}.")
     module_name, class_name = SPECS[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)

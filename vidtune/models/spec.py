@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from vidtune.config import DType, ModelConfig, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import INCOMPLETE, follow_umask
+from vidtune.models.hub import check_hub_model, looks_local
 from vidtune.objectives import Objective, objective_from_scheduler
 from vidtune.outputs import LORA_WEIGHTS
 
@@ -98,10 +99,46 @@ def side_problems(height: int, width: int, height_multiple: int, width_multiple:
     return problems
 
 
-def raise_shape_problems(family: str, problems: list[str | None]) -> None:
+# The clip rules of each family's published checkpoints (what README.md lists), to compare a model's own rule with.
+PUBLISHED_SHAPE_RULES = {
+    "ltx-video": "frames 8k+1, sides multiples of 32",
+    "cogvideox": "frames 4k+1 (CogVideoX 1.5: an even number of latent frames), sides multiples of 16",
+    "cogvideox-i2v": "frames 4k+1, 480x720",
+    "hunyuan-video": "frames 4k+1, sides multiples of 16",
+    "mochi": "frames 6k+1, sides multiples of 16",
+    "wan": "frames 4k+1, sides multiples of 16",
+    "wan-i2v": "frames 4k+1, sides multiples of 16",
+}
+
+
+def shape_rule(temporal: int, latent_multiple: int, height_multiple: int, width_multiple: int | None = None) -> str:
+    """A model's clip rule in words, e.g. `frames 8k+1, sides multiples of 32`."""
+    frames = f"{temporal}k+1" if latent_multiple == 1 else f"{temporal}k+1 with k+1 a multiple of {latent_multiple}"
+    if width_multiple in (None, height_multiple):
+        return f"frames {frames}, sides multiples of {height_multiple}"
+    return f"frames {frames}, height a multiple of {height_multiple}, width of {width_multiple}"
+
+
+def raise_shape_problems(family: str, problems: list[str | None], spec: ModelSpec | None = None,
+                         rule: str = "") -> None:
+    """One ConfigError listing every problem of the clip shape. With `spec`, it names the model whose rule it is
+    (read from that model's configs: a tiny or custom model has its own) and, for a local model, the published
+    checkpoints' rule to compare with."""
     found = [problem for problem in problems if problem]
-    if found:
-        raise ConfigError(f"The clip shape does not fit {family}:\n" + "\n".join(f"  - {p}" for p in found))
+    if not found:
+        return
+    if spec is None:
+        lines = [f"The clip shape does not fit {family}:"]
+    else:
+        its_rule = f" (its rule, read from its own configs: {rule})" if rule else ""
+        lines = [f"The clip shape does not fit the {spec.name} model at {spec.config.pretrained}{its_rule}:"]
+    lines += [f"  - {problem}" for problem in found]
+    published = PUBLISHED_SHAPE_RULES.get(spec.name) if spec is not None else None
+    if published and looks_local(spec.config.pretrained):
+        lines.append(f"For comparison, the published {family} checkpoints need {published}.")
+    lines.append("What to do: set the nearest valid values above (data.frames, data.height, data.width; in the config "
+                 "or on the command line).")
+    raise ConfigError("\n".join(lines))
 
 
 class ModelSpec(ABC):
@@ -158,28 +195,36 @@ class ModelSpec(ABC):
         return f"{key}: {relative} of {source}"
 
     def check_source(self) -> None:
-        """Fail early and clearly when a local model folder is missing or incomplete."""
+        """Fail early and clearly when the model cannot be had: a local folder missing or incomplete, or a hub id
+        the hub cannot give (unreachable, offline and not cached, gated, missing, a wrong revision)."""
         pretrained = self.config.pretrained
-        looks_local = os.path.isabs(pretrained) or pretrained.startswith(".") or os.path.exists(pretrained)
-        if not looks_local:
-            return  # a hub id: loading reports what is wrong with it
-        folder = Path(pretrained)
+        needed = tuple(name for name in self.required_components() if name not in self.config.subfolders)
+        if not looks_local(pretrained):
+            check_hub_model(pretrained, self.config.revision, self.name, needed)
+            return
+        folder = Path(pretrained).expanduser()
         if not folder.is_dir():
             raise ModelError(
-                f"model.pretrained: the folder {folder.resolve()} does not exist. Point it at a model folder in "
-                "the diffusers layout (with model_index.json) or at a hub id such as Lightricks/LTX-Video."
+                f"model.pretrained: the folder {folder.resolve()} does not exist.\n"
+                "What to do: point it at a model folder in the diffusers layout (with model_index.json; relative "
+                "paths in a config file are relative to the file's folder) or at a hub id such as "
+                "Lightricks/LTX-Video."
             )
-        missing = [
-            name
-            for name in self.required_components()
-            if name not in self.config.subfolders and not (folder / name).is_dir()
-        ]
+        missing = [name for name in needed if not (folder / name).is_dir()]
         if missing:
             raise ModelError(
                 f"model.pretrained: {folder.resolve()} is not a complete {self.name} model folder; "
-                f"missing subfolder(s): {', '.join(missing)}. Expected the diffusers layout "
-                f"({', '.join(self.required_components())})."
+                f"missing subfolder(s): {', '.join(missing)}.\n"
+                f"What to do: use a folder in the diffusers layout ({', '.join(self.required_components())}), "
+                "or give the missing parts with model.subfolders (e.g. {transformer: /path/to/transformer})."
             )
+
+    def _load_problem(self, what: str, source: str, subfolder: str | None, error: BaseException) -> ModelError:
+        where = f"{source}/{subfolder}" if subfolder else source
+        hint = ("check model.pretrained and model.subfolders (a local folder in the diffusers layout, or a hub id "
+                "whose files this machine can download or has in its hub cache); `vidtune data check CONFIG` "
+                "checks the model before anything long starts.")
+        return ModelError(f"Could not load the {what} of {self.name} from {where}: {error}\nWhat to do: {hint}")
 
     def load_component(self, cls: Any, component: str, **kwargs: Any) -> Any:
         source, subfolder = self.component_source(component)
@@ -189,20 +234,18 @@ class ModelSpec(ABC):
         try:
             return cls.from_pretrained(source, **extra, **kwargs)
         except (OSError, ValueError) as error:
-            where = f"{source}/{subfolder}" if subfolder else source
-            raise ModelError(
-                f"Could not load the {component} of {self.name} from {where}: {error}\n"
-                "Check model.pretrained (a local diffusers folder or a hub id you have downloaded)."
-            ) from None
+            raise self._load_problem(component, source, subfolder, error) from None
 
     def load_config(self, cls: Any, component: str) -> dict[str, Any]:
         """A component's config.json, without loading its weights (for early shape checks)."""
         source, subfolder = self.component_source(component)
+        if not looks_local(source):
+            # Shape checks read configs before `check_source` may have run: ask the hub once, plainly, first.
+            self.check_source()
         try:
             config = dict(cls.load_config(source, subfolder=subfolder, revision=self.config.revision))
         except (OSError, ValueError) as error:
-            where = f"{source}/{subfolder}" if subfolder else source
-            raise ModelError(f"Could not read the {component} config of {self.name} from {where}: {error}") from None
+            raise self._load_problem(f"{component} config", source, subfolder, error) from None
         self.check_component_class(cls, component, config)
         return config
 

@@ -46,6 +46,7 @@ from vidtune.models.spec import (
     TextComponents,
     frame_count_problem,
     raise_shape_problems,
+    shape_rule,
     side_problems,
 )
 from vidtune.objectives import SUPPORTED_SCHEDULERS
@@ -95,7 +96,8 @@ class WanSpec(ModelSpec):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch = self.compression
         raise_shape_problems("Wan", [frame_count_problem(frames, temporal, patch[0]),
-                                     *side_problems(height, width, vae_spatial * patch[1], vae_spatial * patch[2])])
+                                     *side_problems(height, width, vae_spatial * patch[1], vae_spatial * patch[2])],
+                             self, shape_rule(temporal, patch[0], vae_spatial * patch[1], vae_spatial * patch[2]))
 
     # ----- loading ---------------------------------------------------------------------------------
     text_encoder_class = UMT5EncoderModel

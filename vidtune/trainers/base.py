@@ -399,8 +399,7 @@ class Trainer(ABC):
         return (
             f"{received.name} received: stopped after step {self.state.step} of {self.config.training.steps} and "
             f"saved the checkpoint {where}.\n"
-            "To continue exactly where it stopped, run the same command again with checkpoint.resume=latest, "
-            "e.g. vidtune train CONFIG checkpoint.resume=latest\n"
+            "To continue exactly where it stopped, run the same command again with checkpoint.resume=latest.\n"
             f"To use what it learned so far: vidtune export {where} --output FOLDER"
         )
 

@@ -36,7 +36,7 @@ from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.data.video import read_clip
 from vidtune.models.tiny import write_tiny_ltx_video
-from vidtune.precompute import CachedSamples, CacheStore, precompute
+from vidtune.precompute import CachedClips, CacheStore, precompute
 from vidtune.precompute.encode import build_spec, split_items
 from vidtune.trainers import build_trainer
 
@@ -100,7 +100,7 @@ def read_time_per_sample(config_dict: dict, rounds: int = 5) -> float:
     config = build_config(config_dict)
     summary = precompute(config, progress=False)
     samples = load_text_pair_dataset(Path(config.data.root))
-    dataset = CachedSamples(config, build_spec(config), summary.plan, samples)
+    dataset = CachedClips(config, build_spec(config), summary.plan, samples)
     times = []
     for _ in range(rounds):
         started = time.perf_counter()

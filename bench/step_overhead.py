@@ -121,8 +121,8 @@ def main() -> None:
     text, vae = probe.spec.load_text_components(probe.device), probe.spec.load_vae(probe.device)
     from vidtune.data.video import read_clip
 
-    video = read_clip(probe.samples[0].video, FRAMES, SIZE, SIZE)[None]
-    tensors = (probe.spec.prepare_conditions(text, [probe.samples[0].caption]), probe.spec.prepare_latents(vae, video))
+    video = read_clip(probe.clips[0].video, FRAMES, SIZE, SIZE)[None]
+    tensors = (probe.spec.prepare_conditions(text, [probe.clips[0].caption]), probe.spec.prepare_latents(vae, video))
     lora = LoraConfig(r=16, lora_alpha=16, target_modules=list(probe.spec.default_lora_targets))
 
     results: dict[str, list[float]] = {"bare": [], "trainer": [], "trainer_no_clip": []}

@@ -52,8 +52,8 @@ def resume_command(config: str | None, overrides: list[str], verbose: bool = Fal
 def command_train(args: argparse.Namespace) -> int:
     from vidtune import parallel
     from vidtune.cpu import configure_cpu_threads
-    from vidtune.trainers.stop import TrainingInterrupted
     from vidtune.trainers import build_trainer
+    from vidtune.trainers.stop import TrainingInterrupted
 
     config = _load(args.config)
     configure_cpu_threads(config)
@@ -98,16 +98,16 @@ def command_data_check(args: argparse.Namespace) -> int:
     spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
     spec.check_source()
     spec.check_video_shape(config.data.frames, config.data.height, config.data.width)
-    samples = load_text_pair_dataset(Path(config.data.root), config.data.videos, config.data.prompts)
-    infos = validate_clips(samples, config.data.frames, config.data.fps)
+    clips = load_text_pair_dataset(Path(config.data.root), config.data.videos, config.data.prompts)
+    infos = validate_clips(clips, config.data.frames, config.data.fps)
     overview = Path(args.overview) if args.overview else Path(config.output_dir) / outputs.DATASET_OVERVIEW
     try:
         overview.parent.mkdir(parents=True, exist_ok=True)
-        write_dataset_overview(samples, infos, overview)
+        write_dataset_overview(clips, infos, overview)
     except OSError as error:  # a file in the way, no permission, a full disk
         where = "--overview" if args.overview else "output_dir"
         raise VidtuneError(f"{where}: cannot write the overview {overview} ({_os_reason(error)})") from None
-    print(f"The dataset is ready: {len(samples)} clips, every line valid.")
+    print(f"The dataset is ready: {len(clips)} clips, every line valid.")
     print(f"Overview: {overview.resolve()}")
     return 0
 

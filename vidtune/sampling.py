@@ -17,7 +17,7 @@ from PIL import Image
 from torch import nn
 
 from vidtune.config import Config
-from vidtune.data.sources import Sample
+from vidtune.data.sources import Clip
 from vidtune.data.video import frames_to_uint8, read_clip, write_video
 from vidtune.files import atomic_path, atomic_write_text
 from vidtune.models.spec import ModelSpec, TextComponents
@@ -54,7 +54,7 @@ class SampleSettings:
         )
 
 
-def reference_clip(spec: ModelSpec, clips: Sequence[Sample], settings: SampleSettings) -> torch.Tensor | None:
+def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSettings) -> torch.Tensor | None:
     """Image-to-video families start from a first frame: that of the first dataset clip ([1, 3, H, W])."""
     if not spec.image_to_video:
         return None

@@ -15,7 +15,7 @@ from vidtune.models.cogvideox import CogVideoXI2VSpec
 from vidtune.models.ltx_video import LTXVideoSpec
 from vidtune.models.registry import available_models
 from vidtune.precompute import build_plan, precompute
-from vidtune.precompute.encode import build_spec, load_samples
+from vidtune.precompute.encode import build_spec, load_clips
 
 
 def counts(summary):
@@ -24,7 +24,7 @@ def counts(summary):
 
 def plan_for(config):
     spec = build_spec(config)
-    return build_plan(config, spec, load_samples(config, spec, progress=False))
+    return build_plan(config, spec, load_clips(config, spec, progress=False))
 
 
 def test_validation_settings_keep_every_entry(config_for, monkeypatch):

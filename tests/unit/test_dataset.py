@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from vidtune.data import overview
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
-from vidtune.data.sources import Sample, load_text_pair_dataset, read_lines, validate_clips
+from vidtune.data.sources import Clip, load_text_pair_dataset, read_lines, validate_clips
 from vidtune.data.synthetic import BACKGROUNDS, COLORS, render_shapes_dataset
 from vidtune.data.video import VideoDecodeError, read_frames, write_video
 
@@ -64,7 +64,7 @@ def test_collate_rejects_an_empty_batch() -> None:
 
 def test_dataset_error_names_the_line(tmp_path: Path) -> None:
     clip = write_video(tmp_path / "short.mp4", np.zeros((3, 16, 16, 3), np.uint8), 24)
-    dataset = VideoCaptionDataset([Sample(clip, "a cat", 0, 7)], num_frames=5, height=16, width=16)
+    dataset = VideoCaptionDataset([Clip(clip, "a cat", 0, 7)], num_frames=5, height=16, width=16)
     with pytest.raises(VideoDecodeError) as caught:
         dataset[0]
     assert "(videos.txt line 7)" in str(caught.value)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vidtune.data.sources import Sample, load_text_pair_dataset, read_lines, validate_clips
+from vidtune.data.sources import Clip, load_text_pair_dataset, read_lines, validate_clips
 from vidtune.data.video import write_video
 from vidtune.errors import DataError
 
@@ -81,8 +81,8 @@ def test_loads_relative_and_absolute_clip_paths(tmp_path: Path) -> None:
     )
     samples = load_text_pair_dataset(root)
     assert samples == [
-        Sample(video=root / "clips/a.mp4", caption="a red ball", index=0, line=1),
-        Sample(video=elsewhere, caption="a blue cube", index=1, line=2),
+        Clip(video=root / "clips/a.mp4", caption="a red ball", index=0, line=1),
+        Clip(video=elsewhere, caption="a blue cube", index=1, line=2),
     ]
     assert all(sample.video.is_absolute() for sample in samples)
 
@@ -186,8 +186,8 @@ def clip_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def samples_for(folder: Path, names: list[str]) -> list[Sample]:
-    return [Sample(folder / name, f"caption {i}", i, i + 1) for i, name in enumerate(names)]
+def samples_for(folder: Path, names: list[str]) -> list[Clip]:
+    return [Clip(folder / name, f"caption {i}", i, i + 1) for i, name in enumerate(names)]
 
 
 def test_validate_clips_returns_one_info_per_clip(clip_folder: Path) -> None:

@@ -1,4 +1,4 @@
-"""A torch Dataset of (clip, caption) samples, decoded on demand."""
+"""A torch Dataset of the clips (video and caption), decoded on demand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from vidtune.data.sources import Sample
+from vidtune.data.sources import Clip
 from vidtune.data.video import ClipTooShortError, VideoDecodeError, read_clip
 
 
@@ -19,26 +19,26 @@ class VideoCaptionDataset(Dataset):
     """
 
     def __init__(
-        self, samples: Sequence[Sample], num_frames: int, height: int, width: int, fps: float | None = None
+        self, clips: Sequence[Clip], num_frames: int, height: int, width: int, fps: float | None = None
     ) -> None:
-        self.samples = list(samples)
+        self.clips = list(clips)
         self.num_frames = num_frames
         self.height = height
         self.width = width
         self.fps = fps
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.clips)
 
     def __getitem__(self, item: int) -> dict[str, Any]:
-        sample = self.samples[item]
+        clip = self.clips[item]
         try:
-            video = read_clip(sample.video, self.num_frames, self.height, self.width, fps=self.fps)
+            video = read_clip(clip.video, self.num_frames, self.height, self.width, fps=self.fps)
         except (VideoDecodeError, ClipTooShortError) as error:
             # Raised in a worker mid-training: say which line, since the user only knows their text files.
-            where = f"{sample.source} line {sample.line}"
-            raise VideoDecodeError(sample.video, error.reason, where=where) from error
-        return {"video": video, "caption": sample.caption, "index": sample.index}
+            where = f"{clip.source} line {clip.line}"
+            raise VideoDecodeError(clip.video, error.reason, where=where) from error
+        return {"video": video, "caption": clip.caption, "index": clip.index}
 
 
 def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from vidtune.data.sources import Sample
+from vidtune.data.sources import Clip
 from vidtune.data.video import VideoInfo, format_fps, read_frames
 from vidtune.errors import VidtuneError
 from vidtune.files import atomic_path
@@ -34,35 +34,35 @@ _CAPTION_WIDTH = 62  # characters per caption line; the default font is about 7 
 _CAPTION_LINES = 3
 
 
-def overview_size(num_samples: int, max_rows: int = MAX_ROWS) -> tuple[int, int]:
-    """(width, height) of the sheet for `num_samples` clips."""
-    rows = min(num_samples, max_rows)
-    note = NOTE_H if num_samples > max_rows else 0
+def overview_size(num_clips: int, max_rows: int = MAX_ROWS) -> tuple[int, int]:
+    """(width, height) of the sheet for `num_clips` clips."""
+    rows = min(num_clips, max_rows)
+    note = NOTE_H if num_clips > max_rows else 0
     return WIDTH, HEADER_H + rows * ROW_H + note
 
 
 def write_dataset_overview(
-    samples: Sequence[Sample],
+    clips: Sequence[Clip],
     infos: Sequence[VideoInfo],
     path: str | os.PathLike[str],
     max_rows: int = MAX_ROWS,
 ) -> Path:
     """Write the contact sheet as a PNG at `path` (atomically) and return the path."""
-    if len(samples) != len(infos):
-        raise ValueError(f"got {len(samples)} samples but {len(infos)} video infos")
+    if len(clips) != len(infos):
+        raise ValueError(f"got {len(clips)} clips but {len(infos)} video infos")
     path = Path(path)
-    sheet = Image.new("RGB", overview_size(len(samples), max_rows), _BACKGROUND)
+    sheet = Image.new("RGB", overview_size(len(clips), max_rows), _BACKGROUND)
     draw = ImageDraw.Draw(sheet)
     font = ImageFont.load_default(size=13)
-    shown = min(len(samples), max_rows)
-    header = f"{len(samples)} clip{'s' if len(samples) != 1 else ''}"
-    if shown < len(samples):
+    shown = min(len(clips), max_rows)
+    header = f"{len(clips)} clip{'s' if len(clips) != 1 else ''}"
+    if shown < len(clips):
         header += f" (showing the first {shown})"
     _text(draw, (PAD, PAD), header + "   |   first, middle and last frame of each clip", font, _TEXT)
-    for row, (sample, info) in enumerate(zip(samples[:shown], infos[:shown], strict=True)):
-        _draw_row(sheet, draw, font, HEADER_H + row * ROW_H, sample, info)
-    if shown < len(samples):
-        more = len(samples) - shown
+    for row, (clip, info) in enumerate(zip(clips[:shown], infos[:shown], strict=True)):
+        _draw_row(sheet, draw, font, HEADER_H + row * ROW_H, clip, info)
+    if shown < len(clips):
+        more = len(clips) - shown
         note = f"... and {more} more clip{'s' if more != 1 else ''} not shown."
         _text(draw, (PAD, HEADER_H + shown * ROW_H + PAD), note, font, _DIM_TEXT)
     _save_png(sheet, path)
@@ -74,20 +74,20 @@ def _draw_row(
     draw: ImageDraw.ImageDraw,
     font: ImageFont.ImageFont,
     top: int,
-    sample: Sample,
+    clip: Clip,
     info: VideoInfo,
 ) -> None:
     last = max(info.num_frames - 1, 0)
     for column, index in enumerate((0, last // 2, last)):
         left = PAD + column * (THUMB_W + PAD)
-        sheet.paste(_thumbnail(sample.video, index), (left, top + PAD))
+        sheet.paste(_thumbnail(clip.video, index), (left, top + PAD))
     text_left = PAD + 3 * (THUMB_W + PAD)
     details = (
         f"{info.num_frames} frames, {format_fps(info.fps)} fps, {info.width}x{info.height}, "
         f"{info.duration:.1f} s"
     )
-    lines = [(f"{sample.source} line {sample.line}: {sample.video.name}", _TEXT), (details, _DIM_TEXT)]
-    lines += [(line, _TEXT) for line in _wrap_caption(sample.caption)]
+    lines = [(f"{clip.source} line {clip.line}: {clip.video.name}", _TEXT), (details, _DIM_TEXT)]
+    lines += [(line, _TEXT) for line in _wrap_caption(clip.caption)]
     for number, (line, color) in enumerate(lines):
         _text(draw, (text_left, top + PAD + number * 17), line, font, color)
 

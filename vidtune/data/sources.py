@@ -1,4 +1,4 @@
-"""Turn a user's dataset folder into samples, checking every line before any long work starts.
+"""Turn a user's dataset folder into clips (path, caption, line), checking every line before any long work starts.
 
 A dataset is two text files in one folder: `videos.txt` (one clip path per line, relative to the folder
 or absolute) and `prompts.txt` (the caption for the clip on the same line). Every problem is collected
@@ -33,7 +33,7 @@ _PREVIEW = 60
 
 
 @dataclass(frozen=True)
-class Sample:
+class Clip:
     """One clip and its caption. `line` is the 1-based line number in both files."""
 
     video: Path
@@ -80,8 +80,8 @@ def _line_of_offset(data: bytes, offset: int) -> int:
 
 def load_text_pair_dataset(
     root: str | os.PathLike[str], videos_file: str = "videos.txt", prompts_file: str = "prompts.txt"
-) -> list[Sample]:
-    """Read the two lists in `root` into samples, or raise one DataError listing every problem."""
+) -> list[Clip]:
+    """Read the two lists in `root` into clips, or raise one DataError listing every problem."""
     root = Path(root).expanduser().absolute()
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
@@ -99,10 +99,10 @@ def load_text_pair_dataset(
 
     videos_name, prompts_name = _display_name(videos_file), _display_name(prompts_file)
     problems.extend(_count_problems(videos, prompts, videos_name, prompts_name))
-    samples = _pair_lines(root, videos, prompts, videos_name, prompts_name, problems)
+    clips = _pair_lines(root, videos, prompts, videos_name, prompts_name, problems)
     if problems:
         raise DataError(problems, hint=_hint(root))
-    return samples
+    return clips
 
 
 def _pair_lines(
@@ -112,9 +112,9 @@ def _pair_lines(
     videos_name: str,
     prompts_name: str,
     problems: list[str],
-) -> list[Sample]:
+) -> list[Clip]:
     """Samples for the lines that are fine; a problem is recorded for every line that is not."""
-    samples: list[Sample] = []
+    clips: list[Clip] = []
     for number, text in enumerate(videos, start=1):
         clip = _check_clip_line(root, text, number, videos_name, prompts_name, problems)
         caption = prompts[number - 1] if number <= len(prompts) else None
@@ -126,11 +126,11 @@ def _pair_lines(
                 f"{videos_name} line {number} ({_preview(text) if text else 'also empty'})."
             )
         elif clip is not None:
-            samples.append(Sample(clip, caption, number - 1, number, videos_name))
+            clips.append(Clip(clip, caption, number - 1, number, videos_name))
     for number in range(len(videos) + 1, len(prompts) + 1):
         if not prompts[number - 1]:
             problems.append(f"{prompts_name} line {number} is empty.")
-    return samples
+    return clips
 
 
 def _read_list(path: Path, content: str, problems: list[str]) -> list[str] | None:
@@ -221,23 +221,23 @@ def _hint(root: Path) -> str:
 
 
 def validate_clips(
-    samples: Sequence[Sample], num_frames: int, fps: float | None, progress: bool = True
+    clips: Sequence[Clip], num_frames: int, fps: float | None, progress: bool = True
 ) -> list[VideoInfo]:
     """Probe every clip; raise one DataError naming every unreadable or too-short clip.
 
-    `num_frames` and `fps` are what training reads per sample (data.frames and data.fps).
+    `num_frames` and `fps` are what training reads per clip (data.frames and data.fps).
     """
     problems: list[str] = []
     infos: list[VideoInfo] = []
     probed: dict[Path, VideoInfo | VideoDecodeError] = {}  # a clip may be listed twice with two captions
-    for sample in tqdm(samples, desc="Checking clips", unit="clip", disable=not progress):
-        where = f"{sample.source} line {sample.line} ({sample.video})"
-        if sample.video not in probed:
+    for clip in tqdm(clips, desc="Checking clips", unit="clip", disable=not progress):
+        where = f"{clip.source} line {clip.line} ({clip.video})"
+        if clip.video not in probed:
             try:
-                probed[sample.video] = probe_video(sample.video)
+                probed[clip.video] = probe_video(clip.video)
             except VideoDecodeError as error:
-                probed[sample.video] = error
-        info = probed[sample.video]
+                probed[clip.video] = error
+        info = probed[clip.video]
         if isinstance(info, VideoDecodeError):
             problems.append(f"{where}: {info.reason}")
             continue

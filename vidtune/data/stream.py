@@ -26,9 +26,9 @@ from vidtune import parallel
 from vidtune.config import Config
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.sampler import StreamSampler
-from vidtune.data.sources import Sample
+from vidtune.data.sources import Clip
 from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
-from vidtune.precompute import CachedSamples, collate_cached, encode_captions, encode_videos, stack_items
+from vidtune.precompute import CachedClips, collate_cached, encode_captions, encode_videos, stack_items
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Batch:
 class BatchSource(ABC):
     """Batches of `training.batch_size` clips, for this rank, from any position of the stream, on `device`."""
 
-    def __init__(self, config: Config, clips: Sequence[Sample], device: torch.device) -> None:
+    def __init__(self, config: Config, clips: Sequence[Clip], device: torch.device) -> None:
         self.config = config
         self.clips = list(clips)
         self.device = device
@@ -72,7 +72,7 @@ class BatchSource(ABC):
 class CachedBatches(BatchSource):
     """Batches read from the precompute cache (an entry that is damaged or gone is computed again)."""
 
-    def __init__(self, config: Config, clips: Sequence[Sample], device: torch.device, cached: CachedSamples) -> None:
+    def __init__(self, config: Config, clips: Sequence[Clip], device: torch.device, cached: CachedClips) -> None:
         super().__init__(config, clips, device)
         self.cached = cached
 
@@ -91,7 +91,7 @@ class CachedBatches(BatchSource):
 class EncodedBatches(BatchSource):
     """Clips decoded by `data.num_workers` worker processes and encoded here, batch by batch."""
 
-    def __init__(self, config: Config, clips: Sequence[Sample], device: torch.device, spec: ModelSpec,
+    def __init__(self, config: Config, clips: Sequence[Clip], device: torch.device, spec: ModelSpec,
                  text: TextComponents, vae: nn.Module) -> None:
         super().__init__(config, clips, device)
         self.spec = spec

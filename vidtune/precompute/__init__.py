@@ -7,7 +7,7 @@ content-addressed, crash-safe store).
 """
 
 from vidtune.precompute.cache import FORMAT_VERSION, CacheStore, CorruptEntryError, entry_key
-from vidtune.precompute.dataset import CachedSamples, collate_cached
+from vidtune.precompute.dataset import CachedClips, collate_cached
 from vidtune.precompute.encode import (
     PrecomputeSummary,
     WorkerReport,
@@ -26,7 +26,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CachePlan",
     "CacheStore",
-    "CachedSamples",
+    "CachedClips",
     "CorruptEntryError",
     "PrecomputeSummary",
     "Preprocess",

@@ -1,4 +1,4 @@
-"""Training from the cache: each sample's conditions and VAE posterior, read instead of computed.
+"""Training from the cache: each clip's conditions and VAE posterior, read instead of computed.
 
 Reads verify each entry (see `CacheStore.read`). An entry that is damaged or gone is reported with a warning
 and computed again, loading the one component it needs just for that and releasing it afterwards.
@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vidtune.config import Config
-from vidtune.data.sources import Sample
+from vidtune.data.sources import Clip
 from vidtune.models.spec import ModelSpec
 from vidtune.precompute.cache import CorruptEntryError
 from vidtune.precompute.encode import Tensors, as_posterior, recompute_entry, stack_items
@@ -24,18 +24,18 @@ from vidtune.precompute.plan import CachePlan
 logger = logging.getLogger(__name__)
 
 
-class CachedSamples(Dataset):
+class CachedClips(Dataset):
     """Yields {"conditions": {...}, "latents": {...}, "caption": str, "index": int}, tensors without batch dim."""
 
-    def __init__(self, config: Config, spec: ModelSpec, plan: CachePlan, samples: Sequence[Sample]) -> None:
+    def __init__(self, config: Config, spec: ModelSpec, plan: CachePlan, clips: Sequence[Clip]) -> None:
         self.config = config
         self.spec = spec
         self.plan = plan
-        self.samples = list(samples)
+        self.clips = list(clips)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.clips)
 
     def read(self, kind: str, key: str) -> Tensors:
         try:
@@ -57,12 +57,12 @@ class CachedSamples(Dataset):
         return stack_items([self.conditions(self.plan.empty_key)])
 
     def __getitem__(self, item: int) -> dict[str, Any]:
-        sample = self.samples[item]
+        clip = self.clips[item]
         return {
             "conditions": self.conditions(self.plan.condition_keys[item]),
             "latents": as_posterior(self.read("latents", self.plan.latent_keys[item])),
-            "caption": sample.caption,
-            "index": sample.index,
+            "caption": clip.caption,
+            "index": clip.index,
         }
 
 

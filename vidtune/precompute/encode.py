@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from vidtune import parallel
 from vidtune.config import Config
-from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
+from vidtune.data.sources import Clip, load_text_pair_dataset, validate_clips
 from vidtune.data.video import read_clip
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, ModelSpec, TextComponents, draw_latent
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 _LOAD_LOCK = threading.Lock()
 
 Tensors = dict[str, torch.Tensor]
-Clip = torch.Tensor | str | os.PathLike | Sample
+ClipSource = torch.Tensor | str | os.PathLike | Clip
 T = TypeVar("T")
 
 
@@ -95,15 +95,15 @@ def encode_captions(spec: ModelSpec, text: TextComponents, captions: Sequence[st
     return items
 
 
-def read_clips(clips: Sequence[Clip], preprocess: Preprocess | None, workers: int = 2,
+def read_clips(clips: Sequence[ClipSource], preprocess: Preprocess | None, workers: int = 2,
                lookahead: int = 8) -> Iterator[torch.Tensor]:
     """Clips as [F, 3, H, W] tensors in order, decoded by `workers` threads up to `lookahead` clips ahead."""
-    def decode(clip: Clip) -> torch.Tensor:
+    def decode(clip: ClipSource) -> torch.Tensor:
         if isinstance(clip, torch.Tensor):
             return clip
         if preprocess is None:
             raise ValueError("encode_videos: pass preprocess=Preprocess(frames, height, width) to read clip files")
-        path = clip.video if isinstance(clip, Sample) else clip
+        path = clip.video if isinstance(clip, Clip) else clip
         return read_clip(path, preprocess.frames, preprocess.height, preprocess.width, fps=preprocess.fps,
                          start=preprocess.start)
 
@@ -135,14 +135,14 @@ def _latent_items(spec: ModelSpec, vae: torch.nn.Module, videos: torch.Tensor, s
 
 
 @torch.no_grad()
-def encode_videos(spec: ModelSpec, vae: torch.nn.Module, clips: torch.Tensor | Sequence[Clip], batch_size: int = 4,
-                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+def encode_videos(spec: ModelSpec, vae: torch.nn.Module, clips: torch.Tensor | Sequence[ClipSource],
+                  batch_size: int = 4, device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
                   preprocess: Preprocess | None = None, store: str = "posterior",
                   generators: Sequence[torch.Generator] | None = None, decode_workers: int = 2) -> list[Tensors]:
     """The normalised VAE posterior of each clip ({"latents_mean", "latents_std"} + video-derived conditions).
 
     `clips`: a [B, F, 3, H, W] tensor in [-1, 1], or a list of such [F, 3, H, W] tensors, video paths or
-    `Sample`s (files are decoded with `preprocess`, ahead of the VAE). `store="sample"` returns one drawn
+    `Clip`s (files are decoded with `preprocess`, ahead of the VAE). `store="sample"` returns one drawn
     latent per clip instead ({"latents"}, drawn with `generators`).
     """
     if store not in ("posterior", "sample"):
@@ -227,14 +227,14 @@ def build_spec(config: Config) -> ModelSpec:
     return get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
 
 
-def load_samples(config: Config, spec: ModelSpec, progress: bool = True) -> list[Sample]:
+def load_clips(config: Config, spec: ModelSpec, progress: bool = True) -> list[Clip]:
     """The dataset, checked like `vidtune train` checks it."""
     data = config.data
     spec.check_source()
     spec.check_video_shape(data.frames, data.height, data.width)
-    samples = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
-    validate_clips(samples, data.frames, data.fps, progress=progress)
-    return samples
+    clips = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
+    validate_clips(clips, data.frames, data.fps, progress=progress)
+    return clips
 
 
 def _check_existing(cache: CacheStore, kind: str, keys: list[str]) -> tuple[list[str], int, int]:
@@ -408,18 +408,18 @@ def distributed_world(rank: int | None = None, world: int | None = None) -> tupl
     return parallel.rank(), parallel.world_size()
 
 
-def precompute(config: Config, samples: list[Sample] | None = None, *, progress: bool | None = None,
+def precompute(config: Config, clips: list[Clip] | None = None, *, progress: bool | None = None,
                rank: int | None = None, world: int | None = None) -> PrecomputeSummary:
     """Fill the cache for a config's dataset; returns counts (see `PrecomputeSummary.line`) and the plan."""
     started = time.perf_counter()
     progress = config.logging.progress if progress is None else progress
     spec = build_spec(config)
-    if samples is None:
-        samples = load_samples(config, spec, progress=progress)
+    if clips is None:
+        clips = load_clips(config, spec, progress=progress)
     cache = CacheStore(cache_root(config))
     cache.prepare()
     cache.remove_stale_temporary_files()
-    plan = build_plan(config, spec, samples, cache)
+    plan = build_plan(config, spec, clips, cache)
     rank, world = distributed_world(rank, world)
 
     # gloo even beside GPUs: the ranks only exchange a few counts (and a training run's nccl group is reused).

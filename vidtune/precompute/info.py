@@ -8,7 +8,7 @@ from pathlib import Path
 from vidtune.config import Config
 from vidtune.errors import CacheError
 from vidtune.precompute.cache import KINDS, CacheStore, CorruptEntryError
-from vidtune.precompute.encode import build_spec, load_samples
+from vidtune.precompute.encode import build_spec, load_clips
 from vidtune.precompute.plan import build_plan, cache_root
 
 
@@ -65,7 +65,7 @@ def cache_report(config: Config | None = None, root: str | Path | None = None, v
     if config is None:
         return report
     spec = build_spec(config)
-    plan = build_plan(config, spec, load_samples(config, spec, progress=progress), cache)
+    plan = build_plan(config, spec, load_clips(config, spec, progress=progress), cache)
     for kind, keys in (("conditions", list(plan.conditions)), ("latents", list(plan.latents))):
         report.needed[kind] = len(keys)
         report.cached[kind] = report.damaged[kind] = 0

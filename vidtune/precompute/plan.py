@@ -24,7 +24,7 @@ import torch
 
 from vidtune import parallel
 from vidtune.config import Config
-from vidtune.data.sources import Sample
+from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
 from vidtune.precompute.cache import CacheStore, Fingerprints, entry_key
@@ -132,7 +132,7 @@ class CachePlan:
     empty_key: str | None = None  # the empty prompt, for caption dropout technique `empty`
 
 
-def build_plan(config: Config, spec: ModelSpec, samples: list[Sample], cache: CacheStore | None = None) -> CachePlan:
+def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheStore | None = None) -> CachePlan:
     """Every key a config needs (hashing clips and weights it has not seen before)."""
     cache = cache or CacheStore(cache_root(config))
     options = config.precompute
@@ -174,13 +174,13 @@ def build_plan(config: Config, spec: ModelSpec, samples: list[Sample], cache: Ca
         plan.condition_info.setdefault(key, {"caption": caption})
         return key
 
-    for sample in samples:
-        plan.condition_keys.append(condition(sample.caption))
-        clip_hash = fingerprints.file(sample.video)
+    for clip in clips:
+        plan.condition_keys.append(condition(clip.caption))
+        clip_hash = fingerprints.file(clip.video)
         key = entry_key("latents", {**latent_parts, "clip": clip_hash})
         plan.latent_keys.append(key)
-        plan.latents.setdefault(key, sample.video)
-        plan.latent_info.setdefault(key, {"clip": str(sample.video), "clip_sha256": clip_hash,
+        plan.latents.setdefault(key, clip.video)
+        plan.latent_info.setdefault(key, {"clip": str(clip.video), "clip_sha256": clip_hash,
                                           **preprocess.describe(), "store": options.store})
     if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
         plan.empty_key = condition("")

@@ -36,7 +36,7 @@ from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
 from vidtune.config import Config, write_resolved_config
 from vidtune.data.overview import write_dataset_overview
-from vidtune.data.sources import Sample, load_text_pair_dataset, validate_clips
+from vidtune.data.sources import Clip, load_text_pair_dataset, validate_clips
 from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.data.video import VideoInfo
 from vidtune.errors import TrainingError
@@ -44,7 +44,7 @@ from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
-from vidtune.precompute import CachedSamples, precompute
+from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
 from vidtune.sampling import SampleSettings, reference_clip, render_samples
 from vidtune.state import SavedState, TrainingState, read_checkpoint, restore_rng, resume_stream
@@ -108,7 +108,7 @@ class Trainer(ABC):
         self.output_dir = Path(config.output_dir)
         self.device = parallel.resolve_device(config.training.device)
         self.spec: ModelSpec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
-        self.clips: list[Sample] = []
+        self.clips: list[Clip] = []
         self.clip_infos: list[VideoInfo] = []
         # Text encoders and VAE: loaded for on-the-fly training, or (training from the cache) only for validation.
         self.text: TextComponents | None = None
@@ -199,7 +199,7 @@ class Trainer(ABC):
         loss_sum, *stop_counts = parallel.all_reduce_sum([float(step_loss), *stop_votes(stop)])
         loss = loss_sum / parallel.world_size()
         state.step += 1
-        state.samples_consumed += self.samples_per_step * parallel.world_size()
+        state.samples_consumed += self.clips_per_step * parallel.world_size()
         finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
         if not finite:
             self.skip_nonfinite_step(loss, grad_norm)  # raises past the limit
@@ -210,7 +210,7 @@ class Trainer(ABC):
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
         returns the scaled loss. A rank's share is sum / (batch_size * accumulation); DDP averages over ranks."""
         with parallel.accumulating(self.trained_denoiser, sync=sync):
-            loss = self.compute_loss(batch) / self.samples_per_step
+            loss = self.compute_loss(batch) / self.clips_per_step
             loss.backward()
         return loss.detach()
 
@@ -281,7 +281,7 @@ class Trainer(ABC):
         return precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
 
     @property
-    def samples_per_step(self) -> int:
+    def clips_per_step(self) -> int:
         """Samples one process takes per optimizer step."""
         return self.config.training.batch_size * self.config.training.gradient_accumulation
 
@@ -332,7 +332,7 @@ class Trainer(ABC):
         summary = precompute(self.config, self.clips, progress=self.show_progress)
         if summary.rank == 0:
             print(summary.line(), flush=True)
-        cached = CachedSamples(self.config, self.spec, summary.plan, self.clips)
+        cached = CachedClips(self.config, self.spec, summary.plan, self.clips)
         return CachedBatches(self.config, self.clips, self.device, cached)
 
     def load_encoders(self) -> None:

@@ -299,10 +299,11 @@ class Trainer(ABC):
         return read_checkpoint(folder, self.config, self.algorithm, self.resume_fixed_keys)
 
     def check_inputs(self) -> None:
-        """Model folder, clip shape, dataset files and every clip, before any long work."""
+        """Model folder, clip shape, scheduler, dataset files and every clip, before any long work."""
         data = self.config.data
         self.spec.check_source()
         self.spec.check_video_shape(data.frames, data.height, data.width)
+        self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
         self.clips = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
         self.clip_infos = validate_clips(self.clips, data.frames, data.fps, progress=self.show_progress)
 
@@ -313,14 +314,13 @@ class Trainer(ABC):
         write_dataset_overview(self.clips, self.clip_infos, self.output_dir / outputs.DATASET_OVERVIEW)
 
     def load_models(self) -> list[nn.Parameter]:
-        """The batch source, the denoiser and the objective; returns the parameters to train."""
+        """The batch source and the denoiser; returns the parameters to train."""
         self.source = self.open_batch_source()
         if self.config.data.caption_dropout > 0 and self.config.data.caption_dropout_technique == "empty":
             self.empty_caption = self.source.empty_caption()
         self.denoiser = self.spec.load_denoiser(self.device)
         if self.config.training.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
-        self.objective = self.spec.objective(self.config.training)
         return self.configure_trainable(self.denoiser)
 
     def open_batch_source(self) -> BatchSource:

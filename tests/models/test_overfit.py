@@ -12,20 +12,10 @@ import torch
 from vidtune.config import ModelConfig, TrainingConfig
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
-from vidtune.models.registry import available_models, get_spec_class
+from vidtune.models.registry import available_models, get_spec_class, tiny_family
 from vidtune.models.tiny import TINY_SHAPES
 
 CPU = torch.device("cpu")
-# family -> (optimizer steps, peak learning rate of a one-cycle schedule, relative error bound)
-SETTINGS: dict[str, tuple[int, float, float]] = {
-    "ltx-video": (1000, 1e-2, 0.15),
-    "hunyuan-video": (800, 5e-3, 0.15),
-    "wan": (1500, 3e-3, 0.15),
-    "wan-i2v": (1000, 3e-3, 0.15),
-    "cogvideox": (800, 1e-2, 0.15),
-    "cogvideox-i2v": (800, 1e-2, 0.15),
-    "mochi": (600, 1e-2, 0.15),
-}
 FRAME_RATE = 24.0
 
 
@@ -66,11 +56,12 @@ def overfit_and_sample(spec, clip, caption, steps: int, learning_rate: float, ba
 @pytest.mark.slow
 @pytest.mark.parametrize("family", available_models())
 def test_overfit_one_clip_then_sample_with_pipeline(family, tiny_model_dir, shapes_dataset):
-    steps, learning_rate, bound = SETTINGS[family]
+    settings = tiny_family(family).overfit  # optimizer steps, peak learning rate of a one-cycle schedule, bound
+    steps, learning_rate, bound = settings.steps, settings.learning_rate, settings.bound
     torch.manual_seed(0)
     sample = load_text_pair_dataset(shapes_dataset)[0]
     spec = get_spec_class(family)(ModelConfig(name=family, pretrained=str(tiny_model_dir(family))), FRAME_RATE)
-    x0, sampled = overfit_and_sample(spec, sample.video, sample.caption, steps, learning_rate)
+    x0, sampled = overfit_and_sample(spec, sample.video, sample.caption, steps, learning_rate, settings.batch_size)
     assert sampled.shape == x0.shape
     relative_error = float((sampled - x0).norm() / x0.norm())
     random_error = float((torch.randn_like(x0) - x0).norm() / x0.norm())

@@ -21,10 +21,11 @@ from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
 @dataclass(frozen=True)
 class OverfitSettings:
-    """How `tests/models/test_overfit.py` overfits one clip of a family: optimizer steps, peak learning rate, clips
-    per step, and the bound on the relative error of the latents the family's pipeline samples afterwards. Never
-    raise the bound to pass: a failure means training and the pipeline disagree (target, timestep direction,
-    packing, normalisation, rotary embeddings)."""
+    """How `tests/models/test_overfit.py` overfits one clip of a family with the trainer (full fine-tune from the
+    cache): optimizer steps, peak learning rate (linear warm-up over a tenth of the steps, then cosine decay),
+    clips per step (the one clip, visited `batch_size` times with its own noise), and the bound on the relative
+    error of the latents the family's pipeline samples afterwards. Never raise the bound to pass: a failure means
+    training and the pipeline disagree (target, timestep direction, packing, normalisation, rotary embeddings)."""
 
     steps: int
     learning_rate: float

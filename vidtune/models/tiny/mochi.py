@@ -95,4 +95,4 @@ def write_tiny_mochi(
     return save_tiny(pipeline, folder, "mochi", seed)
 
 
-TINY = {"mochi": TinyFamily(write_tiny_mochi, SHAPE, OverfitSettings(steps=600, learning_rate=1e-2))}
+TINY = {"mochi": TinyFamily(write_tiny_mochi, SHAPE, OverfitSettings(steps=700, learning_rate=5e-3))}

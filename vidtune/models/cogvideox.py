@@ -53,9 +53,6 @@ class CogVideoXSpec(ModelSpec):
     validation_guidance_scale = 6.0
     pipeline_class = CogVideoXPipeline
 
-    def required_components(self) -> tuple[str, ...]:
-        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
-
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property
     def transformer_config(self) -> dict[str, Any]:

@@ -34,9 +34,6 @@ class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
     validation_guidance_scale = 3.0
 
-    def required_components(self) -> tuple[str, ...]:
-        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
-
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property
     def compression(self) -> tuple[int, int, int, int]:

@@ -49,9 +49,6 @@ class MochiSpec(ModelSpec):
     name = "mochi"
     validation_guidance_scale = 4.5
 
-    def required_components(self) -> tuple[str, ...]:
-        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
-
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property
     def transformer_config(self) -> dict[str, Any]:

@@ -276,9 +276,10 @@ class ModelSpec(ABC):
         return resolve_dtype(override or self.config.dtype, device)
 
     # ----- the contract ------------------------------------------------------------------------------
-    @abstractmethod
     def required_components(self) -> tuple[str, ...]:
-        """Subfolders a local model folder must have."""
+        """Subfolders a local model folder must have: one text encoder, the VAE, the denoiser and the scheduler
+        (families with more extend it)."""
+        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
 
     @abstractmethod
     def check_video_shape(self, frames: int, height: int, width: int) -> None:

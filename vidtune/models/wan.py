@@ -76,9 +76,6 @@ class WanSpec(ModelSpec):
     validation_guidance_scale = 5.0
     pipeline_class = WanPipeline
 
-    def required_components(self) -> tuple[str, ...]:
-        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
-
     def native_max_sequence_length(self) -> int:
         """UMT5 tokens per caption: the pipelines' 512."""
         return DEFAULT_MAX_SEQUENCE_LENGTH

@@ -104,7 +104,7 @@ def test_data_check_writes_overview(tmp_path, tiny_model_dir, shapes_dataset):
     path = _write_config(tmp_path, tiny_model_dir("ltx-video"), shapes_dataset)
     result = vidtune("data", "check", str(path), "--overview", str(tmp_path / "overview.png"))
     assert result.returncode == 0, result.stderr
-    assert "4 clips" in result.stdout
+    assert "4 samples" in result.stdout
     assert (tmp_path / "overview.png").stat().st_size > 1000
 
 

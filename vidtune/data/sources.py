@@ -353,7 +353,11 @@ def read_sources(data: Any) -> DatasetReport:
         prefix = source.caption_prefix.strip(_STRIP)
         for clip in found:
             caption = f"{prefix} {clip.caption}" if prefix else clip.caption
-            report.clips.append(replace(clip, caption=caption, index=len(report.clips), repeats=source.repeats))
+            # With several sources, a list is named with its folder: "pairs/videos.txt line 3".
+            label = f"{Path(source.root).name}/{clip.source}" if source.type == "pairs" and len(sources) > 1 \
+                else clip.source
+            report.clips.append(replace(clip, caption=caption, index=len(report.clips), repeats=source.repeats,
+                                        source=label))
     if not report.clips and not report.source_problems:
         report.source_problems.append("The datasets hold no samples at all.")
     return report

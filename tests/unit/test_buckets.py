@@ -114,10 +114,12 @@ def test_stills_go_to_one_frame_buckets_only():
 def test_a_clip_too_short_for_every_bucket_says_why_in_seconds_and_frames():
     bucket, reason = assign_bucket(info(78, 25, 640, 360), False, [(97, 32, 64)], 25.0)
     assert bucket is None
-    assert "3.12 s at 25 fps gives 78 frames; the smallest bucket needs 97" in reason
+    assert "3.12 s at 25 fps gives 78 frames; the bucket needs 97" in reason
+    two = [(97, 32, 64), (121, 32, 32)]
+    assert "gives 78 frames; the smallest bucket needs 97" in assign_bucket(info(78, 25, 640, 360), False, two, 25.0)[1]
     # At 12 fps the 30 fps clip yields fewer frames: counted after resampling, not before.
     bucket, reason = assign_bucket(info(40, 30, 640, 360), False, [(17, 32, 64)], 12.0)
-    assert bucket is None and "1.33 s at 12 fps gives 16 frames; the smallest bucket needs 17" in reason
+    assert bucket is None and "1.33 s at 12 fps gives 16 frames; the bucket needs 17" in reason
     assert assign_bucket(info(41, 30, 640, 360), False, [(17, 32, 64)], 12.0) == (0, None)
 
 

@@ -73,7 +73,7 @@ def assign_bucket(info: VideoInfo, is_image: bool, shapes: Sequence[Shape], fps:
         usable = moving or list(range(len(shapes)))
         candidates = [i for i in usable if shapes[i][0] <= available]
         if not candidates:
-            return None, _too_short(info, available, fps, min(shapes[i][0] for i in usable))
+            return None, _too_short(info, available, fps, min(shapes[i][0] for i in usable), len(usable) == 1)
     aspect = math.log(info.width / info.height)
     return min(candidates, key=lambda i: (abs(math.log(shapes[i][2] / shapes[i][1]) - aspect), -shapes[i][0], i)), None
 
@@ -82,10 +82,10 @@ def _frame_counts(shapes: Sequence[Shape]) -> str:
     return ", ".join(str(count) for count in sorted({shape[0] for shape in shapes}))
 
 
-def _too_short(info: VideoInfo, available: int, fps: float | None, smallest: int) -> str:
+def _too_short(info: VideoInfo, available: int, fps: float | None, smallest: int, single: bool) -> str:
     seconds = f"{info.duration:.2f} s" if info.fps > 0 else f"{info.num_frames} frames"
     rate = f"{format_fps(fps)} fps" if fps is not None else f"its own {format_fps(info.fps)} fps"
-    what = "the bucket needs" if fps is None and smallest == available + 1 else "the smallest bucket needs"
+    what = "the bucket needs" if single else "the smallest bucket needs"
     return (f"it is too short: {seconds} at {rate} gives {available} frame{'s' if available != 1 else ''}; "
             f"{what} {smallest}. Use a longer clip, add a bucket with fewer frames"
             f"{' or raise data.fps' if fps is not None else ''}; it is never stretched in time")

@@ -112,6 +112,14 @@ def load_text_pair_dataset(
     root: str | os.PathLike[str], videos_file: str = "videos.txt", prompts_file: str = "prompts.txt"
 ) -> list[Clip]:
     """Read the two lists in `root` into clips, or raise one DataError listing every problem."""
+    clips, problems = _read_pairs(root, videos_file, prompts_file)
+    if problems:
+        raise DataError(problems, hint=_hint(Path(root).expanduser().absolute()))
+    return clips
+
+
+def _read_pairs(root: str | os.PathLike[str], videos_file: str, prompts_file: str) -> tuple[list[Clip], list[str]]:
+    """The clips of every good line of the two lists, and a problem for every line that is not."""
     root = Path(root).expanduser().absolute()
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
@@ -125,14 +133,12 @@ def load_text_pair_dataset(
     videos = _read_list(videos_path, "one clip path per line", problems)
     prompts = _read_list(prompts_path, "one caption per line, in the same order as the clips", problems)
     if videos is None or prompts is None:
-        raise DataError(problems, hint=_hint(root))
+        return [], problems
 
     videos_name, prompts_name = _display_name(videos_file), _display_name(prompts_file)
     problems.extend(_count_problems(videos, prompts, videos_name, prompts_name))
     clips = _pair_lines(root, videos, prompts, videos_name, prompts_name, problems)
-    if problems:
-        raise DataError(problems, hint=_hint(root))
-    return clips
+    return clips, problems
 
 
 def _pair_lines(
@@ -340,16 +346,18 @@ def read_sources(data: Any) -> DatasetReport:
     sources = data.sources()
     for source in sources:
         found: list[Clip] = []
-        try:
+        problems: list[str] = []
+        try:  # each reader returns the samples it could read and a problem for everything else
             if source.type == "pairs":
-                found = load_text_pair_dataset(Path(source.root), source.videos, source.prompts)
+                found, problems = _read_pairs(Path(source.root), source.videos, source.prompts)
             elif source.type == "folder":
-                found = _read_folder(Path(source.root), report)
+                found, problems = _read_folder(Path(source.root), report)
             else:
-                found = _read_metadata(Path(source.path), source.video_column, source.caption_column, report)
-        except DataError as error:
-            where = f"(in {source.root}) " if source.type == "pairs" and len(sources) > 1 else ""
-            report.source_problems.extend(f"{where}{problem}" for problem in error.problems)
+                found, problems = _read_metadata(Path(source.path), source.video_column, source.caption_column)
+        except DataError as error:  # the source as a whole cannot be read
+            problems = error.problems
+        where = f"(in {source.root}) " if source.type == "pairs" and len(sources) > 1 else ""
+        report.source_problems.extend(f"{where}{problem}" for problem in problems)
         prefix = source.caption_prefix.strip(_STRIP)
         for clip in found:
             caption = f"{prefix} {clip.caption}" if prefix else clip.caption
@@ -394,7 +402,7 @@ def load_dataset(data: Any, progress: bool = True) -> list[Clip]:
     return report.clips
 
 
-def _read_folder(root: Path, report: DatasetReport) -> list[Clip]:
+def _read_folder(root: Path, report: DatasetReport) -> tuple[list[Clip], list[str]]:
     """Every clip and image under `root` (hidden files and folders left out), each with its .txt caption."""
     root = root.expanduser().absolute()
     if not root.is_dir():
@@ -436,9 +444,7 @@ def _read_folder(root: Path, report: DatasetReport) -> list[Clip]:
     if others:
         report.warnings.append(f"{root}: {_listing(others, root)} {'is' if len(others) == 1 else 'are'} not a clip or "
                                f"image vidtune reads ({', '.join(MEDIA_SUFFIXES)}), not used.")
-    if problems:
-        raise DataError(problems)
-    return clips
+    return clips, problems
 
 
 def _listing(paths: list[Path], root: Path) -> str:
@@ -447,7 +453,7 @@ def _listing(paths: list[Path], root: Path) -> str:
     return ", ".join(names) + more
 
 
-def _read_metadata(path: Path, video_column: str, caption_column: str, report: DatasetReport) -> list[Clip]:
+def _read_metadata(path: Path, video_column: str, caption_column: str) -> tuple[list[Clip], list[str]]:
     """The samples of a .csv (with a header row) or .jsonl file; clip paths relative to the file's folder."""
     path = path.expanduser().absolute()
     suffix = path.suffix.lower()
@@ -481,12 +487,10 @@ def _read_metadata(path: Path, video_column: str, caption_column: str, report: D
                             f"write the path relative to {path.parent}.")
             continue
         clips.append(Clip(resolved, caption, len(clips), line, path.name, is_image=is_image_path(resolved), row=row))
-    if problems:
-        raise DataError(problems)
-    if not clips:
-        raise DataError([f"{path} names no samples: write one clip or image and its caption per "
-                         f"{'row' if suffix == '.csv' else 'line'}."])
-    return clips
+    if not clips and not problems:
+        problems.append(f"{path} names no samples: write one clip or image and its caption per "
+                        f"{'row' if suffix == '.csv' else 'line'}.")
+    return clips, problems
 
 
 Row = tuple[int, int, str, str, str | None]  # (line, CSV row or 0, video, caption, problem)

@@ -334,7 +334,7 @@ def read_image(path: str | os.PathLike[str], height: int, width: int, resize: st
         image = ImageOps.pad(image, (width, height), Image.Resampling.LANCZOS, color=(0, 0, 0))
     else:
         image = ImageOps.fit(image, (width, height), Image.Resampling.LANCZOS)
-    return _to_tensor(np.asarray(image)[None])
+    return _to_tensor(np.array(image)[None])  # a writable copy for torch
 
 
 def read_frames(path: str | os.PathLike[str], indices: list[int]) -> list[np.ndarray]:

@@ -136,9 +136,11 @@ MIXED_SAMPLES: tuple[tuple[str, int, int, int, float], ...] = (
 )
 
 
-def render_mixed_dataset(folder: str | os.PathLike[str], seed: int = 0) -> list[dict[str, object]]:
+def render_mixed_dataset(folder: str | os.PathLike[str], seed: int = 0, stills: bool = True
+                         ) -> list[dict[str, object]]:
     """Clips (landscape, portrait, odd size and rate, long) and stills (png, jpg, webp) in four sources: a `pairs`
-    folder, a `folder` with .txt captions, a .csv and a .jsonl file. Returns the `data.datasets` entries."""
+    folder, a `folder` with .txt captions, a .csv and a .jsonl file. Returns the `data.datasets` entries.
+    `stills=False` leaves the stills out (for a model that takes no one-frame samples)."""
     folder = Path(folder)
     rng = np.random.default_rng(seed)
     captions: dict[str, str] = {}
@@ -152,15 +154,20 @@ def render_mixed_dataset(folder: str | os.PathLike[str], seed: int = 0) -> list[
         else:
             Image.fromarray(render_shape_frames(clip, 1, height, width)[0]).save(path)
         captions[name] = clip.caption
-    _write_text(folder / "pairs/videos.txt", ["clips/landscape.mp4", "clips/wide.png"])
-    _write_text(folder / "pairs/prompts.txt", [captions["pairs/clips/landscape.mp4"], captions["pairs/clips/wide.png"]])
-    for name in ("folder/portrait.mp4", "folder/stills/tall.jpg"):
+    if not stills:  # the still files are left out of every source
+        for name, *_, frames, _ in MIXED_SAMPLES:
+            if not frames:
+                (folder / name).unlink()
+    pairs = ["pairs/clips/landscape.mp4", *(["pairs/clips/wide.png"] if stills else [])]
+    _write_text(folder / "pairs/videos.txt", [name.removeprefix("pairs/") for name in pairs])
+    _write_text(folder / "pairs/prompts.txt", [captions[name] for name in pairs])
+    for name in ("folder/portrait.mp4", *(["folder/stills/tall.jpg"] if stills else [])):
         _write_text((folder / name).with_suffix(".txt"), [captions[name]])
     with open(folder / "media.csv", "w", encoding="utf-8", newline="") as file:
         writer = csv.writer(file)
         writer.writerow(["file", "text"])
-        writer.writerow(["media/odd.mp4", captions["media/odd.mp4"]])
-        writer.writerow(["media/square.webp", captions["media/square.webp"]])
+        for name in ("media/odd.mp4", *(["media/square.webp"] if stills else [])):
+            writer.writerow([name, captions[name]])
     _write_text(folder / "long.jsonl", [json.dumps({"video": "media/long.mp4", "caption": captions["media/long.mp4"]})])
     return [
         {"type": "pairs", "root": str(folder / "pairs")},

@@ -102,7 +102,9 @@ def check_bucket_shapes(spec, shapes: Sequence[Shape], single: bool) -> None:
         try:
             spec.check_video_shape(*shape)
         except ConfigError as error:
-            details = [line.strip()[2:] for line in str(error).splitlines() if line.strip().startswith("- ")]
+            # The family names the one-bucket keys (data.frames=10 ...): here each value is a bucket's.
+            details = [line.strip()[2:].replace("data.", "") for line in str(error).splitlines()
+                       if line.strip().startswith("- ")]
             problems.append(f"data.buckets[{number}] = {list(shape)}: " + "; ".join(details))
     if problems:
         raise ConfigError(

@@ -107,12 +107,13 @@ def command_data_check(args: argparse.Namespace) -> int:
                                    lambda path: [write_json(check, path)])):
         if target is None:
             continue
+        label = "Overview" if option == "--overview" else "Report"
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             written.append((option, write(target)))
         except OSError as error:  # a file in the way, no permission, a full disk
             where = option if option != "--overview" or args.overview else "output_dir"
-            raise VidtuneError(f"{where}: cannot write {target} ({_os_reason(error)}).\n"
+            raise VidtuneError(f"{where}: cannot write the {label.lower()} {target} ({_os_reason(error)}).\n"
                                "What to do: choose a path in a folder you can write to.") from None
     for option, paths in written:
         label = "Overview" if option == "--overview" else "Report"

@@ -35,12 +35,19 @@ def accepted_buckets(config) -> list[list[int]]:
     return found
 
 
+_RENDERED: dict[Path, list[dict]] = {}
+
+
 def mixed_config(make_config, tmp_path: Path, family: str, **sections):
+    """A config on the mixed dataset (rendered once per test: runs compared bit for bit read the same files) with
+    every bucket the family accepts, frames drawn at random per visit."""
     probe = make_config(family)
     buckets = accepted_buckets(probe)
     stills = any(bucket[0] == 1 for bucket in buckets)
-    datasets = render_mixed_dataset(tmp_path / "data", stills=stills)
-    data = {"datasets": datasets, "buckets": buckets, "root": None, **sections.pop("data", {})}
+    if tmp_path not in _RENDERED:
+        _RENDERED[tmp_path] = render_mixed_dataset(tmp_path / "data", stills=stills)
+    data = {"datasets": _RENDERED[tmp_path], "buckets": buckets, "root": None, "frame_sampling": "random",
+            **sections.pop("data", {})}
     return make_config(family, data=data, **sections)
 
 

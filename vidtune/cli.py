@@ -192,7 +192,7 @@ def sections_help() -> str:
 def command_export(args: argparse.Namespace) -> int:
     from vidtune.export import export_checkpoint
 
-    written = export_checkpoint(args.checkpoint, args.output, overwrite=args.overwrite)
+    written = export_checkpoint(args.checkpoint, args.output, overwrite=args.overwrite, format=args.format)
     print(f"Exported {args.checkpoint} -> {written}")
     return 0
 
@@ -290,12 +290,16 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=command_config_show)
 
     export = commands.add_parser(
-        "export", help="write a checkpoint's weights as a finished run's (LoRA adapter or transformer folder)"
+        "export", help="write a checkpoint's weights as a finished run's (LoRA adapter or transformer folder), "
+        "or a LoRA for ComfyUI"
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                         help="a checkpoints/step-XXXXXXXX folder, or a run folder (its newest checkpoint)")
     export.add_argument("--output", required=True, help="folder to write the adapter or transformer/ into")
     export.add_argument("--overwrite", action="store_true", help="replace weights already in --output")
+    export.add_argument("--format", choices=["diffusers", "comfyui"], default="diffusers",
+                        help="comfyui: only the LoRA for ComfyUI (pytorch_lora_weights_comfyui.safetensors); a "
+                        "finished run's folder converts its final adapter")
     export.set_defaults(handler=command_export)
     return parser
 

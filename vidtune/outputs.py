@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the name diffusers' `load_lora_weights` looks for
+COMFYUI_LORA_WEIGHTS = "pytorch_lora_weights_comfyui.safetensors"  # the same LoRA for ComfyUI's LoRA loaders
 TRANSFORMER_FOLDER = "transformer"  # full fine-tuning: the denoiser in its family's diffusers layout
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -14,7 +15,7 @@ SAMPLES = "samples"
 RESOLVED_CONFIG = "config.yaml"
 
 # What shows that a run finished in a folder (one per algorithm's result).
-FINAL_OUTPUTS = (LORA_WEIGHTS, TRANSFORMER_FOLDER)
+FINAL_OUTPUTS = (LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS, TRANSFORMER_FOLDER)
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:

@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 
 from vidtune.config import DType, ModelConfig, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
+from vidtune.export.comfyui import Rule
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.hub import check_hub_model, looks_local
 from vidtune.objectives import Objective, objective_from_scheduler
@@ -397,6 +398,12 @@ class ModelSpec(ABC):
         latents = self.run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator,
                                     "latent", reference)
         return self.latents_from_pipeline(latents, frames, height, width)
+
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """How the family's diffusers modules are named in its original checkpoint, which is what ComfyUI loads
+        (see vidtune/export/comfyui.py): one `Rule` per module pattern, fused layers with their parts' sizes
+        (read them from the transformer config). Empty: the family has no ComfyUI file."""
+        return []
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
         """Write the adapter (`LORA_WEIGHTS`) in the format the family's `load_lora_weights` reads."""

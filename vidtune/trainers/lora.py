@@ -11,7 +11,9 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 from vidtune.errors import ConfigError
+from vidtune.export.comfyui import ComfyUIExportError, save_comfyui_lora
 from vidtune.memory import store_frozen_weights_in_fp8
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS
 from vidtune.trainers.base import Trainer
 
 
@@ -56,10 +58,24 @@ class LoRATrainer(Trainer):
     def save_final(self, folder: Path) -> Path:
         metadata = self.lora_config().to_dict()
         metadata["target_modules"] = sorted(metadata["target_modules"])
-        return self.spec.save_lora(folder, self.trainable_state_dict(), metadata)
+        state = self.trainable_state_dict()
+        written = self.spec.save_lora(folder, state, metadata)
+        self.save_comfyui(folder, state)
+        return written
 
     def export_weights(self, weights: dict[str, torch.Tensor], output: Path) -> Path:
         """A checkpoint holds the adapter exactly as `save_final` writes it: no base model needed."""
         metadata = self.lora_config().to_dict()
         metadata["target_modules"] = sorted(metadata["target_modules"])
-        return self.spec.save_lora(output, weights, metadata)
+        written = self.spec.save_lora(output, weights, metadata)
+        self.save_comfyui(output, weights)
+        return written
+
+    def save_comfyui(self, folder: Path, state: dict[str, torch.Tensor]) -> Path | None:
+        """The same adapter for ComfyUI, beside the diffusers file. An adapter the ComfyUI layout cannot hold
+        (a target without an original name) is reported, not fatal: the diffusers file is the run's result."""
+        try:
+            return save_comfyui_lora(self.spec, folder, state, self.config.lora.alpha)
+        except ComfyUIExportError as error:
+            print(f"{COMFYUI_LORA_WEIGHTS} was not written: {error}", flush=True)
+            return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -267,3 +268,33 @@ def test_every_linear_layer_has_an_original_name_but_the_listed_ones(make_config
     spec, _, state = _adapter_on_every_linear(family, make_config)
     exported = comfyui_lora(state, spec.comfyui_lora_rules(), 3.0, family)
     assert len(exported) >= 8 and all(key.startswith("diffusion_model.") for key in exported)
+
+
+def test_vidtune_export_format_comfyui_from_a_checkpoint_and_from_a_finished_run(make_config, tmp_path, capsys):
+    from vidtune.cli import main as cli_main
+
+    config = make_config("wan", training={"steps": 2, "learning_rate": 5e-2}, checkpoint={"every": 1, "keep": 2},
+                         lora={"rank": 4, "alpha": 8})
+    build_trainer(config).run()
+    run = Path(config.output_dir)
+    assert cli_main(["export", str(run / "checkpoints" / "step-00000001"), "--output", str(tmp_path / "step1"),
+                     "--format", "comfyui"]) == 0
+    assert [path.name for path in (tmp_path / "step1").iterdir()] == [COMFYUI_LORA_WEIGHTS]
+    # Without --format, a LoRA export writes both files, as the end of a run does.
+    assert cli_main(["export", str(run / "checkpoints" / "step-00000002"), "--output", str(tmp_path / "both")]) == 0
+    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS}
+    # A finished run's folder, even without checkpoints: its final adapter, the file the run wrote at its end.
+    shutil.rmtree(run / "checkpoints")
+    assert cli_main(["export", str(run), "--output", str(tmp_path / "final"), "--format", "comfyui"]) == 0
+    final, at_end = load_file(tmp_path / "final" / COMFYUI_LORA_WEIGHTS), load_file(run / COMFYUI_LORA_WEIGHTS)
+    assert final.keys() == at_end.keys() and all(torch.equal(final[k], at_end[k]) for k in final)
+    step1 = load_file(tmp_path / "step1" / COMFYUI_LORA_WEIGHTS)
+    assert not all(torch.equal(step1[k], final[k]) for k in final)
+
+    full = make_config("ltx-video", training={"algorithm": "full", "steps": 1}, checkpoint={"every": 1, "keep": 1},
+                       output_dir=str(tmp_path / "full"))
+    build_trainer(full).run()
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "full"), "--output", str(tmp_path / "nope"), "--format", "comfyui"]) == 2
+    assert "converts LoRA adapters" in capsys.readouterr().err
+    assert not (tmp_path / "nope").exists()

@@ -103,7 +103,7 @@ def side_problems(height: int, width: int, height_multiple: int, width_multiple:
 # The clip rules of each family's published checkpoints (what README.md lists), to compare a model's own rule with.
 PUBLISHED_SHAPE_RULES = {
     "ltx-video": "frames 8k+1, sides multiples of 32",
-    "cogvideox": "frames 4k+1 (CogVideoX 1.5: an even number of latent frames), sides multiples of 16",
+    "cogvideox": "frames 4k+1, sides multiples of 16",
     "cogvideox-i2v": "frames 4k+1, 480x720",
     "hunyuan-video": "frames 4k+1, sides multiples of 16",
     "mochi": "frames 6k+1, sides multiples of 16",

@@ -15,7 +15,7 @@ SAMPLES = "samples"
 RESOLVED_CONFIG = "config.yaml"
 
 # What shows that a run finished in a folder (one per algorithm's result).
-FINAL_OUTPUTS = (LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS, TRANSFORMER_FOLDER)
+FINAL_OUTPUTS = (LORA_WEIGHTS, TRANSFORMER_FOLDER)
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:

@@ -34,7 +34,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     if format not in FORMATS:
         raise CheckpointError(f"--format {format}: unknown format.\nWhat to do: choose one of {', '.join(FORMATS)}.")
     output = Path(output)
-    names = (COMFYUI_LORA_WEIGHTS,) if format == "comfyui" else FINAL_OUTPUTS
+    names = (COMFYUI_LORA_WEIGHTS,) if format == "comfyui" else (*FINAL_OUTPUTS, COMFYUI_LORA_WEIGHTS)
     existing = [name for name in names if (output / name).exists()]
     if existing and not overwrite:
         raise CheckpointError(f"{output} already holds {', '.join(existing)}; nothing was written. Choose another "

@@ -259,9 +259,23 @@ class MemoryConfig(Section):
     )
 
 
+class WandbConfig(Section):
+    project: str = Field(description="The Weights & Biases project to log to (required).")
+    name: str | None = Field(None, description="The run's name; default: the output_dir's folder name.")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="online: send as it trains; offline: keep it under output_dir/wandb (`wandb sync`)."
+    )
+
+
 class LoggingConfig(Section):
     progress: bool = Field(True, description="Show progress bars.")
     log_every: int = Field(1, gt=0, description="Write metrics every N optimizer steps.")
+    tensorboard: bool = Field(
+        False, description="Also write TensorBoard event files to output_dir/tensorboard (pip extra `tensorboard`)."
+    )
+    wandb: WandbConfig | None = Field(
+        None, description="Also log to Weights & Biases, e.g. {project: my-loras, mode: offline} (pip extra `wandb`)."
+    )
 
 
 class PrecomputeConfig(Section):

@@ -10,31 +10,50 @@ from tqdm.auto import tqdm
 
 from vidtune import parallel
 from vidtune.files import atomic_path, atomic_write_text
+from vidtune.trackers import Tracker, step_values
 
 
 class StepLog:
     """What a run shows and records of its steps: the progress bar, metrics.jsonl (one JSON object per logged
-    step, written by rank 0 and flushed as it is written) and the losses this process logged."""
+    step, written by rank 0 and flushed as it is written), the trackers the config chose (`vidtune.trackers`, rank 0
+    only) and the losses this process logged."""
 
-    def __init__(self, path: Path, total: int, initial: int, show: bool) -> None:
+    def __init__(self, path: Path, total: int, initial: int, show: bool, trackers: list[Tracker]) -> None:
         self.path = path
+        self.trackers = trackers
         self.losses: list[float] = []
         self.progress = tqdm(total=total, initial=initial, desc="training", unit="step", disable=not show,
                              dynamic_ncols=True)
 
-    def record(self, step: int, loss: float, lr: float, grad_norm: float | None, seconds: float) -> None:
+    def record(self, step: int, loss: float, lr: float, grad_norm: float | None, seconds: float,
+               samples: int) -> None:
+        """One logged step; `samples`: how many samples all ranks took in it."""
         if parallel.is_main():
             with self.path.open("a", encoding="utf-8") as handle:
                 handle.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                          "seconds_per_step": seconds}) + "\n")
+        for tracker in self.trackers:
+            tracker.log_metrics(step, step_values(loss, lr, grad_norm, seconds, samples))
         self.losses.append(loss)
         self.progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+
+    def samples(self, step: int, videos: list[Path], fps: float) -> None:
+        for tracker in self.trackers:
+            tracker.log_samples(step, videos, fps)
 
     def advance(self) -> None:
         self.progress.update(1)
 
-    def close(self) -> None:
+    def end_progress(self) -> None:
         self.progress.close()
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.progress.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def truncate_metrics(path: Path, step: int) -> None:

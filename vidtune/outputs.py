@@ -13,6 +13,7 @@ LOSS_PLOT = "loss.png"
 DATASET_OVERVIEW = "dataset_overview.png"
 SAMPLES = "samples"
 RESOLVED_CONFIG = "config.yaml"
+TENSORBOARD = "tensorboard"  # event files, when logging.tensorboard is on
 
 # What shows that a run finished in a folder (one per algorithm's result).
 FINAL_OUTPUTS = (LORA_WEIGHTS, TRANSFORMER_FOLDER)

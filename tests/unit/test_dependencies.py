@@ -22,8 +22,10 @@ def normalise(name: str) -> str:
 
 
 def declared() -> set[str]:
+    """The dependencies, and the extras of optional features (each imported only when its feature is chosen)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return {normalise(re.match(r"[A-Za-z0-9_.\-]+", spec).group()) for spec in project["dependencies"]}
+    features = [spec for extra, specs in project["optional-dependencies"].items() if extra != "test" for spec in specs]
+    return {normalise(re.match(r"[A-Za-z0-9_.\-]+", spec).group()) for spec in [*project["dependencies"], *features]}
 
 
 def imported_modules() -> set[str]:

@@ -49,6 +49,7 @@ from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
 from vidtune.sampling import SampleSettings, reference_clip, render_samples
 from vidtune.state import SavedState, TrainingState, read_checkpoint, restore_rng, resume_stream
+from vidtune.trackers import check_trackers, open_trackers
 from vidtune.trainers.stop import SIGNAL_EXIT_CODES, StopSignals, TrainingInterrupted, agreed_stop, stop_votes
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class Trainer(ABC):
         self.empty_caption: Conditions | None = None
         self.state: TrainingState | None = None
         self.first_step = 0  # the step this process started from
+        self.log: StepLog | None = None
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -145,6 +147,8 @@ class Trainer(ABC):
         saved = self.find_checkpoint()
         self.check_inputs()
         parallel.on_main(self.prepare_output_dir)
+        # Trackers start before the long work, so a refusal (no login, no package) comes at once.
+        trackers = open_trackers(self.config, self.output_dir, saved.step if saved else 0) if parallel.is_main() else []
         # Rank 0 draws what one process draws; other ranks draw their own (e.g. LoRA dropout masks).
         seed_everything(self.config.training.seed + parallel.rank())
         parameters = self.load_models()
@@ -155,27 +159,30 @@ class Trainer(ABC):
         self.first_step = state.step
         # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
         self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
-        log = StepLog(self.output_dir / outputs.METRICS, self.config.training.steps, state.step, self.show_progress)
+        log = self.log = StepLog(self.output_dir / outputs.METRICS, self.config.training.steps, state.step,
+                                 self.show_progress, trackers)
         parallel.on_main(lambda: truncate_metrics(log.path, state.step))
         self.denoiser.train()
-        # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
-        with StopSignals() as stop:
-            stream = self.batch_stream(saved)
-            stopped_by = agreed_stop(stop)
-            while state.step < self.config.training.steps and stopped_by is None:
-                outcome = self.train_step(stream, parameters, stop)
-                stopped_by = outcome.stopped_by
-                if outcome.finite and self.due(self.config.logging.log_every, final=True):
-                    log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds)
-                log.advance()
-                self.between_steps()
-            log.close()
-            if state.saved_step != state.step:
-                state.save(self.checkpoints_root)
-            stopped_by = agreed_stop(stop)
-            if stopped_by is not None:
-                raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
-        weights, samples = parallel.on_main(self.write_results)
+        with log:  # closes the trackers however the run ends
+            # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
+            with StopSignals() as stop:
+                stream = self.batch_stream(saved)
+                stopped_by = agreed_stop(stop)
+                while state.step < self.config.training.steps and stopped_by is None:
+                    outcome = self.train_step(stream, parameters, stop)
+                    stopped_by = outcome.stopped_by
+                    if outcome.finite and self.due(self.config.logging.log_every, final=True):
+                        log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds,
+                                   self.clips_per_step * parallel.world_size())
+                    log.advance()
+                    self.between_steps()
+                log.end_progress()
+                if state.saved_step != state.step:
+                    state.save(self.checkpoints_root)
+                stopped_by = agreed_stop(stop)
+                if stopped_by is not None:
+                    raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
+            weights, samples = parallel.on_main(self.write_results)
         return TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
 
     def train_step(self, stream: Iterator[Batch], parameters: list[nn.Parameter], stop: StopSignals) -> StepOutcome:
@@ -300,6 +307,7 @@ class Trainer(ABC):
         self.spec.check_source()
         check_bucket_shapes(self.spec, data.bucket_shapes(), single=not data.buckets)
         self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
+        check_trackers(self.config)
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 
@@ -408,9 +416,11 @@ class Trainer(ABC):
                   flush=True)
             self.load_encoders()
         settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
-        return render_samples(self.spec, self.text, self.vae, self.denoiser, settings,
-                              self.output_dir / outputs.SAMPLES, f"step-{self.state.step:08d}",
-                              reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
+        videos = render_samples(self.spec, self.text, self.vae, self.denoiser, settings,
+                                self.output_dir / outputs.SAMPLES, f"step-{self.state.step:08d}",
+                                reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
+        self.log.samples(self.state.step, videos, settings.frame_rate)
+        return videos
 
     def write_results(self) -> tuple[Path, list[Path]]:
         """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""

@@ -1,4 +1,5 @@
-"""`vidtune export`: turn a checkpoint into what a finished run writes (LoRA adapter or transformer folder).
+"""`vidtune export`: turn a checkpoint into what a finished run writes (LoRA adapter or transformer folder, and
+with `training.ema_decay` the weights' moving average beside it).
 
 A run stopped early (Ctrl+C, a preempted node, a crash) is then still usable: the result is the same file
 or folder `save_final` writes at the end of a run, from the checkpoint's own config.
@@ -30,7 +31,8 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     trainer = build_trainer(config)
     try:
         weights, _ = checkpoints.load(folder)
+        ema = checkpoints.load_ema(folder)
     except (OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"Could not read the checkpoint {folder}: {error}") from None
     output.mkdir(parents=True, exist_ok=True)
-    return trainer.export_weights(weights, output)
+    return trainer.export_weights(weights, output, ema)

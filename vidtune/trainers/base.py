@@ -18,6 +18,7 @@ with `batch_size` each is a step of one process with `batch_size * world`. Rank 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -39,6 +40,7 @@ from vidtune.data.overview import write_dataset_overview
 from vidtune.data.sources import Clip, load_text_pair_dataset, validate_clips
 from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.data.video import VideoInfo
+from vidtune.ema import EMA
 from vidtune.errors import TrainingError
 from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
@@ -121,6 +123,8 @@ class Trainer(ABC):
         self.empty_caption: Conditions | None = None
         self.state: TrainingState | None = None
         self.first_step = 0  # the step this process started from
+        self.resuming_from: SavedState | None = None  # the checkpoint this run continues, if any
+        self.ema: EMA | None = None  # the trained weights' moving average (training.ema_decay)
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -146,14 +150,15 @@ class Trainer(ABC):
 
     def train(self) -> TrainResult:
         """Check the inputs, set up, then take optimizer steps until `training.steps` or a stop signal."""
-        saved = self.find_checkpoint()
+        saved = self.resuming_from = self.find_checkpoint()
         self.check_inputs()
         parallel.on_main(self.prepare_output_dir)
         # Rank 0 draws what one process draws; other ranks draw their own (e.g. LoRA dropout masks).
         seed_everything(self.config.training.seed + parallel.rank())
         parameters = self.load_models()
+        self.ema = self.make_ema(parameters)
         state = self.state = TrainingState(self.config, self.algorithm, parameters, len(self.clips),
-                                           self.trainable_state_dict, self.load_trainable_state_dict)
+                                           self.trainable_state_dict, self.load_trainable_state_dict, self.ema)
         if saved is not None:
             state.restore(saved, self.device)
         self.first_step = state.step
@@ -323,6 +328,14 @@ class Trainer(ABC):
             self.denoiser.enable_gradient_checkpointing()
         return self.configure_trainable(self.denoiser)
 
+    def make_ema(self, parameters: list[nn.Parameter]) -> EMA | None:
+        """The moving average of the trained parameters (`training.ema_decay`), or None."""
+        decay = self.config.training.ema_decay
+        if decay is None:
+            return None
+        trained = {id(p) for p in parameters}
+        return EMA({name: p for name, p in self.denoiser.named_parameters() if id(p) in trained}, decay)
+
     def open_batch_source(self) -> BatchSource:
         """From the cache (`precompute.enabled`: missing entries are computed first, with the encoders loaded and
         released by that stage, so training never holds them), or encoded on the fly (the encoders loaded here)."""
@@ -405,16 +418,19 @@ class Trainer(ABC):
 
     # ----- results ---------------------------------------------------------------------------------------
     def validate(self) -> list[Path]:
-        """Sample the validation prompts with the weights as they are now (rank 0). A run trained from the cache
-        loads the text encoders and the VAE for it, once, and says so."""
+        """Sample the validation prompts with the weights as they are now, or their moving average when
+        `training.ema_decay` is set (rank 0). A run trained from the cache loads the text encoders and the VAE
+        for it, once, and says so."""
         if self.text is None or self.vae is None:
             print("Loading the text encoders and the VAE for validation samples (training read the cache).",
                   flush=True)
             self.load_encoders()
         settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
-        return render_samples(self.spec, self.text, self.vae, self.denoiser, settings,
-                              self.output_dir / outputs.SAMPLES, f"step-{self.state.step:08d}",
-                              reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
+        pipeline = self.spec.pipeline(self.text, self.vae, self.denoiser)
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            return render_samples(self.spec, pipeline, settings, self.output_dir / outputs.SAMPLES,
+                                  f"step-{self.state.step:08d}",
+                                  reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
 
     def write_results(self) -> tuple[Path, list[Path]]:
         """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""
@@ -423,12 +439,17 @@ class Trainer(ABC):
         samples = self.validate() if self.config.validation.enabled else []
         return weights, samples
 
-    def export_weights(self, weights: dict[str, torch.Tensor], output: Path) -> Path:
-        """Write a checkpoint's weights as the run's final result into `output` (see `vidtune export`).
+    def export_weights(self, weights: dict[str, torch.Tensor], output: Path,
+                       ema: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write a checkpoint's weights (and their moving average, `ema`) as the run's final result into `output`
+        (see `vidtune export`).
 
         By default the denoiser is loaded and set up as for training, given the weights and saved with
         `save_final`; an algorithm whose result needs no base model (LoRA) overrides this."""
         self.denoiser = self.spec.load_denoiser(torch.device("cpu"))
-        self.configure_trainable(self.denoiser)
+        self.ema = self.make_ema(self.configure_trainable(self.denoiser)) if ema is not None else None
         self.load_trainable_state_dict(weights)
+        if self.ema is not None:
+            with self.ema.applied():  # loading writes into the average
+                self.load_trainable_state_dict(ema)
         return self.save_final(output)

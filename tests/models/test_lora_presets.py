@@ -74,3 +74,23 @@ def test_an_unknown_preset_names_the_familys_presets(make_config):
 def test_linear_module_names_are_the_linear_layers():
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 2)))
     assert linear_module_names(model) == ["0", "2.0"]
+
+
+@pytest.mark.parametrize("family", available_models())
+def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family, tmp_path):
+    """Training on several GPUs (DDP) needs every trainable parameter in the graph: no preset may adapt a layer
+    whose output the loss never sees."""
+    for preset in ("attention", "attention+ffn", ALL_LINEAR):
+        trainer = build_trainer(make_config(family, training={"steps": 1}, lora={"target_modules": preset, "rank": 2},
+                                            output_dir=str(tmp_path / preset)))
+        unused: list[str] = []
+        clip = trainer.clip_gradients
+
+        def record(parameters, trainer=trainer, clip=clip, unused=unused):
+            names = {id(p): name for name, p in trainer.denoiser.named_parameters()}
+            unused.extend(names[id(p)] for p in parameters if p.grad is None)
+            return clip(parameters)
+
+        trainer.clip_gradients = record
+        trainer.run()
+        assert not unused, f"{family} {preset}: {unused[:5]}"

@@ -133,6 +133,21 @@ def test_ema_decay_set_on_resuming_starts_the_average_there(make_config, tmp_pat
     assert (Path(out) / "pytorch_lora_weights_ema.safetensors").is_file()
 
 
+def test_a_checkpoint_written_before_a_key_existed_resumes_with_its_default(make_config, tmp_path, capsys):
+    out = tmp_path / "run"
+    build_trainer(make_config(training={"steps": 2}, output_dir=str(out))).run()
+    saved = out / "checkpoints" / "step-00000002" / "config.yaml"
+    config = yaml.safe_load(saved.read_text())
+    del config["lora"]["use_dora"], config["training"]["ema_decay"]  # keys later versions added
+    saved.write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    result = build_trainer(make_config(training={"steps": 3}, output_dir=str(out),
+                                       checkpoint={"resume": "latest"})).run()
+    assert result.final_step == 3
+    printed = capsys.readouterr().out
+    assert "use_dora" not in printed and "ema_decay" not in printed
+
+
 def test_a_second_signal_stops_at_once_and_handlers_are_restored():
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as stopped, StopSignals() as stop:

@@ -90,25 +90,45 @@ def command_quickstart(args: argparse.Namespace) -> int:
 
 
 def command_data_check(args: argparse.Namespace) -> int:
-    from vidtune.data.overview import write_dataset_overview
-    from vidtune.data.sources import load_text_pair_dataset, validate_clips
+    """Everything `vidtune train` checks about the data, without loading a model: exit 1 when training would
+    fail on it, 0 otherwise (2: the config or the model folder itself is wrong)."""
+    from vidtune.data.report import check_data, table, write_json, write_sheets
     from vidtune.models.registry import get_spec_class
 
     config = _load(args.config)
     spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
     spec.check_source()
-    spec.check_video_shape(config.data.frames, config.data.height, config.data.width)
-    clips = load_text_pair_dataset(Path(config.data.root), config.data.videos, config.data.prompts)
-    infos = validate_clips(clips, config.data.frames, config.data.fps)
+    check = check_data(config, spec, progress=config.logging.progress)
+    print(table(check, config.data.fps))
     overview = Path(args.overview) if args.overview else Path(config.output_dir) / outputs.DATASET_OVERVIEW
-    try:
-        overview.parent.mkdir(parents=True, exist_ok=True)
-        write_dataset_overview(clips, infos, overview)
-    except OSError as error:  # a file in the way, no permission, a full disk
-        where = "--overview" if args.overview else "output_dir"
-        raise VidtuneError(f"{where}: cannot write the overview {overview} ({_os_reason(error)})") from None
-    print(f"The dataset is ready: {len(clips)} clips, every line valid.")
-    print(f"Overview: {overview.resolve()}")
+    written: list[tuple[str, list[Path]]] = []
+    for option, target, write in (("--overview", overview, lambda path: write_sheets(check.clips, path)),
+                                  ("--report", Path(args.report) if args.report else None,
+                                   lambda path: [write_json(check, path)])):
+        if target is None:
+            continue
+        label = "Overview" if option == "--overview" else "Report"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            written.append((option, write(target)))
+        except OSError as error:  # a file in the way, no permission, a full disk
+            where = option if option != "--overview" or args.overview else "output_dir"
+            raise VidtuneError(f"{where}: cannot write the {label.lower()} {target} ({_os_reason(error)}).\n"
+                               "What to do: choose a path in a folder you can write to.") from None
+    for option, paths in written:
+        label = "Overview" if option == "--overview" else "Report"
+        print(f"{label}: {', '.join(str(path.resolve()) for path in paths)}")
+    warnings, problems = check.warnings(), check.problems()
+    if warnings:
+        print(f"\n{len(warnings)} warning{'s' if len(warnings) != 1 else ''} (training would go on):")
+        print("\n".join(f"  - {warning}" for warning in warnings))
+    if problems:
+        print(f"\n{len(problems)} problem{'s' if len(problems) != 1 else ''}; training would stop:", file=sys.stderr)
+        print("\n".join(f"  - {problem}" for problem in problems), file=sys.stderr)
+        print("What to do: fix them (every problem of every source is listed) and run vidtune data check again.",
+              file=sys.stderr)
+        return 1
+    print(f"\nThe dataset is ready: {len(check.clips)} samples, every one in a bucket.")
     return 0
 
 
@@ -172,7 +192,7 @@ def sections_help() -> str:
 def command_export(args: argparse.Namespace) -> int:
     from vidtune.export import export_checkpoint
 
-    written = export_checkpoint(args.checkpoint, args.output, overwrite=args.overwrite)
+    written = export_checkpoint(args.checkpoint, args.output, overwrite=args.overwrite, format=args.format)
     print(f"Exported {args.checkpoint} -> {written}")
     return 0
 
@@ -284,9 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = commands.add_parser("data", help="dataset tools")
     data_commands = data.add_subparsers(dest="data_command", required=True)
-    check = data_commands.add_parser("check", help="validate videos.txt / prompts.txt and draw an overview")
+    check = data_commands.add_parser(
+        "check", help="check every source and sample as training would (no model loaded): a table, buckets, "
+        "duplicates, a contact sheet; exit 1 when training would fail")
     check.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]")
-    check.add_argument("--overview", help="where to write the overview PNG")
+    check.add_argument("--overview", help="where to write the contact sheet PNG (more pages: NAME-2.png, ...)")
+    check.add_argument("--report", help="where to write the JSON report")
     check.set_defaults(handler=command_data_check)
 
     precompute = commands.add_parser(
@@ -313,12 +336,16 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=command_config_show)
 
     export = commands.add_parser(
-        "export", help="write a checkpoint's weights as a finished run's (LoRA adapter or transformer folder)"
+        "export", help="write a checkpoint's weights as a finished run's (LoRA adapter or transformer folder), "
+        "or a LoRA for ComfyUI"
     )
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR",
                         help="a checkpoints/step-XXXXXXXX folder, or a run folder (its newest checkpoint)")
     export.add_argument("--output", required=True, help="folder to write the adapter or transformer/ into")
     export.add_argument("--overwrite", action="store_true", help="replace weights already in --output")
+    export.add_argument("--format", choices=["diffusers", "comfyui"], default="diffusers",
+                        help="comfyui: only the LoRA for ComfyUI (pytorch_lora_weights_comfyui.safetensors); a "
+                        "finished run's folder converts its final adapter")
     export.set_defaults(handler=command_export)
 
     sample = commands.add_parser(

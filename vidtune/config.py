@@ -14,7 +14,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -57,19 +57,99 @@ class ModelConfig(Section):
     )
 
 
-class DataConfig(Section):
-    root: str = Field(description="Folder holding videos.txt and prompts.txt (in a file: relative to its folder).")
-    videos: str = Field("videos.txt", description="File with one clip path a line (relative to root).")
+class _SourceBase(Section):
+    repeats: int = Field(1, ge=1, description="How often each sample of this source is seen per epoch.")
+    caption_prefix: str = Field(
+        "", description="Written before every caption of this source (e.g. a trigger word), with a space."
+    )
+
+
+class PairsSource(_SourceBase):
+    """Two lists in one folder: one clip path a line, and the caption of the clip on the same line."""
+
+    type: Literal["pairs"] = Field(description="`pairs`: a clip list and a caption list, line by line.")
+    root: str = Field(description="Folder holding the two lists (in a file: relative to its folder).")
+    videos: str = Field("videos.txt", description="File with one clip or image path a line (relative to root).")
     prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
-    frames: int = Field(49, gt=0, description="Frames per training clip.")
-    height: int = Field(512, gt=0, description="Height of the training clips in pixels (resized, then center-cropped).")
-    width: int = Field(768, gt=0, description="Width of the training clips in pixels.")
+
+
+class FolderSource(_SourceBase):
+    """Every clip and image in a folder (and its subfolders), each with a same-name .txt caption beside it."""
+
+    type: Literal["folder"] = Field(description="`folder`: clips and images with a .txt caption beside each.")
+    root: str = Field(description="The folder (in a file: relative to its folder).")
+
+
+class MetadataSource(_SourceBase):
+    """A spreadsheet (.csv with a header row) or a .jsonl file (one JSON object a line)."""
+
+    type: Literal["metadata"] = Field(description="`metadata`: a .csv or .jsonl file naming clips and captions.")
+    path: str = Field(description="The .csv or .jsonl file; clip paths in it are relative to its folder.")
+    video_column: str = Field("video", description="Column (CSV) or key (JSONL) holding the clip or image path.")
+    caption_column: str = Field("caption", description="Column (CSV) or key (JSONL) holding the caption.")
+
+
+DatasetSource = Annotated[PairsSource | FolderSource | MetadataSource, Field(discriminator="type")]
+SOURCE_TYPES: tuple[type[Section], ...] = (PairsSource, FolderSource, MetadataSource)
+
+
+class DataConfig(Section):
+    root: str | None = Field(
+        None, description="One `pairs` dataset: the folder holding videos.txt and prompts.txt (in a file: relative "
+        "to its folder). Or use `datasets`."
+    )
+    videos: str = Field("videos.txt", description="With `root`: file with one clip path a line (relative to root).")
+    prompts: str = Field("prompts.txt", description="With `root`: file with one caption a line, same order.")
+    datasets: list[DatasetSource] | None = Field(
+        None, description="Several sources, each `{type: pairs | folder | metadata, ...}` with optional `repeats` "
+        "and `caption_prefix` (see docs/datasets.md). Instead of `root`."
+    )
+    frames: int = Field(49, gt=0, description="Frames per training clip (the one-bucket shorthand).")
+    height: int = Field(512, gt=0, description="Height of the training clips in pixels (the one-bucket shorthand).")
+    width: int = Field(768, gt=0, description="Width of the training clips in pixels (the one-bucket shorthand).")
+    buckets: list[tuple[int, int, int]] | None = Field(
+        None, description="Shapes `[[frames, height, width], ...]`: each sample goes to the bucket of nearest aspect "
+        "ratio whose frames it can fill (images: one-frame buckets); a batch holds one bucket. Instead of "
+        "frames / height / width."
+    )
+    resize: Literal["crop", "fit", "stretch"] = Field(
+        "crop", description="To the bucket's size: `crop` covers it and cuts the centre; `fit` fits inside and pads "
+        "with black; `stretch` distorts."
+    )
+    frame_sampling: Literal["start", "random", "middle"] = Field(
+        "random", description="Which frames of a longer clip: from its start, a start drawn per visit (seeded), or "
+        "the middle. With precompute, `random` picks among precompute.windows_per_clip cached windows."
+    )
     fps: float | None = Field(None, gt=0, description="Resample clips to this rate; default: native frames.")
     num_workers: int = Field(2, ge=0, description="Decoding worker processes.")
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Probability of dropping a caption.")
     caption_dropout_technique: Literal["empty", "zero"] = Field(
         "empty", description="`empty`: encode an empty prompt; `zero`: zero the embedding."
     )
+
+    @model_validator(mode="after")
+    def _one_way_to_name_the_data(self) -> DataConfig:
+        if self.root is None and not self.datasets:
+            raise ValueError("data: set data.root (a folder with videos.txt and prompts.txt) or data.datasets "
+                             "(a list of sources, see docs/datasets.md)")
+        if self.root is not None and self.datasets:
+            raise ValueError("data: set either data.root or data.datasets, not both (add the root folder to the "
+                             "list as {type: pairs, root: ...})")
+        for number, (frames, height, width) in enumerate(self.buckets or []):
+            if min(frames, height, width) <= 0:
+                raise ValueError(f"data.buckets[{number}] = [{frames}, {height}, {width}]: frames, height and width "
+                                 "must be positive")
+        return self
+
+    def sources(self) -> list[PairsSource | FolderSource | MetadataSource]:
+        """The datasets, with `root` as the one-dataset shorthand."""
+        if self.datasets:
+            return list(self.datasets)
+        return [PairsSource(type="pairs", root=str(self.root), videos=self.videos, prompts=self.prompts)]
+
+    def bucket_shapes(self) -> list[tuple[int, int, int]]:
+        """The buckets, with frames / height / width as the one-bucket shorthand."""
+        return [tuple(bucket) for bucket in self.buckets] if self.buckets else [(self.frames, self.height, self.width)]
 
 
 class TrainingConfig(Section):
@@ -209,7 +289,9 @@ class PrecomputeConfig(Section):
     enabled: bool = Field(
         False, description="Encode captions and clips into the cache first, then train from it (off: on the fly)."
     )
-    cache_dir: str | None = Field(None, description="Where the cache lives; default: <data.root>/.vidtune-cache.")
+    cache_dir: str | None = Field(
+        None, description="Where the cache lives; default: .vidtune-cache in the first dataset's folder."
+    )
     text_device: str = Field("auto", description="Device of the text encoder(s); auto: training.device.")
     vae_devices: list[str] = Field(
         default_factory=lambda: ["auto"],
@@ -217,6 +299,10 @@ class PrecomputeConfig(Section):
         description="Devices of the VAE, one copy each, run concurrently with the text encoder(s).",
     )
     batch_size: int = Field(4, gt=0, description="Captions / clips per encoder call.")
+    windows_per_clip: int = Field(
+        1, ge=1, description="With data.frame_sampling=random: fixed windows cached per clip (evenly spaced from its "
+        "start to its end), one picked per visit; 1 caches the start only."
+    )
     store: Literal["posterior", "sample"] = Field(
         "posterior",
         description="`posterior`: VAE mean and std, a fresh latent every step; `sample`: one fixed latent "
@@ -311,11 +397,17 @@ PATH_KEYS: dict[str, str] = {
     "model.pretrained": "hub",
     "model.subfolders.*": "hub",
     "data.root": "path",
+    "data.datasets.root": "path",
+    "data.datasets.path": "path",
     "lora.init_from": "path",
     "precompute.cache_dir": "path",
     "checkpoint.resume": "latest",
     "output_dir": "path",
 }
+
+
+# Lists whose items hold paths: an item's keys are named as if the list were a section (data.datasets.root).
+LIST_SECTIONS = ("data.datasets",)
 
 
 def _path_kind(key: str) -> str | None:
@@ -339,6 +431,8 @@ def resolve_paths(data: Any, base: Path, prefix: str = "") -> Any:
     """Every path of `data` (nested sections, keys as in PATH_KEYS under `prefix`) made absolute from `base`."""
     if isinstance(data, dict):
         return {key: resolve_paths(value, base, f"{prefix}{key}.") for key, value in data.items()}
+    if isinstance(data, list) and prefix.rstrip(".") in LIST_SECTIONS:
+        return [resolve_paths(item, base, prefix) for item in data]
     kind = _path_kind(prefix.rstrip("."))
     return resolve_path(data, kind, base) if kind else data
 
@@ -517,6 +611,9 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
             if isinstance(data.setdefault(section, {}), dict):
                 for key in keys:
                     data[section].setdefault(key, required_placeholder)
+        # The data needs one of two keys: show the one-dataset shorthand as the one to set.
+        if isinstance(data.setdefault("data", {}), dict) and not data["data"].get("datasets"):
+            data["data"].setdefault("root", required_placeholder)
     config = build_config(data, origins=origins)
     if not Path(config.output_dir).is_absolute():  # the default: where the command runs
         config.output_dir = os.path.normpath(Path(config.output_dir).absolute())

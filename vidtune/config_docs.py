@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import PydanticUndefined
 
-from vidtune.config import PATH_KEYS, Config
+from vidtune.config import PATH_KEYS, SOURCE_TYPES, Config
 
 HEADER = """# Configuration reference
 
@@ -30,12 +30,15 @@ The resolved config, with every default filled in, is written to `output_dir/con
 runs; a path given on the command line (and the default `output_dir`) is relative to the current folder. The
 keys that hold paths are {keys}. `model.pretrained` (and a `model.subfolders` value) is a local folder when it
 starts with `.` or names an existing folder, and a hub id otherwise. The resolved config holds absolute paths.
-`data.videos`, `data.prompts` and the clip paths listed in them are relative to `data.root`.
+`data.videos`, `data.prompts` and the clip paths listed in them are relative to `data.root`; the paths in a
+`metadata` file are relative to that file's folder.
 """
 
 
 def _type_name(annotation: object) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
     if origin is typing.Literal:
         return " / ".join(f"`{value}`" for value in args)
     if origin in (typing.Union, types.UnionType):
@@ -63,6 +66,23 @@ def _limits(field) -> str:
     return ", ".join(parts)
 
 
+def _source_tables() -> list[str]:
+    """The keys of each kind of `data.datasets` entry (examples: docs/datasets.md)."""
+    lines = ["\n### `data.datasets` entries\n",
+             "Each entry is one source; its `type` decides the other keys."]
+    for model in SOURCE_TYPES:
+        kind = typing.get_args(model.model_fields["type"].annotation)[0]
+        lines.append(f"\n**`type: {kind}`**: {model.__doc__.strip()}\n")
+        lines.append("| key | type | default | limits | meaning |")
+        lines.append("|---|---|---|---|---|")
+        for key, sub in model.model_fields.items():
+            if key == "type":
+                continue
+            cells = [f"`{key}`", _type_name(sub.annotation), _default(sub), _limits(sub), sub.description or ""]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return lines
+
+
 def render() -> str:
     lines = [HEADER.format(keys=", ".join(f"`{key}`" for key in PATH_KEYS))]
     top = [(name, field) for name, field in Config.model_fields.items()]
@@ -78,6 +98,8 @@ def render() -> str:
                 kind = _type_name(sub.annotation)
                 cells = [f"`{name}.{key}`", kind, _default(sub), _limits(sub), sub.description or ""]
                 lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+            if name == "data":
+                lines.extend(_source_tables())
     lines.append("\n## Top level\n")
     lines.append("| key | default | meaning |")
     lines.append("|---|---|---|")

@@ -256,7 +256,7 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     """One sample of `run` into `output` (mp4, + .png, + .txt; + `latents`). `overrides`: SampleSettings fields
     (num_inference_steps, guidance_scale, seed, frames, height, width); the rest are the run's validation
     settings. An image-to-video family starts from `image`, else from the run's first clip (as validation)."""
-    from vidtune.data.sources import load_text_pair_dataset
+    from vidtune.data.sources import read_sources
 
     spec, config = run.spec, run.config
     settings = SampleSettings.from_config(config, spec, default_prompt=prompt)
@@ -269,13 +269,12 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
                                "What to do: leave out --image.")
         reference = read_image(image, settings.height, settings.width)
     elif spec.image_to_video:
-        data = config.data
-        try:
-            clips = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
+        try:  # the run's first sample, as validation takes it (the sources in order; nothing probed)
+            clips = read_sources(config.data).clips
             reference = reference_clip(spec, clips, settings)
-        except (VidtuneError, OSError):
+        except (VidtuneError, OSError, IndexError):
             raise VidtuneError(f"{spec.name} generates from a first frame: without --image it starts from the "
-                               f"run's first clip, but the run's data ({data.root}) cannot be read.\n"
+                               "run's first clip, but the run's data (its config's data section) cannot be read.\n"
                                "What to do: pass --image PNG.") from None
         print(f"Starting from the first frame of {clips[0].video} (the run's first clip; --image to choose).",
               flush=True)

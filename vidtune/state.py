@@ -3,7 +3,7 @@
 - the trainable weights (read and written through the algorithm's own accessors),
 - the optimizer, and its LR schedule (a pure function of the step and the config: rebuilt at the restored
   step, never loaded, so a changed learning rate or schedule simply applies from there on),
-- the data position (samples consumed; the stream is seeded by position, see `vidtune.data.sampler`),
+- the data position (samples consumed; the stream is seeded by position, see `vidtune.data.buckets`),
 - the RNGs of every rank, and the number of non-finite steps skipped so far,
 - with `training.ema_decay`, the moving average of the trained weights (`vidtune.ema`), updated with each
   applied optimizer step.

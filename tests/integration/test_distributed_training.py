@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
 from vidtune.errors import TrainingError
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import TrainingInterrupted
 
@@ -137,7 +138,8 @@ def test_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_confi
     assert not set(seen[0]) & set(seen[1]) and sorted(seen[0] + seen[1]) == list(range(STEPS * 2))
 
     # (c) One set of outputs: rank 0's, each step logged once; checkpoints hold both ranks' RNGs.
-    expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE]
+    expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE,
+                COMFYUI_LORA_WEIGHTS]
     assert sorted(p.name for p in ddp_dir.iterdir()) == expected
     rows = [json.loads(line) for line in (ddp_dir / "metrics.jsonl").read_text().splitlines()]
     single_rows = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
@@ -197,7 +199,8 @@ def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
     result = torchrun()
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "run"
-    expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE]
+    expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE,
+                COMFYUI_LORA_WEIGHTS]
     assert sorted(p.name for p in out.iterdir()) == expected
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert result.stdout.count("Finished 2 steps") == 1  # the summary, from rank 0

@@ -105,14 +105,16 @@ def test_rotary_embeddings_are_the_pipelines(family, tiny_model_dir):
         torch.testing.assert_close(mine, theirs)
 
 
-def test_pipeline_decodes_training_latents_to_the_vae_reconstruction(t2v_folder):
-    """Normalisation: the latents the trainer teaches, put in the pipeline's loop, decode to the VAE's own output."""
+@pytest.mark.parametrize("frames", [13, 9])
+def test_pipeline_decodes_training_latents_to_the_vae_reconstruction(t2v_folder, frames):
+    """Normalisation: the latents the trainer teaches, put in the pipeline's loop, decode to the VAE's own output.
+    9 frames (3 latent frames, temporal patch 2): the padding frame in front is the one the pipeline drops."""
     spec = _spec(CogVideoXSpec, t2v_folder)
     text, vae, denoiser = _components(spec)
     pipeline = spec.pipeline(text, vae, denoiser)
     pipeline.set_progress_bar_config(disable=True)
-    frames, size, _ = TINY_SHAPES["cogvideox"]
-    videos = _videos("cogvideox", 1)
+    _, size, _ = TINY_SHAPES["cogvideox"]
+    videos = reference_videos(frames, size)[:1]
     latents = spec.prepare_latents(vae, videos)["latents_mean"]
 
     def inject(pipe, step, timestep, tensors):
@@ -128,10 +130,11 @@ def test_pipeline_decodes_training_latents_to_the_vae_reconstruction(t2v_folder)
 
 
 def test_shape_rules_follow_the_temporal_patch_and_learned_embeddings(t2v_folder, i2v_folder):
-    spec = _spec(CogVideoXSpec, t2v_folder)  # temporal patch 2: latent frames must be even
+    spec = _spec(CogVideoXSpec, t2v_folder)  # temporal patch 2: an odd latent frame count is padded
     spec.check_video_shape(13, 32, 16)
-    with pytest.raises(ConfigError, match=r"data.frames=9 .*multiple of 2.*nearest valid values: 5 or 13"):
-        spec.check_video_shape(9, 32, 32)
+    spec.check_video_shape(9, 32, 32)
+    with pytest.raises(ConfigError, match=r"data.frames=10 must be 4k\+1 for this model; nearest valid values: 9 or 1"):
+        spec.check_video_shape(10, 32, 32)
     # CogVideoX 1.5 slices a rotary table of sample_height x sample_width latents (4 x 4 here: 32 pixels).
     with pytest.raises(ConfigError, match=r"data.width=48: .*at most 32; nearest valid value: 32"):
         spec.check_video_shape(13, 32, 48)
@@ -139,6 +142,29 @@ def test_shape_rules_follow_the_temporal_patch_and_learned_embeddings(t2v_folder
     i2v.check_video_shape(13, 32, 32)
     with pytest.raises(ConfigError, match=r"data.width=48: .*fit 32 only; nearest valid value: 32"):
         i2v.check_video_shape(9, 32, 48)
+
+
+def test_cogvideox_1_5_pads_an_odd_latent_frame_count_like_its_pipeline(t2v_folder):
+    """9 frames are 3 latent frames, and the temporal patch is 2: the latents get the first latent frame once more in
+    front, the grid the pipeline denoises (it generates one frame more and drops the first before decoding)."""
+    spec = _spec(CogVideoXSpec, t2v_folder)
+    text, vae, denoiser = _components(spec)
+    videos = reference_videos(9, 32)[:1]
+    latents = spec.prepare_latents(vae, videos)
+    with torch.no_grad():
+        unpadded = vae.encode(videos.permute(0, 2, 1, 3, 4)).latent_dist.mean * vae.config.scaling_factor
+    assert unpadded.shape[2] == 3 and latents["latents_mean"].shape[2] == 4
+    torch.testing.assert_close(latents["latents_mean"], torch.cat([unpadded[:, :, :1], unpadded], dim=2))
+    assert latents["latents_std"].shape == latents["latents_mean"].shape
+    pipeline = spec.pipeline(text, vae, denoiser)
+    pipeline.set_progress_bar_config(disable=True)
+    with torch.no_grad():
+        sampled = spec.generate_latents(pipeline, "a", 9, 32, 32, 2, torch.Generator().manual_seed(0))
+        prediction = spec.forward(denoiser, spec.prepare_conditions(text, ["a"]), latents["latents_mean"],
+                                  torch.tensor([500]))
+        video = spec.generate(pipeline, "a", 9, 32, 32, 2, 1.0, torch.Generator().manual_seed(0))
+    assert sampled.shape == prediction.shape == latents["latents_mean"].shape
+    assert video.shape == (9, 3, 32, 32)  # the pipeline drops the padding before decoding
 
 
 # ----- image-to-video ------------------------------------------------------------------------------------

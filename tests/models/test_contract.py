@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from vidtune.data.video import read_clip
-from vidtune.models.registry import available_models, get_spec_class
+from vidtune.models import registry
+from vidtune.models.registry import available_models, get_spec_class, tiny_family
 from vidtune.models.spec import POSTERIOR_KEYS, draw_latent
 from vidtune.models.tiny import TINY_SHAPES, TINY_WRITERS
 from vidtune.trainers import build_trainer
@@ -17,8 +18,22 @@ CPU = torch.device("cpu")
 
 
 def test_every_family_has_a_tiny_model():
-    assert set(FAMILIES) <= set(TINY_WRITERS), "each registered family needs a tiny model in models/tiny.py"
-    assert set(FAMILIES) <= set(TINY_SHAPES)
+    """Each registered family declares its tiny model beside the others (models/tiny/<spec module>.py)."""
+    for family in FAMILIES:
+        tiny = tiny_family(family)
+        assert callable(tiny.write) and len(tiny.shape) == 3, family
+        assert tiny.overfit.steps > 0 and tiny.overfit.learning_rate > 0, family
+        assert 0 < tiny.overfit.bound <= 0.15, f"{family}: the overfit bound is never raised to pass"
+    assert set(TINY_WRITERS) == set(TINY_SHAPES) == set(FAMILIES)
+
+
+def test_a_family_without_a_tiny_model_is_named(monkeypatch):
+    monkeypatch.setitem(registry.SPECS, "made-up", "vidtune.models.made_up:MadeUpSpec")
+    with pytest.raises(LookupError, match=r"'made-up' has no tiny model: add vidtune/models/tiny/made_up\.py"):
+        tiny_family("made-up")
+    monkeypatch.setitem(registry.SPECS, "ltx-video-2", "vidtune.models.ltx_video:LTXVideoSpec")
+    with pytest.raises(LookupError, match=r"'ltx-video-2' has no tiny model: .*ltx_video\.py declares none"):
+        tiny_family("ltx-video-2")
 
 
 @pytest.fixture(params=FAMILIES)

@@ -17,12 +17,14 @@ def dataset(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def config_for(make_config, dataset: Path, tmp_path: Path):
-    """config_for(**sections) -> a config on `dataset` whose cache is tmp_path/cache (precompute enabled)."""
+    """config_for(**sections) -> a config on `dataset` whose cache is tmp_path/cache (precompute enabled). Frames are
+    read from each clip's start (one fixed window), so a cached batch equals the batch computed on the fly."""
 
     def build(**sections):
         precompute = {"enabled": True, "cache_dir": str(tmp_path / "cache"), "batch_size": 2,
                       **sections.pop("precompute", {})}
+        data = {"frame_sampling": "start", **sections.pop("data", {})}
         return make_config(sections.pop("family", "ltx-video"), data_root=sections.pop("data_root", dataset),
-                           precompute=precompute, **sections)
+                           precompute=precompute, data=data, **sections)
 
     return build

@@ -34,8 +34,10 @@ def test_a_batch_read_from_the_cache_equals_the_batch_computed_on_the_fly(
     config_for, tmp_path, batch_size, precompute_batch, exact
 ):
     def config(enabled, name):
+        # The same frames both ways: `middle` is one fixed window (`random` draws any start on the fly, see below).
         return config_for(training={"batch_size": batch_size, "seed": 3}, output_dir=str(tmp_path / name),
-                          precompute={"enabled": enabled, "batch_size": precompute_batch})
+                          precompute={"enabled": enabled, "batch_size": precompute_batch},
+                          data={"frame_sampling": "middle"})
 
     live_trainer, live = _batches(config(False, "live"), 5)
     cached_trainer, cached = _batches(config(True, "cached"), 5)
@@ -54,11 +56,40 @@ def test_a_batch_read_from_the_cache_equals_the_batch_computed_on_the_fly(
                     torch.testing.assert_close(got[key], expected[key], rtol=1e-4, atol=1e-5)
 
 
+def test_random_frames_from_the_cache_pick_among_the_cached_windows(config_for, tmp_path):
+    """`random` with precompute: each clip caches `windows_per_clip` windows; a visit reads the one its position
+    draws, which is the batch the on-the-fly path computes at that window's start."""
+    from vidtune.data.buckets import visit_window, window_starts
+    from vidtune.precompute import encode_videos
+
+    config = config_for(training={"seed": 5}, precompute={"windows_per_clip": 3}, data={"frame_sampling": "random"})
+    trainer, cached = _batches(config, 8)
+    plan = trainer.source.cached.plan
+    frames = config.data.frames
+    assert [len(windows) for windows in plan.latent_windows] == [3] * 4  # 17-frame clips, 9 frames: starts 0, 4, 8
+    assert {plan.latent_preprocess[key].start for windows in plan.latent_windows for key in windows} == {0, 4, 8}
+    vae = trainer.spec.load_vae(torch.device("cpu"))
+    chosen = set()
+    for positions, indices, _, latents in cached:
+        window = visit_window(3, "random", 5, positions[0])
+        chosen.add(window)
+        clip = trainer.clips[indices[0]]
+        start = window_starts(clip.info, frames, None, "random", 3)[window]
+        preprocess = plan.latent_preprocess[plan.latent_windows[indices[0]][window]]
+        assert preprocess.start == start
+        (expected,) = encode_videos(trainer.spec, vae, [clip], batch_size=1, preprocess=preprocess, decode_workers=0)
+        torch.testing.assert_close(latents["latents_mean"][0], expected["latents_mean"], rtol=1e-4, atol=1e-5)
+    assert len(chosen) > 1, "visits should draw different windows"
+
+
 @pytest.mark.parametrize("family", ["hunyuan-video", "wan-i2v", "cogvideox-i2v"])
 def test_families_with_two_text_encoders_or_image_conditions(config_for, tmp_path, family):
     """Every key a spec returns is cached: second text encoder outputs, image embeddings, first-frame latents."""
-    live = _batches(config_for(family=family, precompute={"enabled": False}, output_dir=str(tmp_path / "l")), 2)[1]
-    cached = _batches(config_for(family=family, precompute={"batch_size": 1}, output_dir=str(tmp_path / "c")), 2)[1]
+    start = {"frame_sampling": "start"}
+    live = _batches(config_for(family=family, precompute={"enabled": False}, output_dir=str(tmp_path / "l"),
+                               data=start), 2)[1]
+    cached = _batches(config_for(family=family, precompute={"batch_size": 1}, output_dir=str(tmp_path / "c"),
+                                 data=start), 2)[1]
     for (_, indices, conditions, latents), (_, c_indices, c_conditions, c_latents) in zip(live, cached, strict=True):
         assert indices == c_indices
         for expected, got in ((conditions, c_conditions), (latents, c_latents)):

@@ -26,9 +26,10 @@ def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_dataset_items(shapes: Path) -> None:
     samples = load_text_pair_dataset(shapes)
-    dataset = VideoCaptionDataset(samples, num_frames=8, height=32, width=32)
+    dataset = VideoCaptionDataset(samples, [(8, 32, 32)])
     assert len(dataset) == 3
-    item = dataset[1]
+    item = dataset[(5, 1, 0)]
+    assert item["position"] == 5
     assert item["video"].shape == (8, 3, 32, 32)
     assert item["video"].dtype == torch.float32
     assert item["video"].min() >= -1.0 and item["video"].max() <= 1.0
@@ -38,16 +39,16 @@ def test_dataset_items(shapes: Path) -> None:
 
 def test_dataset_with_fps_takes_every_other_frame(shapes: Path) -> None:
     samples = load_text_pair_dataset(shapes)
-    full = VideoCaptionDataset(samples, num_frames=12, height=32, width=32)[0]["video"]
-    half = VideoCaptionDataset(samples, num_frames=6, height=32, width=32, fps=12)[0]["video"]
+    full = VideoCaptionDataset(samples, [(12, 32, 32)])[(0, 0, 0)]["video"]
+    half = VideoCaptionDataset(samples, [(6, 32, 32)], fps=12)[(0, 0, 0)]["video"]
     torch.testing.assert_close(half, full[::2])
 
 
 def test_collate_through_a_dataloader(shapes: Path) -> None:
     samples = load_text_pair_dataset(shapes)
     loader = DataLoader(
-        VideoCaptionDataset(samples, num_frames=4, height=16, width=24),
-        batch_size=2,
+        VideoCaptionDataset(samples, [(4, 16, 24)]),
+        batch_sampler=[[(0, 0, 0), (1, 1, 0)]],
         collate_fn=collate_samples,
     )
     batch = next(iter(loader))
@@ -64,9 +65,9 @@ def test_collate_rejects_an_empty_batch() -> None:
 
 def test_dataset_error_names_the_line(tmp_path: Path) -> None:
     clip = write_video(tmp_path / "short.mp4", np.zeros((3, 16, 16, 3), np.uint8), 24)
-    dataset = VideoCaptionDataset([Clip(clip, "a cat", 0, 7)], num_frames=5, height=16, width=16)
+    dataset = VideoCaptionDataset([Clip(clip, "a cat", 0, 7)], [(5, 16, 16)])
     with pytest.raises(VideoDecodeError) as caught:
-        dataset[0]
+        dataset[(0, 0, 0)]
     assert "(videos.txt line 7)" in str(caught.value)
     assert "it has 3 frames" in str(caught.value)
 

@@ -1,4 +1,4 @@
-"""A torch Dataset of the clips (video and caption), decoded on demand."""
+"""A torch Dataset of the samples (clip or still, and caption), decoded on demand at the batch schedule's keys."""
 
 from __future__ import annotations
 
@@ -8,45 +8,55 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from vidtune.data.buckets import Shape, visit_start
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipTooShortError, VideoDecodeError, read_clip
 
+Key = tuple[int, int, int]  # (stream position, sample index, bucket): see vidtune.data.buckets.ScheduleSampler
+
 
 class VideoCaptionDataset(Dataset):
-    """Yields {"video": float32 [F, 3, H, W] in [-1, 1], "caption": str, "index": int}.
+    """At a key, yields {"video": float32 [F, 3, H, W] in [-1, 1] of the sample's bucket, "caption": str,
+    "index": int, "position": int}. The window's start is drawn per visit (`data.frame_sampling`) from the
+    position's own generator, so it is the same whatever worker decodes it, and after a resume.
 
-    Clips should be checked with `validate_clips` first; a failure here still names the line to fix.
+    Samples come from `load_dataset` (each with its probe and bucket); a failure here still names the line to fix.
     """
 
-    def __init__(
-        self, clips: Sequence[Clip], num_frames: int, height: int, width: int, fps: float | None = None
-    ) -> None:
+    def __init__(self, clips: Sequence[Clip], shapes: Sequence[Shape], fps: float | None = None,
+                 resize: str = "crop", frame_sampling: str = "start", seed: int = 0) -> None:
         self.clips = list(clips)
-        self.num_frames = num_frames
-        self.height = height
-        self.width = width
+        self.shapes = list(shapes)
         self.fps = fps
+        self.resize = resize
+        self.frame_sampling = frame_sampling
+        self.seed = seed
 
     def __len__(self) -> int:
         return len(self.clips)
 
-    def __getitem__(self, item: int) -> dict[str, Any]:
-        clip = self.clips[item]
+    def __getitem__(self, key: Key) -> dict[str, Any]:
+        position, index, bucket = key
+        clip = self.clips[index]
+        frames, height, width = self.shapes[bucket]
+        start = 0
+        if clip.info is not None and not clip.is_image:
+            start = visit_start(clip.info, frames, self.fps, self.frame_sampling, self.seed, position)
         try:
-            video = read_clip(clip.video, self.num_frames, self.height, self.width, fps=self.fps)
+            video = read_clip(clip.video, frames, height, width, fps=self.fps, start=start, resize=self.resize)
         except (VideoDecodeError, ClipTooShortError) as error:
-            # Raised in a worker mid-training: say which line, since the user only knows their text files.
-            where = f"{clip.source} line {clip.line}"
-            raise VideoDecodeError(clip.video, error.reason, where=where) from error
-        return {"video": video, "caption": clip.caption, "index": clip.index}
+            # Raised in a worker mid-training: say which line, since the user only knows their own files.
+            raise VideoDecodeError(clip.video, error.reason, where=clip.where) from error
+        return {"video": video, "caption": clip.caption, "index": clip.index, "position": position}
 
 
 def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Stack videos to [B, F, 3, H, W]; captions stay a list; indices become a LongTensor."""
+    """Stack videos to [B, F, 3, H, W]; captions stay a list; indices and positions become LongTensors."""
     if not batch:
         raise ValueError("cannot collate an empty batch")
     return {
         "video": torch.stack([item["video"] for item in batch]),
         "caption": [item["caption"] for item in batch],
         "index": torch.tensor([item["index"] for item in batch], dtype=torch.long),
+        "position": torch.tensor([item.get("position", -1) for item in batch], dtype=torch.long),
     }

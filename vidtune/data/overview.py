@@ -86,7 +86,9 @@ def _draw_row(
         f"{info.num_frames} frames, {format_fps(info.fps)} fps, {info.width}x{info.height}, "
         f"{info.duration:.1f} s"
     )
-    lines = [(f"{clip.source} line {clip.line}: {clip.video.name}", _TEXT), (details, _DIM_TEXT)]
+    if clip.is_image:
+        details = f"still, {info.width}x{info.height}"
+    lines = [(f"{clip.where}: {clip.video.name}", _TEXT), (details, _DIM_TEXT)]
     lines += [(line, _TEXT) for line in _wrap_caption(clip.caption)]
     for number, (line, color) in enumerate(lines):
         _text(draw, (text_left, top + PAD + number * 17), line, font, color)

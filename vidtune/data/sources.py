@@ -1,26 +1,40 @@
-"""Turn a user's dataset folder into clips (path, caption, line), checking every line before any long work starts.
+"""Turn a user's datasets into samples (path, caption, where it came from), checking everything before any long work.
 
-A dataset is two text files in one folder: `videos.txt` (one clip path per line, relative to the folder
-or absolute) and `prompts.txt` (the caption for the clip on the same line). Every problem is collected
-and reported together, each naming the file and line to fix. Nothing is ever skipped: dropping a line
-would pair every later clip with the wrong caption.
+Three kinds of source (`data.datasets`, or `data.root` for one `pairs` dataset):
+
+- `pairs`: `videos.txt` (one clip path per line, relative to the folder or absolute) and `prompts.txt` (the
+  caption for the clip on the same line);
+- `folder`: every clip and image in a folder and its subfolders, each with a same-name `.txt` caption beside it;
+- `metadata`: a `.csv` (header row) or `.jsonl` file naming each clip and its caption; paths relative to the file.
+
+Stills (png, jpg, webp) are one-frame samples in every source. Each sample holds its own caption from the moment
+it is read, so no problem elsewhere can pair a clip with another's caption. Every problem of every source is
+collected and reported together, each naming the file and line (or row) to fix. Nothing is ever skipped.
 """
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
 from vidtune.data.video import (
+    IMAGE_SUFFIXES,
+    VIDEO_SUFFIXES,
     VideoDecodeError,
     VideoInfo,
     describe_length,
     format_fps,
+    is_image_path,
+    probe_image,
     probe_video,
     required_source_frames,
 )
@@ -34,13 +48,29 @@ _PREVIEW = 60
 
 @dataclass(frozen=True)
 class Clip:
-    """One clip and its caption. `line` is the 1-based line number in both files."""
+    """One sample (a clip or a still) and its caption, and where it was named: `source` line `line` (a CSV: row
+    `row`, which starts on line `line`; a folder: `line` 0 and `source` the media file).
+
+    `load_dataset` also fills in what the checks learned: `info` (the probe) and `bucket` (its index in the
+    config's bucket shapes)."""
 
     video: Path
     caption: str
     index: int
     line: int
-    source: str = "videos.txt"  # how messages name the clip list, e.g. "videos.txt line 3"
+    source: str = "videos.txt"  # how messages name the list, e.g. "videos.txt line 3"
+    is_image: bool = False
+    repeats: int = 1
+    row: int = 0
+    info: VideoInfo | None = field(default=None, compare=False)
+    bucket: int | None = None
+
+    @property
+    def where(self) -> str:
+        """Where the user named this sample: 'videos.txt line 3', 'clips.csv row 2 (line 3)', 'shots/a.mp4'."""
+        if self.row:
+            return f"{self.source} row {self.row} (line {self.line})"
+        return f"{self.source} line {self.line}" if self.line else self.source
 
 
 def read_lines(path: str | os.PathLike[str]) -> list[str]:
@@ -82,6 +112,14 @@ def load_text_pair_dataset(
     root: str | os.PathLike[str], videos_file: str = "videos.txt", prompts_file: str = "prompts.txt"
 ) -> list[Clip]:
     """Read the two lists in `root` into clips, or raise one DataError listing every problem."""
+    clips, problems = _read_pairs(root, videos_file, prompts_file)
+    if problems:
+        raise DataError(problems, hint=_hint(Path(root).expanduser().absolute()))
+    return clips
+
+
+def _read_pairs(root: str | os.PathLike[str], videos_file: str, prompts_file: str) -> tuple[list[Clip], list[str]]:
+    """The clips of every good line of the two lists, and a problem for every line that is not."""
     root = Path(root).expanduser().absolute()
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
@@ -95,14 +133,12 @@ def load_text_pair_dataset(
     videos = _read_list(videos_path, "one clip path per line", problems)
     prompts = _read_list(prompts_path, "one caption per line, in the same order as the clips", problems)
     if videos is None or prompts is None:
-        raise DataError(problems, hint=_hint(root))
+        return [], problems
 
     videos_name, prompts_name = _display_name(videos_file), _display_name(prompts_file)
     problems.extend(_count_problems(videos, prompts, videos_name, prompts_name))
     clips = _pair_lines(root, videos, prompts, videos_name, prompts_name, problems)
-    if problems:
-        raise DataError(problems, hint=_hint(root))
-    return clips
+    return clips, problems
 
 
 def _pair_lines(
@@ -126,7 +162,7 @@ def _pair_lines(
                 f"{videos_name} line {number} ({_preview(text) if text else 'also empty'})."
             )
         elif clip is not None:
-            clips.append(Clip(clip, caption, number - 1, number, videos_name))
+            clips.append(Clip(clip, caption, number - 1, number, videos_name, is_image=is_image_path(clip)))
     for number in range(len(videos) + 1, len(prompts) + 1):
         if not prompts[number - 1]:
             problems.append(f"{prompts_name} line {number} is empty.")
@@ -231,12 +267,9 @@ def validate_clips(
     infos: list[VideoInfo] = []
     probed: dict[Path, VideoInfo | VideoDecodeError] = {}  # a clip may be listed twice with two captions
     for clip in tqdm(clips, desc="Checking clips", unit="clip", disable=not progress):
-        where = f"{clip.source} line {clip.line} ({clip.video})"
+        where = f"{clip.where} ({clip.video})"
         if clip.video not in probed:
-            try:
-                probed[clip.video] = probe_video(clip.video)
-            except VideoDecodeError as error:
-                probed[clip.video] = error
+            probed[clip.video] = probe(clip)
         info = probed[clip.video]
         if isinstance(info, VideoDecodeError):
             problems.append(f"{where}: {info.reason}")
@@ -250,6 +283,14 @@ def validate_clips(
             problems, hint="fix or replace these clips (keep the captions in prompts.txt in step)."
         )
     return infos
+
+
+def probe(clip: Clip) -> VideoInfo | VideoDecodeError:
+    """The probe of a sample (a still or a clip), or the error saying why it cannot be read."""
+    try:
+        return probe_image(clip.video) if clip.is_image else probe_video(clip.video)
+    except VideoDecodeError as error:
+        return error
 
 
 def _length_problem(info: VideoInfo, num_frames: int, fps: float | None) -> str | None:
@@ -268,3 +309,244 @@ def _length_problem(info: VideoInfo, num_frames: int, fps: float | None) -> str 
         f"{needed / info.fps:.2f} s ({needed} source frames): use a longer clip, lower data.frames "
         "or raise data.fps."
     )
+
+
+# ----- every source of a config ---------------------------------------------------------------------------------
+MEDIA_SUFFIXES = IMAGE_SUFFIXES + VIDEO_SUFFIXES
+_LISTED = 5  # files named in a warning about ignored files before "and N more"
+
+
+@dataclass
+class DatasetReport:
+    """What reading and checking a config's datasets found: every sample (checked ones hold `info` and `bucket`),
+    the problems of the source files, each sample's problems (by index) and warnings."""
+
+    clips: list[Clip]
+    source_problems: list[str] = field(default_factory=list)
+    sample_problems: dict[int, list[str]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        by_sample = [f"{self.clips[i].where} ({self.clips[i].video}): {problem}"
+                     for i in sorted(self.sample_problems) for problem in self.sample_problems[i]]
+        return [*self.source_problems, *by_sample]
+
+    def raise_problems(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise DataError(problems, hint="fix the files and lines above (every problem of every source is listed) "
+                            "and run again; `vidtune data check CONFIG` shows each sample with its bucket.")
+
+
+def read_sources(data: Any) -> DatasetReport:
+    """Every sample of `data.datasets` (or `data.root`), in order, each with its own caption; nothing probed yet.
+
+    `data` is the config's data section. A line that names no usable sample is a problem, never skipped silently."""
+    report = DatasetReport([])
+    sources = data.sources()
+    for source in sources:
+        found: list[Clip] = []
+        problems: list[str] = []
+        try:  # each reader returns the samples it could read and a problem for everything else
+            if source.type == "pairs":
+                found, problems = _read_pairs(Path(source.root), source.videos, source.prompts)
+            elif source.type == "folder":
+                found, problems = _read_folder(Path(source.root), report)
+            else:
+                found, problems = _read_metadata(Path(source.path), source.video_column, source.caption_column)
+        except DataError as error:  # the source as a whole cannot be read
+            problems = error.problems
+        where = f"(in {source.root}) " if source.type == "pairs" and len(sources) > 1 else ""
+        report.source_problems.extend(f"{where}{problem}" for problem in problems)
+        prefix = source.caption_prefix.strip(_STRIP)
+        for clip in found:
+            caption = f"{prefix} {clip.caption}" if prefix else clip.caption
+            # With several sources, a list is named with its folder: "pairs/videos.txt line 3".
+            label = f"{Path(source.root).name}/{clip.source}" if source.type == "pairs" and len(sources) > 1 \
+                else clip.source
+            report.clips.append(replace(clip, caption=caption, index=len(report.clips), repeats=source.repeats,
+                                        source=label))
+    if not report.clips and not report.source_problems:
+        report.source_problems.append("The datasets hold no samples at all.")
+    return report
+
+
+def inspect_dataset(data: Any, progress: bool = True) -> DatasetReport:
+    """`read_sources`, then every sample probed (headers and packets, no decoding) and given its bucket."""
+    from vidtune.data.buckets import assign_bucket
+
+    report = read_sources(data)
+    shapes = data.bucket_shapes()
+    probed: dict[Path, VideoInfo | VideoDecodeError] = {}  # a file may be listed twice, with two captions
+    for number, clip in enumerate(tqdm(report.clips, desc="Checking samples", unit="sample", disable=not progress)):
+        if clip.video not in probed:
+            probed[clip.video] = probe(clip)
+        info = probed[clip.video]
+        if isinstance(info, VideoDecodeError):
+            report.sample_problems.setdefault(number, []).append(info.reason)
+            continue
+        bucket, reason = assign_bucket(info, clip.is_image, shapes, data.fps)
+        report.clips[number] = replace(clip, info=info, bucket=bucket)
+        if reason:
+            report.sample_problems.setdefault(number, []).append(reason)
+    return report
+
+
+def load_dataset(data: Any, progress: bool = True) -> list[Clip]:
+    """The checked samples of a config's data section (each with `info` and `bucket`), or one DataError listing
+    every problem of every source. Warnings (files a folder holds but no sample uses) are printed."""
+    report = inspect_dataset(data, progress=progress)
+    report.raise_problems()
+    for warning in report.warnings:
+        print(f"Note: {warning}", flush=True)
+    return report.clips
+
+
+def _read_folder(root: Path, report: DatasetReport) -> tuple[list[Clip], list[str]]:
+    """Every clip and image under `root` (hidden files and folders left out), each with its .txt caption."""
+    root = root.expanduser().absolute()
+    if not root.is_dir():
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise DataError([f"The dataset folder {root} {what}: point the `folder` dataset's root at a folder of clips "
+                         "and images, each with a .txt caption of the same name beside it."])
+    files = sorted(path for path in root.rglob("*") if path.is_file()
+                   and not any(part.startswith(".") for part in path.relative_to(root).parts))
+    media = [path for path in files if path.suffix.lower() in MEDIA_SUFFIXES]
+    if not media:
+        raise DataError([f"The dataset folder {root} holds no clips or images (looked for "
+                         f"{', '.join(MEDIA_SUFFIXES)}, in subfolders too)."])
+    problems: list[str] = []
+    clips: list[Clip] = []
+    used: set[Path] = set()
+    for path in media:
+        name = f"{root.name}/{path.relative_to(root).as_posix()}"
+        caption_file = path.with_suffix(".txt")
+        used.add(caption_file)
+        if not caption_file.is_file():
+            problems.append(f"{name} has no caption: looked for {caption_file}. Write its caption in that file "
+                            "(a .txt file with the same name, beside it).")
+            continue
+        try:
+            caption = " ".join(line for line in read_lines(caption_file) if line)
+        except DataError as error:
+            problems.extend(error.problems)
+            continue
+        if not caption:
+            problems.append(f"{caption_file} is empty: write the caption of {name} in it.")
+            continue
+        clips.append(Clip(path, caption, len(clips), 0, name, is_image=is_image_path(path)))
+    orphans = [path for path in files if path.suffix.lower() == ".txt" and path not in used]
+    others = [path for path in files if path.suffix.lower() not in (*MEDIA_SUFFIXES, ".txt")]
+    if orphans:
+        noun = "is a caption" if len(orphans) == 1 else "are captions"
+        report.warnings.append(f"{root}: {_listing(orphans, root)} {noun} with no clip or image of the same name "
+                               "beside it, not used.")
+    if others:
+        report.warnings.append(f"{root}: {_listing(others, root)} {'is' if len(others) == 1 else 'are'} not a clip or "
+                               f"image vidtune reads ({', '.join(MEDIA_SUFFIXES)}), not used.")
+    return clips, problems
+
+
+def _listing(paths: list[Path], root: Path) -> str:
+    names = [path.relative_to(root).as_posix() for path in paths[:_LISTED]]
+    more = f" and {len(paths) - _LISTED} more" if len(paths) > _LISTED else ""
+    return ", ".join(names) + more
+
+
+def _read_metadata(path: Path, video_column: str, caption_column: str) -> tuple[list[Clip], list[str]]:
+    """The samples of a .csv (with a header row) or .jsonl file; clip paths relative to the file's folder."""
+    path = path.expanduser().absolute()
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".jsonl"):
+        kind = suffix or "a file without an extension"
+        raise DataError([f"{path}: a `metadata` dataset must be a .csv or a .jsonl file, not {kind}. Save the "
+                         "spreadsheet as CSV (with a header row), or write one JSON object a line in a .jsonl file."])
+    if not path.is_file():
+        raise DataError([f"The metadata file {path} {'is a folder' if path.exists() else 'does not exist'}: point "
+                         "the `metadata` dataset's path at a .csv or .jsonl file."])
+    text = "\n".join(read_lines(path))  # UTF-8 (with a clear message if not), any line ends
+    rows = _csv_rows(path, text, video_column, caption_column) if suffix == ".csv" else \
+        _jsonl_rows(path, text, video_column, caption_column)
+    problems: list[str] = []
+    clips: list[Clip] = []
+    for line, row, video, caption, problem in rows:
+        where = f"{path.name} row {row} (line {line})" if row else f"{path.name} line {line}"
+        if problem:
+            problems.append(f"{where}: {problem}")
+            continue
+        if not video:
+            problems.append(f"{where}: the {video_column!r} value is empty: write the path of the clip or image.")
+            continue
+        if not caption:
+            problems.append(f"{where}: the {caption_column!r} value is empty: write the caption of {video!r}.")
+            continue
+        resolved = _resolve_clip(path.parent, video)
+        if not resolved.is_file():
+            state = "is a folder, not a file" if resolved.is_dir() else "was not found"
+            problems.append(f"{where}: {_preview(video)} {state} (looked for {resolved}). Check the spelling, or "
+                            f"write the path relative to {path.parent}.")
+            continue
+        clips.append(Clip(resolved, caption, len(clips), line, path.name, is_image=is_image_path(resolved), row=row))
+    if not clips and not problems:
+        problems.append(f"{path} names no samples: write one clip or image and its caption per "
+                        f"{'row' if suffix == '.csv' else 'line'}.")
+    return clips, problems
+
+
+Row = tuple[int, int, str, str, str | None]  # (line, CSV row or 0, video, caption, problem)
+
+
+def _csv_rows(path: Path, text: str, video_column: str, caption_column: str) -> list[Row]:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = [cell.strip(_STRIP) for cell in next(reader)]
+    except StopIteration:
+        raise DataError([f"{path} is empty: write a header row (e.g. {video_column},{caption_column}) and one row "
+                         "per clip."]) from None
+    missing = [column for column in (video_column, caption_column) if column not in header]
+    if missing:
+        raise DataError([f"{path.name} has no column {' and no column '.join(repr(c) for c in missing)} (line 1, "
+                         f"the header row); its columns are: {', '.join(repr(c) for c in header if c) or 'none'}. "
+                         "Rename the column in the file, or set video_column / caption_column in the dataset entry "
+                         "to the column that holds it."], hint=f"File: {path}")
+    video_at, caption_at = header.index(video_column), header.index(caption_column)
+    rows: list[Row] = []
+    line = reader.line_num + 1
+    for number, cells in enumerate(reader, start=1):
+        start, line = line, reader.line_num + 1
+        if not any(cell.strip(_STRIP) for cell in cells):
+            continue  # a blank line between rows
+        if len(cells) <= max(video_at, caption_at):
+            rows.append((start, number, "", "", f"it has {len(cells)} cells but the header has {len(header)}: "
+                         "check for a missing comma or a caption with a comma that is not in double quotes."))
+            continue
+        rows.append((start, number, cells[video_at].strip(_STRIP), cells[caption_at].strip(_STRIP), None))
+    return rows
+
+
+def _jsonl_rows(path: Path, text: str, video_column: str, caption_column: str) -> list[Row]:
+    rows: list[Row] = []
+    for line, content in enumerate(text.split("\n"), start=1):
+        if not content:
+            continue
+        try:
+            item = json.loads(content)
+        except json.JSONDecodeError as error:
+            rows.append((line, 0, "", "", f"this is not valid JSON ({error.msg} at character {error.colno}): write "
+                         f'one object per line, e.g. {{"{video_column}": "clip.mp4", "{caption_column}": "a cat"}}.'))
+            continue
+        if not isinstance(item, dict):
+            rows.append((line, 0, "", "", "this is not a JSON object ({...}): write one object per line."))
+            continue
+        missing = [key for key in (video_column, caption_column) if key not in item]
+        if missing:
+            rows.append((line, 0, "", "", f"no key {' and no key '.join(repr(k) for k in missing)}; its keys are: "
+                         f"{', '.join(repr(k) for k in item) or 'none'}. Rename the key, or set video_column / "
+                         "caption_column in the dataset entry."))
+            continue
+        values = [item[video_column], item[caption_column]]
+        if not all(isinstance(value, str) for value in values):
+            rows.append((line, 0, "", "", f"{video_column!r} and {caption_column!r} must be text (in double quotes)."))
+            continue
+        rows.append((line, 0, values[0].strip(_STRIP), values[1].strip(_STRIP), None))
+    return rows

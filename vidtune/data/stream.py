@@ -1,8 +1,10 @@
 """The seeded, resumable stream of training batches: one interface, from the cache or encoded on the fly.
 
 A `Batch` holds what the loss needs: the conditions (text encoders' outputs), the latents (the VAE posterior
-and any video-derived conditions) and the stream positions of its clips, which seed each visit's randomness
-(see `vidtune.data.sampler`). Two sources give the same batches for the same config:
+and any video-derived conditions) of samples of one bucket, and the stream positions of its samples, which seed
+each visit's randomness (see `vidtune.data.buckets`). Two sources give the same batches for the same config
+(with `data.frame_sampling` `start` or `middle`; `random` draws any start on the fly, one of the cached windows
+from the cache):
 
 - `CachedBatches` reads precomputed entries (`vidtune.precompute`); the encoders are never loaded.
 - `EncodedBatches` decodes clips in DataLoader workers and encodes them in this process with the functional
@@ -14,18 +16,18 @@ Both also give the conditions of the empty caption, for caption dropout with the
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from vidtune import parallel
 from vidtune.config import Config
+from vidtune.data.buckets import BatchSchedule, ScheduleSampler
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
-from vidtune.data.sampler import StreamSampler
 from vidtune.data.sources import Clip
 from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
 from vidtune.precompute import CachedClips, collate_cached, encode_captions, encode_videos, stack_items
@@ -40,25 +42,27 @@ class Batch:
 
 
 class BatchSource(ABC):
-    """Batches of `training.batch_size` clips, for this rank, from any position of the stream, on `device`."""
+    """Batches of `training.batch_size` samples of one bucket, for this rank, from any position of the stream, on
+    `device`. The samples come from `load_dataset` (each with its bucket)."""
 
     def __init__(self, config: Config, clips: Sequence[Clip], device: torch.device) -> None:
         self.config = config
         self.clips = list(clips)
         self.device = device
+        self.schedule = BatchSchedule([clip.bucket or 0 for clip in self.clips], [clip.repeats for clip in self.clips],
+                                      config.training.batch_size, config.training.seed)
 
     def batches(self, start_position: int) -> Iterator[Batch]:
         """The endless stream from `start_position` (samples consumed so far by all ranks)."""
-        sampler = StreamSampler(len(self.clips), self.config.training.seed, start=start_position,
-                                rank=parallel.rank(), world=parallel.world_size())
+        sampler = ScheduleSampler(self.schedule, start_position, rank=parallel.rank(), world=parallel.world_size())
         for raw in self.loader(sampler):
             conditions, latents = self.encode(raw)
             yield Batch(to_device(conditions, self.device), to_device(latents, self.device), raw["position"],
                         raw["index"])
 
     @abstractmethod
-    def loader(self, sampler: StreamSampler) -> DataLoader:
-        """Batches of items in `sampler`'s order, each with its "position"."""
+    def loader(self, sampler: ScheduleSampler) -> DataLoader:
+        """Batches of items at `sampler`'s keys, each with its "position"."""
 
     @abstractmethod
     def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
@@ -76,10 +80,9 @@ class CachedBatches(BatchSource):
         super().__init__(config, clips, device)
         self.cached = cached
 
-    def loader(self, sampler: StreamSampler) -> DataLoader:
+    def loader(self, sampler: ScheduleSampler) -> DataLoader:
         # Reading an entry is far cheaper than a step: no worker processes (nor their memory) needed.
-        return DataLoader(_Positioned(self.cached), batch_size=self.config.training.batch_size, sampler=sampler,
-                          num_workers=0, collate_fn=_CollateWithPositions(collate_cached))
+        return DataLoader(self.cached, batch_sampler=sampler, num_workers=0, collate_fn=collate_cached)
 
     def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
         return raw["conditions"], raw["latents"]
@@ -98,15 +101,15 @@ class EncodedBatches(BatchSource):
         self.text = text
         self.vae = vae
 
-    def loader(self, sampler: StreamSampler) -> DataLoader:
+    def loader(self, sampler: ScheduleSampler) -> DataLoader:
         data = self.config.data
-        dataset = VideoCaptionDataset(self.clips, data.frames, data.height, data.width, data.fps)
+        dataset = VideoCaptionDataset(self.clips, data.bucket_shapes(), data.fps, data.resize, data.frame_sampling,
+                                      self.config.training.seed)
         return DataLoader(
-            _Positioned(dataset),
-            batch_size=self.config.training.batch_size,
-            sampler=sampler,
+            dataset,
+            batch_sampler=sampler,
             num_workers=data.num_workers,
-            collate_fn=_CollateWithPositions(collate_samples),
+            collate_fn=collate_samples,
             persistent_workers=data.num_workers > 0,
             prefetch_factor=2 if data.num_workers > 0 else None,
         )
@@ -123,29 +126,3 @@ class EncodedBatches(BatchSource):
 
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {key: value.to(device, non_blocking=True) for key, value in tensors.items()}
-
-
-class _Positioned(Dataset):
-    """A map-style dataset read at the (position, index) pairs of StreamSampler; items carry their position."""
-
-    def __init__(self, dataset: Dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, Any]:
-        position, index = key
-        return {**self.dataset[index], "position": position}
-
-
-class _CollateWithPositions:
-    """`collate` plus the items' positions as a LongTensor (a class, so DataLoader workers can pickle it)."""
-
-    def __init__(self, collate: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> None:
-        self.collate = collate
-
-    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = self.collate(items)
-        batch["position"] = torch.tensor([item["position"] for item in items], dtype=torch.long)
-        return batch

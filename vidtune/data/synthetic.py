@@ -6,6 +6,8 @@ decoding, training) runs exactly as it would on a user's own clips.
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,3 +122,56 @@ def _draw_shape(
 
 def _write_text(path: Path, lines: list[str]) -> None:
     path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+
+
+# What `render_mixed_dataset` writes: (name, width, height, frames (0: a still), fps).
+MIXED_SAMPLES: tuple[tuple[str, int, int, int, float], ...] = (
+    ("pairs/clips/landscape.mp4", 64, 36, 20, 24.0),
+    ("pairs/clips/wide.png", 80, 45, 0, 0.0),
+    ("folder/portrait.mp4", 36, 64, 20, 30.0),
+    ("folder/stills/tall.jpg", 45, 80, 0, 0.0),
+    ("media/odd.mp4", 45, 43, 16, 12.5),
+    ("media/square.webp", 50, 50, 0, 0.0),
+    ("media/long.mp4", 48, 32, 120, 24.0),
+)
+
+
+def render_mixed_dataset(folder: str | os.PathLike[str], seed: int = 0, stills: bool = True
+                         ) -> list[dict[str, object]]:
+    """Clips (landscape, portrait, odd size and rate, long) and stills (png, jpg, webp) in four sources: a `pairs`
+    folder, a `folder` with .txt captions, a .csv and a .jsonl file. Returns the `data.datasets` entries.
+    `stills=False` leaves the stills out (for a model that takes no one-frame samples)."""
+    folder = Path(folder)
+    rng = np.random.default_rng(seed)
+    captions: dict[str, str] = {}
+    for number, (name, width, height, frames, fps) in enumerate(MIXED_SAMPLES):
+        clip = ShapeClip(SHAPES[number % len(SHAPES)], str(rng.choice(list(COLORS))),
+                         str(rng.choice(list(BACKGROUNDS))), str(rng.choice(list(DIRECTIONS))))
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if frames:
+            write_video(path, render_shape_frames(clip, frames, height, width), fps)
+        else:
+            Image.fromarray(render_shape_frames(clip, 1, height, width)[0]).save(path)
+        captions[name] = clip.caption
+    if not stills:  # the still files are left out of every source
+        for name, *_, frames, _ in MIXED_SAMPLES:
+            if not frames:
+                (folder / name).unlink()
+    pairs = ["pairs/clips/landscape.mp4", *(["pairs/clips/wide.png"] if stills else [])]
+    _write_text(folder / "pairs/videos.txt", [name.removeprefix("pairs/") for name in pairs])
+    _write_text(folder / "pairs/prompts.txt", [captions[name] for name in pairs])
+    for name in ("folder/portrait.mp4", *(["folder/stills/tall.jpg"] if stills else [])):
+        _write_text((folder / name).with_suffix(".txt"), [captions[name]])
+    with open(folder / "media.csv", "w", encoding="utf-8", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["file", "text"])
+        for name in ("media/odd.mp4", *(["media/square.webp"] if stills else [])):
+            writer.writerow([name, captions[name]])
+    _write_text(folder / "long.jsonl", [json.dumps({"video": "media/long.mp4", "caption": captions["media/long.mp4"]})])
+    return [
+        {"type": "pairs", "root": str(folder / "pairs")},
+        {"type": "folder", "root": str(folder / "folder"), "repeats": 2},
+        {"type": "metadata", "path": str(folder / "media.csv"), "video_column": "file", "caption_column": "text"},
+        {"type": "metadata", "path": str(folder / "long.jsonl"), "caption_prefix": "vtstyle"},
+    ]

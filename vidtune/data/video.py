@@ -17,12 +17,21 @@ import av
 import numpy as np
 import torch
 from av.video.reformatter import Interpolation
+from PIL import Image, ImageOps
 
 from vidtune.errors import VidtuneError
 from vidtune.files import atomic_path
 
 # Formats FFmpeg uses for still images: they open as a one-frame "video", which is never what a user meant.
 _IMAGE_FORMATS = ("image2", "_pipe", "gif_pipe", "webp_pipe")
+# Stills a dataset may hold beside its clips: read with Pillow, one-frame samples.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+VIDEO_SUFFIXES = (".mp4", ".mov", ".m4v", ".mkv", ".webm", ".avi")
+RESIZE_MODES = ("crop", "fit", "stretch")
+
+
+def is_image_path(path: str | os.PathLike[str]) -> bool:
+    return Path(path).suffix.lower() in IMAGE_SUFFIXES
 
 
 class VideoDecodeError(VidtuneError):
@@ -109,13 +118,38 @@ def probe_video(path: str | os.PathLike[str]) -> VideoInfo:
     return VideoInfo(path=path, num_frames=shown, fps=fps, width=width, height=height)
 
 
-def _check_file(path: Path) -> None:
+def probe_image(path: str | os.PathLike[str]) -> VideoInfo:
+    """A still's size as displayed (EXIF rotation applied), as a one-frame VideoInfo; reads the header only."""
+    path = Path(path)
+    _check_file(path, "image")
+    try:
+        with Image.open(path) as image:
+            image.verify()  # checks the file's structure without decoding the pixels
+        with Image.open(path) as image:
+            width, height = ImageOps.exif_transpose(image).size if _rotated(image) else image.size
+    except (OSError, SyntaxError, ValueError) as error:
+        raise VideoDecodeError(path, _damaged_image_reason(error)) from error
+    return VideoInfo(path=path, num_frames=1, fps=0.0, width=width, height=height)
+
+
+def _rotated(image: Image.Image) -> bool:
+    return image.getexif().get(0x0112, 1) in (5, 6, 7, 8)  # EXIF orientations that swap width and height
+
+
+def _damaged_image_reason(error: Exception) -> str:
+    return (
+        "it is not an image Pillow can read, or the file is damaged. Open it in an image viewer to check, and "
+        f"save it again (for example as .png). (Details: {error})"
+    )
+
+
+def _check_file(path: Path, what: str = "video") -> None:
     if not path.exists():
         raise VideoDecodeError(path, "the file does not exist.")
     if path.is_dir():
-        raise VideoDecodeError(path, "this is a folder, not a video file.")
+        raise VideoDecodeError(path, f"this is a folder, not a {what} file.")
     if path.stat().st_size == 0:
-        raise VideoDecodeError(path, "the file is empty (0 bytes). Copy or export the clip again.")
+        raise VideoDecodeError(path, f"the file is empty (0 bytes). Copy or export the {what} again.")
 
 
 def _damaged_reason(error: Exception) -> str:
@@ -221,6 +255,18 @@ def required_source_frames(num_frames: int, fps: float | None, source_fps: float
     return _resampled_indices(num_frames, fps, source_fps, 0)[-1] + 1
 
 
+def frames_available(source_frames: int, fps: float | None, source_fps: float) -> int:
+    """How many frames a clip of `source_frames` yields when read at `fps` (None: its own rate)."""
+    if fps is None or source_frames <= 0:
+        return max(source_frames, 0)
+    count = max(1, int((source_frames - 0.5) * fps / source_fps) + 1)  # a first guess, corrected exactly below
+    while count > 1 and required_source_frames(count, fps, source_fps) > source_frames:
+        count -= 1
+    while required_source_frames(count + 1, fps, source_fps) <= source_frames:
+        count += 1
+    return count
+
+
 def select_frame_indices(info: VideoInfo, num_frames: int, fps: float | None, start: int = 0) -> list[int]:
     """Source frame indices to read: consecutive frames, or resampled to `fps` by nearest timestamp.
 
@@ -243,12 +289,18 @@ def read_clip(
     width: int,
     fps: float | None = None,
     start: int = 0,
+    resize: str = "crop",
 ) -> torch.Tensor:
     """Decode the frames a sample needs as a float32 tensor [F, 3, H, W] in [-1, 1].
 
-    Frames are resized to cover H x W keeping their aspect ratio, then center-cropped.
+    `resize`: `crop` covers H x W keeping the aspect ratio, then cuts the centre; `fit` fits inside and pads
+    with black; `stretch` scales to H x W exactly.
     """
     path = Path(path)
+    if is_image_path(path):
+        if num_frames != 1:
+            raise ClipTooShortError(path, 1, num_frames, 0.0)
+        return read_image(path, height, width, resize)
     _check_file(path)
     try:
         with av.open(str(path)) as container:
@@ -256,16 +308,46 @@ def read_clip(
             stream.thread_type = "AUTO"
             source_fps = _stream_fps(stream)
             indices = _resampled_indices(num_frames, fps, source_fps, start)
-            images = _decode_indices(container, stream, indices, path, (height, width))
+            images = _decode_indices(container, stream, indices, path, (height, width), resize)
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
-    array = np.stack([images[index] for index in indices])
+    return _to_tensor(np.stack([images[index] for index in indices]))
+
+
+def _to_tensor(array: np.ndarray) -> torch.Tensor:
+    """uint8 [F, H, W, 3] -> float32 [F, 3, H, W] in [-1, 1]."""
     return torch.from_numpy(array).permute(0, 3, 1, 2).contiguous().float().div_(127.5).sub_(1.0)
+
+
+def read_image(path: str | os.PathLike[str], height: int, width: int, resize: str = "crop") -> torch.Tensor:
+    """A still as a one-frame sample [1, 3, H, W] in [-1, 1], resized like a clip's frames."""
+    path = Path(path)
+    _check_file(path, "image")
+    try:
+        with Image.open(path) as opened:
+            image = ImageOps.exif_transpose(opened).convert("RGB")
+    except (OSError, SyntaxError, ValueError) as error:
+        raise VideoDecodeError(path, _damaged_image_reason(error)) from error
+    if resize == "stretch":
+        image = image.resize((width, height), Image.Resampling.LANCZOS)
+    elif resize == "fit":
+        image = ImageOps.pad(image, (width, height), Image.Resampling.LANCZOS, color=(0, 0, 0))
+    else:
+        image = ImageOps.fit(image, (width, height), Image.Resampling.LANCZOS)
+    return _to_tensor(np.array(image)[None])  # a writable copy for torch
 
 
 def read_frames(path: str | os.PathLike[str], indices: list[int]) -> list[np.ndarray]:
     """Decode the given source frames (in the order given) as displayed, uint8 RGB arrays [H, W, 3]."""
     path = Path(path)
+    if is_image_path(path):  # a still: its one frame, whatever is asked
+        _check_file(path, "image")
+        try:
+            with Image.open(path) as opened:
+                image = np.asarray(ImageOps.exif_transpose(opened).convert("RGB"))
+        except (OSError, SyntaxError, ValueError) as error:
+            raise VideoDecodeError(path, _damaged_image_reason(error)) from error
+        return [image for _ in indices]
     _check_file(path)
     try:
         with av.open(str(path)) as container:
@@ -282,6 +364,7 @@ def _decode_indices(
     indices: list[int],
     path: Path,
     size: tuple[int, int] | None,
+    resize: str = "crop",
 ) -> dict[int, np.ndarray]:
     """RGB images of the wanted frames by index, decoding no further than the last one."""
     wanted = set(indices)
@@ -291,7 +374,7 @@ def _decode_indices(
     for index, frame in _frames_from(container, stream, first):
         seen = index + 1
         if index in wanted:
-            images[index] = _to_rgb(frame, stream, size)
+            images[index] = _to_rgb(frame, stream, size, resize)
         if index >= last:
             return images
     raise ClipTooShortError(path, seen, last + 1, _stream_fps(stream))
@@ -343,13 +426,19 @@ def _decoded_frames(
 
 
 def _to_rgb(
-    frame: av.VideoFrame, stream: av.video.stream.VideoStream, size: tuple[int, int] | None
+    frame: av.VideoFrame, stream: av.video.stream.VideoStream, size: tuple[int, int] | None, resize: str = "crop"
 ) -> np.ndarray:
-    """RGB uint8 [H, W, 3] as displayed; with `size`, resized to cover it and center-cropped."""
+    """RGB uint8 [H, W, 3] as displayed; with `size`, resized to it (see `read_clip` for `resize`)."""
     turns = _rotation_turns(frame)
     display_w, display_h = _display_size(frame, stream)
     if size is None:
         out_h, out_w = display_h, display_w
+    elif resize == "stretch":
+        out_h, out_w = size
+    elif resize == "fit":
+        scale = min(size[0] / display_h, size[1] / display_w)
+        out_h = min(size[0], max(1, round(display_h * scale)))
+        out_w = min(size[1], max(1, round(display_w * scale)))
     else:
         scale = max(size[0] / display_h, size[1] / display_w)
         out_h = max(size[0], round(display_h * scale))
@@ -363,7 +452,12 @@ def _to_rgb(
     image = frame.reformat(width=coded_w, height=coded_h, format="rgb24", interpolation=flags).to_ndarray()
     if turns:
         image = np.rot90(image, k=turns)
-    if size is not None:
+    if size is not None and resize == "fit":
+        padded = np.zeros((size[0], size[1], 3), dtype=np.uint8)  # black bars, centred
+        top, left = (size[0] - out_h) // 2, (size[1] - out_w) // 2
+        padded[top : top + out_h, left : left + out_w] = image
+        image = padded
+    elif size is not None:
         top = (out_h - size[0]) // 2
         left = (out_w - size[1]) // 2
         image = image[top : top + size[0], left : left + size[1]]

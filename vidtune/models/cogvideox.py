@@ -19,7 +19,7 @@ import functools
 import hashlib
 import logging
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from diffusers import (
@@ -34,6 +34,7 @@ from torch import nn
 from transformers import T5EncoderModel
 
 from vidtune.errors import ConfigError, ModelError
+from vidtune.export.comfyui import Rule, fused
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -52,9 +53,10 @@ class CogVideoXSpec(ModelSpec):
     name = "cogvideox"
     validation_guidance_scale = 6.0
     pipeline_class = CogVideoXPipeline
-
-    def required_components(self) -> tuple[str, ...]:
-        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
+    # CogVideoX 1.5 (a temporal patch): a latent frame count that is not a multiple of the patch is padded at the
+    # front with copies of the first latent frame. CogVideoXPipeline generates those `additional_frames` too and
+    # drops them before decoding; CogVideoX's own fine-tuning scripts pad the clean latent the same way.
+    pads_latent_frames: ClassVar[bool] = True
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property
@@ -94,7 +96,8 @@ class CogVideoXSpec(ModelSpec):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch, patch_t = self.compression
         spatial = vae_spatial * patch
-        problems = [frame_count_problem(frames, temporal, patch_t or 1), *side_problems(height, width, spatial)]
+        latent_multiple = 1 if self.pads_latent_frames else patch_t or 1
+        problems = [frame_count_problem(frames, temporal, latent_multiple), *side_problems(height, width, spatial)]
         transformer = self.transformer_config
         for key, value, sample in (("data.height", height, transformer["sample_height"]),
                                    ("data.width", width, transformer["sample_width"])):
@@ -113,7 +116,7 @@ class CogVideoXSpec(ModelSpec):
                     f"{key}={value}: this model's rotary embeddings cover at most {size}; nearest valid value: "
                     f"{size // spatial * spatial}"
                 )
-        raise_shape_problems("CogVideoX", problems, self, shape_rule(temporal, patch_t or 1, spatial))
+        raise_shape_problems("CogVideoX", problems, self, shape_rule(temporal, latent_multiple, spatial))
         _ = self.max_sequence_length  # fails early on a text length the transformer cannot take
 
     # ----- loading ---------------------------------------------------------------------------------
@@ -159,7 +162,17 @@ class CogVideoXSpec(ModelSpec):
         pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
         posterior = vae.encode(pixels).latent_dist
         scale = vae.config.scaling_factor  # the pipeline decodes latents / scaling_factor
-        return {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
+        latents = {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
+        padding = self.latent_padding(posterior.mean.shape[2])
+        if padding:
+            latents = {key: torch.cat([value[:, :, :1].expand(-1, -1, padding, -1, -1), value], dim=2)
+                       for key, value in latents.items()}
+        return latents
+
+    def latent_padding(self, latent_frames: int) -> int:
+        """Latent frames put before the clip's (see `pads_latent_frames`): CogVideoXPipeline's `additional_frames`."""
+        patch_t = self.transformer_config.get("patch_size_t")
+        return (-latent_frames) % patch_t if patch_t and self.pads_latent_frames else 0
 
     @staticmethod
     def rotary_embeddings(denoiser: nn.Module, frames: int, height: int, width: int,
@@ -192,6 +205,23 @@ class CogVideoXSpec(ModelSpec):
             return_dict=False,
         )[0]
         return prediction.permute(0, 2, 1, 3, 4)
+
+    # ----- ComfyUI ------------------------------------------------------------------------------------
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """CogVideoX's original names (THUDM's SAT checkpoints, `transformer.layers.N`): fused
+        `attention.query_key_value`. The adaptive norms (one fused `adaLN_modulations.N` in the original) have no
+        rule, so an adapter on them has no ComfyUI file."""
+        config = self.transformer_config
+        inner = config["num_attention_heads"] * config["attention_head_dim"]
+        block, layer = r"transformer_blocks\.(\d+)", r"transformer.layers.\1"
+        return [
+            *fused([rf"{block}\.attn1\.to_{x}" for x in "qkv"], rf"{layer}.attention.query_key_value", [inner] * 3),
+            Rule(rf"{block}\.attn1\.to_out\.0", rf"{layer}.attention.dense"),
+            Rule(rf"{block}\.ff\.net\.0\.proj", rf"{layer}.mlp.dense_h_to_4h"),
+            Rule(rf"{block}\.ff\.net\.2", rf"{layer}.mlp.dense_4h_to_h"),
+            Rule(r"time_embedding\.linear_1", "time_embed.0"),
+            Rule(r"time_embedding\.linear_2", "time_embed.2"),
+        ]
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
@@ -230,6 +260,9 @@ class CogVideoXI2VSpec(CogVideoXSpec):
 
     name = "cogvideox-i2v"
     image_to_video = True
+    # Its pipeline pads the first-frame condition too (the image latent repeated in front); not done here yet, so
+    # with a temporal patch the latent frame count must stay a multiple of it.
+    pads_latent_frames = False
     pipeline_class = CogVideoXImageToVideoPipeline
     image_noise_log_sigma: tuple[float, float] | None = (-3.0, 0.5)  # (mean, std) of log sigma; None: no noise
 

@@ -16,6 +16,7 @@ from diffusers import (
 from torch import nn
 from transformers import T5EncoderModel
 
+from vidtune.export.comfyui import Rule
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -33,9 +34,6 @@ logger = logging.getLogger(__name__)
 class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
     validation_guidance_scale = 3.0
-
-    def required_components(self) -> tuple[str, ...]:
-        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property
@@ -115,6 +113,20 @@ class LTXVideoSpec(ModelSpec):
         return LTXPipeline._unpack_latents(
             prediction, frames // patch_t, height // patch, width // patch, patch, patch_t
         )
+
+    # ----- ComfyUI ------------------------------------------------------------------------------------
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """The original names (Lightricks' LTX-Video, ComfyUI's LTXV model) are diffusers' inside the blocks; the
+        patch projection and the timestep embedding are named differently (diffusers' LTX-Video converter only
+        strips `diffusion_model.`, so it reads back the block keys, not these two)."""
+        block = r"transformer_blocks\.\d+\.(?:attn[12]\.(?:to_q|to_k|to_v|to_out\.0)|ff\.net\.(?:0\.proj|2))"
+        return [
+            Rule(f"({block})", r"\1"),
+            Rule(r"caption_projection\.(linear_[12])", r"caption_projection.\1"),
+            Rule(r"proj_out", "proj_out"),
+            Rule(r"proj_in", "patchify_proj"),
+            Rule(r"time_embed\.(emb\.timestep_embedder\.linear_[12]|linear)", r"adaln_single.\1"),
+        ]
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> LTXPipeline:

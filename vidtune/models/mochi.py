@@ -31,6 +31,7 @@ from diffusers import (
 from torch import nn
 from transformers import T5EncoderModel
 
+from vidtune.export.comfyui import Rule, fused
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -59,9 +60,6 @@ class MochiSpec(ModelSpec):
         ALL_LINEAR: (ALL_LINEAR,),
     }
     validation_guidance_scale = 4.5
-
-    def required_components(self) -> tuple[str, ...]:
-        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property
@@ -160,6 +158,34 @@ class MochiSpec(ModelSpec):
             encoder_attention_mask=conditions["prompt_attention_mask"],
             return_dict=False,
         )[0]
+
+    # ----- ComfyUI ------------------------------------------------------------------------------------
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """Mochi 1's original names (Genmo's repository, ComfyUI's Mochi model): fused `qkv_x` / `qkv_y`, and
+        SwiGLU `w1` and the final modulation with their two halves in the other order than diffusers'."""
+        config = self.transformer_config
+        inner = config["num_attention_heads"] * config["attention_head_dim"]
+        block = r"transformer_blocks\.(\d+)"
+        return [
+            *fused([rf"{block}\.attn1\.to_{x}" for x in "qkv"], r"blocks.\1.attn.qkv_x", [inner] * 3),
+            *fused([rf"{block}\.attn1\.add_{x}_proj" for x in "qkv"], r"blocks.\1.attn.qkv_y", [inner] * 3),
+            Rule(rf"{block}\.attn1\.to_out\.0", r"blocks.\1.attn.proj_x"),
+            Rule(rf"{block}\.attn1\.to_add_out", r"blocks.\1.attn.proj_y"),
+            # Genmo's w1 puts the half that goes through SiLU first, diffusers' SwiGLU puts it second.
+            Rule(rf"{block}\.ff\.net\.0\.proj", r"blocks.\1.mlp_x.w1", swap_halves=True),
+            Rule(rf"{block}\.ff\.net\.2", r"blocks.\1.mlp_x.w2"),
+            Rule(rf"{block}\.ff_context\.net\.0\.proj", r"blocks.\1.mlp_y.w1", swap_halves=True),
+            Rule(rf"{block}\.ff_context\.net\.2", r"blocks.\1.mlp_y.w2"),
+            Rule(rf"{block}\.norm1\.linear", r"blocks.\1.mod_x"),
+            Rule(rf"{block}\.norm1_context\.linear(?:_1)?", r"blocks.\1.mod_y"),
+            Rule(r"time_embed\.timestep_embedder\.linear_1", "t_embedder.mlp.0"),
+            Rule(r"time_embed\.timestep_embedder\.linear_2", "t_embedder.mlp.2"),
+            Rule(r"time_embed\.pooler\.(to_kv|to_q|to_out)", r"t5_y_embedder.\1"),
+            Rule(r"time_embed\.caption_proj", "t5_yproj"),
+            Rule(r"proj_out", "final_layer.linear"),
+            # The original modulation gives (shift, scale), diffusers' AdaLayerNormContinuous (scale, shift).
+            Rule(r"norm_out\.linear", "final_layer.mod", swap_halves=True),
+        ]
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> MochiPipeline:

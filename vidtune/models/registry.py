@@ -1,11 +1,16 @@
-"""Model families by name. Adding a family is one file under models/ and one line here."""
+"""Model families by name. Adding a family is its spec module under models/, its tiny model under models/tiny/
+(a module of the same name) and one line here."""
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from vidtune.models.tiny.common import TinyFamily
 
 # name -> "module:class", imported lazily so one family's imports never slow down another's.
 SPECS: dict[str, str] = {
@@ -29,3 +34,30 @@ def get_spec_class(name: str) -> type[ModelSpec]:
                           f"{', '.join(available_models())}.")
     module_name, class_name = SPECS[name].split(":")
     return getattr(importlib.import_module(module_name), class_name)
+
+
+def tiny_module_name(name: str) -> str:
+    """The module holding a family's tiny model: the spec module's namesake under `vidtune.models.tiny`
+    (`vidtune.models.wan:WanSpec` -> `vidtune.models.tiny.wan`)."""
+    if name not in SPECS:
+        raise ConfigError(f"model.name: unknown model '{name}'; choose one of {', '.join(available_models())}")
+    spec_module = SPECS[name].split(":")[0]
+    return "vidtune.models.tiny." + spec_module.rsplit(".", 1)[-1]
+
+
+def tiny_family(name: str) -> TinyFamily:
+    """A family's tiny model, clip shape and overfit settings: `TINY[name]` in its tiny module."""
+    module_name = tiny_module_name(name)
+    path = module_name.replace(".", "/") + ".py"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        raise LookupError(f"model family '{name}' has no tiny model: add {path} with TINY = "
+                          f"{{'{name}': TinyFamily(...)}} (see docs/adding_a_model.md)") from None
+    tiny = getattr(module, "TINY", {})
+    if name not in tiny:
+        raise LookupError(f"model family '{name}' has no tiny model: {path} declares none in TINY for it "
+                          f"(it has: {', '.join(sorted(tiny)) or 'none'})")
+    return tiny[name]

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 
 from vidtune.config import DType, ModelConfig, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
+from vidtune.export.comfyui import Rule
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.hub import check_hub_model, looks_local
 from vidtune.objectives import Objective, objective_from_scheduler
@@ -121,7 +122,7 @@ def side_problems(height: int, width: int, height_multiple: int, width_multiple:
 # The clip rules of each family's published checkpoints (what README.md lists), to compare a model's own rule with.
 PUBLISHED_SHAPE_RULES = {
     "ltx-video": "frames 8k+1, sides multiples of 32",
-    "cogvideox": "frames 4k+1 (CogVideoX 1.5: an even number of latent frames), sides multiples of 16",
+    "cogvideox": "frames 4k+1, sides multiples of 16",
     "cogvideox-i2v": "frames 4k+1, 480x720",
     "hunyuan-video": "frames 4k+1, sides multiples of 16",
     "mochi": "frames 6k+1, sides multiples of 16",
@@ -306,9 +307,10 @@ class ModelSpec(ABC):
         return resolve_dtype(override or self.config.dtype, device)
 
     # ----- the contract ------------------------------------------------------------------------------
-    @abstractmethod
     def required_components(self) -> tuple[str, ...]:
-        """Subfolders a local model folder must have."""
+        """Subfolders a local model folder must have: one text encoder, the VAE, the denoiser and the scheduler
+        (families with more extend it)."""
+        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
 
     @abstractmethod
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
@@ -429,6 +431,12 @@ class ModelSpec(ABC):
         latents = self.run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator,
                                     "latent", reference)
         return self.latents_from_pipeline(latents, frames, height, width)
+
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """How the family's diffusers modules are named in its original checkpoint, which is what ComfyUI loads
+        (see vidtune/export/comfyui.py): one `Rule` per module pattern, fused layers with their parts' sizes
+        (read them from the transformer config). Empty: the family has no ComfyUI file."""
+        return []
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None,
                   weight_name: str = LORA_WEIGHTS) -> Path:

@@ -39,6 +39,7 @@ from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
 from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError, SchedulerError
+from vidtune.export.comfyui import Rule
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -85,9 +86,6 @@ class WanSpec(ModelSpec):
         "attention+ffn": ATTENTION_TARGETS + WAN_FEED_FORWARD_TARGETS,
         ALL_LINEAR: (ALL_LINEAR,),
     }
-
-    def required_components(self) -> tuple[str, ...]:
-        return ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")
 
     def native_max_sequence_length(self) -> int:
         """UMT5 tokens per caption: the pipelines' 512."""
@@ -179,6 +177,29 @@ class WanSpec(ModelSpec):
             encoder_hidden_states=conditions["prompt_embeds"].to(noisy_latents.dtype),
             return_dict=False,
         )[0]
+
+    # ----- ComfyUI ------------------------------------------------------------------------------------
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """Wan 2.1's original names (Wan-Video's repository, ComfyUI's WAN model), as diffusers' Wan converter
+        reads them; image-to-video adds the image keys and values of cross-attention and the image embedder."""
+        projections = {r"to_q": "q", r"to_k": "k", r"to_v": "v", r"to_out\.0": "o", r"add_k_proj": "k_img",
+                       r"add_v_proj": "v_img"}
+        rules = [Rule(rf"blocks\.(\d+)\.{attention}\.{ours}", rf"blocks.\1.{theirs}.{original}")
+                 for attention, theirs in (("attn1", "self_attn"), ("attn2", "cross_attn"))
+                 for ours, original in projections.items()]
+        return [
+            *rules,
+            Rule(r"blocks\.(\d+)\.ffn\.net\.0\.proj", r"blocks.\1.ffn.0"),
+            Rule(r"blocks\.(\d+)\.ffn\.net\.2", r"blocks.\1.ffn.2"),
+            Rule(r"condition_embedder\.time_proj", "time_projection.1"),
+            Rule(r"condition_embedder\.text_embedder\.linear_1", "text_embedding.0"),
+            Rule(r"condition_embedder\.text_embedder\.linear_2", "text_embedding.2"),
+            Rule(r"condition_embedder\.time_embedder\.linear_1", "time_embedding.0"),
+            Rule(r"condition_embedder\.time_embedder\.linear_2", "time_embedding.2"),
+            Rule(r"condition_embedder\.image_embedder\.ff\.net\.0\.proj", "img_emb.proj.1"),
+            Rule(r"condition_embedder\.image_embedder\.ff\.net\.2", "img_emb.proj.3"),
+            Rule(r"proj_out", "head.head"),
+        ]
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

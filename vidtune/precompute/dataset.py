@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from vidtune.config import Config
+from vidtune.data.buckets import visit_window
 from vidtune.data.sources import Clip
 from vidtune.models.spec import ModelSpec
 from vidtune.precompute.cache import CorruptEntryError
@@ -25,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 
 class CachedClips(Dataset):
-    """Yields {"conditions": {...}, "latents": {...}, "caption": str, "index": int}, tensors without batch dim."""
+    """At a (position, sample index, bucket) key of the batch schedule, yields {"conditions": {...}, "latents":
+    {...}, "caption": str, "index": int, "position": int}, tensors without batch dim. A clip offering several
+    windows (`data.frame_sampling=random`, `precompute.windows_per_clip`) gives the one the visit draws."""
 
     def __init__(self, config: Config, spec: ModelSpec, plan: CachePlan, clips: Sequence[Clip]) -> None:
         self.config = config
@@ -56,13 +59,17 @@ class CachedClips(Dataset):
             raise ValueError("the plan has no empty prompt (caption dropout is off or technique is `zero`)")
         return stack_items([self.conditions(self.plan.empty_key)])
 
-    def __getitem__(self, item: int) -> dict[str, Any]:
+    def __getitem__(self, key: tuple[int, int, int] | int) -> dict[str, Any]:
+        position, item, _ = key if isinstance(key, tuple) else (-1, key, 0)
         clip = self.clips[item]
+        windows = self.plan.latent_windows[item]
+        window = visit_window(len(windows), self.config.data.frame_sampling, self.config.training.seed, position)
         return {
             "conditions": self.conditions(self.plan.condition_keys[item]),
-            "latents": as_posterior(self.read("latents", self.plan.latent_keys[item])),
+            "latents": as_posterior(self.read("latents", windows[window])),
             "caption": clip.caption,
             "index": clip.index,
+            "position": position,
         }
 
 
@@ -75,4 +82,5 @@ def collate_cached(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "latents": stack_items([item["latents"] for item in items]),
         "caption": [item["caption"] for item in items],
         "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
+        "position": torch.tensor([item.get("position", -1) for item in items], dtype=torch.long),
     }

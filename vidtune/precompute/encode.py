@@ -38,8 +38,8 @@ from tqdm.auto import tqdm
 
 from vidtune import parallel
 from vidtune.config import Config
-from vidtune.data.sources import Clip, load_text_pair_dataset, validate_clips
-from vidtune.data.video import read_clip
+from vidtune.data.buckets import check_bucket_shapes
+from vidtune.data.sources import Clip, load_dataset
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, ModelSpec, TextComponents, draw_latent
 from vidtune.precompute.cache import CacheStore, CorruptEntryError
@@ -103,9 +103,7 @@ def read_clips(clips: Sequence[ClipSource], preprocess: Preprocess | None, worke
             return clip
         if preprocess is None:
             raise ValueError("encode_videos: pass preprocess=Preprocess(frames, height, width) to read clip files")
-        path = clip.video if isinstance(clip, Clip) else clip
-        return read_clip(path, preprocess.frames, preprocess.height, preprocess.width, fps=preprocess.fps,
-                         start=preprocess.start)
+        return preprocess.read(clip.video if isinstance(clip, Clip) else clip)
 
     if workers <= 0:
         yield from (decode(clip) for clip in clips)
@@ -228,13 +226,11 @@ def build_spec(config: Config) -> ModelSpec:
 
 
 def load_clips(config: Config, spec: ModelSpec, progress: bool = True) -> list[Clip]:
-    """The dataset, checked like `vidtune train` checks it."""
+    """The dataset, checked like `vidtune train` checks it (each sample with its probe and bucket)."""
     data = config.data
     spec.check_source()
-    spec.check_video_shape(data.frames, data.height, data.width)
-    clips = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
-    validate_clips(clips, data.frames, data.fps, progress=progress)
-    return clips
+    check_bucket_shapes(spec, data.bucket_shapes(), single=not data.buckets)
+    return load_dataset(data, progress=progress)
 
 
 def _check_existing(cache: CacheStore, kind: str, keys: list[str]) -> tuple[list[str], int, int]:
@@ -343,11 +339,10 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
     pool = ThreadPoolExecutor(max(1, decode_workers), thread_name_prefix="vidtune-decode")
 
     def decode(key: str) -> torch.Tensor:
-        pre = plan.preprocess
-        return read_clip(plan.latents[key], pre.frames, pre.height, pre.width, fps=pre.fps, start=pre.start)
+        return plan.latent_preprocess[key].read(plan.latents[key])
 
     def producer(report: WorkerReport) -> None:
-        for chunk in _chunks(latent_keys, batch_size):
+        for chunk in _same_shape_chunks(latent_keys, plan, batch_size):
             if not _put(work, (chunk, [pool.submit(decode, key) for key in chunk]), stage.stop):
                 return
             report.items += len(chunk)
@@ -393,6 +388,16 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
     if any(ref() is not None for ref in stage.loaded):
         gc.collect()
     return stage.reports
+
+
+def _same_shape_chunks(keys: list[str], plan: CachePlan, size: int) -> Iterator[list[str]]:
+    """Chunks of up to `size` keys whose clips are read to one shape (one bucket), so each stacks into a batch."""
+    by_shape: dict[tuple[int, int, int], list[str]] = {}
+    for key in keys:
+        pre = plan.latent_preprocess[key]
+        by_shape.setdefault((pre.frames, pre.height, pre.width), []).append(key)
+    for group in by_shape.values():
+        yield from (list(chunk) for chunk in _chunks(group, size))
 
 
 def release_memory(devices: Sequence[torch.device]) -> None:
@@ -456,7 +461,7 @@ def recompute_entry(config: Config, spec: ModelSpec, plan: CachePlan, kind: str,
     else:
         with _LOAD_LOCK:
             vae = spec.load_vae(plan.vae_devices[0])
-        (item,) = encode_videos(spec, vae, [plan.latents[key]], batch_size=1, preprocess=plan.preprocess,
+        (item,) = encode_videos(spec, vae, [plan.latents[key]], batch_size=1, preprocess=plan.latent_preprocess[key],
                                 store=plan.store, generators=[latent_draw_generator(key)], decode_workers=0)
         del vae
         info = plan.latent_info[key]

@@ -5,7 +5,9 @@ length, and the constants its `prepare_conditions` reads, e.g. HunyuanVideo's pr
 of every text component (tokenizers and encoders), the text encoder dtype and the caption text. A latent's key
 covers the spec's `latent_identity()` (the family, its format version, and the constants its `prepare_latents`
 reads, e.g. an image-to-video family's first-frame noise), the identity and dtype of the VAE (and image
-encoder), the preprocessing (frames, size, crop, fps), the clip's content hash and the storage mode. Nothing
+encoder), the preprocessing (the bucket's frames and size, resize mode, fps, the window's first frame), the clip's
+content hash and the storage mode. A clip has one entry per window it offers (see `data.frame_sampling` and
+`precompute.windows_per_clip`). Nothing
 else is in a key: settings that do not change the tensors (validation, LoRA, the optimizer) keep the cache,
 and a change that touches only one kind re-encodes only that kind.
 
@@ -24,20 +26,25 @@ import torch
 
 from vidtune import parallel
 from vidtune.config import Config
+from vidtune.data.buckets import window_starts
 from vidtune.data.sources import Clip
+from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
 from vidtune.precompute.cache import CacheStore, Fingerprints, entry_key
 
 # Bump when `read_clip` changes what it returns for the same arguments.
-PREPROCESS_VERSION = 1
+PREPROCESS_VERSION = 2
 TEXT_COMPONENT_PREFIXES = ("text_encoder", "tokenizer")
 
 
 def cache_root(config: Config) -> Path:
-    """`precompute.cache_dir`, or `<data.root>/.vidtune-cache`."""
-    folder = config.precompute.cache_dir or str(Path(config.data.root) / ".vidtune-cache")
-    return Path(folder).expanduser().absolute()
+    """`precompute.cache_dir`, or `.vidtune-cache` in the first dataset's folder (a metadata file's folder)."""
+    if config.precompute.cache_dir:
+        return Path(config.precompute.cache_dir).expanduser().absolute()
+    first = config.data.sources()[0]
+    folder = Path(first.path).parent if first.type == "metadata" else Path(first.root)
+    return (folder / ".vidtune-cache").expanduser().absolute()
 
 
 def text_component_names(spec: ModelSpec) -> tuple[str, ...]:
@@ -86,23 +93,28 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Preprocess:
-    """How a clip becomes the tensor the VAE sees (what `VideoCaptionDataset` / `read_clip` do)."""
+    """How a clip (or still) becomes the tensor the VAE sees (what `VideoCaptionDataset` / `read_clip` do)."""
 
     frames: int
     height: int
     width: int
     fps: float | None = None
-    crop: str = "center"  # read_clip: resize to cover, then center crop
-    start: int = 0
+    resize: str = "crop"  # read_clip: crop / fit / stretch to the size
+    start: int = 0  # the window's first source frame
 
     @classmethod
     def from_config(cls, config: Config) -> Preprocess:
+        """The one-bucket shorthand's preprocessing, from the first frame."""
         data = config.data
-        return cls(data.frames, data.height, data.width, data.fps)
+        return cls(data.frames, data.height, data.width, data.fps, data.resize)
+
+    def read(self, path: str | Path) -> torch.Tensor:
+        return read_clip(path, self.frames, self.height, self.width, fps=self.fps, start=self.start,
+                         resize=self.resize)
 
     def describe(self) -> dict[str, Any]:
         return {"frames": self.frames, "height": self.height, "width": self.width, "fps": self.fps,
-                "crop": self.crop, "start": self.start, "version": PREPROCESS_VERSION}
+                "resize": self.resize, "start": self.start, "version": PREPROCESS_VERSION}
 
 
 def precompute_device(name: str, training_device: str, key: str) -> torch.device:
@@ -118,22 +130,24 @@ class CachePlan:
 
     cache: CacheStore
     store: str
-    preprocess: Preprocess
     text_device: torch.device
     vae_devices: list[torch.device]
     text_dtype: torch.dtype
     vae_dtype: torch.dtype
     condition_keys: list[str] = field(default_factory=list)  # one per sample
-    latent_keys: list[str] = field(default_factory=list)  # one per sample
+    latent_keys: list[str] = field(default_factory=list)  # one per sample: its first window
+    latent_windows: list[list[str]] = field(default_factory=list)  # per sample: every window it offers
     conditions: dict[str, str] = field(default_factory=dict)  # key -> caption, dataset order
     latents: dict[str, Path] = field(default_factory=dict)  # key -> clip, dataset order
+    latent_preprocess: dict[str, Preprocess] = field(default_factory=dict)  # key -> how its clip is read
     condition_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     latent_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     empty_key: str | None = None  # the empty prompt, for caption dropout technique `empty`
 
 
 def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheStore | None = None) -> CachePlan:
-    """Every key a config needs (hashing clips and weights it has not seen before)."""
+    """Every key a config needs (hashing clips and weights it has not seen before). `clips` come from
+    `load_dataset` (each with its probe and bucket)."""
     cache = cache or CacheStore(cache_root(config))
     options = config.precompute
     fallback = config.training.device
@@ -149,8 +163,7 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
             "of one kind, or set model.vae_dtype"
         )
     vae_dtypes = {spec.component_dtype("vae", device) for device in vae_devices}
-    preprocess = Preprocess.from_config(config)
-    plan = CachePlan(cache, options.store, preprocess, text_device, vae_devices, text_dtype, vae_dtypes.pop())
+    plan = CachePlan(cache, options.store, text_device, vae_devices, text_dtype, vae_dtypes.pop())
 
     fingerprints = cache.fingerprints
     # Each kind gets only its own side of the spec's identity: a prompt template change leaves latents alone.
@@ -164,9 +177,9 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         "components": {name: component_identity(spec, name, fingerprints) for name in video_components},
         "dtype": dtype_name(plan.vae_dtype),
         "dtypes": dict(zip(video_components, video_dtypes.pop(), strict=True)),
-        "preprocess": preprocess.describe(),
         "store": options.store,
     }
+    data, shapes = config.data, config.data.bucket_shapes()
 
     def condition(caption: str) -> str:
         key = entry_key("conditions", {**text_parts, "caption": caption})
@@ -177,11 +190,21 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
     for clip in clips:
         plan.condition_keys.append(condition(clip.caption))
         clip_hash = fingerprints.file(clip.video)
-        key = entry_key("latents", {**latent_parts, "clip": clip_hash})
-        plan.latent_keys.append(key)
-        plan.latents.setdefault(key, clip.video)
-        plan.latent_info.setdefault(key, {"clip": str(clip.video), "clip_sha256": clip_hash,
-                                          **preprocess.describe(), "store": options.store})
+        frames, height, width = shapes[clip.bucket or 0]
+        starts = [0]
+        if clip.info is not None and not clip.is_image:
+            starts = window_starts(clip.info, frames, data.fps, data.frame_sampling, options.windows_per_clip)
+        windows = []
+        for start in starts:
+            preprocess = Preprocess(frames, height, width, data.fps, data.resize, start)
+            key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": clip_hash})
+            windows.append(key)
+            plan.latents.setdefault(key, clip.video)
+            plan.latent_preprocess.setdefault(key, preprocess)
+            plan.latent_info.setdefault(key, {"clip": str(clip.video), "clip_sha256": clip_hash,
+                                              **preprocess.describe(), "store": options.store})
+        plan.latent_keys.append(windows[0])
+        plan.latent_windows.append(windows)
     if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
         plan.empty_key = condition("")
     return plan

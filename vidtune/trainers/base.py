@@ -36,8 +36,9 @@ from torch import nn
 from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
 from vidtune.config import Config, write_resolved_config
+from vidtune.data.buckets import check_bucket_shapes, visit_generator
 from vidtune.data.overview import write_dataset_overview
-from vidtune.data.sources import Clip, load_text_pair_dataset, validate_clips
+from vidtune.data.sources import Clip, load_dataset
 from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.data.video import VideoInfo
 from vidtune.ema import EMA
@@ -54,7 +55,7 @@ from vidtune.trainers.stop import SIGNAL_EXIT_CODES, StopSignals, TrainingInterr
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TrainResult", "Trainer", "TrainingError"]
+__all__ = ["TrainResult", "Trainer", "TrainingError", "visit_generator"]
 
 
 @dataclass
@@ -91,11 +92,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def visit_generator(seed: int, position: int) -> torch.Generator:
-    """Randomness of one visit of one clip: independent of batch size, accumulation and rank."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + position * 7_919 + 17) % 2**63)
 
 
 class Trainer(ABC):
@@ -304,13 +300,13 @@ class Trainer(ABC):
         return read_checkpoint(folder, self.config, self.algorithm, self.resume_fixed_keys)
 
     def check_inputs(self) -> None:
-        """Model folder, clip shape, scheduler, dataset files and every clip, before any long work."""
+        """Model folder, bucket shapes, scheduler, every source and every sample, before any long work."""
         data = self.config.data
         self.spec.check_source()
-        self.spec.check_video_shape(data.frames, data.height, data.width)
+        check_bucket_shapes(self.spec, data.bucket_shapes(), single=not data.buckets)
         self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
-        self.clips = load_text_pair_dataset(Path(data.root), data.videos, data.prompts)
-        self.clip_infos = validate_clips(self.clips, data.frames, data.fps, progress=self.show_progress)
+        self.clips = load_dataset(data, progress=self.show_progress)
+        self.clip_infos = [clip.info for clip in self.clips]
 
     def prepare_output_dir(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,10 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
 from vidtune.errors import ConfigError
+from vidtune.export.comfyui import ComfyUIExportError, save_comfyui_lora
 from vidtune.memory import store_frozen_weights_in_fp8
 from vidtune.models.spec import ALL_LINEAR
-from vidtune.outputs import LORA_EMA_WEIGHTS, LORA_WEIGHTS
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS, LORA_EMA_WEIGHTS, LORA_WEIGHTS
 from vidtune.trainers.base import Trainer
 
 # The tensors of one adapted module in a peft / diffusers adapter state dict.
@@ -168,8 +169,10 @@ class LoRATrainer(Trainer):
         return metadata
 
     def save_final(self, folder: Path) -> Path:
-        """The adapter, and with `training.ema_decay` its moving average beside it."""
-        written = self.spec.save_lora(folder, self.trainable_state_dict(), self.adapter_metadata())
+        """The adapter (and its ComfyUI file), and with `training.ema_decay` its moving average beside it."""
+        state = self.trainable_state_dict()
+        written = self.spec.save_lora(folder, state, self.adapter_metadata())
+        self.save_comfyui(folder, state)
         if self.ema is not None:
             with self.ema.applied():
                 self.spec.save_lora(folder, self.trainable_state_dict(), self.adapter_metadata(), LORA_EMA_WEIGHTS)
@@ -181,9 +184,19 @@ class LoRATrainer(Trainer):
         # `all-linear` resolves to the layers the adapter has, as it did when training added it.
         self.targets = self.resolve_targets(sorted({adapted_module(k) for k in weights}))
         written = self.spec.save_lora(output, weights, self.adapter_metadata())
+        self.save_comfyui(output, weights)
         if ema is not None:
             self.spec.save_lora(output, ema, self.adapter_metadata(), LORA_EMA_WEIGHTS)
         return written
+
+    def save_comfyui(self, folder: Path, state: dict[str, torch.Tensor]) -> Path | None:
+        """The same adapter for ComfyUI, beside the diffusers file. An adapter the ComfyUI layout cannot hold
+        (a target without an original name) is reported, not fatal: the diffusers file is the run's result."""
+        try:
+            return save_comfyui_lora(self.spec, folder, state, self.config.lora.alpha)
+        except ComfyUIExportError as error:
+            print(f"{COMFYUI_LORA_WEIGHTS} was not written: {error}", flush=True)
+            return None
 
 
 def read_adapter(spec, path: Path) -> tuple[dict[str, torch.Tensor], float | None]:

@@ -1,0 +1,105 @@
+"""`vidtune data check` on a mixed dataset: the table, the buckets, the JSON report, the paged contact sheet, and
+exit 1 on every bad input (checked in-process, as the CLI runs it, to stay fast)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from vidtune.cli import main
+from vidtune.data.synthetic import render_mixed_dataset
+from vidtune.data.video import write_video
+
+BUCKETS = [[9, 32, 64], [9, 64, 32], [9, 32, 32], [1, 32, 64], [1, 64, 32], [1, 32, 32]]
+
+
+def write_config(tmp_path: Path, model: Path, datasets: list[dict], **data) -> Path:
+    path = tmp_path / "check.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"name": "ltx-video", "pretrained": str(model), "max_sequence_length": data.pop("tokens", 128)},
+        "data": {"datasets": datasets, "buckets": data.pop("buckets", BUCKETS), **data},
+        "output_dir": str(tmp_path / "run"), "logging": {"progress": False}}))
+    return path
+
+
+def test_a_mixed_dataset_passes_with_its_table_buckets_report_and_sheet(tmp_path, tiny_model_dir, capsys):
+    datasets = render_mixed_dataset(tmp_path / "data")
+    config = write_config(tmp_path, tiny_model_dir("ltx-video"), datasets)
+    code = main(["data", "check", str(config), "--report", str(tmp_path / "report.json"),
+                 "--overview", str(tmp_path / "sheet.png")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    row = next(line for line in lines if "portrait.mp4" in line)
+    assert "folder/portrait.mp4" in row and "0.67 s" in row and "30" in row and "36x64" in row
+    assert "9 frames of 32x64 x2" in row  # its bucket, seen twice per epoch (repeats: 2)
+    still = next(line for line in lines if "wide.png" in line)
+    assert "pairs/videos.txt line 2" in still and "still" in still and "1 frame of 64x32" in still
+    assert "media.csv row 1 (line 2)" in out and "long.jsonl line 1" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] is True and report["buckets"] == {"9x32x64": 2, "9x64x32": 1, "9x32x32": 1, "1x32x64": 1,
+                                                          "1x64x32": 1, "1x32x32": 1}
+    assert [clip["bucket"] for clip in report["clips"]][:2] == [[9, 32, 64], [1, 32, 64]]
+    assert all(clip["problems"] == [] and clip["tokens"] > 0 for clip in report["clips"])
+    assert (tmp_path / "sheet.png").stat().st_size > 1000
+
+
+def test_every_bad_input_fails_the_check_and_is_named(tmp_path, tiny_model_dir, capsys):
+    datasets = render_mixed_dataset(tmp_path / "data")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_video(bad / "short.mp4", np.zeros((78, 32, 32, 3), np.uint8), 25)
+    (bad / "short.txt").write_text("a short clip " + "and many words " * 40)  # also over the token limit
+    write_video(bad / "no_caption.mp4", np.zeros((12, 32, 32, 3), np.uint8), 25)
+    (bad / "broken.mp4").write_bytes(b"\x00" * 64)
+    (bad / "broken.txt").write_text("a broken clip")
+    (bad / "copy.mp4").write_bytes((tmp_path / "data/media/long.mp4").read_bytes())
+    (bad / "copy.txt").write_text("the long clip again")
+    (bad / "meta.jsonl").write_text('{"clip": "short.mp4", "caption": "x"}\n')
+    datasets += [{"type": "folder", "root": str(bad)}, {"type": "metadata", "path": str(bad / "meta.jsonl")}]
+    config = write_config(tmp_path, tiny_model_dir("ltx-video"), datasets, tokens=32, fps=25.0,
+                          buckets=[[97, 32, 64], [97, 64, 32], [97, 32, 32], [1, 32, 32]])
+    code = main(["data", "check", str(config), "--report", str(tmp_path / "report.json")])
+    captured = capsys.readouterr()
+    assert code == 1
+    errors = captured.err
+    assert "3.12 s at 25 fps gives 78 frames; the smallest bucket needs 97" in errors
+    assert f"bad/no_caption.mp4 has no caption: looked for {bad / 'no_caption.txt'}" in errors
+    assert "bad/broken.mp4" in errors and "it is not a video file" in errors
+    assert "meta.jsonl line 1: no key 'video'; its keys are: 'clip', 'caption'" in errors
+    assert "What to do:" in errors
+    assert "NONE (see" in captured.out  # the table marks samples that fit no bucket
+    warnings = captured.out.split("warning")[-1]
+    assert "the caption has" in warnings and "the model reads 32" in warnings
+    assert "same file content as long.jsonl line 1 (long.mp4)" in captured.out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] is False
+    short = next(clip for clip in report["clips"] if clip["path"].endswith("short.mp4"))
+    assert short["bucket"] is None and "gives 78 frames" in short["problems"][0]
+    assert any("tokens" in warning for warning in short["warnings"])
+
+
+def test_a_bucket_the_family_refuses_fails_the_check_with_the_nearest_values(tmp_path, tiny_model_dir, capsys):
+    datasets = render_mixed_dataset(tmp_path / "data")
+    config = write_config(tmp_path, tiny_model_dir("ltx-video"), datasets, buckets=[[9, 32, 64], [10, 40, 32],
+                                                                                     [1, 32, 32]])
+    assert main(["data", "check", str(config)]) == 1
+    errors = capsys.readouterr().err
+    assert "data.buckets[1] = [10, 40, 32]: frames=10 must be 4k+1 for this model; nearest valid values: 9 or 13" \
+        in errors
+
+
+@pytest.mark.parametrize("pages", [1, 3])
+def test_the_contact_sheet_is_paged(tmp_path, pages):
+    from vidtune.config import DataConfig
+    from vidtune.data.report import write_sheets
+    from vidtune.data.sources import load_dataset
+
+    clips = load_dataset(DataConfig(datasets=render_mixed_dataset(tmp_path / "data"), buckets=BUCKETS),
+                         progress=False)
+    written = write_sheets(clips, tmp_path / "sheet.png", per_page=-(-len(clips) // pages))
+    assert [path.name for path in written] == ["sheet.png", *[f"sheet-{n}.png" for n in range(2, pages + 1)]]

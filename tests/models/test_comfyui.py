@@ -1,0 +1,300 @@
+"""The ComfyUI LoRA file: its maths, its key rules per family, and diffusers' own converters reading it back.
+
+diffusers ships converters for non-diffusers LoRAs (`diffusion_model.` keys with the original checkpoint's module
+names) for LTX-Video, Wan and HunyuanVideo: each family's `load_lora_weights` applies them, and the pipeline with
+the ComfyUI file must then produce what it produces with the diffusers file. CogVideoX and Mochi have no such
+converter: their files are checked against the module names and shapes of the original checkpoint layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers.loaders import lora_conversion_utils
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
+
+from vidtune.data.video import read_clip
+from vidtune.export.comfyui import ComfyUIExportError, Rule, comfyui_lora, fuse, fused
+from vidtune.models.registry import available_models, get_spec_class
+from vidtune.models.tiny import TINY_SHAPES
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS, LORA_WEIGHTS
+from vidtune.trainers import build_trainer
+
+CPU = torch.device("cpu")
+
+
+def _random(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ----- the maths --------------------------------------------------------------------------------------------
+def test_a_fused_adapter_applies_the_split_adapters_row_by_row():
+    """A stacked, B block-diagonal: B @ A is each part's B_i @ A_i in its rows, zeros for a part without one."""
+    sizes = (6, 6, 6, 10)
+    parts = {0: (_random(3, 5, seed=0), _random(6, 3, seed=1)),
+             1: (_random(2, 5, seed=2), _random(6, 2, seed=3)),  # ranks may differ
+             3: (_random(3, 5, seed=4), _random(10, 3, seed=5))}  # part 2 has no adapter
+    down, up = fuse(parts, sizes)
+    assert down.shape == (8, 5) and up.shape == (28, 8)
+    expected = torch.cat([parts[0][1] @ parts[0][0], parts[1][1] @ parts[1][0], torch.zeros(6, 5),
+                          parts[3][1] @ parts[3][0]])
+    torch.testing.assert_close(up @ down, expected)
+
+
+def test_the_scale_is_folded_into_b_and_halves_swap_where_the_original_orders_them_the_other_way():
+    rules = [Rule(r"block\.(\d+)\.ff", r"blocks.\1.w1", swap_halves=True), Rule(r"block\.(\d+)\.out", r"blocks.\1.o"),
+             *fused([r"block\.(\d+)\.q", r"block\.(\d+)\.k"], r"blocks.\1.qk", [4, 4])]
+    state = {f"block.0.{name}.lora_{ab}.weight": _random(*shape, seed=i)
+             for i, (name, ab, shape) in enumerate([("ff", "A", (2, 3)), ("ff", "B", (4, 2)), ("out", "A", (2, 3)),
+                                                    ("out", "B", (3, 2)), ("q", "A", (2, 3)), ("q", "B", (4, 2))])}
+    result = comfyui_lora(state, rules, alpha=8.0)  # rank 2: scale 4
+    assert set(result) == {f"diffusion_model.blocks.0.{m}.lora_{ab}.weight" for m in ("w1", "o", "qk") for ab in "AB"}
+
+    def delta(prefix: str, module: str) -> torch.Tensor:
+        return state[f"{prefix}.{module}.lora_B.weight"] @ state[f"{prefix}.{module}.lora_A.weight"] * 4.0
+
+    def comfy(module: str) -> torch.Tensor:
+        return (result[f"diffusion_model.blocks.0.{module}.lora_B.weight"]
+                @ result[f"diffusion_model.blocks.0.{module}.lora_A.weight"])
+
+    torch.testing.assert_close(comfy("o"), delta("block.0", "out"))
+    torch.testing.assert_close(comfy("w1"), torch.cat([delta("block.0", "ff")[2:], delta("block.0", "ff")[:2]]))
+    torch.testing.assert_close(comfy("qk"), torch.cat([delta("block.0", "q"), torch.zeros(4, 3)]))
+    assert not any(key.endswith(".alpha") for key in result)
+
+
+def test_a_module_without_an_original_name_is_named():
+    state = {"block.0.norm.lora_A.weight": torch.zeros(2, 3), "block.0.norm.lora_B.weight": torch.zeros(3, 2)}
+    with pytest.raises(ComfyUIExportError, match=r"block\.0\.norm.*\nWhat to do: leave them out of lora.target"):
+        comfyui_lora(state, [Rule("block\\.(\\d+)\\.out", "o")], alpha=1.0, family="wan")
+    state["block.0.norm.lora_magnitude_vector"] = torch.ones(3)
+    with pytest.raises(ComfyUIExportError, match="DoRA magnitudes"):
+        comfyui_lora(state, [Rule("block\\.(\\d+)\\.norm", "n")], alpha=1.0)
+
+
+# ----- diffusers' converters read the file back -------------------------------------------------------------
+@contextlib.contextmanager
+def hunyuan_hidden_size(hidden: int) -> Iterator[None]:
+    """diffusers' HunyuanVideo converter splits a single block's `linear1` at the real model's hidden size (3072,
+    a constant in it); for the tiny model it must split at the tiny one. Everything else is the converter's own."""
+    real_split = torch.split
+
+    def split(tensor: torch.Tensor, sizes, dim: int = 0):
+        if isinstance(sizes, tuple) and sizes[:3] == (3072, 3072, 3072):
+            sizes = (hidden, hidden, hidden, tensor.shape[dim] - 3 * hidden)
+        return real_split(tensor, sizes, dim)
+
+    patched = types.SimpleNamespace(**{name: getattr(torch, name) for name in dir(torch) if not name.startswith("__")})
+    patched.split = split
+    original = lora_conversion_utils.torch
+    lora_conversion_utils.torch = patched
+    try:
+        yield
+    finally:
+        lora_conversion_utils.torch = original
+
+
+# Targets per family: beyond the default attention projections, the layers each converter maps (feed-forward,
+# cross-attention image projections, fused parts), so the round trip covers them. HunyuanVideo: not the token
+# refiner, whose fused `self_attn_qkv` diffusers' converter splits as if it were a plain weight (its A too).
+ROUND_TRIP_TARGETS = {
+    "ltx-video": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
+    "wan": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2", "proj_out",
+            "condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1"],
+    "wan-i2v": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj",
+                "condition_embedder.image_embedder.ff.net.0.proj"],
+    "hunyuan-video": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k",
+                      "transformer_blocks.0.attn.to_v", "transformer_blocks.0.attn.to_out.0", "add_q_proj",
+                      "add_k_proj", "add_v_proj", "to_add_out", "transformer_blocks.0.ff.net.0.proj",
+                      "ff_context.net.2", "single_transformer_blocks.0.attn.to_q",
+                      "single_transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.attn.to_v",
+                      "single_transformer_blocks.0.proj_out", "time_text_embed.guidance_embedder.linear_1"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(ROUND_TRIP_TARGETS))
+def test_the_comfyui_file_loads_through_diffusers_converter_and_samples_like_the_diffusers_file(make_config, family):
+    config = make_config(family, training={"steps": 2, "learning_rate": 5e-2},
+                         lora={"rank": 4, "alpha": 8, "target_modules": ROUND_TRIP_TARGETS[family]})
+    trainer = build_trainer(config)
+    trainer.run()
+    output_dir = Path(config.output_dir)
+    comfy = load_file(output_dir / COMFYUI_LORA_WEIGHTS)
+    assert (output_dir / LORA_WEIGHTS).is_file()
+    assert comfy and all(key.startswith("diffusion_model.") and key.endswith((".lora_A.weight", ".lora_B.weight"))
+                         for key in comfy)
+
+    spec = trainer.spec
+    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
+    frames, height, width = TINY_SHAPES[family]
+    reference = read_clip(trainer.clips[0].video, 1, height, width) if spec.image_to_video else None
+
+    def sample(weight_name: str | None) -> torch.Tensor:
+        pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
+        pipeline.set_progress_bar_config(disable=True)
+        if weight_name is not None:
+            pipeline.load_lora_weights(output_dir, weight_name=weight_name)
+        return spec.generate(pipeline, "a red circle", frames, height, width, 2, 1.0,
+                             torch.Generator().manual_seed(0), reference=reference)
+
+    plain = sample(None)
+    with_diffusers_file = sample(LORA_WEIGHTS)
+    hidden = spec.load_denoiser(CPU).config.attention_head_dim * spec.load_denoiser(CPU).config.num_attention_heads
+    with hunyuan_hidden_size(hidden) if family == "hunyuan-video" else contextlib.nullcontext():
+        with_comfyui_file = sample(COMFYUI_LORA_WEIGHTS)
+    assert (with_diffusers_file - plain).abs().max() > 1e-3, "the adapter changes nothing: the test would prove nothing"
+    difference = (with_comfyui_file - with_diffusers_file).abs().max().item()
+    print(f"{family}: max |comfyui - diffusers| = {difference:.2e}, adapter effect "
+          f"{(with_diffusers_file - plain).abs().max().item():.2e}")
+    assert difference < 5e-5
+
+
+# ----- families without a diffusers converter: the original checkpoint layout -----------------------------------
+def cogvideox_layout(config: dict) -> dict[str, tuple[int, int]]:
+    """THUDM's SAT checkpoints of CogVideoX (`model.diffusion_model.` + these): per layer a fused
+    `attention.query_key_value` (q, k, v), `attention.dense`, `mlp.dense_h_to_4h` / `dense_4h_to_h` (4 x width),
+    and the timestep MLP `time_embed.0` / `.2`. Weight shapes (out, in)."""
+    inner, time = config["num_attention_heads"] * config["attention_head_dim"], config["time_embed_dim"]
+    layout = {"time_embed.0": (time, inner), "time_embed.2": (time, time)}
+    for n in range(config["num_layers"]):
+        layer = f"transformer.layers.{n}"
+        layout |= {f"{layer}.attention.query_key_value": (3 * inner, inner), f"{layer}.attention.dense": (inner, inner),
+                   f"{layer}.mlp.dense_h_to_4h": (4 * inner, inner), f"{layer}.mlp.dense_4h_to_h": (inner, 4 * inner)}
+    return layout
+
+
+def mochi_layout(config: dict) -> dict[str, tuple[int, int]]:
+    """Genmo's Mochi 1 checkpoint (`asymm_models_joint.py`): visual width x, text width y; per block fused
+    `attn.qkv_x` / `attn.qkv_y`, `attn.proj_x` / `proj_y`, SwiGLU `mlp_x` / `mlp_y` (`w1` holds both halves),
+    modulations `mod_x` / `mod_y`; the last block updates no text stream (no `proj_y`, `mlp_y`; `mod_y` gives
+    only a scale). Weight shapes (out, in)."""
+    x, y = config["num_attention_heads"] * config["attention_head_dim"], config["pooled_projection_dim"]
+    t5, frequencies = config["text_embed_dim"], config["time_embed_dim"]
+    hidden_x, hidden_y = 4 * x * 2 // 3, 4 * y * 2 // 3
+    out = config["patch_size"] ** 2 * (config["out_channels"] or config["in_channels"])
+    layout = {"t_embedder.mlp.0": (x, frequencies), "t_embedder.mlp.2": (x, x), "t5_y_embedder.to_kv": (2 * t5, t5),
+              "t5_y_embedder.to_q": (t5, t5), "t5_y_embedder.to_out": (x, t5), "t5_yproj": (y, t5),
+              "final_layer.mod": (2 * x, x), "final_layer.linear": (out, x)}
+    for n in range(config["num_layers"]):
+        block, last = f"blocks.{n}", n == config["num_layers"] - 1
+        layout |= {f"{block}.attn.qkv_x": (3 * x, x), f"{block}.attn.qkv_y": (3 * x, y), f"{block}.attn.proj_x": (x, x),
+                   f"{block}.mlp_x.w1": (2 * hidden_x, x), f"{block}.mlp_x.w2": (x, hidden_x),
+                   f"{block}.mod_x": (4 * x, x), f"{block}.mod_y": (y if last else 4 * y, x)}
+        if not last:
+            layout |= {f"{block}.attn.proj_y": (y, x), f"{block}.mlp_y.w1": (2 * hidden_y, y),
+                       f"{block}.mlp_y.w2": (y, hidden_y)}
+    return layout
+
+
+ORIGINAL_LAYOUTS = {"cogvideox": cogvideox_layout, "cogvideox-i2v": cogvideox_layout, "mochi": mochi_layout}
+# Linear layers of each family's transformer that have no ComfyUI name (an adapter on them gets no ComfyUI file).
+WITHOUT_ORIGINAL_NAME = {
+    "cogvideox": r"patch_embed\..*|transformer_blocks\.\d+\.norm[12]\.linear|norm_out\.linear|proj_out",
+    "cogvideox-i2v": r"patch_embed\..*|ofs_embedding\..*|transformer_blocks\.\d+\.norm[12]\.linear|norm_out\.linear"
+                     r"|proj_out",
+    "hunyuan-video": r"context_embedder\.(proj_in|time_text_embed\..*)",
+}
+
+
+def _adapter_on_every_linear(family: str, make_config) -> tuple[object, torch.nn.Module, dict[str, torch.Tensor]]:
+    """A random adapter (nonzero A and B) on every linear layer of the tiny transformer that has a ComfyUI name."""
+    config = make_config(family)
+    spec = get_spec_class(family)(config.model)
+    denoiser = spec.load_denoiser(CPU)
+    rules = spec.comfyui_lora_rules()
+    linear = [name for name, module in denoiser.named_modules() if isinstance(module, torch.nn.Linear)]
+    unnamed = [name for name in linear if not any(re.fullmatch(rule.source, name) for rule in rules)]
+    assert all(re.fullmatch(WITHOUT_ORIGINAL_NAME.get(family, "$^"), name) for name in unnamed), unnamed
+    torch.manual_seed(0)
+    named = "|".join(re.escape(name) for name in linear if name not in unnamed)  # whole names, not suffixes
+    denoiser.add_adapter(LoraConfig(r=2, lora_alpha=3.0, init_lora_weights=False, target_modules=f"({named})"))
+    return spec, denoiser, get_peft_model_state_dict(denoiser)
+
+
+@pytest.mark.parametrize("family", sorted(ORIGINAL_LAYOUTS))
+def test_keys_are_the_modules_of_the_original_checkpoint_with_their_shapes(make_config, family):
+    spec, denoiser, state = _adapter_on_every_linear(family, make_config)
+    exported = comfyui_lora(state, spec.comfyui_lora_rules(), 3.0, family)
+    layout = ORIGINAL_LAYOUTS[family](dict(denoiser.config))
+    deltas = {key.removeprefix("diffusion_model.").removesuffix(".lora_B.weight"):
+              exported[key] @ exported[key.replace("lora_B", "lora_A")] for key in exported if "lora_B" in key}
+    assert 2 * len(deltas) == len(exported)
+    # Every module of the layout has its adapter, under its original name and with its weight's shape.
+    assert {name: tuple(delta.shape) for name, delta in deltas.items()} == layout
+
+
+def _delta(state: dict[str, torch.Tensor], module: str, scale: float) -> torch.Tensor:
+    return state[f"{module}.lora_B.weight"] @ state[f"{module}.lora_A.weight"] * scale
+
+
+def test_mochi_fused_and_swiglu_deltas_act_like_the_split_diffusers_ones(make_config):
+    """The original forward (Genmo's: `x, gate = w1(h).chunk(2); w2(silu(x) * gate)`) with the ComfyUI deltas on
+    the original weights equals diffusers' forward (SwiGLU: `h, gate = proj(x).chunk(2); h * silu(gate)`) with
+    the adapters; the fused `qkv_x` delta is the q, k and v deltas stacked."""
+    spec, denoiser, state = _adapter_on_every_linear("mochi", make_config)
+    exported = comfyui_lora(state, spec.comfyui_lora_rules(), 3.0, "mochi")
+    scale = 3.0 / 2
+
+    def comfy(module: str) -> torch.Tensor:
+        return exported[f"diffusion_model.{module}.lora_B.weight"] @ exported[f"diffusion_model.{module}.lora_A.weight"]
+
+    qkv = torch.cat([_delta(state, f"transformer_blocks.0.attn1.to_{x}", scale) for x in "qkv"])
+    torch.testing.assert_close(comfy("blocks.0.attn.qkv_x"), qkv)
+
+    proj = denoiser.transformer_blocks[0].ff.net[0].proj.base_layer.weight.detach()
+    ours = proj + _delta(state, "transformer_blocks.0.ff.net.0.proj", scale)
+    half = proj.shape[0] // 2
+    original = torch.cat([proj[half:], proj[:half]]) + comfy("blocks.0.mlp_x.w1")  # diffusers' conversion swaps
+    h = _random(5, proj.shape[1], seed=7)
+    value, gate = (h @ original.T).chunk(2, dim=-1)
+    hidden, diffusers_gate = (h @ ours.T).chunk(2, dim=-1)
+    silu = torch.nn.functional.silu
+    torch.testing.assert_close(silu(value) * gate, hidden * silu(diffusers_gate))
+
+
+@pytest.mark.parametrize("family", available_models())
+def test_every_linear_layer_has_an_original_name_but_the_listed_ones(make_config, family):
+    """The rules cover the whole transformer (fused sizes included: a wrong one raises), except the layers listed
+    in WITHOUT_ORIGINAL_NAME."""
+    spec, _, state = _adapter_on_every_linear(family, make_config)
+    exported = comfyui_lora(state, spec.comfyui_lora_rules(), 3.0, family)
+    assert len(exported) >= 8 and all(key.startswith("diffusion_model.") for key in exported)
+
+
+def test_vidtune_export_format_comfyui_from_a_checkpoint_and_from_a_finished_run(make_config, tmp_path, capsys):
+    from vidtune.cli import main as cli_main
+
+    config = make_config("wan", training={"steps": 2, "learning_rate": 5e-2}, checkpoint={"every": 1, "keep": 2},
+                         lora={"rank": 4, "alpha": 8})
+    build_trainer(config).run()
+    run = Path(config.output_dir)
+    assert cli_main(["export", str(run / "checkpoints" / "step-00000001"), "--output", str(tmp_path / "step1"),
+                     "--format", "comfyui"]) == 0
+    assert [path.name for path in (tmp_path / "step1").iterdir()] == [COMFYUI_LORA_WEIGHTS]
+    # Without --format, a LoRA export writes both files, as the end of a run does.
+    assert cli_main(["export", str(run / "checkpoints" / "step-00000002"), "--output", str(tmp_path / "both")]) == 0
+    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS}
+    # A finished run's folder, even without checkpoints: its final adapter, the file the run wrote at its end.
+    shutil.rmtree(run / "checkpoints")
+    assert cli_main(["export", str(run), "--output", str(tmp_path / "final"), "--format", "comfyui"]) == 0
+    final, at_end = load_file(tmp_path / "final" / COMFYUI_LORA_WEIGHTS), load_file(run / COMFYUI_LORA_WEIGHTS)
+    assert final.keys() == at_end.keys() and all(torch.equal(final[k], at_end[k]) for k in final)
+    step1 = load_file(tmp_path / "step1" / COMFYUI_LORA_WEIGHTS)
+    assert not all(torch.equal(step1[k], final[k]) for k in final)
+
+    full = make_config("ltx-video", training={"algorithm": "full", "steps": 1}, checkpoint={"every": 1, "keep": 1},
+                       output_dir=str(tmp_path / "full"))
+    build_trainer(full).run()
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "full"), "--output", str(tmp_path / "nope"), "--format", "comfyui"]) == 2
+    assert "converts LoRA adapters" in capsys.readouterr().err
+    assert not (tmp_path / "nope").exists()

@@ -1,0 +1,229 @@
+"""`vidtune data check`: everything `vidtune train` checks about the data, without loading a model.
+
+Every source is read and every sample probed (headers and packets: no clip is decoded), given its bucket, its
+caption counted in the family's tokens; then duplicates (same bytes, same caption) are looked for. The result is a
+table per sample, counts per bucket, a paged contact sheet and a JSON report. Problems would stop training;
+warnings would not (a caption cut at the token limit, a duplicate, a file a folder holds but no sample uses).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vidtune.config import Config
+from vidtune.data.buckets import Shape, check_bucket_shapes, describe_shape
+from vidtune.data.sources import Clip, DatasetReport, inspect_dataset
+from vidtune.data.video import VideoInfo, format_fps, frames_available
+from vidtune.errors import ConfigError, VidtuneError
+from vidtune.files import atomic_write_text
+
+PAGE_ROWS = 32  # contact-sheet rows per page
+
+
+@dataclass
+class DataCheck:
+    """The outcome of checking a config's data: per sample rows, problems that would stop training, warnings."""
+
+    shapes: list[Shape]
+    report: DatasetReport
+    config_problems: list[str] = field(default_factory=list)
+    tokens: dict[int, int] = field(default_factory=dict)  # sample index -> caption tokens
+    token_limit: int | None = None
+    sample_warnings: dict[int, list[str]] = field(default_factory=dict)
+
+    @property
+    def clips(self) -> list[Clip]:
+        return self.report.clips
+
+    def problems(self) -> list[str]:
+        return [*self.config_problems, *self.report.problems()]
+
+    def warnings(self) -> list[str]:
+        by_sample = [f"{self.clips[i].where}: {warning}" for i in sorted(self.sample_warnings)
+                     for warning in self.sample_warnings[i]]
+        return [*self.report.warnings, *by_sample]
+
+    def bucket_counts(self) -> dict[str, int]:
+        counts = {shape_key(shape): 0 for shape in self.shapes}
+        for number, clip in enumerate(self.clips):
+            if clip.bucket is not None and number not in self.report.sample_problems:
+                counts[shape_key(self.shapes[clip.bucket])] += 1
+        return counts
+
+    def to_json(self) -> dict[str, Any]:
+        rows = []
+        for number, clip in enumerate(self.clips):
+            info = clip.info
+            rows.append({
+                "path": str(clip.video), "caption": clip.caption, "source": clip.where,
+                "image": clip.is_image, "repeats": clip.repeats,
+                "bucket": list(self.shapes[clip.bucket]) if clip.bucket is not None else None,
+                "duration": round(info.duration, 3) if info else None, "fps": info.fps if info else None,
+                "size": [info.width, info.height] if info else None, "frames": info.num_frames if info else None,
+                "tokens": self.tokens.get(number),
+                "problems": list(self.report.sample_problems.get(number, [])),
+                "warnings": list(self.sample_warnings.get(number, [])),
+            })
+        return {"clips": rows, "buckets": self.bucket_counts(), "token_limit": self.token_limit,
+                "problems": [*self.config_problems, *self.report.source_problems],
+                "warnings": list(self.report.warnings), "ok": not self.problems()}
+
+
+def shape_key(shape: Shape) -> str:
+    """'49x480x832': frames x height x width."""
+    return "x".join(str(value) for value in shape)
+
+
+def check_data(config: Config, spec: Any, progress: bool = True) -> DataCheck:
+    """Check a config's data as `vidtune train` would (the model's files and shape rules, every source, every
+    sample), collecting every problem instead of stopping at the first. The tokenizer is the only component
+    loaded."""
+    data = config.data
+    shapes = data.bucket_shapes()
+    config_problems: list[str] = []
+    try:
+        check_bucket_shapes(spec, shapes, single=not data.buckets)
+    except ConfigError as error:
+        config_problems.append(str(error).rsplit("\nWhat to do:", 1)[0].replace("\n  - ", "\n    - "))
+    check = DataCheck(shapes, inspect_dataset(data, progress=progress), config_problems)
+    _count_tokens(check, spec)
+    _find_duplicates(check)
+    return check
+
+
+def _count_tokens(check: DataCheck, spec: Any) -> None:
+    """Each caption's tokens in the family's (first) tokenizer, against the tokens a caption keeps."""
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = spec.load_component(AutoTokenizer, "tokenizer")
+    except (VidtuneError, OSError, ValueError) as error:
+        check.report.warnings.append(f"caption tokens not counted: the tokenizer could not be loaded ({error}).")
+        return
+    check.token_limit = spec.max_sequence_length
+    for number, clip in enumerate(check.clips):
+        count = len(tokenizer(clip.caption)["input_ids"])
+        check.tokens[number] = count
+        if count > check.token_limit:
+            check.sample_warnings.setdefault(number, []).append(
+                f"the caption has {count} tokens; the model reads {check.token_limit}, the rest is cut off "
+                "(shorten it, or raise model.max_sequence_length)")
+
+
+def _find_duplicates(check: DataCheck) -> None:
+    """Samples with the same file content (under any name), and samples sharing one caption."""
+    by_content: dict[str, list[int]] = {}
+    by_caption: dict[str, list[int]] = {}
+    hashes: dict[Path, str | None] = {}
+    for number, clip in enumerate(check.clips):
+        if clip.video not in hashes:
+            hashes[clip.video] = _file_hash(clip.video)
+        if hashes[clip.video] is not None:
+            by_content.setdefault(hashes[clip.video], []).append(number)
+        by_caption.setdefault(clip.caption, []).append(number)
+    for group in by_content.values():
+        for number in group[1:]:
+            check.sample_warnings.setdefault(number, []).append(
+                f"same file content as {check.clips[group[0]].where} ({check.clips[group[0]].video.name}): a "
+                "duplicate is seen twice as often")
+    for group in by_caption.values():
+        for number in group[1:]:
+            check.sample_warnings.setdefault(number, []).append(
+                f"same caption as {check.clips[group[0]].where}")
+
+
+def _file_hash(path: Path) -> str | None:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return None  # unreadable: the probe already reported it
+    return digest.hexdigest()
+
+
+# ----- presenting it ----------------------------------------------------------------------------------------------
+def table(check: DataCheck, fps: float | None) -> str:
+    """One row per sample: where it was named, its length, rate, size, the frames it yields, its bucket (or why it
+    fits none), its caption tokens; then the counts per bucket."""
+    header = ("#", "sample", "length", "fps", "size", "frames", "bucket", "tokens", "file")
+    rows = [header]
+    notes: list[str] = []
+    for number, clip in enumerate(check.clips):
+        info = clip.info
+        problems = check.report.sample_problems.get(number, [])
+        if clip.bucket is not None and not problems:
+            bucket = describe_shape(check.shapes[clip.bucket]) + (f" x{clip.repeats}" if clip.repeats > 1 else "")
+        else:
+            bucket = f"NONE (see {len(notes) + 1})" if problems else "-"
+            notes.extend(problems)
+        limit = f"/{check.token_limit}" if check.token_limit else ""
+        tokens = f"{check.tokens[number]}{limit}" if number in check.tokens else "-"
+        if number in check.tokens and check.token_limit and check.tokens[number] > check.token_limit:
+            tokens += " CUT"
+        rows.append((str(number + 1), clip.where, _length(clip, info), _rate(clip, info), _size(info),
+                     _frames(clip, info, fps), bucket, tokens, clip.video.name))
+    widths = [min(40, max(len(row[column]) for row in rows)) for column in range(len(header))]
+    lines = ["  ".join(_cell(text, width) for text, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines.append("")
+    lines.append("Samples per bucket (frames x height x width):")
+    for key, count in check.bucket_counts().items():
+        lines.append(f"  {key:>14}  {count}")
+    if notes:
+        lines.append("")
+        lines.extend(f"({number}) {note}" for number, note in enumerate(notes, start=1))
+    return "\n".join(lines)
+
+
+def _cell(text: str, width: int) -> str:
+    return text.ljust(width) if len(text) <= width else text[: width - 3] + "..."
+
+
+def _length(clip: Clip, info: VideoInfo | None) -> str:
+    if info is None:
+        return "?"
+    return "still" if clip.is_image else f"{info.duration:.2f} s"
+
+
+def _rate(clip: Clip, info: VideoInfo | None) -> str:
+    return "-" if info is None or clip.is_image else format_fps(info.fps)
+
+
+def _size(info: VideoInfo | None) -> str:
+    return "?" if info is None else f"{info.width}x{info.height}"
+
+
+def _frames(clip: Clip, info: VideoInfo | None, fps: float | None) -> str:
+    if info is None:
+        return "?"
+    if clip.is_image:
+        return "1"
+    try:
+        return str(frames_available(info.num_frames, fps, info.fps))
+    except VidtuneError:
+        return "?"
+
+
+def write_json(check: DataCheck, path: str | os.PathLike[str]) -> Path:
+    return atomic_write_text(Path(path), json.dumps(check.to_json(), indent=2, ensure_ascii=False) + "\n")
+
+
+def write_sheets(clips: Sequence[Clip], path: Path, per_page: int = PAGE_ROWS) -> list[Path]:
+    """The contact sheet of every sample, `per_page` rows a page: path, then path-2.png, path-3.png, ..."""
+    from vidtune.data.overview import write_dataset_overview
+
+    pages = []
+    for page, first in enumerate(range(0, max(len(clips), 1), per_page), start=1):
+        chunk = list(clips[first : first + per_page])
+        infos = [clip.info or VideoInfo(clip.video, 0, 0.0, 0, 0) for clip in chunk]
+        target = path if page == 1 else path.with_name(f"{path.stem}-{page}{path.suffix}")
+        pages.append(write_dataset_overview(chunk, infos, target, max_rows=per_page))
+    return pages

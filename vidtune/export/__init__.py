@@ -1,0 +1,65 @@
+"""`vidtune export`: turn a checkpoint into what a finished run writes (LoRA adapter or transformer folder, and with
+`training.ema_decay` the weights' moving average beside it), or a LoRA into the ComfyUI format (`comfyui.py`).
+
+A run stopped early (Ctrl+C, a preempted node, a crash) is then still usable: the result is the same file
+or folder `save_final` writes at the end of a run, from the checkpoint's own config.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from safetensors.torch import load_file
+
+from vidtune import checkpoint as checkpoints
+from vidtune.config import load_config
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS, FINAL_OUTPUTS, LORA_WEIGHTS, RESOLVED_CONFIG
+from vidtune.resume import CheckpointError, find_checkpoint
+
+Format = Literal["diffusers", "comfyui"]
+FORMATS: tuple[Format, ...] = ("diffusers", "comfyui")
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathLike[str],
+                      overwrite: bool = False, format: Format = "diffusers") -> Path:
+    """Write the final weights of `checkpoint` (a checkpoint folder, or a run folder: its newest) into `output`.
+
+    `format="comfyui"` writes only the ComfyUI LoRA file; given a finished LoRA run's folder, it converts the
+    run's final adapter (`pytorch_lora_weights.safetensors`), which is newer than any of its checkpoints."""
+    from vidtune.export.comfyui import save_comfyui_lora
+    from vidtune.trainers import build_trainer
+
+    if format not in FORMATS:
+        raise CheckpointError(f"--format {format}: unknown format.\nWhat to do: choose one of {', '.join(FORMATS)}.")
+    output = Path(output)
+    names = (COMFYUI_LORA_WEIGHTS,) if format == "comfyui" else (*FINAL_OUTPUTS, COMFYUI_LORA_WEIGHTS)
+    existing = [name for name in names if (output / name).exists()]
+    if existing and not overwrite:
+        raise CheckpointError(f"{output} already holds {', '.join(existing)}; nothing was written. Choose another "
+                              "--output, or add --overwrite to replace it.")
+    run = Path(checkpoint).expanduser()
+    if format == "comfyui" and (run / LORA_WEIGHTS).is_file() and (run / RESOLVED_CONFIG).is_file():
+        config = load_config(run / RESOLVED_CONFIG, [f"output_dir={output}"])
+        weights_file = run / LORA_WEIGHTS
+    else:
+        folder = find_checkpoint(checkpoint)
+        config = load_config(folder / checkpoints.CONFIG, [f"output_dir={output}"])
+        weights_file = None
+    if format == "comfyui" and config.training.algorithm != "lora":
+        raise CheckpointError(
+            f"{checkpoint} is a {config.training.algorithm} fine-tune; --format comfyui converts LoRA adapters.\n"
+            "What to do: export it without --format (it writes transformer/), or export a LoRA run."
+        )
+    trainer = build_trainer(config)
+    try:
+        weights = load_file(weights_file) if weights_file is not None else checkpoints.load(folder)[0]
+        ema = checkpoints.load_ema(folder) if weights_file is None else None
+    except (OSError, RuntimeError, ValueError) as error:
+        raise CheckpointError(f"Could not read {weights_file or folder}: {error}\n"
+                              "What to do: export another checkpoint of the run, or the run's folder.") from None
+    output.mkdir(parents=True, exist_ok=True)
+    if format == "comfyui":
+        return save_comfyui_lora(trainer.spec, output, weights, config.lora.alpha)
+    return trainer.export_weights(weights, output, ema)

@@ -22,6 +22,7 @@ from vidtune.config import Config, write_resolved_config
 from vidtune.files import atomic_folder, follow_umask, fsync_tree, recover_folders
 
 WEIGHTS = "weights.safetensors"
+EMA_WEIGHTS = "ema_weights.safetensors"  # with training.ema_decay: the moving average, in the format of WEIGHTS
 STATE = "training_state.pt"
 CONFIG = "config.yaml"
 PREFIX = "step-"
@@ -63,6 +64,7 @@ def save(
     keep: int,
     rank: int = 0,
     rng: dict[int, Any] | None = None,
+    ema_weights: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically under `root`, then keep only the newest `keep`.
 
@@ -75,6 +77,9 @@ def save(
     with atomic_folder(final) as temporary:
         save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, temporary / WEIGHTS)
         follow_umask(temporary / WEIGHTS)
+        if ema_weights is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in ema_weights.items()}, temporary / EMA_WEIGHTS)
+            follow_umask(temporary / EMA_WEIGHTS)
         torch.save(
             {"format": FORMAT, "step": step, "optimizer": optimizer,
              "rng": {rank: rng_state()} if rng is None else rng, **extra},
@@ -129,3 +134,9 @@ def load(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict[s
     weights = load_file(folder / WEIGHTS, device=str(map_location))
     state = torch.load(folder / STATE, map_location=map_location, weights_only=True)
     return weights, state
+
+
+def load_ema(folder: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor] | None:
+    """The moving average of the trained weights a checkpoint holds (a run with training.ema_decay), or None."""
+    path = folder / EMA_WEIGHTS
+    return load_file(path, device=str(map_location)) if path.is_file() else None

@@ -197,6 +197,49 @@ def command_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    """An option's whole number above 0 (argparse names the option and shows the usage otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def command_sample(args: argparse.Namespace) -> int:
+    from vidtune.sampling import load_pipeline, next_sample_path, sample_run
+
+    if args.control is not None:
+        raise VidtuneError("--control: sampling from a control clip needs a run of the control algorithm, which "
+                           "this version of vidtune does not have yet.\nWhat to do: leave out --control.")
+    run_dir = Path(args.run_dir)
+    output = Path(args.output) if args.output else next_sample_path(run_dir)
+    for flag, path, suffix in (("--output", output, ".mp4"), ("--latents", args.latents, ".safetensors")):
+        if path is not None and Path(path).suffix.lower() != suffix:
+            raise VidtuneError(f"{flag} {path}: the file name must end in {suffix}.\nWhat to do: name it e.g. "
+                               f"sample{suffix}.")
+    started = time.perf_counter()
+    if not args.verbose:  # transformers draws a bar per component loaded: noise here
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    run = load_pipeline(run_dir, device=args.device, ema=False if args.no_ema else None)
+    averaged = " (the moving average of the weights, as validation used; --no-ema for the weights)" \
+        if run.weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER) else ""
+    print(f"Sampling {run.spec.name} with {run.weights}{averaged} on {run.device}.", flush=True)
+    written = sample_run(run, args.prompt, output, image=Path(args.image) if args.image else None,
+                         latents=Path(args.latents) if args.latents else None, num_inference_steps=args.steps,
+                         guidance_scale=args.guidance, seed=args.seed, frames=args.frames, height=args.height,
+                         width=args.width)
+    print(f"Sample in {time.perf_counter() - started:.0f} s: {written.resolve()} (+ "
+          f"{written.with_suffix('.png').name} contact sheet, {written.with_suffix('.txt').name} prompt)")
+    if args.latents:
+        print(f"Latents: {Path(args.latents).resolve()} (key 'latents')")
+    return 0
+
+
 def print_summary(result, seconds: float) -> None:
     """What this process did (a resumed run: the steps it ran, not the whole run's) and where the outputs are."""
     print()
@@ -221,6 +264,9 @@ def print_summary(result, seconds: float) -> None:
     print(f"  loss curve   {result.output_dir / outputs.LOSS_PLOT}")
     for path in result.sample_paths:
         print(f"  sample       {path} (+ {path.with_suffix('.png').name})")
+    if result.weights_path:
+        run = shlex.quote(str(result.output_dir.resolve()))
+        print(f"To generate a video with it: vidtune sample {run} --prompt \"...\"")
 
 
 # Libraries whose warnings and log lines are for their developers, not for someone training a model.
@@ -301,6 +347,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="comfyui: only the LoRA for ComfyUI (pytorch_lora_weights_comfyui.safetensors); a "
                         "finished run's folder converts its final adapter")
     export.set_defaults(handler=command_export)
+
+    sample = commands.add_parser(
+        "sample", help="generate a video with what a run trained (adapter or transformer), in the family's pipeline",
+        description="Generate one video with the weights a finished run wrote (RUN_DIR: its output_dir), through "
+        "the model family's own diffusers pipeline and scheduler. Unset options take the run's validation "
+        "settings. Writes the mp4, a PNG contact sheet and the prompt beside it.")
+    sample.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir (holding config.yaml)")
+    sample.add_argument("--prompt", required=True, help="what to generate")
+    sample.add_argument("--image", metavar="PNG", help="image-to-video models: the first frame (default: the "
+                        "first frame of the run's first clip)")
+    sample.add_argument("--control", metavar="CLIP", help=argparse.SUPPRESS)
+    sample.add_argument("--steps", type=positive_int, metavar="N", help="denoising steps (default: validation's)")
+    sample.add_argument("--guidance", type=float, metavar="G", help="guidance scale (default: validation's)")
+    sample.add_argument("--seed", type=int, metavar="S", help="seed of the noise (default: validation's)")
+    sample.add_argument("--frames", type=positive_int, metavar="F",
+                        help="frames (default: validation's, else training's)")
+    sample.add_argument("--height", type=positive_int, metavar="H", help="height in pixels")
+    sample.add_argument("--width", type=positive_int, metavar="W", help="width in pixels")
+    sample.add_argument("--output", metavar="OUT.mp4", help="the video to write (default: "
+                        "RUN_DIR/samples/sample-NNN.mp4, the first free number)")
+    sample.add_argument("--latents", metavar="OUT.safetensors",
+                        help="also write the final latents there (key 'latents', [1, C, F, H, W])")
+    sample.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:N")
+    sample.add_argument("--no-ema", action="store_true", help="runs with training.ema_decay: the trained weights "
+                        "instead of their moving average (which validation used)")
+    sample.set_defaults(handler=command_sample)
     return parser
 
 

@@ -183,6 +183,13 @@ class TrainingConfig(Section):
         description="Threads torch computes with on the CPU; null: OMP_NUM_THREADS when set, else the cores this "
         "process may use (CPU affinity, container quota) less data.num_workers less one, at least 1.",
     )
+    ema_decay: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Keep an exponential moving average of the trained weights with this decay per step (e.g. "
+        "0.999); validation samples use it, and it is saved beside the weights (`*_ema`). null: off.",
+    )
     skip_nonfinite_steps: int = Field(
         0,
         ge=0,
@@ -207,8 +214,22 @@ class LoRAConfig(Section):
     rank: int = Field(16, gt=0, description="LoRA rank: the adapter's size and capacity.")
     alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the update is scaled by alpha / rank.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
-    target_modules: list[str] | None = Field(
-        None, description="Module names to adapt; default: the model's attention projections."
+    target_modules: str | list[str] | None = Field(
+        None,
+        description="What to adapt: a preset of the model family (`attention`, `attention+ffn`, `all-linear`) or "
+        "a list of module names (a name adapts every module whose path ends with it, e.g. [to_q, to_v]); "
+        "default: `attention`. See docs/algorithms.md.",
+    )
+    use_dora: bool = Field(
+        False,
+        description="DoRA: also learn a magnitude per output feature of each adapted weight (a little slower; the "
+        "adapter still loads with the family's `load_lora_weights`).",
+    )
+    init_from: str | None = Field(
+        None,
+        description="Start from an existing adapter file (.safetensors) instead of a fresh one: the diffusers "
+        "format, or another format the family's diffusers loader converts. Its rank, alpha, targets and DoRA "
+        "must match lora.*.",
     )
 
 
@@ -342,6 +363,11 @@ class Config(Section):
                 "memory.fp8_base_weights works with training.algorithm=lora only: full fine-tuning trains those "
                 "weights, which cannot be stored in float8"
             )
+        if self.memory.fp8_base_weights and self.lora.use_dora:
+            raise ValueError(
+                "lora.use_dora cannot be combined with memory.fp8_base_weights: DoRA computes with the whole frozen "
+                "weight, which float8 storage does not support; turn one of them off"
+            )
         return self
 
     @property
@@ -387,6 +413,7 @@ PATH_KEYS: dict[str, str] = {
     "data.root": "path",
     "data.datasets.root": "path",
     "data.datasets.path": "path",
+    "lora.init_from": "path",
     "precompute.cache_dir": "path",
     "checkpoint.resume": "latest",
     "output_dir": "path",

@@ -7,6 +7,9 @@ from pathlib import Path
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the name diffusers' `load_lora_weights` looks for
 COMFYUI_LORA_WEIGHTS = "pytorch_lora_weights_comfyui.safetensors"  # the same LoRA for ComfyUI's LoRA loaders
 TRANSFORMER_FOLDER = "transformer"  # full fine-tuning: the denoiser in its family's diffusers layout
+# With `training.ema_decay`: the moving average of the trained weights, beside them, in the same format.
+LORA_EMA_WEIGHTS = "pytorch_lora_weights_ema.safetensors"
+TRANSFORMER_EMA_FOLDER = "transformer_ema"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 LOSS_PLOT = "loss.png"

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from vidtune import checkpoint as checkpoints
-from vidtune.config import Config
+from vidtune.config import Config, build_config
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import INCOMPLETE, recover_folders
 from vidtune.outputs import FINAL_OUTPUTS, checkpoints_root
@@ -107,9 +107,18 @@ def saved_config(folder: Path) -> dict[str, Any]:
     return yaml.safe_load((folder / checkpoints.CONFIG).read_text(encoding="utf-8")) or {}
 
 
+def with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config with the keys added since it was written at their defaults (a setting that did not
+    exist then is what the run used), when it is still a valid config; as it is otherwise."""
+    try:
+        return build_config(saved).to_dict()
+    except ConfigError:
+        return saved
+
+
 def compare_configs(saved: dict[str, Any], current: Config, fixed_keys: tuple[str, ...], where: Path) -> list[str]:
     """Lines describing allowed changes since the checkpoint; raises ConfigError for changes it cannot follow."""
-    old, new = _flatten(saved), _flatten(current.to_dict())
+    old, new = _flatten(with_defaults(saved)), _flatten(current.to_dict())
     old.pop("checkpoint.resume", None)
     new.pop("checkpoint.resume", None)
     changed = sorted(key for key in old.keys() | new.keys() if old.get(key, "(not set)") != new.get(key, "(not set)"))

@@ -1,26 +1,37 @@
 """Samples: videos generated with trained weights through the family's own diffusers pipeline.
 
-Validation during a run calls `render_samples` with everything it needs given explicitly (the spec, the
-loaded components, the settings and, for image-to-video families, the clip to start from); nothing here
-knows about trainers. Each sample is an mp4, a PNG contact sheet to judge it without a player, and its prompt.
+Two callers share the rendering here:
+- validation during a run (`Trainer.validate`) hands `render_samples` the pipeline it assembles from the
+  components it holds, with the settings and (image-to-video families) the clip to start from;
+- `vidtune sample RUN_DIR` (and scripts) load what a finished run wrote with `load_pipeline`: the family's
+  pipeline built from the spec, with the run's transformer (full fine-tuning) or with its adapter loaded by
+  the pipeline's own `load_lora_weights`, then render with `render_sample`.
+
+Each sample is an mp4, a PNG contact sheet to judge it without a player, and its prompt; on request also the
+final latents (safetensors, key `latents`, the training layout [B, C, F, H, W], normalised like
+`spec.prepare_latents`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
-from torch import nn
+from PIL import Image, UnidentifiedImageError
+from safetensors.torch import save_file
 
-from vidtune.config import Config
+from vidtune import outputs
+from vidtune.config import Config, load_config
 from vidtune.data.sources import Clip
 from vidtune.data.video import frames_to_uint8, read_clip, write_video
-from vidtune.files import atomic_path, atomic_write_text
-from vidtune.models.spec import ModelSpec, TextComponents
+from vidtune.errors import ConfigError, VidtuneError
+from vidtune.files import atomic_path, atomic_write_text, follow_umask
+from vidtune.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -61,46 +72,72 @@ def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSetti
     return read_clip(clips[0].video, 1, settings.height, settings.width)
 
 
-@torch.no_grad()
-def render_samples(
-    spec: ModelSpec,
-    text: TextComponents,
-    vae: nn.Module,
-    denoiser: nn.Module,
-    settings: SampleSettings,
-    folder: Path,
-    name: str,
-    *,
-    reference: torch.Tensor | None = None,
-    bf16: bool = False,
-) -> list[Path]:
-    """One sample per prompt, written as `folder/{name}-{number}.mp4` (+ .png contact sheet, + .txt prompt).
+def read_image(path: Path, height: int, width: int) -> torch.Tensor:
+    """A picture as a one-frame clip [1, 3, H, W] in [-1, 1]: resized to cover H x W, then center-cropped (as
+    training clips are)."""
+    try:
+        with Image.open(path) as opened:
+            image = opened.convert("RGB")
+    except (OSError, UnidentifiedImageError) as error:
+        reason = "no such file" if not path.exists() else f"not an image PIL can read ({error})"
+        raise VidtuneError(f"--image: {path}: {reason}.\nWhat to do: give a PNG or JPEG file.") from None
+    scale = max(height / image.height, width / image.width)
+    size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+    image = image.resize(size, Image.Resampling.BICUBIC)
+    left, top = (size[0] - width) // 2, (size[1] - height) // 2
+    array = np.asarray(image.crop((left, top, left + width, top + height)))
+    return torch.from_numpy(array.copy()).permute(2, 0, 1)[None].float().div_(127.5).sub_(1.0)
 
-    The denoiser is put in eval mode for sampling and back in the mode it had."""
-    folder.mkdir(parents=True, exist_ok=True)
+
+# ----- rendering: validation and `vidtune sample` -------------------------------------------------------------
+@torch.no_grad()
+def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleSettings, seed: int,
+                  video_path: Path, *, reference: torch.Tensor | None = None, bf16: bool = False,
+                  latents_path: Path | None = None) -> Path:
+    """One sample with `pipeline`: `video_path` (mp4), its .png contact sheet and .txt prompt, and with
+    `latents_path` the final latents. The denoiser is put in eval mode for sampling and back in the mode it had."""
+    denoiser = pipeline.transformer
     was_training = denoiser.training
     denoiser.eval()
-    pipeline = spec.pipeline(text, vae, denoiser)
-    pipeline.set_progress_bar_config(disable=True)
     device = next(denoiser.parameters()).device
-    written = []
+    final: dict[str, torch.Tensor] = {}
+
+    def keep_latents(_pipeline: Any, _step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        final["latents"] = tensors["latents"]  # after each step: after the last, the final latents
+        return tensors
+
     try:
-        for number, prompt in enumerate(settings.prompts):
-            generator = torch.Generator().manual_seed(settings.seed + number)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                frames = spec.generate(pipeline, prompt, frames=settings.frames, height=settings.height,
-                                       width=settings.width, num_inference_steps=settings.num_inference_steps,
-                                       guidance_scale=settings.guidance_scale, generator=generator,
-                                       reference=reference)
-            pixels = frames_to_uint8(frames)
-            video_path = folder / f"{name}-{number}.mp4"
-            write_video(video_path, pixels, fps=settings.frame_rate)
-            write_contact_sheet(pixels, video_path.with_suffix(".png"))
-            atomic_write_text(video_path.with_suffix(".txt"), prompt + "\n")
-            written.append(video_path)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            frames = spec.generate(pipeline, prompt, frames=settings.frames, height=settings.height,
+                                   width=settings.width, num_inference_steps=settings.num_inference_steps,
+                                   guidance_scale=settings.guidance_scale,
+                                   generator=torch.Generator().manual_seed(seed), reference=reference,
+                                   callback=keep_latents if latents_path is not None else None)
     finally:
         denoiser.train(was_training)
-    return written
+    pixels = frames_to_uint8(frames)
+    write_video(video_path, pixels, fps=settings.frame_rate)
+    write_contact_sheet(pixels, video_path.with_suffix(".png"))
+    atomic_write_text(video_path.with_suffix(".txt"), prompt + "\n")
+    if latents_path is not None:
+        latents = spec.latents_from_pipeline(final["latents"], settings.frames, settings.height, settings.width)
+        write_latents(latents, latents_path, {"model": spec.name, "prompt": prompt, "seed": str(seed),
+                                              "num_inference_steps": str(settings.num_inference_steps),
+                                              "guidance_scale": str(settings.guidance_scale)})
+    return video_path
+
+
+def render_samples(spec: ModelSpec, pipeline: Any, settings: SampleSettings, folder: Path, name: str, *,
+                   reference: torch.Tensor | None = None, bf16: bool = False) -> list[Path]:
+    """One sample per prompt (seed `settings.seed + number`), written as `folder/{name}-{number}.mp4`
+    (+ .png contact sheet, + .txt prompt)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pipeline.set_progress_bar_config(disable=True)
+    return [
+        render_sample(spec, pipeline, prompt, settings, settings.seed + number, folder / f"{name}-{number}.mp4",
+                      reference=reference, bf16=bf16)
+        for number, prompt in enumerate(settings.prompts)
+    ]
 
 
 def write_contact_sheet(frames: np.ndarray, path: Path, columns: int = 8) -> Path:
@@ -114,3 +151,143 @@ def write_contact_sheet(frames: np.ndarray, path: Path, columns: int = 8) -> Pat
     with atomic_path(path) as temporary:
         sheet.save(temporary, format="PNG")
     return path
+
+
+def write_latents(latents: torch.Tensor, path: Path, metadata: dict[str, str]) -> Path:
+    """`{"latents": tensor}` as safetensors (float32, on the CPU), with what made them as metadata."""
+    with atomic_path(path) as temporary:
+        save_file({"latents": latents.detach().float().cpu().contiguous()}, temporary, metadata=metadata)
+        follow_umask(temporary)
+    return path
+
+
+# ----- what a run produced, as a ready pipeline ----------------------------------------------------------------
+@dataclass
+class RunPipeline:
+    """A finished run's weights in the family's diffusers pipeline (see `load_pipeline`)."""
+
+    pipeline: Any  # the family's diffusers pipeline (LTXPipeline, WanPipeline, ...)
+    spec: ModelSpec
+    config: Config  # the run's resolved config
+    weights: Path  # the adapter file or transformer folder in the pipeline
+    device: torch.device
+
+    @property
+    def bf16(self) -> bool:
+        """Sampling computes as the run trained: `training.precision` (auto: bf16 on a GPU)."""
+        precision = self.config.training.precision
+        return precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
+
+
+def run_weights(run: Path, ema: bool | None = None) -> tuple[Path, bool]:
+    """(the weights `run` holds, whether they are an adapter): the LoRA file or the transformer folder; their
+    moving average (`training.ema_decay`) when `ema` is True, or when it is None and the run has one."""
+    found = [(run / outputs.LORA_EMA_WEIGHTS, run / outputs.LORA_WEIGHTS, True),
+             (run / outputs.TRANSFORMER_EMA_FOLDER, run / outputs.TRANSFORMER_FOLDER, False)]
+    for averaged, plain, adapter in found:
+        if not plain.exists():
+            continue
+        if ema is False or (ema is None and not averaged.exists()):
+            return plain, adapter
+        if not averaged.exists():
+            raise VidtuneError(f"{run} has no moving average of its weights ({averaged.name}): it was trained "
+                               "without training.ema_decay.\nWhat to do: leave out --ema.")
+        return averaged, adapter
+    from vidtune import checkpoint as checkpoints
+
+    newest = checkpoints.latest(outputs.checkpoints_root(run))
+    hint = (f"export its newest checkpoint into it first: vidtune export {newest} --output {run}" if newest
+            else "give the output_dir of a run that finished.")
+    raise VidtuneError(f"{run} holds no trained weights ({outputs.LORA_WEIGHTS} or {outputs.TRANSFORMER_FOLDER}/): "
+                       f"the run did not finish.\nWhat to do: {hint}")
+
+
+def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = "auto",
+                  ema: bool | None = None) -> RunPipeline:
+    """The family's diffusers pipeline with what the run in `run_dir` trained, ready to call.
+
+    Built from the run's resolved config (`config.yaml`): the spec loads the text encoders, the VAE and the
+    denoiser (a full fine-tune's own `transformer/`) and assembles the family's pipeline class with its
+    scheduler; an adapter is then loaded with the pipeline's `load_lora_weights`. `ema`: the weights' moving
+    average (None: when the run has one, as its validation samples did).
+
+        run = load_pipeline("outputs/my-lora")
+        video = run.pipeline(prompt="a dog running on a beach", num_frames=49, height=512, width=768).frames[0]
+    """
+    from vidtune.models.registry import get_spec_class
+    from vidtune.parallel import parse_device
+
+    run = Path(run_dir)
+    config_path = run / outputs.RESOLVED_CONFIG
+    if not config_path.is_file():
+        raise VidtuneError(f"{run} is not the folder of a vidtune run: it has no {outputs.RESOLVED_CONFIG}.\n"
+                           f"What to do: give a run's output_dir (the folder holding {outputs.RESOLVED_CONFIG} and "
+                           f"{outputs.LORA_WEIGHTS} or {outputs.TRANSFORMER_FOLDER}/).")
+    config = load_config(config_path)
+    weights, adapter = run_weights(run, ema)
+    model = config.model
+    if not adapter:  # the trained transformer replaces the base one; everything else comes from model.pretrained
+        model = model.model_copy(update={"subfolders": {**model.subfolders, "transformer": str(weights)}})
+    spec = get_spec_class(model.name)(model, frame_rate=config.frame_rate)
+    spec.check_source()
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = parse_device(str(device), "--device") if not isinstance(device, torch.device) else device
+    denoiser = spec.load_denoiser(device).requires_grad_(False).eval()
+    pipeline = spec.pipeline(spec.load_text_components(device), spec.load_vae(device), denoiser)
+    if adapter:
+        pipeline.load_lora_weights(str(run), weight_name=weights.name)
+    return RunPipeline(pipeline, spec, config, weights, device)
+
+
+def check_sample_shape(spec: ModelSpec, settings: SampleSettings) -> None:
+    """The model's shape rule, in the words of `vidtune sample`'s options."""
+    try:
+        spec.check_video_shape(settings.frames, settings.height, settings.width)
+    except ConfigError as error:
+        lines = [line for line in str(error).replace("data.", "--").splitlines()
+                 if not line.startswith("What to do")]
+        raise ConfigError("\n".join([*lines, "What to do: pass the nearest valid values above as --frames, "
+                                     "--height, --width."])) from None
+
+
+def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | None = None,
+               latents: Path | None = None, **overrides: Any) -> Path:
+    """One sample of `run` into `output` (mp4, + .png, + .txt; + `latents`). `overrides`: SampleSettings fields
+    (num_inference_steps, guidance_scale, seed, frames, height, width); the rest are the run's validation
+    settings. An image-to-video family starts from `image`, else from the run's first clip (as validation)."""
+    from vidtune.data.sources import read_sources
+
+    spec, config = run.spec, run.config
+    settings = SampleSettings.from_config(config, spec, default_prompt=prompt)
+    settings = replace(settings, prompts=(prompt,), **{k: v for k, v in overrides.items() if v is not None})
+    check_sample_shape(spec, settings)
+    reference = None
+    if image is not None:
+        if not spec.image_to_video:
+            raise VidtuneError(f"--image: {spec.name} generates from text alone; it takes no image.\n"
+                               "What to do: leave out --image.")
+        reference = read_image(image, settings.height, settings.width)
+    elif spec.image_to_video:
+        try:  # the run's first sample, as validation takes it (the sources in order; nothing probed)
+            clips = read_sources(config.data).clips
+            reference = reference_clip(spec, clips, settings)
+        except (VidtuneError, OSError, IndexError):
+            raise VidtuneError(f"{spec.name} generates from a first frame: without --image it starts from the "
+                               "run's first clip, but the run's data (its config's data section) cannot be read.\n"
+                               "What to do: pass --image PNG.") from None
+        print(f"Starting from the first frame of {clips[0].video} (the run's first clip; --image to choose).",
+              flush=True)
+    run.pipeline.set_progress_bar_config(disable=True)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    return render_sample(spec, run.pipeline, prompt, settings, settings.seed, output, reference=reference,
+                         bf16=run.bf16, latents_path=latents)
+
+
+def next_sample_path(run_dir: Path) -> Path:
+    """`run_dir/samples/sample-NNN.mp4`, the first number not taken."""
+    folder = run_dir / outputs.SAMPLES
+    number = 1
+    while (folder / f"sample-{number:03d}.mp4").exists():
+        number += 1
+    return folder / f"sample-{number:03d}.mp4"

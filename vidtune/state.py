@@ -4,7 +4,9 @@
 - the optimizer, and its LR schedule (a pure function of the step and the config: rebuilt at the restored
   step, never loaded, so a changed learning rate or schedule simply applies from there on),
 - the data position (samples consumed; the stream is seeded by position, see `vidtune.data.buckets`),
-- the RNGs of every rank, and the number of non-finite steps skipped so far.
+- the RNGs of every rank, and the number of non-finite steps skipped so far,
+- with `training.ema_decay`, the moving average of the trained weights (`vidtune.ema`), updated with each
+  applied optimizer step.
 
 `save` writes it as a checkpoint (`vidtune.checkpoint` makes the folder atomic); `read_checkpoint` checks a
 saved one fits the config and loads it; `restore` puts it back. A run resumed this way continues bit for bit.
@@ -25,6 +27,7 @@ from torch import nn
 from vidtune import checkpoint as checkpoints
 from vidtune import parallel
 from vidtune.config import Config
+from vidtune.ema import EMA
 from vidtune.errors import ConfigError, TrainingError
 from vidtune.optim import build_lr_scheduler, build_optimizer
 from vidtune.resume import FIXED_KEYS, CheckpointError, compare_configs, saved_config
@@ -40,6 +43,7 @@ class SavedState:
     folder: Path
     weights: Weights
     state: dict[str, Any]
+    ema_weights: Weights | None = None
 
     @property
     def step(self) -> int:
@@ -51,6 +55,7 @@ def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tu
     changes = compare_configs(saved_config(folder), config, FIXED_KEYS + fixed_keys, folder)
     try:
         weights, state = checkpoints.load(folder)
+        ema_weights = checkpoints.load_ema(folder)
     except (OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"Could not read the checkpoint {folder}: {error}") from None
     if state.get("algorithm", algorithm) != algorithm:
@@ -60,19 +65,22 @@ def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tu
         print(f"Resuming from {folder} (step {state['step']} of {config.training.steps}).", flush=True)
         if changes:
             print("Changed since that checkpoint:\n" + "\n".join(f"  - {line}" for line in changes), flush=True)
-    return SavedState(folder, weights, state)
+    return SavedState(folder, weights, state, ema_weights)
 
 
 class TrainingState:
-    """Optimizer, schedule, step, data position and skip count of one run, and its checkpoints."""
+    """Optimizer, schedule, step, data position, skip count and weights' average of one run, and its
+    checkpoints."""
 
     def __init__(self, config: Config, algorithm: str, parameters: list[nn.Parameter], num_clips: int,
-                 get_weights: Callable[[], Weights], set_weights: Callable[[Weights], None]) -> None:
+                 get_weights: Callable[[], Weights], set_weights: Callable[[Weights], None],
+                 ema: EMA | None = None) -> None:
         self.config = config
         self.algorithm = algorithm
         self.num_clips = num_clips
         self.get_weights = get_weights
         self.set_weights = set_weights
+        self.ema = ema
         self.optimizer = build_optimizer(parameters, config)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config)
         self.step = 0
@@ -85,9 +93,12 @@ class TrainingState:
         return self.lr_scheduler.get_last_lr()[0]
 
     def apply_update(self, finite: bool) -> None:
-        """The optimizer step (only for a finite step) and the schedule's step (always: it counts steps)."""
+        """The optimizer step and the weights' average (only for a finite step) and the schedule's step (always:
+        it counts steps)."""
         if finite:
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
             self.lr_scheduler.step()
         else:
             with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
@@ -119,10 +130,12 @@ class TrainingState:
                     "num_samples": self.num_clips,
                     "nonfinite_skipped": self.nonfinite_skipped,
                     "world_size": len(rng),
+                    **({"ema_updates": self.ema.updates} if self.ema is not None else {}),
                 },
                 config=self.config,
                 keep=self.config.checkpoint.keep,
                 rng=rng,
+                ema_weights=self.ema_weights(),
             )
         except (OSError, RuntimeError, SafetensorError) as error:
             # A full disk reaches here as OSError (config), SafetensorError (weights) or RuntimeError (torch.save).
@@ -133,6 +146,13 @@ class TrainingState:
             raise TrainingError(f"Could not write the checkpoint of step {self.step} under {root}: "
                                 f"{error}\nIs the disk full? {kept}") from error
 
+    def ema_weights(self) -> Weights | None:
+        """The weights' average in the format of `get_weights` (what a checkpoint stores), or None."""
+        if self.ema is None:
+            return None
+        with self.ema.applied():
+            return self.get_weights()
+
     def restore(self, saved: SavedState, device: torch.device) -> None:
         """Weights, optimizer, schedule, data position and skip count of `saved`; the RNGs follow with the data
         stream (`resume_stream`). The config's learning rate, schedule and AdamW settings apply from here on."""
@@ -141,6 +161,7 @@ class TrainingState:
         try:
             self.set_weights({key: value.to(device) for key, value in saved.weights.items()})
             self.optimizer.load_state_dict(state["optimizer"])
+            self._restore_ema(saved, device)
         except (KeyError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"The checkpoint {saved.folder} does not fit this model: {error}") from None
         # The loaded optimizer state would otherwise bring back the hyper-parameters it was saved with.
@@ -153,6 +174,20 @@ class TrainingState:
         self.samples_consumed = int(state["samples_consumed"])
         self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
         self.saved_step = self.step
+
+    def _restore_ema(self, saved: SavedState, device: torch.device) -> None:
+        if self.ema is None:
+            return
+        if saved.ema_weights is None:
+            # training.ema_decay was set on resuming: the average starts from the restored weights.
+            self.ema.shadow = {name: p.detach().clone() for name, p in self.ema.parameters.items()}
+            if parallel.is_main():
+                print("The checkpoint has no moving average of the weights (training.ema_decay was not set): it "
+                      "starts from the restored weights.", flush=True)
+            return
+        with self.ema.applied():  # loading writes into the average
+            self.set_weights({key: value.to(device) for key, value in saved.ema_weights.items()})
+        self.ema.updates = int(saved.state.get("ema_updates", 0))
 
     def _say_what_differs(self, state: dict[str, Any]) -> None:
         if not parallel.is_main():

@@ -21,6 +21,8 @@ from vidtune.models.tiny import TINY_SHAPES
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 FINAL = {"lora": "pytorch_lora_weights.safetensors", "full": "transformer/diffusion_pytorch_model.safetensors"}
+FINAL_EMA = {"lora": "pytorch_lora_weights_ema.safetensors",
+             "full": "transformer_ema/diffusion_pytorch_model.safetensors"}
 STEPS, EVERY = 8, 2
 
 
@@ -29,8 +31,9 @@ def _config(tmp_path: Path, tiny: Path, data: Path, algorithm: str) -> Path:
     config = {
         "model": {"name": "ltx-video", "pretrained": str(tiny)},
         "data": {"root": str(data), "frames": frames, "height": height, "width": width, "num_workers": 0},
+        # The weights' moving average is part of the state too: it must resume bit for bit as well.
         "training": {"algorithm": algorithm, "steps": STEPS, "batch_size": 1, "learning_rate": 1e-3, "seed": 0,
-                     "precision": "fp32", "device": "cpu"},
+                     "precision": "fp32", "device": "cpu", "ema_decay": 0.9},
         # Dropout draws from the global torch RNG: equal weights also prove the RNG state was restored.
         "lora": {"rank": 4, "alpha": 4, "dropout": 0.1},
         "optimizer": {"lr_scheduler": "cosine", "warmup_steps": 2},
@@ -91,14 +94,19 @@ def test_sigkill_after_a_checkpoint_then_resume_gives_bitwise_the_same_weights(
     assert resumed.keys() == uninterrupted.keys() and resumed
     differing = [key for key in resumed if not torch.equal(resumed[key], uninterrupted[key])]
     assert not differing, f"{len(differing)} tensors differ, e.g. {differing[:3]}"
+    resumed_ema, uninterrupted_ema = (load_file(folder / FINAL_EMA[algorithm]) for folder in (killed_dir,
+                                                                                             reference_dir))
+    assert resumed_ema.keys() == resumed.keys()
+    differing = [key for key in resumed_ema if not torch.equal(resumed_ema[key], uninterrupted_ema[key])]
+    assert not differing, f"{len(differing)} tensors of the weights' average differ, e.g. {differing[:3]}"
     # The log is whole too: each step once, the same losses.
     rows = [json.loads(line) for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
     reference_rows = [json.loads(line) for line in (reference_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in rows] == [r["loss"] for r in reference_rows]
     print(f"\n{algorithm}: {STEPS} steps, checkpoint every {EVERY}; SIGKILL with {at_kill} on disk and "
-          f"{rows_at_kill} metric rows written; resumed from {at_kill[-1]}; {len(resumed)} final tensors "
-          "bitwise equal (torch.equal) to the uninterrupted run")
+          f"{rows_at_kill} metric rows written; resumed from {at_kill[-1]}; {len(resumed)} final tensors and "
+          "their moving average bitwise equal (torch.equal) to the uninterrupted run")
 
 
 @pytest.mark.slow

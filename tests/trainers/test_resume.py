@@ -92,6 +92,62 @@ def test_sigint_saves_at_the_step_and_resume_matches_an_uninterrupted_run(make_c
     ]
 
 
+@pytest.mark.parametrize("algorithm", ["lora", "full"])
+def test_the_weights_average_resumes_bit_for_bit(make_config, tmp_path, algorithm):
+    """training.ema_decay: the average is part of the state a checkpoint holds, so a stopped and resumed run ends
+    with the same average (and weights) as one left alone."""
+    settings = {"training": {"steps": 5, "algorithm": algorithm, "ema_decay": 0.8}, "checkpoint": {"every": 2},
+                "lora": {"dropout": 0.1}}
+    build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference"))).run()
+    out = tmp_path / "stopped"
+    trainer = build_trainer(make_config(**settings, output_dir=str(out)))
+
+    def interrupt(loss):
+        os.kill(os.getpid(), signal.SIGINT)
+        return loss
+
+    _on_call(trainer, 3, interrupt)
+    with pytest.raises(TrainingInterrupted):
+        trainer.run()
+    assert checkpoint.load_ema(out / "checkpoints" / "step-00000003") is not None
+    settings["checkpoint"] = {"every": 2, "resume": "latest"}
+    build_trainer(make_config(**settings, output_dir=str(out))).run()
+    names = ([LORA_FILE, "pytorch_lora_weights_ema.safetensors"] if algorithm == "lora" else
+             [f"{folder}/diffusion_pytorch_model.safetensors" for folder in ("transformer", "transformer_ema")])
+    for name in names:
+        _assert_same(load_file(out / name), load_file(tmp_path / "reference" / name))
+    assert not all(torch.equal(a, b) for a, b in zip(load_file(out / names[0]).values(),
+                                                    load_file(out / names[1]).values(), strict=True))
+
+
+def test_ema_decay_set_on_resuming_starts_the_average_there(make_config, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    build_trainer(make_config(training={"steps": 2}, output_dir=out)).run()
+    capsys.readouterr()
+    trainer = build_trainer(make_config(training={"steps": 3, "ema_decay": 0.9}, output_dir=out,
+                                        checkpoint={"resume": "latest"}))
+    trainer.run()
+    printed = capsys.readouterr().out
+    assert "training.ema_decay: None -> 0.9" in printed
+    assert "it starts from the restored weights" in printed
+    assert (Path(out) / "pytorch_lora_weights_ema.safetensors").is_file()
+
+
+def test_a_checkpoint_written_before_a_key_existed_resumes_with_its_default(make_config, tmp_path, capsys):
+    out = tmp_path / "run"
+    build_trainer(make_config(training={"steps": 2}, output_dir=str(out))).run()
+    saved = out / "checkpoints" / "step-00000002" / "config.yaml"
+    config = yaml.safe_load(saved.read_text())
+    del config["lora"]["use_dora"], config["training"]["ema_decay"]  # keys later versions added
+    saved.write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    result = build_trainer(make_config(training={"steps": 3}, output_dir=str(out),
+                                       checkpoint={"resume": "latest"})).run()
+    assert result.final_step == 3
+    printed = capsys.readouterr().out
+    assert "use_dora" not in printed and "ema_decay" not in printed
+
+
 def test_a_second_signal_stops_at_once_and_handlers_are_restored():
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as stopped, StopSignals() as stop:

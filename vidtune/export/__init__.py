@@ -1,5 +1,5 @@
-"""`vidtune export`: turn a checkpoint into what a finished run writes (LoRA adapter or transformer folder), or a
-LoRA into the ComfyUI format (`comfyui.py`).
+"""`vidtune export`: turn a checkpoint into what a finished run writes (LoRA adapter or transformer folder, and with
+`training.ema_decay` the weights' moving average beside it), or a LoRA into the ComfyUI format (`comfyui.py`).
 
 A run stopped early (Ctrl+C, a preempted node, a crash) is then still usable: the result is the same file
 or folder `save_final` writes at the end of a run, from the checkpoint's own config.
@@ -55,10 +55,11 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     trainer = build_trainer(config)
     try:
         weights = load_file(weights_file) if weights_file is not None else checkpoints.load(folder)[0]
+        ema = checkpoints.load_ema(folder) if weights_file is None else None
     except (OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"Could not read {weights_file or folder}: {error}\n"
                               "What to do: export another checkpoint of the run, or the run's folder.") from None
     output.mkdir(parents=True, exist_ok=True)
     if format == "comfyui":
         return save_comfyui_lora(trainer.spec, output, weights, config.lora.alpha)
-    return trainer.export_weights(weights, output)
+    return trainer.export_weights(weights, output, ema)

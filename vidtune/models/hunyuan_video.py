@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from diffusers import (
@@ -30,14 +30,20 @@ from transformers import AutoTokenizer, CLIPTextModel, LlamaModel
 
 from vidtune.export.comfyui import Rule, fused
 from vidtune.models.spec import (
+    ALL_LINEAR,
+    ATTENTION_TARGETS,
+    FEED_FORWARD_TARGETS,
+    JOINT_ATTENTION_TARGETS,
     Conditions,
     Latents,
     ModelSpec,
+    StepCallback,
     TextComponents,
     frame_count_problem,
     raise_shape_problems,
     shape_rule,
     side_problems,
+    step_callback,
 )
 
 logger = logging.getLogger(__name__)
@@ -52,6 +58,14 @@ PIPELINE_SIDE_MULTIPLE = 16  # HunyuanVideoPipeline.check_inputs rejects other s
 
 class HunyuanVideoSpec(ModelSpec):
     name = "hunyuan-video"
+    # Joint attention: the text stream has projections of its own. `proj_mlp` is the single blocks' MLP input; their
+    # output `proj_out` (attention and MLP fused) shares its name with the final projection: only `all-linear` has it.
+    lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
+        "attention": ATTENTION_TARGETS + JOINT_ATTENTION_TARGETS,
+        "attention+ffn": ATTENTION_TARGETS + JOINT_ATTENTION_TARGETS + FEED_FORWARD_TARGETS
+        + ("ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"),
+        ALL_LINEAR: (ALL_LINEAR,),
+    }
 
     def required_components(self) -> tuple[str, ...]:
         return ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae", "transformer", "scheduler")
@@ -227,7 +241,7 @@ class HunyuanVideoSpec(ModelSpec):
 
     def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                     reference: torch.Tensor | None = None) -> torch.Tensor:
+                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
         """The embedded guidance is the trained `model.guidance_scale`; `guidance_scale` here (validation's) is
         HunyuanVideo's true classifier-free guidance against an empty prompt, off at 1.0."""
         return pipeline(
@@ -243,4 +257,5 @@ class HunyuanVideoSpec(ModelSpec):
             max_sequence_length=self.max_sequence_length,
             generator=generator,
             output_type=output_type,
+            **step_callback(callback),
         ).frames

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from diffusers import (
@@ -33,6 +33,10 @@ from transformers import T5EncoderModel
 
 from vidtune.export.comfyui import Rule, fused
 from vidtune.models.spec import (
+    ALL_LINEAR,
+    ATTENTION_TARGETS,
+    FEED_FORWARD_TARGETS,
+    JOINT_ATTENTION_TARGETS,
     Conditions,
     Latents,
     ModelSpec,
@@ -48,6 +52,13 @@ logger = logging.getLogger(__name__)
 
 class MochiSpec(ModelSpec):
     name = "mochi"
+    # Joint attention: the text stream has projections (and a feed-forward) of its own.
+    lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
+        "attention": ATTENTION_TARGETS + JOINT_ATTENTION_TARGETS,
+        "attention+ffn": ATTENTION_TARGETS + JOINT_ATTENTION_TARGETS + FEED_FORWARD_TARGETS
+        + ("ff_context.net.0.proj", "ff_context.net.2"),
+        ALL_LINEAR: (ALL_LINEAR,),
+    }
     validation_guidance_scale = 4.5
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------

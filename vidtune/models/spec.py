@@ -19,6 +19,7 @@ import functools
 import os
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,10 +37,28 @@ from vidtune.objectives import Objective, objective_from_scheduler
 from vidtune.outputs import LORA_WEIGHTS
 
 Conditions = dict[str, torch.Tensor]
+# A diffusers pipeline's `callback_on_step_end`: (pipeline, step, timestep, {"latents": ...}) -> that dict.
+StepCallback = Callable[[Any, int, Any, dict[str, Any]], dict[str, Any]]
 Latents = dict[str, torch.Tensor]
+# LoRA target presets (`lora.target_modules: attention`): module-name suffixes, as peft matches them (a name matches
+# every module whose path ends with it). A family declares its own where its denoiser names modules otherwise.
+ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+# The text stream's projections of joint (MM-DiT) attention, which `to_q`... do not reach.
+JOINT_ATTENTION_TARGETS = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+FEED_FORWARD_TARGETS = ("ff.net.0.proj", "ff.net.2")
+# Every nn.Linear of the denoiser: resolved against the model when the adapter is added.
+ALL_LINEAR = "all-linear"
+
 # Keys of `prepare_latents` that describe the posterior; any other key it returns is a video-derived
 # condition (e.g. an image-to-video first-frame latent) and is handed to `forward` with the text ones.
 POSTERIOR_KEYS = ("latents_mean", "latents_std")
+
+
+def step_callback(callback: StepCallback | None) -> dict[str, Any]:
+    """The pipeline call's arguments for `callback` (none without one)."""
+    if callback is None:
+        return {}
+    return {"callback_on_step_end": callback, "callback_on_step_end_tensor_inputs": ["latents"]}
 
 
 def resolve_dtype(name: DType | None, device: torch.device) -> torch.dtype:
@@ -146,7 +165,13 @@ class ModelSpec(ABC):
     """One model family. Subclasses set the class attributes and implement the abstract methods."""
 
     name: ClassVar[str]
-    default_lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    # Named sets of LoRA targets (`lora.target_modules: attention+ffn`); `default_lora_preset` is used when unset.
+    lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
+        "attention": ATTENTION_TARGETS,
+        "attention+ffn": ATTENTION_TARGETS + FEED_FORWARD_TARGETS,
+        ALL_LINEAR: (ALL_LINEAR,),
+    }
+    default_lora_preset: ClassVar[str] = "attention"
     # Classifier-free guidance the family's pipeline recommends; validation samples use it unless configured.
     validation_guidance_scale: ClassVar[float] = 1.0
     # Image-to-video families sample from a first frame: `generate(..., reference=video)` hands it to
@@ -166,6 +191,11 @@ class ModelSpec(ABC):
     def __init__(self, config: ModelConfig, frame_rate: float = 25.0) -> None:
         self.config = config
         self.frame_rate = frame_rate
+
+    @property
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """The module names LoRA adapts when `lora.target_modules` is unset."""
+        return self.lora_presets[self.default_lora_preset]
 
     def native_max_sequence_length(self) -> int:
         """Caption tokens the family's pipeline uses by default."""
@@ -366,8 +396,9 @@ class ModelSpec(ABC):
 
     def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                     reference: torch.Tensor | None = None) -> torch.Tensor:
-        """One call of the family's pipeline; returns its `.frames`."""
+                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+        """One call of the family's pipeline; returns its `.frames`. `callback`: the pipeline's
+        `callback_on_step_end`, given the step's latents."""
         return pipeline(
             **self.prompt_inputs(pipeline, prompt, guidance_scale),
             num_frames=frames,
@@ -379,14 +410,16 @@ class ModelSpec(ABC):
             generator=generator,
             output_type=output_type,
             **self.pipeline_inputs(reference),
+            **step_callback(callback),
         ).frames
 
     def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                  num_inference_steps: int, guidance_scale: float, generator: torch.Generator,
-                 reference: torch.Tensor | None = None) -> torch.Tensor:
-        """Sample one video with the family's pipeline: float [F, 3, H, W] in [-1, 1]."""
+                 reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+        """Sample one video with the family's pipeline: float [F, 3, H, W] in [-1, 1]. `callback(pipeline, step,
+        timestep, {"latents": ...})` runs after each denoising step (it returns the dict)."""
         video = self.run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
-                                  generator, "pt", reference)
+                                  generator, "pt", reference, callback)
         return video[0].float() * 2.0 - 1.0
 
     def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
@@ -405,15 +438,17 @@ class ModelSpec(ABC):
         (read them from the transformer config). Empty: the family has no ComfyUI file."""
         return []
 
-    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None) -> Path:
-        """Write the adapter (`LORA_WEIGHTS`) in the format the family's `load_lora_weights` reads."""
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None,
+                  weight_name: str = LORA_WEIGHTS) -> Path:
+        """Write the adapter (`folder/weight_name`) in the format the family's `load_lora_weights` reads."""
         # Written beside and renamed into place: a kill never leaves a cut-short adapter over a complete one.
-        target = Path(folder) / LORA_WEIGHTS
+        target = Path(folder) / weight_name
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=INCOMPLETE) as scratch:
-            written = Path(scratch) / LORA_WEIGHTS
+            written = Path(scratch) / weight_name
             self.pipeline_class.save_lora_weights(
-                scratch, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata
+                scratch, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata,
+                weight_name=weight_name,
             )
             follow_umask(written)
             os.replace(written, target)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import diffusers
 import torch
@@ -41,6 +41,8 @@ from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError, SchedulerError
 from vidtune.export.comfyui import Rule
 from vidtune.models.spec import (
+    ALL_LINEAR,
+    ATTENTION_TARGETS,
     Conditions,
     Latents,
     ModelSpec,
@@ -72,10 +74,18 @@ def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(array) for array in frames_to_uint8(frames)]
 
 
+WAN_FEED_FORWARD_TARGETS = ("ffn.net.0.proj", "ffn.net.2")  # Wan names its blocks' feed-forward `ffn`
+
+
 class WanSpec(ModelSpec):
     name = "wan"
     validation_guidance_scale = 5.0
     pipeline_class = WanPipeline
+    lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
+        "attention": ATTENTION_TARGETS,
+        "attention+ffn": ATTENTION_TARGETS + WAN_FEED_FORWARD_TARGETS,
+        ALL_LINEAR: (ALL_LINEAR,),
+    }
 
     def native_max_sequence_length(self) -> int:
         """UMT5 tokens per caption: the pipelines' 512."""
@@ -232,6 +242,13 @@ class WanImageToVideoSpec(WanSpec):
     name = "wan-i2v"
     image_to_video = True
     pipeline_class = WanImageToVideoPipeline
+    # The cross-attention to the image has key / value projections of its own (diffusers pads a text-to-video
+    # adapter with zeros there).
+    lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
+        "attention": (*ATTENTION_TARGETS, "add_k_proj", "add_v_proj"),
+        "attention+ffn": (*ATTENTION_TARGETS, "add_k_proj", "add_v_proj", *WAN_FEED_FORWARD_TARGETS),
+        ALL_LINEAR: (ALL_LINEAR,),
+    }
 
     def required_components(self) -> tuple[str, ...]:
         return (*super().required_components(), "image_encoder", "image_processor")

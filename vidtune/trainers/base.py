@@ -18,6 +18,7 @@ with `batch_size` each is a step of one process with `batch_size * world`. Rank 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -40,6 +41,7 @@ from vidtune.data.overview import write_dataset_overview
 from vidtune.data.sources import Clip, load_dataset
 from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.data.video import VideoInfo
+from vidtune.ema import EMA
 from vidtune.errors import TrainingError
 from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
@@ -119,6 +121,8 @@ class Trainer(ABC):
         self.state: TrainingState | None = None
         self.first_step = 0  # the step this process started from
         self.log: StepLog | None = None
+        self.resuming_from: SavedState | None = None  # the checkpoint this run continues, if any
+        self.ema: EMA | None = None  # the trained weights' moving average (training.ema_decay)
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -144,21 +148,13 @@ class Trainer(ABC):
 
     def train(self) -> TrainResult:
         """Check the inputs, set up, then take optimizer steps until `training.steps` or a stop signal."""
-        saved = self.find_checkpoint()
+        saved = self.resuming_from = self.find_checkpoint()
         self.check_inputs()
         parallel.on_main(self.prepare_output_dir)
         # Trackers start before the long work, so a refusal (no login, no package) comes at once.
         trackers = open_trackers(self.config, self.output_dir, saved.step if saved else 0) if parallel.is_main() else []
-        # Rank 0 draws what one process draws; other ranks draw their own (e.g. LoRA dropout masks).
-        seed_everything(self.config.training.seed + parallel.rank())
-        parameters = self.load_models()
-        state = self.state = TrainingState(self.config, self.algorithm, parameters, len(self.clips),
-                                           self.trainable_state_dict, self.load_trainable_state_dict)
-        if saved is not None:
-            state.restore(saved, self.device)
-        self.first_step = state.step
-        # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
-        self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
+        parameters = self.set_up(saved)
+        state = self.state
         log = self.log = StepLog(self.output_dir / outputs.METRICS, self.config.training.steps, state.step,
                                  self.show_progress, trackers)
         parallel.on_main(lambda: truncate_metrics(log.path, state.step))
@@ -184,6 +180,22 @@ class Trainer(ABC):
                     raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
             weights, samples = parallel.on_main(self.write_results)
         return TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
+
+    def set_up(self, saved: SavedState | None) -> list[nn.Parameter]:
+        """Models, the training state (restored from `saved` when resuming) and the DDP wrapper; returns the
+        parameters to train."""
+        # Rank 0 draws what one process draws; other ranks draw their own (e.g. LoRA dropout masks).
+        seed_everything(self.config.training.seed + parallel.rank())
+        parameters = self.load_models()
+        self.ema = self.make_ema(parameters)
+        self.state = TrainingState(self.config, self.algorithm, parameters, len(self.clips),
+                                   self.trainable_state_dict, self.load_trainable_state_dict, self.ema)
+        if saved is not None:
+            self.state.restore(saved, self.device)
+        self.first_step = self.state.step
+        # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
+        self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
+        return parameters
 
     def train_step(self, stream: Iterator[Batch], parameters: list[nn.Parameter], stop: StopSignals) -> StepOutcome:
         """One optimizer step: `gradient_accumulation` micro-batches, clipping, then the update unless non-finite."""
@@ -327,6 +339,14 @@ class Trainer(ABC):
             self.denoiser.enable_gradient_checkpointing()
         return self.configure_trainable(self.denoiser)
 
+    def make_ema(self, parameters: list[nn.Parameter]) -> EMA | None:
+        """The moving average of the trained parameters (`training.ema_decay`), or None."""
+        decay = self.config.training.ema_decay
+        if decay is None:
+            return None
+        trained = {id(p) for p in parameters}
+        return EMA({name: p for name, p in self.denoiser.named_parameters() if id(p) in trained}, decay)
+
     def open_batch_source(self) -> BatchSource:
         """From the cache (`precompute.enabled`: missing entries are computed first, with the encoders loaded and
         released by that stage, so training never holds them), or encoded on the fly (the encoders loaded here)."""
@@ -409,16 +429,19 @@ class Trainer(ABC):
 
     # ----- results ---------------------------------------------------------------------------------------
     def validate(self) -> list[Path]:
-        """Sample the validation prompts with the weights as they are now (rank 0). A run trained from the cache
-        loads the text encoders and the VAE for it, once, and says so."""
+        """Sample the validation prompts with the weights as they are now, or their moving average when
+        `training.ema_decay` is set (rank 0). A run trained from the cache loads the text encoders and the VAE
+        for it, once, and says so."""
         if self.text is None or self.vae is None:
             print("Loading the text encoders and the VAE for validation samples (training read the cache).",
                   flush=True)
             self.load_encoders()
         settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
-        videos = render_samples(self.spec, self.text, self.vae, self.denoiser, settings,
-                                self.output_dir / outputs.SAMPLES, f"step-{self.state.step:08d}",
-                                reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
+        pipeline = self.spec.pipeline(self.text, self.vae, self.denoiser)
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            videos = render_samples(self.spec, pipeline, settings, self.output_dir / outputs.SAMPLES,
+                                    f"step-{self.state.step:08d}",
+                                    reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
         self.log.samples(self.state.step, videos, settings.frame_rate)
         return videos
 
@@ -429,12 +452,17 @@ class Trainer(ABC):
         samples = self.validate() if self.config.validation.enabled else []
         return weights, samples
 
-    def export_weights(self, weights: dict[str, torch.Tensor], output: Path) -> Path:
-        """Write a checkpoint's weights as the run's final result into `output` (see `vidtune export`).
+    def export_weights(self, weights: dict[str, torch.Tensor], output: Path,
+                       ema: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write a checkpoint's weights (and their moving average, `ema`) as the run's final result into `output`
+        (see `vidtune export`).
 
         By default the denoiser is loaded and set up as for training, given the weights and saved with
         `save_final`; an algorithm whose result needs no base model (LoRA) overrides this."""
         self.denoiser = self.spec.load_denoiser(torch.device("cpu"))
-        self.configure_trainable(self.denoiser)
+        self.ema = self.make_ema(self.configure_trainable(self.denoiser)) if ema is not None else None
         self.load_trainable_state_dict(weights)
+        if self.ema is not None:
+            with self.ema.applied():  # loading writes into the average
+                self.load_trainable_state_dict(ema)
         return self.save_final(output)

@@ -14,7 +14,7 @@ from torch import nn
 
 from vidtune.errors import ConfigError
 from vidtune.files import atomic_folder, follow_umask
-from vidtune.outputs import TRANSFORMER_FOLDER
+from vidtune.outputs import TRANSFORMER_EMA_FOLDER, TRANSFORMER_FOLDER
 from vidtune.trainers.base import Trainer
 
 
@@ -81,9 +81,16 @@ class FullTrainer(Trainer):
                 parameter.copy_(state[name])
 
     def save_final(self, folder: Path) -> Path:
-        """`folder/transformer/` via `save_pretrained`, in the dtype the denoiser was loaded in; written beside
-        and renamed into place, so an existing result is replaced only by a complete one."""
-        target = Path(folder) / TRANSFORMER_FOLDER
+        """`folder/transformer/`, and with `training.ema_decay` the moving average as `folder/transformer_ema/`."""
+        written = self.save_transformer(Path(folder) / TRANSFORMER_FOLDER)
+        if self.ema is not None:
+            with self.ema.applied():
+                self.save_transformer(Path(folder) / TRANSFORMER_EMA_FOLDER)
+        return written
+
+    def save_transformer(self, target: Path) -> Path:
+        """The denoiser via `save_pretrained`, in the dtype it was loaded in; written beside and renamed into
+        place, so an existing result is replaced only by a complete one."""
         cast = [p for p in self.denoiser.parameters() if p.dtype != self.base_dtype]
         originals = [p.data for p in cast]
         try:

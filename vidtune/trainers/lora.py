@@ -1,7 +1,13 @@
-"""LoRA: low-rank adapters on the denoiser; the base weights stay frozen."""
+"""LoRA: low-rank adapters on the denoiser; the base weights stay frozen.
+
+What is adapted is `lora.target_modules`: a preset the family declares (`attention`, `attention+ffn`,
+`all-linear`) or module names. `lora.use_dora` adds DoRA's magnitudes; `lora.init_from` starts from an existing
+adapter file instead of a fresh adapter.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -13,13 +19,70 @@ from torch import nn
 from vidtune.errors import ConfigError
 from vidtune.export.comfyui import ComfyUIExportError, save_comfyui_lora
 from vidtune.memory import store_frozen_weights_in_fp8
-from vidtune.outputs import COMFYUI_LORA_WEIGHTS
+from vidtune.models.spec import ALL_LINEAR
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS, LORA_EMA_WEIGHTS, LORA_WEIGHTS
 from vidtune.trainers.base import Trainer
+
+# The tensors of one adapted module in a peft / diffusers adapter state dict.
+LORA_KEY_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector")
+
+
+def adapted_module(key: str) -> str:
+    """`blocks.0.attn1.to_q.lora_A.weight` -> `blocks.0.attn1.to_q`."""
+    return min((key.split(part)[0] for part in LORA_KEY_PARTS if part in key), key=len, default=key)
+
+
+def module_suffixes(names: Iterable[str]) -> list[str]:
+    """Module paths as short peft target names: what follows the first block index
+    (`transformer_blocks.0.attn1.to_q` -> `attn1.to_q`), or the whole path outside the blocks."""
+    suffixes = set()
+    for name in names:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        suffixes.add(".".join(parts[index + 1:]) if index is not None and index + 1 < len(parts) else name)
+    return sorted(suffixes)
+
+
+def linear_module_names(module: nn.Module) -> list[str]:
+    return [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
 
 
 class LoRATrainer(Trainer):
     algorithm = "lora"
-    resume_fixed_keys = ("lora.rank", "lora.alpha", "lora.target_modules")
+    resume_fixed_keys = ("lora.rank", "lora.alpha", "lora.target_modules", "lora.use_dora")
+    targets: list[str] | None = None  # the resolved `lora.target_modules`, once the adapter is added
+
+    def check_inputs(self) -> None:
+        """Also the LoRA settings, before anything long: a preset the family lacks, an init_from file missing."""
+        super().check_inputs()
+        self.requested_targets()
+        init_from = self.config.lora.init_from
+        if init_from and self.resuming_from is None and not Path(init_from).is_file():
+            raise ConfigError(f"lora.init_from: {init_from} is not a file.\nWhat to do: give the path of an adapter "
+                              f"file (e.g. another run's {LORA_WEIGHTS}).")
+
+    def requested_targets(self) -> tuple[str, ...]:
+        """`lora.target_modules` as module names: a preset of the family resolved, a list as it is."""
+        option, presets = self.config.lora.target_modules, self.spec.lora_presets
+        if option is None:
+            return self.spec.default_lora_targets
+        if isinstance(option, str):
+            if option not in presets:
+                raise ConfigError(
+                    f"lora.target_modules: '{option}' is not a preset of {self.spec.name} (its presets: "
+                    f"{', '.join(presets)}).\nWhat to do: use one of these presets, or a list of module names, e.g. "
+                    "lora.target_modules=[to_q,to_v]."
+                )
+            return presets[option]
+        return tuple(option)
+
+    def resolve_targets(self, module_names: list[str]) -> list[str]:
+        """The module names handed to peft; `all-linear` becomes the suffixes of every linear layer in
+        `module_names` (so the adapter's metadata lists them, and diffusers loads it like any other)."""
+        requested = self.requested_targets()
+        if ALL_LINEAR not in requested:
+            return list(requested)
+        return module_suffixes(module_names)
 
     def lora_config(self) -> LoraConfig:
         options = self.config.lora
@@ -28,23 +91,68 @@ class LoRATrainer(Trainer):
             lora_alpha=options.alpha,
             lora_dropout=options.dropout,
             init_lora_weights=True,
-            target_modules=list(options.target_modules or self.spec.default_lora_targets),
+            use_dora=options.use_dora,
+            target_modules=list(self.targets or self.requested_targets()),
         )
 
     def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
         denoiser.requires_grad_(False)
         if self.config.memory.fp8_base_weights:
             store_frozen_weights_in_fp8(denoiser)
+        self.targets = self.resolve_targets(linear_module_names(denoiser))
         try:
             denoiser.add_adapter(self.lora_config())
         except ValueError as error:
+            examples = ", ".join(self.spec.default_lora_targets)
             raise ConfigError(
-                f"lora.target_modules: {error}\nUse module names of the denoiser, e.g. "
-                f"{', '.join(self.spec.default_lora_targets)}."
+                f"lora.target_modules: {error}\nWhat to do: use module names of the denoiser (e.g. {examples}) or a "
+                f"preset of {self.spec.name}: {', '.join(self.spec.lora_presets)}."
             ) from None
         # Adapters train in fp32 even when the frozen base runs in bf16.
         cast_training_params(denoiser, dtype=torch.float32)
+        if self.config.lora.init_from and self.resuming_from is None:
+            self.load_initial_adapter(denoiser, Path(self.config.lora.init_from))
         return [p for p in denoiser.parameters() if p.requires_grad]
+
+    def load_initial_adapter(self, denoiser: nn.Module, path: Path) -> None:
+        """`lora.init_from`: the adapter file's weights into the fresh adapter, refused unless they fit it."""
+        expected = get_peft_model_state_dict(denoiser)
+        state, alpha = read_adapter(self.spec, path)
+        options = self.config.lora
+        key = f"lora.init_from: {path}"
+        ranks = sorted({int(v.shape[0]) for k, v in state.items() if ".lora_A." in k})
+        if ranks and ranks != [options.rank]:
+            raise ConfigError(f"{key} is an adapter of rank {', '.join(map(str, ranks))}, but lora.rank is "
+                              f"{options.rank}.\nWhat to do: set lora.rank={ranks[0]} (and lora.alpha to the "
+                              "adapter's), or start from a fresh adapter (remove lora.init_from).")
+        effective_alpha = alpha if alpha is not None else float(options.rank)  # no metadata: diffusers scales by 1
+        if ranks and effective_alpha != options.alpha:
+            raise ConfigError(f"{key} has alpha {effective_alpha:g}, but lora.alpha is {options.alpha:g} (the "
+                              f"adapter's effect would be scaled differently).\nWhat to do: set "
+                              f"lora.alpha={effective_alpha:g}.")
+        has_dora = any("lora_magnitude_vector" in k for k in state)
+        if has_dora != options.use_dora:
+            raise ConfigError(f"{key} is {'a DoRA' if has_dora else 'a plain LoRA'} adapter, but lora.use_dora is "
+                              f"{str(options.use_dora).lower()}.\nWhat to do: set "
+                              f"lora.use_dora={str(has_dora).lower()}.")
+        extra = sorted({adapted_module(k) for k in state.keys() - expected.keys()})
+        missing = sorted({adapted_module(k) for k in expected.keys() - state.keys()})
+        if extra or missing:
+            lines = [f"{key} does not adapt the same layers as lora.target_modules ({', '.join(self.targets)}):"]
+            if extra:
+                lines.append(f"  - it adapts {len(extra)} layers this adapter does not, e.g. {', '.join(extra[:3])}")
+            if missing:
+                lines.append(f"  - it lacks {len(missing)} layers this adapter has, e.g. {', '.join(missing[:3])}")
+            suffixes = module_suffixes(adapted_module(k) for k in state)
+            lines.append(f"What to do: set lora.target_modules=[{','.join(suffixes)}] (the adapter's layers).")
+            raise ConfigError("\n".join(lines))
+        shapes = [k for k in state if tuple(state[k].shape) != tuple(expected[k].shape)]
+        if shapes:
+            raise ConfigError(f"{key}: {shapes[0]} has shape {tuple(state[shapes[0]].shape)}, this model's "
+                              f"{tuple(expected[shapes[0]].shape)}: the adapter was made for another model.\n"
+                              "What to do: use an adapter of this model (model.pretrained).")
+        set_peft_model_state_dict(denoiser, state)
+        print(f"Starting from the adapter {path} ({len(state)} tensors).", flush=True)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return get_peft_model_state_dict(self.denoiser)
@@ -55,20 +163,30 @@ class LoRATrainer(Trainer):
         if unexpected:
             raise ValueError(f"checkpoint has weights this adapter does not: {unexpected[:5]}")
 
-    def save_final(self, folder: Path) -> Path:
+    def adapter_metadata(self) -> dict:
         metadata = self.lora_config().to_dict()
         metadata["target_modules"] = sorted(metadata["target_modules"])
+        return metadata
+
+    def save_final(self, folder: Path) -> Path:
+        """The adapter (and its ComfyUI file), and with `training.ema_decay` its moving average beside it."""
         state = self.trainable_state_dict()
-        written = self.spec.save_lora(folder, state, metadata)
+        written = self.spec.save_lora(folder, state, self.adapter_metadata())
         self.save_comfyui(folder, state)
+        if self.ema is not None:
+            with self.ema.applied():
+                self.spec.save_lora(folder, self.trainable_state_dict(), self.adapter_metadata(), LORA_EMA_WEIGHTS)
         return written
 
-    def export_weights(self, weights: dict[str, torch.Tensor], output: Path) -> Path:
+    def export_weights(self, weights: dict[str, torch.Tensor], output: Path,
+                       ema: dict[str, torch.Tensor] | None = None) -> Path:
         """A checkpoint holds the adapter exactly as `save_final` writes it: no base model needed."""
-        metadata = self.lora_config().to_dict()
-        metadata["target_modules"] = sorted(metadata["target_modules"])
-        written = self.spec.save_lora(output, weights, metadata)
+        # `all-linear` resolves to the layers the adapter has, as it did when training added it.
+        self.targets = self.resolve_targets(sorted({adapted_module(k) for k in weights}))
+        written = self.spec.save_lora(output, weights, self.adapter_metadata())
         self.save_comfyui(output, weights)
+        if ema is not None:
+            self.spec.save_lora(output, ema, self.adapter_metadata(), LORA_EMA_WEIGHTS)
         return written
 
     def save_comfyui(self, folder: Path, state: dict[str, torch.Tensor]) -> Path | None:
@@ -79,3 +197,29 @@ class LoRATrainer(Trainer):
         except ComfyUIExportError as error:
             print(f"{COMFYUI_LORA_WEIGHTS} was not written: {error}", flush=True)
             return None
+
+
+def read_adapter(spec, path: Path) -> tuple[dict[str, torch.Tensor], float | None]:
+    """(the denoiser's adapter tensors in peft's naming, its alpha when the file says) of an adapter file, read
+    with the family pipeline's own `lora_state_dict`, which converts the formats diffusers knows."""
+    if not path.is_file():
+        raise ConfigError(f"lora.init_from: {path} is not a file.\nWhat to do: give the path of an adapter file "
+                          f"(e.g. another run's {LORA_WEIGHTS}).")
+    try:
+        state, metadata = spec.pipeline_class.lora_state_dict(str(path.parent), weight_name=path.name,
+                                                              return_lora_metadata=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        raise ConfigError(f"lora.init_from: {path} could not be read as a {spec.name} adapter: {error}\n"
+                          "What to do: give an adapter file in the diffusers format (or one the family's diffusers "
+                          "loader converts, such as ComfyUI's).") from None
+    prefix = "transformer."
+    state = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+    if not state:
+        raise ConfigError(f"lora.init_from: {path} holds no adapter weights for the {spec.name} denoiser.\n"
+                          "What to do: give an adapter trained for this model family.")
+    metadata = metadata or {}
+    if metadata.get(f"{prefix}rank_pattern") or metadata.get(f"{prefix}alpha_pattern"):
+        raise ConfigError(f"lora.init_from: {path} has a rank or alpha per layer, which vidtune does not train.\n"
+                          "What to do: start from an adapter with one rank and alpha.")
+    alpha = metadata.get(f"{prefix}lora_alpha")
+    return state, None if alpha is None else float(alpha)

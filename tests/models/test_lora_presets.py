@@ -1,0 +1,96 @@
+"""LoRA target presets (`lora.target_modules: attention | attention+ffn | all-linear`), for every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from vidtune.errors import ConfigError
+from vidtune.models.registry import available_models, get_spec_class
+from vidtune.models.spec import ALL_LINEAR
+from vidtune.trainers import build_trainer
+from vidtune.trainers.lora import LoRATrainer, linear_module_names
+
+CPU = torch.device("cpu")
+
+
+def _matches(name: str, target: str) -> bool:
+    """peft's rule for a list of target names: the module's path is the name or ends with `.name`."""
+    return name == target or name.endswith(f".{target}")
+
+
+@pytest.mark.parametrize("family", available_models())
+def test_every_preset_names_linear_layers_of_the_familys_denoiser(make_config, family):
+    config = make_config(family)
+    spec = get_spec_class(family)(config.model, frame_rate=config.frame_rate)
+    denoiser = spec.load_denoiser(CPU)
+    linear = linear_module_names(denoiser)
+    assert set(spec.lora_presets) == {"attention", "attention+ffn", ALL_LINEAR}
+    assert spec.default_lora_targets == spec.lora_presets[spec.default_lora_preset] == spec.lora_presets["attention"]
+    assert set(spec.lora_presets["attention"]) < set(spec.lora_presets["attention+ffn"])
+    for preset, targets in spec.lora_presets.items():
+        if preset == ALL_LINEAR:
+            continue
+        for target in targets:
+            assert any(_matches(name, target) for name in linear), f"{family} {preset}: {target} matches no layer"
+    # Feed-forward layers are what `attention+ffn` adds (a name that only matched attention would pass above).
+    added = set(spec.lora_presets["attention+ffn"]) - set(spec.lora_presets["attention"])
+    assert added and all("ff" in target or "mlp" in target for target in added)
+
+    # `all-linear` resolves to names that adapt every linear layer and nothing else.
+    trainer = build_trainer(make_config(family, lora={"target_modules": ALL_LINEAR}))
+    assert isinstance(trainer, LoRATrainer)
+    targets = trainer.resolve_targets(linear)
+    adapted = {name for name, module in denoiser.named_modules() if any(_matches(name, t) for t in targets)}
+    assert adapted == set(linear)
+
+
+def test_a_preset_adapts_its_layers_and_the_adapter_says_which(make_config, tmp_path):
+    config = make_config(training={"steps": 1}, lora={"target_modules": "attention+ffn", "rank": 4, "alpha": 4})
+    trainer = build_trainer(config)
+    result = trainer.run()
+    adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in trainer.denoiser.named_parameters() if ".lora_A." in name}
+    assert any(name.endswith("ff.net.2") for name in adapted) and any(name.endswith("attn2.to_k") for name in adapted)
+    assert not any(name.endswith("proj_out") for name in adapted)
+    with safe_open(result.weights_path, "pt") as saved:
+        metadata = saved.metadata()
+    assert "ff.net.0.proj" in metadata["lora_adapter_metadata"]
+
+    # The default is the family's `attention` preset.
+    trainer = build_trainer(make_config(training={"steps": 1}, output_dir=str(tmp_path / "default")))
+    trainer.run()
+    adapted = {n for n, p in trainer.denoiser.named_parameters() if p.requires_grad}
+    assert adapted and not any(".ff." in name for name in adapted)
+    assert any(".attn1.to_out.0." in name for name in adapted)
+
+
+def test_an_unknown_preset_names_the_familys_presets(make_config):
+    with pytest.raises(ConfigError, match=r"'attention\+mlp' is not a preset of ltx-video .*attention\+ffn"):
+        build_trainer(make_config(lora={"target_modules": "attention+mlp"})).run()
+
+
+def test_linear_module_names_are_the_linear_layers():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 2)))
+    assert linear_module_names(model) == ["0", "2.0"]
+
+
+@pytest.mark.parametrize("family", available_models())
+def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family, tmp_path):
+    """Training on several GPUs (DDP) needs every trainable parameter in the graph: no preset may adapt a layer
+    whose output the loss never sees."""
+    for preset in ("attention", "attention+ffn", ALL_LINEAR):
+        trainer = build_trainer(make_config(family, training={"steps": 1}, lora={"target_modules": preset, "rank": 2},
+                                            output_dir=str(tmp_path / preset)))
+        unused: list[str] = []
+        clip = trainer.clip_gradients
+
+        def record(parameters, trainer=trainer, clip=clip, unused=unused):
+            names = {id(p): name for name, p in trainer.denoiser.named_parameters()}
+            unused.extend(names[id(p)] for p in parameters if p.grad is None)
+            return clip(parameters)
+
+        trainer.clip_gradients = record
+        trainer.run()
+        assert not unused, f"{family} {preset}: {unused[:5]}"

@@ -199,11 +199,23 @@ class TrainingConfig(Section):
 
 
 class OptimizerConfig(Section):
-    name: Literal["adamw"] = Field("adamw", description="The optimizer.")
-    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
-    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    name: Literal["adamw", "adamw8bit", "paged_adamw8bit", "adamw8bit_ao", "adamw4bit_ao", "adamw_fp8_ao", "prodigy",
+                  "came", "adafactor"] = Field(
+        "adamw",
+        description="The optimizer: `adamw` (torch); `adamw8bit`, `paged_adamw8bit` (pip extra `bitsandbytes`); "
+        "`adamw8bit_ao`, `adamw4bit_ao`, `adamw_fp8_ao` (extra `torchao`; AdamW with 8-bit, 4-bit or float8 "
+        "moments); `prodigy` (extra `prodigy`; sets its own step size: use training.learning_rate=1.0); `came` "
+        "(extra `came`); `adafactor` (torch's). See docs/memory.md.",
+    )
+    weight_decay: float = Field(1e-4, ge=0, description="Weight decay (every optimizer).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="First-moment decay (AdamW kinds, prodigy, came).")
+    beta2: float = Field(0.999, ge=0, lt=1, description="Second-moment decay (AdamW kinds, prodigy, came).")
+    eps: float = Field(1e-8, gt=0, description="Epsilon of the AdamW kinds and prodigy.")
+    cpu_offload: bool = Field(
+        False,
+        description="CUDA only: keep the optimizer state on the CPU and step there (torchao's CPUOffloadOptimizer "
+        "around the chosen optimizer, pip extra `torchao`); saves the state's GPU memory, costs speed.",
+    )
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate schedule after the warmup (linear and cosine decay to 0)."
     )

@@ -47,6 +47,7 @@ from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
+from vidtune.optim import check_optimizer
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
 from vidtune.sampling import SampleSettings, reference_clip, render_samples
@@ -320,6 +321,7 @@ class Trainer(ABC):
         check_bucket_shapes(self.spec, data.bucket_shapes(), single=not data.buckets)
         self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
         check_trackers(self.config)
+        check_optimizer(self.config, self.device)
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 

@@ -43,6 +43,7 @@ from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatche
 from vidtune.data.video import VideoInfo
 from vidtune.ema import EMA
 from vidtune.errors import TrainingError
+from vidtune.memory import check_base_weights
 from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
@@ -322,6 +323,7 @@ class Trainer(ABC):
         self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
         check_trackers(self.config)
         check_optimizer(self.config, self.device)
+        check_base_weights(self.config.memory.base_weights)
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 

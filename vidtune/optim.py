@@ -109,7 +109,20 @@ def optimizer_class(config: Config) -> type[torch.optim.Optimizer]:
 def _cpu_offload_class() -> type[torch.optim.Optimizer]:
     from torchao.optim import CPUOffloadOptimizer
 
-    return CPUOffloadOptimizer
+    class ClippedCPUOffloadOptimizer(CPUOffloadOptimizer):
+        """torchao's hook copies each gradient to the host as backward produces it, before the loop clips it
+        (`training.max_grad_norm`): the step copies the gradients again, as they are now, so it uses the clipped
+        ones."""
+
+        @torch.no_grad()
+        def step(self, closure: Callable[[], Any] | None = None) -> Any:
+            for p_device, copied in self.queue.items():
+                copied.synchronize()  # the hook's copy is done before it is overwritten
+                if p_device.grad is not None:
+                    self.param_d2h_map[p_device].grad.copy_(p_device.grad)
+            return super().step(closure)
+
+    return ClippedCPUOffloadOptimizer
 
 
 def check_optimizer(config: Config, device: torch.device) -> None:

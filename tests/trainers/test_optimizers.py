@@ -130,7 +130,7 @@ def test_optimizers_on_cuda_resume_bit_for_bit(make_config, tmp_path, name, cpu_
     reference = build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference")))
     reference.run()
     if cpu_offload:
-        assert type(reference.state.optimizer).__name__ == "CPUOffloadOptimizer"
+        assert "CPUOffloadOptimizer" in [cls.__name__ for cls in type(reference.state.optimizer).__mro__]
     out = tmp_path / "stopped"
     trainer = build_trainer(make_config(**settings, output_dir=str(out)))
     _interrupt_at(trainer, 3)

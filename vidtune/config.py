@@ -295,6 +295,13 @@ class MemoryConfig(Section):
         "`memory.fp8_base_weights: true`, still read as `base_weights: fp8`. See docs/memory.md.",
     )
 
+    text_encoder_weights: Literal["auto", "fp8", "int8", "nf4"] = Field(
+        "auto",
+        description="How the frozen text encoders are stored wherever captions are encoded (precompute, on-the-fly "
+        "encoding, validation, `vidtune sample`): the options of `base_weights` (an 8B Llama or an 11B T5 alone "
+        "fills a consumer GPU). Changes the embeddings a little: precomputed captions are encoded again.",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _migrate_fp8_base_weights(cls, data: Any) -> Any:

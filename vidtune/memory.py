@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from vidtune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vidtune.models.spec import TextComponents
 
 BASE_WEIGHTS = ("auto", "fp8", "int8", "nf4")
 ADAPTER_LAYERS = ("lora_A", "lora_B", "lora_embedding", "lora_magnitude_vector")
@@ -38,11 +42,18 @@ def store_frozen_weights_in_fp8(denoiser: nn.Module) -> None:
     denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype)
 
 
-def _kept_in_full_precision(denoiser: nn.Module) -> Callable[[str], bool]:
-    """The layers layerwise casting would skip (the model's own patterns, else diffusers' defaults)."""
+def _skip_patterns(model: nn.Module) -> tuple[str, ...]:
+    """The layers layerwise casting would skip (the model's own patterns, else diffusers' defaults), and those a
+    transformers model keeps in fp32 (T5's `wo`: T5 casts its input to that layer's weight dtype)."""
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
-    patterns = getattr(denoiser, "_skip_layerwise_casting_patterns", None) or DEFAULT_SKIP_MODULES_PATTERN
+    patterns = tuple(getattr(model, "_skip_layerwise_casting_patterns", None) or DEFAULT_SKIP_MODULES_PATTERN)
+    fp32 = getattr(model, "_keep_in_fp32_modules", None) or ()
+    return patterns + tuple(rf"(^|\.){re.escape(name)}($|\.)" for name in fp32)
+
+
+def _kept_in_full_precision(model: nn.Module) -> Callable[[str], bool]:
+    patterns = _skip_patterns(model)
     return lambda name: any(re.search(pattern, name) for pattern in patterns)
 
 
@@ -52,7 +63,7 @@ def _frozen_linears(denoiser: nn.Module) -> list[tuple[str, nn.Linear]]:
             if type(module) is nn.Linear and not keep(name) and not any(part in name for part in ADAPTER_LAYERS)]
 
 
-def check_base_weights(option: str) -> None:
+def check_base_weights(option: str, key: str = "memory.base_weights") -> None:
     """Before any long work: the package the option needs imports (a missing one names its pip extra)."""
     extra = {"int8": "torchao", "nf4": "bitsandbytes"}.get(option)
     try:
@@ -62,8 +73,8 @@ def check_base_weights(option: str) -> None:
             import bitsandbytes  # noqa: F401
     except ImportError as error:
         raise ConfigError(
-            f"memory.base_weights={option} needs the package {extra}, which could not be imported: {error}\n"
-            f"What to do: pip install 'vidtune[{extra}]', or set memory.base_weights=auto."
+            f"{key}={option} needs the package {extra}, which could not be imported: {error}\n"
+            f"What to do: pip install 'vidtune[{extra}]', or set {key}=auto."
         ) from None
 
 
@@ -104,3 +115,24 @@ def _linears_to_nf4(denoiser: nn.Module) -> None:
         parent_name, _, child = name.rpartition(".")
         parent = denoiser.get_submodule(parent_name) if parent_name else denoiser
         setattr(parent, child, layer.to(device))
+
+
+def store_text_encoder_weights(text: TextComponents, option: str) -> None:
+    """`memory.text_encoder_weights`: every text encoder of `text` (already frozen, on its device) stored as
+    `option` says: `fp8` upcast layer by layer, `int8` and `nf4` quantized linear layers (norms and embeddings
+    kept). Used wherever captions are encoded: on the fly, by precompute, for validation and `vidtune sample`."""
+    if option == "auto":
+        return
+    check_base_weights(option, "memory.text_encoder_weights")
+    for name, module in text.modules.items():
+        if not name.startswith("text_encoder") or not isinstance(module, nn.Module):
+            continue
+        if option == "fp8":
+            from diffusers.hooks import apply_layerwise_casting
+
+            apply_layerwise_casting(module, storage_dtype=torch.float8_e4m3fn, compute_dtype=module.dtype,
+                                    skip_modules_pattern=_skip_patterns(module))
+        elif option == "int8":
+            _linears_to_int8(module)
+        elif option == "nf4":
+            _linears_to_nf4(module)

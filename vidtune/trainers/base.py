@@ -108,7 +108,8 @@ class Trainer(ABC):
         self.config = config
         self.output_dir = Path(config.output_dir)
         self.device = parallel.resolve_device(config.training.device)
-        self.spec: ModelSpec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
+        self.spec: ModelSpec = get_spec_class(config.model.name)(
+            config.model, frame_rate=config.frame_rate, text_encoder_weights=config.memory.text_encoder_weights)
         self.clips: list[Clip] = []
         self.clip_infos: list[VideoInfo] = []
         # Text encoders and VAE: loaded for on-the-fly training, or (training from the cache) only for validation.
@@ -324,6 +325,7 @@ class Trainer(ABC):
         check_trackers(self.config)
         check_optimizer(self.config, self.device)
         check_base_weights(self.config.memory.base_weights)
+        check_base_weights(self.config.memory.text_encoder_weights, "memory.text_encoder_weights")
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 
@@ -366,7 +368,7 @@ class Trainer(ABC):
     def load_encoders(self) -> None:
         """The text encoders and the VAE, unless loaded already."""
         if self.text is None:
-            self.text = self.spec.load_text_components(self.device)
+            self.text = self.spec.load_text(self.device)
         if self.vae is None:
             self.vae = self.spec.load_vae(self.device)
 

@@ -8,6 +8,9 @@ The layers diffusers keeps in full precision for layerwise casting (norms, patch
 and output projections) keep it here too. The adapter itself is always fp32 and saved on its own, so it loads
 into the normal, unquantized pipeline.
 
+`memory.text_encoder_weights` does the same for the text encoders (`store_text_encoder_weights`), wherever
+captions are encoded.
+
 `prepare_base_weights` runs before the adapter is added (peft then wraps the 4-bit layers with its own
 bitsandbytes LoRA layer), `finish_base_weights` after it (the int8 weights are swapped in under the adapter's
 wrapped layers, which leaves the adapter's own layers untouched).
@@ -27,7 +30,6 @@ from vidtune.errors import ConfigError
 if TYPE_CHECKING:
     from vidtune.models.spec import TextComponents
 
-BASE_WEIGHTS = ("auto", "fp8", "int8", "nf4")
 ADAPTER_LAYERS = ("lora_A", "lora_B", "lora_embedding", "lora_magnitude_vector")
 
 

@@ -1,0 +1,126 @@
+"""Guidance distillation: the student's one forward learns the teacher's guided prediction, on held-out noise,
+timesteps and captions; the teacher is the frozen base (shared weights for a LoRA student)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shapes_dataset
+from vidtune.errors import ConfigError
+from vidtune.trainers import build_trainer
+from vidtune.trainers.guidance_distillation import (
+    FullGuidanceDistillationTrainer,
+    GuidanceDistillationTrainer,
+    guided_prediction,
+)
+
+SCALE = 4.0
+
+
+@pytest.fixture(scope="module")
+def many_captions(tmp_path_factory) -> Path:
+    """Sixteen clips, each with its own caption: enough for the student to learn guidance as a function of it."""
+    return render_shapes_dataset(tmp_path_factory.mktemp("many"), num_clips=16, num_frames=33, height=48, width=48,
+                                 seed=3)
+
+
+def held_out_captions(dataset: Path, count: int) -> list[str]:
+    """Captions in the dataset's words that none of its clips has."""
+    seen = set((dataset / "prompts.txt").read_text().splitlines())
+    combos = (ShapeClip(s, c, b, d).caption for d in DIRECTIONS for b in BACKGROUNDS for c in COLORS for s in SHAPES)
+    return [caption for caption in combos if caption not in seen][::7][:count]
+
+
+def _distil(make_config, family: str, steps: int, data_root: Path | None = None, **sections):
+    settings = {"training": {"steps": steps, "algorithm": "guidance-distillation", "learning_rate": 3e-3,
+                             "sigma_sampling": "uniform", "batch_size": 2},
+                "lora": {"rank": 32, "alpha": 32, "target_modules": "all-linear"},
+                "distillation": {"guidance_scale": SCALE}, "optimizer": {"lr_scheduler": "cosine"}}
+    for key, value in sections.items():
+        settings[key] = {**settings.get(key, {}), **value}
+    trainer = build_trainer(make_config(family, data_root=data_root, **settings))
+    return trainer, trainer.run()
+
+
+def _held_out(trainer, count: int = 4, seed: int = 1234):
+    """Noisy latents (the clips' latents with fresh noise), timesteps and captions that training never saw."""
+    batch = next(iter(trainer.source.batches(0)))
+    g = torch.Generator().manual_seed(seed)
+    x0 = batch.latents["latents_mean"][:1].expand(count, *batch.latents["latents_mean"].shape[1:]).float()
+    noise = torch.randn(x0.shape, generator=g)
+    levels = torch.rand(count, generator=g) * 0.9 + 0.05
+    captions = held_out_captions(Path(trainer.config.data.root), count)
+    conditions = trainer.spec.prepare_conditions(trainer.text, captions)
+    extra = {k: v.expand(count, *v.shape[1:]) for k, v in batch.latents.items() if k not in ("latents_mean",
+                                                                                            "latents_std")}
+    objective = trainer.objective
+    return {**conditions, **extra}, objective.noisy(x0, noise, levels), objective.timesteps(levels)
+
+
+def _distances(trainer) -> tuple[float, float]:
+    """(RMS distance of the student's forward to the teacher's guided prediction, that of the base's
+    conditional forward) on held-out inputs."""
+    conditions, noisy, timesteps = _held_out(trainer)
+    scales = torch.full((noisy.shape[0],), SCALE)
+    trainer.denoiser.eval()
+    with torch.no_grad():
+        guided = trainer.teacher_prediction(conditions, noisy, timesteps, scales)
+        student = trainer.predict(trainer.denoiser, conditions, noisy, timesteps, None)
+        with trainer.teacher() as teacher:
+            base = trainer.predict(teacher, conditions, noisy, timesteps, None)
+    return (student - guided).pow(2).mean().sqrt().item(), (base - guided).pow(2).mean().sqrt().item()
+
+
+def test_guided_prediction_is_uncond_plus_scale_times_the_difference():
+    cond, uncond = torch.full((2, 3), 2.0), torch.full((2, 3), 1.0)
+    out = guided_prediction(cond, uncond, torch.tensor([1.0, 3.0]))
+    assert out[0].tolist() == [2.0] * 3 and out[1].tolist() == [4.0] * 3
+
+
+@pytest.mark.parametrize(("family", "steps", "learning_rate"), [("ltx-video", 200, 3e-3), ("wan", 800, 3e-3)])
+def test_the_student_gives_the_guided_prediction_in_one_forward(make_config, many_captions, family, steps,
+                                                                 learning_rate):
+    trainer, result = _distil(make_config, family, steps=steps, data_root=many_captions,
+                              training={"learning_rate": learning_rate})
+    assert isinstance(trainer, GuidanceDistillationTrainer)
+    student, base = _distances(trainer)
+    print(f"{family}: student {student:.4g}, base {base:.4g}, ratio {base / student:.1f}")
+    assert base / student >= 5.0, (student, base)
+    # The teacher is the frozen base: the adapters are back on after each teacher call, and nothing else trained.
+    assert all(p.requires_grad for n, p in trainer.denoiser.named_parameters() if "lora_" in n)
+    assert not any(p.requires_grad for n, p in trainer.denoiser.named_parameters() if "lora_" not in n)
+    assert (result.output_dir / "pytorch_lora_weights.safetensors").is_file()
+    assert trainer.config.validation.guidance_scale == 1.0  # the student is sampled without guidance
+
+
+def test_a_full_student_learns_against_a_frozen_copy(make_config, many_captions):
+    trainer, _ = _distil(make_config, "ltx-video", steps=40, data_root=many_captions,
+                         training={"learning_rate": 3e-4}, distillation={"student": "full"})
+    assert isinstance(trainer, FullGuidanceDistillationTrainer)
+    student, base = _distances(trainer)
+    assert base / student >= 2.0, (student, base)
+    # The teacher kept the original weights while the student's moved.
+    moved = [n for n, p in trainer.denoiser.named_parameters()
+             if not torch.equal(p.detach(), trainer.frozen_teacher.get_parameter(n).to(p.dtype))]
+    assert moved and not any(p.requires_grad for p in trainer.frozen_teacher.parameters())
+
+
+def test_a_guidance_range_needs_a_guidance_embedding(make_config):
+    trainer = build_trainer(make_config(training={"algorithm": "guidance-distillation"},
+                                        distillation={"guidance_range": [2.0, 6.0]}))
+    with pytest.raises(ConfigError, match=r"distillation.guidance_range: ltx-video has no guidance embedding"):
+        trainer.run()
+
+
+def test_a_negative_prompt_is_the_teachers_unconditional_caption(make_config):
+    trainer = build_trainer(make_config(training={"algorithm": "guidance-distillation", "steps": 1},
+                                        distillation={"negative_prompt": "blurry, static"}))
+    trainer.run()
+    expected = trainer.spec.prepare_conditions(trainer.text, ["blurry, static"])
+    empty = trainer.source.empty_caption()
+    for key, value in expected.items():
+        torch.testing.assert_close(trainer.negative[key], value)
+    assert any(not torch.equal(trainer.negative[k], empty[k]) for k in empty if empty[k].is_floating_point())

@@ -276,8 +276,8 @@ class DistillationConfig(Section):
     )
     window_start: Literal["data", "teacher"] = Field(
         "teacher", description="step-distillation: where a window's start comes from: `teacher`, the teacher's "
-        "own Euler path from pure noise (what K-step sampling meets; up to N teacher forwards a visit); `data`, the "
-        "clip noised to the window's start (PeRFlow's; N/K teacher forwards a visit)."
+        "own Euler path from the visit's noise (what K-step sampling meets; up to N teacher forwards a visit); "
+        "`data`: the clip noised to the window's start (N/K teacher forwards a visit)."
     )
     sigma_shift: float = Field(
         1.0, gt=0, description="step-distillation: shift of the sampling sigmas towards noise (>1), as "

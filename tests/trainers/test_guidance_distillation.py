@@ -10,6 +10,7 @@ import torch
 
 from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shapes_dataset
 from vidtune.errors import ConfigError
+from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
 from vidtune.trainers.guidance_distillation import (
     FullGuidanceDistillationTrainer,
@@ -60,18 +61,35 @@ def _held_out(trainer, count: int = 4, seed: int = 1234):
     return {**conditions, **extra}, objective.noisy(x0, noise, levels), objective.timesteps(levels)
 
 
-def _distances(trainer) -> tuple[float, float]:
+def _distances(trainer, scale: float = SCALE, embedded: bool = False) -> tuple[float, float]:
     """(RMS distance of the student's forward to the teacher's guided prediction, that of the base's
-    conditional forward) on held-out inputs."""
+    conditional forward) on held-out inputs; `embedded`: the student is given the scale by its embedding."""
     conditions, noisy, timesteps = _held_out(trainer)
-    scales = torch.full((noisy.shape[0],), SCALE)
+    scales = torch.full((noisy.shape[0],), scale)
     trainer.denoiser.eval()
     with torch.no_grad():
         guided = trainer.teacher_prediction(conditions, noisy, timesteps, scales)
-        student = trainer.predict(trainer.denoiser, conditions, noisy, timesteps, None)
+        student = trainer.predict(trainer.denoiser, conditions, noisy, timesteps, scales if embedded else None)
         with trainer.teacher() as teacher:
             base = trainer.predict(teacher, conditions, noisy, timesteps, None)
     return (student - guided).pow(2).mean().sqrt().item(), (base - guided).pow(2).mean().sqrt().item()
+
+
+def _pipeline_distances(trainer, prompt: str) -> tuple[float, float]:
+    """Through the family's pipeline, from the same seed: (RMS distance of the student at guidance 1 to the
+    teacher at guidance SCALE, that of the base at guidance 1)."""
+    frames, height, width = TINY_SHAPES[trainer.spec.name]
+    pipeline = trainer.spec.pipeline(trainer.text, trainer.vae, trainer.denoiser)
+
+    def sample(scale: float) -> torch.Tensor:
+        return trainer.spec.run_pipeline(pipeline, prompt, frames, height, width, 4, scale,
+                                         torch.Generator().manual_seed(5), "latent").float()
+
+    with torch.no_grad():
+        student = sample(1.0)
+        with trainer.teacher():
+            teacher, base = sample(SCALE), sample(1.0)
+    return (student - teacher).pow(2).mean().sqrt().item(), (base - teacher).pow(2).mean().sqrt().item()
 
 
 def test_guided_prediction_is_uncond_plus_scale_times_the_difference():
@@ -94,6 +112,10 @@ def test_the_student_gives_the_guided_prediction_in_one_forward(make_config, man
     assert not any(p.requires_grad for n, p in trainer.denoiser.named_parameters() if "lora_" not in n)
     assert (result.output_dir / "pytorch_lora_weights.safetensors").is_file()
     assert trainer.config.validation.guidance_scale == 1.0  # the student is sampled without guidance
+    if family == "ltx-video":
+        student, base = _pipeline_distances(trainer, held_out_captions(many_captions, 1)[0])
+        print(f"{family} pipeline: student {student:.4g}, base {base:.4g}, ratio {base / student:.1f}")
+        assert base / student >= 3.0, (student, base)
 
 
 def test_a_full_student_learns_against_a_frozen_copy(make_config, many_captions):
@@ -124,3 +146,16 @@ def test_a_negative_prompt_is_the_teachers_unconditional_caption(make_config):
     for key, value in expected.items():
         torch.testing.assert_close(trainer.negative[key], value)
     assert any(not torch.equal(trainer.negative[k], empty[k]) for k in empty if empty[k].is_floating_point())
+
+
+def test_a_guidance_embedding_learns_a_range_of_scales(make_config, many_captions):
+    """HunyuanVideo: each visit draws its scale from the range; the student is told it by its embedding and gives
+    the teacher's guided prediction at scales it was never given exactly."""
+    trainer, _ = _distil(make_config, "hunyuan-video", steps=300, data_root=many_captions,
+                         distillation={"guidance_range": [2.0, 6.0]})
+    drawn = trainer.guidance_scales(next(iter(trainer.source.batches(0))))
+    assert ((drawn >= 2.0) & (drawn <= 6.0)).all() and len(set(drawn.tolist())) == len(drawn)
+    for scale in (2.7, 5.3):
+        student, base = _distances(trainer, scale, embedded=True)
+        print(f"hunyuan-video at {scale}: student {student:.4g}, base {base:.4g}, ratio {base / student:.1f}")
+        assert base / student >= 2.0, (scale, student, base)

@@ -10,6 +10,7 @@ ALGORITHMS = {
     "lora": "vidtune.trainers.lora:LoRATrainer",
     "full": "vidtune.trainers.full:FullTrainer",
     "guidance-distillation": "vidtune.trainers.guidance_distillation:guidance_distillation_trainer",
+    "step-distillation": "vidtune.trainers.step_distillation:StepDistillationTrainer",
 }
 
 

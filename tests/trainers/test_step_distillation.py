@@ -1,0 +1,73 @@
+"""Few-step distillation (piecewise rectified flow): the student's K Euler steps land nearer the teacher's N-step
+samples than the teacher's own K steps do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vidtune.errors import ConfigError
+from vidtune.trainers import build_trainer
+from vidtune.trainers.step_distillation import StepDistillationTrainer, sample_euler, sampling_sigmas
+
+K, N = 2, 16
+
+
+def _distil(make_config, family: str, steps: int, learning_rate: float):
+    config = make_config(
+        family,
+        training={"steps": steps, "algorithm": "step-distillation", "learning_rate": learning_rate, "batch_size": 2},
+        lora={"rank": 32, "alpha": 32, "target_modules": "all-linear"},
+        distillation={"student_steps": K, "teacher_steps": N},
+        optimizer={"lr_scheduler": "cosine"},
+    )
+    trainer = build_trainer(config)
+    return trainer, trainer.run()
+
+
+def _samples(trainer, seed: int = 99, count: int = 2):
+    """(student K-step, teacher K-step, teacher N-step) samples from the same held-out noise and the clips'
+    captions."""
+    batch = next(iter(trainer.source.batches(0)))
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn((count, *batch.latents["latents_mean"].shape[1:]), generator=g)
+    conditions = {k: v[:1].expand(count, *v.shape[1:]) for k, v in batch.conditions.items()}
+    conditions |= {k: v[:1].expand(count, *v.shape[1:]) for k, v in batch.latents.items()
+                   if k not in ("latents_mean", "latents_std")}
+    trainer.denoiser.eval()
+    with torch.no_grad():
+        student = sample_euler(trainer.spec, trainer.objective, trainer.denoiser, conditions, noise, sampling_sigmas(K))
+        with trainer.teacher() as teacher:
+            few = sample_euler(trainer.spec, trainer.objective, teacher, conditions, noise, sampling_sigmas(K))
+            many = sample_euler(trainer.spec, trainer.objective, teacher, conditions, noise, sampling_sigmas(N))
+    return student, few, many
+
+
+def test_sampling_sigmas_of_k_steps_are_every_n_over_kth_of_n_steps():
+    for shift in (1.0, 3.0):
+        torch.testing.assert_close(sampling_sigmas(N, shift)[:: N // K], sampling_sigmas(K, shift))
+    assert sampling_sigmas(4).tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
+
+
+@pytest.mark.parametrize(("family", "steps", "learning_rate"), [("ltx-video", 200, 3e-3), ("wan", 300, 3e-3)])
+def test_the_student_samples_in_k_steps_what_the_teacher_samples_in_n(make_config, family, steps, learning_rate):
+    trainer, result = _distil(make_config, family, steps, learning_rate)
+    assert isinstance(trainer, StepDistillationTrainer)
+    student, few, many = _samples(trainer)
+    ours, theirs = (student - many).pow(2).mean().sqrt().item(), (few - many).pow(2).mean().sqrt().item()
+    print(f"{family}: student K-step {ours:.4g}, teacher K-step {theirs:.4g}, ratio {theirs / ours:.1f}")
+    assert theirs / ours >= 2.0, (ours, theirs)
+    assert trainer.config.validation.num_inference_steps == K and trainer.config.validation.guidance_scale == 1.0
+    assert (result.output_dir / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_ddpm_families_are_refused(make_config):
+    trainer = build_trainer(make_config("cogvideox", training={"algorithm": "step-distillation"}))
+    with pytest.raises(ConfigError, match=r"step-distillation distils flow-matching models; cogvideox") as error:
+        trainer.run()
+    assert "What to do:" in str(error.value)
+
+
+def test_teacher_steps_must_be_a_multiple_of_student_steps(make_config):
+    with pytest.raises(ConfigError, match=r"teacher_steps \(10\) must be a multiple of distillation.student_steps"):
+        make_config(training={"algorithm": "step-distillation"}, distillation={"student_steps": 4, "teacher_steps": 10})

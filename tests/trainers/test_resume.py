@@ -388,7 +388,7 @@ def test_the_resume_command_under_torchrun_names_the_launcher(monkeypatch):
     ("guidance-distillation", {"student": "full"}, "transformer/diffusion_pytorch_model.safetensors"),
     ("step-distillation", {"student_steps": 2, "teacher_steps": 4}, LORA_FILE),
     ("step-distillation", {"student_steps": 2, "teacher_steps": 4, "window_start": "data"}, LORA_FILE),
-])
+], ids=["guidance-lora", "guidance-full", "steps-teacher-start", "steps-data-start"])
 def test_distillation_resumes_bit_for_bit(make_config, tmp_path, algorithm, distillation, weights):
     """The teacher's draws (guidance scales, windows) come from each visit's generator, so a stopped and resumed
     distillation ends with the same weights and losses as one left alone."""

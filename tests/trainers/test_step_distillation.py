@@ -3,10 +3,13 @@ samples than the teacher's own K steps do."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from vidtune.errors import ConfigError
+from vidtune.models.registry import available_models
 from vidtune.trainers import build_trainer
 from vidtune.trainers.step_distillation import StepDistillationTrainer, sample_euler, sampling_sigmas
 
@@ -71,3 +74,12 @@ def test_ddpm_families_are_refused(make_config):
 def test_teacher_steps_must_be_a_multiple_of_student_steps(make_config):
     with pytest.raises(ConfigError, match=r"teacher_steps \(10\) must be a multiple of distillation.student_steps"):
         make_config(training={"algorithm": "step-distillation"}, distillation={"student_steps": 4, "teacher_steps": 10})
+
+
+@pytest.mark.parametrize("family", [name for name in available_models() if not name.startswith("cogvideox")])
+def test_every_flow_matching_family_takes_step_distillation_steps(make_config, family):
+    trainer = build_trainer(make_config(family, training={"algorithm": "step-distillation", "steps": 2},
+                                        distillation={"student_steps": 2, "teacher_steps": 4}))
+    losses = trainer.run().losses
+    assert all(math.isfinite(loss) for loss in losses) and losses[0] > 0
+    assert any(v.abs().max() > 0 for k, v in trainer.trainable_state_dict().items() if "lora_B" in k)

@@ -4,14 +4,21 @@ samples than the teacher's own K steps do."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from vidtune.errors import ConfigError
 from vidtune.models.registry import available_models
+from vidtune.objectives import FlowMatching
 from vidtune.trainers import build_trainer
-from vidtune.trainers.step_distillation import StepDistillationTrainer, sample_euler, sampling_sigmas
+from vidtune.trainers.step_distillation import (
+    StepDistillationTrainer,
+    sample_euler,
+    sampling_sigmas,
+    window_target,
+)
 
 K, N = 2, 16
 
@@ -83,3 +90,34 @@ def test_every_flow_matching_family_takes_step_distillation_steps(make_config, f
     losses = trainer.run().losses
     assert all(math.isfinite(loss) for loss in losses) and losses[0] > 0
     assert any(v.abs().max() > 0 for k, v in trainer.trainable_state_dict().items() if "lora_B" in k)
+
+
+class _Ideal:
+    """A spec whose denoiser predicts the exact target towards one known clean latent, under `objective`'s
+    conventions (Mochi's inverted timesteps and negated target included)."""
+
+    def __init__(self, objective: FlowMatching, x0: torch.Tensor) -> None:
+        self.objective, self.x0 = objective, x0
+
+    def forward(self, denoiser, conditions, latents, timesteps):
+        t = timesteps.float() / 1000.0
+        sigma = (1.0 - t if self.objective.invert_timesteps else t).view(-1, 1, 1)
+        noise = (latents - (1.0 - sigma) * self.x0) / sigma
+        return self.objective.target(self.x0, noise, sigma.flatten())
+
+
+@pytest.mark.parametrize("inverted", [False, True], ids=["sigma-timesteps", "mochi-convention"])
+def test_euler_sampling_follows_the_objectives_convention(inverted):
+    """With the exact prediction, Euler steps from noise land on the clean latent in either convention: the sign
+    the teacher's steps and the student's target undo is the objective's."""
+    objective = FlowMatching(invert_timesteps=inverted, negate_target=inverted)
+    x0, noise = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    spec = _Ideal(objective, x0)
+    denoiser = SimpleNamespace(dtype=torch.float32)  # only its dtype is read
+    torch.testing.assert_close(sample_euler(spec, objective, denoiser, {}, noise, sampling_sigmas(4, 2.0)), x0)
+    # The student's target: one Euler step over a window with it lands where the teacher's steps did.
+    start, end = torch.tensor([0.8, 0.8]), torch.tensor([0.3, 0.3])
+    z_start, z_end = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    student = SimpleNamespace(forward=lambda d, c, latents, t: window_target(objective, z_start, z_end, start, end))
+    torch.testing.assert_close(sample_euler(student, objective, denoiser, {}, z_start, torch.stack([start, end], 1)),
+                               z_end)

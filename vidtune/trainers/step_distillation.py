@@ -70,6 +70,15 @@ def sample_euler(spec: ModelSpec, objective: FlowMatching, denoiser: nn.Module, 
     return latents
 
 
+def window_target(objective: FlowMatching, start_latents: torch.Tensor, end_latents: torch.Tensor,
+                  start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """The prediction (in the objective's sign convention) whose one Euler step from `start` to `end` sigma leads
+    from `start_latents` to `end_latents`."""
+    jump = (end - start).to(start_latents).view(-1, *([1] * (start_latents.ndim - 1)))
+    straight = (end_latents - start_latents) / jump
+    return -straight if objective.negate_target else straight
+
+
 def step_distillation_config(config: Config) -> Config:
     """Validation samples as the student is meant to be used: no guidance and, unless set, K steps."""
     config = student_validation_config(config)
@@ -138,9 +147,7 @@ class StepDistillationTrainer(LoRATrainer):
         with self.teacher() as teacher:
             z_start = self.window_starts(teacher, inputs, first)
             z_end = sample_euler(self.spec, self.objective, teacher, inputs.conditions, z_start, paths, self.use_bf16)
-        jump = (paths[:, -1] - paths[:, 0]).to(z_start).view(-1, *([1] * (z_start.ndim - 1)))
-        # The prediction whose one Euler step over the window lands on z_end (the objective's sign convention).
-        target = (z_end - z_start) / jump * (-1.0 if self.objective.negate_target else 1.0)
+        target = window_target(self.objective, z_start, z_end, paths[:, 0], paths[:, -1])
         denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             prediction = self.spec.forward(denoiser, inputs.conditions, z_start.to(self.denoiser.dtype),

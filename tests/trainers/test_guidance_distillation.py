@@ -100,7 +100,8 @@ def test_guided_prediction_is_uncond_plus_scale_times_the_difference():
     assert out[0].tolist() == [2.0] * 3 and out[1].tolist() == [4.0] * 3
 
 
-@pytest.mark.parametrize(("family", "steps", "learning_rate"), [("ltx-video", 200, 3e-3), ("wan", 800, 3e-3)])
+@pytest.mark.parametrize(("family", "steps", "learning_rate"),
+                         [("ltx-video", 200, 3e-3), ("wan", 800, 3e-3), ("hunyuan-video", 300, 3e-3)])
 def test_the_student_gives_the_guided_prediction_in_one_forward(make_config, many_captions, family, steps,
                                                                  learning_rate):
     trainer, result = _distil(make_config, family, steps=steps, data_root=many_captions,

@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shapes_dataset
 from vidtune.errors import ConfigError
+from vidtune.export import export_checkpoint
 from vidtune.models.registry import available_models
 from vidtune.models.tiny import TINY_SHAPES
+from vidtune.resume import CheckpointError
 from vidtune.trainers import build_trainer
 from vidtune.trainers.guidance_distillation import (
     FullGuidanceDistillationTrainer,
@@ -172,3 +175,16 @@ def test_every_family_takes_guidance_distillation_steps(make_config, family):
     losses = trainer.run().losses
     assert all(math.isfinite(loss) for loss in losses) and losses[0] > 0
     assert any(v.abs().max() > 0 for k, v in trainer.trainable_state_dict().items() if "lora_B" in k)
+
+
+def test_a_distilled_adapter_exports_for_comfyui_and_a_full_student_does_not(make_config, tmp_path):
+    for student in ("lora", "full"):
+        config = make_config(training={"algorithm": "guidance-distillation", "steps": 1},
+                             distillation={"student": student}, output_dir=str(tmp_path / student))
+        build_trainer(config).run()
+        if student == "lora":
+            written = export_checkpoint(tmp_path / student, tmp_path / "exported", format="comfyui")
+            assert written.is_file() and load_file(written)
+        else:
+            with pytest.raises(CheckpointError, match="guidance-distillation fine-tune; --format comfyui"):
+                export_checkpoint(tmp_path / student, tmp_path / "refused", format="comfyui")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shapes_dataset
@@ -182,6 +183,8 @@ def test_a_distilled_adapter_exports_for_comfyui_and_a_full_student_does_not(mak
         config = make_config(training={"algorithm": "guidance-distillation", "steps": 1},
                              distillation={"student": student}, output_dir=str(tmp_path / student))
         build_trainer(config).run()
+        # `vidtune sample` reads the run's config: the student samples at guidance 1 there too.
+        assert yaml.safe_load((tmp_path / student / "config.yaml").read_text())["validation"]["guidance_scale"] == 1.0
         if student == "lora":
             written = export_checkpoint(tmp_path / student, tmp_path / "exported", format="comfyui")
             assert written.is_file() and load_file(written)

@@ -98,11 +98,9 @@ class GuidanceDistillation(Trainer):
         draws = [float(torch.rand(1, generator=visit_generator(seed, int(p)))) for p in batch.positions]
         return low + (high - low) * torch.tensor(draws)
 
-    @contextlib.contextmanager
-    def teacher(self) -> Iterator[nn.Module]:
-        """The frozen base model, without gradients."""
+    def teacher(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """The frozen base model, without gradients (the student's kind decides how it is had)."""
         raise NotImplementedError
-        yield  # pragma: no cover
 
     def predict(self, denoiser: nn.Module, conditions: Conditions, noisy: torch.Tensor, timesteps: torch.Tensor,
                 embedded: torch.Tensor | None) -> torch.Tensor:

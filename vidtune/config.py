@@ -414,6 +414,11 @@ class Config(Section):
                 "memory.fp8_base_weights works with training.algorithm=lora only: full fine-tuning trains those "
                 "weights, which cannot be stored in float8"
             )
+        if self.training.algorithm == "step-distillation" and self.distillation.student == "full":
+            raise ValueError(
+                "distillation.student=full works with training.algorithm=guidance-distillation only: "
+                "step-distillation trains a LoRA student; remove distillation.student"
+            )
         if self.memory.fp8_base_weights and self.lora.use_dora:
             raise ValueError(
                 "lora.use_dora cannot be combined with memory.fp8_base_weights: DoRA computes with the whole frozen "

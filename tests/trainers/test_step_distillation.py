@@ -121,3 +121,8 @@ def test_euler_sampling_follows_the_objectives_convention(inverted):
     student = SimpleNamespace(forward=lambda d, c, latents, t: window_target(objective, z_start, z_end, start, end))
     torch.testing.assert_close(sample_euler(student, objective, denoiser, {}, z_start, torch.stack([start, end], 1)),
                                z_end)
+
+
+def test_a_full_student_is_refused(make_config):
+    with pytest.raises(ConfigError, match=r"distillation.student=full works with training.algorithm=guidance-distil"):
+        make_config(training={"algorithm": "step-distillation"}, distillation={"student": "full"})

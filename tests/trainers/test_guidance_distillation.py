@@ -191,3 +191,15 @@ def test_a_distilled_adapter_exports_for_comfyui_and_a_full_student_does_not(mak
         else:
             with pytest.raises(CheckpointError, match="guidance-distillation fine-tune; --format comfyui"):
                 export_checkpoint(tmp_path / student, tmp_path / "refused", format="comfyui")
+
+
+def test_from_the_cache_a_negative_prompt_is_encoded_with_encoders_loaded_for_it(make_config, tmp_path):
+    config = make_config(training={"algorithm": "guidance-distillation", "steps": 2},
+                         distillation={"negative_prompt": "blurry, static"},
+                         precompute={"enabled": True, "cache_dir": str(tmp_path / "cache")})
+    trainer = build_trainer(config)
+    losses = trainer.run().losses
+    assert trainer.text is None and all(math.isfinite(loss) for loss in losses)  # training never held them
+    text = trainer.spec.load_text_components(trainer.device)
+    for key, value in trainer.spec.prepare_conditions(text, ["blurry, static"]).items():
+        torch.testing.assert_close(trainer.negative[key], value)

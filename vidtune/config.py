@@ -265,7 +265,8 @@ class DistillationConfig(Section):
     )
     guidance_range: tuple[float, float] | None = Field(
         None, description="guidance-distillation, families with a guidance embedding (HunyuanVideo): learn every "
-        "scale in [low, high], given to the student's embedding; null: `guidance_scale` only."
+        "scale in [low, high], given to the student's embedding (validation samples at `guidance_scale`); null: "
+        "`guidance_scale` only."
     )
     student_steps: int = Field(
         4, gt=0, description="step-distillation: the sampling steps the student is trained for (K)."
@@ -292,6 +293,10 @@ class DistillationConfig(Section):
         if self.guidance_range is not None and not 0 < self.guidance_range[0] <= self.guidance_range[1]:
             raise ValueError(f"distillation.guidance_range {list(self.guidance_range)} must be [low, high] with "
                              "0 < low <= high")
+        low, high = self.guidance_range or (self.guidance_scale, self.guidance_scale)
+        if not low <= self.guidance_scale <= high:
+            raise ValueError(f"distillation.guidance_scale ({self.guidance_scale:g}), the scale a student of a range "
+                             f"is validated at, must lie in distillation.guidance_range {list(self.guidance_range)}")
         return self
 
 

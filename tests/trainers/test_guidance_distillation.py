@@ -203,3 +203,25 @@ def test_from_the_cache_a_negative_prompt_is_encoded_with_encoders_loaded_for_it
     text = trainer.spec.load_text_components(trainer.device)
     for key, value in trainer.spec.prepare_conditions(text, ["blurry, static"]).items():
         torch.testing.assert_close(trainer.negative[key], value)
+
+
+def test_a_student_of_a_range_is_validated_at_the_distillation_scale(make_config):
+    """Validation tells the student's embedding `distillation.guidance_scale`; the teacher's embedding
+    (`model.guidance_scale`) is back for training after."""
+    config = make_config("hunyuan-video", training={"algorithm": "guidance-distillation", "steps": 1},
+                         distillation={"guidance_range": [2.0, 6.0], "guidance_scale": 3.5},
+                         validation={"enabled": True, "num_inference_steps": 1})
+    trainer = build_trainer(config)
+    seen = []
+    original = trainer.spec.run_pipeline
+
+    def recording(*args, **kwargs):
+        seen.append((trainer.spec.guidance_scale, kwargs.get("guidance_scale", args[6] if len(args) > 6 else None)))
+        return original(*args, **kwargs)
+
+    trainer.spec.run_pipeline = recording
+    trainer.run()
+    assert seen == [(3.5, 1.0)] and trainer.spec.guidance_scale == 1.0
+    with pytest.raises(ConfigError, match=r"must lie in distillation.guidance_range \[2.0, 6.0\]"):
+        make_config(training={"algorithm": "guidance-distillation"},
+                    distillation={"guidance_range": [2.0, 6.0], "guidance_scale": 7.0})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -87,6 +88,18 @@ class GuidanceDistillation(Trainer):
         text = self.text if self.text is not None else self.spec.load_text_components(self.device)
         encoded = stack_items(encode_captions(self.spec, text, [prompt], batch_size=1))
         return {key: value.to(self.device) for key, value in encoded.items()}
+
+    def validate(self) -> list[Path]:
+        """A student of a range of scales samples with its embedding told `distillation.guidance_scale` (not
+        `model.guidance_scale`, the teacher's embedding, which stays as trained)."""
+        if self.config.distillation.guidance_range is None:
+            return super().validate()
+        model, trained = self.config.model, self.config.model.guidance_scale
+        model.guidance_scale = self.config.distillation.guidance_scale  # the spec reads it when sampling
+        try:
+            return super().validate()
+        finally:
+            model.guidance_scale = trained
 
     def guidance_scales(self, batch: Batch) -> torch.Tensor:
         """Each clip's guidance scale: `guidance_scale`, or drawn from `guidance_range` by the visit's generator."""

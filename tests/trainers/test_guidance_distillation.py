@@ -142,6 +142,7 @@ def test_a_guidance_range_needs_a_guidance_embedding(make_config):
                                         distillation={"guidance_range": [2.0, 6.0]}))
     with pytest.raises(ConfigError, match=r"distillation.guidance_range: ltx-video has no guidance embedding"):
         trainer.run()
+    assert trainer.denoiser is None  # refused before the model loads
 
 
 def test_a_negative_prompt_is_the_teachers_unconditional_caption(make_config):

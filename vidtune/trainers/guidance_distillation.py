@@ -63,19 +63,22 @@ class GuidanceDistillation(Trainer):
     def __init__(self, config: Config) -> None:
         super().__init__(student_validation_config(config))
 
-    @property
-    def embedded_guidance(self) -> bool:
-        """Whether the denoiser takes the guidance scale as an input (HunyuanVideo's guidance embedding)."""
-        return bool(getattr(getattr(self.denoiser, "config", None), "guidance_embeds", False))
-
-    def load_models(self) -> list[nn.Parameter]:
-        parameters = super().load_models()
-        if self.config.distillation.guidance_range is not None and not self.embedded_guidance:
+    def check_inputs(self) -> None:
+        """Also, before the model loads: a range of scales needs a guidance embedding (read from its config)."""
+        super().check_inputs()
+        options = self.config.distillation
+        if options.guidance_range is None:
+            return
+        config = self.spec.load_config(self.spec.denoiser_class, "transformer")
+        if not config.get("guidance_embeds", False):
             raise ConfigError(
                 f"distillation.guidance_range: {self.spec.name} has no guidance embedding, so its student can learn "
                 f"one scale only.\nWhat to do: remove distillation.guidance_range (the student learns "
-                f"distillation.guidance_scale={self.config.distillation.guidance_scale:g})."
+                f"distillation.guidance_scale={options.guidance_scale:g})."
             )
+
+    def load_models(self) -> list[nn.Parameter]:
+        parameters = super().load_models()
         self.negative = self.negative_conditions()
         return parameters
 

@@ -154,8 +154,9 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
-    algorithm: Literal["lora", "full"] = Field(
-        "lora", description="`lora`: train adapters, save them; `full`: train the denoiser's own weights (see `full`)."
+    algorithm: Literal["lora", "full", "guidance-distillation", "step-distillation"] = Field(
+        "lora", description="`lora`: train adapters, save them; `full`: train the denoiser's own weights (see `full`); "
+        "`guidance-distillation` / `step-distillation`: distil the frozen model into a student (see `distillation`)."
     )
     steps: int = Field(1000, gt=0, description="Optimizer steps.")
     batch_size: int = Field(1, gt=0, description="Clips per micro-batch (per process under torchrun).")
@@ -259,6 +260,57 @@ class FullConfig(Section):
     frozen_patterns: list[str] = Field(
         default_factory=list, description="Parameters to keep frozen, e.g. ['patchify_proj.*', 'time_embed.*']."
     )
+
+
+class DistillationConfig(Section):
+    """The teacher is the frozen base model; the student learns from it (see docs/algorithms.md)."""
+
+    student: Literal["lora", "full"] = Field(
+        "lora", description="guidance-distillation: what the student trains (`lora`, set by `lora`; or `full`, set "
+        "by `full`). step-distillation trains a LoRA student."
+    )
+    guidance_scale: float = Field(
+        5.0, ge=1.0, description="guidance-distillation: the teacher's classifier-free guidance the student learns "
+        "to produce in one forward."
+    )
+    negative_prompt: str = Field(
+        "", description="guidance-distillation: the teacher's unconditional caption; default: the empty caption."
+    )
+    guidance_range: tuple[float, float] | None = Field(
+        None, description="guidance-distillation, families with a guidance embedding (HunyuanVideo): learn every "
+        "scale in [low, high], given to the student's embedding (validation samples at `guidance_scale`); null: "
+        "`guidance_scale` only."
+    )
+    student_steps: int = Field(
+        4, gt=0, description="step-distillation: the sampling steps the student is trained for (K)."
+    )
+    teacher_steps: int = Field(
+        32, gt=0, description="step-distillation: the teacher's Euler steps over the same noise range (N, a "
+        "multiple of student_steps)."
+    )
+    window_start: Literal["data", "teacher"] = Field(
+        "teacher", description="step-distillation: where a window's start comes from: `teacher`, the teacher's "
+        "own Euler path from the visit's noise (what K-step sampling meets; up to N teacher forwards a visit); "
+        "`data`: the clip noised to the window's start (N/K teacher forwards a visit)."
+    )
+    sigma_shift: float = Field(
+        1.0, gt=0, description="step-distillation: shift of the sampling sigmas towards noise (>1), as "
+        "FlowMatchEulerDiscreteScheduler's `shift`; student and teacher steps both follow it."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DistillationConfig:
+        if self.teacher_steps % self.student_steps:
+            raise ValueError(f"distillation.teacher_steps ({self.teacher_steps}) must be a multiple of "
+                             f"distillation.student_steps ({self.student_steps})")
+        if self.guidance_range is not None and not 0 < self.guidance_range[0] <= self.guidance_range[1]:
+            raise ValueError(f"distillation.guidance_range {list(self.guidance_range)} must be [low, high] with "
+                             "0 < low <= high")
+        low, high = self.guidance_range or (self.guidance_scale, self.guidance_scale)
+        if not low <= self.guidance_scale <= high:
+            raise ValueError(f"distillation.guidance_scale ({self.guidance_scale:g}), the scale a student of a range "
+                             f"is validated at, must lie in distillation.guidance_range {list(self.guidance_range)}")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -379,6 +431,10 @@ class Config(Section):
     full: FullConfig = Field(
         default_factory=FullConfig, description="Which weights train (training.algorithm=full)."
     )
+    distillation: DistillationConfig = Field(
+        default_factory=DistillationConfig,
+        description="Teacher and student (training.algorithm=guidance-distillation or step-distillation).",
+    )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="How often to save, how many to keep, resuming."
     )
@@ -407,6 +463,17 @@ class Config(Section):
             raise ValueError(
                 f"memory.base_weights={base_weights} works with adapter algorithms (training.algorithm=lora) only: "
                 "full fine-tuning trains those weights, which cannot be stored quantized; set memory.base_weights=auto"
+            )
+        if self.training.algorithm == "step-distillation" and self.distillation.student == "full":
+            raise ValueError(
+                "distillation.student=full works with training.algorithm=guidance-distillation only: "
+                "step-distillation trains a LoRA student; remove distillation.student"
+            )
+        if base_weights != "auto" and self.training.algorithm == "guidance-distillation" \
+                and self.distillation.student == "full":
+            raise ValueError(
+                f"memory.base_weights={base_weights} works with a LoRA student only: a full student trains those "
+                "weights; set memory.base_weights=auto or remove distillation.student"
             )
         if base_weights != "auto" and self.lora.use_dora:
             raise ValueError(

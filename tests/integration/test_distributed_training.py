@@ -209,3 +209,26 @@ def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
     again = torchrun()
     assert again.returncode != 0
     assert again.stderr.count(f"output_dir {out} already holds a run") == 2, again.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["guidance-distillation", "step-distillation"])
+def test_two_ranks_distil_what_one_process_distils_with_twice_the_batch(make_config, tmp_path, algorithm):
+    """The teacher runs on the unwrapped denoiser (its adapters off, no gradients), the student through
+    DistributedDataParallel: two ranks give the adapter of one process with their two samples."""
+    settings = {"training": {"algorithm": algorithm, "steps": 2, "learning_rate": 1e-2},
+                "distillation": {"student_steps": 2, "teacher_steps": 4}}
+    runs = [("ddp", make_config(output_dir=str(tmp_path / "ddp"), **settings).to_dict(), {})]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_main, args=(2, runs, [_free_port()], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    single = make_config(output_dir=str(tmp_path / "single"), **{
+        **settings, "training": {**settings["training"], "batch_size": 2}})
+    single_result = build_trainer(single).run()
+    expected, trained = _adapter(tmp_path / "single"), _adapter(tmp_path / "ddp")
+    assert expected.keys() == trained.keys() and any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
+    for key in expected:
+        torch.testing.assert_close(trained[key], expected[key], rtol=1e-3, atol=1e-4)
+    for result in ranks:
+        assert result["ddp"]["losses"] == pytest.approx(single_result.losses, rel=1e-4)

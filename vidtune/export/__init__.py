@@ -30,6 +30,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     run's final adapter (`pytorch_lora_weights.safetensors`), which is newer than any of its checkpoints."""
     from vidtune.export.comfyui import save_comfyui_lora
     from vidtune.trainers import build_trainer
+    from vidtune.trainers.lora import LoRATrainer
 
     if format not in FORMATS:
         raise CheckpointError(f"--format {format}: unknown format.\nWhat to do: choose one of {', '.join(FORMATS)}.")
@@ -47,12 +48,13 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
         folder = find_checkpoint(checkpoint)
         config = load_config(folder / checkpoints.CONFIG, [f"output_dir={output}"])
         weights_file = None
-    if format == "comfyui" and config.training.algorithm != "lora":
+    trainer = build_trainer(config)
+    # A LoRA run, or a distillation whose student is an adapter.
+    if format == "comfyui" and not isinstance(trainer, LoRATrainer):
         raise CheckpointError(
             f"{checkpoint} is a {config.training.algorithm} fine-tune; --format comfyui converts LoRA adapters.\n"
             "What to do: export it without --format (it writes transformer/), or export a LoRA run."
         )
-    trainer = build_trainer(config)
     try:
         weights = load_file(weights_file) if weights_file is not None else checkpoints.load(folder)[0]
         ema = checkpoints.load_ema(folder) if weights_file is None else None

@@ -168,13 +168,16 @@ class HunyuanVideoSpec(ModelSpec):
         return {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
 
     def forward(
-        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
+        guidance_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`guidance_scale`: per clip, the embedded guidance instead of `model.guidance_scale` (guidance
+        distillation teaches the embedding a range of scales)."""
         batch = noisy_latents.shape[0]
         guidance = None
         if denoiser.config.guidance_embeds:
-            guidance = torch.full((batch,), self.guidance_scale * 1000.0, device=noisy_latents.device,
-                                  dtype=noisy_latents.dtype)
+            scale = torch.full((batch,), self.guidance_scale) if guidance_scale is None else guidance_scale
+            guidance = (scale * 1000.0).to(device=noisy_latents.device, dtype=noisy_latents.dtype)
         return denoiser(
             hidden_states=noisy_latents,
             timestep=timesteps.to(noisy_latents.device),

@@ -5,7 +5,13 @@ from __future__ import annotations
 from vidtune.config import Config
 from vidtune.trainers.base import Trainer, TrainResult
 
-ALGORITHMS = {"lora": "vidtune.trainers.lora:LoRATrainer", "full": "vidtune.trainers.full:FullTrainer"}
+# training.algorithm -> the trainer class (or a function of the config that picks one).
+ALGORITHMS = {
+    "lora": "vidtune.trainers.lora:LoRATrainer",
+    "full": "vidtune.trainers.full:FullTrainer",
+    "guidance-distillation": "vidtune.trainers.guidance_distillation:guidance_distillation_trainer",
+    "step-distillation": "vidtune.trainers.step_distillation:StepDistillationTrainer",
+}
 
 
 def build_trainer(config: Config) -> Trainer:

@@ -89,6 +89,8 @@ class NoisyInputs:
     timesteps: torch.Tensor
     target: torch.Tensor
     levels: torch.Tensor  # the objective's noise levels (sigmas or DDPM timesteps), for the loss weights
+    x0: torch.Tensor | None = None  # the clean latents and the noise they were mixed with (for distillation)
+    noise: torch.Tensor | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -260,7 +262,7 @@ class Trainer(ABC):
         conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS}}
         return NoisyInputs(conditions, self.objective.noisy(x0, noise, levels),
                            self.objective.timesteps(levels).to(x0.device), self.objective.target(x0, noise, levels),
-                           levels)
+                           levels, x0, noise)
 
     def apply_caption_dropout(self, conditions: Conditions, drop: torch.Tensor) -> Conditions:
         if not bool(drop.any()):

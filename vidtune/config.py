@@ -71,6 +71,8 @@ class PairsSource(_SourceBase):
     root: str = Field(description="Folder holding the two lists (in a file: relative to its folder).")
     videos: str = Field("videos.txt", description="File with one clip or image path a line (relative to root).")
     prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
+    controls: str = Field("controls.txt", description="Control training: file with one control clip path a line, "
+                          "same order (read only by `control-*` algorithms).")
 
 
 class FolderSource(_SourceBase):
@@ -87,6 +89,9 @@ class MetadataSource(_SourceBase):
     path: str = Field(description="The .csv or .jsonl file; clip paths in it are relative to its folder.")
     video_column: str = Field("video", description="Column (CSV) or key (JSONL) holding the clip or image path.")
     caption_column: str = Field("caption", description="Column (CSV) or key (JSONL) holding the caption.")
+    control_column: str | None = Field(
+        None, description="Control training: column (CSV) or key (JSONL) holding the control clip's path."
+    )
 
 
 DatasetSource = Annotated[PairsSource | FolderSource | MetadataSource, Field(discriminator="type")]
@@ -100,6 +105,8 @@ class DataConfig(Section):
     )
     videos: str = Field("videos.txt", description="With `root`: file with one clip path a line (relative to root).")
     prompts: str = Field("prompts.txt", description="With `root`: file with one caption a line, same order.")
+    controls: str = Field("controls.txt", description="With `root`, control training: file with one control clip "
+                          "path a line, same order.")
     datasets: list[DatasetSource] | None = Field(
         None, description="Several sources, each `{type: pairs | folder | metadata, ...}` with optional `repeats` "
         "and `caption_prefix` (see docs/datasets.md). Instead of `root`."
@@ -145,7 +152,8 @@ class DataConfig(Section):
         """The datasets, with `root` as the one-dataset shorthand."""
         if self.datasets:
             return list(self.datasets)
-        return [PairsSource(type="pairs", root=str(self.root), videos=self.videos, prompts=self.prompts)]
+        return [PairsSource(type="pairs", root=str(self.root), videos=self.videos, prompts=self.prompts,
+                            controls=self.controls)]
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """The buckets, with frames / height / width as the one-bucket shorthand."""
@@ -153,8 +161,10 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
-    algorithm: Literal["lora", "full"] = Field(
-        "lora", description="`lora`: train adapters, save them; `full`: train the denoiser's own weights (see `full`)."
+    algorithm: Literal["lora", "full", "control-lora", "control-full"] = Field(
+        "lora", description="`lora`: train adapters, save them; `full`: train the denoiser's own weights (see `full`); "
+        "`control-lora` / `control-full`: also take a control clip per sample, concatenated to the latents "
+        "(see docs/algorithms.md)."
     )
     steps: int = Field(1000, gt=0, description="Optimizer steps.")
     batch_size: int = Field(1, gt=0, description="Clips per micro-batch (per process under torchrun).")

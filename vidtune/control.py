@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 
@@ -158,6 +159,15 @@ class ControlInput:
             follow_umask(temporary)
         atomic_write_text(folder / CONTROL_CONFIG, json.dumps(self.describe(), indent=2) + "\n")
         return target
+
+
+@torch.no_grad()
+def encode_control(spec: Any, vae: nn.Module, path: Path, frames: int, height: int, width: int,
+                   fps: float | None = None, resize: str = "crop") -> torch.Tensor:
+    """A control clip's latents [1, C, F, H, W] (its posterior mean, as training takes it), read like a training
+    clip from its start."""
+    video = read_clip(Path(path), frames, height, width, fps=fps, resize=resize)
+    return spec.prepare_latents(vae, video[None])["latents_mean"]
 
 
 def has_control(folder: Path) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,19 +43,27 @@ class VideoCaptionDataset(Dataset):
         start = 0
         if clip.info is not None and not clip.is_image:
             start = visit_start(clip.info, frames, self.fps, self.frame_sampling, self.seed, position)
+        item = {"video": self.read(clip, clip.video, frames, height, width, start), "caption": clip.caption,
+                "index": clip.index, "position": position}
+        if clip.control is not None:  # control training: the same window of the control clip
+            item["control"] = self.read(clip, clip.control, frames, height, width, start)
+        return item
+
+    def read(self, clip: Clip, path: Path, frames: int, height: int, width: int, start: int) -> torch.Tensor:
         try:
-            video = read_clip(clip.video, frames, height, width, fps=self.fps, start=start, resize=self.resize)
+            return read_clip(path, frames, height, width, fps=self.fps, start=start, resize=self.resize)
         except (VideoDecodeError, ClipTooShortError) as error:
             # Raised in a worker mid-training: say which line, since the user only knows their own files.
-            raise VideoDecodeError(clip.video, error.reason, where=clip.where) from error
-        return {"video": video, "caption": clip.caption, "index": clip.index, "position": position}
+            raise VideoDecodeError(path, error.reason, where=clip.where) from error
 
 
 def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Stack videos to [B, F, 3, H, W]; captions stay a list; indices and positions become LongTensors."""
     if not batch:
         raise ValueError("cannot collate an empty batch")
+    controls = {"control": torch.stack([item["control"] for item in batch])} if "control" in batch[0] else {}
     return {
+        **controls,
         "video": torch.stack([item["video"] for item in batch]),
         "caption": [item["caption"] for item in batch],
         "index": torch.tensor([item["index"] for item in batch], dtype=torch.long),

@@ -52,6 +52,8 @@ ALL_LINEAR = "all-linear"
 # Keys of `prepare_latents` that describe the posterior; any other key it returns is a video-derived
 # condition (e.g. an image-to-video first-frame latent) and is handed to `forward` with the text ones.
 POSTERIOR_KEYS = ("latents_mean", "latents_std")
+# Control training: the key of a batch's control latents (the control clips' posterior means, [B, C, F, H, W]).
+CONTROL_LATENTS = "control_latents"
 
 
 def step_callback(callback: StepCallback | None) -> dict[str, Any]:

@@ -5,7 +5,12 @@ from __future__ import annotations
 from vidtune.config import Config
 from vidtune.trainers.base import Trainer, TrainResult
 
-ALGORITHMS = {"lora": "vidtune.trainers.lora:LoRATrainer", "full": "vidtune.trainers.full:FullTrainer"}
+ALGORITHMS = {
+    "lora": "vidtune.trainers.lora:LoRATrainer",
+    "full": "vidtune.trainers.full:FullTrainer",
+    "control-lora": "vidtune.trainers.control:ControlLoRATrainer",
+    "control-full": "vidtune.trainers.control:ControlFullTrainer",
+}
 
 
 def build_trainer(config: Config) -> Trainer:

@@ -1,0 +1,137 @@
+"""Control training: trained on two (control, target) pairs with one caption, the model follows the control clip
+it is given; resumed runs continue exactly; the data sources give each sample its control clip."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from vidtune.control import ControlInput
+from vidtune.data.sources import load_text_pair_dataset
+from vidtune.data.video import read_clip
+from vidtune.models.registry import get_spec_class
+from vidtune.models.tiny import TINY_SHAPES
+from vidtune.sampling import load_pipeline
+from vidtune.trainers import build_trainer
+
+CPU = torch.device("cpu")
+CAPTION = "a shape moving"
+
+
+def control_dataset(shapes_dataset: Path, root: Path) -> tuple[Path, list[Path], list[Path]]:
+    """Two samples with one caption: targets clips 0 and 1, controls clips 2 and 3 (so only the control tells
+    them apart). Returns (root, targets, controls)."""
+    clips = [clip.video for clip in load_text_pair_dataset(shapes_dataset)]
+    root.mkdir(parents=True, exist_ok=True)
+    targets, controls = clips[:2], clips[2:4]
+    (root / "videos.txt").write_text("".join(f"{path}\n" for path in targets))
+    (root / "prompts.txt").write_text(f"{CAPTION}\n{CAPTION}\n")
+    (root / "controls.txt").write_text("".join(f"{path}\n" for path in controls))
+    return root, targets, controls
+
+
+# Per family: (algorithm, steps, learning rate, LoRA rank); each step visits both samples twice.
+SETTINGS = {
+    "ltx-video": ("control-full", 600, 1e-2, 32),
+    "wan": ("control-full", 600, 3e-3, 32),
+}
+
+
+def sampled_latents(spec, pipeline, control: ControlInput, vae, target: Path, control_clip: Path, steps: int = 20):
+    """(the target clip's latents, what the pipeline samples following `control_clip`)."""
+    frames, height, width = TINY_SHAPES[spec.name]
+    x0 = spec.prepare_latents(vae, read_clip(target, frames, height, width)[None])["latents_mean"]
+    controls = spec.prepare_latents(vae, read_clip(control_clip, frames, height, width)[None])["latents_mean"]
+    with torch.no_grad(), control.given(controls):
+        sampled = spec.generate_latents(pipeline, CAPTION, frames, height, width, steps,
+                                        torch.Generator().manual_seed(1))
+    return x0, sampled
+
+
+def relative_error(sampled: torch.Tensor, x0: torch.Tensor) -> float:
+    return float((sampled - x0).norm() / x0.norm())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(SETTINGS))
+def test_each_control_clip_brings_back_its_target(family, make_config, shapes_dataset, tmp_path):
+    root, targets, controls = control_dataset(shapes_dataset, tmp_path / "data")
+    algorithm, steps, learning_rate, rank = SETTINGS[family]
+    config = make_config(family, data_root=root,
+                         training={"algorithm": algorithm, "steps": steps, "learning_rate": learning_rate,
+                                   "batch_size": 4, "max_grad_norm": None, "sigma_sampling": "uniform"},
+                         lora={"rank": rank, "alpha": rank, "target_modules": "attention+ffn"},
+                         optimizer={"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": steps // 10},
+                         logging={"progress": False, "log_every": 100})
+    started = time.perf_counter()
+    build_trainer(config).run()
+    trained = load_pipeline(config.output_dir, device="cpu")
+    trained.pipeline.set_progress_bar_config(disable=True)
+    # The untrained control model: the base model with its input widened (zero weights).
+    spec = get_spec_class(family)(config.model, frame_rate=config.frame_rate)
+    base_denoiser = spec.load_denoiser(CPU).eval()
+    base_control = ControlInput.attach(spec, base_denoiser)
+    base = spec.pipeline(spec.load_text_components(CPU), trained.vae, base_denoiser)
+    base.set_progress_bar_config(disable=True)
+    for name, target, control in (("A", targets[0], controls[0]), ("B", targets[1], controls[1])):
+        x0, after = sampled_latents(spec, trained.pipeline, trained.control, trained.vae, target, control)
+        _, before = sampled_latents(spec, base, base_control, trained.vae, target, control)
+        error, untrained = relative_error(after, x0), relative_error(before, x0)
+        print(f"{family} {algorithm}: target {name}: relative error {error:.3f}, untrained {untrained:.3f}, "
+              f"ratio {error / untrained:.3f} ({time.perf_counter() - started:.0f} s)")
+        assert error < 0.3 * untrained, f"{family}: target {name} {error:.3f} vs untrained {untrained:.3f}"
+
+
+def _interrupted_then_resumed(make_config, root: Path, out: Path, settings: dict) -> None:
+    import os
+    import signal
+
+    from vidtune.trainers.stop import TrainingInterrupted
+
+    trainer = build_trainer(make_config(data_root=root, **settings, output_dir=str(out)))
+    original, calls = trainer.compute_loss, [0]
+
+    def interrupt_on_third(batch):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(batch)
+
+    trainer.compute_loss = interrupt_on_third
+    with pytest.raises(TrainingInterrupted):
+        trainer.run()
+    resumed = {**settings, "checkpoint": {**settings["checkpoint"], "resume": "latest"}}
+    assert build_trainer(make_config(data_root=root, **resumed, output_dir=str(out))).run().final_step == 5
+
+
+@pytest.mark.parametrize("algorithm", ["control-lora", "control-full"])
+def test_a_resumed_control_run_ends_bit_for_bit_like_one_left_alone(algorithm, make_config, shapes_dataset,
+                                                                     tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    settings = {"training": {"steps": 5, "algorithm": algorithm, "learning_rate": 1e-2}, "checkpoint": {"every": 2},
+                "lora": {"dropout": 0.1}}
+    build_trainer(make_config(data_root=root, **settings, output_dir=str(tmp_path / "reference"))).run()
+    _interrupted_then_resumed(make_config, root, tmp_path / "stopped", settings)
+    reference, stopped = tmp_path / "reference", tmp_path / "stopped"
+    files = ["control_input.safetensors",
+             "pytorch_lora_weights.safetensors" if algorithm == "control-lora"
+             else "transformer/diffusion_pytorch_model.safetensors"]
+    for name in files:
+        expected, got = load_file(reference / name), load_file(stopped / name)
+        assert expected.keys() == got.keys() and expected
+        for key in expected:
+            assert torch.equal(expected[key], got[key]), (name, key)
+    # The control weights did train (the new inputs are no longer zero).
+    weight = load_file(reference / "control_input.safetensors")["weight"]
+    in_features = json.loads((reference / "control.json").read_text())["in_features"]
+    assert weight[:, in_features:].abs().max() > 0
+    losses = [[json.loads(row)["loss"] for row in (run / "metrics.jsonl").read_text().splitlines()]
+              for run in (reference, stopped)]
+    assert losses[0] == losses[1] and len(losses[0]) == 5

@@ -1,0 +1,122 @@
+"""Control training: the denoiser also sees a control clip of each sample (edges, depth, a pose video...).
+
+The control clip's latents (the same VAE, `Batch.latents["control_latents"]`) are concatenated to the noisy latents
+along channels; the denoiser's input projection (`ModelSpec.control_input_layer`) is widened for them with zero
+weights, so step 0 is the base model exactly (see vidtune/control.py). The widened layer trains fully; the rest
+trains as LoRA (`control-lora`) or as a full fine-tune (`control-full`, `full.*` patterns).
+
+What a run writes: `control-lora` the adapter (`pytorch_lora_weights.safetensors`), `control-full` the denoiser
+(`transformer/`, its input layer cut back to the base model's inputs so any diffusers loader reads it), and both
+`control_input.safetensors` (the whole widened layer) with `control.json` (which layer, how many inputs). Load
+them with `vidtune.sampling.load_pipeline` or sample with `vidtune sample RUN --control CLIP`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict
+from torch import nn
+
+from vidtune.control import ControlInput, encode_control, narrow, replace_module
+from vidtune.data.stream import Batch
+from vidtune.errors import ConfigError, DataError
+from vidtune.models.spec import CONTROL_LATENTS
+from vidtune.sampling import SampleSettings
+from vidtune.trainers.base import Trainer
+from vidtune.trainers.full import FullTrainer
+from vidtune.trainers.lora import LoRATrainer
+
+# How a checkpoint of `control-lora` names the widened layer's weights beside the adapter's.
+CONTROL_PREFIX = "control_input."
+
+
+class ControlTraining(Trainer):
+    """What both control algorithms add to their base algorithm (listed first among the bases)."""
+
+    control: ControlInput | None = None
+
+    def check_inputs(self) -> None:
+        super().check_inputs()
+        if self.config.precompute.enabled:
+            raise ConfigError(f"precompute.enabled: {self.algorithm} reads its control clips on the fly; the "
+                              "precompute cache does not hold control latents yet.\nWhat to do: set "
+                              "precompute.enabled=false.")
+        if self.config.training.ema_decay is not None:
+            raise ConfigError(f"training.ema_decay: {self.algorithm} does not keep a moving average of the "
+                              "weights yet.\nWhat to do: leave training.ema_decay unset.")
+        missing = [clip for clip in self.clips if clip.control is None]
+        if missing:
+            raise DataError(
+                [f"{clip.where} ({clip.video.name}) has no control clip." for clip in missing],
+                hint=f"{self.algorithm} needs a control clip for every sample: a `controls.txt` beside "
+                "`videos.txt` (one control clip a line, in the same order), or `control_column` in a metadata "
+                "dataset (see docs/algorithms.md).",
+            )
+
+    def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
+        # Widened first, so `full.*` patterns and the state dicts see the layer under its own name.
+        self.control = ControlInput.attach(self.spec, denoiser)
+        parameters = super().configure_trainable(denoiser)
+        layer = self.control.layer
+        if isinstance(layer, BaseTunerLayer):
+            raise ConfigError(f"lora.target_modules: the adapter would wrap {self.control.layer_name}, the input layer "
+                              f"{self.algorithm} trains fully.\nWhat to do: choose targets without it (e.g. the "
+                              "`attention` preset).")
+        # The widened layer trains fully, in fp32 like every trained weight.
+        layer.float().requires_grad_(True)
+        known = {id(p) for p in parameters}
+        return parameters + [p for p in layer.parameters() if id(p) not in known]
+
+    def compute_loss(self, batch: Batch) -> torch.Tensor:
+        """The base loss, with this batch's control latents appended to the denoiser's input."""
+        with self.control.given(batch.latents[CONTROL_LATENTS]):
+            return super().compute_loss(batch)
+
+    def validate(self) -> list[Path]:
+        """Validation samples take the first dataset clip's control clip."""
+        self.load_encoders()
+        settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
+        latents = encode_control(self.spec, self.vae, self.clips[0].control, settings.frames, settings.height,
+                                 settings.width, fps=self.config.data.fps, resize=self.config.data.resize)
+        with self.control.given(latents):
+            return super().validate()
+
+
+class ControlLoRATrainer(ControlTraining, LoRATrainer):
+    algorithm = "control-lora"
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        control = {CONTROL_PREFIX + key: value for key, value in self.control.state_dict().items()}
+        return {**get_peft_model_state_dict(self.denoiser), **control}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        control = {k.removeprefix(CONTROL_PREFIX): v for k, v in state.items() if k.startswith(CONTROL_PREFIX)}
+        self.control.layer.load_state_dict(control)
+        super().load_trainable_state_dict({k: v for k, v in state.items() if not k.startswith(CONTROL_PREFIX)})
+
+    def save_final(self, folder: Path) -> Path:
+        """The adapter (no ComfyUI file: ComfyUI's LoRA loaders cannot widen the input) and the control input."""
+        written = self.spec.save_lora(folder, get_peft_model_state_dict(self.denoiser), self.adapter_metadata())
+        self.control.save(Path(folder))
+        return written
+
+    # A checkpoint's control weights need the widened base layer: set up as for training, then `save_final`.
+    export_weights = Trainer.export_weights
+
+
+class ControlFullTrainer(ControlTraining, FullTrainer):
+    algorithm = "control-full"
+
+    def save_final(self, folder: Path) -> Path:
+        """`transformer/` with the input layer's base part (so the base class loads it), and the control input."""
+        wide = self.control.layer
+        replace_module(self.denoiser, self.control.layer_name, narrow(wide, self.control.in_features))
+        try:
+            written = super().save_final(folder)
+        finally:
+            replace_module(self.denoiser, self.control.layer_name, wide)
+        self.control.save(Path(folder), dtype=self.base_dtype)
+        return written

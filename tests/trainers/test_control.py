@@ -135,3 +135,93 @@ def test_a_resumed_control_run_ends_bit_for_bit_like_one_left_alone(algorithm, m
     losses = [[json.loads(row)["loss"] for row in (run / "metrics.jsonl").read_text().splitlines()]
               for run in (reference, stopped)]
     assert losses[0] == losses[1] and len(losses[0]) == 5
+
+
+def test_sources_give_each_sample_its_control_clip(shapes_dataset, tmp_path):
+    from vidtune.config import DataConfig
+    from vidtune.data.sources import read_sources
+    from vidtune.errors import DataError
+
+    root, targets, controls = control_dataset(shapes_dataset, tmp_path / "pairs")
+    clips = read_sources(DataConfig(root=str(root))).clips
+    assert [clip.control for clip in clips] == controls and [clip.video for clip in clips] == targets
+
+    (root / "controls.txt").write_text(f"{controls[0]}\n")
+    problems = read_sources(DataConfig(root=str(root))).source_problems
+    assert problems == [f"controls.txt line 2 is missing or empty: write the control clip of videos.txt line 2 "
+                        f"({targets[1].name}) there; controls.txt has one control clip a line, in the clips' order."]
+
+    table = tmp_path / "clips.csv"
+    table.write_text(f"video,caption,edges\n{targets[0]},a,{controls[0]}\n{targets[1]},b,\n")
+    source = {"type": "metadata", "path": str(table), "control_column": "edges"}
+    report = read_sources(DataConfig(datasets=[source]))
+    assert [clip.control for clip in report.clips] == [controls[0]]
+    assert report.source_problems == [f"clips.csv row 2 (line 3): the 'edges' value is empty: write the path of the "
+                                      f"control clip of {str(targets[1])!r}."]
+    jsonl = tmp_path / "clips.jsonl"
+    jsonl.write_text(f'{{"video": "{targets[0]}", "caption": "a", "edges": "{controls[1]}"}}\n')
+    clips = read_sources(DataConfig(datasets=[{**source, "path": str(jsonl)}])).clips
+    assert [clip.control for clip in clips] == [controls[1]]
+    with pytest.raises(DataError, match="has no column 'edges'"):
+        table.write_text(f"video,caption\n{targets[0]},a\n")
+        read_sources(DataConfig(datasets=[source])).raise_problems()
+
+
+def test_control_training_refuses_what_it_cannot_use(make_config, shapes_dataset, tmp_path):
+    from vidtune.errors import ConfigError, DataError
+
+    with pytest.raises(DataError, match=r"videos\.txt line 1 \(.*\) has no control clip\.(.|\n)*controls\.txt"):
+        build_trainer(make_config(training={"algorithm": "control-lora"})).run()
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    with pytest.raises(ConfigError, match=r"training\.ema_decay(.|\n)*What to do: leave training\.ema_decay unset"):
+        build_trainer(make_config(data_root=root, training={"algorithm": "control-lora", "ema_decay": 0.9})).run()
+
+
+@pytest.mark.parametrize("family", ["ltx-video", "wan-i2v"])
+def test_control_batches_from_the_cache_equal_those_encoded_on_the_fly(family, make_config, shapes_dataset,
+                                                                        tmp_path):
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    batches = {}
+    for cached in (False, True):
+        config = make_config(family, data_root=root, training={"algorithm": "control-lora", "batch_size": 2},
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache")},
+                             output_dir=str(tmp_path / f"run-{cached}"))
+        trainer = build_trainer(config)
+        trainer.check_inputs()
+        batches[cached] = next(trainer.open_batch_source().batches(0))
+    on_the_fly, from_cache = batches[False], batches[True]
+    assert torch.equal(on_the_fly.indices, from_cache.indices)
+    control = on_the_fly.latents["control_latents"]
+    assert control.shape == on_the_fly.latents["latents_mean"].shape
+    assert torch.allclose(from_cache.latents["control_latents"], control, atol=1e-6)
+    # The control latents are the control clips', not the targets'.
+    assert not torch.allclose(control, on_the_fly.latents["latents_mean"], atol=1e-2)
+
+
+def test_sample_follows_the_control_clip_it_is_given(make_config, shapes_dataset, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from vidtune.cli import main as cli_main
+
+    root, _, controls = control_dataset(shapes_dataset, tmp_path / "data")
+    config = make_config(data_root=root, training={"algorithm": "control-lora", "steps": 2, "learning_rate": 0.1})
+    trainer = build_trainer(config)
+    trainer.run()
+    trained_layer = trainer.control.state_dict()
+    run = load_pipeline(config.output_dir, device="cpu")
+    for key, value in run.control.state_dict().items():
+        assert torch.equal(value, trained_layer[key]), key
+    latents = []
+    for number, control in enumerate([controls[0], controls[1], None]):
+        extra = ["--control", str(control)] if control else []
+        output, path = tmp_path / f"s{number}.mp4", tmp_path / f"s{number}.safetensors"
+        assert cli_main(["sample", config.output_dir, "--prompt", CAPTION, "--steps", "2", "--device", "cpu",
+                         "--output", str(output), "--latents", str(path), *extra]) == 0
+        assert output.is_file()
+        latents.append(load_file(path)["latents"])
+    assert "Following the control clip" in capsys.readouterr().out  # without --control: the first clip's
+    assert not torch.equal(latents[0], latents[1])  # another control clip, another sample
+    assert torch.equal(latents[0], latents[2])
+    assert cli_main(["sample", config.output_dir, "--prompt", "x", "--control", str(tmp_path / "no.mp4"),
+                     "--device", "cpu"]) == 2
+    assert "--control: " in capsys.readouterr().err

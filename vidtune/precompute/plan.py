@@ -137,6 +137,8 @@ class CachePlan:
     condition_keys: list[str] = field(default_factory=list)  # one per sample
     latent_keys: list[str] = field(default_factory=list)  # one per sample: its first window
     latent_windows: list[list[str]] = field(default_factory=list)  # per sample: every window it offers
+    # Control training: per sample, its control clip's entry for each of those windows (empty without control).
+    control_windows: list[list[str]] = field(default_factory=list)
     conditions: dict[str, str] = field(default_factory=dict)  # key -> caption, dataset order
     latents: dict[str, Path] = field(default_factory=dict)  # key -> clip, dataset order
     latent_preprocess: dict[str, Preprocess] = field(default_factory=dict)  # key -> how its clip is read
@@ -194,17 +196,23 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         starts = [0]
         if clip.info is not None and not clip.is_image:
             starts = window_starts(clip.info, frames, data.fps, data.frame_sampling, options.windows_per_clip)
-        windows = []
+        # Control training: the control clip's latents are keyed like any clip's, over the same windows.
+        sources = [(clip.video, clip_hash)]
+        if clip.control is not None and config.training.algorithm.startswith("control"):
+            sources.append((clip.control, fingerprints.file(clip.control)))
+        keys: list[list[str]] = [[] for _ in sources]
         for start in starts:
             preprocess = Preprocess(frames, height, width, data.fps, data.resize, start)
-            key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": clip_hash})
-            windows.append(key)
-            plan.latents.setdefault(key, clip.video)
-            plan.latent_preprocess.setdefault(key, preprocess)
-            plan.latent_info.setdefault(key, {"clip": str(clip.video), "clip_sha256": clip_hash,
-                                              **preprocess.describe(), "store": options.store})
-        plan.latent_keys.append(windows[0])
-        plan.latent_windows.append(windows)
+            for (path, content_hash), windows in zip(sources, keys, strict=True):
+                key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": content_hash})
+                windows.append(key)
+                plan.latents.setdefault(key, path)
+                plan.latent_preprocess.setdefault(key, preprocess)
+                plan.latent_info.setdefault(key, {"clip": str(path), "clip_sha256": content_hash,
+                                                  **preprocess.describe(), "store": options.store})
+        plan.latent_keys.append(keys[0][0])
+        plan.latent_windows.append(keys[0])
+        plan.control_windows.append(keys[1] if len(keys) > 1 else [])
     if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
         plan.empty_key = condition("")
     return plan

@@ -40,10 +40,6 @@ class ControlTraining(Trainer):
 
     def check_inputs(self) -> None:
         super().check_inputs()
-        if self.config.precompute.enabled:
-            raise ConfigError(f"precompute.enabled: {self.algorithm} reads its control clips on the fly; the "
-                              "precompute cache does not hold control latents yet.\nWhat to do: set "
-                              "precompute.enabled=false.")
         if self.config.training.ema_decay is not None:
             raise ConfigError(f"training.ema_decay: {self.algorithm} does not keep a moving average of the "
                               "weights yet.\nWhat to do: leave training.ema_decay unset.")

@@ -282,6 +282,15 @@ class ValidationConfig(Section):
     width: int | None = Field(None, gt=0, description="Default: data.width.")
 
 
+class ControlConfig(Section):
+    processor: Literal["canny"] | None = Field(
+        None, description="Control training: compute each sample's control clip from its target clip instead of "
+        "reading control clips; `canny`: OpenCV edges (pip install 'vidtune[canny]')."
+    )
+    canny_low: float = Field(100.0, ge=0, description="`canny`: the lower hysteresis threshold (0-255 grey).")
+    canny_high: float = Field(200.0, ge=0, description="`canny`: the upper hysteresis threshold (0-255 grey).")
+
+
 class MemoryConfig(Section):
     fp8_base_weights: bool = Field(
         False,
@@ -352,6 +361,9 @@ class Config(Section):
         default_factory=ValidationConfig, description="Sample videos made with the trained weights."
     )
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Memory savers.")
+    control: ControlConfig = Field(
+        default_factory=ControlConfig, description="Control training (training.algorithm=control-lora/control-full)."
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bars and metrics.")
     precompute: PrecomputeConfig = Field(
         default_factory=PrecomputeConfig, description="Encoding captions and clips once, into a cache."

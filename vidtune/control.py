@@ -30,6 +30,7 @@ from torch import nn
 from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
+from vidtune.processors import ProcessorChoice, apply_processor
 
 CONTROL_CONFIG = "control.json"
 CONTROL_WEIGHTS = "control_input.safetensors"
@@ -162,11 +163,14 @@ class ControlInput:
 
 
 @torch.no_grad()
-def encode_control(spec: Any, vae: nn.Module, path: Path, frames: int, height: int, width: int,
-                   fps: float | None = None, resize: str = "crop") -> torch.Tensor:
+def encode_control(spec: Any, vae: nn.Module, path: str | Path, frames: int, height: int, width: int,
+                   fps: float | None = None, resize: str = "crop",
+                   processor: ProcessorChoice | None = None) -> torch.Tensor:
     """A control clip's latents [1, C, F, H, W] (its posterior mean, as training takes it), read like a training
-    clip from its start."""
+    clip from its start; with `processor`, the clip is a source the control is computed from."""
     video = read_clip(Path(path), frames, height, width, fps=fps, resize=resize)
+    if processor is not None:
+        video = apply_processor(processor[0], dict(processor[1]), video)
     return spec.prepare_latents(vae, video[None])["latents_mean"]
 
 

@@ -34,6 +34,7 @@ from vidtune.data.video import frames_to_uint8, read_clip, write_video
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.models.spec import ModelSpec
+from vidtune.processors import configured_processor
 
 
 @dataclass(frozen=True)
@@ -308,9 +309,11 @@ def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Pat
     from vidtune.data.sources import read_sources
 
     data = run.config.data
+    processor = configured_processor(run.config)  # the run computed its controls: --control is their source
     if control is None:
         try:
-            control = read_sources(data).clips[0].control
+            first = read_sources(data).clips[0]
+            control = first.video if processor is not None else first.control
         except (VidtuneError, OSError, IndexError):
             control = None
         if control is None:
@@ -321,7 +324,7 @@ def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Pat
     elif not Path(control).is_file():
         raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
     return encode_control(run.spec, run.vae, Path(control), settings.frames, settings.height, settings.width,
-                          fps=data.fps, resize=data.resize)
+                          fps=data.fps, resize=data.resize, processor=processor)
 
 
 def next_sample_path(run_dir: Path) -> Path:

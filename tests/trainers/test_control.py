@@ -35,8 +35,8 @@ def control_dataset(shapes_dataset: Path, root: Path) -> tuple[Path, list[Path],
 
 # Per family: (algorithm, steps, learning rate, LoRA rank); each step visits both samples twice.
 SETTINGS = {
-    "ltx-video": ("control-full", 600, 1e-2, 32),
-    "wan": ("control-full", 600, 3e-3, 32),
+    "ltx-video": ("control-full", 300, 1e-2, 32),
+    "wan": ("control-full", 400, 3e-3, 32),
 }
 
 
@@ -225,3 +225,46 @@ def test_sample_follows_the_control_clip_it_is_given(make_config, shapes_dataset
     assert cli_main(["sample", config.output_dir, "--prompt", "x", "--control", str(tmp_path / "no.mp4"),
                      "--device", "cpu"]) == 2
     assert "--control: " in capsys.readouterr().err
+
+
+def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_config, shapes_dataset, tmp_path):
+    """`control.processor: canny`: the control of each sample is its own clip's edges, encoded by the VAE; the
+    cache keys them by the clip, the preprocessing and the processor, and gives what the data loader computes."""
+    from vidtune.processors import canny
+
+    clip = load_text_pair_dataset(shapes_dataset)[0].video
+    frames, height, width = TINY_SHAPES["ltx-video"]
+    video = read_clip(clip, frames, height, width)
+    edges = canny(video, {"canny_low": 100, "canny_high": 200})
+    assert edges.shape == video.shape and set(edges.unique().tolist()) == {-1.0, 1.0}
+    assert not torch.equal(canny(video, {"canny_low": 5, "canny_high": 10}), edges)  # the thresholds act
+
+    batches, keys = {}, {}
+    for cached in (False, True):
+        config = make_config(training={"algorithm": "control-lora", "batch_size": 2},
+                             control={"processor": "canny"},
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache")},
+                             output_dir=str(tmp_path / f"run-{cached}"))
+        trainer = build_trainer(config)
+        trainer.check_inputs()
+        source = trainer.open_batch_source()
+        batches[cached] = next(source.batches(0))
+        if cached:
+            keys = source.cached.plan.control_windows
+    on_the_fly = batches[False].latents["control_latents"]
+    assert torch.allclose(batches[True].latents["control_latents"], on_the_fly, atol=1e-6)
+    spec = get_spec_class("ltx-video")(config.model, frame_rate=config.frame_rate)
+    vae = spec.load_vae(CPU)
+    first = int(batches[False].indices[0])
+    clip = load_text_pair_dataset(shapes_dataset)[first].video
+    expected = spec.prepare_latents(vae, canny(read_clip(clip, frames, height, width),
+                                               {"canny_low": 100, "canny_high": 200})[None])["latents_mean"]
+    assert torch.allclose(on_the_fly[:1], expected, atol=1e-5)
+    # Another threshold is another cache entry.
+    other = make_config(training={"algorithm": "control-lora"}, control={"processor": "canny", "canny_low": 50},
+                        precompute={"enabled": True, "cache_dir": str(tmp_path / "cache")})
+    from vidtune.precompute.plan import build_plan
+
+    trainer = build_trainer(other)
+    trainer.check_inputs()
+    assert build_plan(other, trainer.spec, trainer.clips).control_windows[0][0] != keys[0][0]

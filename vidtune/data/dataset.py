@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 from vidtune.data.buckets import Shape, visit_start
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipTooShortError, VideoDecodeError, read_clip
+from vidtune.processors import ProcessorChoice, apply_processor
 
 Key = tuple[int, int, int]  # (stream position, sample index, bucket): see vidtune.data.buckets.ScheduleSampler
 
@@ -25,13 +26,15 @@ class VideoCaptionDataset(Dataset):
     """
 
     def __init__(self, clips: Sequence[Clip], shapes: Sequence[Shape], fps: float | None = None,
-                 resize: str = "crop", frame_sampling: str = "start", seed: int = 0) -> None:
+                 resize: str = "crop", frame_sampling: str = "start", seed: int = 0,
+                 processor: ProcessorChoice | None = None) -> None:
         self.clips = list(clips)
         self.shapes = list(shapes)
         self.fps = fps
         self.resize = resize
         self.frame_sampling = frame_sampling
         self.seed = seed
+        self.processor = processor  # control training: the control clip computed from the clip
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -45,7 +48,9 @@ class VideoCaptionDataset(Dataset):
             start = visit_start(clip.info, frames, self.fps, self.frame_sampling, self.seed, position)
         item = {"video": self.read(clip, clip.video, frames, height, width, start), "caption": clip.caption,
                 "index": clip.index, "position": position}
-        if clip.control is not None:  # control training: the same window of the control clip
+        if self.processor is not None:
+            item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), item["video"])
+        elif clip.control is not None:  # control training: the same window of the control clip
             item["control"] = self.read(clip, clip.control, frames, height, width, start)
         return item
 

@@ -31,6 +31,7 @@ from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.sources import Clip
 from vidtune.models.spec import CONTROL_LATENTS, Conditions, Latents, ModelSpec, TextComponents
 from vidtune.precompute import CachedClips, collate_cached, encode_captions, encode_videos, stack_items
+from vidtune.processors import configured_processor
 
 
 @dataclass
@@ -104,7 +105,7 @@ class EncodedBatches(BatchSource):
     def loader(self, sampler: ScheduleSampler) -> DataLoader:
         data = self.config.data
         dataset = VideoCaptionDataset(self.clips, data.bucket_shapes(), data.fps, data.resize, data.frame_sampling,
-                                      self.config.training.seed)
+                                      self.config.training.seed, configured_processor(self.config))
         return DataLoader(
             dataset,
             batch_sampler=sampler,

@@ -24,6 +24,7 @@ from vidtune.control import ControlInput, encode_control, narrow, replace_module
 from vidtune.data.stream import Batch
 from vidtune.errors import ConfigError, DataError
 from vidtune.models.spec import CONTROL_LATENTS
+from vidtune.processors import configured_processor, opencv
 from vidtune.sampling import SampleSettings
 from vidtune.trainers.base import Trainer
 from vidtune.trainers.full import FullTrainer
@@ -43,6 +44,16 @@ class ControlTraining(Trainer):
         if self.config.training.ema_decay is not None:
             raise ConfigError(f"training.ema_decay: {self.algorithm} does not keep a moving average of the "
                               "weights yet.\nWhat to do: leave training.ema_decay unset.")
+        processor = configured_processor(self.config)
+        if processor is not None:
+            opencv()  # a missing library fails here, before any long work
+            listed = [clip for clip in self.clips if clip.control is not None]
+            if listed:
+                raise ConfigError(f"control.processor: {processor[0]} computes the control clips, but the dataset "
+                                  f"also names control clips ({listed[0].where} and {len(listed) - 1} more).\n"
+                                  "What to do: remove the control list (controls.txt, control_column) or unset "
+                                  "control.processor.")
+            return
         missing = [clip for clip in self.clips if clip.control is None]
         if missing:
             raise DataError(
@@ -72,11 +83,14 @@ class ControlTraining(Trainer):
             return super().compute_loss(batch)
 
     def validate(self) -> list[Path]:
-        """Validation samples take the first dataset clip's control clip."""
+        """Validation samples take the first dataset clip's control clip (or, with `control.processor`, its
+        processed first clip)."""
         self.load_encoders()
         settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
-        latents = encode_control(self.spec, self.vae, self.clips[0].control, settings.frames, settings.height,
-                                 settings.width, fps=self.config.data.fps, resize=self.config.data.resize)
+        processor = configured_processor(self.config)
+        source = self.clips[0].video if processor is not None else self.clips[0].control
+        latents = encode_control(self.spec, self.vae, source, settings.frames, settings.height, settings.width,
+                                 fps=self.config.data.fps, resize=self.config.data.resize, processor=processor)
         with self.control.given(latents):
             return super().validate()
 

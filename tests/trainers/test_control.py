@@ -268,3 +268,25 @@ def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_conf
     trainer = build_trainer(other)
     trainer.check_inputs()
     assert build_plan(other, trainer.spec, trainer.clips).control_windows[0][0] != keys[0][0]
+
+
+@pytest.mark.parametrize("algorithm", ["control-lora", "control-full"])
+def test_a_checkpoint_exports_what_the_run_writes(algorithm, make_config, shapes_dataset, tmp_path):
+    from safetensors.torch import load_file
+
+    from vidtune.export import export_checkpoint
+
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    config = make_config(data_root=root, training={"algorithm": algorithm, "steps": 2, "learning_rate": 1e-2},
+                         checkpoint={"every": 1})
+    build_trainer(config).run()
+    run, exported = Path(config.output_dir), tmp_path / "exported"
+    export_checkpoint(run / "checkpoints" / "step-00000002", exported)
+    assert (exported / "control.json").read_text() == (run / "control.json").read_text()
+    files = ["control_input.safetensors",
+             "pytorch_lora_weights.safetensors" if algorithm == "control-lora"
+             else "transformer/diffusion_pytorch_model.safetensors"]
+    for name in files:
+        expected, got = load_file(run / name), load_file(exported / name)
+        assert expected.keys() == got.keys()
+        assert all(torch.equal(expected[key], got[key]) for key in expected), name

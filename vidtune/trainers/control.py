@@ -77,6 +77,15 @@ class ControlTraining(Trainer):
         known = {id(p) for p in parameters}
         return parameters + [p for p in layer.parameters() if id(p) not in known]
 
+    def export_weights(self, weights: dict[str, torch.Tensor], output: Path,
+                       ema: dict[str, torch.Tensor] | None = None) -> Path:
+        """A checkpoint's weights need the widened layer: the denoiser set up as for training, then `save_final`
+        (control runs keep no moving average)."""
+        self.denoiser = self.spec.load_denoiser(torch.device("cpu"))
+        self.configure_trainable(self.denoiser)
+        self.load_trainable_state_dict(weights)
+        return self.save_final(output)
+
     def compute_loss(self, batch: Batch) -> torch.Tensor:
         """The base loss, with this batch's control latents appended to the denoiser's input."""
         with self.control.given(batch.latents[CONTROL_LATENTS]):
@@ -95,8 +104,13 @@ class ControlTraining(Trainer):
             return super().validate()
 
 
+# The control clips a checkpoint's weights learnt from cannot change under it.
+CONTROL_FIXED_KEYS = ("control.processor", "control.canny_low", "control.canny_high")
+
+
 class ControlLoRATrainer(ControlTraining, LoRATrainer):
     algorithm = "control-lora"
+    resume_fixed_keys = LoRATrainer.resume_fixed_keys + CONTROL_FIXED_KEYS
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         control = {CONTROL_PREFIX + key: value for key, value in self.control.state_dict().items()}
@@ -113,12 +127,11 @@ class ControlLoRATrainer(ControlTraining, LoRATrainer):
         self.control.save(Path(folder))
         return written
 
-    # A checkpoint's control weights need the widened base layer: set up as for training, then `save_final`.
-    export_weights = Trainer.export_weights
 
 
 class ControlFullTrainer(ControlTraining, FullTrainer):
     algorithm = "control-full"
+    resume_fixed_keys = FullTrainer.resume_fixed_keys + CONTROL_FIXED_KEYS
 
     def save_final(self, folder: Path) -> Path:
         """`transformer/` with the input layer's base part (so the base class loads it), and the control input."""

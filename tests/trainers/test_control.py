@@ -36,7 +36,7 @@ def control_dataset(shapes_dataset: Path, root: Path) -> tuple[Path, list[Path],
 # (family, algorithm): (steps, learning rate, LoRA rank); each step visits both samples twice.
 SETTINGS = {
     ("ltx-video", "control-full"): (300, 1e-2, 32),
-    ("ltx-video", "control-lora"): (600, 2e-2, 32),
+    ("ltx-video", "control-lora"): (600, 1e-2, 32),
     ("wan", "control-full"): (400, 3e-3, 32),
 }
 
@@ -64,7 +64,7 @@ def test_each_control_clip_brings_back_its_target(family, algorithm, make_config
     config = make_config(family, data_root=root,
                          training={"algorithm": algorithm, "steps": steps, "learning_rate": learning_rate,
                                    "batch_size": 4, "max_grad_norm": None, "sigma_sampling": "uniform"},
-                         lora={"rank": rank, "alpha": rank, "target_modules": "attention+ffn"},
+                         lora={"rank": rank, "alpha": rank, "target_modules": "all-linear"},
                          optimizer={"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": steps // 10},
                          logging={"progress": False, "log_every": 100})
     started = time.perf_counter()
@@ -176,6 +176,16 @@ def test_control_training_refuses_what_it_cannot_use(make_config, shapes_dataset
     root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
     with pytest.raises(ConfigError, match=r"training\.ema_decay(.|\n)*What to do: leave training\.ema_decay unset"):
         build_trainer(make_config(data_root=root, training={"algorithm": "control-lora", "ema_decay": 0.9})).run()
+    with pytest.raises(ConfigError, match=r"lora\.target_modules: the adapter would wrap proj_in"):
+        build_trainer(make_config(data_root=root, training={"algorithm": "control-lora"},
+                                  lora={"target_modules": ["proj_in", "to_q"]})).run()
+    # `all-linear` leaves the input layer to train fully.
+    trainer = build_trainer(make_config(data_root=root, training={"algorithm": "control-lora"},
+                                        lora={"target_modules": "all-linear"}))
+    trainer.check_inputs()
+    trainer.load_models()
+    assert isinstance(trainer.denoiser.proj_in, torch.nn.Linear) and trainer.denoiser.proj_in.weight.requires_grad
+    assert "proj_out" in trainer.targets and "proj_in" not in trainer.targets
 
 
 @pytest.mark.parametrize("family", ["ltx-video", "wan-i2v"])

@@ -112,6 +112,10 @@ class ControlLoRATrainer(ControlTraining, LoRATrainer):
     algorithm = "control-lora"
     resume_fixed_keys = LoRATrainer.resume_fixed_keys + CONTROL_FIXED_KEYS
 
+    def resolve_targets(self, module_names: list[str]) -> list[str]:
+        # The widened input layer trains fully: `all-linear` adapts every other linear layer.
+        return super().resolve_targets([name for name in module_names if name != self.spec.control_input_layer])
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         control = {CONTROL_PREFIX + key: value for key, value in self.control.state_dict().items()}
         return {**get_peft_model_state_dict(self.denoiser), **control}

@@ -269,7 +269,10 @@ def print_summary(result, seconds: float) -> None:
 
 # Libraries whose warnings and log lines are for their developers, not for someone training a model.
 THIRD_PARTY_LOGGERS = ("huggingface_hub", "diffusers", "transformers", "peft", "torch", "httpx", "httpx2", "PIL",
-                       "matplotlib", "accelerate")
+                       "matplotlib", "accelerate", "torchao", "bitsandbytes",
+                       # torch's logging setup (run again when torchao imports torch._dynamo) leaves this one at
+                       # WARNING: the "Enum subclass ... register_constant()" lines torchao triggers.
+                       "torch.utils._pytree")
 
 
 def quiet_third_party() -> None:

@@ -11,6 +11,7 @@ import difflib
 import fnmatch
 import json
 import os
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,11 +210,23 @@ class TrainingConfig(Section):
 
 
 class OptimizerConfig(Section):
-    name: Literal["adamw"] = Field("adamw", description="The optimizer.")
-    weight_decay: float = Field(1e-4, ge=0, description="AdamW weight decay.")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW first-moment decay.")
-    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW second-moment decay.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    name: Literal["adamw", "adamw8bit", "paged_adamw8bit", "adamw8bit_ao", "adamw4bit_ao", "adamw_fp8_ao", "prodigy",
+                  "came", "adafactor"] = Field(
+        "adamw",
+        description="The optimizer: `adamw` (torch); `adamw8bit`, `paged_adamw8bit` (pip extra `bitsandbytes`); "
+        "`adamw8bit_ao`, `adamw4bit_ao`, `adamw_fp8_ao` (extra `torchao`; AdamW with 8-bit, 4-bit or float8 "
+        "moments); `prodigy` (extra `prodigy`; sets its own step size: use training.learning_rate=1.0); `came` "
+        "(extra `came`); `adafactor` (torch's). See docs/memory.md.",
+    )
+    weight_decay: float = Field(1e-4, ge=0, description="Weight decay (every optimizer).")
+    beta1: float = Field(0.9, ge=0, lt=1, description="First-moment decay (AdamW kinds, prodigy, came).")
+    beta2: float = Field(0.999, ge=0, lt=1, description="Second-moment decay (AdamW kinds, prodigy, came).")
+    eps: float = Field(1e-8, gt=0, description="Epsilon of the AdamW kinds and prodigy.")
+    cpu_offload: bool = Field(
+        False,
+        description="CUDA only: keep the optimizer state on the CPU and step there (torchao's CPUOffloadOptimizer "
+        "around the chosen optimizer, pip extra `torchao`); saves the state's GPU memory, costs speed.",
+    )
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="Learning-rate schedule after the warmup (linear and cosine decay to 0)."
     )
@@ -292,11 +305,42 @@ class ControlConfig(Section):
 
 
 class MemoryConfig(Section):
-    fp8_base_weights: bool = Field(
-        False,
-        description="LoRA only: keep the frozen denoiser weights in float8 (e4m3) and upcast each layer as it runs; "
-        "the weights take half the memory of bf16, at some cost in speed and precision.",
+    base_weights: Literal["auto", "fp8", "int8", "nf4"] = Field(
+        "auto",
+        description="LoRA only: how the frozen denoiser weights are stored. `auto`: the model dtype; `fp8`: float8 "
+        "(e4m3), each layer upcast as it runs (half of bf16); `int8`: torchao int8 weight-only (half of bf16; pip "
+        "extra `torchao`); `nf4`: bitsandbytes 4-bit NormalFloat, QLoRA (a quarter of bf16; pip extra "
+        "`bitsandbytes`). The adapter trains in fp32 and loads into the normal pipeline. Replaces "
+        "`memory.fp8_base_weights: true`, still read as `base_weights: fp8`. See docs/memory.md.",
     )
+
+    text_encoder_weights: Literal["auto", "fp8", "int8", "nf4"] = Field(
+        "auto",
+        description="How the frozen text encoders are stored wherever captions are encoded (precompute, on-the-fly "
+        "encoding, validation, `vidtune sample`): the options of `base_weights` (an 8B Llama or an 11B T5 alone "
+        "fills a consumer GPU). Changes the embeddings a little: precomputed captions are encoded again.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate_fp8_base_weights(cls, data: Any) -> Any:
+        """The key `fp8_base_weights` of earlier versions: `true` is `base_weights: fp8`, `false` the default."""
+        if not isinstance(data, dict) or "fp8_base_weights" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("fp8_base_weights")
+        if old not in (True, False, "true", "false"):
+            raise ValueError(f"memory.fp8_base_weights must be true or false, not {old!r}; it is now written "
+                             "memory.base_weights=fp8")
+        if old in (True, "true"):
+            if data.get("base_weights", "fp8") != "fp8":
+                raise ValueError(f"memory.fp8_base_weights=true contradicts memory.base_weights="
+                                 f"{data['base_weights']}; remove memory.fp8_base_weights (it is now written "
+                                 "memory.base_weights=fp8)")
+            data["base_weights"] = "fp8"
+            print("memory.fp8_base_weights is deprecated: it is read as memory.base_weights=fp8 (write that "
+                  "instead).", file=sys.stderr, flush=True)
+        return data
 
 
 class WandbConfig(Section):
@@ -380,15 +424,17 @@ class Config(Section):
                 f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) is larger than training.steps "
                 f"({self.training.steps})"
             )
-        if self.memory.fp8_base_weights and self.training.algorithm != "lora":
+        base_weights = self.memory.base_weights
+        if base_weights != "auto" and self.training.algorithm in ("full", "control-lora", "control-full"):
             raise ValueError(
-                "memory.fp8_base_weights works with training.algorithm=lora only: full fine-tuning trains those "
-                "weights, which cannot be stored in float8"
+                f"memory.base_weights={base_weights} works with adapter algorithms (training.algorithm=lora) only: "
+                f"{self.training.algorithm} trains base weights (control: the widened input layer), which cannot be "
+                "stored quantized; set memory.base_weights=auto"
             )
-        if self.memory.fp8_base_weights and self.lora.use_dora:
+        if base_weights != "auto" and self.lora.use_dora:
             raise ValueError(
-                "lora.use_dora cannot be combined with memory.fp8_base_weights: DoRA computes with the whole frozen "
-                "weight, which float8 storage does not support; turn one of them off"
+                f"lora.use_dora cannot be combined with memory.base_weights={base_weights}: DoRA computes with the "
+                "whole frozen weight, which quantized storage does not give; turn one of them off"
             )
         return self
 

@@ -1,9 +1,36 @@
-"""Memory savers that change how weights are stored, not what is trained."""
+"""Memory savers that change how weights are stored, not what is trained.
+
+`memory.base_weights` stores the frozen denoiser of an adapter run in less memory:
+- `fp8`: float8 (e4m3) storage, each layer upcast to the compute dtype as it runs (diffusers' layerwise casting);
+- `int8`: torchao's int8 weight-only quantization of the frozen linear layers (CPU and CUDA);
+- `nf4`: bitsandbytes' 4-bit NormalFloat linear layers (QLoRA), computing in the denoiser's dtype.
+The layers diffusers keeps in full precision for layerwise casting (norms, patch / position embeddings, the input
+and output projections) keep it here too. The adapter itself is always fp32 and saved on its own, so it loads
+into the normal, unquantized pipeline.
+
+`memory.text_encoder_weights` does the same for the text encoders (`store_text_encoder_weights`), wherever
+captions are encoded.
+
+`prepare_base_weights` runs before the adapter is added (peft then wraps the 4-bit layers with its own
+bitsandbytes LoRA layer), `finish_base_weights` after it (the int8 weights are swapped in under the adapter's
+wrapped layers, which leaves the adapter's own layers untouched).
+"""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+from vidtune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vidtune.models.spec import TextComponents
+
+ADAPTER_LAYERS = ("lora_A", "lora_B", "lora_embedding", "lora_magnitude_vector")
 
 
 def store_frozen_weights_in_fp8(denoiser: nn.Module) -> None:
@@ -15,3 +42,99 @@ def store_frozen_weights_in_fp8(denoiser: nn.Module) -> None:
     """
     compute_dtype = denoiser.dtype
     denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype)
+
+
+def _skip_patterns(model: nn.Module) -> tuple[str, ...]:
+    """The layers layerwise casting would skip (the model's own patterns, else diffusers' defaults), and those a
+    transformers model keeps in fp32 (T5's `wo`: T5 casts its input to that layer's weight dtype)."""
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    patterns = tuple(getattr(model, "_skip_layerwise_casting_patterns", None) or DEFAULT_SKIP_MODULES_PATTERN)
+    fp32 = getattr(model, "_keep_in_fp32_modules", None) or ()
+    return patterns + tuple(rf"(^|\.){re.escape(name)}($|\.)" for name in fp32)
+
+
+def _kept_in_full_precision(model: nn.Module) -> Callable[[str], bool]:
+    patterns = _skip_patterns(model)
+    return lambda name: any(re.search(pattern, name) for pattern in patterns)
+
+
+def _frozen_linears(denoiser: nn.Module) -> list[tuple[str, nn.Linear]]:
+    keep = _kept_in_full_precision(denoiser)
+    return [(name, module) for name, module in denoiser.named_modules()
+            if type(module) is nn.Linear and not keep(name) and not any(part in name for part in ADAPTER_LAYERS)]
+
+
+def check_base_weights(option: str, key: str = "memory.base_weights") -> None:
+    """Before any long work: the package the option needs imports (a missing one names its pip extra)."""
+    extra = {"int8": "torchao", "nf4": "bitsandbytes"}.get(option)
+    try:
+        if option == "int8":
+            import torchao.quantization  # noqa: F401
+        elif option == "nf4":
+            import bitsandbytes  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(
+            f"{key}={option} needs the package {extra}, which could not be imported: {error}\n"
+            f"What to do: pip install 'vidtune[{extra}]', or set {key}=auto."
+        ) from None
+
+
+def prepare_base_weights(denoiser: nn.Module, option: str) -> None:
+    """`fp8` and `nf4`: before the adapter is added (the denoiser frozen already)."""
+    if option == "fp8":
+        store_frozen_weights_in_fp8(denoiser)
+    elif option == "nf4":
+        _linears_to_nf4(denoiser)
+
+
+def finish_base_weights(denoiser: nn.Module, option: str) -> None:
+    """`int8`: after the adapter is added."""
+    if option == "int8":
+        _linears_to_int8(denoiser)
+
+
+def _linears_to_int8(denoiser: nn.Module) -> None:
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    chosen = {id(module) for _, module in _frozen_linears(denoiser)}
+    quantize_(denoiser, Int8WeightOnlyConfig(), filter_fn=lambda module, _name: id(module) in chosen)
+
+
+def _linears_to_nf4(denoiser: nn.Module) -> None:
+    """Each frozen linear layer becomes a bitsandbytes `Linear4bit` (NF4 blocks of 64, computing in the
+    denoiser's dtype); its weight is quantized as it is placed on the denoiser's device."""
+    import bitsandbytes as bnb
+
+    compute_dtype = denoiser.dtype
+    for name, linear in _frozen_linears(denoiser):
+        device = linear.weight.device
+        layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                  compute_dtype=compute_dtype, quant_type="nf4", device="meta")
+        layer.weight = bnb.nn.Params4bit(linear.weight.data.to("cpu"), requires_grad=False, quant_type="nf4")
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+        parent_name, _, child = name.rpartition(".")
+        parent = denoiser.get_submodule(parent_name) if parent_name else denoiser
+        setattr(parent, child, layer.to(device))
+
+
+def store_text_encoder_weights(text: TextComponents, option: str) -> None:
+    """`memory.text_encoder_weights`: every text encoder of `text` (already frozen, on its device) stored as
+    `option` says: `fp8` upcast layer by layer, `int8` and `nf4` quantized linear layers (norms and embeddings
+    kept). Used wherever captions are encoded: on the fly, by precompute, for validation and `vidtune sample`."""
+    if option == "auto":
+        return
+    check_base_weights(option, "memory.text_encoder_weights")
+    for name, module in text.modules.items():
+        if not name.startswith("text_encoder") or not isinstance(module, nn.Module):
+            continue
+        if option == "fp8":
+            from diffusers.hooks import apply_layerwise_casting
+
+            apply_layerwise_casting(module, storage_dtype=torch.float8_e4m3fn, compute_dtype=module.dtype,
+                                    skip_modules_pattern=_skip_patterns(module))
+        elif option == "int8":
+            _linears_to_int8(module)
+        elif option == "nf4":
+            _linears_to_nf4(module)

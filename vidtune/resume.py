@@ -28,6 +28,7 @@ FIXED_KEYS = (
     "model.subfolders.transformer",
     "training.algorithm",
     "optimizer.name",
+    "optimizer.cpu_offload",  # the offloaded optimizer keeps its state in another layout
 )
 # Changes that leave the continued run identical to an uninterrupted one (anything else is allowed but stated
 # with a note that the run from here on differs from an uninterrupted one).

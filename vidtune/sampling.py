@@ -237,14 +237,15 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     model = config.model
     if not adapter:  # the trained transformer replaces the base one; everything else comes from model.pretrained
         model = model.model_copy(update={"subfolders": {**model.subfolders, "transformer": str(weights)}})
-    spec = get_spec_class(model.name)(model, frame_rate=config.frame_rate)
+    spec = get_spec_class(model.name)(model, frame_rate=config.frame_rate,
+                                     text_encoder_weights=config.memory.text_encoder_weights)
     spec.check_source()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = parse_device(str(device), "--device") if not isinstance(device, torch.device) else device
     denoiser = spec.load_denoiser(device).requires_grad_(False).eval()
     vae = spec.load_vae(device)
-    pipeline = spec.pipeline(spec.load_text_components(device), vae, denoiser)
+    pipeline = spec.pipeline(spec.load_text(device), vae, denoiser)
     if adapter:
         pipeline.load_lora_weights(str(run), weight_name=weights.name)
     control = load_control(spec, pipeline.transformer, run) if has_control(run) else None

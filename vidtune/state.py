@@ -29,7 +29,7 @@ from vidtune import parallel
 from vidtune.config import Config
 from vidtune.ema import EMA
 from vidtune.errors import ConfigError, TrainingError
-from vidtune.optim import build_lr_scheduler, build_optimizer
+from vidtune.optim import build_lr_scheduler, build_optimizer, group_settings
 from vidtune.resume import FIXED_KEYS, CheckpointError, compare_configs, saved_config
 
 T = TypeVar("T")
@@ -90,7 +90,8 @@ class TrainingState:
 
     @property
     def learning_rate(self) -> float:
-        return self.lr_scheduler.get_last_lr()[0]
+        # float(): torchao's optimizers keep the rate as a tensor (so a new rate does not recompile their step).
+        return float(self.lr_scheduler.get_last_lr()[0])
 
     def apply_update(self, finite: bool) -> None:
         """The optimizer step and the weights' average (only for a finite step) and the schedule's step (always:
@@ -155,7 +156,8 @@ class TrainingState:
 
     def restore(self, saved: SavedState, device: torch.device) -> None:
         """Weights, optimizer, schedule, data position and skip count of `saved`; the RNGs follow with the data
-        stream (`resume_stream`). The config's learning rate, schedule and AdamW settings apply from here on."""
+        stream (`resume_stream`). The config's learning rate, schedule and optimizer settings (betas, eps, weight
+        decay, as the chosen optimizer takes them) apply from here on."""
         state = saved.state
         self._say_what_differs(state)
         try:
@@ -165,10 +167,13 @@ class TrainingState:
         except (KeyError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"The checkpoint {saved.folder} does not fit this model: {error}") from None
         # The loaded optimizer state would otherwise bring back the hyper-parameters it was saved with.
-        options, learning_rate = self.config.optimizer, self.config.training.learning_rate
+        learning_rate, settings = self.config.training.learning_rate, group_settings(self.config)
         for group in self.optimizer.param_groups:
-            group.update(lr=learning_rate, initial_lr=learning_rate, betas=(options.beta1, options.beta2),
-                         eps=options.eps, weight_decay=options.weight_decay)
+            group.update(initial_lr=learning_rate, **settings)
+            if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers: the rate must stay a tensor
+                group["lr"].fill_(learning_rate)
+            else:
+                group["lr"] = learning_rate
         self.step = saved.step
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config, completed_steps=self.step)
         self.samples_consumed = int(state["samples_consumed"])

@@ -224,10 +224,11 @@ def test_validation_samples_do_not_depend_on_how_many_vae_workers_precomputed(co
                             output_dir=str(tmp_path / name))
         trainer = build_trainer(config)
         result = trainer.run()
-        # What a spec may hold: its config, and what it derives from it once (cached properties).
+        # What a spec may hold: its config (and the settings it is given), and what it derives from it once (cached
+        # properties).
         derived = {name for cls in type(trainer.spec).__mro__ for name, value in vars(cls).items()
                    if isinstance(value, functools.cached_property)}
-        assert set(vars(trainer.spec)) <= {"config", "frame_rate", *derived}, vars(trainer.spec)
+        assert set(vars(trainer.spec)) <= {"config", "frame_rate", "text_encoder_weights", *derived}, vars(trainer.spec)
         return [np.asarray(Image.open(path.with_suffix(".png"))) for path in result.sample_paths]
 
     one, two = samples(["cpu"], "one-worker"), samples(["cpu", "cpu"], "two-workers")

@@ -146,5 +146,5 @@ def test_fp8_base_weights_train_an_adapter_that_loads_in_a_plain_pipeline(make_c
 
 
 def test_fp8_base_weights_need_lora(make_config):
-    with pytest.raises(ConfigError, match="fp8_base_weights works with"):
+    with pytest.raises(ConfigError, match=r"memory\.base_weights=fp8 works with adapter algorithms"):
         make_config(training={"algorithm": "full"}, memory={"fp8_base_weights": True})

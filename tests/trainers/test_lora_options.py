@@ -63,7 +63,7 @@ def test_dora_trains_magnitudes_and_its_adapter_loads_in_the_family_pipeline(mak
 
 
 def test_dora_and_fp8_base_weights_are_refused_together(make_config):
-    with pytest.raises(ConfigError, match=r"lora\.use_dora cannot be combined with memory\.fp8_base_weights"):
+    with pytest.raises(ConfigError, match=r"lora\.use_dora cannot be combined with memory\.base_weights=fp8"):
         make_config(lora={"use_dora": True}, memory={"fp8_base_weights": True})
 
 

@@ -194,9 +194,10 @@ class ModelSpec(ABC):
     denoiser_class: ClassVar[Any]
     scheduler_class: ClassVar[Any]
 
-    def __init__(self, config: ModelConfig, frame_rate: float = 25.0) -> None:
+    def __init__(self, config: ModelConfig, frame_rate: float = 25.0, text_encoder_weights: str = "auto") -> None:
         self.config = config
         self.frame_rate = frame_rate
+        self.text_encoder_weights = text_encoder_weights  # memory.text_encoder_weights
 
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
@@ -321,6 +322,14 @@ class ModelSpec(ABC):
     @abstractmethod
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         """Raise a ConfigError naming the nearest valid values when the shape breaks the model's rules."""
+
+    def load_text(self, device: torch.device) -> TextComponents:
+        """The text components, their encoders stored as `memory.text_encoder_weights` says."""
+        from vidtune.memory import store_text_encoder_weights
+
+        text = self.load_text_components(device)
+        store_text_encoder_weights(text, self.text_encoder_weights)
+        return text
 
     def load_text_components(self, device: torch.device) -> TextComponents:
         """One tokenizer + one frozen text encoder (`text_encoder_class`); families with more override this."""

@@ -222,7 +222,8 @@ class PrecomputeSummary:
 
 
 def build_spec(config: Config) -> ModelSpec:
-    return get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
+    return get_spec_class(config.model.name)(
+        config.model, frame_rate=config.frame_rate, text_encoder_weights=config.memory.text_encoder_weights)
 
 
 def load_clips(config: Config, spec: ModelSpec, progress: bool = True) -> list[Clip]:
@@ -321,7 +322,7 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
 
     def text_worker(report: WorkerReport) -> None:
         with _LOAD_LOCK:
-            text = spec.load_text_components(plan.text_device)
+            text = spec.load_text(plan.text_device)
         stage.track(*text.modules.values())
         for chunk in _chunks(condition_keys, batch_size):
             if stage.stop.is_set():
@@ -454,7 +455,7 @@ def recompute_entry(config: Config, spec: ModelSpec, plan: CachePlan, kind: str,
     component it needed, and return it."""
     if kind == "conditions":
         with _LOAD_LOCK:
-            text = spec.load_text_components(plan.text_device)
+            text = spec.load_text(plan.text_device)
         (item,) = encode_captions(spec, text, [plan.conditions[key]], batch_size=1)
         del text
         info = plan.condition_info[key]

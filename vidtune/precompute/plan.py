@@ -2,7 +2,8 @@
 
 A condition's key covers the spec's `condition_identity()` (the family, its format version, the caption
 length, and the constants its `prepare_conditions` reads, e.g. HunyuanVideo's prompt template), the identity
-of every text component (tokenizers and encoders), the text encoder dtype and the caption text. A latent's key
+of every text component (tokenizers and encoders), the text encoder dtype (and `memory.text_encoder_weights`
+when set) and the caption text. A latent's key
 covers the spec's `latent_identity()` (the family, its format version, and the constants its `prepare_latents`
 reads, e.g. an image-to-video family's first-frame noise), the identity and dtype of the VAE (and image
 encoder), the preprocessing (the bucket's frames and size, resize mode, fps, the window's first frame), the clip's
@@ -184,6 +185,8 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         "components": {name: component_identity(spec, name, fingerprints) for name in text_component_names(spec)},
         "dtype": dtype_name(plan.text_dtype),
     }
+    if config.memory.text_encoder_weights != "auto":  # only then: the keys of existing caches stay as they were
+        text_parts["weights"] = config.memory.text_encoder_weights
     latent_parts = {
         "spec": spec.latent_identity(),
         "components": {name: component_identity(spec, name, fingerprints) for name in video_components},

@@ -43,10 +43,12 @@ from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatche
 from vidtune.data.video import VideoInfo
 from vidtune.ema import EMA
 from vidtune.errors import TrainingError
+from vidtune.memory import check_base_weights
 from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
+from vidtune.optim import check_optimizer
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
 from vidtune.sampling import SampleSettings, reference_clip, render_samples
@@ -106,7 +108,8 @@ class Trainer(ABC):
         self.config = config
         self.output_dir = Path(config.output_dir)
         self.device = parallel.resolve_device(config.training.device)
-        self.spec: ModelSpec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
+        self.spec: ModelSpec = get_spec_class(config.model.name)(
+            config.model, frame_rate=config.frame_rate, text_encoder_weights=config.memory.text_encoder_weights)
         self.clips: list[Clip] = []
         self.clip_infos: list[VideoInfo] = []
         # Text encoders and VAE: loaded for on-the-fly training, or (training from the cache) only for validation.
@@ -320,6 +323,9 @@ class Trainer(ABC):
         check_bucket_shapes(self.spec, data.bucket_shapes(), single=not data.buckets)
         self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
         check_trackers(self.config)
+        check_optimizer(self.config, self.device)
+        check_base_weights(self.config.memory.base_weights)
+        check_base_weights(self.config.memory.text_encoder_weights, "memory.text_encoder_weights")
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 
@@ -362,7 +368,7 @@ class Trainer(ABC):
     def load_encoders(self) -> None:
         """The text encoders and the VAE, unless loaded already."""
         if self.text is None:
-            self.text = self.spec.load_text_components(self.device)
+            self.text = self.spec.load_text(self.device)
         if self.vae is None:
             self.vae = self.spec.load_vae(self.device)
 

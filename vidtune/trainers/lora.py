@@ -18,7 +18,7 @@ from torch import nn
 
 from vidtune.errors import ConfigError
 from vidtune.export.comfyui import ComfyUIExportError, save_comfyui_lora
-from vidtune.memory import store_frozen_weights_in_fp8
+from vidtune.memory import finish_base_weights, prepare_base_weights
 from vidtune.models.spec import ALL_LINEAR
 from vidtune.outputs import COMFYUI_LORA_WEIGHTS, LORA_EMA_WEIGHTS, LORA_WEIGHTS
 from vidtune.trainers.base import Trainer
@@ -97,8 +97,7 @@ class LoRATrainer(Trainer):
 
     def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
         denoiser.requires_grad_(False)
-        if self.config.memory.fp8_base_weights:
-            store_frozen_weights_in_fp8(denoiser)
+        prepare_base_weights(denoiser, self.config.memory.base_weights)  # fp8, nf4: before the adapter wraps them
         self.targets = self.resolve_targets(linear_module_names(denoiser))
         try:
             denoiser.add_adapter(self.lora_config())
@@ -112,6 +111,7 @@ class LoRATrainer(Trainer):
         cast_training_params(denoiser, dtype=torch.float32)
         if self.config.lora.init_from and self.resuming_from is None:
             self.load_initial_adapter(denoiser, Path(self.config.lora.init_from))
+        finish_base_weights(denoiser, self.config.memory.base_weights)  # int8: under the adapter's wrapped layers
         return [p for p in denoiser.parameters() if p.requires_grad]
 
     def load_initial_adapter(self, denoiser: nn.Module, path: Path) -> None:

@@ -38,17 +38,24 @@ SETTINGS = {
     ("ltx-video", "control-full"): (300, 1e-2, 32),
     ("ltx-video", "control-lora"): (600, 1e-2, 32),
     ("wan", "control-full"): (400, 3e-3, 32),
+    ("cogvideox", "control-full"): (400, 1e-2, 32),
+    ("mochi", "control-full"): (400, 5e-3, 32),
+    ("hunyuan-video", "control-full"): (400, 5e-3, 32),
+    ("wan-i2v", "control-full"): (400, 3e-3, 32),
+    ("cogvideox-i2v", "control-full"): (400, 1e-2, 32),
 }
 
 
 def sampled_latents(spec, pipeline, control: ControlInput, vae, target: Path, control_clip: Path, steps: int = 20):
     """(the target clip's latents, what the pipeline samples following `control_clip`)."""
     frames, height, width = TINY_SHAPES[spec.name]
-    x0 = spec.prepare_latents(vae, read_clip(target, frames, height, width)[None])["latents_mean"]
+    clip = read_clip(target, frames, height, width)
+    x0 = spec.prepare_latents(vae, clip[None])["latents_mean"]
     controls = spec.prepare_latents(vae, read_clip(control_clip, frames, height, width)[None])["latents_mean"]
     with torch.no_grad(), control.given(controls):
+        # Image-to-video families also start from the target's first frame, as they trained.
         sampled = spec.generate_latents(pipeline, CAPTION, frames, height, width, steps,
-                                        torch.Generator().manual_seed(1))
+                                        torch.Generator().manual_seed(1), reference=clip)
     return x0, sampled
 
 

@@ -211,9 +211,6 @@ def positive_int(text: str) -> int:
 def command_sample(args: argparse.Namespace) -> int:
     from vidtune.sampling import load_pipeline, next_sample_path, sample_run
 
-    if args.control is not None:
-        raise VidtuneError("--control: sampling from a control clip needs a run of the control algorithm, which "
-                           "this version of vidtune does not have yet.\nWhat to do: leave out --control.")
     run_dir = Path(args.run_dir)
     output = Path(args.output) if args.output else next_sample_path(run_dir)
     for flag, path, suffix in (("--output", output, ".mp4"), ("--latents", args.latents, ".safetensors")):
@@ -230,7 +227,8 @@ def command_sample(args: argparse.Namespace) -> int:
         if run.weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER) else ""
     print(f"Sampling {run.spec.name} with {run.weights}{averaged} on {run.device}.", flush=True)
     written = sample_run(run, args.prompt, output, image=Path(args.image) if args.image else None,
-                         latents=Path(args.latents) if args.latents else None, num_inference_steps=args.steps,
+                         latents=Path(args.latents) if args.latents else None,
+                         control=Path(args.control) if args.control else None, num_inference_steps=args.steps,
                          guidance_scale=args.guidance, seed=args.seed, frames=args.frames, height=args.height,
                          width=args.width)
     print(f"Sample in {time.perf_counter() - started:.0f} s: {written.resolve()} (+ "
@@ -360,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--prompt", required=True, help="what to generate")
     sample.add_argument("--image", metavar="PNG", help="image-to-video models: the first frame (default: the "
                         "first frame of the run's first clip)")
-    sample.add_argument("--control", metavar="CLIP", help=argparse.SUPPRESS)
+    sample.add_argument("--control", metavar="CLIP",
+                        help="a control run (control-lora, control-full): the control clip to follow (default: the "
+                        "run's first clip's)")
     sample.add_argument("--steps", type=positive_int, metavar="N", help="denoising steps (default: validation's)")
     sample.add_argument("--guidance", type=float, metavar="G", help="guidance scale (default: validation's)")
     sample.add_argument("--seed", type=int, metavar="S", help="seed of the noise (default: validation's)")

@@ -72,6 +72,8 @@ class PairsSource(_SourceBase):
     root: str = Field(description="Folder holding the two lists (in a file: relative to its folder).")
     videos: str = Field("videos.txt", description="File with one clip or image path a line (relative to root).")
     prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
+    controls: str = Field("controls.txt", description="Control training: file with one control clip path a line, "
+                          "same order (read only by `control-*` algorithms).")
 
 
 class FolderSource(_SourceBase):
@@ -88,6 +90,9 @@ class MetadataSource(_SourceBase):
     path: str = Field(description="The .csv or .jsonl file; clip paths in it are relative to its folder.")
     video_column: str = Field("video", description="Column (CSV) or key (JSONL) holding the clip or image path.")
     caption_column: str = Field("caption", description="Column (CSV) or key (JSONL) holding the caption.")
+    control_column: str | None = Field(
+        None, description="Control training: column (CSV) or key (JSONL) holding the control clip's path."
+    )
 
 
 DatasetSource = Annotated[PairsSource | FolderSource | MetadataSource, Field(discriminator="type")]
@@ -101,6 +106,8 @@ class DataConfig(Section):
     )
     videos: str = Field("videos.txt", description="With `root`: file with one clip path a line (relative to root).")
     prompts: str = Field("prompts.txt", description="With `root`: file with one caption a line, same order.")
+    controls: str = Field("controls.txt", description="With `root`, control training: file with one control clip "
+                          "path a line, same order.")
     datasets: list[DatasetSource] | None = Field(
         None, description="Several sources, each `{type: pairs | folder | metadata, ...}` with optional `repeats` "
         "and `caption_prefix` (see docs/datasets.md). Instead of `root`."
@@ -146,7 +153,8 @@ class DataConfig(Section):
         """The datasets, with `root` as the one-dataset shorthand."""
         if self.datasets:
             return list(self.datasets)
-        return [PairsSource(type="pairs", root=str(self.root), videos=self.videos, prompts=self.prompts)]
+        return [PairsSource(type="pairs", root=str(self.root), videos=self.videos, prompts=self.prompts,
+                            controls=self.controls)]
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """The buckets, with frames / height / width as the one-bucket shorthand."""
@@ -154,9 +162,12 @@ class DataConfig(Section):
 
 
 class TrainingConfig(Section):
-    algorithm: Literal["lora", "full", "guidance-distillation", "step-distillation"] = Field(
+    algorithm: Literal["lora", "full", "control-lora", "control-full", "guidance-distillation",
+                       "step-distillation"] = Field(
         "lora", description="`lora`: train adapters, save them; `full`: train the denoiser's own weights (see `full`); "
-        "`guidance-distillation` / `step-distillation`: distil the frozen model into a student (see `distillation`)."
+        "`control-lora` / `control-full`: also take a control clip per sample, concatenated to the latents "
+        "(see `control`); `guidance-distillation` / `step-distillation`: distil the frozen model into a student "
+        "(see `distillation`)."
     )
     steps: int = Field(1000, gt=0, description="Optimizer steps.")
     batch_size: int = Field(1, gt=0, description="Clips per micro-batch (per process under torchrun).")
@@ -337,6 +348,15 @@ class ValidationConfig(Section):
     width: int | None = Field(None, gt=0, description="Default: data.width.")
 
 
+class ControlConfig(Section):
+    processor: Literal["canny"] | None = Field(
+        None, description="Control training: compute each sample's control clip from its target clip instead of "
+        "reading control clips; `canny`: OpenCV edges (pip install 'vidtune[canny]')."
+    )
+    canny_low: float = Field(100.0, ge=0, description="`canny`: the lower hysteresis threshold (0-255 grey).")
+    canny_high: float = Field(200.0, ge=0, description="`canny`: the upper hysteresis threshold (0-255 grey).")
+
+
 class MemoryConfig(Section):
     base_weights: Literal["auto", "fp8", "int8", "nf4"] = Field(
         "auto",
@@ -442,6 +462,9 @@ class Config(Section):
         default_factory=ValidationConfig, description="Sample videos made with the trained weights."
     )
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Memory savers.")
+    control: ControlConfig = Field(
+        default_factory=ControlConfig, description="Control training (training.algorithm=control-lora/control-full)."
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bars and metrics.")
     precompute: PrecomputeConfig = Field(
         default_factory=PrecomputeConfig, description="Encoding captions and clips once, into a cache."
@@ -459,10 +482,11 @@ class Config(Section):
                 f"({self.training.steps})"
             )
         base_weights = self.memory.base_weights
-        if base_weights != "auto" and self.training.algorithm == "full":
+        if base_weights != "auto" and self.training.algorithm in ("full", "control-lora", "control-full"):
             raise ValueError(
                 f"memory.base_weights={base_weights} works with adapter algorithms (training.algorithm=lora) only: "
-                "full fine-tuning trains those weights, which cannot be stored quantized; set memory.base_weights=auto"
+                f"{self.training.algorithm} trains base weights (control: the widened input layer), which cannot be "
+                "stored quantized; set memory.base_weights=auto"
             )
         if self.training.algorithm == "step-distillation" and self.distillation.student == "full":
             raise ValueError(

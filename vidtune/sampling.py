@@ -14,6 +14,7 @@ final latents (safetensors, key `latents`, the training layout [B, C, F, H, W], 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -27,11 +28,13 @@ from safetensors.torch import save_file
 
 from vidtune import outputs
 from vidtune.config import Config, load_config
+from vidtune.control import encode_control, has_control, load_control
 from vidtune.data.sources import Clip
 from vidtune.data.video import frames_to_uint8, read_clip, write_video
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.models.spec import ModelSpec
+from vidtune.processors import configured_processor
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,10 @@ class RunPipeline:
     config: Config  # the run's resolved config
     weights: Path  # the adapter file or transformer folder in the pipeline
     device: torch.device
+    # A control run's widened input layer (set its latents with `control.given`), and the VAE (as the spec loads
+    # it) that encodes control clips.
+    control: Any = None
+    vae: Any = None
 
     @property
     def bf16(self) -> bool:
@@ -208,8 +215,10 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
 
     Built from the run's resolved config (`config.yaml`): the spec loads the text encoders, the VAE and the
     denoiser (a full fine-tune's own `transformer/`) and assembles the family's pipeline class with its
-    scheduler; an adapter is then loaded with the pipeline's `load_lora_weights`. `ema`: the weights' moving
-    average (None: when the run has one, as its validation samples did).
+    scheduler; an adapter is then loaded with the pipeline's `load_lora_weights`. A control run's input layer is
+    then widened and loaded from `control_input.safetensors` (see vidtune/control.py); sample it within
+    `run.control.given(latents)`. `ema`: the weights' moving average (None: when the run has one, as its
+    validation samples did).
 
         run = load_pipeline("outputs/my-lora")
         video = run.pipeline(prompt="a dog running on a beach", num_frames=49, height=512, width=768).frames[0]
@@ -235,10 +244,12 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = parse_device(str(device), "--device") if not isinstance(device, torch.device) else device
     denoiser = spec.load_denoiser(device).requires_grad_(False).eval()
-    pipeline = spec.pipeline(spec.load_text(device), spec.load_vae(device), denoiser)
+    vae = spec.load_vae(device)
+    pipeline = spec.pipeline(spec.load_text(device), vae, denoiser)
     if adapter:
         pipeline.load_lora_weights(str(run), weight_name=weights.name)
-    return RunPipeline(pipeline, spec, config, weights, device)
+    control = load_control(spec, pipeline.transformer, run) if has_control(run) else None
+    return RunPipeline(pipeline, spec, config, weights, device, control, vae)
 
 
 def check_sample_shape(spec: ModelSpec, settings: SampleSettings) -> None:
@@ -253,10 +264,11 @@ def check_sample_shape(spec: ModelSpec, settings: SampleSettings) -> None:
 
 
 def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | None = None,
-               latents: Path | None = None, **overrides: Any) -> Path:
+               latents: Path | None = None, control: Path | None = None, **overrides: Any) -> Path:
     """One sample of `run` into `output` (mp4, + .png, + .txt; + `latents`). `overrides`: SampleSettings fields
     (num_inference_steps, guidance_scale, seed, frames, height, width); the rest are the run's validation
-    settings. An image-to-video family starts from `image`, else from the run's first clip (as validation)."""
+    settings. An image-to-video family starts from `image`, else from the run's first clip (as validation); a
+    control run follows the control clip `control`, else the run's first clip's control clip (as validation)."""
     from vidtune.data.sources import read_sources
 
     spec, config = run.spec, run.config
@@ -279,10 +291,41 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
                                "What to do: pass --image PNG.") from None
         print(f"Starting from the first frame of {clips[0].video} (the run's first clip; --image to choose).",
               flush=True)
+    given = contextlib.nullcontext()
+    if control is not None and run.control is None:
+        raise VidtuneError(f"--control: {run.weights} was not trained with control clips (training.algorithm "
+                           f"{config.training.algorithm}).\nWhat to do: leave out --control, or sample a run of "
+                           "control-lora or control-full.")
+    if run.control is not None:
+        given = run.control.given(run_control_latents(run, settings, control))
     run.pipeline.set_progress_bar_config(disable=True)
     output.parent.mkdir(parents=True, exist_ok=True)
-    return render_sample(spec, run.pipeline, prompt, settings, settings.seed, output, reference=reference,
-                         bf16=run.bf16, latents_path=latents)
+    with given:
+        return render_sample(spec, run.pipeline, prompt, settings, settings.seed, output, reference=reference,
+                             bf16=run.bf16, latents_path=latents)
+
+
+def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:
+    """The latents of the control clip a control run samples from: `control`, or the run's first clip's."""
+    from vidtune.data.sources import read_sources
+
+    data = run.config.data
+    processor = configured_processor(run.config)  # the run computed its controls: --control is their source
+    if control is None:
+        try:
+            first = read_sources(data).clips[0]
+            control = first.video if processor is not None else first.control
+        except (VidtuneError, OSError, IndexError):
+            control = None
+        if control is None:
+            raise VidtuneError(f"{run.spec.name} was trained with control clips: without --control it follows the "
+                               "run's first clip's control clip, but the run's data cannot be read.\nWhat to do: "
+                               "pass --control CLIP.")
+        print(f"Following the control clip {control} (the run's first clip's; --control to choose).", flush=True)
+    elif not Path(control).is_file():
+        raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
+    return encode_control(run.spec, run.vae, Path(control), settings.frames, settings.height, settings.width,
+                          fps=data.fps, resize=data.resize, processor=processor)
 
 
 def next_sample_path(run_dir: Path) -> Path:

@@ -147,7 +147,7 @@ def test_sample_refusals_say_what_to_do(make_config, tmp_path, capsys):
     cases = [
         ([str(tmp_path), "--prompt", "x"], "is not the folder of a vidtune run: it has no config.yaml"),
         ([run, "--prompt", "x", "--image", str(tmp_path / "a.png")], "--image: ltx-video generates from text alone"),
-        ([run, "--prompt", "x", "--control", "c.mp4"], "--control: sampling from a control clip needs"),
+        ([run, "--prompt", "x", "--control", "c.mp4"], "was not trained with control clips (training.algorithm lora)"),
         ([run, "--prompt", "x", "--frames", "10"], "--frames=10 must be 4k+1"),
         ([run, "--prompt", "x", "--output", "a.gif"], "--output a.gif: the file name must end in .mp4"),
         ([run, "--prompt", "x", "--ema"], None),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from torch.utils.data import Dataset
 from vidtune.data.buckets import Shape, visit_start
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipTooShortError, VideoDecodeError, read_clip
+from vidtune.processors import ProcessorChoice, apply_processor
 
 Key = tuple[int, int, int]  # (stream position, sample index, bucket): see vidtune.data.buckets.ScheduleSampler
 
@@ -24,13 +26,15 @@ class VideoCaptionDataset(Dataset):
     """
 
     def __init__(self, clips: Sequence[Clip], shapes: Sequence[Shape], fps: float | None = None,
-                 resize: str = "crop", frame_sampling: str = "start", seed: int = 0) -> None:
+                 resize: str = "crop", frame_sampling: str = "start", seed: int = 0,
+                 processor: ProcessorChoice | None = None) -> None:
         self.clips = list(clips)
         self.shapes = list(shapes)
         self.fps = fps
         self.resize = resize
         self.frame_sampling = frame_sampling
         self.seed = seed
+        self.processor = processor  # control training: the control clip computed from the clip
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -42,19 +46,29 @@ class VideoCaptionDataset(Dataset):
         start = 0
         if clip.info is not None and not clip.is_image:
             start = visit_start(clip.info, frames, self.fps, self.frame_sampling, self.seed, position)
+        item = {"video": self.read(clip, clip.video, frames, height, width, start), "caption": clip.caption,
+                "index": clip.index, "position": position}
+        if self.processor is not None:
+            item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), item["video"])
+        elif clip.control is not None:  # control training: the same window of the control clip
+            item["control"] = self.read(clip, clip.control, frames, height, width, start)
+        return item
+
+    def read(self, clip: Clip, path: Path, frames: int, height: int, width: int, start: int) -> torch.Tensor:
         try:
-            video = read_clip(clip.video, frames, height, width, fps=self.fps, start=start, resize=self.resize)
+            return read_clip(path, frames, height, width, fps=self.fps, start=start, resize=self.resize)
         except (VideoDecodeError, ClipTooShortError) as error:
             # Raised in a worker mid-training: say which line, since the user only knows their own files.
-            raise VideoDecodeError(clip.video, error.reason, where=clip.where) from error
-        return {"video": video, "caption": clip.caption, "index": clip.index, "position": position}
+            raise VideoDecodeError(path, error.reason, where=clip.where) from error
 
 
 def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Stack videos to [B, F, 3, H, W]; captions stay a list; indices and positions become LongTensors."""
     if not batch:
         raise ValueError("cannot collate an empty batch")
+    controls = {"control": torch.stack([item["control"] for item in batch])} if "control" in batch[0] else {}
     return {
+        **controls,
         "video": torch.stack([item["video"] for item in batch]),
         "caption": [item["caption"] for item in batch],
         "index": torch.tensor([item["index"] for item in batch], dtype=torch.long),

@@ -64,6 +64,7 @@ class Clip:
     row: int = 0
     info: VideoInfo | None = field(default=None, compare=False)
     bucket: int | None = None
+    control: Path | None = None  # control training: the clip the denoiser is conditioned on (same frames, shape)
 
     @property
     def where(self) -> str:
@@ -350,10 +351,12 @@ def read_sources(data: Any) -> DatasetReport:
         try:  # each reader returns the samples it could read and a problem for everything else
             if source.type == "pairs":
                 found, problems = _read_pairs(Path(source.root), source.videos, source.prompts)
+                found = _read_controls(Path(source.root), source.controls, found, problems)
             elif source.type == "folder":
                 found, problems = _read_folder(Path(source.root), report)
             else:
-                found, problems = _read_metadata(Path(source.path), source.video_column, source.caption_column)
+                found, problems = _read_metadata(Path(source.path), source.video_column, source.caption_column,
+                                                 source.control_column)
         except DataError as error:  # the source as a whole cannot be read
             problems = error.problems
         where = f"(in {source.root}) " if source.type == "pairs" and len(sources) > 1 else ""
@@ -400,6 +403,33 @@ def load_dataset(data: Any, progress: bool = True) -> list[Clip]:
     for warning in report.warnings:
         print(f"Note: {warning}", flush=True)
     return report.clips
+
+
+def _read_controls(root: Path, controls_file: str, clips: list[Clip], problems: list[str]) -> list[Clip]:
+    """Control training: each clip's control clip from `controls_file` beside the clip list (line n is the
+    control of the clip on line n), when that file exists; a problem for every line that names no file."""
+    root = root.expanduser().absolute()
+    path = root / controls_file
+    if not path.is_file():
+        return clips
+    try:
+        lines = read_lines(path)
+    except DataError as error:
+        problems.extend(error.problems)
+        return clips
+    name = _display_name(controls_file)
+    with_controls = []
+    for clip in clips:
+        text = lines[clip.line - 1] if clip.line <= len(lines) else ""
+        control = _resolve_clip(root, text) if text else None
+        if control is None:
+            problems.append(f"{name} line {clip.line} is missing or empty: write the control clip of {clip.where} "
+                            f"({clip.video.name}) there; {name} has one control clip a line, in the clips' order.")
+        elif not control.is_file():
+            problems.append(f"{name} line {clip.line}: the control clip {_preview(text)} was not found (looked for "
+                            f"{control}). Check the spelling, or write the path relative to {root}.")
+        with_controls.append(replace(clip, control=control))
+    return with_controls
 
 
 def _read_folder(root: Path, report: DatasetReport) -> tuple[list[Clip], list[str]]:
@@ -453,7 +483,8 @@ def _listing(paths: list[Path], root: Path) -> str:
     return ", ".join(names) + more
 
 
-def _read_metadata(path: Path, video_column: str, caption_column: str) -> tuple[list[Clip], list[str]]:
+def _read_metadata(path: Path, video_column: str, caption_column: str,
+                   control_column: str | None = None) -> tuple[list[Clip], list[str]]:
     """The samples of a .csv (with a header row) or .jsonl file; clip paths relative to the file's folder."""
     path = path.expanduser().absolute()
     suffix = path.suffix.lower()
@@ -465,11 +496,11 @@ def _read_metadata(path: Path, video_column: str, caption_column: str) -> tuple[
         raise DataError([f"The metadata file {path} {'is a folder' if path.exists() else 'does not exist'}: point "
                          "the `metadata` dataset's path at a .csv or .jsonl file."])
     text = "\n".join(read_lines(path))  # UTF-8 (with a clear message if not), any line ends
-    rows = _csv_rows(path, text, video_column, caption_column) if suffix == ".csv" else \
-        _jsonl_rows(path, text, video_column, caption_column)
+    rows = _csv_rows(path, text, video_column, caption_column, control_column) if suffix == ".csv" else \
+        _jsonl_rows(path, text, video_column, caption_column, control_column)
     problems: list[str] = []
     clips: list[Clip] = []
-    for line, row, video, caption, problem in rows:
+    for line, row, video, caption, problem, *control_value in rows:
         where = f"{path.name} row {row} (line {line})" if row else f"{path.name} line {line}"
         if problem:
             problems.append(f"{where}: {problem}")
@@ -486,45 +517,64 @@ def _read_metadata(path: Path, video_column: str, caption_column: str) -> tuple[
             problems.append(f"{where}: {_preview(video)} {state} (looked for {resolved}). Check the spelling, or "
                             f"write the path relative to {path.parent}.")
             continue
-        clips.append(Clip(resolved, caption, len(clips), line, path.name, is_image=is_image_path(resolved), row=row))
+        control = None
+        if control_column is not None:
+            control_text = control_value[0] if control_value else ""
+            if not control_text:
+                problems.append(f"{where}: the {control_column!r} value is empty: write the path of the control clip "
+                                f"of {video!r}.")
+                continue
+            control = _resolve_clip(path.parent, control_text)
+            if not control.is_file():
+                problems.append(f"{where}: the control clip {_preview(control_text)} was not found (looked for "
+                                f"{control}). Check the spelling, or write the path relative to {path.parent}.")
+                continue
+        clips.append(Clip(resolved, caption, len(clips), line, path.name, is_image=is_image_path(resolved), row=row,
+                          control=control))
     if not clips and not problems:
         problems.append(f"{path} names no samples: write one clip or image and its caption per "
                         f"{'row' if suffix == '.csv' else 'line'}.")
     return clips, problems
 
 
-Row = tuple[int, int, str, str, str | None]  # (line, CSV row or 0, video, caption, problem)
+# (line, CSV row or 0, video, caption, problem[, control clip when a control column is read])
+Row = tuple[int, int, str, str, str | None] | tuple[int, int, str, str, str | None, str]
 
 
-def _csv_rows(path: Path, text: str, video_column: str, caption_column: str) -> list[Row]:
+def _csv_rows(path: Path, text: str, video_column: str, caption_column: str,
+              control_column: str | None = None) -> list[Row]:
     reader = csv.reader(io.StringIO(text, newline=""))
     try:
         header = [cell.strip(_STRIP) for cell in next(reader)]
     except StopIteration:
         raise DataError([f"{path} is empty: write a header row (e.g. {video_column},{caption_column}) and one row "
                          "per clip."]) from None
-    missing = [column for column in (video_column, caption_column) if column not in header]
+    columns = (video_column, caption_column, *([control_column] if control_column else []))
+    missing = [column for column in columns if column not in header]
     if missing:
         raise DataError([f"{path.name} has no column {' and no column '.join(repr(c) for c in missing)} (line 1, "
                          f"the header row); its columns are: {', '.join(repr(c) for c in header if c) or 'none'}. "
-                         "Rename the column in the file, or set video_column / caption_column in the dataset entry "
-                         "to the column that holds it."], hint=f"File: {path}")
-    video_at, caption_at = header.index(video_column), header.index(caption_column)
+                         "Rename the column in the file, or set video_column / caption_column / control_column in "
+                         "the dataset entry to the column that holds it."], hint=f"File: {path}")
+    at = [header.index(column) for column in columns]
     rows: list[Row] = []
     line = reader.line_num + 1
     for number, cells in enumerate(reader, start=1):
         start, line = line, reader.line_num + 1
         if not any(cell.strip(_STRIP) for cell in cells):
             continue  # a blank line between rows
-        if len(cells) <= max(video_at, caption_at):
+        if len(cells) <= max(at):
             rows.append((start, number, "", "", f"it has {len(cells)} cells but the header has {len(header)}: "
                          "check for a missing comma or a caption with a comma that is not in double quotes."))
             continue
-        rows.append((start, number, cells[video_at].strip(_STRIP), cells[caption_at].strip(_STRIP), None))
+        video, caption, *control = (cells[i].strip(_STRIP) for i in at)
+        rows.append((start, number, video, caption, None, *control))
     return rows
 
 
-def _jsonl_rows(path: Path, text: str, video_column: str, caption_column: str) -> list[Row]:
+def _jsonl_rows(path: Path, text: str, video_column: str, caption_column: str,
+                control_column: str | None = None) -> list[Row]:
+    columns = (video_column, caption_column, *([control_column] if control_column else []))
     rows: list[Row] = []
     for line, content in enumerate(text.split("\n"), start=1):
         if not content:
@@ -538,15 +588,17 @@ def _jsonl_rows(path: Path, text: str, video_column: str, caption_column: str) -
         if not isinstance(item, dict):
             rows.append((line, 0, "", "", "this is not a JSON object ({...}): write one object per line."))
             continue
-        missing = [key for key in (video_column, caption_column) if key not in item]
+        missing = [key for key in columns if key not in item]
         if missing:
             rows.append((line, 0, "", "", f"no key {' and no key '.join(repr(k) for k in missing)}; its keys are: "
                          f"{', '.join(repr(k) for k in item) or 'none'}. Rename the key, or set video_column / "
-                         "caption_column in the dataset entry."))
+                         "caption_column / control_column in the dataset entry."))
             continue
-        values = [item[video_column], item[caption_column]]
+        values = [item[column] for column in columns]
         if not all(isinstance(value, str) for value in values):
-            rows.append((line, 0, "", "", f"{video_column!r} and {caption_column!r} must be text (in double quotes)."))
+            rows.append((line, 0, "", "", f"{' and '.join(repr(c) for c in columns)} must be text (in double "
+                         "quotes)."))
             continue
-        rows.append((line, 0, values[0].strip(_STRIP), values[1].strip(_STRIP), None))
+        video, caption, *control = (value.strip(_STRIP) for value in values)
+        rows.append((line, 0, video, caption, None, *control))
     return rows

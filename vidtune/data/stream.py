@@ -29,8 +29,9 @@ from vidtune.config import Config
 from vidtune.data.buckets import BatchSchedule, ScheduleSampler
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.sources import Clip
-from vidtune.models.spec import Conditions, Latents, ModelSpec, TextComponents
+from vidtune.models.spec import CONTROL_LATENTS, Conditions, Latents, ModelSpec, TextComponents
 from vidtune.precompute import CachedClips, collate_cached, encode_captions, encode_videos, stack_items
+from vidtune.processors import configured_processor
 
 
 @dataclass
@@ -104,7 +105,7 @@ class EncodedBatches(BatchSource):
     def loader(self, sampler: ScheduleSampler) -> DataLoader:
         data = self.config.data
         dataset = VideoCaptionDataset(self.clips, data.bucket_shapes(), data.fps, data.resize, data.frame_sampling,
-                                      self.config.training.seed)
+                                      self.config.training.seed, configured_processor(self.config))
         return DataLoader(
             dataset,
             batch_sampler=sampler,
@@ -118,6 +119,9 @@ class EncodedBatches(BatchSource):
         count = len(raw["caption"])
         conditions = stack_items(encode_captions(self.spec, self.text, raw["caption"], batch_size=count))
         latents = stack_items(encode_videos(self.spec, self.vae, raw["video"], batch_size=count))
+        if "control" in raw:  # control training: the control clips' latents, from the same VAE
+            controls = stack_items(encode_videos(self.spec, self.vae, raw["control"], batch_size=count))
+            latents[CONTROL_LATENTS] = controls["latents_mean"]
         return conditions, latents
 
     def empty_caption(self) -> Conditions:

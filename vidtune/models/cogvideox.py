@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 class CogVideoXSpec(ModelSpec):
     name = "cogvideox"
+    # Conv2d over each frame's [C, H, W] (CogVideoX 1.5: a Linear over patches, channels most significant).
+    control_input_layer = "patch_embed.proj"
     validation_guidance_scale = 6.0
     pipeline_class = CogVideoXPipeline
     # CogVideoX 1.5 (a temporal patch): a latent frame count that is not a multiple of the patch is padded at the
@@ -186,6 +188,10 @@ class CogVideoXSpec(ModelSpec):
             return None
         view = SimpleNamespace(vae_scale_factor_spatial=1, transformer=denoiser)
         return CogVideoXPipeline._prepare_rotary_positional_embeddings(view, height, width, frames, device)
+
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+        """The transformer reads [B, F, C, H, W]: channels on dimension 2."""
+        return control.permute(0, 2, 1, 3, 4), 2
 
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor

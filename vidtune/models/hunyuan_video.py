@@ -58,6 +58,7 @@ PIPELINE_SIDE_MULTIPLE = 16  # HunyuanVideoPipeline.check_inputs rejects other s
 
 class HunyuanVideoSpec(ModelSpec):
     name = "hunyuan-video"
+    control_input_layer = "x_embedder.proj"  # Conv3d over [B, C, F, H, W]
     # Joint attention: the text stream has projections of its own. `proj_mlp` is the single blocks' MLP input; their
     # output `proj_out` (attention and MLP fused) shares its name with the final projection: only `all-linear` has it.
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {

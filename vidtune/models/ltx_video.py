@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
+    control_input_layer = "proj_in"  # Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
@@ -91,6 +92,12 @@ class LTXVideoSpec(ModelSpec):
         """The scale LTXPipeline passes at inference; training with another one builds an unusable model."""
         spatial, temporal, _, _ = self.compression
         return (temporal / self.frame_rate, spatial, spatial)
+
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+        """Packed like the latents ([B, tokens, C * patch volume], channels most significant): appended on the
+        last dimension, the control's patches meet the widened inputs of `proj_in`."""
+        config = denoiser.config
+        return LTXPipeline._pack_latents(control, config.patch_size, config.patch_size_t), -1
 
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor

@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 
 class MochiSpec(ModelSpec):
     name = "mochi"
+    control_input_layer = "patch_embed.proj"  # Conv2d over each frame's [C, H, W]
     # Joint attention: the text stream has projections (and a feed-forward) of its own.
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
         "attention": ATTENTION_TARGETS + JOINT_ATTENTION_TARGETS,

@@ -52,6 +52,8 @@ ALL_LINEAR = "all-linear"
 # Keys of `prepare_latents` that describe the posterior; any other key it returns is a video-derived
 # condition (e.g. an image-to-video first-frame latent) and is handed to `forward` with the text ones.
 POSTERIOR_KEYS = ("latents_mean", "latents_std")
+# Control training: the key of a batch's control latents (the control clips' posterior means, [B, C, F, H, W]).
+CONTROL_LATENTS = "control_latents"
 
 
 def step_callback(callback: StepCallback | None) -> dict[str, Any]:
@@ -180,6 +182,10 @@ class ModelSpec(ABC):
     # Bump when the family's prepare_conditions / prepare_latents code changes what it computes, so that
     # precomputed entries made by the old code are not reused (see `condition_identity`).
     cache_version: ClassVar[int] = 1
+    # Control training (`training.algorithm: control-*`, see vidtune/control.py): the denoiser's input projection,
+    # widened to take the control latents; None with `control_refusal` saying why the family cannot.
+    control_input_layer: ClassVar[str | None] = None
+    control_refusal: ClassVar[str] = "its spec names no input projection to widen."
     # diffusers / transformers classes of the components, used by the default loaders below, and the
     # family's pipeline (its `save_lora_weights` writes the LoRA format the family's tools read).
     pipeline_class: ClassVar[Any]
@@ -462,6 +468,16 @@ class ModelSpec(ABC):
             follow_umask(written)
             os.replace(written, target)
         return target
+
+    def control_channels(self, denoiser: nn.Module) -> int:
+        """Channels of a control latent: the VAE's latent channels, which the denoiser predicts."""
+        config = denoiser.config
+        return int(config.out_channels or config.in_channels)
+
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+        """A control latent [B, C, F, H, W] in the layout of the denoiser's `hidden_states`, and the dimension
+        its channels are on (the control is concatenated last there). By default the VAE's layout, channels 1."""
+        return control, 1
 
     def empty_conditions(self, conditions: Conditions) -> Conditions:
         """The `zero` caption-dropout technique: same shapes, zero embedding (masks kept)."""

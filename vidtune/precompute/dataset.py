@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from vidtune.config import Config
 from vidtune.data.buckets import visit_window
 from vidtune.data.sources import Clip
-from vidtune.models.spec import ModelSpec
+from vidtune.models.spec import CONTROL_LATENTS, ModelSpec
 from vidtune.precompute.cache import CorruptEntryError
 from vidtune.precompute.encode import Tensors, as_posterior, recompute_entry, stack_items
 from vidtune.precompute.plan import CachePlan
@@ -64,9 +64,14 @@ class CachedClips(Dataset):
         clip = self.clips[item]
         windows = self.plan.latent_windows[item]
         window = visit_window(len(windows), self.config.data.frame_sampling, self.config.training.seed, position)
+        latents = as_posterior(self.read("latents", windows[window]))
+        controls = self.plan.control_windows[item] if self.plan.control_windows else []
+        if controls:  # control training: the same window of the control clip, its posterior mean
+            control = as_posterior(self.read("latents", controls[window]))["latents_mean"]
+            latents = {**latents, CONTROL_LATENTS: control}
         return {
             "conditions": self.conditions(self.plan.condition_keys[item]),
-            "latents": as_posterior(self.read("latents", windows[window])),
+            "latents": latents,
             "caption": clip.caption,
             "index": clip.index,
             "position": position,

@@ -33,6 +33,7 @@ from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
 from vidtune.precompute.cache import CacheStore, Fingerprints, entry_key
+from vidtune.processors import apply_processor, configured_processor, processor_identity
 
 # Bump when `read_clip` changes what it returns for the same arguments.
 PREPROCESS_VERSION = 2
@@ -102,6 +103,8 @@ class Preprocess:
     fps: float | None = None
     resize: str = "crop"  # read_clip: crop / fit / stretch to the size
     start: int = 0  # the window's first source frame
+    # Control training with `control.processor`: (name, sorted options) of the processor the clip goes through.
+    processor: tuple[str, tuple[tuple[str, Any], ...]] | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> Preprocess:
@@ -110,12 +113,19 @@ class Preprocess:
         return cls(data.frames, data.height, data.width, data.fps, data.resize)
 
     def read(self, path: str | Path) -> torch.Tensor:
-        return read_clip(path, self.frames, self.height, self.width, fps=self.fps, start=self.start,
-                         resize=self.resize)
+        video = read_clip(path, self.frames, self.height, self.width, fps=self.fps, start=self.start,
+                          resize=self.resize)
+        if self.processor is None:
+            return video
+        name, options = self.processor
+        return apply_processor(name, dict(options), video)
 
     def describe(self) -> dict[str, Any]:
-        return {"frames": self.frames, "height": self.height, "width": self.width, "fps": self.fps,
-                "resize": self.resize, "start": self.start, "version": PREPROCESS_VERSION}
+        described = {"frames": self.frames, "height": self.height, "width": self.width, "fps": self.fps,
+                     "resize": self.resize, "start": self.start, "version": PREPROCESS_VERSION}
+        if self.processor is not None:  # only then: keys of unprocessed clips stay what they were
+            described["processor"] = processor_identity(self.processor[0], dict(self.processor[1]))
+        return described
 
 
 def precompute_device(name: str, training_device: str, key: str) -> torch.device:
@@ -138,6 +148,8 @@ class CachePlan:
     condition_keys: list[str] = field(default_factory=list)  # one per sample
     latent_keys: list[str] = field(default_factory=list)  # one per sample: its first window
     latent_windows: list[list[str]] = field(default_factory=list)  # per sample: every window it offers
+    # Control training: per sample, its control clip's entry for each of those windows (empty without control).
+    control_windows: list[list[str]] = field(default_factory=list)
     conditions: dict[str, str] = field(default_factory=dict)  # key -> caption, dataset order
     latents: dict[str, Path] = field(default_factory=dict)  # key -> clip, dataset order
     latent_preprocess: dict[str, Preprocess] = field(default_factory=dict)  # key -> how its clip is read
@@ -183,6 +195,7 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         "store": options.store,
     }
     data, shapes = config.data, config.data.bucket_shapes()
+    processor = configured_processor(config)
 
     def condition(caption: str) -> str:
         key = entry_key("conditions", {**text_parts, "caption": caption})
@@ -197,17 +210,27 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         starts = [0]
         if clip.info is not None and not clip.is_image:
             starts = window_starts(clip.info, frames, data.fps, data.frame_sampling, options.windows_per_clip)
-        windows = []
+        # Control training: the control clip's latents are keyed like any clip's, over the same windows.
+        # With `control.processor`, the control is the clip itself through the processor.
+        sources = [(clip.video, clip_hash, None)]
+        if config.training.algorithm.startswith("control"):
+            if processor is not None:
+                sources.append((clip.video, clip_hash, processor))
+            elif clip.control is not None:
+                sources.append((clip.control, fingerprints.file(clip.control), None))
+        keys: list[list[str]] = [[] for _ in sources]
         for start in starts:
-            preprocess = Preprocess(frames, height, width, data.fps, data.resize, start)
-            key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": clip_hash})
-            windows.append(key)
-            plan.latents.setdefault(key, clip.video)
-            plan.latent_preprocess.setdefault(key, preprocess)
-            plan.latent_info.setdefault(key, {"clip": str(clip.video), "clip_sha256": clip_hash,
-                                              **preprocess.describe(), "store": options.store})
-        plan.latent_keys.append(windows[0])
-        plan.latent_windows.append(windows)
+            for (path, content_hash, processed), windows in zip(sources, keys, strict=True):
+                preprocess = Preprocess(frames, height, width, data.fps, data.resize, start, processed)
+                key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": content_hash})
+                windows.append(key)
+                plan.latents.setdefault(key, path)
+                plan.latent_preprocess.setdefault(key, preprocess)
+                plan.latent_info.setdefault(key, {"clip": str(path), "clip_sha256": content_hash,
+                                                  **preprocess.describe(), "store": options.store})
+        plan.latent_keys.append(keys[0][0])
+        plan.latent_windows.append(keys[0])
+        plan.control_windows.append(keys[1] if len(keys) > 1 else [])
     if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
         plan.empty_key = condition("")
     return plan

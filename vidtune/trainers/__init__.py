@@ -9,6 +9,8 @@ from vidtune.trainers.base import Trainer, TrainResult
 ALGORITHMS = {
     "lora": "vidtune.trainers.lora:LoRATrainer",
     "full": "vidtune.trainers.full:FullTrainer",
+    "control-lora": "vidtune.trainers.control:ControlLoRATrainer",
+    "control-full": "vidtune.trainers.control:ControlFullTrainer",
     "guidance-distillation": "vidtune.trainers.guidance_distillation:guidance_distillation_trainer",
     "step-distillation": "vidtune.trainers.step_distillation:StepDistillationTrainer",
 }

@@ -1,0 +1,149 @@
+"""Control training: the denoiser also sees a control clip of each sample (edges, depth, a pose video...).
+
+The control clip's latents (the same VAE, `Batch.latents["control_latents"]`) are concatenated to the noisy latents
+along channels; the denoiser's input projection (`ModelSpec.control_input_layer`) is widened for them with zero
+weights, so step 0 is the base model exactly (see vidtune/control.py). The widened layer trains fully; the rest
+trains as LoRA (`control-lora`) or as a full fine-tune (`control-full`, `full.*` patterns).
+
+What a run writes: `control-lora` the adapter (`pytorch_lora_weights.safetensors`), `control-full` the denoiser
+(`transformer/`, its input layer cut back to the base model's inputs so any diffusers loader reads it), and both
+`control_input.safetensors` (the whole widened layer) with `control.json` (which layer, how many inputs). Load
+them with `vidtune.sampling.load_pipeline` or sample with `vidtune sample RUN --control CLIP`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict
+from torch import nn
+
+from vidtune.control import ControlInput, encode_control, narrow, replace_module
+from vidtune.data.stream import Batch
+from vidtune.errors import ConfigError, DataError
+from vidtune.models.spec import CONTROL_LATENTS
+from vidtune.processors import configured_processor, opencv
+from vidtune.sampling import SampleSettings
+from vidtune.trainers.base import Trainer
+from vidtune.trainers.full import FullTrainer
+from vidtune.trainers.lora import LoRATrainer
+
+# How a checkpoint of `control-lora` names the widened layer's weights beside the adapter's.
+CONTROL_PREFIX = "control_input."
+
+
+class ControlTraining(Trainer):
+    """What both control algorithms add to their base algorithm (listed first among the bases)."""
+
+    control: ControlInput | None = None
+
+    def check_inputs(self) -> None:
+        super().check_inputs()
+        if self.config.training.ema_decay is not None:
+            raise ConfigError(f"training.ema_decay: {self.algorithm} does not keep a moving average of the "
+                              "weights yet.\nWhat to do: leave training.ema_decay unset.")
+        processor = configured_processor(self.config)
+        if processor is not None:
+            opencv()  # a missing library fails here, before any long work
+            listed = [clip for clip in self.clips if clip.control is not None]
+            if listed:
+                raise ConfigError(f"control.processor: {processor[0]} computes the control clips, but the dataset "
+                                  f"also names control clips ({listed[0].where} and {len(listed) - 1} more).\n"
+                                  "What to do: remove the control list (controls.txt, control_column) or unset "
+                                  "control.processor.")
+            return
+        missing = [clip for clip in self.clips if clip.control is None]
+        if missing:
+            raise DataError(
+                [f"{clip.where} ({clip.video.name}) has no control clip." for clip in missing],
+                hint=f"{self.algorithm} needs a control clip for every sample: a `controls.txt` beside "
+                "`videos.txt` (one control clip a line, in the same order), or `control_column` in a metadata "
+                "dataset (see docs/algorithms.md).",
+            )
+
+    def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
+        # Widened first, so `full.*` patterns and the state dicts see the layer under its own name.
+        self.control = ControlInput.attach(self.spec, denoiser)
+        parameters = super().configure_trainable(denoiser)
+        layer = self.control.layer
+        if isinstance(layer, BaseTunerLayer):
+            raise ConfigError(f"lora.target_modules: the adapter would wrap {self.control.layer_name}, the input layer "
+                              f"{self.algorithm} trains fully.\nWhat to do: choose targets without it (e.g. the "
+                              "`attention` preset).")
+        # The widened layer trains fully, in fp32 like every trained weight.
+        layer.float().requires_grad_(True)
+        known = {id(p) for p in parameters}
+        return parameters + [p for p in layer.parameters() if id(p) not in known]
+
+    def export_weights(self, weights: dict[str, torch.Tensor], output: Path,
+                       ema: dict[str, torch.Tensor] | None = None) -> Path:
+        """A checkpoint's weights need the widened layer: the denoiser set up as for training, then `save_final`
+        (control runs keep no moving average)."""
+        self.denoiser = self.spec.load_denoiser(torch.device("cpu"))
+        self.configure_trainable(self.denoiser)
+        self.load_trainable_state_dict(weights)
+        return self.save_final(output)
+
+    def compute_loss(self, batch: Batch) -> torch.Tensor:
+        """The base loss, with this batch's control latents appended to the denoiser's input."""
+        with self.control.given(batch.latents[CONTROL_LATENTS]):
+            return super().compute_loss(batch)
+
+    def validate(self) -> list[Path]:
+        """Validation samples take the first dataset clip's control clip (or, with `control.processor`, its
+        processed first clip)."""
+        self.load_encoders()
+        settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
+        processor = configured_processor(self.config)
+        source = self.clips[0].video if processor is not None else self.clips[0].control
+        latents = encode_control(self.spec, self.vae, source, settings.frames, settings.height, settings.width,
+                                 fps=self.config.data.fps, resize=self.config.data.resize, processor=processor)
+        with self.control.given(latents):
+            return super().validate()
+
+
+# The control clips a checkpoint's weights learnt from cannot change under it.
+CONTROL_FIXED_KEYS = ("control.processor", "control.canny_low", "control.canny_high")
+
+
+class ControlLoRATrainer(ControlTraining, LoRATrainer):
+    algorithm = "control-lora"
+    resume_fixed_keys = LoRATrainer.resume_fixed_keys + CONTROL_FIXED_KEYS
+
+    def resolve_targets(self, module_names: list[str]) -> list[str]:
+        # The widened input layer trains fully: `all-linear` adapts every other linear layer.
+        return super().resolve_targets([name for name in module_names if name != self.spec.control_input_layer])
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        control = {CONTROL_PREFIX + key: value for key, value in self.control.state_dict().items()}
+        return {**get_peft_model_state_dict(self.denoiser), **control}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        control = {k.removeprefix(CONTROL_PREFIX): v for k, v in state.items() if k.startswith(CONTROL_PREFIX)}
+        self.control.layer.load_state_dict(control)
+        super().load_trainable_state_dict({k: v for k, v in state.items() if not k.startswith(CONTROL_PREFIX)})
+
+    def save_final(self, folder: Path) -> Path:
+        """The adapter (no ComfyUI file: ComfyUI's LoRA loaders cannot widen the input) and the control input."""
+        written = self.spec.save_lora(folder, get_peft_model_state_dict(self.denoiser), self.adapter_metadata())
+        self.control.save(Path(folder))
+        return written
+
+
+
+class ControlFullTrainer(ControlTraining, FullTrainer):
+    algorithm = "control-full"
+    resume_fixed_keys = FullTrainer.resume_fixed_keys + CONTROL_FIXED_KEYS
+
+    def save_final(self, folder: Path) -> Path:
+        """`transformer/` with the input layer's base part (so the base class loads it), and the control input."""
+        wide = self.control.layer
+        replace_module(self.denoiser, self.control.layer_name, narrow(wide, self.control.in_features))
+        try:
+            written = super().save_final(folder)
+        finally:
+            replace_module(self.denoiser, self.control.layer_name, wide)
+        self.control.save(Path(folder), dtype=self.base_dtype)
+        return written

@@ -152,15 +152,8 @@ class GuidanceDistillationTrainer(GuidanceDistillation, LoRATrainer):
     algorithm = "guidance-distillation"
     resume_fixed_keys = (*LoRATrainer.resume_fixed_keys, "distillation.student")
 
-    @contextlib.contextmanager
-    def teacher(self) -> Iterator[nn.Module]:
-        # The unwrapped denoiser: under torchrun no DDP hooks run for a forward without gradients.
-        self.denoiser.disable_adapters()
-        try:
-            with torch.no_grad():
-                yield self.denoiser
-        finally:
-            self.denoiser.enable_adapters()  # also gives the adapters back their requires_grad
+    def teacher(self) -> contextlib.AbstractContextManager[nn.Module]:
+        return self.frozen_base()
 
 
 class FullGuidanceDistillationTrainer(GuidanceDistillation, FullTrainer):

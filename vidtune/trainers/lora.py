@@ -7,7 +7,8 @@ adapter file instead of a fresh adapter.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -153,6 +154,17 @@ class LoRATrainer(Trainer):
                               "What to do: use an adapter of this model (model.pretrained).")
         set_peft_model_state_dict(denoiser, state)
         print(f"Starting from the adapter {path} ({len(state)} tensors).", flush=True)
+
+    @contextlib.contextmanager
+    def frozen_base(self) -> Iterator[nn.Module]:
+        """The frozen base model, without gradients: the same denoiser with its adapters turned off (a teacher that
+        costs no second copy). The unwrapped denoiser: under torchrun no DDP hooks run for a forward without them."""
+        self.denoiser.disable_adapters()
+        try:
+            with torch.no_grad():
+                yield self.denoiser
+        finally:
+            self.denoiser.enable_adapters()  # also gives the adapters back their requires_grad
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return get_peft_model_state_dict(self.denoiser)

@@ -25,7 +25,6 @@ The student is sampled with K Euler steps over `sampling_sigmas(K, distillation.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -108,15 +107,8 @@ class StepDistillationTrainer(LoRATrainer):
                 "guidance-distillation for this one."
             )
 
-    @contextlib.contextmanager
-    def teacher(self) -> Iterator[nn.Module]:
-        """The frozen base: the same denoiser with its adapters turned off, without gradients."""
-        self.denoiser.disable_adapters()
-        try:
-            with torch.no_grad():
-                yield self.denoiser
-        finally:
-            self.denoiser.enable_adapters()  # also gives the adapters back their requires_grad
+    def teacher(self) -> contextlib.AbstractContextManager[nn.Module]:
+        return self.frozen_base()
 
     def windows(self, batch: Batch) -> torch.Tensor:
         """Each clip's window (0 .. K - 1), from the visit's own generator."""

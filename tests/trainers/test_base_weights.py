@@ -71,11 +71,9 @@ def test_quantized_base_weights_train_close_to_the_plain_run_and_load_in_a_plain
     assert torch.isfinite(video).all()
 
 
-@pytest.mark.parametrize("option", ["fp8", "int8", "nf4"])
-def test_quantized_base_weights_resume_bit_for_bit(make_config, tmp_path, option):
-    settings = {"training": {"steps": 5}, "checkpoint": {"every": 2}, "memory": {"base_weights": option}}
-    build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference"))).run()
-    out = tmp_path / "stopped"
+def _stop_at_the_third_micro_batch_and_resume(make_config, settings: dict, out):
+    """A run of `settings` stopped by SIGINT during its third micro-batch, then resumed to the end; returns its
+    output_dir."""
     trainer = build_trainer(make_config(**settings, output_dir=str(out)))
     original, calls = trainer.compute_loss, [0]
 
@@ -88,8 +86,16 @@ def test_quantized_base_weights_resume_bit_for_bit(make_config, tmp_path, option
     trainer.compute_loss = interrupt_at_the_third
     with pytest.raises(TrainingInterrupted):
         trainer.run()
-    settings["checkpoint"] = {"every": 2, "resume": "latest"}
-    build_trainer(make_config(**settings, output_dir=str(out))).run()
+    resume = {**settings, "checkpoint": {**settings["checkpoint"], "resume": "latest"}}
+    build_trainer(make_config(**resume, output_dir=str(out))).run()
+    return out
+
+
+@pytest.mark.parametrize("option", ["fp8", "int8", "nf4"])
+def test_quantized_base_weights_resume_bit_for_bit(make_config, tmp_path, option):
+    settings = {"training": {"steps": 5}, "checkpoint": {"every": 2}, "memory": {"base_weights": option}}
+    build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference"))).run()
+    out = _stop_at_the_third_micro_batch_and_resume(make_config, settings, tmp_path / "stopped")
     reference, resumed = load_file(tmp_path / "reference" / LORA_FILE), load_file(out / LORA_FILE)
     assert reference.keys() == resumed.keys() and reference
     for key in reference:
@@ -133,21 +139,7 @@ def test_quantized_base_weights_on_cuda_in_bf16(make_config, tmp_path, option):
     result = reference.run()
     assert _storage(reference.denoiser) == EXPECTED_STORAGE[option]
     assert all(math.isfinite(loss) for loss in result.losses)
-    out = tmp_path / "stopped"
-    trainer = build_trainer(make_config(**settings, output_dir=str(out)))
-    original, calls = trainer.compute_loss, [0]
-
-    def interrupt_at_the_third(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
-
-    trainer.compute_loss = interrupt_at_the_third
-    with pytest.raises(TrainingInterrupted):
-        trainer.run()
-    settings["checkpoint"] = {"every": 2, "resume": "latest"}
-    build_trainer(make_config(**settings, output_dir=str(out))).run()
+    out = _stop_at_the_third_micro_batch_and_resume(make_config, settings, tmp_path / "stopped")
     reference_weights, resumed = load_file(tmp_path / "reference" / LORA_FILE), load_file(out / LORA_FILE)
     for key in reference_weights:
         assert torch.equal(reference_weights[key], resumed[key]), key

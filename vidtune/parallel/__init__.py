@@ -20,8 +20,6 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from vidtune.errors import ConfigError
 
@@ -200,34 +198,8 @@ def on_main(function: Callable[[], T]) -> T:
     return value
 
 
-class DataParallel(DistributedDataParallel):
-    """DistributedDataParallel that also answers for the module it wraps.
+# The strategies that wrap the denoiser for training live beside this module (ddp.py); `wrap` and `accumulating`
+# are re-exported so that the trainer asks one place.
+from vidtune.parallel.ddp import DataParallel, accumulating, wrap  # noqa: E402
 
-    The families' `spec.forward(denoiser, ...)` read `denoiser.config` / `denoiser.dtype`, and they must call the
-    wrapper (not `.module`) for DDP to average the gradients. Delegating unknown attributes to `.module` lets
-    every spec take the wrapper unchanged, instead of each spec learning to unwrap."""
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)
-
-
-def wrap(module: nn.Module, device: torch.device) -> nn.Module:
-    """`module` ready for data-parallel training (one process: `module` itself)."""
-    if not is_distributed():
-        return module
-    device_ids = [device.index] if device.type == "cuda" else None
-    # Gradients are views into DDP's communication buckets: no second copy of them in memory.
-    return DataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
-
-
-def accumulating(module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """Forward and backward of a micro-batch: gradients are averaged over ranks only when `sync` (the last
-    micro-batch of an accumulation), not on the ones before it."""
-    if sync or not isinstance(module, DistributedDataParallel):
-        return contextlib.nullcontext()
-    return module.no_sync()
+__all__ = ["DataParallel", "accumulating", "wrap"]

@@ -373,6 +373,21 @@ class MemoryConfig(Section):
         "encoding, validation, `vidtune sample`): the options of `base_weights` (an 8B Llama or an 11B T5 alone "
         "fills a consumer GPU). Changes the embeddings a little: precomputed captions are encoded again.",
     )
+    blocks_to_swap: int = Field(
+        0, ge=0,
+        description="Block swap: this many transformer blocks live in pinned CPU memory and are copied to the GPU "
+        "just before their forward and backward, overlapped with compute. 0: off. CUDA only (a notice elsewhere).",
+    )
+    activation_offload: bool = Field(
+        False,
+        description="Keep the activations saved for the backward pass in CPU memory instead of on the GPU. CUDA "
+        "only (a notice elsewhere).",
+    )
+    vae_tiling: bool = Field(
+        False,
+        description="Encode and decode clips with the VAE in overlapping tiles (and one clip at a time) during "
+        "precompute, on-the-fly encoding and validation: far less memory for large clips.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -440,6 +455,37 @@ class PrecomputeConfig(Section):
     )
 
 
+class ParallelConfig(Section):
+    strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
+        "auto",
+        description="How several processes (torchrun, the deepspeed launcher) share the work. `auto`: `ddp` with "
+        "several processes, nothing in one; `ddp`: every rank holds the whole model; `fsdp`: torch's FSDP2 shards "
+        "weights, gradients and optimizer state over the ranks; `deepspeed`: DeepSpeed ZeRO (pip extra "
+        "`deepspeed`). See docs/distributed.md.",
+    )
+    reshard_after_forward: bool = Field(
+        True, description="`fsdp`: free each block's gathered weights after its forward (less memory, one more "
+        "all-gather in the backward).",
+    )
+    cpu_offload: bool = Field(False, description="`fsdp`: keep the sharded weights and optimizer state in CPU memory.")
+    replicate_degree: int = Field(
+        1, ge=1, description="`fsdp`: HSDP — shard inside groups of world_size / replicate_degree ranks (one node) "
+        "and replicate across the groups (nodes). 1: shard over all ranks.",
+    )
+    zero_stage: Literal[1, 2, 3] = Field(
+        2, description="`deepspeed`: ZeRO stage — 1 shards the optimizer state, 2 also the gradients, 3 also the "
+        "weights.",
+    )
+    offload: Literal["none", "optimizer", "all"] = Field(
+        "none", description="`deepspeed`: move the optimizer state (`optimizer`) or also the weights (`all`, ZeRO 3) "
+        "to CPU memory.",
+    )
+    deepspeed_config: str | None = Field(
+        None, description="`deepspeed`: a DeepSpeed JSON file whose keys override the ones vidtune derives from this "
+        "config (in a file: relative to its folder).",
+    )
+
+
 class Config(Section):
     model: ModelConfig = Field(description="Which model family and weights to train (required).")
     data: DataConfig = Field(description="Your clips and captions, and the clip shape (required).")
@@ -466,6 +512,9 @@ class Config(Section):
         default_factory=ControlConfig, description="Control training (training.algorithm=control-lora/control-full)."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bars and metrics.")
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="Several processes: DDP, FSDP2 or DeepSpeed ZeRO."
+    )
     precompute: PrecomputeConfig = Field(
         default_factory=PrecomputeConfig, description="Encoding captions and clips once, into a cache."
     )
@@ -551,6 +600,7 @@ PATH_KEYS: dict[str, str] = {
     "data.datasets.path": "path",
     "lora.init_from": "path",
     "precompute.cache_dir": "path",
+    "parallel.deepspeed_config": "path",
     "checkpoint.resume": "latest",
     "output_dir": "path",
 }

@@ -248,7 +248,8 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     pipeline = spec.pipeline(spec.load_text(device), vae, denoiser)
     if adapter:
         pipeline.load_lora_weights(str(run), weight_name=weights.name)
-    control = load_control(spec, pipeline.transformer, run) if has_control(run) else None
+    averaged = weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER)
+    control = load_control(spec, pipeline.transformer, run, ema=averaged) if has_control(run) else None
     return RunPipeline(pipeline, spec, config, weights, device, control, vae)
 
 

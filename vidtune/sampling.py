@@ -35,6 +35,7 @@ from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.models.spec import ModelSpec
 from vidtune.processors import configured_processor
+from vidtune.schedulers import student_scheduler
 
 
 @dataclass(frozen=True)
@@ -270,6 +271,8 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
                            "--guidance sets the classifier-free guidance scale.")
     vae = spec.load_vae(device)
     pipeline = spec.pipeline(spec.load_text(device), vae, denoiser)
+    if config.training.algorithm == "step-distillation":  # the sigmas the student learnt (vidtune/schedulers.py)
+        pipeline.scheduler = student_scheduler(pipeline.scheduler, config.distillation.sigma_shift)
     if adapter:
         pipeline.load_lora_weights(str(run), weight_name=weights.name)
     averaged = weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER)

@@ -222,7 +222,8 @@ def command_sample(args: argparse.Namespace) -> int:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    run = load_pipeline(run_dir, device=args.device, ema=False if args.no_ema else None)
+    run = load_pipeline(run_dir, device=args.device, ema=False if args.no_ema else None,
+                        embedded_guidance=args.embedded_guidance)
     averaged = " (the moving average of the weights, as validation used; --no-ema for the weights)" \
         if run.weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER) else ""
     print(f"Sampling {run.spec.name} with {run.weights}{averaged} on {run.device}.", flush=True)
@@ -363,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "run's first clip's)")
     sample.add_argument("--steps", type=positive_int, metavar="N", help="denoising steps (default: validation's)")
     sample.add_argument("--guidance", type=float, metavar="G", help="guidance scale (default: validation's)")
+    sample.add_argument("--embedded-guidance", type=float, metavar="G",
+                        help="models with a guidance embedding (HunyuanVideo): the scale it is told (default: "
+                        "model.guidance_scale; a student of distillation.guidance_range: distillation.guidance_scale)")
     sample.add_argument("--seed", type=int, metavar="S", help="seed of the noise (default: validation's)")
     sample.add_argument("--frames", type=positive_int, metavar="F",
                         help="frames (default: validation's, else training's)")

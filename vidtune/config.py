@@ -360,11 +360,12 @@ class ControlConfig(Section):
 class MemoryConfig(Section):
     base_weights: Literal["auto", "fp8", "int8", "nf4"] = Field(
         "auto",
-        description="LoRA only: how the frozen denoiser weights are stored. `auto`: the model dtype; `fp8`: float8 "
-        "(e4m3), each layer upcast as it runs (half of bf16); `int8`: torchao int8 weight-only (half of bf16; pip "
-        "extra `torchao`); `nf4`: bitsandbytes 4-bit NormalFloat, QLoRA (a quarter of bf16; pip extra "
-        "`bitsandbytes`). The adapter trains in fp32 and loads into the normal pipeline. Replaces "
-        "`memory.fp8_base_weights: true`, still read as `base_weights: fp8`. See docs/memory.md.",
+        description="Adapter algorithms (lora, control-lora, a LoRA student) only: how the frozen denoiser "
+        "weights are stored. `auto`: the model dtype; `fp8`: float8 (e4m3), each layer upcast as it runs (half "
+        "of bf16); `int8`: torchao int8 weight-only (half of bf16; pip extra `torchao`); `nf4`: bitsandbytes "
+        "4-bit NormalFloat, QLoRA (a quarter of bf16; pip extra `bitsandbytes`). The adapter trains in fp32 and "
+        "loads into the normal pipeline. Replaces `memory.fp8_base_weights: true`, still read as "
+        "`base_weights: fp8`. See docs/memory.md.",
     )
 
     text_encoder_weights: Literal["auto", "fp8", "int8", "nf4"] = Field(
@@ -531,11 +532,11 @@ class Config(Section):
                 f"({self.training.steps})"
             )
         base_weights = self.memory.base_weights
-        if base_weights != "auto" and self.training.algorithm in ("full", "control-lora", "control-full"):
+        if base_weights != "auto" and self.training.algorithm in ("full", "control-full"):
             raise ValueError(
-                f"memory.base_weights={base_weights} works with adapter algorithms (training.algorithm=lora) only: "
-                f"{self.training.algorithm} trains base weights (control: the widened input layer), which cannot be "
-                "stored quantized; set memory.base_weights=auto"
+                f"memory.base_weights={base_weights} works with adapter algorithms (lora, control-lora, a LoRA "
+                f"student) only: {self.training.algorithm} trains the base weights, which cannot be stored "
+                "quantized; set memory.base_weights=auto"
             )
         if self.training.algorithm == "step-distillation" and self.distillation.student == "full":
             raise ValueError(

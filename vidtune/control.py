@@ -34,6 +34,8 @@ from vidtune.processors import ProcessorChoice, apply_processor
 
 CONTROL_CONFIG = "control.json"
 CONTROL_WEIGHTS = "control_input.safetensors"
+# With `training.ema_decay`: the widened layer's moving average, beside the averaged adapter / transformer.
+CONTROL_EMA_WEIGHTS = "control_input_ema.safetensors"
 CONTROL_FORMAT = 1
 
 
@@ -151,9 +153,9 @@ class ControlInput:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {key: value.detach() for key, value in self.layer.state_dict().items()}
 
-    def save(self, folder: Path, dtype: torch.dtype | None = None) -> Path:
+    def save(self, folder: Path, dtype: torch.dtype | None = None, name: str = CONTROL_WEIGHTS) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
-        target = folder / CONTROL_WEIGHTS
+        target = folder / name
         with atomic_path(target) as temporary:
             tensors = {k: v.to(dtype or v.dtype).cpu().contiguous() for k, v in self.state_dict().items()}
             save_file(tensors, temporary, metadata={"format": "pt"})
@@ -178,16 +180,18 @@ def has_control(folder: Path) -> bool:
     return (Path(folder) / CONTROL_CONFIG).is_file()
 
 
-def load_control(spec: Any, denoiser: nn.Module, folder: Path) -> ControlInput:
-    """Widen `denoiser` as `folder/control.json` says and load `folder/control_input.safetensors` into it."""
+def load_control(spec: Any, denoiser: nn.Module, folder: Path, ema: bool = False) -> ControlInput:
+    """Widen `denoiser` as `folder/control.json` says and load `folder/control_input.safetensors` into it (with
+    `ema`: the layer's moving average, `control_input_ema.safetensors`)."""
     folder = Path(folder)
+    name = CONTROL_EMA_WEIGHTS if ema else CONTROL_WEIGHTS
     try:
         described = json.loads((folder / CONTROL_CONFIG).read_text())
-        weights = load_file(str(folder / CONTROL_WEIGHTS))
+        weights = load_file(str(folder / name))
     except (OSError, ValueError) as error:
         raise ModelError(f"{folder / CONTROL_CONFIG}: the control input could not be read ({error}).\nWhat to do: "
                          f"give the output_dir of a finished control run (it holds {CONTROL_CONFIG} and "
-                         f"{CONTROL_WEIGHTS}).") from None
+                         f"{name}).") from None
     if described.get("family") != spec.name or described.get("layer") != spec.control_input_layer:
         raise ModelError(f"{folder / CONTROL_CONFIG}: made for {described.get('family')} (layer "
                          f"{described.get('layer')}), not {spec.name}.\nWhat to do: use the run's own model.")

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 ADAPTER_LAYERS = ("lora_A", "lora_B", "lora_embedding", "lora_magnitude_vector")
 
 
-def store_frozen_weights_in_fp8(denoiser: nn.Module) -> None:
+def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> None:
     """Keep the denoiser's weights in float8 (e4m3) and upcast each layer to the compute dtype as it runs.
 
     Done before adapters are added, so only the frozen base layers are affected; norms, embeddings and other
@@ -41,7 +41,13 @@ def store_frozen_weights_in_fp8(denoiser: nn.Module) -> None:
     denoiser was loaded in (bf16 on GPU, fp32 on CPU by default).
     """
     compute_dtype = denoiser.dtype
-    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype)
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    # The model's own patterns (as diffusers would take them), and the modules that train fully.
+    own = tuple(getattr(denoiser, "_skip_layerwise_casting_patterns", None) or DEFAULT_SKIP_MODULES_PATTERN)
+    patterns = own + tuple(rf"^{re.escape(name)}$" for name in keep)
+    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype,
+                                      skip_modules_pattern=patterns)
 
 
 def _skip_patterns(model: nn.Module) -> tuple[str, ...]:
@@ -59,10 +65,11 @@ def _kept_in_full_precision(model: nn.Module) -> Callable[[str], bool]:
     return lambda name: any(re.search(pattern, name) for pattern in patterns)
 
 
-def _frozen_linears(denoiser: nn.Module) -> list[tuple[str, nn.Linear]]:
+def _frozen_linears(denoiser: nn.Module, keep_modules: tuple[str, ...] = ()) -> list[tuple[str, nn.Linear]]:
     keep = _kept_in_full_precision(denoiser)
     return [(name, module) for name, module in denoiser.named_modules()
-            if type(module) is nn.Linear and not keep(name) and not any(part in name for part in ADAPTER_LAYERS)]
+            if type(module) is nn.Linear and not keep(name) and name not in keep_modules
+            and not any(part in name for part in ADAPTER_LAYERS)]
 
 
 def check_base_weights(option: str, key: str = "memory.base_weights") -> None:
@@ -80,34 +87,35 @@ def check_base_weights(option: str, key: str = "memory.base_weights") -> None:
         ) from None
 
 
-def prepare_base_weights(denoiser: nn.Module, option: str) -> None:
-    """`fp8` and `nf4`: before the adapter is added (the denoiser frozen already)."""
+def prepare_base_weights(denoiser: nn.Module, option: str, keep: tuple[str, ...] = ()) -> None:
+    """`fp8` and `nf4`: before the adapter is added (the denoiser frozen already). `keep`: names of modules
+    that train fully (a control run's widened input layer) and so stay as they are."""
     if option == "fp8":
-        store_frozen_weights_in_fp8(denoiser)
+        store_frozen_weights_in_fp8(denoiser, keep)
     elif option == "nf4":
-        _linears_to_nf4(denoiser)
+        _linears_to_nf4(denoiser, keep)
 
 
-def finish_base_weights(denoiser: nn.Module, option: str) -> None:
-    """`int8`: after the adapter is added."""
+def finish_base_weights(denoiser: nn.Module, option: str, keep: tuple[str, ...] = ()) -> None:
+    """`int8`: after the adapter is added (`keep` as in `prepare_base_weights`)."""
     if option == "int8":
-        _linears_to_int8(denoiser)
+        _linears_to_int8(denoiser, keep)
 
 
-def _linears_to_int8(denoiser: nn.Module) -> None:
+def _linears_to_int8(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> None:
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    chosen = {id(module) for _, module in _frozen_linears(denoiser)}
+    chosen = {id(module) for _, module in _frozen_linears(denoiser, keep)}
     quantize_(denoiser, Int8WeightOnlyConfig(), filter_fn=lambda module, _name: id(module) in chosen)
 
 
-def _linears_to_nf4(denoiser: nn.Module) -> None:
+def _linears_to_nf4(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> None:
     """Each frozen linear layer becomes a bitsandbytes `Linear4bit` (NF4 blocks of 64, computing in the
     denoiser's dtype); its weight is quantized as it is placed on the denoiser's device."""
     import bitsandbytes as bnb
 
     compute_dtype = denoiser.dtype
-    for name, linear in _frozen_linears(denoiser):
+    for name, linear in _frozen_linears(denoiser, keep):
         device = linear.weight.device
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                   compute_dtype=compute_dtype, quant_type="nf4", device="meta")

@@ -35,6 +35,7 @@ from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.models.spec import ModelSpec
 from vidtune.processors import configured_processor
+from vidtune.schedulers import student_scheduler
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,25 @@ def run_weights(run: Path, ema: bool | None = None) -> tuple[Path, bool]:
                        f"the run did not finish.\nWhat to do: {hint}")
 
 
+def embedded_guidance_scale(config: Config, requested: float | None) -> float | None:
+    """The scale a guidance embedding (HunyuanVideo's) is told when sampling a run: `requested`, else for a student
+    of a range of scales `distillation.guidance_scale` (as its validation samples), else None (the model's own,
+    `model.guidance_scale`)."""
+    options = config.distillation
+    learned = options.guidance_range if config.training.algorithm == "guidance-distillation" else None
+    if requested is None:
+        return options.guidance_scale if learned is not None else None
+    if learned is not None and not learned[0] <= requested <= learned[1]:
+        raise VidtuneError(f"--embedded-guidance {requested:g}: the student learned the scales {learned[0]:g} to "
+                           f"{learned[1]:g} (distillation.guidance_range).\nWhat to do: choose a scale in that "
+                           "range.")
+    if requested <= 0:
+        raise VidtuneError(f"--embedded-guidance {requested:g} must be positive.\nWhat to do: give e.g. 6.")
+    return requested
+
+
 def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = "auto",
-                  ema: bool | None = None) -> RunPipeline:
+                  ema: bool | None = None, embedded_guidance: float | None = None) -> RunPipeline:
     """The family's diffusers pipeline with what the run in `run_dir` trained, ready to call.
 
     Built from the run's resolved config (`config.yaml`): the spec loads the text encoders, the VAE and the
@@ -218,7 +236,8 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     scheduler; an adapter is then loaded with the pipeline's `load_lora_weights`. A control run's input layer is
     then widened and loaded from `control_input.safetensors` (see vidtune/control.py); sample it within
     `run.control.given(latents)`. `ema`: the weights' moving average (None: when the run has one, as its
-    validation samples did).
+    validation samples did). `embedded_guidance`: the scale a guidance embedding (HunyuanVideo) is told (None: a
+    range student's `distillation.guidance_scale`, else the model's `model.guidance_scale`).
 
         run = load_pipeline("outputs/my-lora")
         video = run.pipeline(prompt="a dog running on a beach", num_frames=49, height=512, width=768).frames[0]
@@ -237,6 +256,9 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     model = config.model
     if not adapter:  # the trained transformer replaces the base one; everything else comes from model.pretrained
         model = model.model_copy(update={"subfolders": {**model.subfolders, "transformer": str(weights)}})
+    embedded = embedded_guidance_scale(config, embedded_guidance)
+    if embedded is not None:  # the spec tells the denoiser's guidance embedding `model.guidance_scale`
+        model = model.model_copy(update={"guidance_scale": embedded})
     spec = get_spec_class(model.name)(model, frame_rate=config.frame_rate,
                                      text_encoder_weights=config.memory.text_encoder_weights)
     spec.check_source()
@@ -244,11 +266,17 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = parse_device(str(device), "--device") if not isinstance(device, torch.device) else device
     denoiser = spec.load_denoiser(device).requires_grad_(False).eval()
+    if embedded_guidance is not None and not denoiser.config.get("guidance_embeds", False):
+        raise VidtuneError(f"--embedded-guidance: {spec.name} has no guidance embedding.\nWhat to do: leave it out; "
+                           "--guidance sets the classifier-free guidance scale.")
     vae = spec.load_vae(device)
     pipeline = spec.pipeline(spec.load_text(device), vae, denoiser)
+    if config.training.algorithm == "step-distillation":  # the sigmas the student learnt (vidtune/schedulers.py)
+        pipeline.scheduler = student_scheduler(pipeline.scheduler, config.distillation.sigma_shift)
     if adapter:
         pipeline.load_lora_weights(str(run), weight_name=weights.name)
-    control = load_control(spec, pipeline.transformer, run) if has_control(run) else None
+    averaged = weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER)
+    control = load_control(spec, pipeline.transformer, run, ema=averaged) if has_control(run) else None
     return RunPipeline(pipeline, spec, config, weights, device, control, vae)
 
 

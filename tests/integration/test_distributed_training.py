@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
+from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
 from vidtune.errors import TrainingError
@@ -212,12 +213,17 @@ def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["guidance-distillation", "step-distillation"])
-def test_two_ranks_distil_what_one_process_distils_with_twice_the_batch(make_config, tmp_path, algorithm):
-    """The teacher runs on the unwrapped denoiser (its adapters off, no gradients), the student through
-    DistributedDataParallel: two ranks give the adapter of one process with their two samples."""
+@pytest.mark.parametrize("algorithm", ["guidance-distillation", "step-distillation", "control-lora"])
+def test_two_ranks_train_each_algorithm_like_one_process_with_twice_the_batch(make_config, shapes_dataset,
+                                                                               tmp_path, algorithm):
+    """Distillation: the teacher runs on the unwrapped denoiser (its adapters off, no gradients), the student
+    through DistributedDataParallel. Control: the widened input layer trains beside the adapter, its control
+    latents fed by a hook on the wrapped module. Two ranks give the weights of one process with their two
+    samples."""
     settings = {"training": {"algorithm": algorithm, "steps": 2, "learning_rate": 1e-2},
                 "distillation": {"student_steps": 2, "teacher_steps": 4}}
+    if algorithm == "control-lora":
+        settings["data_root"], _, _ = control_dataset(shapes_dataset, tmp_path / "data")
     runs = [("ddp", make_config(output_dir=str(tmp_path / "ddp"), **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
@@ -230,5 +236,8 @@ def test_two_ranks_distil_what_one_process_distils_with_twice_the_batch(make_con
     assert expected.keys() == trained.keys() and any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
     for key in expected:
         torch.testing.assert_close(trained[key], expected[key], rtol=1e-3, atol=1e-4)
+    if algorithm == "control-lora":
+        expected, trained = (load_file(tmp_path / run / "control_input.safetensors") for run in ("single", "ddp"))
+        torch.testing.assert_close(trained["weight"], expected["weight"], rtol=1e-3, atol=1e-4)
     for result in ranks:
         assert result["ddp"]["losses"] == pytest.approx(single_result.losses, rel=1e-4)

@@ -21,6 +21,11 @@ CPU = torch.device("cpu")
 CAPTION = "a shape moving"
 
 
+# What each control algorithm writes beside control_input(_ema).safetensors, with training.ema_decay.
+WEIGHTS = {"control-lora": ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors"],
+           "control-full": ["transformer/diffusion_pytorch_model.safetensors",
+                            "transformer_ema/diffusion_pytorch_model.safetensors"]}
+
 def control_dataset(shapes_dataset: Path, root: Path) -> tuple[Path, list[Path], list[Path]]:
     """Two samples with one caption: targets clips 0 and 1, controls clips 2 and 3 (so only the control tells
     them apart). Returns (root, targets, controls)."""
@@ -123,14 +128,13 @@ def test_a_resumed_control_run_ends_bit_for_bit_like_one_left_alone(algorithm, m
     from safetensors.torch import load_file
 
     root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
-    settings = {"training": {"steps": 5, "algorithm": algorithm, "learning_rate": 1e-2}, "checkpoint": {"every": 2},
-                "lora": {"dropout": 0.1}}
+    # The weights' moving average is part of the state: it resumes bit for bit too.
+    settings = {"training": {"steps": 5, "algorithm": algorithm, "learning_rate": 1e-2, "ema_decay": 0.8},
+                "checkpoint": {"every": 2}, "lora": {"dropout": 0.1}}
     build_trainer(make_config(data_root=root, **settings, output_dir=str(tmp_path / "reference"))).run()
     _interrupted_then_resumed(make_config, root, tmp_path / "stopped", settings)
     reference, stopped = tmp_path / "reference", tmp_path / "stopped"
-    files = ["control_input.safetensors",
-             "pytorch_lora_weights.safetensors" if algorithm == "control-lora"
-             else "transformer/diffusion_pytorch_model.safetensors"]
+    files = ["control_input.safetensors", "control_input_ema.safetensors", *WEIGHTS[algorithm]]
     for name in files:
         expected, got = load_file(reference / name), load_file(stopped / name)
         assert expected.keys() == got.keys() and expected
@@ -181,8 +185,6 @@ def test_control_training_refuses_what_it_cannot_use(make_config, shapes_dataset
     with pytest.raises(DataError, match=r"videos\.txt line 1 \(.*\) has no control clip\.(.|\n)*controls\.txt"):
         build_trainer(make_config(training={"algorithm": "control-lora"})).run()
     root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
-    with pytest.raises(ConfigError, match=r"training\.ema_decay(.|\n)*What to do: leave training\.ema_decay unset"):
-        build_trainer(make_config(data_root=root, training={"algorithm": "control-lora", "ema_decay": 0.9})).run()
     with pytest.raises(ConfigError, match=r"lora\.target_modules: the adapter would wrap proj_in"):
         build_trainer(make_config(data_root=root, training={"algorithm": "control-lora"},
                                   lora={"target_modules": ["proj_in", "to_q"]})).run()
@@ -295,15 +297,13 @@ def test_a_checkpoint_exports_what_the_run_writes(algorithm, make_config, shapes
     from vidtune.export import export_checkpoint
 
     root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
-    config = make_config(data_root=root, training={"algorithm": algorithm, "steps": 2, "learning_rate": 1e-2},
-                         checkpoint={"every": 1})
+    config = make_config(data_root=root, checkpoint={"every": 1},
+                         training={"algorithm": algorithm, "steps": 2, "learning_rate": 1e-2, "ema_decay": 0.5})
     build_trainer(config).run()
     run, exported = Path(config.output_dir), tmp_path / "exported"
     export_checkpoint(run / "checkpoints" / "step-00000002", exported)
     assert (exported / "control.json").read_text() == (run / "control.json").read_text()
-    files = ["control_input.safetensors",
-             "pytorch_lora_weights.safetensors" if algorithm == "control-lora"
-             else "transformer/diffusion_pytorch_model.safetensors"]
+    files = ["control_input.safetensors", "control_input_ema.safetensors", *WEIGHTS[algorithm]]
     for name in files:
         expected, got = load_file(run / name), load_file(exported / name)
         assert expected.keys() == got.keys()
@@ -324,4 +324,54 @@ def test_the_control_trainer_starts_from_the_base_model(algorithm, make_config, 
             batch = next(trainer.source.batches(0))
         with torch.no_grad():
             losses.append(float(trainer.compute_loss(batch)))
+    assert abs(losses[0] - losses[1]) <= 1e-6 * max(1.0, abs(losses[1]))
+
+
+def test_sampling_a_control_run_takes_the_moving_average_of_its_input_layer_too(make_config, shapes_dataset,
+                                                                                   tmp_path):
+    from safetensors.torch import load_file
+
+    from vidtune.sampling import load_pipeline
+
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    # Trained over a 4-bit base; the adapter and the control input load into the plain pipeline.
+    config = make_config(data_root=root, training={"algorithm": "control-lora", "steps": 3, "learning_rate": 1e-2,
+                                                   "ema_decay": 0.5}, memory={"base_weights": "nf4"})
+    build_trainer(config).run()
+    run = Path(config.output_dir)
+    plain, averaged = (load_file(run / name)["weight"] for name in ("control_input.safetensors",
+                                                                      "control_input_ema.safetensors"))
+    assert not torch.equal(plain, averaged)
+    for ema, expected in ((None, averaged), (False, plain)):
+        loaded = load_pipeline(run, device="cpu", ema=ema)
+        assert torch.equal(loaded.control.layer.weight.detach().cpu(), expected)
+
+
+@pytest.mark.parametrize("base_weights", ["fp8", "int8", "nf4"])
+def test_control_lora_keeps_its_input_layer_unquantized_over_a_quantized_base(base_weights, make_config,
+                                                                               shapes_dataset, tmp_path):
+    """With memory.base_weights quantized, the widened input layer (trained fully) stays a plain fp32 layer, and
+    step 0 is still the base model's loss under the same quantized storage (its input layer kept as well)."""
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    memory = {"base_weights": base_weights}
+    control = build_trainer(make_config(data_root=root, training={"algorithm": "control-lora", "batch_size": 2},
+                                        memory=memory, output_dir=str(tmp_path / "control")))
+    control.check_inputs()
+    control.load_models()
+
+    def stored_plainly(module: torch.nn.Module) -> bool:
+        weight = module.weight
+        return type(module) is torch.nn.Linear and type(weight.data) is torch.Tensor and weight.dtype == torch.float32
+
+    assert stored_plainly(control.denoiser.proj_in) and control.denoiser.proj_in.weight.requires_grad
+    frozen = [module for name, module in control.denoiser.named_modules() if name.endswith("to_q.base_layer")]
+    assert frozen and not any(stored_plainly(module) for module in frozen), "the frozen base layers kept fp32"
+    base = build_trainer(make_config(data_root=root, training={"algorithm": "lora", "batch_size": 2},
+                                     memory=memory, output_dir=str(tmp_path / "lora")))
+    base.check_inputs()
+    base.trained_fully = ("proj_in",)  # the same storage as the control run, whose proj_in trains
+    base.load_models()
+    batch = next(control.source.batches(0))
+    with torch.no_grad():
+        losses = [float(trainer.compute_loss(batch)) for trainer in (control, base)]
     assert abs(losses[0] - losses[1]) <= 1e-6 * max(1.0, abs(losses[1]))

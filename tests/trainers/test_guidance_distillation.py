@@ -226,3 +226,33 @@ def test_a_student_of_a_range_is_validated_at_the_distillation_scale(make_config
     with pytest.raises(ConfigError, match=r"must lie in distillation.guidance_range \[2.0, 6.0\]"):
         make_config(training={"algorithm": "guidance-distillation"},
                     distillation={"guidance_range": [2.0, 6.0], "guidance_scale": 7.0})
+
+
+def test_sampling_a_range_student_tells_its_embedding_the_chosen_scale(make_config, tmp_path):
+    """`vidtune sample` / `load_pipeline`: a student of a range is told `distillation.guidance_scale` by default (as
+    its validation), `--embedded-guidance G` within the range otherwise; a family without a guidance embedding
+    refuses the option."""
+    from safetensors.torch import load_file as load_latents
+
+    from vidtune.errors import VidtuneError
+    from vidtune.sampling import load_pipeline, sample_run
+
+    config = make_config("hunyuan-video", training={"algorithm": "guidance-distillation", "steps": 1},
+                         distillation={"guidance_range": [2.0, 6.0], "guidance_scale": 3.5},
+                         output_dir=str(tmp_path / "student"))
+    build_trainer(config).run()
+    latents = []
+    for requested, told in ((None, 3.5), (5.0, 5.0)):
+        run = load_pipeline(config.output_dir, device="cpu", embedded_guidance=requested)
+        assert run.spec.guidance_scale == told
+        path = tmp_path / f"{told}.safetensors"
+        sample_run(run, "a red circle", tmp_path / f"{told}.mp4", latents=path, num_inference_steps=2)
+        latents.append(load_latents(path)["latents"])
+    assert (latents[0] - latents[1]).abs().max() > 1e-5  # the embedding does see the scale
+    with pytest.raises(VidtuneError, match=r"--embedded-guidance 7: the student learned the scales 2 to 6"):
+        load_pipeline(config.output_dir, device="cpu", embedded_guidance=7.0)
+
+    plain = make_config("ltx-video", training={"steps": 1}, output_dir=str(tmp_path / "ltx"))
+    build_trainer(plain).run()
+    with pytest.raises(VidtuneError, match=r"--embedded-guidance: ltx-video has no guidance embedding"):
+        load_pipeline(plain.output_dir, device="cpu", embedded_guidance=3.0)

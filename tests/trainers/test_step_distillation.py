@@ -11,6 +11,7 @@ import torch
 
 from vidtune.errors import ConfigError
 from vidtune.models.registry import available_models
+from vidtune.models.tiny import TINY_SHAPES
 from vidtune.objectives import FlowMatching
 from vidtune.trainers import build_trainer
 from vidtune.trainers.step_distillation import (
@@ -126,3 +127,50 @@ def test_euler_sampling_follows_the_objectives_convention(inverted):
 def test_a_full_student_is_refused(make_config):
     with pytest.raises(ConfigError, match=r"distillation.student=full works with training.algorithm=guidance-distil"):
         make_config(training={"algorithm": "step-distillation"}, distillation={"student": "full"})
+
+
+@pytest.mark.parametrize("family", ["ltx-video", "wan", "mochi", "hunyuan-video"])
+def test_the_pipeline_queries_the_student_where_euler_sampling_does(make_config, family):
+    """Validation and `vidtune sample` run the family's pipeline with the student's scheduler: the denoiser is
+    called at the timesteps of `sample_euler` over `sampling_sigmas(K, shift)` (not the pipeline's own schedule:
+    LTX-Video's resolution shift, Wan's UniPC, Mochi's linear-quadratic sigmas), and steps through those sigmas."""
+    shift = 3.0
+    trainer = build_trainer(make_config(family, training={"algorithm": "step-distillation", "steps": 1},
+                                        distillation={"student_steps": K, "teacher_steps": N, "sigma_shift": shift}))
+    trainer.check_inputs()
+    trainer.load_models()
+    told: list[float] = []
+
+    def record(module, args, kwargs):
+        told.append(float(kwargs["timestep"].flatten()[0]))
+
+    trainer.denoiser.register_forward_pre_hook(record, with_kwargs=True)
+    frames, height, width = TINY_SHAPES[family]
+    pipeline = trainer.sampling_pipeline()
+    with torch.no_grad():
+        trainer.spec.generate_latents(pipeline, "a red circle", frames, height, width, K,
+                                      torch.Generator().manual_seed(0))
+        through_pipeline, told[:] = list(told), []
+        batch = next(iter(trainer.source.batches(0)))
+        conditions = trainer.spec.prepare_conditions(trainer.text, ["a red circle"])
+        noise = torch.randn_like(batch.latents["latents_mean"][:1])
+        sample_euler(trainer.spec, trainer.objective, trainer.denoiser, conditions, noise, sampling_sigmas(K, shift))
+    assert len(through_pipeline) == K
+    assert through_pipeline == pytest.approx(told, rel=1e-5, abs=1e-3)
+    expected = sampling_sigmas(K, shift)
+    if trainer.objective.invert_timesteps:  # Mochi: the scheduler steps over 1 - sigma
+        expected = 1 - expected
+    torch.testing.assert_close(pipeline.scheduler.sigmas.cpu().float(), expected)
+
+
+def test_vidtune_sample_steps_a_student_through_its_own_sigmas(make_config):
+    from vidtune.sampling import load_pipeline
+    from vidtune.schedulers import StudentEulerScheduler
+
+    config = make_config(training={"algorithm": "step-distillation", "steps": 1},
+                         distillation={"student_steps": K, "teacher_steps": N, "sigma_shift": 2.0})
+    build_trainer(config).run()
+    scheduler = load_pipeline(config.output_dir, device="cpu").pipeline.scheduler
+    assert isinstance(scheduler, StudentEulerScheduler) and scheduler.sigma_shift == 2.0
+    scheduler.set_timesteps(K)
+    torch.testing.assert_close(scheduler.sigmas, sampling_sigmas(K, 2.0))

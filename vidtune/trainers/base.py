@@ -28,6 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -445,13 +446,18 @@ class Trainer(ABC):
                   flush=True)
             self.load_encoders()
         settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
-        pipeline = self.spec.pipeline(self.text, self.vae, self.denoiser)
+        pipeline = self.sampling_pipeline()
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
             videos = render_samples(self.spec, pipeline, settings, self.output_dir / outputs.SAMPLES,
                                     f"step-{self.state.step:08d}",
                                     reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
         self.log.samples(self.state.step, videos, settings.frame_rate)
         return videos
+
+    def sampling_pipeline(self) -> Any:
+        """The family's pipeline over the models being trained, for validation samples (an algorithm whose model
+        samples another way changes a part of it)."""
+        return self.spec.pipeline(self.text, self.vae, self.denoiser)
 
     def write_results(self) -> tuple[Path, list[Path]]:
         """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""

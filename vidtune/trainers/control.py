@@ -20,10 +20,11 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from torch import nn
 
-from vidtune.control import ControlInput, encode_control, narrow, replace_module
+from vidtune.control import CONTROL_EMA_WEIGHTS, ControlInput, encode_control, narrow, replace_module
 from vidtune.data.stream import Batch
 from vidtune.errors import ConfigError, DataError
 from vidtune.models.spec import CONTROL_LATENTS
+from vidtune.outputs import LORA_EMA_WEIGHTS, TRANSFORMER_EMA_FOLDER, TRANSFORMER_FOLDER
 from vidtune.processors import configured_processor, opencv
 from vidtune.sampling import SampleSettings
 from vidtune.trainers.base import Trainer
@@ -41,9 +42,6 @@ class ControlTraining(Trainer):
 
     def check_inputs(self) -> None:
         super().check_inputs()
-        if self.config.training.ema_decay is not None:
-            raise ConfigError(f"training.ema_decay: {self.algorithm} does not keep a moving average of the "
-                              "weights yet.\nWhat to do: leave training.ema_decay unset.")
         processor = configured_processor(self.config)
         if processor is not None:
             opencv()  # a missing library fails here, before any long work
@@ -80,11 +78,8 @@ class ControlTraining(Trainer):
     def export_weights(self, weights: dict[str, torch.Tensor], output: Path,
                        ema: dict[str, torch.Tensor] | None = None) -> Path:
         """A checkpoint's weights need the widened layer: the denoiser set up as for training, then `save_final`
-        (control runs keep no moving average)."""
-        self.denoiser = self.spec.load_denoiser(torch.device("cpu"))
-        self.configure_trainable(self.denoiser)
-        self.load_trainable_state_dict(weights)
-        return self.save_final(output)
+        (the base class's, which also loads the moving average `ema`)."""
+        return Trainer.export_weights(self, weights, output, ema)
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:
         """The base loss, with this batch's control latents appended to the denoiser's input."""
@@ -112,6 +107,10 @@ class ControlLoRATrainer(ControlTraining, LoRATrainer):
     algorithm = "control-lora"
     resume_fixed_keys = LoRATrainer.resume_fixed_keys + CONTROL_FIXED_KEYS
 
+    @property
+    def trained_fully(self) -> tuple[str, ...]:
+        return (self.spec.control_input_layer,)
+
     def resolve_targets(self, module_names: list[str]) -> list[str]:
         # The widened input layer trains fully: `all-linear` adapts every other linear layer.
         return super().resolve_targets([name for name in module_names if name != self.spec.control_input_layer])
@@ -126,9 +125,15 @@ class ControlLoRATrainer(ControlTraining, LoRATrainer):
         super().load_trainable_state_dict({k: v for k, v in state.items() if not k.startswith(CONTROL_PREFIX)})
 
     def save_final(self, folder: Path) -> Path:
-        """The adapter (no ComfyUI file: ComfyUI's LoRA loaders cannot widen the input) and the control input."""
+        """The adapter (no ComfyUI file: ComfyUI's LoRA loaders cannot widen the input) and the control input;
+        with `training.ema_decay` their moving averages beside them."""
         written = self.spec.save_lora(folder, get_peft_model_state_dict(self.denoiser), self.adapter_metadata())
         self.control.save(Path(folder))
+        if self.ema is not None:
+            with self.ema.applied():
+                self.spec.save_lora(folder, get_peft_model_state_dict(self.denoiser), self.adapter_metadata(),
+                                    LORA_EMA_WEIGHTS)
+                self.control.save(Path(folder), name=CONTROL_EMA_WEIGHTS)
         return written
 
 
@@ -138,12 +143,22 @@ class ControlFullTrainer(ControlTraining, FullTrainer):
     resume_fixed_keys = FullTrainer.resume_fixed_keys + CONTROL_FIXED_KEYS
 
     def save_final(self, folder: Path) -> Path:
-        """`transformer/` with the input layer's base part (so the base class loads it), and the control input."""
+        """`transformer/` with the input layer's base part (so the base class loads it), and the control input;
+        with `training.ema_decay` their moving averages as `transformer_ema/` and `control_input_ema.safetensors`."""
+        written = self.save_narrowed(Path(folder) / TRANSFORMER_FOLDER)
+        self.control.save(Path(folder), dtype=self.base_dtype)
+        if self.ema is not None:
+            with self.ema.applied():
+                self.save_narrowed(Path(folder) / TRANSFORMER_EMA_FOLDER)
+                self.control.save(Path(folder), dtype=self.base_dtype, name=CONTROL_EMA_WEIGHTS)
+        return written
+
+    def save_narrowed(self, target: Path) -> Path:
+        """The denoiser with the input layer cut back to the base model's inputs (its current weights), as
+        `save_pretrained` writes it."""
         wide = self.control.layer
         replace_module(self.denoiser, self.control.layer_name, narrow(wide, self.control.in_features))
         try:
-            written = super().save_final(folder)
+            return self.save_transformer(target)
         finally:
             replace_module(self.denoiser, self.control.layer_name, wide)
-        self.control.save(Path(folder), dtype=self.base_dtype)
-        return written

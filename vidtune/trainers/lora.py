@@ -52,6 +52,8 @@ class LoRATrainer(Trainer):
     algorithm = "lora"
     resume_fixed_keys = ("lora.rank", "lora.alpha", "lora.target_modules", "lora.use_dora")
     targets: list[str] | None = None  # the resolved `lora.target_modules`, once the adapter is added
+    # Modules of the denoiser that train fully beside the adapter: never stored quantized (memory.base_weights).
+    trained_fully: tuple[str, ...] = ()
 
     def check_inputs(self) -> None:
         """Also the LoRA settings, before anything long: a preset the family lacks, an init_from file missing."""
@@ -98,7 +100,8 @@ class LoRATrainer(Trainer):
 
     def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
         denoiser.requires_grad_(False)
-        prepare_base_weights(denoiser, self.config.memory.base_weights)  # fp8, nf4: before the adapter wraps them
+        # fp8, nf4: before the adapter wraps the layers; int8 (below): under the adapter's wrapped layers.
+        prepare_base_weights(denoiser, self.config.memory.base_weights, self.trained_fully)
         self.targets = self.resolve_targets(linear_module_names(denoiser))
         try:
             denoiser.add_adapter(self.lora_config())
@@ -112,7 +115,7 @@ class LoRATrainer(Trainer):
         cast_training_params(denoiser, dtype=torch.float32)
         if self.config.lora.init_from and self.resuming_from is None:
             self.load_initial_adapter(denoiser, Path(self.config.lora.init_from))
-        finish_base_weights(denoiser, self.config.memory.base_weights)  # int8: under the adapter's wrapped layers
+        finish_base_weights(denoiser, self.config.memory.base_weights, self.trained_fully)
         return [p for p in denoiser.parameters() if p.requires_grad]
 
     def load_initial_adapter(self, denoiser: nn.Module, path: Path) -> None:

@@ -19,12 +19,14 @@ the starts alone. DDPM families (CogVideoX) are refused: their pipelines sample 
 alphas) that these Euler windows do not describe.
 
 The student is sampled with K Euler steps over `sampling_sigmas(K, distillation.sigma_shift)` and no guidance
-(`sample_euler`); the teacher's steps are unguided.
+(`sample_euler`); the teacher's steps are unguided. Validation and `vidtune sample` run the family's pipeline with
+its scheduler replaced by `vidtune.schedulers.StudentEulerScheduler`, which steps through exactly those sigmas.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,19 +36,14 @@ from vidtune.data.buckets import visit_generator
 from vidtune.data.stream import Batch
 from vidtune.errors import ConfigError
 from vidtune.models.spec import Conditions, ModelSpec
-from vidtune.objectives import FlowMatching, shift_sigmas
+from vidtune.objectives import FlowMatching
+from vidtune.schedulers import sampling_sigmas, student_scheduler
 from vidtune.trainers.base import NoisyInputs
 from vidtune.trainers.guidance_distillation import student_validation_config
 from vidtune.trainers.lora import LoRATrainer
 
 # Seed offset of a visit's window draws: apart from its noise, so those stay as in `lora`.
 WINDOW_SEED_OFFSET = 11
-
-
-def sampling_sigmas(steps: int, shift: float = 1.0) -> torch.Tensor:
-    """The `steps + 1` sigmas of Euler sampling, from 1 (noise) to 0 (clean), shifted like
-    FlowMatchEulerDiscreteScheduler's `shift`."""
-    return shift_sigmas(torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64), shift).float()
 
 
 def velocity(spec: ModelSpec, objective: FlowMatching, denoiser: nn.Module, conditions: Conditions,
@@ -106,6 +103,12 @@ class StepDistillationTrainer(LoRATrainer):
                 "flow-matching family (ltx-video, hunyuan-video, mochi, wan, wan-i2v), or training.algorithm=lora / "
                 "guidance-distillation for this one."
             )
+
+    def sampling_pipeline(self) -> Any:
+        """The family's pipeline stepping through the student's own K sigmas (see vidtune/schedulers.py)."""
+        pipeline = super().sampling_pipeline()
+        pipeline.scheduler = student_scheduler(pipeline.scheduler, self.config.distillation.sigma_shift)
+        return pipeline
 
     def teacher(self) -> contextlib.AbstractContextManager[nn.Module]:
         return self.frozen_base()

@@ -42,8 +42,8 @@ def pipeline_and_training_inputs(spec: LTXVideoImageToVideoSpec, clip: torch.Ten
     from_pipeline = seen[0]
 
     conditions = {**spec.prepare_conditions(text, ["a red circle"]), **spec.prepare_latents(vae, clip[None])}
-    extra = len(spec.keyframes) * (HEIGHT // 4) * (WIDTH // 4)
     frames = (FRAMES - 1) // 4 + 1
+    extra = len(spec.keyframes(frames)) * (HEIGHT // 4) * (WIDTH // 4)
     patch = denoiser.config.patch_size
     noisy = pipeline._unpack_latents(from_pipeline["hidden_states"][:, extra:], frames, HEIGHT // 4 // patch,
                                      WIDTH // 4 // patch, patch, denoiser.config.patch_size_t)

@@ -195,9 +195,6 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
     name = "ltx-video-i2v"
     image_to_video = True
     pipeline_class = LTXConditionPipeline
-    control_input_layer = None
-    control_refusal = ("its condition frames add tokens to the denoiser's input, which a widened input projection "
-                       "cannot line up with control latents.")
 
     # ----- which pipeline, and the condition frames -------------------------------------------------------------
     @functools.cached_property
@@ -211,10 +208,14 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
     def condition_frames(self) -> list[int]:
         return list(self.config.condition_frames)
 
-    @property
-    def keyframes(self) -> list[int]:
+    def frames_given(self, latent_frames: int) -> list[int]:
+        """The condition frames of a clip with `latent_frames` latent frames: none for a still (one latent frame,
+        nothing after it to predict: it trains unconditioned, as text-to-image), else `condition_frames`."""
+        return [] if latent_frames == 1 else self.condition_frames
+
+    def keyframes(self, latent_frames: int) -> list[int]:
         """The condition frames after the first: extra tokens rather than the first latent frame."""
-        return [frame for frame in self.condition_frames if frame > 0]
+        return [frame for frame in self.frames_given(latent_frames) if frame > 0]
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         super().check_video_shape(frames, height, width)
@@ -223,7 +224,7 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         if len(set(chosen)) != len(chosen):
             problems.append(f"model.condition_frames={chosen} names a frame twice; name each frame once")
         outside = [frame for frame in chosen if frame >= frames]
-        if outside:
+        if outside and frames > 1:  # a still trains unconditioned
             problems.append(f"model.condition_frames={chosen}: frame(s) {outside} lie outside the {frames} frames of "
                             f"a clip (data.frames); use frames 0 to {frames - 1}")
         if chosen != [0] and not self.uses_condition_pipeline:
@@ -246,12 +247,15 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         """The clip's posterior, and `condition_latents` [B, C, K, h, w]: each condition frame encoded alone (as
         the pipelines encode a conditioning image) and normalised like the clip, in `condition_frames` order."""
         latents = super().prepare_latents(vae, videos)
-        batch = videos.shape[0]
+        mean = latents["latents_mean"]
+        given = self.frames_given(mean.shape[2])
+        if not given:
+            latents["condition_latents"] = mean[:, :, :0]
+            return latents
         # [B, K, 3, H, W] -> K one-frame clips per sample, encoded together.
-        frames = videos[:, self.condition_frames]
-        singles = frames.flatten(0, 1).unsqueeze(1)
+        singles = videos[:, given].flatten(0, 1).unsqueeze(1)
         encoded = super().prepare_latents(vae, singles)["latents_mean"]  # [B * K, C, 1, h, w]
-        latents["condition_latents"] = encoded.view(batch, len(self.condition_frames), *encoded.shape[1:]) \
+        latents["condition_latents"] = encoded.view(videos.shape[0], len(given), *encoded.shape[1:]) \
             .squeeze(3).transpose(1, 2)
         return latents
 
@@ -261,7 +265,7 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
         batch, _, frames, height, width = noisy_latents.shape
         condition = conditions["condition_latents"].to(noisy_latents)
-        order = self.condition_frames
+        order = self.frames_given(frames)
         frame_mask = noisy_latents.new_zeros(batch, frames)
         if 0 in order:
             first = order.index(0)
@@ -271,7 +275,7 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         # One mask value per token (tokens run frame by frame), as the pipelines gather it.
         token_mask = frame_mask[:, :: patch_t].repeat_interleave((height // patch) * (width // patch), dim=1)
         extra = [LTXPipeline._pack_latents(condition[:, :, order.index(k) : order.index(k) + 1], patch, patch_t)
-                 for k in self.keyframes]
+                 for k in self.keyframes(frames)]
         inputs = torch.cat([*extra, tokens], dim=1)
         mask = torch.cat([*(token_mask.new_ones(part.shape[:2]) for part in extra), token_mask], dim=1)
         # Timestep 0 on the clean tokens (the pipelines' min(t, (1 - mask) * 1000)).
@@ -306,13 +310,21 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
             ids = LTXConditionPipeline._prepare_video_ids(batch, count, height, width, patch, patch_t, device)
             return LTXConditionPipeline._scale_video_ids(ids, spatial, temporal, frame_index)
 
-        video_coords = torch.cat([*(coords(1, k) for k in self.keyframes), coords(frames, 0)], dim=2).float()
+        video_coords = torch.cat([*(coords(1, k) for k in self.keyframes(frames)), coords(frames, 0)], dim=2).float()
         video_coords[:, 0] = video_coords[:, 0] * (1.0 / self.frame_rate)
         return {"video_coords": video_coords}
 
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+        """As LTX-Video packs it, behind zero controls for the keyframes' extra tokens (they take no control)."""
+        packed, dim = super().pack_control(control, denoiser)
+        config = denoiser.config
+        extra = len(self.keyframes(control.shape[2])) * (control.shape[3] // config.patch_size) \
+            * (control.shape[4] // config.patch_size)
+        return torch.cat([packed.new_zeros(packed.shape[0], extra, packed.shape[2]), packed], dim=1), dim
+
     def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """The clean first latent frame is given, not predicted: it stays out of the loss."""
-        if 0 in self.condition_frames:
+        if 0 in self.frames_given(squared_error.shape[2]):
             squared_error = squared_error[:, :, 1:]
         return squared_error.flatten(1).mean(dim=1)
 
@@ -349,6 +361,10 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         return {"conditions": conditions, "frame_rate": self.frame_rate}
 
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
-        if self.uses_condition_pipeline:
-            return latents  # LTXConditionPipeline unpacks them itself
-        return super().latents_from_pipeline(latents, frames, height, width)
+        if latents.ndim == 5:
+            return latents  # LTXConditionPipeline's result, unpacked by it
+        # A step's latents (packed), behind the keyframes' extra tokens in LTXConditionPipeline.
+        spatial, temporal, patch, patch_t = self.compression
+        video_tokens = ((frames - 1) // temporal + 1) // patch_t * (height // spatial // patch) \
+            * (width // spatial // patch)
+        return super().latents_from_pipeline(latents[:, -video_tokens:], frames, height, width)

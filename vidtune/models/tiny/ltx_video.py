@@ -128,5 +128,5 @@ def write_tiny_ltx_video_i2v(folder: str | Path, **overrides: object) -> Path:
 
 TINY = {
     "ltx-video": TinyFamily(write_tiny_ltx_video, SHAPE, OverfitSettings(steps=1000, learning_rate=1e-2)),
-    "ltx-video-i2v": TinyFamily(write_tiny_ltx_video_i2v, SHAPE, OverfitSettings(steps=1000, learning_rate=1e-2)),
+    "ltx-video-i2v": TinyFamily(write_tiny_ltx_video_i2v, SHAPE, OverfitSettings(steps=500, learning_rate=1e-2)),
 }

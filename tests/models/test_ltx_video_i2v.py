@@ -12,6 +12,7 @@ from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.ltx_video import LTXVideoImageToVideoSpec, vae_downsampling_steps
+from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
 FRAMES, HEIGHT, WIDTH = 9, 32, 32
@@ -134,3 +135,32 @@ def test_vae_ratios_are_read_from_either_layout():
     tiny = {"spatio_temporal_scaling": [True, True, True, False],
             "downsample_type": ["spatial", "temporal", "spatiotemporal", "conv"]}
     assert vae_downsampling_steps(tiny) == (2, 2)
+
+
+def test_condition_frames_are_part_of_the_latents_identity_only(tiny_model_dir):
+    """Other condition frames are other cached latents (each clip's condition latents), the same captions."""
+    first, keyframes = (i2v_spec(tiny_model_dir("ltx-video-i2v"), frames) for frames in ([0], [0, 8]))
+    assert first.latent_identity() != keyframes.latent_identity()
+    assert first.condition_identity() == keyframes.condition_identity()
+
+
+def test_a_keyframe_run_trains_and_validates_from_its_keyframes(make_config, tmp_path):
+    """The whole path with a keyframe: condition latents per clip, the loss, and validation sampling from the first
+    clip's frames 0 and 8 with LTXConditionPipeline."""
+    config = make_config("ltx-video-i2v", model={"condition_frames": [0, 8]},
+                         training={"steps": 2, "learning_rate": 5e-2}, lora={"rank": 4, "alpha": 4},
+                         validation={"enabled": True, "every": 2, "num_inference_steps": 2})
+    trainer = build_trainer(config)
+    seen: list[int] = []
+    original = trainer.spec.pipeline_inputs
+
+    def record(reference=None):
+        seen.append(reference.shape[0])
+        return original(reference)
+
+    trainer.spec.pipeline_inputs = record
+    result = trainer.run()
+    assert result.weights_path.is_file() and result.sample_paths
+    assert seen and all(frames == 9 for frames in seen)  # the reference reaches frame 8
+    inputs = original(read_clip(trainer.clips[0].video, 9, HEIGHT, WIDTH))
+    assert [condition.frame_index for condition in inputs["conditions"]] == [0, 8]

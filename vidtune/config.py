@@ -56,6 +56,13 @@ class ModelConfig(Section):
         "training and used again when sampling; default: the family's (HunyuanVideo: 1.0, the unguided "
         "data distribution). Ignored by families without a guidance embedding.",
     )
+    condition_frames: list[Annotated[int, Field(ge=0)]] = Field(
+        default_factory=lambda: [0],
+        min_length=1,
+        description="ltx-video-i2v: the frames of each clip (0-based, within data.frames) the model is conditioned "
+        "on, kept clean in training and given as images when sampling: [0] is image-to-video from the first "
+        "frame; more are keyframes (e.g. [0, 48]). Ignored by other families.",
+    )
 
 
 class _SourceBase(Section):

@@ -69,11 +69,14 @@ class SampleSettings:
         )
 
 
-def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSettings) -> torch.Tensor | None:
-    """Image-to-video families start from a first frame: that of the first dataset clip ([1, 3, H, W])."""
+def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSettings,
+                   fps: float | None = None) -> torch.Tensor | None:
+    """Image-to-video families start from a first frame (or keyframes): those of the first dataset clip
+    ([K, 3, H, W], read at `fps` like training clips)."""
     if not spec.image_to_video:
         return None
-    return read_clip(clips[0].video, 1, settings.height, settings.width)
+    return read_clip(clips[0].video, spec.reference_frame_count(settings.frames), settings.height, settings.width,
+                     fps=fps)
 
 
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:
@@ -312,7 +315,7 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     elif spec.image_to_video:
         try:  # the run's first sample, as validation takes it (the sources in order; nothing probed)
             clips = read_sources(config.data).clips
-            reference = reference_clip(spec, clips, settings)
+            reference = reference_clip(spec, clips, settings, fps=config.data.fps)
         except (VidtuneError, OSError, IndexError):
             raise VidtuneError(f"{spec.name} generates from a first frame: without --image it starts from the "
                                "run's first clip, but the run's data (its config's data section) cannot be read.\n"

@@ -108,6 +108,7 @@ def hunyuan_hidden_size(hidden: int) -> Iterator[None]:
 # refiner, whose fused `self_attn_qkv` diffusers' converter splits as if it were a plain weight (its A too).
 ROUND_TRIP_TARGETS = {
     "ltx-video": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
+    "ltx-video-i2v": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
     "wan": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2", "proj_out",
             "condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1"],
     "wan-i2v": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj",

@@ -10,12 +10,18 @@ import torch
 from diffusers import (
     AutoencoderKLLTXVideo,
     FlowMatchEulerDiscreteScheduler,
+    LTXConditionPipeline,
+    LTXImageToVideoPipeline,
     LTXPipeline,
     LTXVideoTransformer3DModel,
 )
+from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition
+from PIL import Image
 from torch import nn
 from transformers import T5EncoderModel
 
+from vidtune.data.video import frames_to_uint8
+from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.models.spec import (
     Conditions,
@@ -31,6 +37,17 @@ from vidtune.models.spec import (
 logger = logging.getLogger(__name__)
 
 
+def vae_downsampling_steps(vae: dict[str, Any]) -> tuple[int, int]:
+    """(spatial, temporal) halvings of an LTX-Video VAE encoder, from its config: 0.9.0 / 0.9.1 halve both in every
+    scaling block; 0.9.5+ name each block's `downsample_type` (spatial, temporal, spatiotemporal, or conv: both)."""
+    scaling = vae["spatio_temporal_scaling"]
+    kinds = vae.get("downsample_type") or ["conv"] * len(scaling)
+    used = [kind for kind, scales in zip(kinds, scaling, strict=False) if scales]
+    spatial = sum(kind in ("conv", "spatial", "spatiotemporal") for kind in used)
+    temporal = sum(kind in ("conv", "temporal", "spatiotemporal") for kind in used)
+    return spatial, temporal
+
+
 class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
     control_input_layer = "proj_in"  # Linear over packed patches [B, F*H*W, C*pt*p*p]
@@ -41,9 +58,9 @@ class LTXVideoSpec(ModelSpec):
     def compression(self) -> tuple[int, int, int, int]:
         """(VAE spatial ratio, VAE temporal ratio, transformer patch size, transformer temporal patch)."""
         vae = self.load_config(AutoencoderKLLTXVideo, "vae")
-        scaling = 2 ** sum(vae["spatio_temporal_scaling"])
-        spatial = vae.get("spatial_compression_ratio") or vae["patch_size"] * scaling
-        temporal = vae.get("temporal_compression_ratio") or vae["patch_size_t"] * scaling
+        spatial_steps, temporal_steps = vae_downsampling_steps(vae)
+        spatial = vae.get("spatial_compression_ratio") or vae["patch_size"] * 2**spatial_steps
+        temporal = vae.get("temporal_compression_ratio") or vae["patch_size_t"] * 2**temporal_steps
         transformer = self.load_config(LTXVideoTransformer3DModel, "transformer")
         return spatial, temporal, transformer.get("patch_size", 1), transformer.get("patch_size_t", 1)
 
@@ -154,3 +171,200 @@ class LTXVideoSpec(ModelSpec):
             latents, ((frames - 1) // temporal + 1) // patch_t, height // spatial // patch, width // spatial // patch,
             patch, patch_t,
         )
+
+
+def frame_to_pil(frame: torch.Tensor) -> Image.Image:
+    """One frame [3, H, W] in [-1, 1] as the RGB picture a user hands the pipeline."""
+    return Image.fromarray(frames_to_uint8(frame[None])[0])
+
+
+class LTXVideoImageToVideoSpec(LTXVideoSpec):
+    """LTX-Video conditioned on frames of the clip (`model.condition_frames`: the first frame, or keyframes).
+
+    Trained the way the pipelines sample: each condition frame is encoded on its own (a one-frame clip), and its
+    latent is given to the denoiser clean, with timestep 0 on its tokens; the loss leaves those tokens out. The
+    first frame takes the place of the first latent frame; a keyframe at frame k > 0 is appended as extra tokens
+    whose rotary position is frame k, and its prediction is dropped (LTXConditionPipeline.prepare_latents).
+
+    Which pipeline samples it is read from the checkpoint's scheduler: 0.9.5+ and 13B checkpoints (a fixed-shift
+    scheduler) sample with LTXConditionPipeline, whose rotary time coordinates (`video_coords`) training uses too;
+    0.9.0 / 0.9.1 checkpoints (dynamic shifting, which that pipeline cannot take) with LTXImageToVideoPipeline,
+    first frame only.
+    """
+
+    name = "ltx-video-i2v"
+    image_to_video = True
+    pipeline_class = LTXConditionPipeline
+
+    # ----- which pipeline, and the condition frames -------------------------------------------------------------
+    @functools.cached_property
+    def uses_condition_pipeline(self) -> bool:
+        """LTXConditionPipeline sets its own timesteps, which a scheduler with dynamic shifting refuses (it needs a
+        `mu` that pipeline never passes): such checkpoints (0.9.0 / 0.9.1) sample with LTXImageToVideoPipeline."""
+        scheduler = self.load_config(FlowMatchEulerDiscreteScheduler, "scheduler")
+        return not scheduler.get("use_dynamic_shifting", False)
+
+    @property
+    def condition_frames(self) -> list[int]:
+        return list(self.config.condition_frames)
+
+    def frames_given(self, latent_frames: int) -> list[int]:
+        """The condition frames of a clip with `latent_frames` latent frames: none for a still (one latent frame,
+        nothing after it to predict: it trains unconditioned, as text-to-image), else `condition_frames`."""
+        return [] if latent_frames == 1 else self.condition_frames
+
+    def keyframes(self, latent_frames: int) -> list[int]:
+        """The condition frames after the first: extra tokens rather than the first latent frame."""
+        return [frame for frame in self.frames_given(latent_frames) if frame > 0]
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        super().check_video_shape(frames, height, width)
+        chosen = self.condition_frames
+        problems = []
+        if len(set(chosen)) != len(chosen):
+            problems.append(f"model.condition_frames={chosen} names a frame twice; name each frame once")
+        outside = [frame for frame in chosen if frame >= frames]
+        if outside and frames > 1:  # a still trains unconditioned
+            problems.append(f"model.condition_frames={chosen}: frame(s) {outside} lie outside the {frames} frames of "
+                            f"a clip (data.frames); use frames 0 to {frames - 1}")
+        if chosen != [0] and not self.uses_condition_pipeline:
+            problems.append(
+                f"model.condition_frames={chosen}: the model at {self.config.pretrained} samples with "
+                "LTXImageToVideoPipeline (its scheduler uses dynamic shifting, as LTX-Video 0.9.0 / 0.9.1 do), "
+                "which conditions on the first frame only; set model.condition_frames to [0], or use a 0.9.5+ "
+                "checkpoint for keyframes"
+            )
+        if problems:
+            raise ConfigError("The condition frames do not fit:\n" + "\n".join(f"  - {p}" for p in problems)
+                              + "\nWhat to do: fix model.condition_frames as said above.")
+
+    def latent_identity(self) -> dict[str, Any]:
+        return {**super().latent_identity(), "condition_frames": self.condition_frames}
+
+    # ----- tensors ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        """The clip's posterior, and `condition_latents` [B, C, K, h, w]: each condition frame encoded alone (as
+        the pipelines encode a conditioning image) and normalised like the clip, in `condition_frames` order."""
+        latents = super().prepare_latents(vae, videos)
+        mean = latents["latents_mean"]
+        given = self.frames_given(mean.shape[2])
+        if not given:
+            latents["condition_latents"] = mean[:, :, :0]
+            return latents
+        # [B, K, 3, H, W] -> K one-frame clips per sample, encoded together.
+        singles = videos[:, given].flatten(0, 1).unsqueeze(1)
+        encoded = super().prepare_latents(vae, singles)["latents_mean"]  # [B * K, C, 1, h, w]
+        latents["condition_latents"] = encoded.view(videos.shape[0], len(given), *encoded.shape[1:]) \
+            .squeeze(3).transpose(1, 2)
+        return latents
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
+        batch, _, frames, height, width = noisy_latents.shape
+        condition = conditions["condition_latents"].to(noisy_latents)
+        order = self.frames_given(frames)
+        frame_mask = noisy_latents.new_zeros(batch, frames)
+        if 0 in order:
+            first = order.index(0)
+            noisy_latents = torch.cat([condition[:, :, first : first + 1], noisy_latents[:, :, 1:]], dim=2)
+            frame_mask[:, 0] = 1.0
+        tokens = LTXPipeline._pack_latents(noisy_latents, patch, patch_t)
+        # One mask value per token (tokens run frame by frame), as the pipelines gather it.
+        token_mask = frame_mask[:, :: patch_t].repeat_interleave((height // patch) * (width // patch), dim=1)
+        extra = [LTXPipeline._pack_latents(condition[:, :, order.index(k) : order.index(k) + 1], patch, patch_t)
+                 for k in self.keyframes(frames)]
+        inputs = torch.cat([*extra, tokens], dim=1)
+        mask = torch.cat([*(token_mask.new_ones(part.shape[:2]) for part in extra), token_mask], dim=1)
+        # Timestep 0 on the clean tokens (the pipelines' min(t, (1 - mask) * 1000)).
+        per_token = torch.minimum(timesteps.to(mask)[:, None], (1.0 - mask) * 1000.0)
+        position = self.rotary_inputs(batch, frames, height, width, patch, patch_t, inputs.device)
+        prediction = denoiser(
+            hidden_states=inputs,
+            encoder_hidden_states=conditions["prompt_embeds"],
+            timestep=per_token,
+            encoder_attention_mask=conditions["prompt_attention_mask"],
+            num_frames=frames // patch_t,
+            height=height // patch,
+            width=width // patch,
+            **position,
+            return_dict=False,
+        )[0]
+        prediction = prediction[:, inputs.shape[1] - tokens.shape[1]:]
+        return LTXPipeline._unpack_latents(
+            prediction, frames // patch_t, height // patch, width // patch, patch, patch_t
+        )
+
+    def rotary_inputs(self, batch: int, frames: int, height: int, width: int, patch: int, patch_t: int,
+                      device: torch.device) -> dict[str, Any]:
+        """Where each token sits, as the sampling pipeline tells the transformer: LTXConditionPipeline's
+        `video_coords` (the keyframes' tokens first, at their frames), or LTXImageToVideoPipeline's
+        `rope_interpolation_scale`."""
+        if not self.uses_condition_pipeline:
+            return {"rope_interpolation_scale": self.rope_interpolation_scale()}
+        spatial, temporal, _, _ = self.compression
+
+        def coords(count: int, frame_index: int) -> torch.Tensor:
+            ids = LTXConditionPipeline._prepare_video_ids(batch, count, height, width, patch, patch_t, device)
+            return LTXConditionPipeline._scale_video_ids(ids, spatial, temporal, frame_index)
+
+        video_coords = torch.cat([*(coords(1, k) for k in self.keyframes(frames)), coords(frames, 0)], dim=2).float()
+        video_coords[:, 0] = video_coords[:, 0] * (1.0 / self.frame_rate)
+        return {"video_coords": video_coords}
+
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+        """As LTX-Video packs it, behind zero controls for the keyframes' extra tokens (they take no control)."""
+        packed, dim = super().pack_control(control, denoiser)
+        config = denoiser.config
+        extra = len(self.keyframes(control.shape[2])) * (control.shape[3] // config.patch_size) \
+            * (control.shape[4] // config.patch_size)
+        return torch.cat([packed.new_zeros(packed.shape[0], extra, packed.shape[2]), packed], dim=1), dim
+
+    def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """The clean first latent frame is given, not predicted: it stays out of the loss."""
+        if 0 in self.frames_given(squared_error.shape[2]):
+            squared_error = squared_error[:, :, 1:]
+        return squared_error.flatten(1).mean(dim=1)
+
+    # ----- pipeline and outputs ----------------------------------------------------------------------
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
+        pipeline_class = LTXConditionPipeline if self.uses_condition_pipeline else LTXImageToVideoPipeline
+        return pipeline_class(
+            scheduler=self.load_scheduler(),
+            vae=vae,
+            text_encoder=text["text_encoder"],
+            tokenizer=text["tokenizer"],
+            transformer=denoiser,
+        )
+
+    def reference_frame_count(self, frames: int) -> int:
+        return max(self.condition_frames) + 1
+
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
+        if reference is None:
+            raise ModelError(f"{self.name} samples from frames of a clip: pass the clip as `reference` (validation "
+                             "uses the first dataset clip; `vidtune sample` takes --image).\nWhat to do: give the "
+                             "reference clip or image.")
+        if not self.uses_condition_pipeline:
+            return {"image": frame_to_pil(reference[0]), "frame_rate": self.frame_rate}
+        given = [frame for frame in self.condition_frames if frame < reference.shape[0]]
+        if given != self.condition_frames:
+            logger.warning("Sampling from frame(s) %s of the %d given; the model was trained on frames %s.",
+                           given, reference.shape[0], self.condition_frames)
+        if not given:
+            raise ModelError(f"{self.name}: the reference has {reference.shape[0]} frame(s), fewer than any condition "
+                             f"frame {self.condition_frames}.\nWhat to do: give a clip with frame "
+                             f"{min(self.condition_frames)}.")
+        conditions = [LTXVideoCondition(image=frame_to_pil(reference[frame]), frame_index=frame) for frame in given]
+        return {"conditions": conditions, "frame_rate": self.frame_rate}
+
+    def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+        if latents.ndim == 5:
+            return latents  # LTXConditionPipeline's result, unpacked by it
+        # A step's latents (packed), behind the keyframes' extra tokens in LTXConditionPipeline.
+        spatial, temporal, patch, patch_t = self.compression
+        video_tokens = ((frames - 1) // temporal + 1) // patch_t * (height // spatial // patch) \
+            * (width // spatial // patch)
+        return super().latents_from_pipeline(latents[:, -video_tokens:], frames, height, width)

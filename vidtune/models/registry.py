@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 # name -> "module:class", imported lazily so one family's imports never slow down another's.
 SPECS: dict[str, str] = {
     "ltx-video": "vidtune.models.ltx_video:LTXVideoSpec",
+    "ltx-video-i2v": "vidtune.models.ltx_video:LTXVideoImageToVideoSpec",
     "cogvideox": "vidtune.models.cogvideox:CogVideoXSpec",
     "cogvideox-i2v": "vidtune.models.cogvideox:CogVideoXI2VSpec",
     "mochi": "vidtune.models.mochi:MochiSpec",

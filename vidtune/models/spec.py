@@ -124,6 +124,7 @@ def side_problems(height: int, width: int, height_multiple: int, width_multiple:
 # The clip rules of each family's published checkpoints (what README.md lists), to compare a model's own rule with.
 PUBLISHED_SHAPE_RULES = {
     "ltx-video": "frames 8k+1, sides multiples of 32",
+    "ltx-video-i2v": "frames 8k+1, sides multiples of 32",
     "cogvideox": "frames 4k+1, sides multiples of 16",
     "cogvideox-i2v": "frames 4k+1, 480x720",
     "hunyuan-video": "frames 4k+1, sides multiples of 16",
@@ -478,6 +479,15 @@ class ModelSpec(ABC):
         """A control latent [B, C, F, H, W] in the layout of the denoiser's `hidden_states`, and the dimension
         its channels are on (the control is concatenated last there). By default the VAE's layout, channels 1."""
         return control, 1
+
+    def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """Each clip's mean of the squared error [B, C, F, H, W] over what the denoiser must predict: all of it,
+        unless the family gives some latents clean as conditions (they stay out of the loss)."""
+        return squared_error.flatten(1).mean(dim=1)
+
+    def reference_frame_count(self, frames: int) -> int:
+        """Frames of the reference clip an image-to-video family samples from (the first, unless keyframes)."""
+        return 1
 
     def empty_conditions(self, conditions: Conditions) -> Conditions:
         """The `zero` caption-dropout technique: same shapes, zero embedding (masks kept)."""

@@ -243,7 +243,7 @@ class Trainer(ABC):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             prediction = self.spec.forward(denoiser, inputs.conditions, inputs.noisy.to(self.denoiser.dtype),
                                            inputs.timesteps)
-        per_clip = (prediction.float() - inputs.target).pow(2).flatten(1).mean(dim=1)
+        per_clip = self.spec.per_clip_error((prediction.float() - inputs.target).pow(2), inputs.conditions)
         return (per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)).sum()
 
     def noisy_inputs(self, batch: Batch) -> NoisyInputs:
@@ -450,7 +450,8 @@ class Trainer(ABC):
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
             videos = render_samples(self.spec, pipeline, settings, self.output_dir / outputs.SAMPLES,
                                     f"step-{self.state.step:08d}",
-                                    reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
+                                    reference=reference_clip(self.spec, self.clips, settings, self.config.data.fps),
+                                    bf16=self.use_bf16)
         self.log.samples(self.state.step, videos, settings.frame_rate)
         return videos
 

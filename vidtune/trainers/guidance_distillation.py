@@ -143,7 +143,7 @@ class GuidanceDistillation(Trainer):
         embedded = scales if self.config.distillation.guidance_range is not None else None
         denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
         prediction = self.predict(denoiser, inputs.conditions, noisy, inputs.timesteps, embedded)
-        return (prediction - target).pow(2).flatten(1).mean(dim=1).sum()
+        return self.spec.per_clip_error((prediction - target).pow(2), inputs.conditions).sum()
 
 
 class GuidanceDistillationTrainer(GuidanceDistillation, LoRATrainer):

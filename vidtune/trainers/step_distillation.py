@@ -147,4 +147,4 @@ class StepDistillationTrainer(LoRATrainer):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             prediction = self.spec.forward(denoiser, inputs.conditions, z_start.to(self.denoiser.dtype),
                                            self.objective.timesteps(paths[:, 0]).to(z_start.device))
-        return (prediction.float() - target).pow(2).flatten(1).mean(dim=1).sum()
+        return self.spec.per_clip_error((prediction.float() - target).pow(2), inputs.conditions).sum()

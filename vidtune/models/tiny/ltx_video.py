@@ -41,8 +41,10 @@ def write_tiny_ltx_video(
     text_hidden: int = 32,
     latent_channels: int = 8,
     seed: int = 0,
+    version_095: bool = False,
 ) -> Path:
-    """Write a tiny LTX-Video model folder (diffusers layout) and return it.
+    """Write a tiny LTX-Video model folder (diffusers layout) and return it; `version_095`: in the layout of the 0.9.5+
+    checkpoints (their VAE and scheduler configs), which image-to-video samples with LTXConditionPipeline.
 
     VAE: spatial ratio 4, temporal ratio 4 (so frames are 4k+1 and sides multiples of 4). Its per-channel latent
     statistics go where LTX-Video keeps them, the `latents_mean` / `latents_std` buffers.
@@ -50,6 +52,7 @@ def write_tiny_ltx_video(
     from diffusers import (
         AutoencoderKLLTXVideo,
         FlowMatchEulerDiscreteScheduler,
+        LTXConditionPipeline,
         LTXPipeline,
         LTXVideoTransformer3DModel,
     )
@@ -68,11 +71,22 @@ def write_tiny_ltx_video(
         caption_channels=text_hidden,
     )
     torch.manual_seed(seed)
+    # The 0.9.5+ layout names each encoder block's downsampling and conditions the decoder on a timestep; the
+    # 0.9.0 / 0.9.1 one halves space and time together in every scaling block.
+    layout: dict[str, object] = {"spatio_temporal_scaling": (True, True, False, False)}
+    if version_095:
+        layout = {
+            "spatio_temporal_scaling": (True, True, True, False),
+            "down_block_types": ("LTXVideo095DownBlock3D",) * 4,
+            "downsample_type": ("spatial", "temporal", "spatiotemporal", "conv"),
+            "timestep_conditioning": True,
+            "spatial_compression_ratio": 4,
+            "temporal_compression_ratio": 4,
+        }
     vae = AutoencoderKLLTXVideo(
         latent_channels=latent_channels,
         block_out_channels=(8, 8, 8, 8),
         decoder_block_out_channels=(8, 8, 8, 8),
-        spatio_temporal_scaling=(True, True, False, False),
         decoder_spatio_temporal_scaling=(True, True, False, False),
         layers_per_block=(1, 1, 1, 1, 1),
         decoder_layers_per_block=(1, 1, 1, 1, 1),
@@ -81,27 +95,38 @@ def write_tiny_ltx_video(
         patch_size_t=1,
         encoder_causal=True,
         decoder_causal=False,
+        **layout,
     )
     calm_ltx_vae_posterior(vae)
     mean, std = latent_statistics(reference_latents(vae, frames, size))
     with torch.no_grad():
         vae.latents_mean.copy_(mean)
         vae.latents_std.copy_(std)
+    # 0.9.5+ ship a fixed shift (LTXConditionPipeline sets its own timesteps); 0.9.0 / 0.9.1 shift by resolution.
     scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True,
+        use_dynamic_shifting=not version_095,
         base_shift=0.95,
         max_shift=2.05,
         base_image_seq_len=1024,
         max_image_seq_len=4096,
     )
-    pipeline = LTXPipeline(
+    pipeline_class = LTXConditionPipeline if version_095 else LTXPipeline
+    pipeline = pipeline_class(
         scheduler=scheduler,
         vae=vae,
         text_encoder=build_tiny_t5(text_hidden, seed),
         tokenizer=build_tiny_tokenizer(),
         transformer=transformer,
     )
-    return save_tiny(pipeline, folder, "ltx-video", seed)
+    return save_tiny(pipeline, folder, "ltx-video-i2v" if version_095 else "ltx-video", seed)
 
 
-TINY = {"ltx-video": TinyFamily(write_tiny_ltx_video, SHAPE, OverfitSettings(steps=1000, learning_rate=1e-2))}
+def write_tiny_ltx_video_i2v(folder: str | Path, **overrides: object) -> Path:
+    """The tiny LTX-Video in the 0.9.5+ layout, which `ltx-video-i2v` samples with LTXConditionPipeline."""
+    return write_tiny_ltx_video(folder, **{"version_095": True, **overrides})
+
+
+TINY = {
+    "ltx-video": TinyFamily(write_tiny_ltx_video, SHAPE, OverfitSettings(steps=1000, learning_rate=1e-2)),
+    "ltx-video-i2v": TinyFamily(write_tiny_ltx_video_i2v, SHAPE, OverfitSettings(steps=500, learning_rate=1e-2)),
+}

@@ -99,6 +99,12 @@ class HunyuanVideo15Spec(ModelSpec):
     def required_components(self) -> tuple[str, ...]:
         return ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae", "transformer", "scheduler")
 
+    def lora_exclude_modules(self) -> list[str]:
+        """The last block's text-stream output (its attention output and feed-forward) reaches nothing: the final
+        layer reads the video stream only."""
+        last = f"transformer_blocks.{self.transformer_config['num_layers'] - 1}"
+        return [f"{last}.attn.to_add_out", f"{last}.ff_context.net.0.proj", f"{last}.ff_context.net.2"]
+
     def native_max_sequence_length(self) -> int:
         """Qwen tokens kept after the template: the pipelines' 1000."""
         return DEFAULT_MAX_SEQUENCE_LENGTH

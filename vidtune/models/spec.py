@@ -199,6 +199,11 @@ class ModelSpec(ABC):
         self.frame_rate = frame_rate
         self.text_encoder_weights = text_encoder_weights  # memory.text_encoder_weights
 
+    def lora_exclude_modules(self) -> list[str]:
+        """Linear layers no LoRA preset may adapt (peft's `exclude_modules`): layers whose output the loss never
+        sees, such as the text stream's output of a last joint block, which would break data-parallel training."""
+        return []
+
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
         """The module names LoRA adapts when `lora.target_modules` is unset."""

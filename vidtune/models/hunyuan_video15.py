@@ -70,6 +70,15 @@ DEFAULT_MAX_SEQUENCE_LENGTH: int = _pipeline_default(_MLLM, "tokenizer_max_lengt
 GLYPH_MAX_LENGTH: int = _pipeline_default(HunyuanVideo15Pipeline._get_byt5_prompt_embeds, "tokenizer_max_length")
 
 
+def trim_padding(embeds: torch.Tensor, mask: torch.Tensor, suffix: str) -> Conditions:
+    """Text tokens cut after the batch's last unmasked one (at least one kept). Masked tokens take no part in the
+    transformer (its attention masks them and its refiner pools over the mask), so the prediction is the same; the
+    pipelines pad to 1000 Qwen and 256 ByT5 tokens, and training pays for the tokens a caption has only."""
+    valid = mask.bool().any(dim=0).nonzero()
+    length = int(valid.max()) + 1 if len(valid) else 1
+    return {f"prompt_embeds{suffix}": embeds[:, :length], f"prompt_embeds_mask{suffix}": mask[:, :length]}
+
+
 class HunyuanVideo15LoraPipeline(CogVideoXLoraLoaderMixin, HunyuanVideo15Pipeline):
     """HunyuanVideo15Pipeline with diffusers' plain transformer LoRA loader (`load_lora_weights`,
     `save_lora_weights`, `lora_state_dict`), which its diffusers release does not have yet."""
@@ -206,6 +215,8 @@ class HunyuanVideo15Spec(ModelSpec):
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
         dtype = noisy_latents.dtype
+        conditions = {**conditions, **trim_padding(conditions["prompt_embeds"], conditions["prompt_embeds_mask"], ""),
+                      **trim_padding(conditions["prompt_embeds_2"], conditions["prompt_embeds_mask_2"], "_2")}
         hidden_states = torch.cat([noisy_latents, self.condition_input(conditions, noisy_latents).to(dtype)], dim=1)
         return denoiser(
             hidden_states=hidden_states,

@@ -778,8 +778,10 @@ def _problems(error: ValidationError, origins: Origins) -> str:
 
 
 def build_config(data: dict[str, Any], source: str = "config", origins: Origins | None = None) -> Config:
+    from vidtune.models.defaults import apply_family_defaults  # the registry imports this module
+
     try:
-        return Config.model_validate(data)
+        return apply_family_defaults(Config.model_validate(data))
     except ValidationError as error:
         if origins is None:
             origins = Origins(file=Path(source)) if source not in ("config", "the command line") else Origins()

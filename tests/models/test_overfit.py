@@ -45,7 +45,7 @@ def overfit_config(family: str, pretrained: Path, data_root: Path, output_dir: P
         "data": {"root": str(data_root), "frames": frames, "height": height, "width": width, "num_workers": 0},
         "training": {"algorithm": "full", "steps": settings.steps, "batch_size": settings.batch_size,
                      "learning_rate": settings.learning_rate, "seed": 0, "precision": "fp32", "device": "cpu",
-                     "max_grad_norm": None, "sigma_sampling": "uniform"},
+                     "max_grad_norm": None, "sigma_sampling": "uniform", "sigma_shift": 1.0},
         "optimizer": {"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": settings.steps // 10},
         "precompute": {"enabled": True, "cache_dir": str(output_dir.parent / "cache")},
         "checkpoint": {"every": 0, "keep": 1},

@@ -39,6 +39,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcesso
 
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule, fused
+from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -95,6 +96,9 @@ class HunyuanVideo15Spec(ModelSpec):
     name = "hunyuan-video-1.5"
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, 2C + 1, F, H, W]
     validation_guidance_scale = 6.0  # the published guider's scale
+    defaults = FamilyDefaults(frames=121, height=480, width=848, fps=24.0, sigma_shift=5.0, source=(
+        "the 480p checkpoints: 121 frames (the pipelines' default) at 24 fps, 480x848 (the 16:9 bucket of "
+        "target_size 640), scheduler shift 5, guider scale 6"))
     pipeline_class = HunyuanVideo15LoraPipeline
     vae_class = AutoencoderKLHunyuanVideo15
     denoiser_class = HunyuanVideo15Transformer3DModel
@@ -282,15 +286,19 @@ class HunyuanVideo15Spec(ModelSpec):
 
     def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
         """Embeddings computed like the pipeline's encode_prompt, at `model.max_sequence_length` (the pipeline's
-        own length is fixed); the negative prompt is the empty one when guidance is on."""
+        own length is fixed) and without the padding `forward` trims too; the negative prompt is the empty one when
+        guidance is on (the guider runs it as a batch of its own, so its length may differ)."""
         text = TextComponents({name: getattr(pipeline, name)
                                for name in ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")})
         dtype = pipeline.transformer.dtype
-        inputs = {key: value.to(dtype) for key, value in self.prepare_conditions(text, [prompt]).items()}
-        if guidance_scale > 1.0:
-            negative = self.prepare_conditions(text, [""])
-            inputs.update({f"negative_{key}": value.to(dtype) for key, value in negative.items()})
-        return inputs
+
+        def encoded(caption: str, prefix: str) -> dict[str, torch.Tensor]:
+            conditions = self.prepare_conditions(text, [caption])
+            trimmed = {**trim_padding(conditions["prompt_embeds"], conditions["prompt_embeds_mask"], ""),
+                       **trim_padding(conditions["prompt_embeds_2"], conditions["prompt_embeds_mask_2"], "_2")}
+            return {f"{prefix}{key}": value.to(dtype) for key, value in trimmed.items()}
+
+        return {**encoded(prompt, ""), **(encoded("", "negative_") if guidance_scale > 1.0 else {})}
 
     def pipeline_size(self, height: int, width: int) -> dict[str, int]:
         return {"height": height, "width": width}

@@ -29,17 +29,26 @@ _QWEN_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_qwen_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_tiny_qwen_tokenizer(vocab_size: int = 768) -> PreTrainedTokenizerFast:
     """A Qwen2-style byte-level BPE with its chat template, `<|endoftext|>` padding on the right (the pipeline crops
-    the template from the left and reads the mask as a prefix)."""
+    the template from the left and reads the mask as a prefix). Trained on the pipeline's system message too, so the
+    template before the caption is exactly the `crop_start` (108) tokens the pipeline crops, as with Qwen2.5-VL's
+    tokenizer: the kept tokens start at the caption."""
+    from vidtune.models.hunyuan_video15 import CROP_START, SYSTEM_MESSAGE
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_QWEN_SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tokenizer.train_from_iterator([SYSTEM_MESSAGE] * 8 + CORPUS * 4, trainer=trainer)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    padding_side="right", chat_template=_QWEN_CHAT_TEMPLATE, model_max_length=32768)
+    messages = [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": "{}"}]
+    prefix = fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=False).split("{}")[0]
+    if len(fast(prefix).input_ids) != CROP_START:
+        raise RuntimeError("the tiny Qwen tokenizer does not split the HunyuanVideo 1.5 template like Qwen2.5-VL")
+    return fast
 
 
 def write_tiny_hunyuan_video15(
@@ -137,7 +146,7 @@ def write_tiny_hunyuan_video15(
 
 
 TINY = {
-    "hunyuan-video-1.5": TinyFamily(write_tiny_hunyuan_video15, SHAPE, OverfitSettings(steps=800, learning_rate=3e-3)),
+    "hunyuan-video-1.5": TinyFamily(write_tiny_hunyuan_video15, SHAPE, OverfitSettings(steps=300, learning_rate=5e-3)),
     "hunyuan-video-1.5-i2v": TinyFamily(partial(write_tiny_hunyuan_video15, image_to_video=True), SHAPE,
-                                        OverfitSettings(steps=800, learning_rate=3e-3)),
+                                        OverfitSettings(steps=300, learning_rate=5e-3)),
 }

@@ -270,9 +270,10 @@ class CogVideoXI2VSpec(CogVideoXSpec):
 
     name = "cogvideox-i2v"
     image_to_video = True
-    # Its pipeline pads the first-frame condition too (the image latent repeated in front); not done here yet, so
-    # with a temporal patch the latent frame count must stay a multiple of it.
-    pads_latent_frames = False
+    # CogVideoX 1.5 I2V: an odd latent frame count is padded like the text-to-video latents (the first latent frame
+    # in front). CogVideoXImageToVideoPipeline then denoises one latent frame more, with the image condition in
+    # latent frame 0 and zeros after it, and drops the first frame before decoding: `prepare_latents` builds that
+    # condition over the padded count.
     pipeline_class = CogVideoXImageToVideoPipeline
     image_noise_log_sigma: tuple[float, float] | None = (-3.0, 0.5)  # (mean, std) of log sigma; None: no noise
 

@@ -301,6 +301,7 @@ class HunyuanVideo15Spec(ModelSpec):
         return {**encoded(prompt, ""), **(encoded("", "negative_") if guidance_scale > 1.0 else {})}
 
     def pipeline_size(self, height: int, width: int) -> dict[str, int]:
+        """The size arguments of the pipeline call (text-to-video takes them as they are)."""
         return {"height": height, "width": width}
 
     def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,

@@ -128,6 +128,8 @@ PUBLISHED_SHAPE_RULES = {
     "cogvideox": "frames 4k+1, sides multiples of 16",
     "cogvideox-i2v": "frames 4k+1, 480x720",
     "hunyuan-video": "frames 4k+1, sides multiples of 16",
+    "hunyuan-video-1.5": "frames 4k+1, sides multiples of 16",
+    "hunyuan-video-1.5-i2v": "frames 4k+1, sides multiples of 16",
     "mochi": "frames 6k+1, sides multiples of 16",
     "wan": "frames 4k+1, sides multiples of 16",
     "wan-i2v": "frames 4k+1, sides multiples of 16",

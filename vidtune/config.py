@@ -47,7 +47,8 @@ class ModelConfig(Section):
         None, gt=0, description="Tokens kept per caption; default: the family's own (LTX-Video 128, CogVideoX 226)."
     )
     frame_rate: float | None = Field(
-        None, gt=0, description="Frame rate the denoiser is told about; default: data.fps, else 25."
+        None, gt=0, description="Frame rate the denoiser is told about; default: data.fps, else the family's "
+        "(docs/models.md)."
     )
     guidance_scale: float | None = Field(
         None,
@@ -119,9 +120,12 @@ class DataConfig(Section):
         None, description="Several sources, each `{type: pairs | folder | metadata, ...}` with optional `repeats` "
         "and `caption_prefix` (see docs/datasets.md). Instead of `root`."
     )
-    frames: int = Field(49, gt=0, description="Frames per training clip (the one-bucket shorthand).")
-    height: int = Field(512, gt=0, description="Height of the training clips in pixels (the one-bucket shorthand).")
-    width: int = Field(768, gt=0, description="Width of the training clips in pixels (the one-bucket shorthand).")
+    frames: int = Field(49, gt=0, description="Frames per training clip (the one-bucket shorthand); "
+                        "unset: the family's (docs/models.md).")
+    height: int = Field(512, gt=0, description="Height of the training clips in pixels (the one-bucket "
+                        "shorthand); unset: the family's (docs/models.md).")
+    width: int = Field(768, gt=0, description="Width of the training clips in pixels (the one-bucket "
+                        "shorthand); unset: the family's (docs/models.md).")
     buckets: list[tuple[int, int, int]] | None = Field(
         None, description="Shapes `[[frames, height, width], ...]`: each sample goes to the bucket of nearest aspect "
         "ratio whose frames it can fill (images: one-frame buckets); a batch holds one bucket. Instead of "
@@ -189,11 +193,12 @@ class TrainingConfig(Section):
         False, description="Recompute activations in the backward pass: less memory, slower steps."
     )
     sigma_sampling: Literal["uniform", "logit_normal"] = Field(
-        "logit_normal", description="How training noise levels are drawn."
+        "logit_normal", description="How training noise levels are drawn; unset: the family's (docs/models.md)."
     )
     logit_mean: float = Field(0.0, description="Mean of the logit-normal noise levels (>0: noisier).")
     logit_std: float = Field(1.0, gt=0, description="Spread of the logit-normal noise levels.")
-    sigma_shift: float = Field(1.0, gt=0, description="Shift of sampled sigmas towards noise (>1) or data (<1).")
+    sigma_shift: float = Field(1.0, gt=0, description="Shift of sampled sigmas towards noise (>1) or data (<1); "
+                             "unset: the family's (docs/models.md).")
     device: str = Field(
         "auto", description="auto: cuda if available, else cpu. Under torchrun auto / cuda: cuda:LOCAL_RANK."
     )
@@ -786,8 +791,10 @@ def _problems(error: ValidationError, origins: Origins) -> str:
 
 
 def build_config(data: dict[str, Any], source: str = "config", origins: Origins | None = None) -> Config:
+    from vidtune.models.defaults import apply_family_defaults  # the registry imports this module
+
     try:
-        return Config.model_validate(data)
+        return apply_family_defaults(Config.model_validate(data))
     except ValidationError as error:
         if origins is None:
             origins = Origins(file=Path(source)) if source not in ("config", "the command line") else Origins()

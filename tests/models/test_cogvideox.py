@@ -214,3 +214,40 @@ def test_sampling_starts_from_the_reference_video(i2v_folder):
         sample()
     first = sample(videos[0])
     assert (sample(videos[1]) - first).abs().max() > 1e-4
+
+
+def test_cogvideox_1_5_image_to_video_pads_an_odd_latent_frame_count_like_its_pipeline(tmp_path):
+    """CogVideoX 1.5 I2V, 9 frames: 3 latent frames and a temporal patch of 2. The latents get the first latent frame
+    once more in front; the image condition is the pipeline's: the first frame's latents in latent frame 0, zeros in
+    the other three. The pipeline samples that grid and drops the padding frame before decoding."""
+    from vidtune.models.tiny.cogvideox import write_tiny_cogvideox
+
+    folder = write_tiny_cogvideox(tmp_path / "cogvideox-1.5-i2v", image_to_video=True, version_1_5=True)
+    spec = _spec(CogVideoXI2VSpec, folder)
+    spec.image_noise_log_sigma = None  # compare without the training-time noise augmentation
+    spec.check_video_shape(9, 32, 32)  # accepted, not refused
+    text, vae, denoiser = _components(spec)
+    videos = reference_videos(9, 32)[:1]
+    latents = spec.prepare_latents(vae, videos)
+    with torch.no_grad():
+        unpadded = vae.encode(videos.permute(0, 2, 1, 3, 4)).latent_dist.mean * vae.config.scaling_factor
+    assert unpadded.shape[2] == 3 and latents["latents_mean"].shape[2] == 4
+    torch.testing.assert_close(latents["latents_mean"], torch.cat([unpadded[:, :, :1], unpadded], dim=2))
+    pipeline = spec.pipeline(text, vae, denoiser)
+    pipeline.set_progress_bar_config(disable=True)
+    # The pipeline asks prepare_latents for its padded frame count (13 frames: 4 latent frames).
+    _, expected = pipeline.prepare_latents(videos[:, 0], 1, 4, 13, 32, 32, torch.float32, CPU,
+                                           torch.Generator().manual_seed(0))
+    image_latents = latents["image_latents"]
+    assert image_latents.shape == latents["latents_mean"].shape == expected.permute(0, 2, 1, 3, 4).shape
+    assert (image_latents[:, :, 1:] == 0).all() and image_latents[:, :, 0].abs().sum() > 0
+    tolerance = 6 * float(latents["latents_std"].max())  # two samples of one narrow posterior
+    torch.testing.assert_close(image_latents, expected.permute(0, 2, 1, 3, 4), atol=tolerance, rtol=0)
+    with torch.no_grad():
+        prediction = spec.forward(denoiser, {**spec.prepare_conditions(text, ["a"]), "image_latents": image_latents},
+                                  latents["latents_mean"], torch.tensor([500]))
+        sampled = spec.generate_latents(pipeline, "a", 9, 32, 32, 2, torch.Generator().manual_seed(0),
+                                        reference=videos[0])
+        video = spec.generate(pipeline, "a", 9, 32, 32, 2, 1.0, torch.Generator().manual_seed(0), reference=videos[0])
+    assert sampled.shape == prediction.shape == latents["latents_mean"].shape
+    assert video.shape == (9, 3, 32, 32)  # the padding frame is dropped before decoding

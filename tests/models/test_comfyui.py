@@ -196,7 +196,39 @@ def mochi_layout(config: dict) -> dict[str, tuple[int, int]]:
     return layout
 
 
-ORIGINAL_LAYOUTS = {"cogvideox": cogvideox_layout, "cogvideox-i2v": cogvideox_layout, "mochi": mochi_layout}
+def hunyuan_video15_layout(config: dict) -> dict[str, tuple[int, int]]:
+    """Tencent's HunyuanVideo 1.5 checkpoint, as diffusers' conversion script reads it: double blocks with separate
+    `img_attn_q` / `k` / `v` and `txt_attn_*` (no fused qkv), `img_mod` / `txt_mod` (6 x width), `img_mlp` /
+    `txt_mlp`; the text refiner `txt_in` (fused `self_attn_qkv`, its own timestep and pooled-text embedders, 4 x width
+    MLP); the glyph projection `byt5_in` (2048 wide), the image projection `vision_in.proj.1` / `.3`; `time_in`;
+    `final_layer`. Weight shapes (out, in)."""
+    x, text, glyph, image = (config["num_attention_heads"] * config["attention_head_dim"], config["text_embed_dim"],
+                             config["text_embed_2_dim"], config["image_embed_dim"])
+    mlp = int(x * config["mlp_ratio"])
+    out = config["patch_size"] ** 2 * config["patch_size_t"] * config["out_channels"]
+    layout = {"time_in.mlp.0": (x, 256), "time_in.mlp.2": (x, x), "txt_in.t_embedder.mlp.0": (x, 256),
+              "txt_in.t_embedder.mlp.2": (x, x), "txt_in.c_embedder.linear_1": (x, text),
+              "txt_in.c_embedder.linear_2": (x, x), "txt_in.input_embedder": (x, text), "byt5_in.fc1": (2048, glyph),
+              "byt5_in.fc2": (2048, 2048), "byt5_in.fc3": (x, 2048), "vision_in.proj.1": (image, image),
+              "vision_in.proj.3": (x, image), "final_layer.linear": (out, x),
+              "final_layer.adaLN_modulation.1": (2 * x, x)}
+    for n in range(config["num_refiner_layers"]):
+        block = f"txt_in.individual_token_refiner.blocks.{n}"
+        layout |= {f"{block}.self_attn_qkv": (3 * x, x), f"{block}.self_attn_proj": (x, x),
+                   f"{block}.mlp.fc1": (4 * x, x), f"{block}.mlp.fc2": (x, 4 * x),
+                   f"{block}.adaLN_modulation.1": (2 * x, x)}
+    for n in range(config["num_layers"]):
+        block = f"double_blocks.{n}"
+        layout |= {f"{block}.{stream}_mod.linear": (6 * x, x) for stream in ("img", "txt")}
+        layout |= {f"{block}.{stream}_attn_{part}": (x, x)
+                   for stream in ("img", "txt") for part in ("q", "k", "v", "proj")}
+        layout |= {f"{block}.{stream}_mlp.fc1": (mlp, x) for stream in ("img", "txt")}
+        layout |= {f"{block}.{stream}_mlp.fc2": (x, mlp) for stream in ("img", "txt")}
+    return layout
+
+
+ORIGINAL_LAYOUTS = {"cogvideox": cogvideox_layout, "cogvideox-i2v": cogvideox_layout, "mochi": mochi_layout,
+                    "hunyuan-video-1.5": hunyuan_video15_layout, "hunyuan-video-1.5-i2v": hunyuan_video15_layout}
 # Linear layers of each family's transformer that have no ComfyUI name (an adapter on them gets no ComfyUI file).
 WITHOUT_ORIGINAL_NAME = {
     "cogvideox": r"patch_embed\..*|transformer_blocks\.\d+\.norm[12]\.linear|norm_out\.linear|proj_out",

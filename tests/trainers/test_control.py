@@ -75,7 +75,8 @@ def test_each_control_clip_brings_back_its_target(family, algorithm, make_config
     steps, learning_rate, rank = SETTINGS[family, algorithm]
     config = make_config(family, data_root=root,
                          training={"algorithm": algorithm, "steps": steps, "learning_rate": learning_rate,
-                                   "batch_size": 4, "max_grad_norm": None, "sigma_sampling": "uniform"},
+                                   "batch_size": 4, "max_grad_norm": None, "sigma_sampling": "uniform",
+                                   "sigma_shift": 1.0},
                          lora={"rank": rank, "alpha": rank, "target_modules": "all-linear"},
                          optimizer={"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": steps // 10},
                          logging={"progress": False, "log_every": 100})

@@ -43,7 +43,7 @@ def held_out_captions(dataset: Path, count: int) -> list[str]:
 
 def _distil(make_config, family: str, steps: int, data_root: Path | None = None, **sections):
     settings = {"training": {"steps": steps, "algorithm": "guidance-distillation", "learning_rate": 3e-3,
-                             "sigma_sampling": "uniform", "batch_size": 2},
+                             "sigma_sampling": "uniform", "sigma_shift": 1.0, "batch_size": 2},
                 "lora": {"rank": 32, "alpha": 32, "target_modules": "all-linear"},
                 "distillation": {"guidance_scale": SCALE}, "optimizer": {"lr_scheduler": "cosine"}}
     for key, value in sections.items():

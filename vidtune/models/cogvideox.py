@@ -35,6 +35,7 @@ from transformers import T5EncoderModel
 
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule, fused
+from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -54,6 +55,9 @@ class CogVideoXSpec(ModelSpec):
     # Conv2d over each frame's [C, H, W] (CogVideoX 1.5: a Linear over patches, channels most significant).
     control_input_layer = "patch_embed.proj"
     validation_guidance_scale = 6.0
+    defaults = FamilyDefaults(frames=49, height=480, width=720, fps=8.0, ddpm=True, source=(
+        "CogVideoX-5B: 49 frames of 480x720 at 8 fps (its model card and fine-tuning scripts); the pipeline's "
+        "guidance"))
     pipeline_class = CogVideoXPipeline
     # CogVideoX 1.5 (a temporal patch): a latent frame count that is not a multiple of the patch is padded at the
     # front with copies of the first latent frame. CogVideoXPipeline generates those `additional_frames` too and
@@ -266,9 +270,10 @@ class CogVideoXI2VSpec(CogVideoXSpec):
 
     name = "cogvideox-i2v"
     image_to_video = True
-    # Its pipeline pads the first-frame condition too (the image latent repeated in front); not done here yet, so
-    # with a temporal patch the latent frame count must stay a multiple of it.
-    pads_latent_frames = False
+    # CogVideoX 1.5 I2V: an odd latent frame count is padded like the text-to-video latents (the first latent frame
+    # in front). CogVideoXImageToVideoPipeline then denoises one latent frame more, with the image condition in
+    # latent frame 0 and zeros after it, and drops the first frame before decoding: `prepare_latents` builds that
+    # condition over the padded count.
     pipeline_class = CogVideoXImageToVideoPipeline
     image_noise_log_sigma: tuple[float, float] | None = (-3.0, 0.5)  # (mean, std) of log sigma; None: no noise
 

@@ -20,6 +20,8 @@ SPECS: dict[str, str] = {
     "cogvideox-i2v": "vidtune.models.cogvideox:CogVideoXI2VSpec",
     "mochi": "vidtune.models.mochi:MochiSpec",
     "hunyuan-video": "vidtune.models.hunyuan_video:HunyuanVideoSpec",
+    "hunyuan-video-1.5": "vidtune.models.hunyuan_video15:HunyuanVideo15Spec",
+    "hunyuan-video-1.5-i2v": "vidtune.models.hunyuan_video15:HunyuanVideo15ImageToVideoSpec",
     "wan": "vidtune.models.wan:WanSpec",
     "wan-i2v": "vidtune.models.wan:WanImageToVideoSpec",
 }

@@ -32,6 +32,7 @@ from vidtune.config import DType, ModelConfig, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.files import INCOMPLETE, follow_umask
+from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.hub import check_hub_model, looks_local
 from vidtune.objectives import Objective, objective_from_scheduler
 from vidtune.outputs import LORA_WEIGHTS
@@ -128,6 +129,8 @@ PUBLISHED_SHAPE_RULES = {
     "cogvideox": "frames 4k+1, sides multiples of 16",
     "cogvideox-i2v": "frames 4k+1, 480x720",
     "hunyuan-video": "frames 4k+1, sides multiples of 16",
+    "hunyuan-video-1.5": "frames 4k+1, sides multiples of 16",
+    "hunyuan-video-1.5-i2v": "frames 4k+1, sides multiples of 16",
     "mochi": "frames 6k+1, sides multiples of 16",
     "wan": "frames 4k+1, sides multiples of 16",
     "wan-i2v": "frames 4k+1, sides multiples of 16",
@@ -177,6 +180,9 @@ class ModelSpec(ABC):
     default_lora_preset: ClassVar[str] = "attention"
     # Classifier-free guidance the family's pipeline recommends; validation samples use it unless configured.
     validation_guidance_scale: ClassVar[float] = 1.0
+    # The clip shape, frame rate and noise levels of the family's published recipe, for the keys a config leaves
+    # unset (vidtune/models/defaults.py; the table in docs/models.md). These are vidtune's generic ones.
+    defaults: ClassVar[FamilyDefaults] = FamilyDefaults(frames=49, height=512, width=768, fps=25.0)
     # Image-to-video families sample from a first frame: `generate(..., reference=video)` hands it to
     # `pipeline_inputs`. A spec holds no per-run state, so the reference is always an argument.
     image_to_video: ClassVar[bool] = False
@@ -199,6 +205,11 @@ class ModelSpec(ABC):
         self.config = config
         self.frame_rate = frame_rate
         self.text_encoder_weights = text_encoder_weights  # memory.text_encoder_weights
+
+    def lora_exclude_modules(self) -> list[str]:
+        """Linear layers no LoRA preset may adapt (peft's `exclude_modules`): layers whose output the loss never
+        sees, such as the text stream's output of a last joint block, which would break data-parallel training."""
+        return []
 
     @property
     def default_lora_targets(self) -> tuple[str, ...]:

@@ -96,6 +96,7 @@ class LoRATrainer(Trainer):
             init_lora_weights=True,
             use_dora=options.use_dora,
             target_modules=list(self.targets or self.requested_targets()),
+            exclude_modules=self.spec.lora_exclude_modules() or None,
         )
 
     def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:

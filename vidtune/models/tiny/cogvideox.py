@@ -51,6 +51,7 @@ def write_tiny_cogvideox(
     folder: str | Path,
     *,
     image_to_video: bool = False,
+    version_1_5: bool = False,
     num_layers: int = 2,
     attention_head_dim: int = 16,
     num_attention_heads: int = 4,
@@ -69,7 +70,8 @@ def write_tiny_cogvideox(
     latents concatenated on channels (in_channels = 2 x latent channels), 3D rotary plus learned positional
     embeddings (so one resolution only: the tiny shape), no temporal patch. It also has the `ofs` embedding of
     CogVideoX 1.5 I2V, so that path is exercised too. Scheduler: CogVideoXDPMScheduler as shipped with
-    CogVideoX-5b-I2V (v-prediction, zero terminal SNR).
+    CogVideoX-5b-I2V (v-prediction, zero terminal SNR). With `version_1_5`, in the CogVideoX 1.5 I2V layout instead:
+    temporal patch 2 and rotary embeddings only (no learned positional embeddings).
     """
     from diffusers import (
         CogVideoXDDIMScheduler,
@@ -95,11 +97,11 @@ def write_tiny_cogvideox(
         sample_height=latent_size,
         sample_frames=frames,
         patch_size=2,
-        patch_size_t=None if image_to_video else 2,
+        patch_size_t=None if image_to_video and not version_1_5 else 2,
         temporal_compression_ratio=4,
         max_text_seq_length=max_text_seq_length,
         use_rotary_positional_embeddings=True,
-        use_learned_positional_embeddings=image_to_video,
+        use_learned_positional_embeddings=image_to_video and not version_1_5,
     )
     scheduler_class = CogVideoXDPMScheduler if image_to_video else CogVideoXDDIMScheduler
     scheduler = scheduler_class(

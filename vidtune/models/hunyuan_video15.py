@@ -1,0 +1,428 @@
+"""HunyuanVideo 1.5 (Tencent): a Qwen2.5-VL text model + a ByT5 glyph encoder, a 16x spatial / 4x temporal causal VAE,
+and a dual-stream DiT that reads the text, the glyph text and (image-to-video) SigLIP image tokens jointly.
+
+`hunyuan-video-1.5` is text-to-video (HunyuanVideo15Pipeline), `hunyuan-video-1.5-i2v` image-to-video
+(HunyuanVideo15ImageToVideoPipeline). Conventions taken from those pipelines:
+    text: the caption goes through Qwen's chat template with the pipeline's system message, is padded to
+        `crop_start + max_sequence_length` tokens (1000 after the crop by default), and the hidden state of the
+        third-to-last layer is kept after cropping the template's first `crop_start` tokens; the quoted text of a
+        caption ("...") is encoded by ByT5 as glyph text (256 tokens, zeros and an empty mask without quotes);
+    latents: the VAE posterior times `vae.config.scaling_factor` (the pipelines decode latents / scaling_factor);
+    input: the transformer takes [noisy latents, condition latents, mask] on the channel dim (2C + 1): zeros for
+        text-to-video; for image-to-video the first frame's latents (its VAE mode, scaled) in latent frame 0 and a
+        mask of ones there; image tokens are SigLIP's last hidden state of the first frame (all zeros, hence
+        masked out, for text-to-video);
+    guidance: true classifier-free guidance through the pipeline's `guider` (no guidance embedding).
+The pipelines have no `load_lora_weights` in diffusers 0.42: `pipeline_class` adds diffusers' plain transformer
+LoRA loader (the file is the standard `transformer.`-prefixed peft format, which `transformer.load_lora_adapter`
+also reads), and they take no step callback: `run_pipeline` hands the final latents to a callback once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKLHunyuanVideo15,
+    ClassifierFreeGuidance,
+    FlowMatchEulerDiscreteScheduler,
+    HunyuanVideo15ImageToVideoPipeline,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
+)
+from diffusers.loaders.lora_pipeline import CogVideoXLoraLoaderMixin
+from torch import nn
+from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcessor, SiglipVisionModel, T5EncoderModel
+
+from vidtune.errors import ConfigError, ModelError
+from vidtune.export.comfyui import Rule, fused
+from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.spec import (
+    ALL_LINEAR,
+    ATTENTION_TARGETS,
+    FEED_FORWARD_TARGETS,
+    JOINT_ATTENTION_TARGETS,
+    Conditions,
+    Latents,
+    ModelSpec,
+    StepCallback,
+    TextComponents,
+    frame_count_problem,
+    raise_shape_problems,
+    shape_rule,
+    side_problems,
+)
+from vidtune.models.wan import frames_to_pil
+
+
+def _pipeline_default(function: Any, name: str) -> Any:
+    return inspect.signature(function).parameters[name].default
+
+
+# The pipelines' own constants, read from their encode functions so they follow the installed diffusers.
+_MLLM = HunyuanVideo15Pipeline._get_mllm_prompt_embeds
+SYSTEM_MESSAGE: str = _pipeline_default(_MLLM, "system_message")
+CROP_START: int = _pipeline_default(_MLLM, "crop_start")
+HIDDEN_LAYERS_TO_SKIP: int = _pipeline_default(_MLLM, "num_hidden_layers_to_skip")
+DEFAULT_MAX_SEQUENCE_LENGTH: int = _pipeline_default(_MLLM, "tokenizer_max_length")  # 1000
+GLYPH_MAX_LENGTH: int = _pipeline_default(HunyuanVideo15Pipeline._get_byt5_prompt_embeds, "tokenizer_max_length")
+
+
+def trim_padding(embeds: torch.Tensor, mask: torch.Tensor, suffix: str) -> Conditions:
+    """Text tokens cut after the batch's last unmasked one (at least one kept). Masked tokens take no part in the
+    transformer (its attention masks them and its refiner pools over the mask), so the prediction is the same; the
+    pipelines pad to 1000 Qwen and 256 ByT5 tokens, and training pays for the tokens a caption has only."""
+    valid = mask.bool().any(dim=0).nonzero()
+    length = int(valid.max()) + 1 if len(valid) else 1
+    return {f"prompt_embeds{suffix}": embeds[:, :length], f"prompt_embeds_mask{suffix}": mask[:, :length]}
+
+
+class HunyuanVideo15LoraPipeline(CogVideoXLoraLoaderMixin, HunyuanVideo15Pipeline):
+    """HunyuanVideo15Pipeline with diffusers' plain transformer LoRA loader (`load_lora_weights`,
+    `save_lora_weights`, `lora_state_dict`), which its diffusers release does not have yet."""
+
+
+class HunyuanVideo15ImageToVideoLoraPipeline(CogVideoXLoraLoaderMixin, HunyuanVideo15ImageToVideoPipeline):
+    """HunyuanVideo15ImageToVideoPipeline with diffusers' plain transformer LoRA loader."""
+
+
+HV15_FEED_FORWARD_TARGETS = (*FEED_FORWARD_TARGETS, "ff_context.net.0.proj", "ff_context.net.2")
+
+
+class HunyuanVideo15Spec(ModelSpec):
+    name = "hunyuan-video-1.5"
+    control_input_layer = "x_embedder.proj"  # Conv3d over [B, 2C + 1, F, H, W]
+    validation_guidance_scale = 6.0  # the published guider's scale
+    defaults = FamilyDefaults(frames=121, height=480, width=848, fps=24.0, sigma_shift=5.0, source=(
+        "the 480p checkpoints: 121 frames (the pipelines' default) at 24 fps, 480x848 (the 16:9 bucket of "
+        "target_size 640), scheduler shift 5, guider scale 6"))
+    pipeline_class = HunyuanVideo15LoraPipeline
+    vae_class = AutoencoderKLHunyuanVideo15
+    denoiser_class = HunyuanVideo15Transformer3DModel
+    scheduler_class = FlowMatchEulerDiscreteScheduler
+    lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
+        "attention": ATTENTION_TARGETS + JOINT_ATTENTION_TARGETS,
+        "attention+ffn": ATTENTION_TARGETS + JOINT_ATTENTION_TARGETS + HV15_FEED_FORWARD_TARGETS,
+        ALL_LINEAR: (ALL_LINEAR,),
+    }
+
+    def required_components(self) -> tuple[str, ...]:
+        return ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "vae", "transformer", "scheduler")
+
+    def lora_exclude_modules(self) -> list[str]:
+        """The last block's text-stream output (its attention output and feed-forward) reaches nothing: the final
+        layer reads the video stream only."""
+        last = f"transformer_blocks.{self.transformer_config['num_layers'] - 1}"
+        return [f"{last}.attn.to_add_out", f"{last}.ff_context.net.0.proj", f"{last}.ff_context.net.2"]
+
+    def native_max_sequence_length(self) -> int:
+        """Qwen tokens kept after the template: the pipelines' 1000."""
+        return DEFAULT_MAX_SEQUENCE_LENGTH
+
+    # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
+    @functools.cached_property
+    def transformer_config(self) -> dict[str, Any]:
+        return self.load_config(HunyuanVideo15Transformer3DModel, "transformer")
+
+    @functools.cached_property
+    def compression(self) -> tuple[int, int, int, int]:
+        """(VAE spatial ratio, VAE temporal ratio, transformer patch size, transformer temporal patch)."""
+        vae = self.load_config(AutoencoderKLHunyuanVideo15, "vae")
+        transformer = self.transformer_config
+        return (vae.get("spatial_compression_ratio", 16), vae.get("temporal_compression_ratio", 4),
+                transformer.get("patch_size", 1), transformer.get("patch_size_t", 1))
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        vae_spatial, temporal, patch, patch_t = self.compression
+        spatial = vae_spatial * patch
+        raise_shape_problems("HunyuanVideo 1.5", [frame_count_problem(frames, temporal, patch_t),
+                                                  *side_problems(height, width, spatial)],
+                             self, shape_rule(temporal, patch_t, spatial))
+        if self.transformer_config.get("use_meanflow"):
+            raise ConfigError(
+                f"{self.describe_file('transformer', 'config.json')}: this is a step-distilled (meanflow) "
+                "HunyuanVideo 1.5 transformer, which takes a second timestep vidtune does not train.\n"
+                "What to do: train the non-distilled checkpoint of the same resolution."
+            )
+
+    # ----- loading ---------------------------------------------------------------------------------
+    def load_text_components(self, device: torch.device) -> TextComponents:
+        dtype = self.component_dtype("text_encoder", device)
+        text_encoder = self.load_component(Qwen2_5_VLTextModel, "text_encoder", torch_dtype=dtype)
+        text_encoder_2 = self.load_component(T5EncoderModel, "text_encoder_2", torch_dtype=dtype)
+        for encoder in (text_encoder, text_encoder_2):
+            encoder.requires_grad_(False).eval().to(device)
+        return TextComponents({
+            "tokenizer": self.load_component(AutoTokenizer, "tokenizer"),
+            "text_encoder": text_encoder,
+            "tokenizer_2": self.load_component(AutoTokenizer, "tokenizer_2"),
+            "text_encoder_2": text_encoder_2,
+        })
+
+    def load_vae(self, device: torch.device) -> Any:
+        """The frozen VAE, one clip at a time: in diffusers 0.42 its causal attention mask breaks batches larger
+        than one (the mask's batch dimension lands on the heads), and slicing is the VAE's own per-clip path."""
+        vae = super().load_vae(device)
+        vae.enable_slicing()
+        return vae
+
+    def guider(self, guidance_scale: float) -> ClassifierFreeGuidance:
+        """The pipeline's classifier-free guider at `guidance_scale` (1.0: off, one forward a step)."""
+        return ClassifierFreeGuidance(guidance_scale=guidance_scale)
+
+    # ----- tensors ---------------------------------------------------------------------------------
+    def condition_identity(self) -> dict[str, Any]:
+        return {**super().condition_identity(), "system_message": SYSTEM_MESSAGE, "crop_start": CROP_START,
+                "hidden_layers_to_skip": HIDDEN_LAYERS_TO_SKIP, "glyph_max_length": GLYPH_MAX_LENGTH}
+
+    @torch.no_grad()
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
+        """Qwen and ByT5 embeddings with their masks, by the pipeline's own encode functions."""
+        captions = list(captions)
+        encoder = text["text_encoder"]
+        embeds, mask = HunyuanVideo15Pipeline._get_mllm_prompt_embeds(
+            text_encoder=encoder, tokenizer=text["tokenizer"], prompt=captions, device=encoder.device,
+            tokenizer_max_length=self.max_sequence_length, num_hidden_layers_to_skip=HIDDEN_LAYERS_TO_SKIP,
+            system_message=SYSTEM_MESSAGE, crop_start=CROP_START,
+        )
+        glyph_encoder = text["text_encoder_2"]
+        glyph, glyph_mask = HunyuanVideo15Pipeline._get_byt5_prompt_embeds(
+            tokenizer=text["tokenizer_2"], text_encoder=glyph_encoder, prompt=captions, device=glyph_encoder.device,
+            tokenizer_max_length=GLYPH_MAX_LENGTH,
+        )
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask.bool(),
+                "prompt_embeds_2": glyph.to(embeds.dtype), "prompt_embeds_mask_2": glyph_mask.bool()}
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
+        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
+        posterior = vae.encode(pixels).latent_dist
+        scale = vae.config.scaling_factor  # the pipelines decode latents / scaling_factor
+        return {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
+
+    def condition_input(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
+        """The condition latents and mask concatenated to the noisy latents: zeros for text-to-video, as
+        HunyuanVideo15Pipeline.prepare_cond_latents_and_mask."""
+        batch, channels, frames, height, width = noisy_latents.shape
+        return noisy_latents.new_zeros(batch, channels + 1, frames, height, width)
+
+    def image_tokens(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
+        """Text-to-video: all-zero image tokens, which the transformer masks out. One token, not the pipeline's
+        729: masked tokens take no part in attention, so the prediction is the same."""
+        return noisy_latents.new_zeros(noisy_latents.shape[0], 1, denoiser.config.image_embed_dim)
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = noisy_latents.dtype
+        conditions = {**conditions, **trim_padding(conditions["prompt_embeds"], conditions["prompt_embeds_mask"], ""),
+                      **trim_padding(conditions["prompt_embeds_2"], conditions["prompt_embeds_mask_2"], "_2")}
+        hidden_states = torch.cat([noisy_latents, self.condition_input(conditions, noisy_latents).to(dtype)], dim=1)
+        return denoiser(
+            hidden_states=hidden_states,
+            timestep=timesteps.to(device=noisy_latents.device, dtype=dtype),
+            encoder_hidden_states=conditions["prompt_embeds"].to(dtype),
+            encoder_attention_mask=conditions["prompt_embeds_mask"],
+            encoder_hidden_states_2=conditions["prompt_embeds_2"].to(dtype),
+            encoder_attention_mask_2=conditions["prompt_embeds_mask_2"],
+            image_embeds=self.image_tokens(denoiser, conditions, noisy_latents).to(dtype),
+            return_dict=False,
+        )[0]
+
+    def control_channels(self, denoiser: nn.Module) -> int:
+        return int(denoiser.config.out_channels)
+
+    # ----- ComfyUI ------------------------------------------------------------------------------------
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """HunyuanVideo 1.5's original names (Tencent's checkpoint, as diffusers' conversion script maps them):
+        a double block's separate `img_attn_q` / `k` / `v` and `txt_attn_*`, the token refiner's fused
+        `self_attn_qkv`, the glyph projection `byt5_in` and the image projection `vision_in`."""
+        config = self.transformer_config
+        hidden = config["num_attention_heads"] * config["attention_head_dim"]
+        double = r"transformer_blocks\.(\d+)"
+        refiner = r"context_embedder\.token_refiner\.refiner_blocks\.(\d+)"
+        refined = r"txt_in.individual_token_refiner.blocks.\1"
+        attention = {"to_q": "img_attn_q", "to_k": "img_attn_k", "to_v": "img_attn_v", r"to_out\.0": "img_attn_proj",
+                     "add_q_proj": "txt_attn_q", "add_k_proj": "txt_attn_k", "add_v_proj": "txt_attn_v",
+                     "to_add_out": "txt_attn_proj"}
+        return [
+            *[Rule(rf"{double}\.attn\.{ours}", rf"double_blocks.\1.{theirs}") for ours, theirs in attention.items()],
+            Rule(rf"{double}\.ff\.net\.0\.proj", r"double_blocks.\1.img_mlp.fc1"),
+            Rule(rf"{double}\.ff\.net\.2", r"double_blocks.\1.img_mlp.fc2"),
+            Rule(rf"{double}\.ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.fc1"),
+            Rule(rf"{double}\.ff_context\.net\.2", r"double_blocks.\1.txt_mlp.fc2"),
+            Rule(rf"{double}\.norm1\.linear", r"double_blocks.\1.img_mod.linear"),
+            Rule(rf"{double}\.norm1_context\.linear", r"double_blocks.\1.txt_mod.linear"),
+            *fused([rf"{refiner}\.attn\.to_{x}" for x in "qkv"], rf"{refined}.self_attn_qkv", [hidden] * 3),
+            Rule(rf"{refiner}\.attn\.to_out\.0", rf"{refined}.self_attn_proj"),
+            Rule(rf"{refiner}\.ff\.net\.0\.proj", rf"{refined}.mlp.fc1"),
+            Rule(rf"{refiner}\.ff\.net\.2", rf"{refined}.mlp.fc2"),
+            Rule(rf"{refiner}\.norm_out\.linear", rf"{refined}.adaLN_modulation.1"),
+            Rule(r"context_embedder\.proj_in", "txt_in.input_embedder"),
+            Rule(r"context_embedder\.time_text_embed\.timestep_embedder\.linear_1", "txt_in.t_embedder.mlp.0"),
+            Rule(r"context_embedder\.time_text_embed\.timestep_embedder\.linear_2", "txt_in.t_embedder.mlp.2"),
+            Rule(r"context_embedder\.time_text_embed\.text_embedder\.linear_([12])", r"txt_in.c_embedder.linear_\1"),
+            Rule(r"context_embedder_2\.linear_([123])", r"byt5_in.fc\1"),
+            Rule(r"image_embedder\.linear_1", "vision_in.proj.1"),
+            Rule(r"image_embedder\.linear_2", "vision_in.proj.3"),
+            Rule(r"time_embed\.timestep_embedder\.linear_1", "time_in.mlp.0"),
+            Rule(r"time_embed\.timestep_embedder\.linear_2", "time_in.mlp.2"),
+            Rule(r"proj_out", "final_layer.linear"),
+            # The original modulation gives (shift, scale), diffusers' AdaLayerNormContinuous (scale, shift).
+            Rule(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=True),
+        ]
+
+    # ----- pipeline and outputs ----------------------------------------------------------------------
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
+        return HunyuanVideo15LoraPipeline(
+            text_encoder=text["text_encoder"], tokenizer=text["tokenizer"], transformer=denoiser, vae=vae,
+            scheduler=self.load_scheduler(), text_encoder_2=text["text_encoder_2"], tokenizer_2=text["tokenizer_2"],
+            guider=self.guider(self.validation_guidance_scale),
+        )
+
+    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
+        """Embeddings computed like the pipeline's encode_prompt, at `model.max_sequence_length` (the pipeline's
+        own length is fixed) and without the padding `forward` trims too; the negative prompt is the empty one when
+        guidance is on (the guider runs it as a batch of its own, so its length may differ)."""
+        text = TextComponents({name: getattr(pipeline, name)
+                               for name in ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")})
+        dtype = pipeline.transformer.dtype
+
+        def encoded(caption: str, prefix: str) -> dict[str, torch.Tensor]:
+            conditions = self.prepare_conditions(text, [caption])
+            trimmed = {**trim_padding(conditions["prompt_embeds"], conditions["prompt_embeds_mask"], ""),
+                       **trim_padding(conditions["prompt_embeds_2"], conditions["prompt_embeds_mask_2"], "_2")}
+            return {f"{prefix}{key}": value.to(dtype) for key, value in trimmed.items()}
+
+        return {**encoded(prompt, ""), **(encoded("", "negative_") if guidance_scale > 1.0 else {})}
+
+    def pipeline_size(self, height: int, width: int) -> dict[str, int]:
+        """The size arguments of the pipeline call (text-to-video takes them as they are)."""
+        return {"height": height, "width": width}
+
+    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+        """One call with the guider at `guidance_scale`. The pipeline has no step callback: with `callback`, it
+        returns its final latents, the callback gets them once, and they are decoded as the pipeline decodes."""
+        pipeline.register_modules(guider=self.guider(guidance_scale))
+        latents = pipeline(
+            **self.prompt_inputs(pipeline, prompt, guidance_scale),
+            num_frames=frames,
+            num_inference_steps=num_inference_steps,
+            generator=generator,
+            output_type="latent" if callback is not None else output_type,
+            **self.pipeline_size(height, width),
+            **self.pipeline_inputs(reference),
+        ).frames
+        if callback is None or output_type == "latent":
+            if callback is not None:
+                callback(pipeline, num_inference_steps - 1, None, {"latents": latents})
+            return latents
+        latents = callback(pipeline, num_inference_steps - 1, None, {"latents": latents})["latents"]
+        video = pipeline.vae.decode(latents.to(pipeline.vae.dtype) / pipeline.vae.config.scaling_factor,
+                                    return_dict=False)[0]
+        return pipeline.video_processor.postprocess_video(video, output_type=output_type)
+
+
+class HunyuanVideo15ImageEncoders(nn.Module):
+    """What `HunyuanVideo15ImageToVideoSpec.load_vae` returns: the VAE with the SigLIP image encoder and its
+    processor. Opaque to trainers; the spec's `prepare_latents` and `pipeline` take it apart."""
+
+    def __init__(self, vae: nn.Module, image_encoder: nn.Module, feature_extractor: SiglipImageProcessor) -> None:
+        super().__init__()
+        self.vae = vae
+        self.image_encoder = image_encoder
+        self.feature_extractor = feature_extractor
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vae.dtype
+
+
+class HunyuanVideo15ImageToVideoSpec(HunyuanVideo15Spec):
+    """HunyuanVideo 1.5 image-to-video: the first frame's latents and SigLIP tokens condition every clip. The
+    pipeline picks its output size from the image (its `target_size` buckets), so samples have the clip's size
+    only where that bucket is the clip's size (checked before sampling)."""
+
+    name = "hunyuan-video-1.5-i2v"
+    image_to_video = True
+    pipeline_class = HunyuanVideo15ImageToVideoLoraPipeline
+
+    def required_components(self) -> tuple[str, ...]:
+        return (*super().required_components(), "image_encoder", "feature_extractor")
+
+    def load_vae(self, device: torch.device) -> HunyuanVideo15ImageEncoders:
+        vae = super().load_vae(device)
+        dtype = self.component_dtype("image_encoder", device)
+        image_encoder = self.load_component(SiglipVisionModel, "image_encoder", torch_dtype=dtype)
+        feature_extractor = self.load_component(SiglipImageProcessor, "feature_extractor")
+        return HunyuanVideo15ImageEncoders(vae, image_encoder.requires_grad_(False).eval().to(device),
+                                           feature_extractor)
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: HunyuanVideo15ImageEncoders, videos: torch.Tensor) -> Latents:
+        latents = super().prepare_latents(vae.vae, videos)
+        first_frames = videos[:, 0]
+        # The first frame alone through the VAE, its mode scaled: HunyuanVideo15ImageToVideoPipeline._get_image_latents.
+        pixels = first_frames.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
+        image_latents = vae.vae.encode(pixels).latent_dist.mode() * vae.vae.config.scaling_factor
+        latents["image_latents"] = image_latents.to(latents["latents_mean"].dtype)
+        embeds = [HunyuanVideo15ImageToVideoPipeline._get_image_embeds(vae.image_encoder, vae.feature_extractor,
+                                                                       image, vae.device)
+                  for image in frames_to_pil(first_frames)]
+        latents["image_embeds"] = torch.cat(embeds).to(latents["latents_mean"].dtype)
+        return latents
+
+    def condition_input(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
+        """The first frame's latents in latent frame 0 (zeros after) and a mask of ones there, as
+        HunyuanVideo15ImageToVideoPipeline.prepare_cond_latents_and_mask."""
+        condition = torch.zeros_like(noisy_latents)
+        condition[:, :, :1] = conditions["image_latents"].to(noisy_latents)
+        mask = torch.zeros_like(noisy_latents[:, :1])
+        mask[:, :, 0] = 1.0
+        return torch.cat([condition, mask], dim=1)
+
+    def image_tokens(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
+        return conditions["image_embeds"]
+
+    def pipeline(self, text: TextComponents, vae: HunyuanVideo15ImageEncoders, denoiser: nn.Module) -> Any:
+        return HunyuanVideo15ImageToVideoLoraPipeline(
+            text_encoder=text["text_encoder"], tokenizer=text["tokenizer"], transformer=denoiser, vae=vae.vae,
+            scheduler=self.load_scheduler(), text_encoder_2=text["text_encoder_2"], tokenizer_2=text["tokenizer_2"],
+            guider=self.guider(self.validation_guidance_scale), image_encoder=vae.image_encoder,
+            feature_extractor=vae.feature_extractor,
+        )
+
+    def pipeline_size(self, height: int, width: int) -> dict[str, int]:
+        """The pipeline takes no size: it resizes the image to the bucket of its `target_size` nearest the image's
+        aspect ratio. A size that is not that bucket cannot be sampled at that size."""
+        from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+        spatial = self.compression[0]
+        target = int(self.transformer_config.get("target_size", 640))
+        bucket = HunyuanVideo15ImageProcessor(vae_scale_factor=spatial).calculate_default_height_width(
+            height, width, target)
+        if tuple(bucket) != (height, width):
+            raise ConfigError(
+                f"HunyuanVideo 1.5 image-to-video samples {height}x{width} images at {bucket[0]}x{bucket[1]} (the "
+                f"bucket of its transformer's target_size {target} for that aspect ratio), not at {height}x{width}.\n"
+                f"What to do: sample at {bucket[0]}x{bucket[1]} (validation.height / validation.width or "
+                "--height / --width)."
+            )
+        return {}
+
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
+        if reference is None:
+            raise ModelError(f"{self.name} samples from an image: pass the clip whose first frame to start from as "
+                             "`reference` (validation uses the first dataset clip).")
+        return {"image": frames_to_pil(reference[:1])[0]}
+

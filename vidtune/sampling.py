@@ -238,7 +238,8 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     if not adapter:  # the trained transformer replaces the base one; everything else comes from model.pretrained
         model = model.model_copy(update={"subfolders": {**model.subfolders, "transformer": str(weights)}})
     spec = get_spec_class(model.name)(model, frame_rate=config.frame_rate,
-                                     text_encoder_weights=config.memory.text_encoder_weights)
+                                     text_encoder_weights=config.memory.text_encoder_weights,
+                                     vae_tiling=config.memory.vae_tiling)
     spec.check_source()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -59,6 +59,8 @@ PIPELINE_SIDE_MULTIPLE = 16  # HunyuanVideoPipeline.check_inputs rejects other s
 class HunyuanVideoSpec(ModelSpec):
     name = "hunyuan-video"
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, C, F, H, W]
+    # The dual-stream blocks, then the single-stream ones (the token refiner's two small blocks stay in place).
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
     # Joint attention: the text stream has projections of its own. `proj_mlp` is the single blocks' MLP input; their
     # output `proj_out` (attention and MLP fused) shares its name with the final projection: only `all-linear` has it.
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {

@@ -186,6 +186,9 @@ class ModelSpec(ABC):
     # widened to take the control latents; None with `control_refusal` saying why the family cannot.
     control_input_layer: ClassVar[str | None] = None
     control_refusal: ClassVar[str] = "its spec names no input projection to widen."
+    # The denoiser's transformer blocks, in forward order: the attribute names of its block lists
+    # (`memory.blocks_to_swap` swaps the last N of them; see vidtune/offload.py).
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     # diffusers / transformers classes of the components, used by the default loaders below, and the
     # family's pipeline (its `save_lora_weights` writes the LoRA format the family's tools read).
     pipeline_class: ClassVar[Any]
@@ -194,10 +197,12 @@ class ModelSpec(ABC):
     denoiser_class: ClassVar[Any]
     scheduler_class: ClassVar[Any]
 
-    def __init__(self, config: ModelConfig, frame_rate: float = 25.0, text_encoder_weights: str = "auto") -> None:
+    def __init__(self, config: ModelConfig, frame_rate: float = 25.0, text_encoder_weights: str = "auto",
+                 vae_tiling: bool = False) -> None:
         self.config = config
         self.frame_rate = frame_rate
         self.text_encoder_weights = text_encoder_weights  # memory.text_encoder_weights
+        self.vae_tiling = vae_tiling  # memory.vae_tiling
 
     @property
     def default_lora_targets(self) -> tuple[str, ...]:
@@ -342,6 +347,10 @@ class ModelSpec(ABC):
     def load_vae(self, device: torch.device) -> Any:
         """The frozen VAE; opaque to trainers (image-to-video families may return a container with more)."""
         vae = self.load_component(self.vae_class, "vae", torch_dtype=self.component_dtype("vae", device))
+        if self.vae_tiling:
+            from vidtune.vae_tiling import enable_vae_tiling
+
+            enable_vae_tiling(vae)
         return vae.requires_grad_(False).eval().to(device)
 
     def load_denoiser(self, device: torch.device) -> nn.Module:

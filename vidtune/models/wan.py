@@ -80,6 +80,7 @@ WAN_FEED_FORWARD_TARGETS = ("ffn.net.0.proj", "ffn.net.2")  # Wan names its bloc
 class WanSpec(ModelSpec):
     name = "wan"
     control_input_layer = "patch_embedding"  # Conv3d over [B, C, F, H, W]
+    block_lists = ("blocks",)
     validation_guidance_scale = 5.0
     pipeline_class = WanPipeline
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {

@@ -48,6 +48,7 @@ from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
+from vidtune.offload import BlockSwap, activation_offload, apply_block_swap, check_activation_offload, check_block_swap
 from vidtune.optim import check_optimizer
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
@@ -111,7 +112,8 @@ class Trainer(ABC):
         self.output_dir = Path(config.output_dir)
         self.device = parallel.resolve_device(config.training.device)
         self.spec: ModelSpec = get_spec_class(config.model.name)(
-            config.model, frame_rate=config.frame_rate, text_encoder_weights=config.memory.text_encoder_weights)
+            config.model, frame_rate=config.frame_rate, text_encoder_weights=config.memory.text_encoder_weights,
+            vae_tiling=config.memory.vae_tiling)
         self.clips: list[Clip] = []
         self.clip_infos: list[VideoInfo] = []
         # Text encoders and VAE: loaded for on-the-fly training, or (training from the cache) only for validation.
@@ -128,6 +130,7 @@ class Trainer(ABC):
         self.log: StepLog | None = None
         self.resuming_from: SavedState | None = None  # the checkpoint this run continues, if any
         self.ema: EMA | None = None  # the trained weights' moving average (training.ema_decay)
+        self.block_swap: BlockSwap | None = None  # memory.blocks_to_swap
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -200,6 +203,9 @@ class Trainer(ABC):
         self.first_step = self.state.step
         # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
         self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
+        # After the wrapper, which checks and broadcasts the weights on the training device.
+        self.block_swap = apply_block_swap(self.denoiser, self.spec.block_lists, self.config.memory.blocks_to_swap,
+                                           self.device)
         return parameters
 
     def train_step(self, stream: Iterator[Batch], parameters: list[nn.Parameter], stop: StopSignals) -> StepOutcome:
@@ -230,7 +236,8 @@ class Trainer(ABC):
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
         returns the scaled loss. A rank's share is sum / (batch_size * accumulation); DDP averages over ranks."""
         with parallel.accumulating(self.trained_denoiser, sync=sync):
-            loss = self.compute_loss(batch) / self.clips_per_step
+            with activation_offload(self.config.memory.activation_offload, self.device):
+                loss = self.compute_loss(batch) / self.clips_per_step
             loss.backward()
         return loss.detach()
 
@@ -328,6 +335,11 @@ class Trainer(ABC):
         check_optimizer(self.config, self.device)
         check_base_weights(self.config.memory.base_weights)
         check_base_weights(self.config.memory.text_encoder_weights, "memory.text_encoder_weights")
+        memory, training = self.config.memory, self.config.training
+        full_student = training.algorithm == "guidance-distillation" and self.config.distillation.student == "full"
+        check_block_swap(memory.blocks_to_swap, training.algorithm, full_student, training.gradient_checkpointing,
+                         memory.activation_offload)
+        check_activation_offload(memory.activation_offload, self.device)
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 

@@ -70,6 +70,7 @@ def _train_with_and_without_swap(make_config, tmp_path, monkeypatch, family, swa
     return plain, plain_result, swapped, swapped_result, recorder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(SPECS))
 def test_block_swap_trains_exactly_as_without_it(make_config, tmp_path, monkeypatch, family):
     training = {"steps": 1, "gradient_checkpointing": True}

@@ -282,6 +282,18 @@ def apply_block_swap(denoiser: nn.Module, block_lists: Sequence[str], blocks_to_
     return swap
 
 
+def loading_device(base_weights: str, device: torch.device) -> torch.device:
+    """Where the denoiser is loaded and set up before training moves it to `device`.
+
+    Quantized base weights (`memory.base_weights` int8 / fp8 / nf4) for a GPU are loaded in the training dtype into
+    host memory, quantized there (nf4: as each layer moves to the GPU) and only then moved to the GPU, so the GPU
+    never holds the unquantized model, only the quantized one: a 13B model quantized to int8 fits a 16 GB card that
+    its 26 GB of bf16 weights would not. Host memory holds the unquantized model for a moment instead."""
+    if base_weights != "auto" and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
 def activation_offload(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager:
     """`memory.activation_offload`: the context the denoiser's forward runs in. Saved tensors go to pinned host
     memory on CUDA; elsewhere nothing changes (the notice is given once, by `check_activation_offload`)."""

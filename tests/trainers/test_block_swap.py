@@ -156,3 +156,11 @@ def test_every_family_names_its_block_lists(tiny_model_dir):
                  any(p.numel() for p in m.parameters())]
         biggest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
         assert blocks and all(any(block is b for b in blocks) for block in biggest), family
+
+
+def test_a_quantized_base_for_a_gpu_is_set_up_in_host_memory():
+    """The GPU never holds the unquantized denoiser: quantized storage is made on the host, then moved."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert all(offload.loading_device(option, cuda) == cpu for option in ("fp8", "int8", "nf4"))
+    assert offload.loading_device("auto", cuda) == cuda
+    assert offload.loading_device("int8", cpu) == cpu

@@ -353,9 +353,10 @@ class ModelSpec(ABC):
             enable_vae_tiling(vae)
         return vae.requires_grad_(False).eval().to(device)
 
-    def load_denoiser(self, device: torch.device) -> nn.Module:
+    def load_denoiser(self, device: torch.device, load_on: torch.device | None = None) -> nn.Module:
+        """The denoiser in the dtype for `device`, placed on `load_on` (default: `device`)."""
         dtype = self.component_dtype("transformer", device)
-        return self.load_component(self.denoiser_class, "transformer", torch_dtype=dtype).to(device)
+        return self.load_component(self.denoiser_class, "transformer", torch_dtype=dtype).to(load_on or device)
 
     def load_scheduler(self) -> Any:
         return self.load_component(self.scheduler_class, "scheduler")

@@ -48,7 +48,14 @@ from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
-from vidtune.offload import BlockSwap, activation_offload, apply_block_swap, check_activation_offload, check_block_swap
+from vidtune.offload import (
+    BlockSwap,
+    activation_offload,
+    apply_block_swap,
+    check_activation_offload,
+    check_block_swap,
+    loading_device,
+)
 from vidtune.optim import check_optimizer
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
@@ -354,10 +361,16 @@ class Trainer(ABC):
         self.source = self.open_batch_source()
         if self.config.data.caption_dropout > 0 and self.config.data.caption_dropout_technique == "empty":
             self.empty_caption = self.source.empty_caption()
-        self.denoiser = self.spec.load_denoiser(self.device)
+        # Quantized base weights for a GPU are quantized in host memory first: the GPU never holds the whole
+        # unquantized model (vidtune/offload.py).
+        load_on = loading_device(self.config.memory.base_weights, self.device)
+        self.denoiser = self.spec.load_denoiser(self.device, load_on)
         if self.config.training.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
-        return self.configure_trainable(self.denoiser)
+        parameters = self.configure_trainable(self.denoiser)
+        if load_on != self.device:
+            self.denoiser.to(self.device)
+        return parameters
 
     def make_ema(self, parameters: list[nn.Parameter]) -> EMA | None:
         """The moving average of the trained parameters (`training.ema_decay`), or None."""

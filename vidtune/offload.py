@@ -23,6 +23,9 @@ pinned host memory and come back for the backward (`torch.autograd.graph.save_on
 Both act on CUDA only; elsewhere a one-line notice says they are off (`apply_block_swap` /
 `activation_offload`). The swap itself is written for any pair of devices, so its hooks run (and are tested) on
 the CPU as well.
+
+`loading_device`: a quantized base for a GPU is loaded and quantized in host memory, then moved, so loading
+never needs the unquantized model's size on the GPU.
 """
 
 from __future__ import annotations

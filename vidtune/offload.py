@@ -246,10 +246,16 @@ def _set_parameter(owner: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def check_block_swap(blocks_to_swap: int, algorithm: str, full_student: bool, gradient_checkpointing: bool,
-                     activation_offload: bool) -> None:
+                     activation_offload: bool, parallel_strategy: str = "auto") -> None:
     """Before any long work: block swap with what it cannot serve."""
     if blocks_to_swap == 0:
         return
+    if parallel_strategy in ("fsdp", "deepspeed"):
+        raise ConfigError(
+            f"memory.blocks_to_swap={blocks_to_swap} cannot be combined with parallel.strategy={parallel_strategy}, "
+            "which places the weights itself.\nWhat to do: set memory.blocks_to_swap=0 (sharding already divides "
+            "the weights over the GPUs), or use parallel.strategy=ddp."
+        )
     if algorithm in ("full", "control-full") or full_student:
         what = "distillation.student=full" if full_student else f"training.algorithm={algorithm}"
         raise ConfigError(
@@ -265,6 +271,27 @@ def check_block_swap(blocks_to_swap: int, algorithm: str, full_student: bool, gr
         )
 
 
+# The denoiser config's key that counts the blocks of each block list.
+BLOCK_COUNT_KEYS = {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers",
+                    "blocks": "num_layers"}
+
+
+def check_block_count(blocks_to_swap: int, block_lists: Sequence[str], denoiser_config: dict) -> None:
+    """Before loading: N no larger than the denoiser's blocks, counted from its config.json."""
+    counts = [denoiser_config.get(BLOCK_COUNT_KEYS.get(name, "")) for name in block_lists]
+    if blocks_to_swap == 0 or not all(isinstance(count, int) for count in counts):
+        return  # an unknown layout: `apply_block_swap` counts the loaded blocks
+    _check_count(blocks_to_swap, sum(counts))
+
+
+def _check_count(blocks_to_swap: int, blocks: int) -> None:
+    if blocks_to_swap > blocks:
+        raise ConfigError(
+            f"memory.blocks_to_swap={blocks_to_swap}, but the denoiser has {blocks} transformer blocks.\n"
+            f"What to do: set memory.blocks_to_swap to at most {blocks}."
+        )
+
+
 def apply_block_swap(denoiser: nn.Module, block_lists: Sequence[str], blocks_to_swap: int,
                      device: torch.device) -> BlockSwap | None:
     """`memory.blocks_to_swap`: the last N blocks swapped between pinned host memory and `device` (CUDA); a notice
@@ -272,11 +299,7 @@ def apply_block_swap(denoiser: nn.Module, block_lists: Sequence[str], blocks_to_
     if blocks_to_swap == 0:
         return None
     blocks = swappable_blocks(denoiser, block_lists)
-    if blocks_to_swap > len(blocks):
-        raise ConfigError(
-            f"memory.blocks_to_swap={blocks_to_swap}, but the denoiser has {len(blocks)} transformer blocks.\n"
-            f"What to do: set memory.blocks_to_swap to at most {len(blocks)}."
-        )
+    _check_count(blocks_to_swap, len(blocks))
     if device.type != "cuda":
         notice(f"memory.blocks_to_swap={blocks_to_swap}: block swap works on CUDA only; off on {device.type}.")
         return None

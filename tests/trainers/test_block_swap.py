@@ -128,6 +128,8 @@ def test_block_swap_and_activation_offload_are_off_on_the_cpu_with_a_notice(make
       "distillation": {"student": "full"}},
      "works with adapter algorithms only: distillation.student=full trains"),
     ({}, "needs training.gradient_checkpointing=true"),
+    ({"training": {"gradient_checkpointing": True}, "parallel": {"strategy": "fsdp"}},
+     "cannot be combined with parallel.strategy=fsdp"),
 ])
 def test_block_swap_refuses_what_it_cannot_serve_before_loading(make_config, sections, message, monkeypatch):
     trainer = build_trainer(make_config(memory={"blocks_to_swap": 1}, **sections))
@@ -137,9 +139,12 @@ def test_block_swap_refuses_what_it_cannot_serve_before_loading(make_config, sec
     assert "What to do:" in str(error.value)
 
 
-def test_block_swap_names_the_number_of_blocks(make_config):
-    trainer = build_trainer(make_config(training={"gradient_checkpointing": True}, memory={"blocks_to_swap": 99}))
-    with pytest.raises(ConfigError, match=r"blocks_to_swap=99, but the denoiser has \d+ transformer blocks"):
+@pytest.mark.parametrize(("family", "blocks"), [("ltx-video", 2), ("hunyuan-video", 2), ("wan", 2)])
+def test_block_swap_names_the_number_of_blocks_before_loading(make_config, monkeypatch, family, blocks):
+    trainer = build_trainer(make_config(family, training={"gradient_checkpointing": True},
+                                        memory={"blocks_to_swap": 99}))
+    monkeypatch.setattr(trainer, "set_up", lambda saved: pytest.fail("loaded models before refusing"))
+    with pytest.raises(ConfigError, match=f"blocks_to_swap=99, but the denoiser has {blocks} transformer blocks"):
         trainer.run()
 
 

@@ -53,6 +53,7 @@ from vidtune.offload import (
     activation_offload,
     apply_block_swap,
     check_activation_offload,
+    check_block_count,
     check_block_swap,
     loading_device,
 )
@@ -345,7 +346,10 @@ class Trainer(ABC):
         memory, training = self.config.memory, self.config.training
         full_student = training.algorithm == "guidance-distillation" and self.config.distillation.student == "full"
         check_block_swap(memory.blocks_to_swap, training.algorithm, full_student, training.gradient_checkpointing,
-                         memory.activation_offload)
+                         memory.activation_offload, self.config.parallel.strategy)
+        if memory.blocks_to_swap:
+            check_block_count(memory.blocks_to_swap, self.spec.block_lists,
+                              self.spec.load_config(self.spec.denoiser_class, "transformer"))
         check_activation_offload(memory.activation_offload, self.device)
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]

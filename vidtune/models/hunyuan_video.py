@@ -104,14 +104,14 @@ class HunyuanVideoSpec(ModelSpec):
                              self, shape_rule(temporal, patch_t, spatial))
 
     # ----- loading ---------------------------------------------------------------------------------
-    def load_text_components(self, device: torch.device) -> TextComponents:
+    def load_text_components(self, device: torch.device, load_on: torch.device | None = None) -> TextComponents:
         dtype = self.component_dtype("text_encoder", device)
         tokenizer = self.load_component(AutoTokenizer, "tokenizer")
         tokenizer_2 = self.load_component(AutoTokenizer, "tokenizer_2")
         text_encoder = self.load_component(LlamaModel, "text_encoder", torch_dtype=dtype)
         text_encoder_2 = self.load_component(CLIPTextModel, "text_encoder_2", torch_dtype=dtype)
         for encoder in (text_encoder, text_encoder_2):
-            encoder.requires_grad_(False).eval().to(device)
+            encoder.requires_grad_(False).eval().to(load_on or device)
         return TextComponents({
             "tokenizer": tokenizer,
             "text_encoder": text_encoder,

@@ -331,17 +331,25 @@ class ModelSpec(ABC):
     def load_text(self, device: torch.device) -> TextComponents:
         """The text components, their encoders stored as `memory.text_encoder_weights` says."""
         from vidtune.memory import store_text_encoder_weights
+        from vidtune.offload import loading_device
 
-        text = self.load_text_components(device)
+        # Quantized encoders for a GPU are quantized in host memory, then moved (as the denoiser's base weights).
+        load_on = loading_device(self.text_encoder_weights, device)
+        if load_on == device:
+            text = self.load_text_components(device)
+            store_text_encoder_weights(text, self.text_encoder_weights)
+            return text
+        text = self.load_text_components(device, load_on)
         store_text_encoder_weights(text, self.text_encoder_weights)
-        return text
+        return text.to(device)
 
-    def load_text_components(self, device: torch.device) -> TextComponents:
-        """One tokenizer + one frozen text encoder (`text_encoder_class`); families with more override this."""
+    def load_text_components(self, device: torch.device, load_on: torch.device | None = None) -> TextComponents:
+        """One tokenizer + one frozen text encoder (`text_encoder_class`) in the dtype for `device`, placed on
+        `load_on` (default: `device`); families with more override this."""
         tokenizer = self.load_component(AutoTokenizer, "tokenizer")
         dtype = self.component_dtype("text_encoder", device)
         text_encoder = self.load_component(self.text_encoder_class, "text_encoder", torch_dtype=dtype)
-        text_encoder.requires_grad_(False).eval().to(device)
+        text_encoder.requires_grad_(False).eval().to(load_on or device)
         return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
 
     def load_vae(self, device: torch.device) -> Any:

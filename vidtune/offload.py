@@ -77,6 +77,12 @@ class SwappedBlock:
     resident: bool = False
     ready: torch.cuda.Event | None = None  # recorded on the copy stream when a prefetch has been issued
 
+    @property
+    def plain(self) -> bool:
+        """Only plain tensors: pinned, copied on the side stream. Quantized subclasses (int8, nf4) are copied on the
+        compute stream instead, where the memory they arrive in needs no hand-over between streams."""
+        return all(is_plain(host) for _, _, host in self.stored)
+
 
 class BlockSwap:
     """Keeps the frozen weights of `swapped` blocks on `storage` and brings each to `compute` when it runs.
@@ -125,7 +131,7 @@ class BlockSwap:
             if not evictable:
                 return  # no room for a prefetch: the block is brought by its own hook
             self.release(self.swapped[evictable.pop(0)])
-        stream = self.stream
+        stream = self.stream if block.plain else None
         context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with context:
             for owner, name, host in block.stored:
@@ -145,9 +151,7 @@ class BlockSwap:
         current = torch.cuda.current_stream(self.compute)
         current.wait_event(block.ready)
         for owner, name, _ in block.stored:
-            tensor = getattr(owner, name)
-            if is_plain(tensor):
-                tensor.record_stream(current)
+            getattr(owner, name).record_stream(current)
         block.ready = None
 
     def release(self, block: SwappedBlock) -> None:

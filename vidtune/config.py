@@ -388,18 +388,21 @@ class MemoryConfig(Section):
     )
     blocks_to_swap: int = Field(
         0, ge=0,
-        description="Block swap: this many transformer blocks live in pinned CPU memory and are copied to the GPU "
-        "just before their forward and backward, overlapped with compute. 0: off. CUDA only (a notice elsewhere).",
+        description="Block swap: the frozen weights of the last N transformer blocks live in pinned CPU memory and "
+        "are copied to the GPU just before their forward and backward, overlapped with compute. 0: off. Adapter "
+        "algorithms only; needs `training.gradient_checkpointing` (or `activation_offload`). CUDA only (a notice "
+        "elsewhere). See docs/memory.md.",
     )
     activation_offload: bool = Field(
         False,
-        description="Keep the activations saved for the backward pass in CPU memory instead of on the GPU. CUDA "
-        "only (a notice elsewhere).",
+        description="Keep the activations saved for the backward pass in pinned CPU memory instead of on the GPU. "
+        "CUDA only (a notice elsewhere).",
     )
     vae_tiling: bool = Field(
         False,
         description="Encode and decode clips with the VAE in overlapping tiles (and one clip at a time) during "
-        "precompute, on-the-fly encoding and validation: far less memory for large clips.",
+        "precompute, on-the-fly encoding, validation and `vidtune sample`: far less memory for large clips. Tiled "
+        "latents differ slightly: the cache keys them apart.",
     )
 
     @model_validator(mode="before")

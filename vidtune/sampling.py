@@ -263,7 +263,8 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     if embedded is not None:  # the spec tells the denoiser's guidance embedding `model.guidance_scale`
         model = model.model_copy(update={"guidance_scale": embedded})
     spec = get_spec_class(model.name)(model, frame_rate=config.frame_rate,
-                                     text_encoder_weights=config.memory.text_encoder_weights)
+                                     text_encoder_weights=config.memory.text_encoder_weights,
+                                     vae_tiling=config.memory.vae_tiling)
     spec.check_source()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -63,6 +63,8 @@ class HunyuanVideoSpec(ModelSpec):
         "HunyuanVideoPipeline's defaults (129 frames of 720x1280), 24 fps; shift 7: the published scheduler's; "
         "validation: true CFG off, the embedded guidance is model.guidance_scale"))
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, C, F, H, W]
+    # The dual-stream blocks, then the single-stream ones (the token refiner's two small blocks stay in place).
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
     # Joint attention: the text stream has projections of its own. `proj_mlp` is the single blocks' MLP input; their
     # output `proj_out` (attention and MLP fused) shares its name with the final projection: only `all-linear` has it.
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -106,14 +108,14 @@ class HunyuanVideoSpec(ModelSpec):
                              self, shape_rule(temporal, patch_t, spatial))
 
     # ----- loading ---------------------------------------------------------------------------------
-    def load_text_components(self, device: torch.device) -> TextComponents:
+    def load_text_components(self, device: torch.device, load_on: torch.device | None = None) -> TextComponents:
         dtype = self.component_dtype("text_encoder", device)
         tokenizer = self.load_component(AutoTokenizer, "tokenizer")
         tokenizer_2 = self.load_component(AutoTokenizer, "tokenizer_2")
         text_encoder = self.load_component(LlamaModel, "text_encoder", torch_dtype=dtype)
         text_encoder_2 = self.load_component(CLIPTextModel, "text_encoder_2", torch_dtype=dtype)
         for encoder in (text_encoder, text_encoder_2):
-            encoder.requires_grad_(False).eval().to(device)
+            encoder.requires_grad_(False).eval().to(load_on or device)
         return TextComponents({
             "tokenizer": tokenizer,
             "text_encoder": text_encoder,

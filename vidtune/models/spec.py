@@ -193,6 +193,9 @@ class ModelSpec(ABC):
     # widened to take the control latents; None with `control_refusal` saying why the family cannot.
     control_input_layer: ClassVar[str | None] = None
     control_refusal: ClassVar[str] = "its spec names no input projection to widen."
+    # The denoiser's transformer blocks, in forward order: the attribute names of its block lists
+    # (`memory.blocks_to_swap` swaps the last N of them; see vidtune/offload.py).
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     # diffusers / transformers classes of the components, used by the default loaders below, and the
     # family's pipeline (its `save_lora_weights` writes the LoRA format the family's tools read).
     pipeline_class: ClassVar[Any]
@@ -201,10 +204,12 @@ class ModelSpec(ABC):
     denoiser_class: ClassVar[Any]
     scheduler_class: ClassVar[Any]
 
-    def __init__(self, config: ModelConfig, frame_rate: float = 25.0, text_encoder_weights: str = "auto") -> None:
+    def __init__(self, config: ModelConfig, frame_rate: float = 25.0, text_encoder_weights: str = "auto",
+                 vae_tiling: bool = False) -> None:
         self.config = config
         self.frame_rate = frame_rate
         self.text_encoder_weights = text_encoder_weights  # memory.text_encoder_weights
+        self.vae_tiling = vae_tiling  # memory.vae_tiling
 
     def lora_exclude_modules(self) -> list[str]:
         """Linear layers no LoRA preset may adapt (peft's `exclude_modules`): layers whose output the loss never
@@ -338,27 +343,40 @@ class ModelSpec(ABC):
     def load_text(self, device: torch.device) -> TextComponents:
         """The text components, their encoders stored as `memory.text_encoder_weights` says."""
         from vidtune.memory import store_text_encoder_weights
+        from vidtune.offload import loading_device
 
-        text = self.load_text_components(device)
+        # Quantized encoders for a GPU are quantized in host memory, then moved (as the denoiser's base weights).
+        load_on = loading_device(self.text_encoder_weights, device)
+        if load_on == device:
+            text = self.load_text_components(device)
+            store_text_encoder_weights(text, self.text_encoder_weights)
+            return text
+        text = self.load_text_components(device, load_on)
         store_text_encoder_weights(text, self.text_encoder_weights)
-        return text
+        return text.to(device)
 
-    def load_text_components(self, device: torch.device) -> TextComponents:
-        """One tokenizer + one frozen text encoder (`text_encoder_class`); families with more override this."""
+    def load_text_components(self, device: torch.device, load_on: torch.device | None = None) -> TextComponents:
+        """One tokenizer + one frozen text encoder (`text_encoder_class`) in the dtype for `device`, placed on
+        `load_on` (default: `device`); families with more override this."""
         tokenizer = self.load_component(AutoTokenizer, "tokenizer")
         dtype = self.component_dtype("text_encoder", device)
         text_encoder = self.load_component(self.text_encoder_class, "text_encoder", torch_dtype=dtype)
-        text_encoder.requires_grad_(False).eval().to(device)
+        text_encoder.requires_grad_(False).eval().to(load_on or device)
         return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder})
 
     def load_vae(self, device: torch.device) -> Any:
         """The frozen VAE; opaque to trainers (image-to-video families may return a container with more)."""
         vae = self.load_component(self.vae_class, "vae", torch_dtype=self.component_dtype("vae", device))
+        if self.vae_tiling:
+            from vidtune.vae_tiling import enable_vae_tiling
+
+            enable_vae_tiling(vae)
         return vae.requires_grad_(False).eval().to(device)
 
-    def load_denoiser(self, device: torch.device) -> nn.Module:
+    def load_denoiser(self, device: torch.device, load_on: torch.device | None = None) -> nn.Module:
+        """The denoiser in the dtype for `device`, placed on `load_on` (default: `device`)."""
         dtype = self.component_dtype("transformer", device)
-        return self.load_component(self.denoiser_class, "transformer", torch_dtype=dtype).to(device)
+        return self.load_component(self.denoiser_class, "transformer", torch_dtype=dtype).to(load_on or device)
 
     def load_scheduler(self) -> Any:
         return self.load_component(self.scheduler_class, "scheduler")

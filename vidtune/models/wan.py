@@ -81,6 +81,7 @@ WAN_FEED_FORWARD_TARGETS = ("ffn.net.0.proj", "ffn.net.2")  # Wan names its bloc
 class WanSpec(ModelSpec):
     name = "wan"
     control_input_layer = "patch_embedding"  # Conv3d over [B, C, F, H, W]
+    block_lists = ("blocks",)
     validation_guidance_scale = 5.0
     defaults = FamilyDefaults(frames=81, height=480, width=832, fps=16.0, sigma_shift=3.0, source=(
         "WanPipeline's defaults (81 frames of 480x832, guidance 5) and 16 fps; shift 3: the 480p checkpoints' "

@@ -33,6 +33,10 @@ def wrap(module: nn.Module, device: torch.device) -> nn.Module:
     if not is_distributed():
         return module
     device_ids = [device.index] if device.type == "cuda" else None
+    # Frozen weights are not broadcast from rank 0: every rank read them from the same files and stored them the
+    # same way, and quantized ones (memory.base_weights int8 / nf4) are tensor subclasses DDP cannot broadcast.
+    frozen = [name for name, parameter in module.named_parameters() if not parameter.requires_grad]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
     # Gradients are views into DDP's communication buckets: no second copy of them in memory.
     return DataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
 

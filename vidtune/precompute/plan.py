@@ -7,8 +7,8 @@ when set) and the caption text. A latent's key
 covers the spec's `latent_identity()` (the family, its format version, and the constants its `prepare_latents`
 reads, e.g. an image-to-video family's first-frame noise), the identity and dtype of the VAE (and image
 encoder), the preprocessing (the bucket's frames and size, resize mode, fps, the window's first frame), the clip's
-content hash and the storage mode. A clip has one entry per window it offers (see `data.frame_sampling` and
-`precompute.windows_per_clip`). Nothing
+content hash, the storage mode and `memory.vae_tiling` when on. A clip has one entry per window it offers
+(see `data.frame_sampling` and `precompute.windows_per_clip`). Nothing
 else is in a key: settings that do not change the tensors (validation, LoRA, the optimizer) keep the cache,
 and a change that touches only one kind re-encodes only that kind.
 
@@ -194,6 +194,8 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         "dtypes": dict(zip(video_components, video_dtypes.pop(), strict=True)),
         "store": options.store,
     }
+    if config.memory.vae_tiling:  # tiles blend where they overlap: other latents (existing keys stay as they were)
+        latent_parts["vae_tiling"] = True
     data, shapes = config.data, config.data.bucket_shapes()
     processor = configured_processor(config)
 

@@ -49,6 +49,15 @@ from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
+from vidtune.offload import (
+    BlockSwap,
+    activation_offload,
+    apply_block_swap,
+    check_activation_offload,
+    check_block_count,
+    check_block_swap,
+    loading_device,
+)
 from vidtune.optim import check_optimizer
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
@@ -112,7 +121,8 @@ class Trainer(ABC):
         self.output_dir = Path(config.output_dir)
         self.device = parallel.resolve_device(config.training.device)
         self.spec: ModelSpec = get_spec_class(config.model.name)(
-            config.model, frame_rate=config.frame_rate, text_encoder_weights=config.memory.text_encoder_weights)
+            config.model, frame_rate=config.frame_rate, text_encoder_weights=config.memory.text_encoder_weights,
+            vae_tiling=config.memory.vae_tiling)
         self.clips: list[Clip] = []
         self.clip_infos: list[VideoInfo] = []
         # Text encoders and VAE: loaded for on-the-fly training, or (training from the cache) only for validation.
@@ -129,6 +139,7 @@ class Trainer(ABC):
         self.log: StepLog | None = None
         self.resuming_from: SavedState | None = None  # the checkpoint this run continues, if any
         self.ema: EMA | None = None  # the trained weights' moving average (training.ema_decay)
+        self.block_swap: BlockSwap | None = None  # memory.blocks_to_swap
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -201,6 +212,9 @@ class Trainer(ABC):
         self.first_step = self.state.step
         # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
         self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
+        # After the wrapper, which checks and broadcasts the weights on the training device.
+        self.block_swap = apply_block_swap(self.denoiser, self.spec.block_lists, self.config.memory.blocks_to_swap,
+                                           self.device)
         return parameters
 
     def train_step(self, stream: Iterator[Batch], parameters: list[nn.Parameter], stop: StopSignals) -> StepOutcome:
@@ -231,7 +245,8 @@ class Trainer(ABC):
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
         returns the scaled loss. A rank's share is sum / (batch_size * accumulation); DDP averages over ranks."""
         with parallel.accumulating(self.trained_denoiser, sync=sync):
-            loss = self.compute_loss(batch) / self.clips_per_step
+            with activation_offload(self.config.memory.activation_offload, self.device):
+                loss = self.compute_loss(batch) / self.clips_per_step
             loss.backward()
         return loss.detach()
 
@@ -329,6 +344,14 @@ class Trainer(ABC):
         check_optimizer(self.config, self.device)
         check_base_weights(self.config.memory.base_weights)
         check_base_weights(self.config.memory.text_encoder_weights, "memory.text_encoder_weights")
+        memory, training = self.config.memory, self.config.training
+        full_student = training.algorithm == "guidance-distillation" and self.config.distillation.student == "full"
+        check_block_swap(memory.blocks_to_swap, training.algorithm, full_student, training.gradient_checkpointing,
+                         memory.activation_offload, self.config.parallel.strategy)
+        if memory.blocks_to_swap:
+            check_block_count(memory.blocks_to_swap, self.spec.block_lists,
+                              self.spec.load_config(self.spec.denoiser_class, "transformer"))
+        check_activation_offload(memory.activation_offload, self.device)
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 
@@ -343,10 +366,16 @@ class Trainer(ABC):
         self.source = self.open_batch_source()
         if self.config.data.caption_dropout > 0 and self.config.data.caption_dropout_technique == "empty":
             self.empty_caption = self.source.empty_caption()
-        self.denoiser = self.spec.load_denoiser(self.device)
+        # Quantized base weights for a GPU are quantized in host memory first: the GPU never holds the whole
+        # unquantized model (vidtune/offload.py).
+        load_on = loading_device(self.config.memory.base_weights, self.device)
+        self.denoiser = self.spec.load_denoiser(self.device, load_on)
         if self.config.training.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
-        return self.configure_trainable(self.denoiser)
+        parameters = self.configure_trainable(self.denoiser)
+        if load_on != self.device:
+            self.denoiser.to(self.device)
+        return parameters
 
     def make_ema(self, parameters: list[nn.Parameter]) -> EMA | None:
         """The moving average of the trained parameters (`training.ema_decay`), or None."""

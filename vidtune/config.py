@@ -49,6 +49,13 @@ class ModelConfig(Section):
     frame_rate: float | None = Field(
         None, gt=0, description="Frame rate the denoiser is told about; default: data.fps, else 25."
     )
+    experts: Literal["both", "high_noise", "low_noise"] | None = Field(
+        None,
+        description="Two-expert models (Wan 2.2 A14B): which experts train. `both` (the default for them): each "
+        "sample's noise level picks its expert by the pipeline's boundary_ratio, each expert gets its own adapter; "
+        "`high_noise` / `low_noise`: one expert, trained only on noise levels of its side of the boundary. Not for "
+        "one-transformer models.",
+    )
     guidance_scale: float | None = Field(
         None,
         gt=0,

@@ -190,6 +190,7 @@ def run_weights(run: Path, ema: bool | None = None) -> tuple[Path, bool]:
     """(the weights `run` holds, whether they are an adapter): the LoRA file or the transformer folder; their
     moving average (`training.ema_decay`) when `ema` is True, or when it is None and the run has one."""
     found = [(run / outputs.LORA_EMA_WEIGHTS, run / outputs.LORA_WEIGHTS, True),
+             (run / outputs.LORA_EMA_WEIGHTS_2, run / outputs.LORA_WEIGHTS_2, True),
              (run / outputs.TRANSFORMER_EMA_FOLDER, run / outputs.TRANSFORMER_FOLDER, False)]
     for averaged, plain, adapter in found:
         if not plain.exists():
@@ -247,7 +248,7 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     vae = spec.load_vae(device)
     pipeline = spec.pipeline(spec.load_text(device), vae, denoiser)
     if adapter:
-        pipeline.load_lora_weights(str(run), weight_name=weights.name)
+        spec.load_lora(pipeline, run, weights.name)
     control = load_control(spec, pipeline.transformer, run) if has_control(run) else None
     return RunPipeline(pipeline, spec, config, weights, device, control, vae)
 

@@ -21,6 +21,8 @@ SPECS: dict[str, str] = {
     "hunyuan-video": "vidtune.models.hunyuan_video:HunyuanVideoSpec",
     "wan": "vidtune.models.wan:WanSpec",
     "wan-i2v": "vidtune.models.wan:WanImageToVideoSpec",
+    "wan2.2": "vidtune.models.wan22:Wan22Spec",
+    "wan2.2-i2v": "vidtune.models.wan22:Wan22ImageToVideoSpec",
 }
 
 

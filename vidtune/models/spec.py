@@ -447,6 +447,21 @@ class ModelSpec(ABC):
                                     "latent", reference)
         return self.latents_from_pipeline(latents, frames, height, width)
 
+    def check_training(self, training: TrainingConfig) -> None:
+        """Refuse, before any long work, training settings the model cannot take (e.g. an algorithm that cannot
+        train a two-expert model); by default everything goes."""
+        return None
+
+    def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """Each clip's mean of the squared error [B, C, F, H, W] (a family leaves out what its pipeline does not
+        predict, e.g. a first frame given as a condition)."""
+        return error.flatten(1).mean(dim=1)
+
+    def load_lora(self, pipeline: Any, folder: Path, weight_name: str = LORA_WEIGHTS) -> None:
+        """A run's adapter into the family's pipeline (by default its `load_lora_weights`; a family with more than
+        one denoiser loads each of its files)."""
+        pipeline.load_lora_weights(str(folder), weight_name=weight_name)
+
     def comfyui_lora_rules(self) -> list[Rule]:
         """How the family's diffusers modules are named in its original checkpoint, which is what ComfyUI loads
         (see vidtune/export/comfyui.py): one `Rule` per module pattern, fused layers with their parts' sizes

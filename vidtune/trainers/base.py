@@ -242,7 +242,7 @@ class Trainer(ABC):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             prediction = self.spec.forward(denoiser, inputs.conditions, inputs.noisy.to(self.denoiser.dtype),
                                            inputs.timesteps)
-        per_clip = (prediction.float() - inputs.target).pow(2).flatten(1).mean(dim=1)
+        per_clip = self.spec.per_clip_error((prediction.float() - inputs.target).pow(2), inputs.conditions)
         return (per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)).sum()
 
     def noisy_inputs(self, batch: Batch) -> NoisyInputs:
@@ -323,6 +323,7 @@ class Trainer(ABC):
         data = self.config.data
         self.spec.check_source()
         check_bucket_shapes(self.spec, data.bucket_shapes(), single=not data.buckets)
+        self.spec.check_training(self.config.training)
         self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
         check_trackers(self.config)
         check_optimizer(self.config, self.device)

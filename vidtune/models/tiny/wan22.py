@@ -28,6 +28,7 @@ def write_tiny_wan22(
     *,
     image_to_video: bool = False,
     two_experts: bool = False,
+    boundary_ratio: float = BOUNDARY_RATIO,
     num_layers: int = 2,
     attention_head_dim: int = 12,
     num_attention_heads: int = 2,
@@ -43,7 +44,7 @@ def write_tiny_wan22(
     sampled by WanImageToVideoPipeline (the image's latent as the first frame).
 
     `two_experts`, A14B-like: Wan 2.1's VAE and transformer shape twice over, `transformer` (high noise) and
-    `transformer_2` (low noise), seeded differently, with `boundary_ratio`; image-to-video experts take the 2.1
+    `transformer_2` (low noise), seeded differently, with `boundary_ratio` (tests use 0.5: both sides alike); image-to-video experts take the 2.1
     mask + first-frame channels (2 x 4 + 4) and no CLIP image tokens, as I2V-A14B.
     The scheduler is Wan 2.2's: UniPC with flow prediction and flow sigmas, shift 5 (TI2V-5B's and I2V-A14B's
     published sampling shift; T2V-A14B uses 12)."""
@@ -92,7 +93,7 @@ def write_tiny_wan22(
     parts = {"tokenizer": build_tiny_tokenizer(max_length=512), "text_encoder": text_encoder, "vae": vae,
              "scheduler": scheduler, "transformer": transformer(0)}
     if two_experts:
-        parts.update(transformer_2=transformer(1), boundary_ratio=BOUNDARY_RATIO)
+        parts.update(transformer_2=transformer(1), boundary_ratio=boundary_ratio)
     else:
         parts.update(expand_timesteps=True)
     family = "wan2.2-i2v" if image_to_video else "wan2.2"

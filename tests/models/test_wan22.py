@@ -1,0 +1,242 @@
+"""Wan 2.2: TI2V-5B's timestep per latent token and kept-clean first frame, and the A14B two-expert models (routing
+by the boundary, an adapter per expert, each loaded into its pipeline transformer, one expert alone, exact resume)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vidtune import checkpoint
+from vidtune.config import ModelConfig, TrainingConfig
+from vidtune.errors import ConfigError
+from vidtune.models.experts import TwoExperts
+from vidtune.models.registry import get_spec_class
+from vidtune.models.spec import POSTERIOR_KEYS
+from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS_2, LORA_WEIGHTS, LORA_WEIGHTS_2
+from vidtune.sampling import load_pipeline
+from vidtune.trainers import build_trainer
+from vidtune.trainers.stop import TrainingInterrupted
+
+CPU = torch.device("cpu")
+BOUNDARY = 0.5  # the tests' two-expert model: both sides of the boundary alike
+
+
+@pytest.fixture(scope="module")
+def two_expert_dir(tmp_path_factory) -> Path:
+    return write_tiny_wan22(tmp_path_factory.mktemp("wan22-a14b"), two_experts=True, boundary_ratio=BOUNDARY)
+
+
+def two_expert_config(make_config, **sections):
+    frames, height, width = TWO_EXPERT_SHAPE
+    model = {"pretrained": None, **sections.pop("model", {})}
+    return lambda pretrained: make_config(
+        "wan2.2", model={**model, "pretrained": str(pretrained)},
+        data={"frames": frames, "height": height, "width": width},
+        **{"training": {"sigma_sampling": "uniform", "batch_size": 2}, "lora": {"rank": 4, "alpha": 4}, **sections})
+
+
+def spec_of(family: str, pretrained: Path, **model) -> object:
+    return get_spec_class(family)(ModelConfig(name=family, pretrained=str(pretrained), **model))
+
+
+# ----- TI2V-5B -----------------------------------------------------------------------------------------------------
+def test_ti2v_gives_each_latent_token_its_timestep_and_image_to_video_keeps_the_first_frame(tiny_model_dir):
+    """What the pipelines hand the transformer with expand_timesteps: `mask[:, ::2, ::2] * t` flattened per token,
+    the mask 0 on an image-to-video first frame, whose latent is the image's clean one."""
+    spec = spec_of("wan2.2-i2v", tiny_model_dir("wan2.2-i2v"))
+    denoiser = spec.load_denoiser(CPU).eval()
+    latents = torch.randn(2, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    first = torch.randn(2, 4, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    prompt = torch.randn(2, 512, 32, generator=torch.Generator().manual_seed(2))
+    timesteps = torch.tensor([900.0, 250.0])
+    conditions = {"prompt_embeds": prompt, "first_frame_latents": first}
+    mask = torch.ones(1, 1, 3, 4, 4)
+    mask[:, :, 0] = 0
+    with torch.no_grad():
+        ours = spec.forward(denoiser, conditions, latents, timesteps)
+        expected = torch.cat([
+            denoiser(hidden_states=((1 - mask) * first[i:i + 1] + mask * latents[i:i + 1]),
+                     timestep=(mask[0][0][:, ::2, ::2] * t).flatten()[None], encoder_hidden_states=prompt[i:i + 1],
+                     return_dict=False)[0]
+            for i, t in enumerate(timesteps)])
+    torch.testing.assert_close(ours, expected)
+    # The first frame is the image, not a prediction: its error is not part of the loss.
+    error = torch.zeros(1, 4, 3, 2, 2)
+    error[:, :, 0] = 5.0
+    assert float(spec.per_clip_error(error, conditions)) == 0.0
+    assert float(spec_of("wan2.2", tiny_model_dir("wan2.2")).per_clip_error(error, conditions)) > 0
+
+
+def test_ti2v_reads_its_rule_from_the_wan22_vae(tiny_model_dir):
+    spec = spec_of("wan2.2", tiny_model_dir("wan2.2"))
+    assert spec.expand_timesteps and not spec.two_experts
+    with pytest.raises(ConfigError, match=r"data.height=48 must be a multiple of 32"):
+        spec.check_video_shape(9, 48, 64)
+    assert spec.validation_guidance_scale == 5.0
+
+
+def test_experts_on_a_one_transformer_model_are_refused(tiny_model_dir):
+    spec = spec_of("wan2.2", tiny_model_dir("wan2.2"), experts="high_noise")
+    with pytest.raises(ConfigError, match=r"model.experts=high_noise: .* one transformer"):
+        spec.check_source()
+
+
+# ----- A14B: two experts --------------------------------------------------------------------------------------------
+def test_two_experts_route_each_sample_by_the_boundary(two_expert_dir):
+    spec = spec_of("wan2.2", two_expert_dir)
+    denoiser = spec.load_denoiser(CPU).eval()
+    assert isinstance(denoiser, TwoExperts) and denoiser.boundary_timestep == BOUNDARY * 1000
+    latents = torch.randn(2, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    prompt = torch.randn(2, 512, 32, generator=torch.Generator().manual_seed(1))
+    timesteps = torch.tensor([700.0, 300.0])  # one each side
+    with torch.no_grad():
+        mixed = spec.forward(denoiser, {"prompt_embeds": prompt}, latents, timesteps)
+        high = denoiser.transformer(hidden_states=latents[:1], timestep=timesteps[:1],
+                                    encoder_hidden_states=prompt[:1], return_dict=False)[0]
+        low = denoiser.transformer_2(hidden_states=latents[1:], timestep=timesteps[1:],
+                                     encoder_hidden_states=prompt[1:], return_dict=False)[0]
+    torch.testing.assert_close(mixed, torch.cat([high, low]))
+    assert not torch.allclose(high, denoiser.transformer_2(hidden_states=latents[:1], timestep=timesteps[:1],
+                                                           encoder_hidden_states=prompt[:1], return_dict=False)[0])
+
+
+@pytest.mark.parametrize(("experts", "high_side"), [("high_noise", True), ("low_noise", False)])
+def test_one_expert_trains_only_on_its_side_of_the_boundary(two_expert_dir, experts, high_side):
+    spec = spec_of("wan2.2", two_expert_dir, experts=experts)
+    objective = spec.objective(TrainingConfig(sigma_sampling="logit_normal"))
+    generator = torch.Generator().manual_seed(0)
+    timesteps = torch.cat([objective.timesteps(objective.sample_noise_levels(1, generator)) for _ in range(64)])
+    assert bool(((timesteps >= BOUNDARY * 1000) == high_side).all())
+    assert float(timesteps.max() - timesteps.min()) > 100  # a range, not one value
+
+
+def test_two_expert_models_refuse_algorithms_that_cannot_train_two(make_config, two_expert_dir):
+    config = two_expert_config(make_config, training={"algorithm": "full"})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)training.algorithm=full: .*What to do: set training.algorithm=lora"):
+        build_trainer(config).run()
+
+
+def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_noise_range(make_config,
+                                                                                         two_expert_dir):
+    config = two_expert_config(make_config, training={"steps": 3, "learning_rate": 5e-2, "batch_size": 4,
+                                                      "sigma_sampling": "uniform"})(two_expert_dir)
+    trainer = build_trainer(config)
+    trainer.run()
+    out = Path(config.output_dir)
+    high, low = load_file(out / LORA_WEIGHTS), load_file(out / LORA_WEIGHTS_2)
+    for adapter in (high, low):
+        assert adapter and all(k.startswith("transformer.") and "lora_" in k for k in adapter)
+        assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k), "an expert did not train"
+    assert not all(torch.equal(high[k], low[k]) for k in high), "the experts share one adapter"
+    comfy_high, comfy_low = load_file(out / COMFYUI_LORA_WEIGHTS), load_file(out / COMFYUI_LORA_WEIGHTS_2)
+    assert comfy_high.keys() == comfy_low.keys() and all(k.startswith("diffusion_model.blocks.") for k in comfy_high)
+
+    # The files load into WanPipeline as diffusers' Wan 2.2 examples load them; each changes only its own steps.
+    spec = trainer.spec
+    frames, height, width = TWO_EXPERT_SHAPE
+    fresh = spec.load_denoiser(CPU)
+    pipeline = spec.pipeline(spec.load_text_components(CPU), spec.load_vae(CPU), fresh)
+    pipeline.set_progress_bar_config(disable=True)
+
+    def step_latents() -> tuple[list[float], list[torch.Tensor]]:
+        steps: list[torch.Tensor] = []
+        timesteps: list[float] = []
+
+        def keep(_pipeline, _step, timestep, tensors):
+            timesteps.append(float(timestep))
+            steps.append(tensors["latents"].clone())
+            return tensors
+
+        spec.run_pipeline(pipeline, "a red circle", frames, height, width, 8, 1.0, torch.Generator().manual_seed(0),
+                          "latent", callback=keep)
+        return timesteps, steps
+
+    timesteps, base = step_latents()
+    pipeline.load_lora_weights(str(out), weight_name=LORA_WEIGHTS_2, load_into_transformer_2=True)
+    _, low_only = step_latents()
+    first_low = next(i for i, t in enumerate(timesteps) if t < BOUNDARY * 1000)
+    assert 0 < first_low < len(timesteps)
+    for i in range(len(timesteps)):
+        same = torch.equal(low_only[i], base[i])
+        assert same == (i < first_low), f"step {i} (t={timesteps[i]:.0f}): the low-noise adapter's reach is wrong"
+    pipeline.load_lora_weights(str(out), weight_name=LORA_WEIGHTS)
+    _, both = step_latents()
+    assert not torch.equal(both[0], base[0])
+
+    # `vidtune sample`'s path loads both: its experts compute what the trained ones do.
+    run = load_pipeline(out, device="cpu")
+    latents = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(3))
+    prompt = torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(4))
+    for name in ("transformer", "transformer_2"):
+        inputs = {"hidden_states": latents, "timestep": torch.tensor([600.0]), "encoder_hidden_states": prompt,
+                  "return_dict": False}
+        with torch.no_grad():
+            loaded = getattr(run.pipeline, name)(**inputs)[0]
+            trained = trainer.denoiser.expert(name)(**inputs)[0]
+        torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_one_low_noise_expert_writes_the_second_file_only(make_config, two_expert_dir):
+    config = two_expert_config(make_config, model={"experts": "low_noise"},
+                               training={"steps": 1, "learning_rate": 5e-2})(two_expert_dir)
+    trainer = build_trainer(config)
+    trainer.run()
+    out = Path(config.output_dir)
+    assert (out / LORA_WEIGHTS_2).is_file() and not (out / LORA_WEIGHTS).exists()
+    assert not any("lora_" in name for name, _ in trainer.denoiser.transformer.named_parameters())
+    run = load_pipeline(out, device="cpu")
+    assert any("lora_" in name for name, _ in run.pipeline.transformer_2.named_parameters())
+    assert not any("lora_" in name for name, _ in run.pipeline.transformer.named_parameters())
+
+
+def test_a_two_expert_run_resumes_bit_for_bit(make_config, two_expert_dir, tmp_path):
+    def config(output: Path, **checkpointing):
+        return two_expert_config(make_config, training={"steps": 4, "learning_rate": 1e-2},
+                                 checkpoint={"every": 2, **checkpointing},
+                                 output_dir=str(output))(two_expert_dir)
+
+    build_trainer(config(tmp_path / "reference")).run()
+    out = tmp_path / "stopped"
+    trainer = build_trainer(config(out))
+    original, calls = trainer.compute_loss, [0]
+
+    def interrupt_third(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    trainer.compute_loss = interrupt_third
+    with pytest.raises(TrainingInterrupted):
+        trainer.run()
+    saved = checkpoint.load(out / "checkpoints" / "step-00000003")[0]
+    assert {key.split(".")[0] for key in saved} == {"transformer", "transformer_2"}
+    build_trainer(config(out, resume="latest")).run()
+    for name in (LORA_WEIGHTS, LORA_WEIGHTS_2):
+        resumed, reference = load_file(out / name), load_file(tmp_path / "reference" / name)
+        assert resumed.keys() == reference.keys() and resumed
+        for key in resumed:
+            assert torch.equal(resumed[key], reference[key]), (name, key)
+
+
+def test_image_to_video_experts_take_the_first_frame_condition(make_config, tmp_path):
+    """I2V-A14B: Wan 2.1's mask + first-frame channels concatenated to the input, no CLIP image tokens."""
+    folder = write_tiny_wan22(tmp_path / "i2v-a14b", image_to_video=True, two_experts=True, boundary_ratio=BOUNDARY)
+    spec = spec_of("wan2.2-i2v", folder)
+    frames, height, width = TWO_EXPERT_SHAPE
+    videos = torch.rand(1, frames, 3, height, width, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = spec.prepare_latents(spec.load_vae(CPU), videos)
+    assert set(latents) - set(POSTERIOR_KEYS) == {"image_condition"}
+    assert latents["image_condition"].shape[1] == 4 + latents["latents_mean"].shape[1]
+    denoiser = spec.load_denoiser(CPU)
+    prompt = spec.prepare_conditions(spec.load_text_components(CPU), ["a red circle"])
+    with torch.no_grad():
+        prediction = spec.forward(denoiser, {**prompt, "image_condition": latents["image_condition"]},
+                                  latents["latents_mean"], torch.tensor([400.0]))
+    assert prediction.shape == latents["latents_mean"].shape

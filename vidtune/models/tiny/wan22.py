@@ -44,8 +44,9 @@ def write_tiny_wan22(
     sampled by WanImageToVideoPipeline (the image's latent as the first frame).
 
     `two_experts`, A14B-like: Wan 2.1's VAE and transformer shape twice over, `transformer` (high noise) and
-    `transformer_2` (low noise), seeded differently, with `boundary_ratio` (tests use 0.5: both sides alike); image-to-video experts take the 2.1
-    mask + first-frame channels (2 x 4 + 4) and no CLIP image tokens, as I2V-A14B.
+    `transformer_2` (low noise), seeded differently, with `boundary_ratio` (tests use 0.5: both sides alike);
+    image-to-video experts take the 2.1 mask + first-frame channels (2 x 4 + 4) and no CLIP image tokens, as
+    I2V-A14B.
     The scheduler is Wan 2.2's: UniPC with flow prediction and flow sigmas, shift 5 (TI2V-5B's and I2V-A14B's
     published sampling shift; T2V-A14B uses 12)."""
     from diffusers import (

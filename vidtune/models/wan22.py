@@ -37,7 +37,7 @@ from vidtune.config import TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.experts import EXPERT_NAMES, TwoExperts
-from vidtune.models.spec import Conditions, Latents, TextComponents
+from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
 from vidtune.models.wan import WanImageToVideoSpec, WanSpec, frames_to_pil
 from vidtune.objectives import Objective
 from vidtune.outputs import LORA_WEIGHTS
@@ -321,6 +321,40 @@ class Wan22ImageToVideoSpec(Wan22Spec):
     def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
         # As Wan 2.1 image-to-video: embeddings, so that ftfy stays optional.
         return WanImageToVideoSpec.prompt_inputs(self, pipeline, prompt, guidance_scale)
+
+    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+        """TI2V: the pipeline puts the image's latent into the first frame only after its loop, so a step callback
+        is shown the latents with that frame already in place (what the pipeline returns after the last step);
+        the pipeline's own latents are left as they are."""
+        if callback is None or not self.expand_timesteps:
+            return super().run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
+                                        guidance_scale, generator, output_type, reference, callback)
+        first = self.pipeline_first_frame(pipeline, reference, frames, height, width)
+
+        def with_image(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            latents = tensors["latents"]
+            shown = torch.cat([first.to(latents), latents[:, :, 1:]], dim=2)
+            result = dict(callback(pipe, step, timestep, {**tensors, "latents": shown}))
+            if result.get("latents") is shown:
+                result["latents"] = latents
+            return result
+
+        return super().run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                    generator, output_type, reference, with_image)
+
+    @torch.no_grad()
+    def pipeline_first_frame(self, pipeline: Any, reference: torch.Tensor | None, frames: int, height: int,
+                             width: int) -> torch.Tensor:
+        """The first-frame latent the pipeline computes from the reference image (its own `prepare_latents`)."""
+        image = self.pipeline_inputs(reference)["image"]
+        pixels = pipeline.video_processor.preprocess(image, height=height, width=width)
+        device = next(pipeline.vae.parameters()).device
+        _, condition, _ = pipeline.prepare_latents(
+            pixels.to(device, torch.float32), 1, pipeline.vae.config.z_dim, height, width, frames, torch.float32,
+            device, torch.Generator(device=device).manual_seed(0))
+        return condition
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
         if reference is None:

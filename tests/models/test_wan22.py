@@ -116,9 +116,14 @@ def test_one_expert_trains_only_on_its_side_of_the_boundary(two_expert_dir, expe
     assert float(timesteps.max() - timesteps.min()) > 100  # a range, not one value
 
 
-def test_two_expert_models_refuse_algorithms_that_cannot_train_two(make_config, two_expert_dir):
+def test_two_expert_models_refuse_algorithms_that_cannot_train_two(make_config, two_expert_dir, tmp_path):
     config = two_expert_config(make_config, training={"algorithm": "full"})(two_expert_dir)
     with pytest.raises(ConfigError, match=r"(?s)training.algorithm=full: .*What to do: set training.algorithm=lora"):
+        build_trainer(config).run()
+    adapter = tmp_path / "adapter.safetensors"
+    adapter.write_bytes(b"")
+    config = two_expert_config(make_config, lora={"init_from": str(adapter)})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)lora.init_from: .*each expert has its own adapter"):
         build_trainer(config).run()
 
 
@@ -168,6 +173,15 @@ def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_no
     pipeline.load_lora_weights(str(out), weight_name=LORA_WEIGHTS)
     _, both = step_latents()
     assert not torch.equal(both[0], base[0])
+
+    # The ComfyUI files, read back by diffusers' converter for Wan LoRAs, sample what the diffusers files sample.
+    pipeline = spec.pipeline(spec.load_text_components(CPU), spec.load_vae(CPU),
+                             spec.load_denoiser(CPU))
+    pipeline.set_progress_bar_config(disable=True)
+    pipeline.load_lora_weights(str(out), weight_name=COMFYUI_LORA_WEIGHTS)
+    pipeline.load_lora_weights(str(out), weight_name=COMFYUI_LORA_WEIGHTS_2, load_into_transformer_2=True)
+    _, from_comfyui = step_latents()
+    torch.testing.assert_close(from_comfyui[-1], both[-1], rtol=1e-4, atol=5e-5)
 
     # `vidtune sample`'s path loads both: its experts compute what the trained ones do.
     run = load_pipeline(out, device="cpu")

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer
 
-from vidtune.config import DType, ModelConfig, TrainingConfig
+from vidtune.config import Config, DType, ModelConfig, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.files import INCOMPLETE, follow_umask
@@ -447,9 +447,9 @@ class ModelSpec(ABC):
                                     "latent", reference)
         return self.latents_from_pipeline(latents, frames, height, width)
 
-    def check_training(self, training: TrainingConfig) -> None:
-        """Refuse, before any long work, training settings the model cannot take (e.g. an algorithm that cannot
-        train a two-expert model); by default everything goes."""
+    def check_training(self, config: Config) -> None:
+        """Refuse, before any long work, run settings the model cannot take (e.g. an algorithm that cannot train a
+        two-expert model); by default everything goes."""
         return None
 
     def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from torch import nn
 
-from vidtune.config import TrainingConfig
+from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.experts import EXPERT_NAMES, TwoExperts
@@ -137,12 +137,21 @@ class Wan22Spec(WanSpec):
                 "choose.\nWhat to do: remove model.experts (it is for the two-expert A14B models)."
             )
 
-    def check_training(self, training: TrainingConfig) -> None:
-        if self.two_experts and training.algorithm not in TWO_EXPERT_ALGORITHMS:
+    def check_training(self, config: Config) -> None:
+        if not self.two_experts:
+            return
+        algorithm = config.training.algorithm
+        if algorithm not in TWO_EXPERT_ALGORITHMS:
             raise ConfigError(
-                f"training.algorithm={training.algorithm}: {self.name} two-expert models ({self.config.pretrained}) "
-                f"are trained with {', '.join(TWO_EXPERT_ALGORITHMS)} here (an adapter per expert).\n"
+                f"training.algorithm={algorithm}: {self.name} two-expert models ({self.config.pretrained}) are "
+                f"trained with {', '.join(TWO_EXPERT_ALGORITHMS)} here (an adapter per expert).\n"
                 "What to do: set training.algorithm=lora (model.experts picks the experts)."
+            )
+        if config.lora.init_from:
+            raise ConfigError(
+                f"lora.init_from: starting from an adapter file is not supported for {self.name} two-expert models "
+                f"({self.config.pretrained}): each expert has its own adapter.\n"
+                "What to do: remove lora.init_from, or resume a two-expert run with checkpoint.resume."
             )
 
     def component_dtype(self, component: str, device: torch.device) -> torch.dtype:

@@ -237,7 +237,11 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     weights, adapter = run_weights(run, ema)
     model = config.model
     if not adapter:  # the trained transformer replaces the base one; everything else comes from model.pretrained
-        model = model.model_copy(update={"subfolders": {**model.subfolders, "transformer": str(weights)}})
+        trained = {"transformer": str(weights)}
+        second = run / weights.name.replace("transformer", "transformer_2", 1)  # a second denoiser's folder
+        if second.is_dir():
+            trained["transformer_2"] = str(second)
+        model = model.model_copy(update={"subfolders": {**model.subfolders, **trained}})
     spec = get_spec_class(model.name)(model, frame_rate=config.frame_rate,
                                      text_encoder_weights=config.memory.text_encoder_weights)
     spec.check_source()

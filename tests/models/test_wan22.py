@@ -11,8 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.models.test_overfit import one_clip_dataset, overfit_config
 from vidtune import checkpoint
 from vidtune.config import ModelConfig, TrainingConfig
+from vidtune.data.sources import load_text_pair_dataset
+from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.experts import TwoExperts
 from vidtune.models.registry import get_spec_class
@@ -25,6 +28,7 @@ from vidtune.trainers.stop import TrainingInterrupted
 
 CPU = torch.device("cpu")
 BOUNDARY = 0.5  # the tests' two-expert model: both sides of the boundary alike
+TWO_EXPERT_OVERFIT_STEPS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +120,14 @@ def test_one_expert_trains_only_on_its_side_of_the_boundary(two_expert_dir, expe
     assert float(timesteps.max() - timesteps.min()) > 100  # a range, not one value
 
 
-def test_two_expert_models_refuse_algorithms_that_cannot_train_two(make_config, two_expert_dir, tmp_path):
-    config = two_expert_config(make_config, training={"algorithm": "full"})(two_expert_dir)
-    with pytest.raises(ConfigError, match=r"(?s)training.algorithm=full: .*What to do: set training.algorithm=lora"):
+def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_dir, tmp_path):
+    config = two_expert_config(make_config, training={"algorithm": "guidance-distillation"})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)training.algorithm=guidance-distillation: .*What to do: set "
+                                          r"training.algorithm=lora"):
+        build_trainer(config).run()
+    config = two_expert_config(make_config, model={"experts": "high_noise"},
+                               training={"algorithm": "full"})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)model.experts=high_noise with training.algorithm=full"):
         build_trainer(config).run()
     adapter = tmp_path / "adapter.safetensors"
     adapter.write_bytes(b"")
@@ -254,3 +263,37 @@ def test_image_to_video_experts_take_the_first_frame_condition(make_config, tmp_
         prediction = spec.forward(denoiser, {**prompt, "image_condition": latents["image_condition"]},
                                   latents["latents_mean"], torch.tensor([400.0]))
     assert prediction.shape == latents["latents_mean"].shape
+
+
+@pytest.mark.slow
+def test_two_experts_overfit_one_clip_then_sample_with_both_in_the_pipeline(two_expert_dir, shapes_dataset, tmp_path):
+    """Both experts fine-tuned in full on one clip (each visit's noise level picks its expert), saved as
+    `transformer/` + `transformer_2/`, then sampled by WanPipeline switching experts at the boundary, through
+    `vidtune sample`'s loading path: the clip comes back. The untrained experts' sample is the baseline."""
+    frames, height, width = TWO_EXPERT_SHAPE
+    clip = load_text_pair_dataset(shapes_dataset)[0]
+    data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
+    config = overfit_config("wan2.2", two_expert_dir, data_root, tmp_path / "run", frames)
+    config.data.height, config.data.width = height, width
+    config.training.steps, config.training.learning_rate = TWO_EXPERT_OVERFIT_STEPS, 3e-3
+    config.optimizer.warmup_steps = TWO_EXPERT_OVERFIT_STEPS // 10
+    build_trainer(config).run()
+    assert (tmp_path / "run" / "transformer_2").is_dir()
+
+    run = load_pipeline(tmp_path / "run", device="cpu")
+    spec = run.spec
+    x0 = spec.prepare_latents(spec.load_vae(CPU), read_clip(clip.video, frames, height, width)[None])["latents_mean"]
+    run.pipeline.set_progress_bar_config(disable=True)
+
+    def relative_error(pipeline) -> float:
+        with torch.no_grad():
+            sampled = spec.generate_latents(pipeline, clip.caption, frames, height, width, 30,
+                                            torch.Generator().manual_seed(1))
+        return float((sampled - x0).norm() / x0.norm())
+
+    trained = relative_error(run.pipeline)
+    base = spec_of("wan2.2", two_expert_dir)
+    untrained = relative_error(base.pipeline(base.load_text_components(CPU), base.load_vae(CPU),
+                                             base.load_denoiser(CPU)))
+    print(f"wan2.2 two experts: relative error {trained:.3f} (untrained experts: {untrained:.3f})")
+    assert trained < 0.15 < untrained

@@ -34,7 +34,7 @@ from vidtune.export.comfyui import Rule
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.hub import check_hub_model, looks_local
 from vidtune.objectives import Objective, objective_from_scheduler
-from vidtune.outputs import LORA_WEIGHTS
+from vidtune.outputs import LORA_WEIGHTS, TRANSFORMER_FOLDER
 
 Conditions = dict[str, torch.Tensor]
 # A diffusers pipeline's `callback_on_step_end`: (pipeline, step, timestep, {"latents": ...}) -> that dict.
@@ -456,6 +456,11 @@ class ModelSpec(ABC):
         """Each clip's mean of the squared error [B, C, F, H, W] (a family leaves out what its pipeline does not
         predict, e.g. a first frame given as a condition)."""
         return error.flatten(1).mean(dim=1)
+
+    def denoiser_folders(self, denoiser: nn.Module) -> dict[str, nn.Module]:
+        """Where a full fine-tune's denoiser is saved in a run folder, by folder name (a model with several
+        denoisers names one folder per denoiser, as its pipeline's components)."""
+        return {TRANSFORMER_FOLDER: denoiser}
 
     def load_lora(self, pipeline: Any, folder: Path, weight_name: str = LORA_WEIGHTS) -> None:
         """A run's adapter into the family's pipeline (by default its `load_lora_weights`; a family with more than

@@ -45,8 +45,8 @@ from vidtune.outputs import LORA_WEIGHTS
 NUM_TRAIN_TIMESTEPS = 1000  # Wan's schedulers; the pipelines' boundary is boundary_ratio times this
 # What `model.experts` names, and the expert each one trains.
 EXPERTS = {"both": EXPERT_NAMES, "high_noise": ("transformer",), "low_noise": ("transformer_2",)}
-# Only these algorithms know how to train and save two experts (a LoRA per expert).
-TWO_EXPERT_ALGORITHMS = ("lora",)
+# Only these algorithms know how to train and save two experts (a LoRA per expert, or both experts in full).
+TWO_EXPERT_ALGORITHMS = ("lora", "full")
 
 
 def second_expert_file(weight_name: str) -> str:
@@ -144,10 +144,16 @@ class Wan22Spec(WanSpec):
         if algorithm not in TWO_EXPERT_ALGORITHMS:
             raise ConfigError(
                 f"training.algorithm={algorithm}: {self.name} two-expert models ({self.config.pretrained}) are "
-                f"trained with {', '.join(TWO_EXPERT_ALGORITHMS)} here (an adapter per expert).\n"
-                "What to do: set training.algorithm=lora (model.experts picks the experts)."
+                f"trained with {' or '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
+                "What to do: set training.algorithm=lora (model.experts picks the experts) or full (both experts)."
             )
-        if config.lora.init_from:
+        if algorithm == "full" and len(self.trained_experts) == 1:
+            raise ConfigError(
+                f"model.experts={self.config.experts} with training.algorithm=full: a full fine-tune of "
+                f"{self.name} trains and saves both experts.\n"
+                "What to do: remove model.experts (both), or train one expert's LoRA (training.algorithm=lora)."
+            )
+        if algorithm == "lora" and config.lora.init_from:
             raise ConfigError(
                 f"lora.init_from: starting from an adapter file is not supported for {self.name} two-expert models "
                 f"({self.config.pretrained}): each expert has its own adapter.\n"
@@ -217,6 +223,12 @@ class Wan22Spec(WanSpec):
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
         return WanPipeline(tokenizer=text["tokenizer"], text_encoder=text["text_encoder"], vae=vae,
                            scheduler=self.load_scheduler(), **self.pipeline_experts(denoiser))
+
+    def denoiser_folders(self, denoiser: nn.Module) -> dict[str, nn.Module]:
+        """A full fine-tune of both experts: `transformer/` and `transformer_2/`, as the pipeline's components."""
+        if isinstance(denoiser, TwoExperts):
+            return {name: denoiser.expert(name) for name in EXPERT_NAMES}
+        return super().denoiser_folders(denoiser)
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None,
                   weight_name: str = LORA_WEIGHTS) -> Path:

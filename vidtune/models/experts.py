@@ -24,15 +24,17 @@ EXPERT_NAMES = ("transformer", "transformer_2")  # high-noise, low-noise: the pi
 
 
 def _move_frozen(module: nn.Module, device: torch.device) -> None:
-    """Move `module`'s frozen parameters and its buffers to `device` in place; trainable parameters stay."""
+    """Move `module`'s frozen parameters and its buffers to `device` in place; trainable parameters stay.
+    Copies onto the accelerator are queued (the stream keeps their order); copies back to the CPU wait."""
+    non_blocking = device.type != "cpu"
     with torch.no_grad():
         for parameter in module.parameters():
             if not parameter.requires_grad and parameter.device != device:
-                parameter.data = parameter.data.to(device, non_blocking=True)
+                parameter.data = parameter.data.to(device, non_blocking=non_blocking)
         for child in module.modules():
             for name, buffer in child.named_buffers(recurse=False):
                 if buffer.device != device:
-                    child._buffers[name] = buffer.to(device, non_blocking=True)
+                    child._buffers[name] = buffer.to(device, non_blocking=non_blocking)
 
 
 class TwoExperts(nn.Module):

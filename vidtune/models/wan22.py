@@ -147,6 +147,15 @@ class Wan22Spec(WanSpec):
                 f"trained with {' or '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
                 "What to do: set training.algorithm=lora (model.experts picks the experts) or full (both experts)."
             )
+        from vidtune import parallel
+
+        if parallel.world_size() > 1:
+            # DDP expects every trainable weight in every step's backward; a step's samples may all be one expert's.
+            raise ConfigError(
+                f"{self.name} two-expert models ({self.config.pretrained}) train in one process here, not under "
+                "torchrun.\nWhat to do: run `vidtune train` without torchrun (one GPU), or train one expert's LoRA "
+                "per run on one GPU each."
+            )
         if algorithm == "full" and len(self.trained_experts) == 1:
             raise ConfigError(
                 f"model.experts={self.config.experts} with training.algorithm=full: a full fine-tune of "

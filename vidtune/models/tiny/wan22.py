@@ -105,8 +105,8 @@ def write_tiny_wan22(
 
 
 TINY = {
-    "wan2.2": TinyFamily(write_tiny_wan22, SHAPE, OverfitSettings(steps=1500, learning_rate=3e-3)),
+    "wan2.2": TinyFamily(write_tiny_wan22, SHAPE, OverfitSettings(steps=800, learning_rate=5e-3)),
     "wan2.2-i2v": TinyFamily(
-        partial(write_tiny_wan22, image_to_video=True), SHAPE, OverfitSettings(steps=1000, learning_rate=3e-3)
+        partial(write_tiny_wan22, image_to_video=True), SHAPE, OverfitSettings(steps=600, learning_rate=5e-3)
     ),
 }

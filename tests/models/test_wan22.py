@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig
 from safetensors.torch import load_file
 
 from tests.models.test_overfit import one_clip_dataset, overfit_config
@@ -17,6 +18,7 @@ from vidtune.config import ModelConfig, TrainingConfig
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError
+from vidtune.export import export_checkpoint
 from vidtune.models.experts import TwoExperts
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS
@@ -205,13 +207,17 @@ def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_no
         torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
 
 
-def test_one_low_noise_expert_writes_the_second_file_only(make_config, two_expert_dir):
+def test_one_low_noise_expert_writes_the_second_file_only(make_config, two_expert_dir, tmp_path):
     config = two_expert_config(make_config, model={"experts": "low_noise"},
-                               training={"steps": 1, "learning_rate": 5e-2})(two_expert_dir)
+                               training={"steps": 1, "learning_rate": 5e-2},
+                               validation={"enabled": True, "num_inference_steps": 2})(two_expert_dir)
     trainer = build_trainer(config)
-    trainer.run()
+    result = trainer.run()
     out = Path(config.output_dir)
     assert (out / LORA_WEIGHTS_2).is_file() and not (out / LORA_WEIGHTS).exists()
+    assert result.sample_paths and all(path.is_file() for path in result.sample_paths)  # validated with both
+    export_checkpoint(out, tmp_path / "comfy", format="comfyui")
+    assert sorted(path.name for path in (tmp_path / "comfy").iterdir()) == [COMFYUI_LORA_WEIGHTS_2]
     assert not any("lora_" in name for name, _ in trainer.denoiser.transformer.named_parameters())
     run = load_pipeline(out, device="cpu")
     assert any("lora_" in name for name, _ in run.pipeline.transformer_2.named_parameters())
@@ -240,6 +246,8 @@ def test_a_two_expert_run_resumes_bit_for_bit(make_config, two_expert_dir, tmp_p
         trainer.run()
     saved = checkpoint.load(out / "checkpoints" / "step-00000003")[0]
     assert {key.split(".")[0] for key in saved} == {"transformer", "transformer_2"}
+    exported = export_checkpoint(out / "checkpoints" / "step-00000003", tmp_path / "exported")
+    assert exported.name == LORA_WEIGHTS and (tmp_path / "exported" / LORA_WEIGHTS_2).is_file()
     build_trainer(config(out, resume="latest")).run()
     for name in (LORA_WEIGHTS, LORA_WEIGHTS_2):
         resumed, reference = load_file(out / name), load_file(tmp_path / "reference" / name)
@@ -297,3 +305,25 @@ def test_two_experts_overfit_one_clip_then_sample_with_both_in_the_pipeline(two_
                                              base.load_denoiser(CPU)))
     print(f"wan2.2 two experts: relative error {trained:.3f} (untrained experts: {untrained:.3f})")
     assert trained < 0.15 < untrained
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_only_the_running_expert_holds_the_device(two_expert_dir):
+    spec = spec_of("wan2.2", two_expert_dir)
+    cuda = torch.device("cuda")
+    denoiser = spec.load_denoiser(cuda).requires_grad_(False)  # as the LoRA trainer sets it up
+    denoiser.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]))
+    latents = torch.randn(1, 4, 3, 4, 4, device=cuda)
+    prompt = torch.randn(1, 512, 32, device=cuda)
+
+    def devices(expert: torch.nn.Module, trainable: bool) -> set[str]:
+        return {p.device.type for p in expert.parameters() if p.requires_grad == trainable}
+
+    for timestep, running, idle in ((900.0, denoiser.transformer, denoiser.transformer_2),
+                                    (100.0, denoiser.transformer_2, denoiser.transformer)):
+        with torch.no_grad():
+            denoiser(hidden_states=latents, timestep=torch.tensor([timestep], device=cuda),
+                     encoder_hidden_states=prompt)
+        assert devices(running, False) == {"cuda"} and devices(idle, False) == {"cpu"}
+    assert devices(denoiser.transformer, True) == devices(denoiser.transformer_2, True) == {"cuda"}  # adapters stay

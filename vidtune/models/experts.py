@@ -5,11 +5,13 @@ rest, as the family's pipeline switches between them. `TwoExperts` routes each s
 its timestep, so the trainer sees one denoiser: its state dict keys start with `transformer.` / `transformer_2.`,
 which keeps checkpoints, exact resume and the moving average covering both without knowing there are two.
 
-Which experts train (`model.experts`) decides which get an adapter; the other stays as loaded. Memory: on a GPU
-only the expert that runs is held on the device; the other's frozen weights wait in CPU memory and are moved when
-a forward (the trainer's or the pipeline's) calls it. Trainable weights (adapters) never move, so the optimizer's
-state stays put. A micro-batch whose samples fall on both sides of the boundary runs both experts in one forward,
-so both stay on the device until its backward is done; one clip per micro-batch (the usual for 14B experts) never
+Which experts train (`model.experts`) decides which get an adapter; the other stays as loaded. Memory: both experts
+are loaded onto the device (so adapters, optimizer state and the weights' average are made there); from the first
+forward on, only the expert that runs holds the device: the other's frozen weights wait in CPU memory and are
+moved back when a forward (the trainer's or the pipeline's) calls it. Trainable weights never move, so the
+optimizer's state stays put (a full fine-tune, where every weight trains, keeps both experts on the device).
+A micro-batch whose samples fall on both sides of the boundary runs both experts in one forward, so both stay on
+the device until its backward is done; one clip per micro-batch (the usual for 14B experts) never
 needs that. On a CPU both simply stay where they are.
 """
 

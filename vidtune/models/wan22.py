@@ -176,7 +176,7 @@ class Wan22Spec(WanSpec):
     # ----- denoiser and objective -----------------------------------------------------------------------------
     def load_denoiser(self, device: torch.device) -> nn.Module:
         """TI2V-5B: its transformer. A14B: both experts as one `TwoExperts` module (the untrained one too, for
-        validation), the idle expert's weights kept in CPU memory on a GPU."""
+        validation); on a GPU the idle expert's frozen weights are kept in CPU memory once training runs."""
         if not self.two_experts:
             return super().load_denoiser(device)
         dtype = self.component_dtype("transformer", device)
@@ -187,11 +187,9 @@ class Wan22Spec(WanSpec):
                      if name not in self.trained_experts]
         for expert in untrained:
             expert.requires_grad_(False)
-        # The first expert goes to the device; with offloading the other's frozen weights stay in CPU memory.
-        pair.transformer.to(device)
-        if not pair.offload:
-            pair.transformer_2.to(device)
-        return pair
+        # Both start on the device, so that adapters, optimizer state and the weights' average are made there;
+        # with offloading, the first forward moves the idle expert's frozen weights out.
+        return pair.to(device)
 
     def objective(self, training: TrainingConfig) -> Objective:
         """One expert of two: only noise levels on its side of the boundary (the pipeline never asks it others)."""

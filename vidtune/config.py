@@ -50,6 +50,13 @@ class ModelConfig(Section):
         None, gt=0, description="Frame rate the denoiser is told about; default: data.fps, else the family's "
         "(docs/models.md)."
     )
+    experts: Literal["both", "high_noise", "low_noise"] | None = Field(
+        None,
+        description="Two-expert models (Wan 2.2 A14B): which experts train. `both` (the default for them): each "
+        "sample's noise level picks its expert by the pipeline's boundary_ratio, each expert gets its own adapter; "
+        "`high_noise` / `low_noise`: one expert, trained only on noise levels of its side of the boundary. Not for "
+        "one-transformer models.",
+    )
     guidance_scale: float | None = Field(
         None,
         gt=0,

@@ -6,9 +6,13 @@ from pathlib import Path
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the name diffusers' `load_lora_weights` looks for
 COMFYUI_LORA_WEIGHTS = "pytorch_lora_weights_comfyui.safetensors"  # the same LoRA for ComfyUI's LoRA loaders
+COMFYUI_LORA_WEIGHTS_2 = "pytorch_lora_weights_transformer_2_comfyui.safetensors"  # a second denoiser's, for ComfyUI
+# A second denoiser's adapter (Wan 2.2's low-noise expert, `load_lora_weights(..., load_into_transformer_2=True)`).
+LORA_WEIGHTS_2 = "pytorch_lora_weights_transformer_2.safetensors"
 TRANSFORMER_FOLDER = "transformer"  # full fine-tuning: the denoiser in its family's diffusers layout
 # With `training.ema_decay`: the moving average of the trained weights, beside them, in the same format.
 LORA_EMA_WEIGHTS = "pytorch_lora_weights_ema.safetensors"
+LORA_EMA_WEIGHTS_2 = "pytorch_lora_weights_ema_transformer_2.safetensors"
 TRANSFORMER_EMA_FOLDER = "transformer_ema"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -19,7 +23,7 @@ RESOLVED_CONFIG = "config.yaml"
 TENSORBOARD = "tensorboard"  # event files, when logging.tensorboard is on
 
 # What shows that a run finished in a folder (one per algorithm's result).
-FINAL_OUTPUTS = (LORA_WEIGHTS, TRANSFORMER_FOLDER)
+FINAL_OUTPUTS = (LORA_WEIGHTS, LORA_WEIGHTS_2, TRANSFORMER_FOLDER)
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:

@@ -194,6 +194,7 @@ def run_weights(run: Path, ema: bool | None = None) -> tuple[Path, bool]:
     """(the weights `run` holds, whether they are an adapter): the LoRA file or the transformer folder; their
     moving average (`training.ema_decay`) when `ema` is True, or when it is None and the run has one."""
     found = [(run / outputs.LORA_EMA_WEIGHTS, run / outputs.LORA_WEIGHTS, True),
+             (run / outputs.LORA_EMA_WEIGHTS_2, run / outputs.LORA_WEIGHTS_2, True),
              (run / outputs.TRANSFORMER_EMA_FOLDER, run / outputs.TRANSFORMER_FOLDER, False)]
     for averaged, plain, adapter in found:
         if not plain.exists():
@@ -258,7 +259,11 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     weights, adapter = run_weights(run, ema)
     model = config.model
     if not adapter:  # the trained transformer replaces the base one; everything else comes from model.pretrained
-        model = model.model_copy(update={"subfolders": {**model.subfolders, "transformer": str(weights)}})
+        trained = {"transformer": str(weights)}
+        second = run / weights.name.replace("transformer", "transformer_2", 1)  # a second denoiser's folder
+        if second.is_dir():
+            trained["transformer_2"] = str(second)
+        model = model.model_copy(update={"subfolders": {**model.subfolders, **trained}})
     embedded = embedded_guidance_scale(config, embedded_guidance)
     if embedded is not None:  # the spec tells the denoiser's guidance embedding `model.guidance_scale`
         model = model.model_copy(update={"guidance_scale": embedded})
@@ -278,7 +283,7 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     if config.training.algorithm == "step-distillation":  # the sigmas the student learnt (vidtune/schedulers.py)
         pipeline.scheduler = student_scheduler(pipeline.scheduler, config.distillation.sigma_shift)
     if adapter:
-        pipeline.load_lora_weights(str(run), weight_name=weights.name)
+        spec.load_lora(pipeline, run, weights.name)
     averaged = weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER)
     control = load_control(spec, pipeline.transformer, run, ema=averaged) if has_control(run) else None
     return RunPipeline(pipeline, spec, config, weights, device, control, vae)

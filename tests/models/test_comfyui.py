@@ -113,6 +113,8 @@ ROUND_TRIP_TARGETS = {
             "condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1"],
     "wan-i2v": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj",
                 "condition_embedder.image_embedder.ff.net.0.proj"],
+    "wan2.2": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2", "proj_out"],
+    "wan2.2-i2v": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.2", "condition_embedder.time_proj"],
     "hunyuan-video": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k",
                       "transformer_blocks.0.attn.to_v", "transformer_blocks.0.attn.to_out.0", "add_q_proj",
                       "add_k_proj", "add_v_proj", "to_add_out", "transformer_blocks.0.ff.net.0.proj",

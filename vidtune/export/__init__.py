@@ -11,11 +11,19 @@ import os
 from pathlib import Path
 from typing import Literal
 
+import torch
 from safetensors.torch import load_file
 
 from vidtune import checkpoint as checkpoints
 from vidtune.config import load_config
-from vidtune.outputs import COMFYUI_LORA_WEIGHTS, FINAL_OUTPUTS, LORA_WEIGHTS, RESOLVED_CONFIG
+from vidtune.outputs import (
+    COMFYUI_LORA_WEIGHTS,
+    COMFYUI_LORA_WEIGHTS_2,
+    FINAL_OUTPUTS,
+    LORA_WEIGHTS,
+    LORA_WEIGHTS_2,
+    RESOLVED_CONFIG,
+)
 from vidtune.resume import CheckpointError, find_checkpoint
 
 Format = Literal["diffusers", "comfyui"]
@@ -35,15 +43,17 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     if format not in FORMATS:
         raise CheckpointError(f"--format {format}: unknown format.\nWhat to do: choose one of {', '.join(FORMATS)}.")
     output = Path(output)
-    names = (COMFYUI_LORA_WEIGHTS,) if format == "comfyui" else (*FINAL_OUTPUTS, COMFYUI_LORA_WEIGHTS)
+    comfyui_names = (COMFYUI_LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS_2)
+    names = comfyui_names if format == "comfyui" else (*FINAL_OUTPUTS, *comfyui_names)
     existing = [name for name in names if (output / name).exists()]
     if existing and not overwrite:
         raise CheckpointError(f"{output} already holds {', '.join(existing)}; nothing was written. Choose another "
                               "--output, or add --overwrite to replace it.")
     run = Path(checkpoint).expanduser()
-    if format == "comfyui" and (run / LORA_WEIGHTS).is_file() and (run / RESOLVED_CONFIG).is_file():
+    finished = [run / name for name in (LORA_WEIGHTS, LORA_WEIGHTS_2) if (run / name).is_file()]
+    if format == "comfyui" and finished and (run / RESOLVED_CONFIG).is_file():
         config = load_config(run / RESOLVED_CONFIG, [f"output_dir={output}"])
-        weights_file = run / LORA_WEIGHTS
+        weights_file = finished[0]
     else:
         folder = find_checkpoint(checkpoint)
         config = load_config(folder / checkpoints.CONFIG, [f"output_dir={output}"])
@@ -56,7 +66,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
             "What to do: export it without --format (it writes transformer/), or export a LoRA run."
         )
     try:
-        weights = load_file(weights_file) if weights_file is not None else checkpoints.load(folder)[0]
+        weights = run_adapters(finished) if weights_file is not None else checkpoints.load(folder)[0]
         ema = checkpoints.load_ema(folder) if weights_file is None else None
     except (OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"Could not read {weights_file or folder}: {error}\n"
@@ -65,3 +75,15 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     if format == "comfyui":
         return save_comfyui_lora(trainer.spec, output, weights, config.lora.alpha)
     return trainer.export_weights(weights, output, ema)
+
+
+def run_adapters(files: list[Path]) -> dict[str, torch.Tensor]:
+    """A finished run's adapter files as one state dict: a second denoiser's file (`LORA_WEIGHTS_2`, Wan 2.2's
+    low-noise expert) under `transformer_2.` keys, as a checkpoint of that run holds them."""
+    weights: dict[str, torch.Tensor] = {}
+    for path in files:
+        tensors = load_file(path)
+        if path.name == LORA_WEIGHTS_2:
+            tensors = {"transformer_2." + key.removeprefix("transformer."): value for key, value in tensors.items()}
+        weights.update(tensors)
+    return weights

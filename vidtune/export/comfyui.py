@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from vidtune.errors import ConfigError
 from vidtune.files import atomic_path, follow_umask
-from vidtune.outputs import COMFYUI_LORA_WEIGHTS
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS_2
 
 if TYPE_CHECKING:
     from vidtune.models.spec import ModelSpec
@@ -166,6 +166,14 @@ def write_comfyui_lora(path: str | os.PathLike[str], tensors: dict[str, torch.Te
 
 def save_comfyui_lora(spec: ModelSpec, folder: str | os.PathLike[str], state_dict: dict[str, torch.Tensor],
                       alpha: float) -> Path:
-    """Write `folder/COMFYUI_LORA_WEIGHTS`: the adapter (peft or diffusers state dict) in `spec`'s ComfyUI layout."""
-    tensors = comfyui_lora(state_dict, spec.comfyui_lora_rules(), alpha, spec.name)
-    return write_comfyui_lora(Path(folder) / COMFYUI_LORA_WEIGHTS, tensors)
+    """Write `folder/COMFYUI_LORA_WEIGHTS`: the adapter (peft or diffusers state dict) in `spec`'s ComfyUI layout;
+    a second denoiser's adapter (`transformer_2.` keys) goes to `folder/COMFYUI_LORA_WEIGHTS_2`. Returns the first
+    file written."""
+    rules = spec.comfyui_lora_rules()
+    # A second denoiser's adapter (`transformer_2.` keys: Wan 2.2's low-noise expert) is a LoRA file of its own.
+    second_prefix = "transformer_2."
+    second = {k.removeprefix(second_prefix): v for k, v in state_dict.items() if k.startswith(second_prefix)}
+    first = {k: v for k, v in state_dict.items() if not k.startswith(second_prefix)}
+    written = [write_comfyui_lora(Path(folder) / name, comfyui_lora(part, rules, alpha, spec.name))
+               for name, part in ((COMFYUI_LORA_WEIGHTS, first), (COMFYUI_LORA_WEIGHTS_2, second)) if part]
+    return written[0]

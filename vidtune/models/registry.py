@@ -24,6 +24,8 @@ SPECS: dict[str, str] = {
     "hunyuan-video-1.5-i2v": "vidtune.models.hunyuan_video15:HunyuanVideo15ImageToVideoSpec",
     "wan": "vidtune.models.wan:WanSpec",
     "wan-i2v": "vidtune.models.wan:WanImageToVideoSpec",
+    "wan2.2": "vidtune.models.wan22:Wan22Spec",
+    "wan2.2-i2v": "vidtune.models.wan22:Wan22ImageToVideoSpec",
 }
 
 

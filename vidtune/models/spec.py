@@ -28,14 +28,14 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer
 
-from vidtune.config import DType, ModelConfig, TrainingConfig
+from vidtune.config import Config, DType, ModelConfig, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.hub import check_hub_model, looks_local
 from vidtune.objectives import Objective, objective_from_scheduler
-from vidtune.outputs import LORA_WEIGHTS
+from vidtune.outputs import LORA_WEIGHTS, TRANSFORMER_FOLDER
 
 Conditions = dict[str, torch.Tensor]
 # A diffusers pipeline's `callback_on_step_end`: (pipeline, step, timestep, {"latents": ...}) -> that dict.
@@ -477,6 +477,26 @@ class ModelSpec(ABC):
                                     "latent", reference)
         return self.latents_from_pipeline(latents, frames, height, width)
 
+    def check_training(self, config: Config) -> None:
+        """Refuse, before any long work, run settings the model cannot take (e.g. an algorithm that cannot train a
+        two-expert model); by default everything goes."""
+        return None
+
+    def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """Each clip's mean of the squared error [B, C, F, H, W] (a family leaves out what its pipeline does not
+        predict, e.g. a first frame given as a condition)."""
+        return error.flatten(1).mean(dim=1)
+
+    def denoiser_folders(self, denoiser: nn.Module) -> dict[str, nn.Module]:
+        """Where a full fine-tune's denoiser is saved in a run folder, by folder name (a model with several
+        denoisers names one folder per denoiser, as its pipeline's components)."""
+        return {TRANSFORMER_FOLDER: denoiser}
+
+    def load_lora(self, pipeline: Any, folder: Path, weight_name: str = LORA_WEIGHTS) -> None:
+        """A run's adapter into the family's pipeline (by default its `load_lora_weights`; a family with more than
+        one denoiser loads each of its files)."""
+        pipeline.load_lora_weights(str(folder), weight_name=weight_name)
+
     def comfyui_lora_rules(self) -> list[Rule]:
         """How the family's diffusers modules are named in its original checkpoint, which is what ComfyUI loads
         (see vidtune/export/comfyui.py): one `Rule` per module pattern, fused layers with their parts' sizes
@@ -508,11 +528,6 @@ class ModelSpec(ABC):
         """A control latent [B, C, F, H, W] in the layout of the denoiser's `hidden_states`, and the dimension
         its channels are on (the control is concatenated last there). By default the VAE's layout, channels 1."""
         return control, 1
-
-    def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
-        """Each clip's mean of the squared error [B, C, F, H, W] over what the denoiser must predict: all of it,
-        unless the family gives some latents clean as conditions (they stay out of the loss)."""
-        return squared_error.flatten(1).mean(dim=1)
 
     def reference_frame_count(self, frames: int) -> int:
         """Frames of the reference clip an image-to-video family samples from (the first, unless keyframes)."""

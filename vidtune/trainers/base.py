@@ -339,6 +339,7 @@ class Trainer(ABC):
         data = self.config.data
         self.spec.check_source()
         check_bucket_shapes(self.spec, data.bucket_shapes(), single=not data.buckets)
+        self.spec.check_training(self.config)
         self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
         check_trackers(self.config)
         check_optimizer(self.config, self.device)

@@ -81,23 +81,28 @@ class FullTrainer(Trainer):
                 parameter.copy_(state[name])
 
     def save_final(self, folder: Path) -> Path:
-        """`folder/transformer/`, and with `training.ema_decay` the moving average as `folder/transformer_ema/`."""
-        written = self.save_transformer(Path(folder) / TRANSFORMER_FOLDER)
+        """`folder/transformer/`, and with `training.ema_decay` the moving average as `folder/transformer_ema/`; a
+        model of several denoisers (Wan 2.2's two experts) writes one such folder per denoiser, as the spec names
+        them (`transformer_2/`, `transformer_2_ema/`). Returns the first."""
+        parts = self.spec.denoiser_folders(self.denoiser)
+        written = [self.save_transformer(Path(folder) / name, module) for name, module in parts.items()]
         if self.ema is not None:
             with self.ema.applied():
-                self.save_transformer(Path(folder) / TRANSFORMER_EMA_FOLDER)
-        return written
+                for name, module in parts.items():
+                    ema_folder = TRANSFORMER_EMA_FOLDER if name == TRANSFORMER_FOLDER else f"{name}_ema"
+                    self.save_transformer(Path(folder) / ema_folder, module)
+        return written[0]
 
-    def save_transformer(self, target: Path) -> Path:
-        """The denoiser via `save_pretrained`, in the dtype it was loaded in; written beside and renamed into
+    def save_transformer(self, target: Path, module: nn.Module) -> Path:
+        """A denoiser via `save_pretrained`, in the dtype it was loaded in; written beside and renamed into
         place, so an existing result is replaced only by a complete one."""
-        cast = [p for p in self.denoiser.parameters() if p.dtype != self.base_dtype]
+        cast = [p for p in module.parameters() if p.dtype != self.base_dtype]
         originals = [p.data for p in cast]
         try:
             for parameter in cast:
                 parameter.data = parameter.data.to(self.base_dtype)
             with atomic_folder(target) as temporary:
-                self.denoiser.save_pretrained(temporary, safe_serialization=True)
+                module.save_pretrained(temporary, safe_serialization=True)
                 follow_umask(*(path for path in temporary.rglob("*") if path.is_file()))
         finally:
             for parameter, data in zip(cast, originals, strict=True):

@@ -1,0 +1,329 @@
+"""Wan 2.2: TI2V-5B's timestep per latent token and kept-clean first frame, and the A14B two-expert models (routing
+by the boundary, an adapter per expert, each loaded into its pipeline transformer, one expert alone, exact resume)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file
+
+from tests.models.test_overfit import one_clip_dataset, overfit_config
+from vidtune import checkpoint
+from vidtune.config import ModelConfig, TrainingConfig
+from vidtune.data.sources import load_text_pair_dataset
+from vidtune.data.video import read_clip
+from vidtune.errors import ConfigError
+from vidtune.export import export_checkpoint
+from vidtune.models.experts import TwoExperts
+from vidtune.models.registry import get_spec_class
+from vidtune.models.spec import POSTERIOR_KEYS
+from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS_2, LORA_WEIGHTS, LORA_WEIGHTS_2
+from vidtune.sampling import load_pipeline
+from vidtune.trainers import build_trainer
+from vidtune.trainers.stop import TrainingInterrupted
+
+CPU = torch.device("cpu")
+BOUNDARY = 0.5  # the tests' two-expert model: both sides of the boundary alike
+TWO_EXPERT_OVERFIT_STEPS = 2000
+
+
+@pytest.fixture(scope="module")
+def two_expert_dir(tmp_path_factory) -> Path:
+    return write_tiny_wan22(tmp_path_factory.mktemp("wan22-a14b"), two_experts=True, boundary_ratio=BOUNDARY)
+
+
+def two_expert_config(make_config, **sections):
+    frames, height, width = TWO_EXPERT_SHAPE
+    model = {"pretrained": None, **sections.pop("model", {})}
+    return lambda pretrained: make_config(
+        "wan2.2", model={**model, "pretrained": str(pretrained)},
+        data={"frames": frames, "height": height, "width": width},
+        **{"training": {"sigma_sampling": "uniform", "batch_size": 2}, "lora": {"rank": 4, "alpha": 4}, **sections})
+
+
+def spec_of(family: str, pretrained: Path, **model) -> object:
+    return get_spec_class(family)(ModelConfig(name=family, pretrained=str(pretrained), **model))
+
+
+# ----- TI2V-5B -----------------------------------------------------------------------------------------------------
+def test_ti2v_gives_each_latent_token_its_timestep_and_image_to_video_keeps_the_first_frame(tiny_model_dir):
+    """What the pipelines hand the transformer with expand_timesteps: `mask[:, ::2, ::2] * t` flattened per token,
+    the mask 0 on an image-to-video first frame, whose latent is the image's clean one."""
+    spec = spec_of("wan2.2-i2v", tiny_model_dir("wan2.2-i2v"))
+    denoiser = spec.load_denoiser(CPU).eval()
+    latents = torch.randn(2, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    first = torch.randn(2, 4, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+    prompt = torch.randn(2, 512, 32, generator=torch.Generator().manual_seed(2))
+    timesteps = torch.tensor([900.0, 250.0])
+    conditions = {"prompt_embeds": prompt, "first_frame_latents": first}
+    mask = torch.ones(1, 1, 3, 4, 4)
+    mask[:, :, 0] = 0
+    with torch.no_grad():
+        ours = spec.forward(denoiser, conditions, latents, timesteps)
+        expected = torch.cat([
+            denoiser(hidden_states=((1 - mask) * first[i:i + 1] + mask * latents[i:i + 1]),
+                     timestep=(mask[0][0][:, ::2, ::2] * t).flatten()[None], encoder_hidden_states=prompt[i:i + 1],
+                     return_dict=False)[0]
+            for i, t in enumerate(timesteps)])
+    torch.testing.assert_close(ours, expected)
+    # The first frame is the image, not a prediction: its error is not part of the loss.
+    error = torch.zeros(1, 4, 3, 2, 2)
+    error[:, :, 0] = 5.0
+    assert float(spec.per_clip_error(error, conditions)) == 0.0
+    assert float(spec_of("wan2.2", tiny_model_dir("wan2.2")).per_clip_error(error, conditions)) > 0
+
+
+def test_ti2v_reads_its_rule_from_the_wan22_vae(tiny_model_dir):
+    spec = spec_of("wan2.2", tiny_model_dir("wan2.2"))
+    assert spec.expand_timesteps and not spec.two_experts
+    with pytest.raises(ConfigError, match=r"data.height=48 must be a multiple of 32"):
+        spec.check_video_shape(9, 48, 64)
+    assert spec.validation_guidance_scale == 5.0
+
+
+def test_experts_on_a_one_transformer_model_are_refused(tiny_model_dir):
+    spec = spec_of("wan2.2", tiny_model_dir("wan2.2"), experts="high_noise")
+    with pytest.raises(ConfigError, match=r"model.experts=high_noise: .* one transformer"):
+        spec.check_source()
+
+
+# ----- A14B: two experts --------------------------------------------------------------------------------------------
+def test_two_experts_route_each_sample_by_the_boundary(two_expert_dir):
+    spec = spec_of("wan2.2", two_expert_dir)
+    denoiser = spec.load_denoiser(CPU).eval()
+    assert isinstance(denoiser, TwoExperts) and denoiser.boundary_timestep == BOUNDARY * 1000
+    latents = torch.randn(2, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    prompt = torch.randn(2, 512, 32, generator=torch.Generator().manual_seed(1))
+    timesteps = torch.tensor([700.0, 300.0])  # one each side
+    with torch.no_grad():
+        mixed = spec.forward(denoiser, {"prompt_embeds": prompt}, latents, timesteps)
+        high = denoiser.transformer(hidden_states=latents[:1], timestep=timesteps[:1],
+                                    encoder_hidden_states=prompt[:1], return_dict=False)[0]
+        low = denoiser.transformer_2(hidden_states=latents[1:], timestep=timesteps[1:],
+                                     encoder_hidden_states=prompt[1:], return_dict=False)[0]
+    torch.testing.assert_close(mixed, torch.cat([high, low]))
+    assert not torch.allclose(high, denoiser.transformer_2(hidden_states=latents[:1], timestep=timesteps[:1],
+                                                           encoder_hidden_states=prompt[:1], return_dict=False)[0])
+
+
+@pytest.mark.parametrize(("experts", "high_side"), [("high_noise", True), ("low_noise", False)])
+def test_one_expert_trains_only_on_its_side_of_the_boundary(two_expert_dir, experts, high_side):
+    spec = spec_of("wan2.2", two_expert_dir, experts=experts)
+    objective = spec.objective(TrainingConfig(sigma_sampling="logit_normal"))
+    generator = torch.Generator().manual_seed(0)
+    timesteps = torch.cat([objective.timesteps(objective.sample_noise_levels(1, generator)) for _ in range(64)])
+    assert bool(((timesteps >= BOUNDARY * 1000) == high_side).all())
+    assert float(timesteps.max() - timesteps.min()) > 100  # a range, not one value
+
+
+def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_dir, tmp_path):
+    config = two_expert_config(make_config, training={"algorithm": "guidance-distillation"})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)training.algorithm=guidance-distillation: .*What to do: set "
+                                          r"training.algorithm=lora"):
+        build_trainer(config).run()
+    config = two_expert_config(make_config, model={"experts": "high_noise"},
+                               training={"algorithm": "full"})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)model.experts=high_noise with training.algorithm=full"):
+        build_trainer(config).run()
+    adapter = tmp_path / "adapter.safetensors"
+    adapter.write_bytes(b"")
+    config = two_expert_config(make_config, lora={"init_from": str(adapter)})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)lora.init_from: .*each expert has its own adapter"):
+        build_trainer(config).run()
+
+
+def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_noise_range(make_config,
+                                                                                         two_expert_dir):
+    config = two_expert_config(make_config, training={"steps": 3, "learning_rate": 5e-2, "batch_size": 4,
+                                                      "sigma_sampling": "uniform"})(two_expert_dir)
+    trainer = build_trainer(config)
+    trainer.run()
+    out = Path(config.output_dir)
+    high, low = load_file(out / LORA_WEIGHTS), load_file(out / LORA_WEIGHTS_2)
+    for adapter in (high, low):
+        assert adapter and all(k.startswith("transformer.") and "lora_" in k for k in adapter)
+        assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k), "an expert did not train"
+    assert not all(torch.equal(high[k], low[k]) for k in high), "the experts share one adapter"
+    comfy_high, comfy_low = load_file(out / COMFYUI_LORA_WEIGHTS), load_file(out / COMFYUI_LORA_WEIGHTS_2)
+    assert comfy_high.keys() == comfy_low.keys() and all(k.startswith("diffusion_model.blocks.") for k in comfy_high)
+
+    # The files load into WanPipeline as diffusers' Wan 2.2 examples load them; each changes only its own steps.
+    spec = trainer.spec
+    frames, height, width = TWO_EXPERT_SHAPE
+    fresh = spec.load_denoiser(CPU)
+    pipeline = spec.pipeline(spec.load_text_components(CPU), spec.load_vae(CPU), fresh)
+    pipeline.set_progress_bar_config(disable=True)
+
+    def step_latents() -> tuple[list[float], list[torch.Tensor]]:
+        steps: list[torch.Tensor] = []
+        timesteps: list[float] = []
+
+        def keep(_pipeline, _step, timestep, tensors):
+            timesteps.append(float(timestep))
+            steps.append(tensors["latents"].clone())
+            return tensors
+
+        spec.run_pipeline(pipeline, "a red circle", frames, height, width, 8, 1.0, torch.Generator().manual_seed(0),
+                          "latent", callback=keep)
+        return timesteps, steps
+
+    timesteps, base = step_latents()
+    pipeline.load_lora_weights(str(out), weight_name=LORA_WEIGHTS_2, load_into_transformer_2=True)
+    _, low_only = step_latents()
+    first_low = next(i for i, t in enumerate(timesteps) if t < BOUNDARY * 1000)
+    assert 0 < first_low < len(timesteps)
+    for i in range(len(timesteps)):
+        same = torch.equal(low_only[i], base[i])
+        assert same == (i < first_low), f"step {i} (t={timesteps[i]:.0f}): the low-noise adapter's reach is wrong"
+    pipeline.load_lora_weights(str(out), weight_name=LORA_WEIGHTS)
+    _, both = step_latents()
+    assert not torch.equal(both[0], base[0])
+
+    # The ComfyUI files, read back by diffusers' converter for Wan LoRAs, sample what the diffusers files sample.
+    pipeline = spec.pipeline(spec.load_text_components(CPU), spec.load_vae(CPU),
+                             spec.load_denoiser(CPU))
+    pipeline.set_progress_bar_config(disable=True)
+    pipeline.load_lora_weights(str(out), weight_name=COMFYUI_LORA_WEIGHTS)
+    pipeline.load_lora_weights(str(out), weight_name=COMFYUI_LORA_WEIGHTS_2, load_into_transformer_2=True)
+    _, from_comfyui = step_latents()
+    torch.testing.assert_close(from_comfyui[-1], both[-1], rtol=1e-4, atol=5e-5)
+
+    # `vidtune sample`'s path loads both: its experts compute what the trained ones do.
+    run = load_pipeline(out, device="cpu")
+    latents = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(3))
+    prompt = torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(4))
+    for name in ("transformer", "transformer_2"):
+        inputs = {"hidden_states": latents, "timestep": torch.tensor([600.0]), "encoder_hidden_states": prompt,
+                  "return_dict": False}
+        with torch.no_grad():
+            loaded = getattr(run.pipeline, name)(**inputs)[0]
+            trained = trainer.denoiser.expert(name)(**inputs)[0]
+        torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_one_low_noise_expert_writes_the_second_file_only(make_config, two_expert_dir, tmp_path):
+    config = two_expert_config(make_config, model={"experts": "low_noise"},
+                               training={"steps": 1, "learning_rate": 5e-2},
+                               validation={"enabled": True, "num_inference_steps": 2})(two_expert_dir)
+    trainer = build_trainer(config)
+    result = trainer.run()
+    out = Path(config.output_dir)
+    assert (out / LORA_WEIGHTS_2).is_file() and not (out / LORA_WEIGHTS).exists()
+    assert result.sample_paths and all(path.is_file() for path in result.sample_paths)  # validated with both
+    export_checkpoint(out, tmp_path / "comfy", format="comfyui")
+    assert sorted(path.name for path in (tmp_path / "comfy").iterdir()) == [COMFYUI_LORA_WEIGHTS_2]
+    assert not any("lora_" in name for name, _ in trainer.denoiser.transformer.named_parameters())
+    run = load_pipeline(out, device="cpu")
+    assert any("lora_" in name for name, _ in run.pipeline.transformer_2.named_parameters())
+    assert not any("lora_" in name for name, _ in run.pipeline.transformer.named_parameters())
+
+
+def test_a_two_expert_run_resumes_bit_for_bit(make_config, two_expert_dir, tmp_path):
+    def config(output: Path, **checkpointing):
+        return two_expert_config(make_config, training={"steps": 4, "learning_rate": 1e-2},
+                                 checkpoint={"every": 2, **checkpointing},
+                                 output_dir=str(output))(two_expert_dir)
+
+    build_trainer(config(tmp_path / "reference")).run()
+    out = tmp_path / "stopped"
+    trainer = build_trainer(config(out))
+    original, calls = trainer.compute_loss, [0]
+
+    def interrupt_third(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    trainer.compute_loss = interrupt_third
+    with pytest.raises(TrainingInterrupted):
+        trainer.run()
+    saved = checkpoint.load(out / "checkpoints" / "step-00000003")[0]
+    assert {key.split(".")[0] for key in saved} == {"transformer", "transformer_2"}
+    exported = export_checkpoint(out / "checkpoints" / "step-00000003", tmp_path / "exported")
+    assert exported.name == LORA_WEIGHTS and (tmp_path / "exported" / LORA_WEIGHTS_2).is_file()
+    build_trainer(config(out, resume="latest")).run()
+    for name in (LORA_WEIGHTS, LORA_WEIGHTS_2):
+        resumed, reference = load_file(out / name), load_file(tmp_path / "reference" / name)
+        assert resumed.keys() == reference.keys() and resumed
+        for key in resumed:
+            assert torch.equal(resumed[key], reference[key]), (name, key)
+
+
+def test_image_to_video_experts_take_the_first_frame_condition(make_config, tmp_path):
+    """I2V-A14B: Wan 2.1's mask + first-frame channels concatenated to the input, no CLIP image tokens."""
+    folder = write_tiny_wan22(tmp_path / "i2v-a14b", image_to_video=True, two_experts=True, boundary_ratio=BOUNDARY)
+    spec = spec_of("wan2.2-i2v", folder)
+    frames, height, width = TWO_EXPERT_SHAPE
+    videos = torch.rand(1, frames, 3, height, width, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = spec.prepare_latents(spec.load_vae(CPU), videos)
+    assert set(latents) - set(POSTERIOR_KEYS) == {"image_condition"}
+    assert latents["image_condition"].shape[1] == 4 + latents["latents_mean"].shape[1]
+    denoiser = spec.load_denoiser(CPU)
+    prompt = spec.prepare_conditions(spec.load_text_components(CPU), ["a red circle"])
+    with torch.no_grad():
+        prediction = spec.forward(denoiser, {**prompt, "image_condition": latents["image_condition"]},
+                                  latents["latents_mean"], torch.tensor([400.0]))
+    assert prediction.shape == latents["latents_mean"].shape
+
+
+@pytest.mark.slow
+def test_two_experts_overfit_one_clip_then_sample_with_both_in_the_pipeline(two_expert_dir, shapes_dataset, tmp_path):
+    """Both experts fine-tuned in full on one clip (each visit's noise level picks its expert), saved as
+    `transformer/` + `transformer_2/`, then sampled by WanPipeline switching experts at the boundary, through
+    `vidtune sample`'s loading path: the clip comes back. The untrained experts' sample is the baseline."""
+    frames, height, width = TWO_EXPERT_SHAPE
+    clip = load_text_pair_dataset(shapes_dataset)[0]
+    data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
+    config = overfit_config("wan2.2", two_expert_dir, data_root, tmp_path / "run", frames)
+    config.data.height, config.data.width = height, width
+    config.training.steps, config.training.learning_rate = TWO_EXPERT_OVERFIT_STEPS, 4e-3
+    config.optimizer.warmup_steps = TWO_EXPERT_OVERFIT_STEPS // 10
+    build_trainer(config).run()
+    assert (tmp_path / "run" / "transformer_2").is_dir()
+
+    run = load_pipeline(tmp_path / "run", device="cpu")
+    spec = run.spec
+    x0 = spec.prepare_latents(spec.load_vae(CPU), read_clip(clip.video, frames, height, width)[None])["latents_mean"]
+    run.pipeline.set_progress_bar_config(disable=True)
+
+    def relative_error(pipeline) -> float:
+        with torch.no_grad():
+            sampled = spec.generate_latents(pipeline, clip.caption, frames, height, width, 30,
+                                            torch.Generator().manual_seed(1))
+        return float((sampled - x0).norm() / x0.norm())
+
+    trained = relative_error(run.pipeline)
+    base = spec_of("wan2.2", two_expert_dir)
+    untrained = relative_error(base.pipeline(base.load_text_components(CPU), base.load_vae(CPU),
+                                             base.load_denoiser(CPU)))
+    print(f"wan2.2 two experts: relative error {trained:.3f} (untrained experts: {untrained:.3f})")
+    assert trained < 0.15 < untrained
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_only_the_running_expert_holds_the_device(two_expert_dir):
+    spec = spec_of("wan2.2", two_expert_dir)
+    cuda = torch.device("cuda")
+    denoiser = spec.load_denoiser(cuda).requires_grad_(False)  # as the LoRA trainer sets it up
+    denoiser.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q"]))
+    latents = torch.randn(1, 4, 3, 4, 4, device=cuda)
+    prompt = torch.randn(1, 512, 32, device=cuda)
+
+    def devices(expert: torch.nn.Module, trainable: bool) -> set[str]:
+        return {p.device.type for p in expert.parameters() if p.requires_grad == trainable}
+
+    for timestep, running, idle in ((900.0, denoiser.transformer, denoiser.transformer_2),
+                                    (100.0, denoiser.transformer_2, denoiser.transformer)):
+        with torch.no_grad():
+            denoiser(hidden_states=latents, timestep=torch.tensor([timestep], device=cuda),
+                     encoder_hidden_states=prompt)
+        assert devices(running, False) == {"cuda"} and devices(idle, False) == {"cpu"}
+    assert devices(denoiser.transformer, True) == devices(denoiser.transformer_2, True) == {"cuda"}  # adapters stay

@@ -1,0 +1,143 @@
+"""Two denoisers split by noise level (Wan 2.2 A14B's mixture of experts), trained as one module.
+
+The high-noise expert (`transformer`) serves timesteps >= the boundary, the low-noise expert (`transformer_2`) the
+rest, as the family's pipeline switches between them. `TwoExperts` routes each sample of a batch to its expert by
+its timestep, so the trainer sees one denoiser: its state dict keys start with `transformer.` / `transformer_2.`,
+which keeps checkpoints, exact resume and the moving average covering both without knowing there are two.
+
+Which experts train (`model.experts`) decides which get an adapter; the other stays as loaded. Memory: both experts
+are loaded onto the device (so adapters, optimizer state and the weights' average are made there); from the first
+forward on, only the expert that runs holds the device: the other's frozen weights wait in CPU memory and are
+moved back when a forward (the trainer's or the pipeline's) calls it. Trainable weights never move, so the
+optimizer's state stays put (a full fine-tune, where every weight trains, keeps both experts on the device).
+A micro-batch whose samples fall on both sides of the boundary runs both experts in one forward, so both stay on
+the device until its backward is done; one clip per micro-batch (the usual for 14B experts) never
+needs that. On a CPU both simply stay where they are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+EXPERT_NAMES = ("transformer", "transformer_2")  # high-noise, low-noise: the pipeline's component names
+
+
+def _move_frozen(module: nn.Module, device: torch.device) -> None:
+    """Move `module`'s frozen parameters and its buffers to `device` in place; trainable parameters stay.
+    Copies onto the accelerator are queued (the stream keeps their order); copies back to the CPU wait."""
+    non_blocking = device.type != "cpu"
+    with torch.no_grad():
+        for parameter in module.parameters():
+            if not parameter.requires_grad and parameter.device != device:
+                parameter.data = parameter.data.to(device, non_blocking=non_blocking)
+        for child in module.modules():
+            for name, buffer in child.named_buffers(recurse=False):
+                if buffer.device != device:
+                    child._buffers[name] = buffer.to(device, non_blocking=non_blocking)
+
+
+class TwoExperts(nn.Module):
+    """`transformer` (high noise) and `transformer_2` (low noise) behind one forward that routes by timestep.
+
+    `boundary_timestep`: the pipeline's `boundary_ratio * num_train_timesteps`. `trained`: the experts that get
+    adapters (`add_adapter`). `device`: where the running expert lives; with `offload`, the idle one's frozen
+    weights live in CPU memory."""
+
+    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary_timestep: float,
+                 trained: tuple[str, ...] = EXPERT_NAMES, device: torch.device | None = None,
+                 offload: bool = False) -> None:
+        super().__init__()
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+        self.boundary_timestep = float(boundary_timestep)
+        self.trained = tuple(trained)
+        self.device_of_work = device or next(transformer.parameters()).device
+        self.offload = offload and self.device_of_work.type != "cpu"
+        self._keep_both = False
+        for expert in self.experts():
+            # The pipeline calls the experts directly: each call brings its expert onto the device first.
+            expert.register_forward_pre_hook(self._before_expert)
+
+    def experts(self) -> list[nn.Module]:
+        return [self.transformer, self.transformer_2]
+
+    def expert(self, name: str) -> nn.Module:
+        return getattr(self, name)
+
+    # ----- what the trainer and the pipeline ask of a diffusers denoiser -------------------------------------------
+    @property
+    def config(self) -> Any:
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def peft_config(self) -> dict[str, Any]:
+        """The adapter settings (the same for every trained expert), as peft's state-dict helpers read them."""
+        return self.expert(self.trained[0]).peft_config
+
+    def add_adapter(self, adapter_config: Any, adapter_name: str = "default") -> None:
+        """Each trained expert gets an adapter of its own (same settings, own weights)."""
+        for name in self.trained:
+            self.expert(name).add_adapter(adapter_config, adapter_name=adapter_name)
+
+    def disable_adapters(self) -> None:
+        for name in self.trained:
+            self.expert(name).disable_adapters()
+
+    def enable_adapters(self) -> None:
+        for name in self.trained:
+            self.expert(name).enable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        for expert in self.experts():
+            expert.enable_gradient_checkpointing()
+
+    # ----- routing -----------------------------------------------------------------------------------------------
+    def is_high_noise(self, timestep: torch.Tensor) -> torch.Tensor:
+        """Per sample: whether the high-noise expert serves it. Timesteps per token (Wan 2.2 TI2V) route by their
+        largest value, the one the pipeline's loop compares (a kept-clean first frame is at 0)."""
+        per_sample = timestep.flatten(1).amax(dim=1) if timestep.ndim > 1 else timestep
+        return per_sample >= self.boundary_timestep
+
+    def activate(self, active: nn.Module) -> None:
+        """With offloading: `active`'s frozen weights onto the device, the other expert's into CPU memory."""
+        if not self.offload:
+            return
+        for expert in self.experts():
+            if expert is active or self._keep_both:
+                _move_frozen(expert, self.device_of_work)
+            else:
+                _move_frozen(expert, torch.device("cpu"))
+
+    def _before_expert(self, module: nn.Module, _args: Any) -> None:
+        self.activate(module)
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, return_dict: bool = False,
+                **kwargs: Any) -> tuple[torch.Tensor]:
+        high = self.is_high_noise(timestep.to(hidden_states.device))
+        if bool(high.all()) or not bool(high.any()):
+            expert = self.transformer if bool(high.all()) else self.transformer_2
+            return (expert(hidden_states=hidden_states, timestep=timestep, return_dict=False, **kwargs)[0],)
+        batch = hidden_states.shape[0]
+        output: torch.Tensor | None = None
+        self._keep_both = True  # both run before the backward: neither may leave the device now
+        try:
+            for expert, rows in ((self.transformer, high), (self.transformer_2, ~high)):
+                index = rows.nonzero().flatten()
+                part = {key: value.index_select(0, index.to(value.device))
+                        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == batch else value
+                        for key, value in kwargs.items()}
+                prediction = expert(hidden_states=hidden_states[index], timestep=timestep[index.to(timestep.device)],
+                                    return_dict=False, **part)[0]
+                if output is None:
+                    output = prediction.new_zeros((batch, *prediction.shape[1:]))
+                output = output.index_copy(0, index.to(output.device), prediction)
+        finally:
+            self._keep_both = False
+        return (output,)

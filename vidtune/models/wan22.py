@@ -1,0 +1,398 @@
+"""Wan 2.2 (Alibaba): the TI2V-5B model and the A14B two-expert models, through diffusers' Wan pipelines.
+
+`wan2.2` samples with WanPipeline, `wan2.2-i2v` with WanImageToVideoPipeline. What a model folder is, is read from
+its `model_index.json`, as the pipelines read it:
+    TI2V-5B (`expand_timesteps: true`): one transformer, the Wan 2.2 VAE (48 latent channels, 16x spatial
+        compression through a 2x2 pixel patch), and one timestep per latent token. Text-to-video gives every token
+        the sample's timestep; image-to-video replaces the first latent frame by the clean latent of the image and
+        gives its tokens timestep 0, so that frame is a condition, not a prediction (its error is left out of the
+        loss, as the pipeline discards its prediction).
+    A14B (`boundary_ratio` and a `transformer_2`): two experts of Wan 2.1's shape; `transformer` serves timesteps
+        >= boundary_ratio * 1000 (high noise), `transformer_2` the rest. `model.experts` says which train:
+        `both` (default; each sample's timestep picks its expert, each expert gets its own adapter), `high_noise`
+        or `low_noise` (one expert; training then samples only noise levels on its side of the boundary). The
+        denoiser is a `TwoExperts` module either way (see vidtune/models/experts.py), so validation samples with
+        both. The adapters are saved as the pipeline loads them: the high-noise one as
+        `pytorch_lora_weights.safetensors` (into `transformer`), the low-noise one as
+        `pytorch_lora_weights_transformer_2.safetensors` (`load_lora_weights(..., load_into_transformer_2=True)`).
+        I2V-A14B conditions like Wan 2.1 image-to-video (mask channels + first-frame latents concatenated to the
+        input) but without CLIP image tokens.
+Text, latent normalisation and the objective are Wan 2.1's (see vidtune/models/wan.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers import WanImageToVideoPipeline, WanPipeline
+from torch import nn
+
+from vidtune.config import Config, TrainingConfig
+from vidtune.errors import ConfigError, ModelError
+from vidtune.files import INCOMPLETE, follow_umask
+from vidtune.models.experts import EXPERT_NAMES, TwoExperts
+from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
+from vidtune.models.wan import WanImageToVideoSpec, WanSpec, frames_to_pil
+from vidtune.objectives import Objective
+from vidtune.outputs import LORA_WEIGHTS
+
+NUM_TRAIN_TIMESTEPS = 1000  # Wan's schedulers; the pipelines' boundary is boundary_ratio times this
+# What `model.experts` names, and the expert each one trains.
+EXPERTS = {"both": EXPERT_NAMES, "high_noise": ("transformer",), "low_noise": ("transformer_2",)}
+# Only these algorithms know how to train and save two experts (a LoRA per expert, or both experts in full).
+TWO_EXPERT_ALGORITHMS = ("lora", "full")
+
+
+def second_expert_file(weight_name: str) -> str:
+    """The low-noise expert's adapter file beside `weight_name`: `pytorch_lora_weights.safetensors` ->
+    `pytorch_lora_weights_transformer_2.safetensors` (the name diffusers' Wan 2.2 examples load)."""
+    stem, suffix = os.path.splitext(weight_name)
+    return f"{stem}_transformer_2{suffix}"
+
+
+@dataclass
+class NoiseRange:
+    """An objective whose noise levels are drawn only where their timesteps lie in [low, high): one expert's side
+    of the boundary. The draw is the objective's own, rejected outside the range, so the distribution within the
+    range is unchanged and the visit's generator alone decides it (resume stays exact)."""
+
+    objective: Objective
+    low: float
+    high: float
+
+    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        kept: list[torch.Tensor] = []
+        for _ in range(10_000):
+            levels = self.objective.sample_noise_levels(batch_size, generator)
+            timesteps = self.objective.timesteps(levels)
+            kept.extend(levels[(timesteps >= self.low) & (timesteps < self.high)])
+            if len(kept) >= batch_size:
+                return torch.stack(kept[:batch_size])
+        raise ConfigError(f"model.experts: the noise levels of training.sigma_sampling almost never fall between "
+                          f"timesteps {self.low:g} and {self.high:g} (this expert's side of the boundary).\n"
+                          "What to do: use training.sigma_sampling=uniform, or train both experts.")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.objective, name)
+
+
+class Wan22Spec(WanSpec):
+    name = "wan2.2"
+    pipeline_class = WanPipeline
+    # Published sampling settings (Wan2.2's configs): TI2V-5B guidance 5, T2V-A14B 4 (high noise) / 3 (low noise).
+    published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 4.0}
+
+    # ----- what the model folder is ---------------------------------------------------------------------------
+    @functools.cached_property
+    def pipeline_config(self) -> dict[str, Any]:
+        """The model folder's model_index.json (the pipeline's `boundary_ratio`, `expand_timesteps`, components)."""
+        source = self.config.pretrained
+        try:
+            return dict(self.pipeline_class.load_config(source, revision=self.config.revision))
+        except (OSError, ValueError) as error:
+            raise self._load_problem("model_index.json", source, None, error) from None
+
+    @property
+    def expand_timesteps(self) -> bool:
+        """TI2V-5B: one timestep per latent token."""
+        return bool(self.pipeline_config.get("expand_timesteps", False))
+
+    @property
+    def boundary_ratio(self) -> float | None:
+        return self.pipeline_config.get("boundary_ratio")
+
+    @property
+    def two_experts(self) -> bool:
+        """A14B: a boundary and a second transformer (model_index.json lists `transformer_2` with a class)."""
+        entry = self.pipeline_config.get("transformer_2")
+        return self.boundary_ratio is not None and isinstance(entry, (list, tuple)) and entry[-1] is not None
+
+    @property
+    def boundary_timestep(self) -> float:
+        return float(self.boundary_ratio) * NUM_TRAIN_TIMESTEPS
+
+    @property
+    def trained_experts(self) -> tuple[str, ...]:
+        return EXPERTS[self.config.experts or "both"]
+
+    @property
+    def validation_guidance_scale(self) -> float:  # type: ignore[override]
+        return self.published_guidance["two_experts" if self.two_experts else "ti2v"]
+
+    def required_components(self) -> tuple[str, ...]:
+        return (*super().required_components(), *(("transformer_2",) if self.two_experts else ()))
+
+    def check_source(self) -> None:
+        super().check_source()
+        if self.config.experts is not None and not self.two_experts:
+            raise ConfigError(
+                f"model.experts={self.config.experts}: {self.config.pretrained} has one transformer (its "
+                "model_index.json names no transformer_2 and no boundary_ratio), so there are no experts to "
+                "choose.\nWhat to do: remove model.experts (it is for the two-expert A14B models)."
+            )
+
+    def check_training(self, config: Config) -> None:
+        if not self.two_experts:
+            return
+        algorithm = config.training.algorithm
+        if algorithm not in TWO_EXPERT_ALGORITHMS:
+            raise ConfigError(
+                f"training.algorithm={algorithm}: {self.name} two-expert models ({self.config.pretrained}) are "
+                f"trained with {' or '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
+                "What to do: set training.algorithm=lora (model.experts picks the experts) or full (both experts)."
+            )
+        from vidtune import parallel
+
+        if parallel.world_size() > 1:
+            # DDP expects every trainable weight in every step's backward; a step's samples may all be one expert's.
+            raise ConfigError(
+                f"{self.name} two-expert models ({self.config.pretrained}) train in one process here, not under "
+                "torchrun.\nWhat to do: run `vidtune train` without torchrun (one GPU), or train one expert's LoRA "
+                "per run on one GPU each."
+            )
+        if algorithm == "full" and len(self.trained_experts) == 1:
+            raise ConfigError(
+                f"model.experts={self.config.experts} with training.algorithm=full: a full fine-tune of "
+                f"{self.name} trains and saves both experts.\n"
+                "What to do: remove model.experts (both), or train one expert's LoRA (training.algorithm=lora)."
+            )
+        if algorithm == "lora" and config.lora.init_from:
+            raise ConfigError(
+                f"lora.init_from: starting from an adapter file is not supported for {self.name} two-expert models "
+                f"({self.config.pretrained}): each expert has its own adapter.\n"
+                "What to do: remove lora.init_from, or resume a two-expert run with checkpoint.resume."
+            )
+
+    def component_dtype(self, component: str, device: torch.device) -> torch.dtype:
+        # The second expert is a transformer too: model.transformer_dtype applies to it.
+        return super().component_dtype("transformer" if component == "transformer_2" else component, device)
+
+    # ----- denoiser and objective -----------------------------------------------------------------------------
+    def load_denoiser(self, device: torch.device) -> nn.Module:
+        """TI2V-5B: its transformer. A14B: both experts as one `TwoExperts` module (the untrained one too, for
+        validation); on a GPU the idle expert's frozen weights are kept in CPU memory once training runs."""
+        if not self.two_experts:
+            return super().load_denoiser(device)
+        dtype = self.component_dtype("transformer", device)
+        experts = [self.load_component(self.denoiser_class, name, torch_dtype=dtype) for name in EXPERT_NAMES]
+        pair = TwoExperts(*experts, boundary_timestep=self.boundary_timestep, trained=self.trained_experts,
+                          device=device, offload=device.type != "cpu")
+        untrained = [expert for name, expert in zip(EXPERT_NAMES, experts, strict=True)
+                     if name not in self.trained_experts]
+        for expert in untrained:
+            expert.requires_grad_(False)
+        # Both start on the device, so that adapters, optimizer state and the weights' average are made there;
+        # with offloading, the first forward moves the idle expert's frozen weights out.
+        return pair.to(device)
+
+    def objective(self, training: TrainingConfig) -> Objective:
+        """One expert of two: only noise levels on its side of the boundary (the pipeline never asks it others)."""
+        objective = super().objective(training)
+        if not self.two_experts or len(self.trained_experts) == 2:
+            return objective
+        if self.trained_experts == ("transformer",):
+            return NoiseRange(objective, self.boundary_timestep, float("inf"))
+        return NoiseRange(objective, float("-inf"), self.boundary_timestep)
+
+    # ----- tensors ---------------------------------------------------------------------------------------------
+    def token_timesteps(self, denoiser: nn.Module, timesteps: torch.Tensor, latents: torch.Tensor,
+                        clean_first_frame: bool) -> torch.Tensor:
+        """TI2V-5B's timestep per latent token ([B, tokens]), as the pipelines build it: the sample's timestep
+        everywhere, 0 on a kept-clean first frame."""
+        _, patch_h, patch_w = denoiser.config.patch_size
+        batch, _, frames, height, width = latents.shape
+        mask = torch.ones(batch, frames, height // patch_h, width // patch_w, device=latents.device)
+        if clean_first_frame:
+            mask[:, 0] = 0
+        return (mask * timesteps.to(latents.device).view(batch, 1, 1, 1)).flatten(1)
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        if self.expand_timesteps:
+            timesteps = self.token_timesteps(denoiser, timesteps, noisy_latents, clean_first_frame=False)
+        return super().forward(denoiser, conditions, noisy_latents, timesteps)
+
+    # ----- pipeline and outputs --------------------------------------------------------------------------------
+    def pipeline_experts(self, denoiser: nn.Module) -> dict[str, Any]:
+        """The pipeline's transformer arguments: one transformer, or both experts with the boundary."""
+        if isinstance(denoiser, TwoExperts):
+            return {"transformer": denoiser.transformer, "transformer_2": denoiser.transformer_2,
+                    "boundary_ratio": self.boundary_ratio}
+        return {"transformer": denoiser, "expand_timesteps": self.expand_timesteps}
+
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
+        return WanPipeline(tokenizer=text["tokenizer"], text_encoder=text["text_encoder"], vae=vae,
+                           scheduler=self.load_scheduler(), **self.pipeline_experts(denoiser))
+
+    def denoiser_folders(self, denoiser: nn.Module) -> dict[str, nn.Module]:
+        """A full fine-tune of both experts: `transformer/` and `transformer_2/`, as the pipeline's components."""
+        if isinstance(denoiser, TwoExperts):
+            return {name: denoiser.expert(name) for name in EXPERT_NAMES}
+        return super().denoiser_folders(denoiser)
+
+    def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None,
+                  weight_name: str = LORA_WEIGHTS) -> Path:
+        """One expert's adapter keys carry no prefix (TI2V-5B) and go to `weight_name`; a `TwoExperts` adapter's
+        `transformer.` keys go there too and its `transformer_2.` keys to `second_expert_file(weight_name)`, each
+        in the format `load_lora_weights` reads. Returns the high-noise file, or the low-noise one alone."""
+        if not any(key.startswith(f"{name}.") for key in state_dict for name in EXPERT_NAMES):
+            return super().save_lora(folder, state_dict, metadata, weight_name)
+        written = []
+        for name, file_name in (("transformer", weight_name), ("transformer_2", second_expert_file(weight_name))):
+            part = {key.removeprefix(f"{name}."): value for key, value in state_dict.items()
+                    if key.startswith(f"{name}.")}
+            if part:
+                written.append(self.write_lora_file(Path(folder), part, metadata, file_name,
+                                                    into_second=name == "transformer_2"))
+        return written[0]
+
+    def write_lora_file(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None,
+                        weight_name: str, into_second: bool) -> Path:
+        """The adapter of one expert with the pipeline's `save_lora_weights` (keys `transformer.`: diffusers loads
+        the second expert's file into `transformer_2` when told `load_into_transformer_2=True`)."""
+        del into_second  # both files have the same format; the loader's argument picks the expert
+        target = folder / weight_name
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=INCOMPLETE) as scratch:
+            self.pipeline_class.save_lora_weights(scratch, transformer_lora_layers=state_dict,
+                                                  transformer_lora_adapter_metadata=metadata,
+                                                  weight_name=weight_name)
+            written = Path(scratch) / weight_name
+            follow_umask(written)
+            os.replace(written, target)
+        return target
+
+    def load_lora(self, pipeline: Any, folder: Path, weight_name: str = LORA_WEIGHTS) -> None:
+        """Both experts' adapters of a run folder into the pipeline: `weight_name` into `transformer`, its
+        `_transformer_2` file into `transformer_2`, each when present."""
+        base = weight_name.replace("_transformer_2", "")
+        high, low = Path(folder) / base, Path(folder) / second_expert_file(base)
+        if not high.is_file() and not low.is_file():
+            raise ModelError(f"{folder} holds neither {high.name} nor {low.name}.\nWhat to do: give the folder of a "
+                             "finished run.")
+        if high.is_file():
+            pipeline.load_lora_weights(str(folder), weight_name=high.name)
+        if low.is_file():
+            if getattr(pipeline, "transformer_2", None) is None:
+                raise ModelError(f"{low} is a low-noise expert's adapter, but {self.config.pretrained} has no second "
+                                 "expert.\nWhat to do: load it with the two-expert model it was trained on.")
+            pipeline.load_lora_weights(str(folder), weight_name=low.name, load_into_transformer_2=True)
+
+
+class Wan22ImageToVideoSpec(Wan22Spec):
+    """Wan 2.2 image-to-video: TI2V-5B from an image, or I2V-A14B. The image is the first frame of the `reference`
+    clip (validation gives the first dataset clip)."""
+
+    name = "wan2.2-i2v"
+    image_to_video = True
+    pipeline_class = WanImageToVideoPipeline
+    published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 3.5}
+
+    def latent_identity(self) -> dict[str, Any]:
+        # TI2V keeps the image's own latent; A14B builds Wan 2.1's mask + first-frame condition.
+        return {**super().latent_identity(), "first_frame": "latent" if self.expand_timesteps else "mask+latents"}
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        latents = super().prepare_latents(vae, videos)
+        first_frames = videos[:, 0]
+        if self.expand_timesteps:
+            # The image alone through the VAE (argmax), normalised: what the pipeline puts in the first frame.
+            pixels = first_frames.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
+            latents["first_frame_latents"] = self.normalise(vae, vae.encode(pixels).latent_dist.mode())
+        else:
+            encoders = _VaeOnly(vae)
+            latents["image_condition"] = WanImageToVideoSpec.image_condition(self, encoders, first_frames,
+                                                                             videos.shape[1])
+        return latents
+
+    def with_first_frame(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
+        """TI2V: the noisy latents with the first frame replaced by the image's clean latent (the pipeline's
+        `(1 - mask) * condition + mask * latents`)."""
+        first = conditions["first_frame_latents"].to(noisy_latents.dtype)
+        return torch.cat([first, noisy_latents[:, :, 1:]], dim=2)
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = noisy_latents.dtype
+        if self.expand_timesteps:
+            hidden_states = self.with_first_frame(conditions, noisy_latents)
+            timesteps = self.token_timesteps(denoiser, timesteps, noisy_latents, clean_first_frame=True)
+        else:
+            hidden_states = torch.cat([noisy_latents, conditions["image_condition"].to(dtype)], dim=1)
+        return denoiser(
+            hidden_states=hidden_states,
+            timestep=timesteps.to(noisy_latents.device),
+            encoder_hidden_states=conditions["prompt_embeds"].to(dtype),
+            return_dict=False,
+        )[0]
+
+    def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """TI2V: the first frame is the image, not a prediction (the pipeline discards it): left out of the loss."""
+        if self.expand_timesteps:
+            error = error[:, :, 1:]
+        return error.flatten(1).mean(dim=1)
+
+    def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
+        return WanImageToVideoPipeline(tokenizer=text["tokenizer"], text_encoder=text["text_encoder"], vae=vae,
+                                       scheduler=self.load_scheduler(), image_processor=None, image_encoder=None,
+                                       **self.pipeline_experts(denoiser))
+
+    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
+        # As Wan 2.1 image-to-video: embeddings, so that ftfy stays optional.
+        return WanImageToVideoSpec.prompt_inputs(self, pipeline, prompt, guidance_scale)
+
+    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+        """TI2V: the pipeline puts the image's latent into the first frame only after its loop, so a step callback
+        is shown the latents with that frame already in place (what the pipeline returns after the last step);
+        the pipeline's own latents are left as they are."""
+        if callback is None or not self.expand_timesteps:
+            return super().run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
+                                        guidance_scale, generator, output_type, reference, callback)
+        first = self.pipeline_first_frame(pipeline, reference, frames, height, width)
+
+        def with_image(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            latents = tensors["latents"]
+            shown = torch.cat([first.to(latents), latents[:, :, 1:]], dim=2)
+            result = dict(callback(pipe, step, timestep, {**tensors, "latents": shown}))
+            if result.get("latents") is shown:
+                result["latents"] = latents
+            return result
+
+        return super().run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                    generator, output_type, reference, with_image)
+
+    @torch.no_grad()
+    def pipeline_first_frame(self, pipeline: Any, reference: torch.Tensor | None, frames: int, height: int,
+                             width: int) -> torch.Tensor:
+        """The first-frame latent the pipeline computes from the reference image (its own `prepare_latents`)."""
+        image = self.pipeline_inputs(reference)["image"]
+        pixels = pipeline.video_processor.preprocess(image, height=height, width=width)
+        device = next(pipeline.vae.parameters()).device
+        _, condition, _ = pipeline.prepare_latents(
+            pixels.to(device, torch.float32), 1, pipeline.vae.config.z_dim, height, width, frames, torch.float32,
+            device, torch.Generator(device=device).manual_seed(0))
+        return condition
+
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
+        if reference is None:
+            raise ModelError(f"{self.name} samples from an image: pass the clip whose first frame to start from as "
+                             "`reference` (validation uses the first dataset clip).")
+        return {"image": frames_to_pil(reference[:1])[0]}
+
+
+class _VaeOnly:
+    """Wan 2.1 image-to-video's condition builder reads `encoders.vae`: I2V-A14B has the VAE and no image encoder."""
+
+    def __init__(self, vae: nn.Module) -> None:
+        self.vae = vae

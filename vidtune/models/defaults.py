@@ -77,8 +77,11 @@ def defaults_table() -> str:
         d = spec.defaults
         noise = (f"{d.sigma_sampling.replace('_', '-')}, shift {d.sigma_shift:g}" if not d.ddpm
                  else "uniform timesteps (DDPM)")
-        lines.append(f"| `{name}` | {d.frames} x {d.height} x {d.width} | {d.fps:g} | {noise} | "
-                     f"{spec.validation_guidance_scale:g} | {d.source} |")
+        # A family whose guidance depends on the checkpoint (Wan 2.2: TI2V-5B or A14B) says so in its source.
+        guidance = spec.validation_guidance_scale
+        guidance = f"{guidance:g}" if isinstance(guidance, float | int) else "by checkpoint"
+        lines.append(f"| `{name}` | {d.frames} x {d.height} x {d.width} | {d.fps:g} | {noise} | {guidance} | "
+                     f"{d.source} |")
     return "\n".join(lines) + "\n"
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import INCOMPLETE, follow_umask
+from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.experts import EXPERT_NAMES, TwoExperts
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
 from vidtune.models.wan import WanImageToVideoSpec, WanSpec, frames_to_pil
@@ -87,6 +88,9 @@ class Wan22Spec(WanSpec):
     pipeline_class = WanPipeline
     # Published sampling settings (Wan2.2's configs): TI2V-5B guidance 5, T2V-A14B 4 (high noise) / 3 (low noise).
     published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 4.0}
+    defaults = FamilyDefaults(frames=121, height=704, width=1280, fps=24.0, sigma_shift=5.0, source=(
+        "TI2V-5B's published recipe (121 frames of 704x1280 at 24 fps, shift 5, guidance 5); the A14B models "
+        "publish 81 frames of 720p at 16 fps, shift 12 (T2V) / 5 (I2V), guidance 4 (docs/wan22.md): set them"))
 
     # ----- what the model folder is ---------------------------------------------------------------------------
     @functools.cached_property
@@ -174,11 +178,13 @@ class Wan22Spec(WanSpec):
         return super().component_dtype("transformer" if component == "transformer_2" else component, device)
 
     # ----- denoiser and objective -----------------------------------------------------------------------------
-    def load_denoiser(self, device: torch.device) -> nn.Module:
+    def load_denoiser(self, device: torch.device, load_on: torch.device | None = None) -> nn.Module:
         """TI2V-5B: its transformer. A14B: both experts as one `TwoExperts` module (the untrained one too, for
-        validation); on a GPU the idle expert's frozen weights are kept in CPU memory once training runs."""
+        validation); on a GPU the idle expert's frozen weights are kept in CPU memory once training runs.
+        `load_on`: where the weights are placed first (quantized base weights: host memory; see
+        vidtune/offload.py)."""
         if not self.two_experts:
-            return super().load_denoiser(device)
+            return super().load_denoiser(device, load_on)
         dtype = self.component_dtype("transformer", device)
         experts = [self.load_component(self.denoiser_class, name, torch_dtype=dtype) for name in EXPERT_NAMES]
         pair = TwoExperts(*experts, boundary_timestep=self.boundary_timestep, trained=self.trained_experts,
@@ -189,7 +195,7 @@ class Wan22Spec(WanSpec):
             expert.requires_grad_(False)
         # Both start on the device, so that adapters, optimizer state and the weights' average are made there;
         # with offloading, the first forward moves the idle expert's frozen weights out.
-        return pair.to(device)
+        return pair.to(load_on or device)
 
     def objective(self, training: TrainingConfig) -> Objective:
         """One expert of two: only noise levels on its side of the boundary (the pipeline never asks it others)."""

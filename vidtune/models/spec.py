@@ -485,6 +485,13 @@ class ModelSpec(ABC):
         unless the family gives some latents clean as conditions (they stay out of the loss)."""
         return squared_error.flatten(1).mean(dim=1)
 
+    def training_error(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                       timesteps: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Each clip's error [B] for the loss: `forward`, then `per_clip_error` against the video target. A family
+        whose denoiser also predicts other streams (LTX-2's audio) adds their errors here, so trainers stay unaware."""
+        prediction = self.forward(denoiser, conditions, noisy_latents, timesteps)
+        return self.per_clip_error((prediction.float() - target).pow(2), conditions)
+
     def reference_frame_count(self, frames: int) -> int:
         """Frames of the reference clip an image-to-video family samples from (the first, unless keyframes)."""
         return 1

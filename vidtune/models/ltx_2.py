@@ -39,6 +39,7 @@ from torch import nn
 from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 
 from vidtune.errors import ModelError
+from vidtune.export.comfyui import Rule
 from vidtune.models.ltx_video import vae_downsampling_steps
 from vidtune.models.spec import (
     Conditions,
@@ -60,6 +61,9 @@ AUDIO_LATENTS = "audio_latents"
 # LTX2Pipeline's arguments that turn off its other guidances (spatio-temporal, modality, rescale, the audio's).
 UNGUIDED = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_scale": 1.0,
             "audio_stg_scale": 0.0, "audio_modality_scale": 1.0, "audio_guidance_rescale": 0.0}
+# diffusers' names of the audio-video cross-attention modulations -> the original checkpoint's (`av_ca_*_adaln_single`).
+ORIGINAL_MODULATIONS = {"video_scale_shift": "video_scale_shift", "video_a2v_gate": "a2v_gate",
+                        "audio_scale_shift": "audio_scale_shift", "audio_v2a_gate": "v2a_gate"}
 # The log-mel floor of LTX-2's audio processing (log(clamp(mel, 1e-5))): silence is this value in every bin.
 SILENT_LOG_MEL = math.log(1e-5)
 
@@ -284,6 +288,26 @@ class LTX2Spec(ModelSpec):
         """Packed like the video latents, channels on the last dimension (as LTX-Video)."""
         config = denoiser.config
         return LTX2Pipeline._pack_latents(control, config.patch_size, config.patch_size_t), -1
+
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """The original LTX-2 checkpoint's names (Lightricks' ltx-core, which ComfyUI loads), as diffusers' LTX-2
+        converter for non-diffusers LoRAs reads them back: the blocks' attentions and feed-forwards and the caption
+        projections keep their names; the patch projections and the timestep / cross-attention modulation
+        embeddings are named otherwise."""
+        attention = r"(?:attn[12]|audio_attn[12]|audio_to_video_attn|video_to_audio_attn)\.(?:to_[qkv]|to_out\.0)"
+        block = rf"transformer_blocks\.\d+\.(?:{attention}|(?:audio_)?ff\.net\.(?:0\.proj|2))"
+        embedding = r"(emb\.timestep_embedder\.linear_[12]|linear)"
+        return [
+            Rule(f"({block})", r"\1"),
+            Rule(r"((?:audio_)?caption_projection\.linear_[12])", r"\1"),
+            Rule(r"((?:audio_)?proj_out)", r"\1"),
+            Rule(r"proj_in", "patchify_proj"),
+            Rule(r"audio_proj_in", "audio_patchify_proj"),
+            Rule(rf"time_embed\.{embedding}", r"adaln_single.\1"),
+            Rule(rf"audio_time_embed\.{embedding}", r"audio_adaln_single.\1"),
+            *[Rule(rf"av_cross_attn_{ours}\.{embedding}", rf"av_ca_{original}_adaln_single.\1")
+              for ours, original in ORIGINAL_MODULATIONS.items()],
+        ]
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: LTX2Autoencoders, denoiser: nn.Module) -> LTX2Pipeline:

@@ -125,6 +125,7 @@ def side_problems(height: int, width: int, height_multiple: int, width_multiple:
 PUBLISHED_SHAPE_RULES = {
     "ltx-video": "frames 8k+1, sides multiples of 32",
     "ltx-video-i2v": "frames 8k+1, sides multiples of 32",
+    "ltx-2": "frames 8k+1, sides multiples of 32",
     "cogvideox": "frames 4k+1, sides multiples of 16",
     "cogvideox-i2v": "frames 4k+1, 480x720",
     "hunyuan-video": "frames 4k+1, sides multiples of 16",

@@ -97,3 +97,40 @@ def test_the_loss_is_the_video_error_plus_the_weighted_audio_error(parts, folder
     torch.testing.assert_close(audio_target, noise - conditions[AUDIO_LATENTS])
     torch.testing.assert_close(spec.audio_noise(timesteps[1:], conditions[AUDIO_LATENTS][1:]), noise[1:])
     assert not torch.equal(noise[0], noise[1])
+
+
+@pytest.mark.slow
+def test_a_trained_model_samples_the_silent_track_it_learnt_beside_the_video(folder, shapes_dataset, tmp_path):
+    """The audio stream is taught too: after a short full fine-tune on one clip, LTX2Pipeline samples audio latents
+    near the clip's silent track, and the video near the clip (the family's overfit test holds the 0.15 bound)."""
+    from tests.models.test_overfit import one_clip_dataset, overfit_config
+    from vidtune.data.sources import load_text_pair_dataset
+    from vidtune.data.video import read_clip
+    from vidtune.trainers import build_trainer
+
+    clip = load_text_pair_dataset(shapes_dataset)[0]
+    config = overfit_config("ltx-2", folder, one_clip_dataset(clip.video, clip.caption, tmp_path / "data"),
+                            tmp_path / "run")
+    config.training.steps, config.optimizer.warmup_steps = 300, 30
+    weights = build_trainer(config).run().weights_path
+
+    def errors(transformer) -> tuple[float, float]:
+        subfolders = {"transformer": str(transformer)} if transformer else {}
+        spec = LTX2Spec(ModelConfig(name="ltx-2", pretrained=str(folder), subfolders=subfolders), frame_rate=24.0)
+        text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
+        latents = spec.prepare_latents(vae, read_clip(clip.video, FRAMES, HEIGHT, WIDTH)[None])
+        pipeline = spec.pipeline(text, vae, denoiser.eval())
+        pipeline.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            video, audio = spec.generate_joint_latents(pipeline, clip.caption, FRAMES, HEIGHT, WIDTH, 30,
+                                                       torch.Generator().manual_seed(1))
+        x0, silence = latents["latents_mean"], latents[AUDIO_LATENTS]
+        # Root mean square errors, in the normalised latents' units (the pipeline starts both from unit noise).
+        return float((video - x0).pow(2).mean().sqrt()), float((audio - silence).pow(2).mean().sqrt())
+
+    video_error, audio_error = errors(weights)
+    untrained_video, untrained_audio = errors(None)
+    print(f"ltx-2, 300 steps: RMS error of the video latents {video_error:.3f} (untrained {untrained_video:.3f}), "
+          f"of the audio latents {audio_error:.3f} (untrained {untrained_audio:.3f})")
+    assert audio_error < untrained_audio / 2
+    assert video_error < untrained_video / 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -209,11 +210,10 @@ class LTX2Spec(ModelSpec):
     def silent_audio_latents(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
         """[1, L, C * mel]: the audio VAE's normalised latents of silence lasting `frames` frames (once per length:
         every clip of a shape shares them)."""
-        key = (id(audio_vae), frames)
-        cached = self._silence.get(key)
-        if cached is None:
-            cached = self._silence[key] = encode_log_mel(audio_vae, self.silent_log_mel(audio_vae, frames))
-        return cached
+        by_length = self._silence.setdefault(audio_vae, {})
+        if frames not in by_length:
+            by_length[frames] = encode_log_mel(audio_vae, self.silent_log_mel(audio_vae, frames))
+        return by_length[frames]
 
     def silent_log_mel(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
         """[1, channels, T, mel bins] of silence: T mel frames encode to the clip's L latent frames (the audio VAE
@@ -224,8 +224,9 @@ class LTX2Spec(ModelSpec):
                           device=audio_vae.device, dtype=audio_vae.dtype)
 
     @functools.cached_property
-    def _silence(self) -> dict[tuple[int, int], torch.Tensor]:
-        return {}
+    def _silence(self) -> weakref.WeakKeyDictionary[nn.Module, dict[int, torch.Tensor]]:
+        # Per audio VAE object (a reloaded VAE gets its own entries), per clip length.
+        return weakref.WeakKeyDictionary()
 
     def audio_noise(self, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Noise for each clip's audio latents, from a generator keyed by the clip's timestep: the trainer draws

@@ -58,8 +58,11 @@ def test_forward_gives_both_streams_what_the_pipeline_gives_them(parts):
     # The pipeline's first step is sigma 1 -> timestep 1000 for both streams, the scale training uses.
     assert float(from_pipeline["timestep"][0]) == pytest.approx(1000.0)
     torch.testing.assert_close(from_training["sigma"], from_pipeline["sigma"].float())
+    # The pipeline hands the rotary positions it builds; the transformer builds the same ones from the grids.
     torch.testing.assert_close(from_pipeline["video_coords"],
                                denoiser.rope.prepare_video_coords(1, 3, 8, 8, CPU, fps=24.0))
+    torch.testing.assert_close(from_pipeline["audio_coords"],
+                               denoiser.audio_rope.prepare_audio_coords(1, from_training["audio_num_frames"], CPU))
 
 
 def test_a_clip_trains_with_the_audio_latents_of_silence_of_its_duration(parts):

@@ -64,6 +64,12 @@ class ModelConfig(Section):
         "training and used again when sampling; default: the family's (HunyuanVideo: 1.0, the unguided "
         "data distribution). Ignored by families without a guidance embedding.",
     )
+    audio_loss_weight: float = Field(
+        1.0,
+        ge=0,
+        description="ltx-2: weight of the audio stream's flow-matching loss beside the video's (the loss is video + "
+        "weight x audio; 0 leaves the audio stream untaught, which drifts from what it samples).",
+    )
     condition_frames: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=lambda: [0],
         min_length=1,

@@ -109,6 +109,9 @@ def hunyuan_hidden_size(hidden: int) -> Iterator[None]:
 ROUND_TRIP_TARGETS = {
     "ltx-video": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
     "ltx-video-i2v": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
+    "ltx-2": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "audio_ff.net.2", "proj_in", "audio_proj_in",
+              "time_embed.linear", "av_cross_attn_video_a2v_gate.linear",
+              "av_cross_attn_audio_scale_shift.emb.timestep_embedder.linear_1"],
     "wan": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2", "proj_out",
             "condition_embedder.time_proj", "condition_embedder.text_embedder.linear_1"],
     "wan-i2v": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.0.proj",

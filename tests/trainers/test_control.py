@@ -48,6 +48,7 @@ SETTINGS = {
     ("hunyuan-video", "control-full"): (400, 5e-3, 32),
     ("wan-i2v", "control-full"): (400, 3e-3, 32),
     ("cogvideox-i2v", "control-full"): (400, 1e-2, 32),
+    ("ltx-2", "control-full"): (300, 1e-2, 32),
 }
 
 

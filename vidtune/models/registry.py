@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 SPECS: dict[str, str] = {
     "ltx-video": "vidtune.models.ltx_video:LTXVideoSpec",
     "ltx-video-i2v": "vidtune.models.ltx_video:LTXVideoImageToVideoSpec",
+    "ltx-2": "vidtune.models.ltx_2:LTX2Spec",
     "cogvideox": "vidtune.models.cogvideox:CogVideoXSpec",
     "cogvideox-i2v": "vidtune.models.cogvideox:CogVideoXI2VSpec",
     "mochi": "vidtune.models.mochi:MochiSpec",

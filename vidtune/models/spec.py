@@ -126,6 +126,7 @@ def side_problems(height: int, width: int, height_multiple: int, width_multiple:
 PUBLISHED_SHAPE_RULES = {
     "ltx-video": "frames 8k+1, sides multiples of 32",
     "ltx-video-i2v": "frames 8k+1, sides multiples of 32",
+    "ltx-2": "frames 8k+1, sides multiples of 32",
     "cogvideox": "frames 4k+1, sides multiples of 16",
     "cogvideox-i2v": "frames 4k+1, 480x720",
     "hunyuan-video": "frames 4k+1, sides multiples of 16",
@@ -528,6 +529,13 @@ class ModelSpec(ABC):
         """A control latent [B, C, F, H, W] in the layout of the denoiser's `hidden_states`, and the dimension
         its channels are on (the control is concatenated last there). By default the VAE's layout, channels 1."""
         return control, 1
+
+    def training_error(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                       timesteps: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Each clip's error [B] for the loss: `forward`, then `per_clip_error` against the video target. A family
+        whose denoiser also predicts other streams (LTX-2's audio) adds their errors here, so trainers stay unaware."""
+        prediction = self.forward(denoiser, conditions, noisy_latents, timesteps)
+        return self.per_clip_error((prediction.float() - target).pow(2), conditions)
 
     def reference_frame_count(self, frames: int) -> int:
         """Frames of the reference clip an image-to-video family samples from (the first, unless keyframes)."""

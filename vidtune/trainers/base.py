@@ -256,9 +256,8 @@ class Trainer(ABC):
         inputs = self.noisy_inputs(batch)
         denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
-            prediction = self.spec.forward(denoiser, inputs.conditions, inputs.noisy.to(self.denoiser.dtype),
-                                           inputs.timesteps)
-        per_clip = self.spec.per_clip_error((prediction.float() - inputs.target).pow(2), inputs.conditions)
+            per_clip = self.spec.training_error(denoiser, inputs.conditions, inputs.noisy.to(self.denoiser.dtype),
+                                                inputs.timesteps, inputs.target)
         return (per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)).sum()
 
     def noisy_inputs(self, batch: Batch) -> NoisyInputs:

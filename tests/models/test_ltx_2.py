@@ -1,0 +1,139 @@
+"""LTX-2 specifics that must match what LTX2Pipeline does: the text embeddings after the connectors, every input the
+transformer's two streams take, the silent audio track's latents, and the joint video + audio loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vidtune.config import ModelConfig
+from vidtune.models.ltx_2 import AUDIO_LATENTS, SILENT_LOG_MEL, LTX2Spec, encode_log_mel
+
+CPU = torch.device("cpu")
+FRAMES, HEIGHT, WIDTH = 9, 32, 32
+
+
+def _spec(folder, **model) -> LTX2Spec:
+    return LTX2Spec(ModelConfig(name="ltx-2", pretrained=str(folder), **model), frame_rate=24.0)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return tiny_model_dir("ltx-2")
+
+
+@pytest.fixture(scope="module")
+def parts(folder):
+    spec = _spec(folder)
+    return spec, spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
+
+
+def test_forward_gives_both_streams_what_the_pipeline_gives_them(parts):
+    spec, text, vae, denoiser = parts
+    seen: list[dict] = []
+    hook = denoiser.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    try:
+        pipeline = spec.pipeline(text, vae, denoiser)
+        pipeline.set_progress_bar_config(disable=True)
+        spec.generate_latents(pipeline, "a red circle", FRAMES, HEIGHT, WIDTH, 2, torch.Generator().manual_seed(0))
+        assert len(seen) == 2  # unguided: one plain forward a step
+        from_pipeline = seen[0]
+
+        conditions = spec.prepare_conditions(text, ["a red circle"])
+        videos = torch.zeros(1, FRAMES, 3, HEIGHT, WIDTH)
+        conditions[AUDIO_LATENTS] = spec.prepare_latents(vae, videos)[AUDIO_LATENTS]
+        with torch.no_grad():
+            spec.forward(denoiser, conditions, torch.randn(1, 8, 3, 8, 8), torch.tensor([1000.0]))
+        from_training = seen[-1]
+    finally:
+        hook.remove()
+
+    for key in ("encoder_hidden_states", "audio_encoder_hidden_states"):
+        torch.testing.assert_close(from_training[key], from_pipeline[key])
+    assert torch.equal(from_training["encoder_attention_mask"], from_pipeline["encoder_attention_mask"])
+    assert from_training["encoder_hidden_states"].shape[1] == spec.max_sequence_length == 32  # the tokenizer's
+    for key in ("num_frames", "height", "width", "fps", "audio_num_frames", "use_cross_timestep"):
+        assert from_training[key] == from_pipeline[key], key
+    assert from_training["audio_hidden_states"].shape == from_pipeline["audio_hidden_states"].shape
+    # The pipeline's first step is sigma 1 -> timestep 1000 for both streams, the scale training uses.
+    assert float(from_pipeline["timestep"][0]) == pytest.approx(1000.0)
+    torch.testing.assert_close(from_training["sigma"], from_pipeline["sigma"].float())
+    # The pipeline hands the rotary positions it builds; the transformer builds the same ones from the grids.
+    torch.testing.assert_close(from_pipeline["video_coords"],
+                               denoiser.rope.prepare_video_coords(1, 3, 8, 8, CPU, fps=24.0))
+    torch.testing.assert_close(from_pipeline["audio_coords"],
+                               denoiser.audio_rope.prepare_audio_coords(1, from_training["audio_num_frames"], CPU))
+
+
+def test_a_clip_trains_with_the_audio_latents_of_silence_of_its_duration(parts):
+    spec, _, vae, _ = parts
+    latents = spec.prepare_latents(vae, torch.rand(2, FRAMES, 3, HEIGHT, WIDTH) * 2 - 1)
+    audio = latents[AUDIO_LATENTS]
+    length = spec.audio_latent_length(FRAMES)
+    assert length == round(FRAMES / 24.0 * 16000 / 160 / 4)  # LTX2Pipeline's audio_num_frames
+    assert audio.shape == (2, length, 8)
+    assert torch.equal(audio[0], audio[1])  # silence does not depend on the picture
+    config = vae.audio_vae.config
+    silence = torch.full((1, config.in_channels, 4 * (length - 1) + 1, config.mel_bins), SILENT_LOG_MEL)
+    torch.testing.assert_close(audio[:1], encode_log_mel(vae.audio_vae, silence))
+    # Another duration, another track; the same one comes from the per-shape cache.
+    assert spec.silent_audio_latents(vae.audio_vae, 17).shape[1] == spec.audio_latent_length(17) > length
+    assert spec.silent_audio_latents(vae.audio_vae, FRAMES) is spec.silent_audio_latents(vae.audio_vae, FRAMES)
+
+
+def test_the_loss_is_the_video_error_plus_the_weighted_audio_error(parts, folder):
+    spec, text, vae, denoiser = parts
+    conditions = spec.prepare_conditions(text, ["a", "b"])
+    conditions[AUDIO_LATENTS] = spec.prepare_latents(vae, torch.zeros(2, FRAMES, 3, HEIGHT, WIDTH))[AUDIO_LATENTS]
+    noisy, target = torch.randn(2, 8, 3, 8, 8), torch.randn(2, 8, 3, 8, 8)
+    timesteps = torch.tensor([250.0, 900.0])
+    with torch.no_grad():
+        video, audio, audio_target = spec.joint_forward(denoiser, conditions, noisy, timesteps)
+        error = spec.training_error(denoiser, conditions, noisy, timesteps, target)
+        halved = _spec(folder, audio_loss_weight=0.5).training_error(denoiser, conditions, noisy, timesteps, target)
+    video_error = (video - target).pow(2).flatten(1).mean(1)
+    audio_error = (audio - audio_target).pow(2).flatten(1).mean(1)
+    torch.testing.assert_close(error, video_error + audio_error)
+    torch.testing.assert_close(halved, video_error + 0.5 * audio_error)
+    # The audio target is the flow-matching velocity of the clip's own noise, drawn per clip from its timestep.
+    noise = spec.audio_noise(timesteps, conditions[AUDIO_LATENTS])
+    torch.testing.assert_close(audio_target, noise - conditions[AUDIO_LATENTS])
+    torch.testing.assert_close(spec.audio_noise(timesteps[1:], conditions[AUDIO_LATENTS][1:]), noise[1:])
+    assert not torch.equal(noise[0], noise[1])
+
+
+@pytest.mark.slow
+def test_a_trained_model_samples_the_silent_track_it_learnt_beside_the_video(folder, shapes_dataset, tmp_path):
+    """The audio stream is taught too: after a short full fine-tune on one clip, LTX2Pipeline samples audio latents
+    near the clip's silent track, and the video near the clip (the family's overfit test holds the 0.15 bound)."""
+    from tests.models.test_overfit import one_clip_dataset, overfit_config
+    from vidtune.data.sources import load_text_pair_dataset
+    from vidtune.data.video import read_clip
+    from vidtune.trainers import build_trainer
+
+    clip = load_text_pair_dataset(shapes_dataset)[0]
+    config = overfit_config("ltx-2", folder, one_clip_dataset(clip.video, clip.caption, tmp_path / "data"),
+                            tmp_path / "run")
+    config.training.steps, config.optimizer.warmup_steps = 300, 30
+    weights = build_trainer(config).run().weights_path
+
+    def errors(transformer) -> tuple[float, float]:
+        subfolders = {"transformer": str(transformer)} if transformer else {}
+        spec = LTX2Spec(ModelConfig(name="ltx-2", pretrained=str(folder), subfolders=subfolders), frame_rate=24.0)
+        text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
+        latents = spec.prepare_latents(vae, read_clip(clip.video, FRAMES, HEIGHT, WIDTH)[None])
+        pipeline = spec.pipeline(text, vae, denoiser.eval())
+        pipeline.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            video, audio = spec.generate_joint_latents(pipeline, clip.caption, FRAMES, HEIGHT, WIDTH, 30,
+                                                       torch.Generator().manual_seed(1))
+        x0, silence = latents["latents_mean"], latents[AUDIO_LATENTS]
+        # Root mean square errors, in the normalised latents' units (the pipeline starts both from unit noise).
+        return float((video - x0).pow(2).mean().sqrt()), float((audio - silence).pow(2).mean().sqrt())
+
+    video_error, audio_error = errors(weights)
+    untrained_video, untrained_audio = errors(None)
+    print(f"ltx-2, 300 steps: RMS error of the video latents {video_error:.3f} (untrained {untrained_video:.3f}), "
+          f"of the audio latents {audio_error:.3f} (untrained {untrained_audio:.3f})")
+    assert audio_error < untrained_audio / 2
+    assert video_error < untrained_video / 2

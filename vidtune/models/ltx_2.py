@@ -1,0 +1,378 @@
+"""LTX-2 (Lightricks): Gemma 3 text encoder and text connectors, video and audio VAEs, and a DiT that denoises video
+and audio together (LTX2Pipeline).
+
+Training is joint, as sampling is: the transformer always runs its audio stream beside the video one, and the two
+see each other through audio-to-video and video-to-audio attention, so the audio stream is trained too. Each clip's
+audio latents are those of silence of the clip's duration (encoded by the audio VAE once per shape); they are noised
+at the clip's sigma, like the video's, and the loss is the video's flow-matching error plus
+`model.audio_loss_weight` times the audio's. Conventions taken from LTX2Pipeline:
+    text: the caption, stripped, left-padded to `max_sequence_length` tokens (1024, or the tokenizer's
+        `model_max_length` when shorter), every hidden state of Gemma 3 stacked on the last dim, then the text
+        connectors (frozen), which give the video and audio streams their embeddings and the mask;
+    video latents: the VAE posterior normalised per channel with the VAE's `latents_mean` / `latents_std` and
+        `scaling_factor`, packed into tokens like LTX-Video's;
+    audio latents: [B, L, C * mel] (channels and latent mel bins on the last dim), normalised with the audio VAE's
+        `latents_mean` / `latents_std`; L = round(frames / frame_rate * sample_rate / hop / 4);
+    rotary positions: the transformer's own, from the latent grids and the frame rate.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
+    FlowMatchEulerDiscreteScheduler,
+    LTX2Pipeline,
+    LTX2VideoTransformer3DModel,
+)
+from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import (
+    LATENT_DOWNSAMPLE_FACTOR as AUDIO_LATENT_DOWNSAMPLING,
+)
+from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+from torch import nn
+from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
+
+from vidtune.errors import ModelError
+from vidtune.export.comfyui import Rule
+from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.ltx_video import vae_downsampling_steps
+from vidtune.models.spec import (
+    Conditions,
+    Latents,
+    ModelSpec,
+    StepCallback,
+    TextComponents,
+    frame_count_problem,
+    raise_shape_problems,
+    shape_rule,
+    side_problems,
+    step_callback,
+)
+from vidtune.objectives import flow_matching_noisy, flow_matching_target
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # LTX2Pipeline's default
+# `prepare_latents`'s key of the clip's audio latents [B, L, C * mel], normalised as LTX2Pipeline's.
+AUDIO_LATENTS = "audio_latents"
+# LTX2Pipeline's arguments that turn off its other guidances (spatio-temporal, modality, rescale, the audio's).
+UNGUIDED = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_scale": 1.0,
+            "audio_stg_scale": 0.0, "audio_modality_scale": 1.0, "audio_guidance_rescale": 0.0}
+# diffusers' names of the audio-video cross-attention modulations -> the original checkpoint's (`av_ca_*_adaln_single`).
+ORIGINAL_MODULATIONS = {"video_scale_shift": "video_scale_shift", "video_a2v_gate": "a2v_gate",
+                        "audio_scale_shift": "audio_scale_shift", "audio_v2a_gate": "v2a_gate"}
+# The log-mel floor of LTX-2's audio processing (log(clamp(mel, 1e-5))): silence is this value in every bin.
+SILENT_LOG_MEL = math.log(1e-5)
+
+
+class LTX2Autoencoders(nn.Module):
+    """What `LTX2Spec.load_vae` returns: the video VAE (which training encodes with) and the audio VAE and vocoder
+    the pipeline needs to render a sample's sound. Opaque to trainers."""
+
+    def __init__(self, vae: nn.Module, audio_vae: nn.Module, vocoder: nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+        self.audio_vae = audio_vae
+        self.vocoder = vocoder
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vae.dtype
+
+
+def encode_log_mel(audio_vae: nn.Module, log_mel: torch.Tensor) -> torch.Tensor:
+    """Log-mel spectrograms [B, channels, T, mel bins] -> the audio VAE's posterior means packed [B, L, C * mel] and
+    normalised as LTX2Pipeline normalises audio latents (the mean: the audio posterior is narrow)."""
+    latents = audio_vae.encode(log_mel).latent_dist.mean
+    packed = LTX2Pipeline._pack_audio_latents(latents)
+    if packed.shape[-1] != audio_vae.latents_mean.numel():
+        raise ModelError(
+            f"The audio VAE gives latents of {latents.shape[1]} channels x {latents.shape[-1]} mel bins, but its "
+            f"latents_mean holds {audio_vae.latents_mean.numel()} values.\nWhat to do: use an audio_vae whose "
+            "base_channels equals latent_channels x mel_bins / 4 (as LTX-2's checkpoints do)."
+        )
+    return LTX2Pipeline._normalize_audio_latents(packed.float(), audio_vae.latents_mean.float(),
+                                                 audio_vae.latents_std.float())
+
+
+class LTX2Spec(ModelSpec):
+    name = "ltx-2"
+    control_input_layer = "proj_in"  # the video stream's Linear over packed patches [B, F*H*W, C*pt*p*p]
+    validation_guidance_scale = 3.0  # LTX2Pipeline's default
+    defaults = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, source=(
+        "LTX2Pipeline's defaults (512x768 at 24 fps, guidance 3); 121 frames: 5 s at 24 fps (the pipeline sets no "
+        "frame count)"))
+    text_encoder_class = Gemma3ForConditionalGeneration
+    vae_class = AutoencoderKLLTX2Video
+    denoiser_class = LTX2VideoTransformer3DModel
+    scheduler_class = FlowMatchEulerDiscreteScheduler
+    pipeline_class = LTX2Pipeline
+
+    def native_max_sequence_length(self) -> int:
+        """LTX2Pipeline's 1024 tokens, or fewer where the tokenizer holds fewer."""
+        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
+        return min(DEFAULT_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
+
+    @property
+    def audio_loss_weight(self) -> float:
+        return self.config.audio_loss_weight
+
+    def latent_identity(self) -> dict[str, Any]:
+        # The audio track's length follows the frame rate the clip is told about.
+        return {**super().latent_identity(), "frame_rate": self.frame_rate, "audio": "silence"}
+
+    def required_components(self) -> tuple[str, ...]:
+        return (*super().required_components(), "connectors", "audio_vae", "vocoder")
+
+    # ----- shape rules, read from the configs -------------------------------------------------------------------
+    @functools.cached_property
+    def compression(self) -> tuple[int, int, int, int]:
+        """(VAE spatial ratio, VAE temporal ratio, transformer patch size, transformer temporal patch)."""
+        vae = self.load_config(AutoencoderKLLTX2Video, "vae")
+        spatial_steps, temporal_steps = vae_downsampling_steps(vae)
+        spatial = vae.get("spatial_compression_ratio") or vae["patch_size"] * 2**spatial_steps
+        temporal = vae.get("temporal_compression_ratio") or vae["patch_size_t"] * 2**temporal_steps
+        transformer = self.load_config(LTX2VideoTransformer3DModel, "transformer")
+        return spatial, temporal, transformer.get("patch_size", 1), transformer.get("patch_size_t", 1)
+
+    @functools.cached_property
+    def audio_latents_per_second(self) -> float:
+        """Audio latent frames per second of video, as LTX2Pipeline computes them from the audio VAE's config."""
+        audio = self.load_config(AutoencoderKLLTX2Audio, "audio_vae")
+        return audio["sample_rate"] / audio["mel_hop_length"] / float(AUDIO_LATENT_DOWNSAMPLING)
+
+    def audio_latent_length(self, frames: int) -> int:
+        """Audio latent frames of a clip of `frames` frames, as LTX2Pipeline computes them."""
+        return round(frames / self.frame_rate * self.audio_latents_per_second)
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        vae_spatial, temporal, patch, patch_t = self.compression
+        raise_shape_problems("LTX-2", [
+            frame_count_problem(frames, temporal, patch_t), *side_problems(height, width, vae_spatial * patch)
+        ], self, shape_rule(temporal, patch_t, vae_spatial * patch))
+
+    # ----- loading ------------------------------------------------------------------------------------------
+    def load_text_components(self, device: torch.device) -> TextComponents:
+        """Gemma 3 and its tokenizer, and the text connectors that turn its hidden states into the transformer's
+        video and audio text embeddings (frozen: LoRA and full fine-tuning train the transformer)."""
+        tokenizer = self.load_component(AutoTokenizer, "tokenizer")
+        dtype = self.component_dtype("text_encoder", device)
+        text_encoder = self.load_component(Gemma3ForConditionalGeneration, "text_encoder", torch_dtype=dtype)
+        connectors = self.load_component(LTX2TextConnectors, "connectors", torch_dtype=dtype)
+        for module in (text_encoder, connectors):
+            module.requires_grad_(False).eval().to(device)
+        return TextComponents({"tokenizer": tokenizer, "text_encoder": text_encoder, "connectors": connectors})
+
+    def load_vae(self, device: torch.device) -> LTX2Autoencoders:
+        vae = super().load_vae(device)
+        dtype = self.component_dtype("vae", device)
+        audio_vae = self.load_component(AutoencoderKLLTX2Audio, "audio_vae", torch_dtype=dtype)
+        vocoder = self.load_component(LTX2Vocoder, "vocoder", torch_dtype=dtype)
+        return LTX2Autoencoders(vae, audio_vae.requires_grad_(False).eval().to(device),
+                                vocoder.requires_grad_(False).eval().to(device))
+
+    # ----- tensors ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
+        """The connectors' video and audio embeddings and mask, as LTX2Pipeline computes them."""
+        tokenizer, text_encoder, connectors = text["tokenizer"], text["text_encoder"], text["connectors"]
+        tokenizer.padding_side = "left"  # Gemma takes chat-style prompts left-padded
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokens = tokenizer([caption.strip() for caption in captions], padding="max_length",
+                           max_length=self.max_sequence_length, truncation=True, add_special_tokens=True,
+                           return_tensors="pt")
+        device = text_encoder.device
+        mask = tokens.attention_mask.to(device)
+        hidden = text_encoder(input_ids=tokens.input_ids.to(device), attention_mask=mask,
+                              output_hidden_states=True).hidden_states
+        embeds = torch.stack(hidden, dim=-1).flatten(2, 3).to(text_encoder.dtype)
+        video, audio, connector_mask = connectors(embeds, mask, padding_side="left")
+        return {"prompt_embeds": video, "audio_prompt_embeds": audio, "prompt_attention_mask": connector_mask}
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: LTX2Autoencoders, videos: torch.Tensor) -> Latents:
+        """The video posterior, and the clip's audio latents: those of silence of its duration."""
+        video_vae = vae.vae
+        pixels = videos.to(device=video_vae.device, dtype=video_vae.dtype).permute(0, 2, 1, 3, 4)
+        posterior = video_vae.encode(pixels).latent_dist
+        mean_shift = video_vae.latents_mean.view(1, -1, 1, 1, 1).to(posterior.mean)
+        scale = (video_vae.config.scaling_factor / video_vae.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
+        silence = self.silent_audio_latents(vae.audio_vae, videos.shape[1])
+        return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale,
+                AUDIO_LATENTS: silence.expand(videos.shape[0], -1, -1).clone()}
+
+    def silent_audio_latents(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
+        """[1, L, C * mel]: the audio VAE's normalised latents of silence lasting `frames` frames (once per length:
+        every clip of a shape shares them)."""
+        by_length = self._silence.setdefault(audio_vae, {})
+        if frames not in by_length:
+            by_length[frames] = encode_log_mel(audio_vae, self.silent_log_mel(audio_vae, frames))
+        return by_length[frames]
+
+    def silent_log_mel(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
+        """[1, channels, T, mel bins] of silence: T mel frames encode to the clip's L latent frames (the audio VAE
+        is causal: T = 4 (L - 1) + 1)."""
+        config = audio_vae.config
+        mel_frames = AUDIO_LATENT_DOWNSAMPLING * (self.audio_latent_length(frames) - 1) + 1
+        return torch.full((1, config.in_channels, mel_frames, config.mel_bins), SILENT_LOG_MEL,
+                          device=audio_vae.device, dtype=audio_vae.dtype)
+
+    @functools.cached_property
+    def _silence(self) -> weakref.WeakKeyDictionary[nn.Module, dict[int, torch.Tensor]]:
+        # Per audio VAE object (a reloaded VAE gets its own entries), per clip length.
+        return weakref.WeakKeyDictionary()
+
+    def audio_noise(self, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Noise for each clip's audio latents, from a generator keyed by the clip's timestep: the trainer draws
+        that timestep from the clip's own visit generator, so a resumed or re-batched run draws the same noise."""
+        noise = []
+        for timestep in timesteps.detach().double().cpu().tolist():
+            generator = torch.Generator().manual_seed(int(timestep * 1_000_000) % 2**63)
+            noise.append(torch.randn(like.shape[1:], generator=generator))
+        return torch.stack(noise).to(like)
+
+    def joint_forward(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                      timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One call of the transformer on both streams: (video prediction [B, C, F, H, W], audio prediction
+        [B, L, C * mel], audio target). The audio is noised at the video's sigma (timestep / 1000), as
+        LTX2Pipeline steps both with one schedule."""
+        patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
+        _, _, frames, height, width = noisy_latents.shape
+        clean_audio = conditions[AUDIO_LATENTS].float()
+        sigmas = timesteps.detach().float().cpu() / 1000.0
+        audio_noise = self.audio_noise(timesteps, clean_audio)
+        noisy_audio = flow_matching_noisy(clean_audio, audio_noise, sigmas)
+        timesteps = timesteps.to(noisy_latents.device)
+        mask = conditions["prompt_attention_mask"]
+        video_prediction, audio_prediction = denoiser(
+            hidden_states=LTX2Pipeline._pack_latents(noisy_latents, patch, patch_t),
+            audio_hidden_states=noisy_audio.to(noisy_latents.dtype),
+            encoder_hidden_states=conditions["prompt_embeds"],
+            audio_encoder_hidden_states=conditions["audio_prompt_embeds"],
+            timestep=timesteps,
+            sigma=timesteps,
+            encoder_attention_mask=mask,
+            audio_encoder_attention_mask=mask,
+            num_frames=frames // patch_t,
+            height=height // patch,
+            width=width // patch,
+            fps=self.frame_rate,
+            audio_num_frames=clean_audio.shape[1],
+            use_cross_timestep=True,  # LTX2Pipeline's default
+            return_dict=False,
+        )
+        video_prediction = LTX2Pipeline._unpack_latents(video_prediction, frames // patch_t, height // patch,
+                                                        width // patch, patch, patch_t)
+        return video_prediction, audio_prediction, flow_matching_target(clean_audio, audio_noise)
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        """The video prediction (the audio stream runs beside it, given the clip's audio noised alike)."""
+        return self.joint_forward(denoiser, conditions, noisy_latents, timesteps)[0]
+
+    def training_error(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                       timesteps: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The video's mean squared error plus `model.audio_loss_weight` times the audio's, per clip."""
+        video, audio, audio_target = self.joint_forward(denoiser, conditions, noisy_latents, timesteps)
+        video_error = self.per_clip_error((video.float() - target).pow(2), conditions)
+        audio_error = (audio.float() - audio_target).pow(2).flatten(1).mean(dim=1)
+        return video_error + self.audio_loss_weight * audio_error
+
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+        """Packed like the video latents, channels on the last dimension (as LTX-Video)."""
+        config = denoiser.config
+        return LTX2Pipeline._pack_latents(control, config.patch_size, config.patch_size_t), -1
+
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """The original LTX-2 checkpoint's names (Lightricks' ltx-core, which ComfyUI loads), as diffusers' LTX-2
+        converter for non-diffusers LoRAs reads them back: the blocks' attentions and feed-forwards and the caption
+        projections keep their names; the patch projections and the timestep / cross-attention modulation
+        embeddings are named otherwise."""
+        attention = r"(?:attn[12]|audio_attn[12]|audio_to_video_attn|video_to_audio_attn)\.(?:to_[qkv]|to_out\.0)"
+        block = rf"transformer_blocks\.\d+\.(?:{attention}|(?:audio_)?ff\.net\.(?:0\.proj|2))"
+        embedding = r"(emb\.timestep_embedder\.linear_[12]|linear)"
+        return [
+            Rule(f"({block})", r"\1"),
+            Rule(r"((?:audio_)?caption_projection\.linear_[12])", r"\1"),
+            Rule(r"((?:audio_)?proj_out)", r"\1"),
+            Rule(r"proj_in", "patchify_proj"),
+            Rule(r"audio_proj_in", "audio_patchify_proj"),
+            Rule(rf"time_embed\.{embedding}", r"adaln_single.\1"),
+            Rule(rf"audio_time_embed\.{embedding}", r"audio_adaln_single.\1"),
+            *[Rule(rf"av_cross_attn_{ours}\.{embedding}", rf"av_ca_{original}_adaln_single.\1")
+              for ours, original in ORIGINAL_MODULATIONS.items()],
+        ]
+
+    # ----- pipeline and outputs -----------------------------------------------------------------------------
+    def pipeline(self, text: TextComponents, vae: LTX2Autoencoders, denoiser: nn.Module) -> LTX2Pipeline:
+        return LTX2Pipeline(
+            scheduler=self.load_scheduler(), vae=vae.vae, audio_vae=vae.audio_vae, text_encoder=text["text_encoder"],
+            tokenizer=text["tokenizer"], connectors=text["connectors"], transformer=denoiser, vocoder=vae.vocoder,
+        )
+
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
+        return {"frame_rate": self.frame_rate}
+
+    def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+        """A step's latents (packed tokens, normalised) in the training layout."""
+        spatial, temporal, patch, patch_t = self.compression
+        return LTX2Pipeline._unpack_latents(
+            latents, ((frames - 1) // temporal + 1) // patch_t, height // spatial // patch,
+            width // spatial // patch, patch, patch_t,
+        )
+
+    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                         num_inference_steps: int, generator: torch.Generator,
+                         reference: torch.Tensor | None = None) -> torch.Tensor:
+        return self.generate_joint_latents(pipeline, prompt, frames, height, width, num_inference_steps,
+                                           generator)[0]
+
+    def generate_joint_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                               num_inference_steps: int, generator: torch.Generator
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unguided sampling: (video latents [B, C, F, H, W], audio latents [B, L, C * mel]), normalised as training
+        normalises them (LTX2Pipeline's `output_type="latent"` gives them denormalised)."""
+        output = pipeline(prompt=prompt, num_frames=frames, height=height, width=width,
+                          num_inference_steps=num_inference_steps, guidance_scale=1.0,
+                          max_sequence_length=self.max_sequence_length, generator=generator, output_type="latent",
+                          **UNGUIDED, **self.pipeline_inputs())
+        vae, audio_vae = pipeline.vae, pipeline.audio_vae
+        video = output.frames.float()
+        shift = vae.latents_mean.view(1, -1, 1, 1, 1).to(video)
+        video = (video - shift) * (vae.config.scaling_factor / vae.latents_std.view(1, -1, 1, 1, 1).to(video))
+        audio = LTX2Pipeline._pack_audio_latents(output.audio.float())
+        audio = LTX2Pipeline._normalize_audio_latents(audio, audio_vae.latents_mean.float(),
+                                                      audio_vae.latents_std.float())
+        return video, audio
+
+    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+        """LTX2Pipeline's call. Without guidance (scale 1) its other guidances (spatio-temporal, modality, rescale,
+        the audio's) are off too, so a step is one plain forward: what `generate_latents` compares with training."""
+        unguided = UNGUIDED if guidance_scale <= 1.0 else {}
+        return pipeline(
+            prompt=prompt,
+            num_frames=frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            generator=generator,
+            output_type=output_type,
+            **unguided,
+            **self.pipeline_inputs(reference),
+            **step_callback(callback),
+        ).frames

@@ -226,8 +226,13 @@ def read_shards(folder: Path, module: nn.Module, weights: Weights, set_weights: 
 def read_weights(folder: Path) -> Weights:
     """The trainable weights of a DCP folder, whole, in one process (for `vidtune export`)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    state: dict[str, Any] = {}
-    dcp.load(state, checkpoint_id=str(folder), planner=_EmptyStateDictLoadPlanner(keys={WEIGHTS_KEY}), no_dist=True)
-    return {key: value for key, value in state[WEIGHTS_KEY].items()}
+    prefix = f"{WEIGHTS_KEY}."
+    stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    weights = {
+        key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in stored.items() if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    dcp.load({WEIGHTS_KEY: weights}, checkpoint_id=str(folder), no_dist=True)
+    return weights

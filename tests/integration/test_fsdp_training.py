@@ -51,7 +51,9 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
 
     runs = [
         ("lora", config("lora", checkpoint={"every": 2, "keep": 2}), {}),
-        ("full", config("full", training={"algorithm": "full", "steps": 2}), {}),
+        # Validation samples after the last step: rank 0 samples the gathered weights while the others wait.
+        ("full", config("full", training={"algorithm": "full", "steps": 2},
+                        validation={"enabled": True, "num_inference_steps": 2, "prompts": ["a red circle"]}), {}),
     ]
     out = tmp_path / "results"
     out.mkdir()
@@ -86,6 +88,7 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
     _assert_close(load_file(tmp_path / "full" / FULL_FILE), load_file(tmp_path / "single-full" / FULL_FILE))
     assert json.loads((tmp_path / "full" / "transformer" / "config.json").read_text())["_class_name"] == \
         "LTXVideoTransformer3DModel"
+    assert [p.name for p in (tmp_path / "full" / "samples").glob("*.mp4")] == ["step-00000002-0.mp4"]
 
     # The 2-rank checkpoint of step 2, resumed by one process with batch 2 (the same samples per step): the data
     # position carries over, the change is announced, and the run ends where the 2-rank run ended.

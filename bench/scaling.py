@@ -128,7 +128,10 @@ def run_rank(rank: int, world: int, config: dict, port: int, out: str) -> None:
     if rank == 0:
         rows = [json.loads(line) for line in (Path(config["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
         seconds = statistics.median(row["seconds_per_step"] for row in rows[2:])  # past the warm-up steps
-        Path(out).write_text(json.dumps({"seconds_per_step": seconds, "bytes": dict(traffic.bytes)}))
+        parameters = list(trainer.denoiser.parameters())
+        sizes = {"weights": sum(p.numel() * p.element_size() for p in parameters),
+                 "trainable": sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)}
+        Path(out).write_text(json.dumps({"seconds_per_step": seconds, "bytes": dict(traffic.bytes), **sizes}))
 
 
 def measure(config: dict, world: int, folder: Path) -> dict:
@@ -150,11 +153,11 @@ def main() -> None:
     data = render_shapes_dataset(root / "data", num_clips=8, num_frames=33, height=48, width=48, fps=24, seed=0)
     frames, height, width = TINY_SHAPES["ltx-video"]
     print("| algorithm | strategy | samples/s, 1 process | samples/s, 2 processes | ratio to ideal | "
-          "collective bytes per step (2 processes, rank 0) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "collective bytes per step (2 processes, rank 0) | weights / trainable (fp32) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for algorithm in args.algorithms:
         for strategy in ("ddp", "fsdp"):
-            rates, traffic = {}, {}
+            rates, traffic, sizes = {}, {}, {}
             for world in (1, 2):
                 run = root / f"{algorithm}-{strategy}-{world}"
                 config = {
@@ -170,10 +173,11 @@ def main() -> None:
                 run.mkdir()
                 result = measure(config, world, run)
                 rates[world] = world / result["seconds_per_step"]
-                traffic = result["bytes"]
+                traffic, sizes = result["bytes"], result
             detail = ", ".join(f"{kind} {size / 2**20:.2f} MiB" for kind, size in sorted(traffic.items()))
             print(f"| {algorithm} | {strategy} | {rates[1]:.2f} | {rates[2]:.2f} | {rates[2] / (2 * rates[1]):.2f} | "
-                  f"{sum(traffic.values()) / 2**20:.2f} MiB ({detail}) |", flush=True)
+                  f"{sum(traffic.values()) / 2**20:.2f} MiB ({detail}) | {sizes['weights'] / 2**20:.2f} / "
+                  f"{sizes['trainable'] / 2**20:.2f} MiB |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,13 @@
 Each strategy (DDP, FSDP) trains the tiny LTX-Video model (LoRA and full fine-tuning) on CPU with gloo: once in one
 process, once in two processes with the same batch per process. The ratio to ideal is
 `samples/s at 2 / (2 x samples/s at 1)` (1.0: perfect scaling). The bytes every collective of one steady-state step
-moves are counted on rank 0 as they are issued: the collectives torch.distributed's Python API runs (FSDP's
-all-gathers and reduce-scatters, the trainer's loss all-reduce) and DDP's gradient buckets (a communication hook).
+moves are counted on rank 0 as they are issued through torch.distributed's Python API: FSDP's all-gathers and
+reduce-scatters, the trainer's loss all-reduce, and DDP's gradient buckets (sent through DDP's default
+communication hook, which calls that API, instead of DDP's C++ path).
 A "byte" here is the size of a collective's whole buffer (the gathered output, the reduce-scattered input, the
 all-reduced tensor); a ring algorithm sends (N-1)/N of it per rank.
 
-    python bench/scaling.py [--steps 8] [--algorithms lora full]
+    python bench/scaling.py [--steps 8] [--algorithms lora full] [--strategies ddp fsdp]
 
 On a shared or small CPU the timings are noisy (two processes compete for cores with everything else); the byte
 counts are exact.
@@ -42,8 +43,8 @@ from vidtune.trainers import build_trainer
 
 # The step whose collectives are counted: past the first (which also checks every parameter gets a gradient).
 COUNTED_STEP = 3
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_gather",
-               "reduce_scatter")
+COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "broadcast", "all_gather", "reduce_scatter")
 
 
 class Traffic:
@@ -60,9 +61,9 @@ class Traffic:
 
 def _buffer_of(kind: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
     """The collective's whole buffer: the gathered output, the reduce-scattered input, else the tensor."""
-    if kind in ("all_gather_into_tensor",):
-        return args[0] if args else kwargs.get("output_tensor")
-    if kind == "reduce_scatter_tensor":
+    if kind in ("all_gather_into_tensor", "all_gather_single"):  # (output, input): the gathered output
+        return args[0] if args else kwargs.get("output_tensor", kwargs.get("output"))
+    if kind in ("reduce_scatter_tensor", "reduce_scatter_single"):  # (output, input): the whole input
         return args[1] if len(args) > 1 else kwargs.get("input")
     if kind in ("all_gather", "reduce_scatter"):
         tensors = args[0] if args else []
@@ -73,7 +74,9 @@ def _buffer_of(kind: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
 def count_collectives(traffic: Traffic) -> None:
     """Wrap torch.distributed's collectives (FSDP2 calls them through the module) to count their bytes."""
     for kind in COLLECTIVES:
-        original = getattr(dist, kind)
+        original = getattr(dist, kind, None)
+        if original is None:  # a name this torch does not have
+            continue
 
         @functools.wraps(original)
         def counted(*args, _kind=kind, _original=original, **kwargs):
@@ -85,21 +88,17 @@ def count_collectives(traffic: Traffic) -> None:
         setattr(dist, kind, counted)
 
 
-def count_ddp_buckets(traffic: Traffic) -> None:
-    """DDP all-reduces its gradient buckets in C++: a communication hook counts each bucket, then all-reduces it
-    as DDP's default does."""
+def route_ddp_through_python() -> None:
+    """DDP all-reduces its gradient buckets in C++; with DDP's own default communication hook registered, each
+    bucket goes through torch.distributed.all_reduce instead, where `count_collectives` sees it."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     wrap = DataParallelStrategy.wrap
 
-    def hook(state, bucket):
-        traffic.add("ddp_all_reduce", bucket.buffer())
-        return allreduce_hook(state, bucket)
-
     def wrapped(self, module, parameters, optimizer):
         wrapped_module = wrap(self, module, parameters, optimizer)
         if isinstance(wrapped_module, torch.nn.parallel.DistributedDataParallel):
-            wrapped_module.register_comm_hook(None, hook)
+            wrapped_module.register_comm_hook(None, allreduce_hook)
         return wrapped_module
 
     DataParallelStrategy.wrap = wrapped
@@ -112,7 +111,7 @@ def run_rank(rank: int, world: int, config: dict, port: int, out: str) -> None:
     parallel.TIMEOUT = timedelta(minutes=5)
     traffic = Traffic()
     count_collectives(traffic)
-    count_ddp_buckets(traffic)
+    route_ddp_through_python()
     trainer = build_trainer(build_config(config))
     step_outcome = trainer.train_step
 
@@ -147,6 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--algorithms", nargs="+", default=["lora", "full"])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], help="values of parallel.strategy")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="vidtune-scaling-"))
     model = write_tiny_model("ltx-video", root / "model")
@@ -156,7 +156,7 @@ def main() -> None:
           "collective bytes per step (2 processes, rank 0) | weights / trainable (fp32) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for algorithm in args.algorithms:
-        for strategy in ("ddp", "fsdp"):
+        for strategy in args.strategies:
             rates, traffic, sizes = {}, {}, {}
             for world in (1, 2):
                 run = root / f"{algorithm}-{strategy}-{world}"

@@ -47,10 +47,12 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
 
     def config(name: str, **sections) -> dict:
         sections["training"] = {"steps": 3, "learning_rate": 1e-2, **sections.get("training", {})}
-        return make_config(output_dir=str(tmp_path / name), **fsdp, **sections).to_dict()
+        return make_config(output_dir=str(tmp_path / name), **{**fsdp, **sections}).to_dict()
 
     runs = [
         ("lora", config("lora", checkpoint={"every": 2, "keep": 2}), {}),
+        # HSDP: two replicas of one shard each (as two nodes of one GPU would be).
+        ("hsdp", config("hsdp", parallel={"strategy": "fsdp", "replicate_degree": 2}), {}),
         # Validation samples after the last step: rank 0 samples the gathered weights while the others wait.
         ("full", config("full", training={"algorithm": "full", "steps": 2},
                         validation={"enabled": True, "num_inference_steps": 2, "prompts": ["a red circle"]}), {}),
@@ -70,6 +72,7 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
         assert result["lora"]["losses"] == pytest.approx(single.losses, rel=1e-4)
         assert result["lora"]["positions"] == [[0, 2, 4], [1, 3, 5]][ranks.index(result)]
     assert _losses(tmp_path / "lora") == pytest.approx(single.losses, rel=1e-4)
+    _assert_close(load_file(tmp_path / "hsdp" / LORA_FILE), load_file(tmp_path / "single" / LORA_FILE))
 
     # Checkpoints: one DCP folder per step, a shard file per rank, no single-file weights.
     saved = checkpoint.list_checkpoints(tmp_path / "lora" / "checkpoints")

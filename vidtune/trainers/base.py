@@ -12,8 +12,9 @@ A resumed run (`checkpoint.resume`) continues bit for bit; SIGINT / SIGTERM stop
 step with a checkpoint (`vidtune.trainers.stop`); a non-finite loss or gradient is never applied.
 
 Under torchrun (`vidtune.parallel`) every rank runs this loop on its own device and its own samples (rank r reads
-stream positions r, r + world, ...); DistributedDataParallel averages the gradients, so a step of `world` ranks
-with `batch_size` each is a step of one process with `batch_size * world`. Rank 0 alone writes files.
+stream positions r, r + world, ...); the strategy of `parallel.strategy` (`vidtune.parallel.strategy`: DDP, or FSDP
+sharding the model) averages the gradients, so a step of `world` ranks with `batch_size` each is a step of one
+process with `batch_size * world`. Rank 0 alone writes files (FSDP gathers the weights for it).
 """
 
 from __future__ import annotations

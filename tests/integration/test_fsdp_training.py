@@ -161,3 +161,29 @@ def test_two_nodes_and_a_killed_rank_restarted_by_torchrun(make_config, tmp_path
     assert resumed.keys() == reference.keys()
     assert all(torch.equal(resumed[key], reference[key]) for key in reference)
     assert _losses(tmp_path / "killed") == _losses(tmp_path / "two-nodes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("algorithm", ["lora", "full"])
+def test_fsdp_in_bf16_with_cpu_offload_on_two_gpus(make_config, tmp_path, algorithm):
+    """NCCL, FSDP's bf16 mixed precision (fp32 gradient reduction), shards kept in CPU memory, gradient
+    checkpointing: the result is finite, saved whole, and close to one GPU's with twice the batch."""
+    settings = {"model": {"dtype": "bfloat16"}, "training": {"algorithm": algorithm, "steps": 3, "device": "cuda",
+                                                             "precision": "bf16", "gradient_checkpointing": True,
+                                                             "learning_rate": 1e-3}}
+    runs = [("gpu", make_config(output_dir=str(tmp_path / "fsdp"), parallel={"strategy": "fsdp", "cpu_offload": True},
+                                **settings).to_dict(), {})]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_main, args=(2, runs, [_free_port()], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    single = build_trainer(make_config(output_dir=str(tmp_path / "single"), **{
+        **settings, "training": {**settings["training"], "batch_size": 2}})).run()
+    name = LORA_FILE if algorithm == "lora" else FULL_FILE
+    trained, expected = load_file(tmp_path / "fsdp" / name), load_file(tmp_path / "single" / name)
+    assert trained.keys() == expected.keys()
+    for key in expected:  # bf16 compute: a looser tolerance than fp32's
+        torch.testing.assert_close(trained[key].float(), expected[key].float(), rtol=2e-2, atol=2e-3)
+    for result in ranks:
+        assert result["gpu"]["losses"] == pytest.approx(single.losses, rel=2e-2)

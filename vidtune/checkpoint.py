@@ -19,11 +19,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vidtune.config import Config, write_resolved_config
-from vidtune.files import atomic_folder, follow_umask, fsync_tree, recover_folders
+from vidtune.files import atomic_folder, follow_umask, fsync_tree, incomplete_folder, recover_folders, replace_folder
 
 WEIGHTS = "weights.safetensors"
 EMA_WEIGHTS = "ema_weights.safetensors"  # with training.ema_decay: the moving average, in the format of WEIGHTS
 STATE = "training_state.pt"
+# A sharded checkpoint (parallel.strategy=fsdp) holds the weights and optimizer state in this torch Distributed
+# Checkpoint folder instead (each rank's shard in its own file) and the rest of the state in STATE.
+SHARDS = "shards"
 CONFIG = "config.yaml"
 PREFIX = "step-"
 FORMAT = 1
@@ -91,8 +94,42 @@ def save(
     return final
 
 
+def begin_sharded(root: Path, step: int) -> Path:
+    """An empty temporary folder for the sharded checkpoint `step` (rank 0 makes it, every rank writes into its
+    SHARDS folder, then `finish_sharded` renames it into place)."""
+    temporary = incomplete_folder(root / f"{PREFIX}{step:08d}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    (temporary / SHARDS).mkdir(parents=True)
+    return temporary
+
+
+def finish_sharded(root: Path, temporary: Path, *, step: int, extra: dict[str, Any], config: Config, keep: int,
+                   rng: dict[int, Any]) -> Path:
+    """Complete a sharded checkpoint whose shards every rank has written: the training state and config beside
+    them, then the rename that makes it whole at once; then keep only the newest `keep`. On any error the
+    temporary folder is removed and the error raised again."""
+    final = root / f"{PREFIX}{step:08d}"
+    try:
+        torch.save({"format": FORMAT, "step": step, "sharded": True, "rng": rng, **extra}, temporary / STATE)
+        write_resolved_config(config, temporary)
+        follow_umask(*(path for path in temporary.rglob("*") if path.is_file()))
+        fsync_tree(temporary)
+        replace_folder(temporary, final)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    prune(root, keep)
+    return final
+
+
+def is_sharded(folder: Path) -> bool:
+    """Whether a checkpoint folder holds its weights and optimizer state as DCP shards."""
+    return (folder / SHARDS / ".metadata").is_file()
+
+
 def _has_files(folder: Path) -> bool:
-    return folder.is_dir() and all((folder / name).is_file() for name in (WEIGHTS, STATE, CONFIG))
+    return (folder.is_dir() and all((folder / name).is_file() for name in (STATE, CONFIG))
+            and ((folder / WEIGHTS).is_file() or is_sharded(folder)))
 
 
 def is_complete(folder: Path) -> bool:
@@ -127,13 +164,17 @@ def prune(root: Path, keep: int) -> None:
 
 
 def load(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(trainable weights, training state) of a complete checkpoint folder."""
+    """(trainable weights, training state) of a complete checkpoint folder; a sharded one's weights are read
+    whole, in this process."""
     if not is_complete(folder):
-        raise FileNotFoundError(f"{folder} is not a complete checkpoint (a step-XXXXXXXX folder with {WEIGHTS}, "
-                                f"{STATE} and {CONFIG})")
-    weights = load_file(folder / WEIGHTS, device=str(map_location))
+        raise FileNotFoundError(f"{folder} is not a complete checkpoint (a step-XXXXXXXX folder with {WEIGHTS} or "
+                                f"{SHARDS}/, {STATE} and {CONFIG})")
     state = torch.load(folder / STATE, map_location=map_location, weights_only=True)
-    return weights, state
+    if is_sharded(folder):
+        from vidtune.parallel.fsdp import read_weights
+
+        return {key: value.to(map_location) for key, value in read_weights(folder / SHARDS).items()}, state
+    return load_file(folder / WEIGHTS, device=str(map_location)), state
 
 
 def load_ema(folder: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor] | None:

@@ -52,9 +52,11 @@ def resume_command(config: str | None, overrides: list[str], verbose: bool = Fal
 def command_train(args: argparse.Namespace) -> int:
     from vidtune import parallel
     from vidtune.cpu import configure_cpu_threads
+    from vidtune.parallel.launch import adopt_launcher_environment
     from vidtune.trainers import build_trainer
     from vidtune.trainers.stop import TrainingInterrupted
 
+    adopt_launcher_environment()  # SLURM's srun without torchrun: its variables as torchrun's
     config = _load(args.config)
     configure_cpu_threads(config)
     started = time.perf_counter()

@@ -30,6 +30,7 @@ from vidtune.config import Config
 from vidtune.ema import EMA
 from vidtune.errors import ConfigError, TrainingError
 from vidtune.optim import build_lr_scheduler, build_optimizer, group_settings
+from vidtune.parallel.strategy import Strategy
 from vidtune.resume import FIXED_KEYS, CheckpointError, compare_configs, saved_config
 
 T = TypeVar("T")
@@ -41,7 +42,7 @@ class SavedState:
     """A checkpoint as read from disk: its folder, trainable weights and the rest of the state."""
 
     folder: Path
-    weights: Weights
+    weights: Weights | None  # None: a sharded checkpoint, whose weights the strategy reads into the model
     state: dict[str, Any]
     ema_weights: Weights | None = None
 
@@ -54,8 +55,12 @@ def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tu
     """Check that `folder` fits this config (refusing changes it cannot follow, stating the others) and load it."""
     changes = compare_configs(saved_config(folder), config, FIXED_KEYS + fixed_keys, folder)
     try:
-        weights, state = checkpoints.load(folder)
-        ema_weights = checkpoints.load_ema(folder)
+        if checkpoints.is_sharded(folder):
+            weights, ema_weights = None, None
+            state = torch.load(folder / checkpoints.STATE, map_location="cpu", weights_only=True)
+        else:
+            weights, state = checkpoints.load(folder)
+            ema_weights = checkpoints.load_ema(folder)
     except (OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"Could not read the checkpoint {folder}: {error}") from None
     if state.get("algorithm", algorithm) != algorithm:
@@ -74,8 +79,9 @@ class TrainingState:
 
     def __init__(self, config: Config, algorithm: str, parameters: list[nn.Parameter], num_clips: int,
                  get_weights: Callable[[], Weights], set_weights: Callable[[Weights], None],
-                 ema: EMA | None = None) -> None:
+                 ema: EMA | None = None, strategy: Strategy | None = None) -> None:
         self.config = config
+        self.strategy = strategy or Strategy(config, torch.device("cpu"))
         self.algorithm = algorithm
         self.num_clips = num_clips
         self.get_weights = get_weights
@@ -97,7 +103,7 @@ class TrainingState:
         """The optimizer step and the weights' average (only for a finite step) and the schedule's step (always:
         it counts steps)."""
         if finite:
-            self.optimizer.step()
+            self.strategy.optimizer_step(self.optimizer)
             if self.ema is not None:
                 self.ema.update()
             self.lr_scheduler.step()
@@ -105,7 +111,7 @@ class TrainingState:
             with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.zero_grad(self.optimizer)
 
     # ----- checkpoints ----------------------------------------------------------------------------------------
     def save(self, root: Path) -> Path:
@@ -114,9 +120,36 @@ class TrainingState:
 
         A failed write (full disk, ...) stops the run; the checkpoints already written stay whole."""
         rng = dict(enumerate(parallel.gather_objects(checkpoints.rng_state())))
-        folder = parallel.on_main(lambda: self._write(root, rng))
+        if self.strategy.sharded_checkpoints:
+            folder = self._write_sharded(root, rng)
+        else:
+            folder = parallel.on_main(lambda: self._write(root, rng))
         self.saved_step = self.step
         return folder
+
+    def _extra(self, world: int) -> dict[str, Any]:
+        """What a checkpoint holds beside the weights, optimizer and RNG states."""
+        return {
+            "samples_consumed": self.samples_consumed,
+            "algorithm": self.algorithm,
+            "num_samples": self.num_clips,
+            "nonfinite_skipped": self.nonfinite_skipped,
+            "world_size": world,
+            **({"ema_updates": self.ema.updates} if self.ema is not None else {}),
+        }
+
+    def _write_sharded(self, root: Path, rng: dict[int, Any]) -> Path:
+        """A sharded checkpoint: every rank writes its shard into one temporary folder (at once), then rank 0
+        adds the training state and renames the folder into place; a failure on any rank stops every rank with
+        the checkpoints already written intact."""
+        try:
+            temporary = parallel.on_main(lambda: checkpoints.begin_sharded(root, self.step))
+            self.strategy.save_state(temporary / checkpoints.SHARDS, self.get_weights(), self.optimizer)
+            return parallel.on_main(lambda: checkpoints.finish_sharded(
+                root, temporary, step=self.step, extra=self._extra(len(rng)), config=self.config,
+                keep=self.config.checkpoint.keep, rng=rng))
+        except (OSError, RuntimeError) as error:  # DCP reports a failed write as a CheckpointException
+            raise self._write_failed(root, error) from error
 
     def _write(self, root: Path, rng: dict[int, Any]) -> Path:
         try:
@@ -125,14 +158,7 @@ class TrainingState:
                 step=self.step,
                 weights=self.get_weights(),
                 optimizer=self.optimizer.state_dict(),
-                extra={
-                    "samples_consumed": self.samples_consumed,
-                    "algorithm": self.algorithm,
-                    "num_samples": self.num_clips,
-                    "nonfinite_skipped": self.nonfinite_skipped,
-                    "world_size": len(rng),
-                    **({"ema_updates": self.ema.updates} if self.ema is not None else {}),
-                },
+                extra=self._extra(len(rng)),
                 config=self.config,
                 keep=self.config.checkpoint.keep,
                 rng=rng,
@@ -140,12 +166,15 @@ class TrainingState:
             )
         except (OSError, RuntimeError, SafetensorError) as error:
             # A full disk reaches here as OSError (config), SafetensorError (weights) or RuntimeError (torch.save).
-            previous = checkpoints.latest(root)
-            kept = (f"The previous checkpoint {previous} is intact; free some space (or fix the folder) and "
-                    "continue from it with checkpoint.resume=latest." if previous
-                    else "No earlier checkpoint exists.")
-            raise TrainingError(f"Could not write the checkpoint of step {self.step} under {root}: "
-                                f"{error}\nIs the disk full? {kept}") from error
+            raise self._write_failed(root, error) from error
+
+    def _write_failed(self, root: Path, error: Exception) -> TrainingError:
+        previous = checkpoints.latest(root)
+        kept = (f"The previous checkpoint {previous} is intact; free some space (or fix the folder) and "
+                "continue from it with checkpoint.resume=latest." if previous
+                else "No earlier checkpoint exists.")
+        return TrainingError(f"Could not write the checkpoint of step {self.step} under {root}: "
+                             f"{error}\nIs the disk full? {kept}")
 
     def ema_weights(self) -> Weights | None:
         """The weights' average in the format of `get_weights` (what a checkpoint stores), or None."""
@@ -160,9 +189,18 @@ class TrainingState:
         decay, as the chosen optimizer takes them) apply from here on."""
         state = saved.state
         self._say_what_differs(state)
+        if saved.weights is None:
+            self.strategy.load_state(saved.folder / checkpoints.SHARDS, self.get_weights(), self.set_weights,
+                                     self.optimizer)
+        elif self.strategy.sharded_checkpoints and parallel.is_distributed():
+            raise CheckpointError(f"{saved.folder} was written with parallel.strategy=ddp (or by one process); "
+                                  f"parallel.strategy={self.strategy.name} resumes only its own sharded "
+                                  "checkpoints on several processes. What to do: resume it with "
+                                  "parallel.strategy=ddp (or in one process), or start anew.")
         try:
-            self.set_weights({key: value.to(device) for key, value in saved.weights.items()})
-            self.optimizer.load_state_dict(state["optimizer"])
+            if saved.weights is not None:
+                self.set_weights({key: value.to(device) for key, value in saved.weights.items()})
+                self.optimizer.load_state_dict(state["optimizer"])
             self._restore_ema(saved, device)
         except (KeyError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"The checkpoint {saved.folder} does not fit this model: {error}") from None

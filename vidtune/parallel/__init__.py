@@ -126,12 +126,27 @@ def process_group(device: torch.device | None = None, backend: str | None = None
         if backend == "nccl":
             torch.cuda.set_device(device if device is not None else local_rank())
         dist.init_process_group(backend, rank=rank() if this_rank is None else this_rank, world_size=world,
-                                timeout=TIMEOUT)
+                                timeout=TIMEOUT, store=_restart_store(world))
     try:
         yield True
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def _restart_store(world: int) -> Any:
+    """After torchrun restarted the processes (`--max-restarts`): the agent's store, with keys of this attempt only.
+
+    torchrun keeps one store across restarts; without a prefix the restarted processes read the addresses the
+    processes of the failed attempt published there, and gloo waits for them until it times out. None (the
+    default env:// rendezvous) on the first attempt and outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    dist = _dist()
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=TIMEOUT)
+    return dist.PrefixStore(f"vidtune/attempt-{attempt}", store)
 
 
 def _collective_device() -> torch.device:

@@ -12,8 +12,9 @@ A resumed run (`checkpoint.resume`) continues bit for bit; SIGINT / SIGTERM stop
 step with a checkpoint (`vidtune.trainers.stop`); a non-finite loss or gradient is never applied.
 
 Under torchrun (`vidtune.parallel`) every rank runs this loop on its own device and its own samples (rank r reads
-stream positions r, r + world, ...); DistributedDataParallel averages the gradients, so a step of `world` ranks
-with `batch_size` each is a step of one process with `batch_size * world`. Rank 0 alone writes files.
+stream positions r, r + world, ...); the strategy of `parallel.strategy` (`vidtune.parallel.strategy`: DDP, or FSDP
+sharding the model) averages the gradients, so a step of `world` ranks with `batch_size` each is a step of one
+process with `batch_size * world`. Rank 0 alone writes files (FSDP gathers the weights for it).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from vidtune.offload import (
     loading_device,
 )
 from vidtune.optim import check_optimizer
+from vidtune.parallel.strategy import Strategy, choose_strategy
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
 from vidtune.sampling import SampleSettings, reference_clip, render_samples
@@ -129,8 +131,10 @@ class Trainer(ABC):
         self.text: TextComponents | None = None
         self.vae: nn.Module | None = None
         self.denoiser: nn.Module | None = None
-        # What the loop calls: the denoiser, or under torchrun its DistributedDataParallel wrapper.
+        # What the loop calls: the denoiser, or under torchrun its DistributedDataParallel wrapper (or, sharded by
+        # FSDP, the denoiser itself); `strategy` (parallel.strategy) does the backward, clipping, update, checkpoints.
         self.trained_denoiser: nn.Module | None = None
+        self.strategy: Strategy | None = None
         self.objective: Objective | None = None
         self.source: BatchSource | None = None
         self.empty_caption: Conditions | None = None
@@ -167,6 +171,7 @@ class Trainer(ABC):
         """Check the inputs, set up, then take optimizer steps until `training.steps` or a stop signal."""
         saved = self.resuming_from = self.find_checkpoint()
         self.check_inputs()
+        self.strategy = choose_strategy(self.config, self.device)
         parallel.on_main(self.prepare_output_dir)
         # Trackers start before the long work, so a refusal (no login, no package) comes at once.
         trackers = open_trackers(self.config, self.output_dir, saved.step if saved else 0) if parallel.is_main() else []
@@ -195,23 +200,28 @@ class Trainer(ABC):
                 stopped_by = agreed_stop(stop)
                 if stopped_by is not None:
                     raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
-            weights, samples = parallel.on_main(self.write_results)
+            with self.strategy.gathered(self.denoiser):  # FSDP: the whole weights, for rank 0 to save
+                weights, samples = parallel.on_main(self.write_results)
         return TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
 
     def set_up(self, saved: SavedState | None) -> list[nn.Parameter]:
-        """Models, the training state (restored from `saved` when resuming) and the DDP wrapper; returns the
+        """Models, the training state (restored from `saved` when resuming) and the strategy's wrapper; returns the
         parameters to train."""
         # Rank 0 draws what one process draws; other ranks draw their own (e.g. LoRA dropout masks).
         seed_everything(self.config.training.seed + parallel.rank())
+        if self.strategy is None:
+            self.strategy = choose_strategy(self.config, self.device)
+        # FSDP shards the denoiser here, replacing its parameters, so the optimizer is built after.
         parameters = self.load_models()
+        parameters = self.strategy.prepare(self.denoiser, parameters)
         self.ema = self.make_ema(parameters)
         self.state = TrainingState(self.config, self.algorithm, parameters, len(self.clips),
-                                   self.trainable_state_dict, self.load_trainable_state_dict, self.ema)
+                                   self.trainable_state_dict, self.load_trainable_state_dict, self.ema, self.strategy)
         if saved is not None:
             self.state.restore(saved, self.device)
         self.first_step = self.state.step
         # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
-        self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
+        self.trained_denoiser = self.strategy.wrap(self.denoiser, parameters, self.state.optimizer)
         # After the wrapper, which checks and broadcasts the weights on the training device.
         self.block_swap = apply_block_swap(self.denoiser, self.spec.block_lists, self.config.memory.blocks_to_swap,
                                            self.device)
@@ -244,10 +254,10 @@ class Trainer(ABC):
     def forward_backward(self, batch: Batch, sync: bool) -> torch.Tensor:
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
         returns the scaled loss. A rank's share is sum / (batch_size * accumulation); DDP averages over ranks."""
-        with parallel.accumulating(self.trained_denoiser, sync=sync):
+        with self.strategy.accumulating(self.trained_denoiser, sync=sync):
             with activation_offload(self.config.memory.activation_offload, self.device):
                 loss = self.compute_loss(batch) / self.clips_per_step
-            loss.backward()
+            self.strategy.backward(loss)
         return loss.detach()
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:
@@ -297,7 +307,8 @@ class Trainer(ABC):
         if self.due(self.config.checkpoint.every):
             self.state.save(self.checkpoints_root)
         if self.config.validation.enabled and self.due(self.config.validation.every):
-            parallel.on_main(self.validate)
+            with self.strategy.gathered(self.denoiser):
+                parallel.on_main(self.validate)
 
     def due(self, every: int | None, final: bool = False) -> bool:
         """Whether something done every `every` steps is due now (`final`: also after the last step)."""
@@ -432,11 +443,7 @@ class Trainer(ABC):
     def clip_gradients(self, parameters: list[nn.Parameter]) -> float | None:
         """Clip to `training.max_grad_norm` and return the norm before clipping (also when clipping is off,
         so a non-finite gradient is caught before the optimizer applies it)."""
-        max_norm = self.config.training.max_grad_norm
-        if max_norm is None:
-            grads = [p.grad for p in parameters if p.grad is not None]
-            return float(torch.nn.utils.get_total_norm(grads)) if grads else None
-        return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+        return self.strategy.clip_gradients(parameters, self.config.training.max_grad_norm)
 
     def skip_nonfinite_step(self, loss: float, grad_norm: float | None) -> None:
         """Nothing of a non-finite step is applied; the run stops unless `training.skip_nonfinite_steps` allows."""

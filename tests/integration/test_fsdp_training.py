@@ -1,0 +1,189 @@
+"""FSDP2 (`parallel.strategy: fsdp`) with real processes on CPU (gloo).
+
+Two ranks with batch 1, each holding half of every weight, must train what one process trains with batch 2 (LoRA
+and full fine-tuning); their sharded checkpoint resumes in one process; two torchrun agents as two "nodes" (c10d
+rendezvous on localhost) fill one cache and train the same; a rank killed with SIGKILL is restarted by torchrun
+(`--max-restarts`) and the run continues from its latest checkpoint, bitwise equal to one never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import yaml
+from safetensors.torch import load_file
+
+from tests.integration.test_distributed_training import LORA_FILE, _free_port, _rank_main
+from vidtune import checkpoint
+from vidtune.trainers import build_trainer
+
+FULL_FILE = "transformer/diffusion_pytorch_model.safetensors"
+# Sharding changes the order of float additions (reduce-scatter instead of one process's sums), nothing else.
+RTOL, ATOL = 1e-3, 1e-4
+WORKER = Path(__file__).with_name("fsdp_kill_worker.py")
+
+
+def _assert_close(trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert trained.keys() == expected.keys() and expected
+    for key in expected:
+        torch.testing.assert_close(trained[key], expected[key], rtol=RTOL, atol=ATOL)
+
+
+def _losses(folder: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_config, tmp_path, capsys):
+    fsdp = {"parallel": {"strategy": "fsdp"}}
+
+    def config(name: str, **sections) -> dict:
+        sections["training"] = {"steps": 3, "learning_rate": 1e-2, **sections.get("training", {})}
+        return make_config(output_dir=str(tmp_path / name), **{**fsdp, **sections}).to_dict()
+
+    runs = [
+        ("lora", config("lora", checkpoint={"every": 2, "keep": 2}), {}),
+        # HSDP: two replicas of one shard each (as two nodes of one GPU would be).
+        ("hsdp", config("hsdp", parallel={"strategy": "fsdp", "replicate_degree": 2}), {}),
+        # Validation samples after the last step: rank 0 samples the gathered weights while the others wait.
+        ("full", config("full", training={"algorithm": "full", "steps": 2},
+                        validation={"enabled": True, "num_inference_steps": 2, "prompts": ["a red circle"]}), {}),
+    ]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # LoRA: the adapter and the logged losses of one process with batch 2.
+    single = build_trainer(make_config(training={"steps": 3, "batch_size": 2, "learning_rate": 1e-2},
+                                       output_dir=str(tmp_path / "single"))).run()
+    trained = load_file(tmp_path / "lora" / LORA_FILE)
+    _assert_close(trained, load_file(tmp_path / "single" / LORA_FILE))
+    assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
+    for result in ranks:
+        assert result["lora"]["losses"] == pytest.approx(single.losses, rel=1e-4)
+        assert result["lora"]["positions"] == [[0, 2, 4], [1, 3, 5]][ranks.index(result)]
+    assert _losses(tmp_path / "lora") == pytest.approx(single.losses, rel=1e-4)
+    _assert_close(load_file(tmp_path / "hsdp" / LORA_FILE), load_file(tmp_path / "single" / LORA_FILE))
+
+    # Checkpoints: one DCP folder per step, a shard file per rank, no single-file weights.
+    saved = checkpoint.list_checkpoints(tmp_path / "lora" / "checkpoints")
+    assert [p.name for p in saved] == ["step-00000002", "step-00000003"]
+    assert sorted(p.name for p in (saved[0] / checkpoint.SHARDS).iterdir()) == [".metadata", "__0_0.distcp",
+                                                                                "__1_0.distcp"]
+    assert not (saved[0] / checkpoint.WEIGHTS).exists()
+    weights, state = checkpoint.load(saved[-1])  # read whole, in this process (as `vidtune export` does)
+    assert state["world_size"] == 2 and state["samples_consumed"] == 6 and state["sharded"]
+    peft_keys = {key.replace(".default", "") for key in weights}
+    assert {key.removeprefix("transformer.") for key in trained} == peft_keys
+
+    # Full fine-tuning: the same equality.
+    build_trainer(make_config(training={"algorithm": "full", "steps": 2, "batch_size": 2, "learning_rate": 1e-2},
+                              output_dir=str(tmp_path / "single-full"))).run()
+    _assert_close(load_file(tmp_path / "full" / FULL_FILE), load_file(tmp_path / "single-full" / FULL_FILE))
+    assert json.loads((tmp_path / "full" / "transformer" / "config.json").read_text())["_class_name"] == \
+        "LTXVideoTransformer3DModel"
+    assert [p.name for p in (tmp_path / "full" / "samples").glob("*.mp4")] == ["step-00000002-0.mp4"]
+
+    # The 2-rank checkpoint of step 2, resumed by one process with batch 2 (the same samples per step): the data
+    # position carries over, the change is announced, and the run ends where the 2-rank run ended.
+    capsys.readouterr()
+    resumed = build_trainer(make_config(
+        training={"steps": 3, "batch_size": 2, "learning_rate": 1e-2}, output_dir=str(tmp_path / "one"),
+        checkpoint={"resume": str(saved[0])}, **fsdp)).run()
+    said = capsys.readouterr().out
+    assert "The number of processes changed since that checkpoint: 2 -> 1" in said
+    assert resumed.first_step == 2 and resumed.losses == pytest.approx(single.losses[2:], rel=1e-4)
+    _assert_close(load_file(tmp_path / "one" / LORA_FILE), trained)
+
+
+def _torchrun(*arguments: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_two_nodes_and_a_killed_rank_restarted_by_torchrun(make_config, tmp_path):
+    cache = str(tmp_path / "cache")
+
+    def write(name: str, **sections) -> Path:
+        config = make_config(
+            output_dir=str(tmp_path / name), parallel={"strategy": "fsdp"},
+            training={"steps": 4, "learning_rate": 1e-2}, checkpoint={"every": 2, "keep": 2, "resume": "latest"},
+            precompute={"enabled": True, "batch_size": 1, "cache_dir": cache}, **sections)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config.to_dict()))
+        return path
+
+    # Two torchrun agents, one process each, as two nodes meeting at a c10d rendezvous on localhost; they encode
+    # their shares of the dataset into one cache and train.
+    port = _free_port()
+    nodes = [subprocess.Popen] * 0
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))}
+    two_nodes = write("two-nodes")
+    for node in range(2):
+        nodes.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+             "--node_rank", str(node), "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+             "--rdzv_id", "two-nodes", "-m", "vidtune", "train", str(two_nodes)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outputs = [node.communicate(timeout=400) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    entries = sorted(p.name for p in Path(cache).rglob("*.safetensors"))
+    assert len(entries) == len(set(entries)) == 8  # 4 captions and 4 clips, each once
+
+    single = build_trainer(make_config(training={"steps": 4, "batch_size": 2, "learning_rate": 1e-2},
+                                       output_dir=str(tmp_path / "single"))).run()
+    reference = load_file(tmp_path / "two-nodes" / LORA_FILE)
+    _assert_close(reference, load_file(tmp_path / "single" / LORA_FILE))
+    assert _losses(tmp_path / "two-nodes") == pytest.approx(single.losses, rel=1e-4)
+
+    # One node, two ranks; rank 1 is killed (SIGKILL) in step 3. torchrun stops rank 0 and starts both again,
+    # which continue from the checkpoint of step 2: the same adapter, bit for bit, as the run never killed.
+    started = time.monotonic()
+    elastic = _torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
+                        str(WORKER), str(write("killed")), "1", "5")
+    assert elastic.returncode == 0, elastic.stderr[-3000:]
+    assert time.monotonic() - started < 300
+    assert "Resuming from" in elastic.stdout and "step-00000002" in elastic.stdout
+    resumed = load_file(tmp_path / "killed" / LORA_FILE)
+    assert resumed.keys() == reference.keys()
+    assert all(torch.equal(resumed[key], reference[key]) for key in reference)
+    assert _losses(tmp_path / "killed") == _losses(tmp_path / "two-nodes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("algorithm", ["lora", "full"])
+def test_fsdp_in_bf16_with_cpu_offload_on_two_gpus(make_config, tmp_path, algorithm):
+    """NCCL, FSDP's bf16 mixed precision (fp32 gradient reduction), shards kept in CPU memory, gradient
+    checkpointing: the result is finite, saved whole, and close to one GPU's with twice the batch."""
+    settings = {"model": {"dtype": "bfloat16"}, "training": {"algorithm": algorithm, "steps": 3, "device": "cuda",
+                                                             "precision": "bf16", "gradient_checkpointing": True,
+                                                             "learning_rate": 1e-3}}
+    runs = [("gpu", make_config(output_dir=str(tmp_path / "fsdp"), parallel={"strategy": "fsdp", "cpu_offload": True},
+                                **settings).to_dict(), {})]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_main, args=(2, runs, [_free_port()], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    single = build_trainer(make_config(output_dir=str(tmp_path / "single"), **{
+        **settings, "training": {**settings["training"], "batch_size": 2}})).run()
+    name = LORA_FILE if algorithm == "lora" else FULL_FILE
+    trained, expected = load_file(tmp_path / "fsdp" / name), load_file(tmp_path / "single" / name)
+    assert trained.keys() == expected.keys()
+    for key in expected:  # bf16 compute: a looser tolerance than fp32's
+        torch.testing.assert_close(trained[key].float(), expected[key].float(), rtol=2e-2, atol=2e-3)
+    for result in ranks:
+        assert result["gpu"]["losses"] == pytest.approx(single.losses, rel=2e-2)

@@ -1,0 +1,61 @@
+"""Which strategy `parallel.strategy` gives, and the settings it refuses before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vidtune.config import load_config
+from vidtune.errors import ConfigError
+from vidtune.parallel.fsdp import FullyShardedStrategy, transformer_blocks
+from vidtune.parallel.strategy import DataParallelStrategy, Strategy, choose_strategy
+
+REQUIRED = ["model.name=ltx-video", "model.pretrained=some/model", "data.root=clips"]
+CPU = torch.device("cpu")
+
+
+def choose(*overrides: str) -> Strategy:
+    return choose_strategy(load_config(None, [*REQUIRED, *overrides]), CPU)
+
+
+@pytest.mark.parametrize(("world", "setting", "expected"), [
+    ("1", "auto", Strategy),
+    ("2", "auto", DataParallelStrategy),
+    ("1", "ddp", DataParallelStrategy),
+    ("4", "fsdp", FullyShardedStrategy),
+])
+def test_the_strategy_named_or_implied(monkeypatch, world, setting, expected):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    strategy = choose(f"parallel.strategy={setting}")
+    assert type(strategy) is expected
+    assert strategy.sharded_checkpoints == (expected is FullyShardedStrategy)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.replicate_degree=3"], r"replicate_degree=3 does not divide the 4 processes.*What to do"),
+    (["training.ema_decay=0.99"], r"training.ema_decay is not supported with parallel.strategy=fsdp.*What to do"),
+    (["memory.base_weights=int8"], r"memory.base_weights=int8 .* cannot be sharded by FSDP.*What to do"),
+])
+def test_fsdp_refuses_what_it_cannot_run(monkeypatch, overrides, message):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match=message):
+        choose("parallel.strategy=fsdp", *overrides)
+
+
+def test_hsdp_groups_that_divide_the_processes_are_accepted(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert choose("parallel.strategy=fsdp", "parallel.replicate_degree=2").config.parallel.replicate_degree == 2
+
+
+def test_every_list_of_blocks_is_sharded_block_by_block():
+    class Denoiser(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.patch_embed = nn.Linear(2, 2)
+            self.transformer_blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(2)])
+            self.single_transformer_blocks = nn.ModuleList([nn.Linear(2, 2) for _ in range(3)])
+            self.norms = nn.ModuleList([nn.LayerNorm(2)])
+
+    denoiser = Denoiser()
+    assert transformer_blocks(denoiser) == [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]

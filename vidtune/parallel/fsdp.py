@@ -1,0 +1,238 @@
+"""FSDP2 (`parallel.strategy: fsdp`): weights, gradients and optimizer state sharded over the ranks.
+
+torch's `fully_shard` is applied to every transformer block and then to the denoiser itself, so one block's
+weights are gathered at a time. `training.precision` gives the mixed-precision policy (bf16 compute, fp32
+gradient reduction), `parallel.reshard_after_forward` whether a block's gathered weights are freed after its
+forward, `parallel.cpu_offload` keeps the shards in CPU memory, and `parallel.replicate_degree` > 1 makes it
+HSDP: shard inside groups of world / replicate_degree ranks (a node), replicate across the groups.
+
+Checkpoints are torch Distributed Checkpoint (DCP) folders: every rank writes its shard of the trainable weights
+and optimizer state, in parallel. DCP reshards on load, so a checkpoint resumes on any number of ranks, one
+process included. Gradients are averaged over ranks as DDP does, so a step of `world` ranks with `batch_size`
+each is a step of one process with `batch_size * world`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vidtune import parallel
+from vidtune.errors import ConfigError
+from vidtune.parallel.strategy import Strategy, Weights
+
+# The two parts of a sharded checkpoint, as keys of the state DCP writes.
+WEIGHTS_KEY = "weights"
+OPTIMIZER_KEY = "optimizer"
+
+
+def transformer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a diffusers video transformer: the items of its ModuleLists whose name ends in
+    `blocks` (`transformer_blocks`, HunyuanVideo's `single_transformer_blocks`, Wan's `blocks`)."""
+    return [block for name, child in module.named_children()
+            if isinstance(child, nn.ModuleList) and name.endswith("blocks") for block in child]
+
+
+def broadcast_from_main(module: nn.Module) -> None:
+    """Every rank's parameters and buffers set to rank 0's: freshly initialised adapters differ per rank (each
+    rank seeds its RNG apart), and FSDP, unlike DDP, does not broadcast them itself."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+class FullyShardedStrategy(Strategy):
+    name = "fsdp"
+    sharded_checkpoints = True
+
+    def check(self) -> None:
+        settings, world = self.config.parallel, parallel.world_size()
+        if settings.replicate_degree > 1 and world % settings.replicate_degree:
+            raise ConfigError(f"parallel.replicate_degree={settings.replicate_degree} does not divide the "
+                              f"{world} processes. What to do: set it to the number of nodes (each node then holds "
+                              "one whole copy, sharded over its GPUs), or 1 to shard over all processes.")
+        if self.config.training.ema_decay is not None:
+            raise ConfigError("training.ema_decay is not supported with parallel.strategy=fsdp yet. What to do: "
+                              "remove training.ema_decay, or train with parallel.strategy=ddp.")
+        if self.config.memory.base_weights != "auto":
+            raise ConfigError(f"memory.base_weights={self.config.memory.base_weights} (quantized base weights) cannot "
+                              "be sharded by FSDP. What to do: remove memory.base_weights (FSDP already splits the "
+                              "weights over the GPUs), or use parallel.strategy=ddp.")
+
+    # ----- sharding ---------------------------------------------------------------------------------------------
+    def mesh(self) -> Any:
+        """The ranks' layout: 1-D (shard over all), or 2-D (replicate, shard) for HSDP."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world, replicas = parallel.world_size(), self.config.parallel.replicate_degree
+        if replicas == 1:
+            return init_device_mesh(self.device.type, (world,))
+        return init_device_mesh(self.device.type, (replicas, world // replicas),
+                                mesh_dim_names=("replicate", "shard"))
+
+    def shard_options(self) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        precision = self.config.training.precision
+        bf16 = precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
+        options: dict[str, Any] = {
+            "mesh": self.mesh(),
+            "reshard_after_forward": self.config.parallel.reshard_after_forward,
+            # bf16 weights in forward and backward; gradients averaged (and kept) in fp32.
+            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+            else MixedPrecisionPolicy(),
+        }
+        if self.config.parallel.cpu_offload:
+            options["offload_policy"] = CPUOffloadPolicy()
+        return options
+
+    def prepare(self, module: nn.Module, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Shard `module` in place (each block, then the rest); returns the sharded trainable parameters, which
+        replace the ones given (FSDP swaps every parameter for a DTensor of this rank's shard)."""
+        self.module = module
+        if not parallel.is_distributed():
+            return parameters  # one process: nothing to shard, checkpoints are still DCP folders
+        from torch.distributed.fsdp import fully_shard
+
+        names = {id(p): name for name, p in module.named_parameters()}
+        trained = [names[id(p)] for p in parameters]
+        broadcast_from_main(module)
+        options = self.shard_options()
+        for block in transformer_blocks(module):
+            fully_shard(block, **options)
+        fully_shard(module, **options)
+        sharded = dict(module.named_parameters())
+        return [sharded[name] for name in trained]
+
+    def accumulating(self, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        return _gradient_sync(module, sync)
+
+    # ----- checkpoints --------------------------------------------------------------------------------------------
+    def save_state(self, folder: Path, weights: Weights, optimizer: torch.optim.Optimizer) -> None:
+        write_shards(folder, self.module, weights, optimizer)
+
+    # ----- results ----------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self, module: nn.Module) -> Iterator[None]:
+        """Every block's weights gathered on every rank (one all-gather each) and held, within the block, as
+        ordinary parameters of their own: rank 0 alone may then run forwards (validation samples) and save them
+        (safetensors cannot write views into FSDP's all-gather buffers). Sharded again at the end."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(module, FSDPModule):
+            yield
+            return
+        units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
+        groups = [group for unit in units if (group := unit._get_fsdp_state()._fsdp_param_group) is not None]
+        for unit in units:
+            unit.unshard()
+            # Rank 0 alone runs forwards within the block: none may free the weights (all ranks would have to
+            # gather them again).
+            unit.set_reshard_after_forward(False, recurse=False)
+        # FSDP's state-dict hooks would put the shards back into the module when rank 0 reads its weights.
+        for group in groups:
+            _remove_state_dict_hooks(group)
+        gathered = _own_parameters(module)
+        # fully_shard gives the module a class `FSDP<Name>`; diffusers' save_pretrained writes the class name into
+        # config.json, which must stay the model's own for the saved weights to load.
+        sharded_class = type(module)
+        module.__class__ = next(base for base in sharded_class.__bases__ if base is not FSDPModule)
+        try:
+            yield
+        finally:
+            module.__class__ = sharded_class
+            for owner, name, parameter in gathered:
+                owner._parameters[name] = parameter
+            for group in groups:
+                group._register_state_dict_hooks()
+            for unit in units:
+                unit.set_reshard_after_forward(self.config.parallel.reshard_after_forward, recurse=False)
+                unit.reshard()
+
+
+def _remove_state_dict_hooks(group: Any) -> None:
+    for handles in (group._module_to_pre_save_state_dict_hook_handle,
+                    group._module_to_pre_load_state_dict_hook_handle):
+        for handle in handles.values():
+            handle.remove()
+        handles.clear()
+
+
+def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Replace every parameter of `module` by a copy with storage of its own; returns what it replaced."""
+    replaced = []
+    with torch.no_grad():
+        for owner in module.modules():
+            for name, parameter in list(owner._parameters.items()):
+                if parameter is None:
+                    continue
+                owner._parameters[name] = nn.Parameter(parameter.detach().clone(),
+                                                       requires_grad=parameter.requires_grad)
+                replaced.append((owner, name, parameter))
+    return replaced
+
+
+@contextlib.contextmanager
+def _gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
+    """Micro-batches before the last of an accumulation keep their gradients unsharded and unreduced."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if sync or not isinstance(module, FSDPModule):
+        yield
+        return
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def write_shards(folder: Path, module: nn.Module, weights: Weights, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its shard of `weights` and of the optimizer state into the DCP folder `folder`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = {WEIGHTS_KEY: weights, OPTIMIZER_KEY: get_optimizer_state_dict(module, optimizer)}
+    dcp.save(state, checkpoint_id=str(folder), no_dist=not parallel.is_distributed())
+
+
+def read_shards(folder: Path, module: nn.Module, weights: Weights, set_weights: Callable[[Weights], None],
+                optimizer: torch.optim.Optimizer) -> None:
+    """Load a DCP folder written by any number of ranks into this rank's part of the weights and optimizer state
+    (`weights`: the current trainable weights, whose keys and layout say what to read)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from vidtune.resume import CheckpointError
+
+    state = {WEIGHTS_KEY: weights, OPTIMIZER_KEY: get_optimizer_state_dict(module, optimizer)}
+    try:
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not parallel.is_distributed())
+    except Exception as error:  # DCP wraps every rank's failure in one CheckpointException
+        raise CheckpointError(f"Could not read the sharded checkpoint {folder}: {error}\nWhat to do: resume from "
+                              "another checkpoint (checkpoint.resume=PATH) or check the training settings match "
+                              "the run that wrote it.") from None
+    set_weights(state[WEIGHTS_KEY])
+    set_optimizer_state_dict(module, optimizer, state[OPTIMIZER_KEY])
+
+
+def read_weights(folder: Path) -> Weights:
+    """The trainable weights of a DCP folder, whole, in one process (for `vidtune export`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = f"{WEIGHTS_KEY}."
+    stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    weights = {
+        key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in stored.items() if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+    dcp.load({WEIGHTS_KEY: weights}, checkpoint_id=str(folder), no_dist=True)
+    return weights

@@ -1,0 +1,142 @@
+"""How the processes of a run share the training work: the one interface the trainer and the training state use.
+
+`choose_strategy(config, device)` reads `parallel.strategy`:
+- one process (no torchrun, `auto`): `Strategy` itself, which changes nothing;
+- `ddp` (and `auto` with several processes): every rank holds the whole model, DistributedDataParallel averages
+  the gradients (`vidtune.parallel.ddp`);
+- `fsdp`: torch's FSDP2 shards weights, gradients and optimizer state (`vidtune.parallel.fsdp`).
+
+The trainer calls, in this order: `prepare` (before the optimizer exists: a strategy that replaces the
+parameters, as FSDP does, returns the new ones), `wrap` (the module to call for forward), then every step
+`accumulating` / `backward` / `clip_gradients` / `optimizer_step` / `zero_grad`. Checkpoints: a strategy with
+`sharded_checkpoints` writes its trainable weights and optimizer state with `save_state` (every rank its shard)
+and reads them with `load_state`; the others keep the single-file format of `vidtune.checkpoint`. `gathered`
+makes the whole trained model usable on rank 0 (final weights, validation samples).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vidtune import parallel
+from vidtune.config import Config
+
+Weights = dict[str, torch.Tensor]
+
+
+class Strategy:
+    """One process: the module as it is, gradients as backward leaves them."""
+
+    name = "none"
+    # Whether `save_state` / `load_state` write / read the checkpoint's weights and optimizer state (every rank
+    # taking part) instead of the single-file format rank 0 writes.
+    sharded_checkpoints = False
+
+    def __init__(self, config: Config, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.module: nn.Module | None = None  # the denoiser, once `prepare` has seen it
+
+    def check(self) -> None:
+        """Refuse settings this strategy cannot run, before any model is loaded."""
+
+    def prepare(self, module: nn.Module, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Before the optimizer is built: the parameters it is to update (the same ones unless replaced)."""
+        self.module = module
+        return parameters
+
+    def wrap(self, module: nn.Module, parameters: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> nn.Module:
+        """The module the trainer calls for forward."""
+        return module
+
+    def accumulating(self, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """Forward and backward of a micro-batch; gradients are synchronised over ranks only when `sync`."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip_gradients(self, parameters: list[nn.Parameter], max_norm: float | None) -> float | None:
+        """Clip to `max_norm` (None: do not clip) and return the global norm before clipping."""
+        if max_norm is None:
+            grads = [p.grad for p in parameters if p.grad is not None]
+            return _as_float(torch.nn.utils.get_total_norm(grads)) if grads else None
+        return _as_float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def save_state(self, folder: Path, weights: Weights, optimizer: torch.optim.Optimizer) -> None:
+        """`sharded_checkpoints` only: write `weights` and the optimizer state into `folder` (every rank)."""
+        raise NotImplementedError(f"parallel.strategy={self.name} writes single-file checkpoints")
+
+    def load_state(self, folder: Path, weights: Weights, set_weights: Callable[[Weights], None],
+                   optimizer: torch.optim.Optimizer) -> None:
+        """Read the weights and optimizer state of a sharded checkpoint, written by any number of ranks, into the
+        model and the optimizer (`weights`: the current trainable weights, whose keys say what to read). Every
+        strategy reads them: a run sharded over many GPUs continues in one process too."""
+        from vidtune.parallel.fsdp import read_shards
+
+        read_shards(folder, self.module, weights, set_weights, optimizer)
+
+    @contextlib.contextmanager
+    def gathered(self, module: nn.Module) -> Iterator[None]:
+        """Within the block, `module` holds its whole weights on every rank (rank 0 saves / samples them)."""
+        yield
+
+    def full_trainable_state_dict(self, module: nn.Module, get_weights: Callable[[], Weights]) -> Weights:
+        """The trained weights, whole, as CPU tensors on rank 0 (every rank must call it; others get {})."""
+        with self.gathered(module):
+            if not parallel.is_main():
+                return {}
+            return {key: value.detach().cpu().clone() for key, value in get_weights().items()}
+
+
+class DataParallelStrategy(Strategy):
+    """DistributedDataParallel: today's behaviour and checkpoint format."""
+
+    name = "ddp"
+
+    def wrap(self, module: nn.Module, parameters: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> nn.Module:
+        from vidtune.parallel.ddp import wrap
+
+        return wrap(module, self.device)
+
+    def accumulating(self, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        from vidtune.parallel.ddp import accumulating
+
+        return accumulating(module, sync)
+
+
+def _as_float(norm: torch.Tensor) -> float:
+    """A norm as a number; a DTensor norm (sharded gradients) is whole already (replicated) on every rank."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if full is not None else norm)
+
+
+def choose_strategy(config: Config, device: torch.device) -> Strategy:
+    """The strategy `parallel.strategy` names for this process (see the module's docstring)."""
+    name = config.parallel.strategy
+    if name == "fsdp":
+        from vidtune.parallel.fsdp import FullyShardedStrategy
+
+        strategy: Strategy = FullyShardedStrategy(config, device)
+    elif name == "ddp" or (name == "auto" and parallel.world_size() > 1):
+        strategy = DataParallelStrategy(config, device)
+    elif name == "deepspeed":
+        from vidtune.errors import ConfigError
+
+        raise ConfigError("parallel.strategy=deepspeed is not available in this version of vidtune. What to do: use "
+                          "parallel.strategy=fsdp to shard the model over the GPUs, or ddp.")
+    else:
+        strategy = Strategy(config, device)
+    strategy.check()
+    return strategy

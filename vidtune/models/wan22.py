@@ -329,7 +329,11 @@ class Wan22ImageToVideoSpec(Wan22Spec):
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
         dtype = noisy_latents.dtype
-        if self.expand_timesteps:
+        if self.expand_timesteps and noisy_latents.shape[2] == 1:
+            # A still (one latent frame) would be the image itself: it trains unconditioned, as text-to-image.
+            hidden_states = noisy_latents
+            timesteps = self.token_timesteps(denoiser, timesteps, noisy_latents, clean_first_frame=False)
+        elif self.expand_timesteps:
             hidden_states = self.with_first_frame(conditions, noisy_latents)
             timesteps = self.token_timesteps(denoiser, timesteps, noisy_latents, clean_first_frame=True)
         else:
@@ -342,8 +346,9 @@ class Wan22ImageToVideoSpec(Wan22Spec):
         )[0]
 
     def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
-        """TI2V: the first frame is the image, not a prediction (the pipeline discards it): left out of the loss."""
-        if self.expand_timesteps:
+        """TI2V: the first frame is the image, not a prediction (the pipeline discards it): left out of the loss
+        (a still, one latent frame, trains unconditioned: all of it counts)."""
+        if self.expand_timesteps and error.shape[2] > 1:
             error = error[:, :, 1:]
         return error.flatten(1).mean(dim=1)
 

@@ -159,6 +159,6 @@ class ControlFullTrainer(ControlTraining, FullTrainer):
         wide = self.control.layer
         replace_module(self.denoiser, self.control.layer_name, narrow(wide, self.control.in_features))
         try:
-            return self.save_transformer(target)
+            return self.save_transformer(target, self.denoiser)
         finally:
             replace_module(self.denoiser, self.control.layer_name, wide)

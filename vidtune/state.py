@@ -30,6 +30,7 @@ from vidtune.config import Config
 from vidtune.ema import EMA
 from vidtune.errors import ConfigError, TrainingError
 from vidtune.optim import build_lr_scheduler, build_optimizer, group_settings
+from vidtune.parallel.deepspeed import DeepSpeedStrategy
 from vidtune.resume import FIXED_KEYS, CheckpointError, compare_configs, saved_config
 
 T = TypeVar("T")
@@ -87,6 +88,8 @@ class TrainingState:
         self.samples_consumed = 0
         self.nonfinite_skipped = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint of this run
+        # parallel.strategy=deepspeed: the engine steps, shards and gathers; None: the optimizer here does.
+        self.strategy: DeepSpeedStrategy | None = None
 
     @property
     def learning_rate(self) -> float:
@@ -96,8 +99,12 @@ class TrainingState:
     def apply_update(self, finite: bool) -> None:
         """The optimizer step and the weights' average (only for a finite step) and the schedule's step (always:
         it counts steps)."""
+        strategy = self.strategy
         if finite:
-            self.optimizer.step()
+            if strategy is not None:
+                strategy.optimizer_step(self.optimizer)
+            else:
+                self.optimizer.step()
             if self.ema is not None:
                 self.ema.update()
             self.lr_scheduler.step()
@@ -105,7 +112,10 @@ class TrainingState:
             with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if strategy is not None:
+            strategy.zero_grad(self.optimizer, applied=finite)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     # ----- checkpoints ----------------------------------------------------------------------------------------
     def save(self, root: Path) -> Path:
@@ -114,17 +124,23 @@ class TrainingState:
 
         A failed write (full disk, ...) stops the run; the checkpoints already written stay whole."""
         rng = dict(enumerate(parallel.gather_objects(checkpoints.rng_state())))
-        folder = parallel.on_main(lambda: self._write(root, rng))
+        shards, weights = None, None
+        if self.strategy is not None:  # DeepSpeed: every rank writes its shards and takes part in gathering
+            shards = self.strategy.save_state(root, self.step)
+            weights = self.strategy.full_trainable_state_dict(self.get_weights)
+        folder = parallel.on_main(lambda: self._write(root, rng, shards, weights))
         self.saved_step = self.step
         return folder
 
-    def _write(self, root: Path, rng: dict[int, Any]) -> Path:
+    def _write(self, root: Path, rng: dict[int, Any], shards: Path | None = None,
+               weights: Weights | None = None) -> Path:
         try:
             return checkpoints.save(
                 root,
                 step=self.step,
-                weights=self.get_weights(),
-                optimizer=self.optimizer.state_dict(),
+                weights=self.get_weights() if weights is None else weights,
+                # DeepSpeed's optimizer state is in its shards.
+                optimizer=self.optimizer.state_dict() if shards is None else {},
                 extra={
                     "samples_consumed": self.samples_consumed,
                     "algorithm": self.algorithm,
@@ -137,6 +153,7 @@ class TrainingState:
                 keep=self.config.checkpoint.keep,
                 rng=rng,
                 ema_weights=self.ema_weights(),
+                shards=shards,
             )
         except (OSError, RuntimeError, SafetensorError) as error:
             # A full disk reaches here as OSError (config), SafetensorError (weights) or RuntimeError (torch.save).
@@ -161,8 +178,11 @@ class TrainingState:
         state = saved.state
         self._say_what_differs(state)
         try:
-            self.set_weights({key: value.to(device) for key, value in saved.weights.items()})
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.strategy is not None:  # DeepSpeed: each rank reads its shards of weights and optimizer state
+                self.strategy.load_state(saved.folder, int(state.get("world_size", 1)))
+            else:
+                self.set_weights({key: value.to(device) for key, value in saved.weights.items()})
+                self.optimizer.load_state_dict(state["optimizer"])
             self._restore_ema(saved, device)
         except (KeyError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"The checkpoint {saved.folder} does not fit this model: {error}") from None

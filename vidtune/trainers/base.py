@@ -49,6 +49,8 @@ from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
 from vidtune.optim import check_optimizer
+from vidtune.parallel.deepspeed import DeepSpeedStrategy, check_deepspeed
+from vidtune.parallel.deepspeed import process_group as deepspeed_process_group
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
 from vidtune.sampling import SampleSettings, reference_clip, render_samples
@@ -128,6 +130,8 @@ class Trainer(ABC):
         self.log: StepLog | None = None
         self.resuming_from: SavedState | None = None  # the checkpoint this run continues, if any
         self.ema: EMA | None = None  # the trained weights' moving average (training.ema_decay)
+        # parallel.strategy=deepspeed: the ZeRO engine's side of training; None: one process or DDP.
+        self.strategy: DeepSpeedStrategy | None = None
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -148,7 +152,8 @@ class Trainer(ABC):
     # ----- the run ---------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         # Under torchrun: this run's process group (or the one already set up), taken down at the end.
-        with parallel.process_group(self.device):
+        deepspeed = self.config.parallel.strategy == "deepspeed"
+        with deepspeed_process_group(self.device) if deepspeed else parallel.process_group(self.device):
             return self.train()
 
     def train(self) -> TrainResult:
@@ -183,7 +188,9 @@ class Trainer(ABC):
                 stopped_by = agreed_stop(stop)
                 if stopped_by is not None:
                     raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
-            weights, samples = parallel.on_main(self.write_results)
+            # ZeRO-3: every rank gathers the sharded weights for rank 0 to save and sample.
+            with self.strategy.gathered() if self.strategy is not None else contextlib.nullcontext():
+                weights, samples = parallel.on_main(self.write_results)
         return TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
 
     def set_up(self, saved: SavedState | None) -> list[nn.Parameter]:
@@ -195,11 +202,16 @@ class Trainer(ABC):
         self.ema = self.make_ema(parameters)
         self.state = TrainingState(self.config, self.algorithm, parameters, len(self.clips),
                                    self.trainable_state_dict, self.load_trainable_state_dict, self.ema)
+        if self.config.parallel.strategy == "deepspeed":
+            # The engine exists before a checkpoint is restored: each rank reads its own shards into it.
+            self.strategy = self.state.strategy = DeepSpeedStrategy(self.config, self.device)
+            self.trained_denoiser = self.strategy.wrap(self.denoiser, parameters, self.state.optimizer)
         if saved is not None:
             self.state.restore(saved, self.device)
         self.first_step = self.state.step
-        # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
-        self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
+        if self.strategy is None:
+            # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
+            self.trained_denoiser = parallel.wrap(self.denoiser, self.device)
         return parameters
 
     def train_step(self, stream: Iterator[Batch], parameters: list[nn.Parameter], stop: StopSignals) -> StepOutcome:
@@ -229,9 +241,13 @@ class Trainer(ABC):
     def forward_backward(self, batch: Batch, sync: bool) -> torch.Tensor:
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
         returns the scaled loss. A rank's share is sum / (batch_size * accumulation); DDP averages over ranks."""
-        with parallel.accumulating(self.trained_denoiser, sync=sync):
+        accumulating = self.strategy.accumulating if self.strategy is not None else parallel.accumulating
+        with accumulating(self.trained_denoiser, sync=sync):
             loss = self.compute_loss(batch) / self.clips_per_step
-            loss.backward()
+            if self.strategy is not None:
+                self.strategy.backward(loss)  # DeepSpeed reduces the gradients in its backward
+            else:
+                loss.backward()
         return loss.detach()
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:
@@ -326,6 +342,8 @@ class Trainer(ABC):
         self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
         check_trackers(self.config)
         check_optimizer(self.config, self.device)
+        if self.config.parallel.strategy == "deepspeed":
+            check_deepspeed(self.config, self.device.type)
         check_base_weights(self.config.memory.base_weights)
         check_base_weights(self.config.memory.text_encoder_weights, "memory.text_encoder_weights")
         self.clips = load_dataset(data, progress=self.show_progress)
@@ -388,7 +406,7 @@ class Trainer(ABC):
     def check_every_parameter_trains(self, parameters: list[nn.Parameter]) -> None:
         """Under torchrun, after the first step: DDP (which does not search for unused parameters, that would cost
         a graph traversal every step) needs every trainable parameter to take part in the loss."""
-        if not parallel.is_distributed():
+        if not parallel.is_distributed() or self.strategy is not None:  # DeepSpeed keeps gradients in its shards
             return
         names = {id(p): name for name, p in self.denoiser.named_parameters()}
         unused = [names.get(id(p), "?") for p in parameters if p.grad is None]
@@ -403,6 +421,8 @@ class Trainer(ABC):
         """Clip to `training.max_grad_norm` and return the norm before clipping (also when clipping is off,
         so a non-finite gradient is caught before the optimizer applies it)."""
         max_norm = self.config.training.max_grad_norm
+        if self.strategy is not None:
+            return self.strategy.clip_gradients(parameters, max_norm)
         if max_norm is None:
             grads = [p.grad for p in parameters if p.grad is not None]
             return float(torch.nn.utils.get_total_norm(grads)) if grads else None

@@ -1,0 +1,157 @@
+"""DeepSpeed ZeRO with real processes on CPU (gloo), as its launcher or torchrun runs them.
+
+Two ranks with batch 1 under ZeRO 2 and 3 must train what one process trains with batch 2 (LoRA and full
+fine-tuning: the same logged losses and gradient norms, the weights within float32 rounding), and a run stopped
+after a DeepSpeed checkpoint and resumed on two ranks must end bit for bit where the uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from vidtune import checkpoint, parallel
+from vidtune.config import build_config
+from vidtune.errors import VidtuneError
+from vidtune.trainers import build_trainer
+from vidtune.trainers.stop import TrainingInterrupted
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+FULL_FILE = "transformer/diffusion_pytorch_model.safetensors"
+STEPS = 3
+# Two ranks reduce the gradients in another order than one process sums them: float32 rounding, amplified a little
+# by Adam's division by the root of the second moment.
+RTOL, ATOL = 1e-3, 1e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as handle:
+        handle.bind(("127.0.0.1", 0))
+        return handle.getsockname()[1]
+
+
+def _train(config: dict, port: int, stop_on: tuple[int, int] | None = None) -> dict:
+    """One run of this rank (the process group set up by the trainer from the environment); `stop_on=(rank,
+    micro_batch)` sends that rank SIGTERM during that micro-batch."""
+    os.environ["MASTER_PORT"] = str(port)
+    trainer = build_trainer(build_config(config))
+    positions: list[int] = []
+    original = trainer.compute_loss
+
+    def recording(batch):
+        positions.extend(int(p) for p in batch.positions)
+        if stop_on is not None and stop_on == (int(os.environ["RANK"]), len(positions)):
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(batch)
+
+    trainer.compute_loss = recording
+    try:
+        result = trainer.run()
+    except TrainingInterrupted as stopped:
+        return {"positions": positions, "exit_code": stopped.exit_code}
+    except VidtuneError as error:
+        return {"positions": positions, "error": str(error)}
+    return {"positions": positions, "losses": result.losses, "weights": str(result.weights_path)}
+
+
+def _rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], ports: list[int], out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    parallel.TIMEOUT = timedelta(seconds=120)  # a broken collective fails the test instead of hanging for an hour
+    results = {name: _train(config, port, **options) for (name, config, options), port in zip(runs, ports, strict=True)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_close_weights(trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert trained.keys() == expected.keys() and expected
+    for key in expected:
+        torch.testing.assert_close(trained[key], expected[key], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_config, tmp_path):
+    def config(name: str, stage: int, **sections) -> dict:
+        sections["training"] = {"steps": STEPS, "learning_rate": 1e-2, **sections.get("training", {})}
+        sections["parallel"] = {"strategy": "deepspeed", "zero_stage": stage}
+        return make_config(output_dir=str(tmp_path / name), **sections).to_dict()
+
+    every = {"every": 2, "keep": 2}
+    full = {"training": {"algorithm": "full", "steps": 2}}
+    # LoRA dropout draws from each rank's global RNG: a bitwise resume needs every rank's RNG state back.
+    four = {"training": {"steps": 4}, "lora": {"dropout": 0.1}}
+    runs = [
+        ("zero2", config("zero2", 2, checkpoint=every), {}),
+        ("zero3", config("zero3", 3), {}),
+        ("zero2-full", config("zero2-full", 2, **full), {}),
+        ("zero3-full", config("zero3-full", 3, **full), {}),
+        ("reference", config("reference", 3, checkpoint=every, **four), {}),
+        # SIGTERM reaches rank 1 only, during step 3: both ranks stop after step 3 and save it.
+        ("stopped", config("stopped", 3, checkpoint=every, **four), {"stop_on": (1, 3)}),
+        ("resumed", config("stopped", 3, checkpoint={**every, "resume": "latest"}, **four), {}),
+    ]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for result in ranks:
+        for name, outcome in result.items():
+            assert "error" not in outcome, f"{name}: {outcome['error']}"
+
+    # One process, batch 2: the same samples, the same noise, the same steps.
+    single = build_trainer(make_config(training={"steps": STEPS, "batch_size": 2, "learning_rate": 1e-2},
+                                       output_dir=str(tmp_path / "single"))).run()
+    build_trainer(make_config(training={"algorithm": "full", "steps": 2, "batch_size": 2, "learning_rate": 1e-2},
+                              output_dir=str(tmp_path / "single-full"))).run()
+    single_rows = _metrics(tmp_path / "single")
+    for name in ("zero2", "zero3"):
+        _assert_close_weights(load_file(tmp_path / name / LORA_FILE), load_file(tmp_path / "single" / LORA_FILE))
+        for result in ranks:
+            assert result[name]["losses"] == pytest.approx(single.losses, rel=1e-5)
+            assert result[name]["positions"] in ([0, 2, 4], [1, 3, 5])
+        rows = _metrics(tmp_path / name)
+        assert [row["step"] for row in rows] == [1, 2, 3]
+        assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in single_rows], rel=1e-5)
+        # Adam hides a wrong gradient scale in the weights; the gradient norm (before clipping) does not.
+        assert [row["grad_norm"] for row in rows] == pytest.approx([row["grad_norm"] for row in single_rows],
+                                                                   rel=1e-4)
+    trained = load_file(tmp_path / "zero2" / LORA_FILE)
+    assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
+    for name in ("zero2-full", "zero3-full"):
+        _assert_close_weights(load_file(tmp_path / name / FULL_FILE), load_file(tmp_path / "single-full" / FULL_FILE))
+
+    # A DeepSpeed checkpoint: the gathered weights (what `vidtune export` reads), each rank's RNGs and DeepSpeed's
+    # own shards of the weights and optimizer state, one per rank.
+    folder = tmp_path / "zero2" / "checkpoints" / "step-00000003"
+    weights, state = checkpoint.load(folder)
+    assert len(weights) == len(trained) and any(v.abs().max() > 0 for k, v in weights.items() if "lora_B" in k)
+    assert sorted(state["rng"]) == [0, 1] and state["world_size"] == 2 and state["samples_consumed"] == STEPS * 2
+    shards = sorted(p.name for p in (folder / checkpoint.SHARDS / "state").iterdir())
+    assert [name for name in shards if "optim_states" in name] == [
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert not any(p.name.startswith(".zero-") for p in (tmp_path / "zero2" / "checkpoints").iterdir())
+
+    # ZeRO-3, stopped on one rank after step 3 and resumed on two: bitwise the run that never stopped.
+    stopped_dir = tmp_path / "stopped"
+    for result in ranks:
+        assert result["stopped"]["exit_code"] == 143
+        assert result["resumed"]["positions"] == result["reference"]["positions"][3:]
+    assert [p.name for p in checkpoint.list_checkpoints(stopped_dir / "checkpoints")] == ["step-00000003",
+                                                                                           "step-00000004"]
+    resumed, reference = load_file(stopped_dir / LORA_FILE), load_file(tmp_path / "reference" / LORA_FILE)
+    assert resumed.keys() == reference.keys()
+    assert all(torch.equal(resumed[key], reference[key]) for key in reference)
+    assert [row["loss"] for row in _metrics(stopped_dir)] == [row["loss"] for row in _metrics(tmp_path / "reference")]

@@ -11,17 +11,22 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+import yaml
 from safetensors.torch import load_file
 
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
+from vidtune.data.video import read_clip
 from vidtune.errors import VidtuneError
+from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import TrainingInterrupted
 
@@ -90,12 +95,13 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
         return make_config(output_dir=str(tmp_path / name), **sections).to_dict()
 
     every = {"every": 2, "keep": 2}
+    samples = {"enabled": True, "every": 2, "num_inference_steps": 2, "prompts": ["a red circle"]}
     full = {"training": {"algorithm": "full", "steps": 2}}
     # LoRA dropout draws from each rank's global RNG: a bitwise resume needs every rank's RNG state back.
     four = {"training": {"steps": 4}, "lora": {"dropout": 0.1}}
     runs = [
-        ("zero2", config("zero2", 2, checkpoint=every), {}),
-        ("zero3", config("zero3", 3), {}),
+        ("zero2", config("zero2", 2, checkpoint=every, validation=samples), {}),
+        ("zero3", config("zero3", 3, validation=samples), {}),
         ("zero2-full", config("zero2-full", 2, **full), {}),
         ("zero3-full", config("zero3-full", 3, **full), {}),
         ("reference", config("reference", 3, checkpoint=every, **four), {}),
@@ -133,6 +139,16 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
     for name in ("zero2-full", "zero3-full"):
         _assert_close_weights(load_file(tmp_path / name / FULL_FILE), load_file(tmp_path / "single-full" / FULL_FILE))
 
+    # Validation samples under ZeRO-3 (from a plain copy given the gathered weights) are those of ZeRO-2 (the
+    # trained module itself), after step 2 (between steps) and at the end.
+    frames, height, width = TINY_SHAPES["ltx-video"]
+    videos = {(run, step): read_clip(tmp_path / run / "samples" / f"step-0000000{step}-0.mp4", frames, height, width)
+              for run in ("zero2", "zero3") for step in (2, 3)}
+    for step in (2, 3):
+        apart = (videos["zero3", step] - videos["zero2", step]).abs().mean()
+        # A training step changes the samples far more than the two strategies' rounding does.
+        assert apart < 0.01 and (videos["zero3", 3] - videos["zero3", 2]).abs().mean() > 5 * apart
+
     # A DeepSpeed checkpoint: the gathered weights (what `vidtune export` reads), each rank's RNGs and DeepSpeed's
     # own shards of the weights and optimizer state, one per rank.
     folder = tmp_path / "zero2" / "checkpoints" / "step-00000003"
@@ -155,3 +171,28 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
     assert resumed.keys() == reference.keys()
     assert all(torch.equal(resumed[key], reference[key]) for key in reference)
     assert [row["loss"] for row in _metrics(stopped_dir)] == [row["loss"] for row in _metrics(tmp_path / "reference")]
+
+
+@pytest.mark.slow
+def test_the_deepspeed_launcher_runs_the_vidtune_command(make_config, tmp_path):
+    """`deepspeed --module vidtune train CONFIG` (the launcher passes --local_rank=N before the command): ZeRO 1 with
+    the optimizer state in CPU memory. Its checkpoint refuses, plainly, to resume in one process."""
+    config = make_config(training={"steps": 2}, checkpoint={"every": 1},
+                         parallel={"strategy": "deepspeed", "zero_stage": 1, "offload": "optimizer"},
+                         output_dir=str(tmp_path / "run"))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()),
+                "--module", "vidtune", "train", str(path)]
+    result = subprocess.run(launcher, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (tmp_path / "run" / LORA_FILE).is_file()
+    assert [row["step"] for row in _metrics(tmp_path / "run")] == [1, 2]
+    _, state = checkpoint.load(tmp_path / "run" / "checkpoints" / "step-00000002")
+    assert state["world_size"] == 2
+
+    more = [sys.executable, "-m", "vidtune", "train", str(path), "training.steps=3", "checkpoint.resume=latest"]
+    result = subprocess.run(more, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 2
+    assert "was written by 2 processes and this run has 1" in result.stderr and "What to do:" in result.stderr

@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from vidtune import parallel
+from vidtune.checkpoint import SHARDS
 from vidtune.config import Config
 from vidtune.errors import ConfigError, TrainingError
 
-# The checkpoint's subfolder with DeepSpeed's files, and the tag they are saved under inside it.
-ZERO_FOLDER = "zero"
+# The tag DeepSpeed's files are saved under inside the checkpoint's `zero/` (checkpoint.SHARDS).
 ZERO_TAG = "state"
 # Keys of the DeepSpeed config that the training loop relies on: a JSON override must agree with them.
 LOOP_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -77,6 +77,10 @@ def process_group(device: torch.device) -> Iterator[bool]:
             dist.init_process_group(backend, rank=parallel.rank(), world_size=world, timeout=parallel.TIMEOUT)
         else:  # no rendezvous needed: an in-process store
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            # DeepSpeed reads which device is this process's from the launchers' variables.
+            for name in ("LOCAL_RANK", "RANK"):
+                os.environ.setdefault(name, "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     try:
         yield world > 1
@@ -165,10 +169,26 @@ def deepspeed_config(config: Config, world: int) -> dict[str, Any]:
     return merged
 
 
-def check_deepspeed(config: Config, device_type: str) -> None:
-    """Before any long work: DeepSpeed importable and the derived config valid (`parallel.strategy=deepspeed`)."""
+def check_deepspeed(config: Config, device_type: str, resuming_from: Any = None) -> None:
+    """Before any long work: DeepSpeed importable, the derived config valid and the checkpoint to resume (a
+    `SavedState`, if any) one this run can continue (`parallel.strategy=deepspeed`)."""
     import_deepspeed(device_type)
     deepspeed_config(config, parallel.world_size())
+    if resuming_from is not None:
+        check_resumable(resuming_from.folder, int(resuming_from.state.get("world_size", 1)))
+
+
+def check_resumable(folder: Path, saved_world: int) -> None:
+    """A DeepSpeed checkpoint, written by as many processes as this run has."""
+    if not (folder / SHARDS).is_dir():
+        raise TrainingError(f"The checkpoint {folder} has no DeepSpeed state ({SHARDS}/): it was written by "
+                            "another parallel.strategy. What to do: resume it with that strategy, or start from its "
+                            f"weights in a new run (`vidtune export {folder} --output FOLDER`).")
+    if saved_world != parallel.world_size():
+        raise TrainingError(f"The checkpoint {folder} was written by {saved_world} processes and this run has "
+                            f"{parallel.world_size()}; a DeepSpeed checkpoint resumes on the same number. What to do: "
+                            f"start {saved_world} processes, or start from its weights in a new run "
+                            f"(`vidtune export {folder} --output FOLDER`).")
 
 
 class EngineCall:
@@ -258,6 +278,26 @@ class DeepSpeedStrategy:
                 return None
             return {name: tensor.detach().to("cpu", copy=True) for name, tensor in get_weights().items()}
 
+    @contextlib.contextmanager
+    def sampling(self, trainer: Any) -> Iterator[None]:
+        """Rank 0, inside `gathered()`: for the block, `trainer.denoiser` is a plain copy that validation samples
+        with. ZeRO-3's module gathers its weights for each layer's forward in a collective of all ranks, so one
+        rank cannot run it alone: the copy is loaded from the model folder (a second model in rank 0's memory for
+        the time of the samples) and given the trained weights. ZeRO 1 and 2: the trained module itself."""
+        if self.zero_stage != 3:
+            yield
+            return
+        trained = trainer.denoiser
+        weights = {name: tensor.detach().clone() for name, tensor in trainer.trainable_state_dict().items()}
+        try:
+            trainer.denoiser = trainer.spec.load_denoiser(self.device)
+            trainer.configure_trainable(trainer.denoiser)
+            trainer.load_trainable_state_dict(weights)
+            del weights
+            yield
+        finally:
+            trainer.denoiser = trained
+
     # ----- checkpoints -----------------------------------------------------------------------------------
     def save_state(self, root: Path, step: int) -> Path:
         """Every rank writes its ZeRO shards (weights and optimizer state) into a staging folder under `root`;
@@ -275,16 +315,8 @@ class DeepSpeedStrategy:
 
     def load_state(self, folder: Path, saved_world: int) -> None:
         """The weights and optimizer state of the checkpoint `folder`, every rank reading its own shards."""
-        shards = folder / ZERO_FOLDER
-        if not shards.is_dir():
-            raise TrainingError(f"The checkpoint {folder} has no DeepSpeed state ({ZERO_FOLDER}/): it was written "
-                                "by another parallel.strategy. What to do: resume it with that strategy, or start "
-                                "from its weights with `vidtune export` and a new run.")
-        if saved_world != parallel.world_size():
-            raise TrainingError(f"The checkpoint {folder} was written by {saved_world} processes and this run has "
-                                f"{parallel.world_size()}; a DeepSpeed checkpoint resumes on the same number. What "
-                                f"to do: start {saved_world} processes, or continue from its weights in a new run "
-                                f"(`vidtune export {folder} --output FOLDER`).")
+        check_resumable(folder, saved_world)
+        shards = folder / SHARDS
         loaded, _ = self.engine.load_checkpoint(str(shards), tag=ZERO_TAG, load_module_strict=False,
                                                 load_optimizer_states=True, load_lr_scheduler_states=False)
         if loaded is None:

@@ -298,7 +298,9 @@ class Trainer(ABC):
         if self.due(self.config.checkpoint.every):
             self.state.save(self.checkpoints_root)
         if self.config.validation.enabled and self.due(self.config.validation.every):
-            parallel.on_main(self.validate)
+            # ZeRO-3: every rank gathers the sharded weights for rank 0's samples.
+            with self.strategy.gathered() if self.strategy is not None else contextlib.nullcontext():
+                parallel.on_main(self.validate)
 
     def due(self, every: int | None, final: bool = False) -> bool:
         """Whether something done every `every` steps is due now (`final`: also after the last step)."""
@@ -343,7 +345,7 @@ class Trainer(ABC):
         check_trackers(self.config)
         check_optimizer(self.config, self.device)
         if self.config.parallel.strategy == "deepspeed":
-            check_deepspeed(self.config, self.device.type)
+            check_deepspeed(self.config, self.device.type, self.resuming_from)
         check_base_weights(self.config.memory.base_weights)
         check_base_weights(self.config.memory.text_encoder_weights, "memory.text_encoder_weights")
         self.clips = load_dataset(data, progress=self.show_progress)
@@ -465,8 +467,9 @@ class Trainer(ABC):
                   flush=True)
             self.load_encoders()
         settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
-        pipeline = self.spec.pipeline(self.text, self.vae, self.denoiser)
-        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+        with (self.strategy.sampling(self) if self.strategy is not None else contextlib.nullcontext(),
+              self.ema.applied() if self.ema is not None else contextlib.nullcontext()):
+            pipeline = self.spec.pipeline(self.text, self.vae, self.denoiser)
             videos = render_samples(self.spec, pipeline, settings, self.output_dir / outputs.SAMPLES,
                                     f"step-{self.state.step:08d}",
                                     reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)

@@ -8,6 +8,7 @@ after a DeepSpeed checkpoint and resumed on two ranks must end bit for bit where
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -196,3 +197,21 @@ def test_the_deepspeed_launcher_runs_the_vidtune_command(make_config, tmp_path):
     result = subprocess.run(more, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 2
     assert "was written by 2 processes and this run has 1" in result.stderr and "What to do:" in result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("stage", "offload"), [(2, "optimizer"), (3, "none"), (3, "all")])
+@pytest.mark.parametrize("algorithm", ["lora", "full"])
+def test_deepspeed_on_cuda_in_one_process(make_config, stage, offload, algorithm):
+    """bf16 base weights, autocast, gradient checkpointing and validation samples under DeepSpeed on a GPU."""
+    config = make_config(
+        model={"dtype": "bfloat16"},
+        training={"algorithm": algorithm, "steps": 3, "device": "cuda", "precision": "bf16",
+                  "gradient_checkpointing": True},
+        validation={"enabled": True, "num_inference_steps": 2},
+        parallel={"strategy": "deepspeed", "zero_stage": stage, "offload": offload},
+    )
+    result = build_trainer(config).run()
+    assert len(result.losses) == 3 and all(math.isfinite(loss) for loss in result.losses)
+    assert result.weights_path.exists() and result.sample_paths

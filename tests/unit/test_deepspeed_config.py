@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from vidtune.config import build_config
-from vidtune.errors import ConfigError
-from vidtune.parallel.deepspeed import deepspeed_config
+from vidtune.errors import ConfigError, TrainingError
+from vidtune.parallel.deepspeed import check_resumable, deepspeed_config
 
 
 def _config(tmp_path: Path, override: dict | str | None = None, **sections) -> object:
@@ -83,3 +83,12 @@ def test_a_missing_json_file_is_named(tmp_path):
     config = _config(tmp_path, parallel={"deepspeed_config": str(tmp_path / "absent.json")})
     with pytest.raises(ConfigError, match=r"parallel.deepspeed_config=.*absent.json: cannot read it"):
         deepspeed_config(config, world=1)
+
+
+def test_a_checkpoint_of_another_strategy_or_world_size_is_refused(tmp_path):
+    with pytest.raises(TrainingError, match=r"has no DeepSpeed state \(zero/\).*What to do: resume it with that"):
+        check_resumable(tmp_path, saved_world=1)
+    (tmp_path / "zero").mkdir()
+    with pytest.raises(TrainingError, match=r"written by 4 processes and this run has 1.*What to do: start 4"):
+        check_resumable(tmp_path, saved_world=4)
+    check_resumable(tmp_path, saved_world=1)  # the same number: accepted

@@ -215,3 +215,31 @@ def test_deepspeed_on_cuda_in_one_process(make_config, stage, offload, algorithm
     result = build_trainer(config).run()
     assert len(result.losses) == 3 and all(math.isfinite(loss) for loss in result.losses)
     assert result.weights_path.exists() and result.sample_paths
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_nonfinite_step_is_discarded_in_one_process(make_config, tmp_path, monkeypatch, stage):
+    """One process (a process group of one): an infinite loss at step 3 changes nothing, DeepSpeed's step discards
+    its gradients, and the run goes on (`training.skip_nonfinite_steps`)."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    out = tmp_path / "skip"
+    trainer = build_trainer(make_config(training={"steps": 4, "skip_nonfinite_steps": 1, "learning_rate": 1e-2},
+                                        checkpoint={"every": 1, "keep": 4},
+                                        parallel={"strategy": "deepspeed", "zero_stage": stage},
+                                        output_dir=str(out)))
+    original, calls = trainer.compute_loss, [0]
+
+    def infinite_third(batch):
+        calls[0] += 1
+        loss = original(batch)
+        return loss * float("inf") if calls[0] == 3 else loss
+
+    trainer.compute_loss = infinite_third
+    result = trainer.run()
+    assert result.final_step == 4 and [row["step"] for row in _metrics(out)] == [1, 2, 4]
+    saved = {step: checkpoint.load(out / "checkpoints" / f"step-0000000{step}") for step in (2, 3, 4)}
+    assert saved[4][1]["nonfinite_skipped"] == 1
+    before, skipped, after = (saved[step][0] for step in (2, 3, 4))
+    assert all(torch.equal(skipped[key], before[key]) for key in before)
+    assert any(not torch.equal(after[key], before[key]) for key in before)
+    assert all(torch.isfinite(weight).all() for weight in after.values())

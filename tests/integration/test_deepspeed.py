@@ -243,3 +243,17 @@ def test_a_nonfinite_step_is_discarded_in_one_process(make_config, tmp_path, mon
     assert all(torch.equal(skipped[key], before[key]) for key in before)
     assert any(not torch.equal(after[key], before[key]) for key in before)
     assert all(torch.isfinite(weight).all() for weight in after.values())
+
+
+def test_guidance_distillation_of_a_full_student_under_zero_3_trains_what_it_trains_without(make_config, tmp_path,
+                                                                                             monkeypatch):
+    """The algorithm with a second model (the frozen teacher beside the sharded student), one process: DeepSpeed's
+    ZeRO-3 gives the losses and weights of the run without it."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    settings = {"training": {"algorithm": "guidance-distillation", "steps": 2, "learning_rate": 1e-2},
+                "distillation": {"student": "full"}}
+    plain = build_trainer(make_config(**settings, output_dir=str(tmp_path / "plain"))).run()
+    zero3 = build_trainer(make_config(**settings, parallel={"strategy": "deepspeed", "zero_stage": 3},
+                                      output_dir=str(tmp_path / "zero3"))).run()
+    assert zero3.losses == pytest.approx(plain.losses, rel=1e-5)
+    _assert_close_weights(load_file(tmp_path / "zero3" / FULL_FILE), load_file(tmp_path / "plain" / FULL_FILE))

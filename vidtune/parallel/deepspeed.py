@@ -217,11 +217,13 @@ class DeepSpeedStrategy:
         self.zero_stage = config.parallel.zero_stage
         self.engine: Any = None
         self.optimizer: Any = None  # DeepSpeed's ZeRO optimizer around vidtune's
+        self.trainable: list[nn.Parameter] = []
 
     # ----- training ------------------------------------------------------------------------------------
     def wrap(self, denoiser: nn.Module, parameters: list[nn.Parameter],
              optimizer: torch.optim.Optimizer) -> EngineCall:
         settings = deepspeed_config(self.config, parallel.world_size())
+        self.trainable = list(parameters)
         self.engine, self.optimizer, _, _ = self.deepspeed.initialize(
             model=denoiser, optimizer=optimizer, model_parameters=parameters, config=settings)
         return EngineCall(self.engine)
@@ -260,13 +262,16 @@ class DeepSpeedStrategy:
 
     # ----- weights ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Every rank enters: under ZeRO-3 the model's whole weights are gathered on each rank for the block (so
-        rank 0 can read or save them); under ZeRO 1 and 2 every rank holds them already."""
+    def gathered(self, everything: bool = False) -> Iterator[None]:
+        """Every rank enters: under ZeRO-3 the trained weights (`everything`: all the model's) are gathered on each
+        rank for the block, so that rank 0 can read or save them; under ZeRO 1 and 2 every rank holds them already.
+        Checkpoints and validation need only the trained ones (a LoRA adapter: little memory); the final
+        diffusers files of a full fine-tune need all."""
         if self.zero_stage != 3 or self.engine is None:
             yield
             return
-        with self.deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None):
+        parameters = list(self.engine.module.parameters()) if everything else self.trainable
+        with self.deepspeed.zero.GatheredParameters(parameters, modifier_rank=None):
             yield
 
     def full_trainable_state_dict(self, get_weights: Callable[[], dict[str, torch.Tensor]]) -> \
@@ -288,7 +293,9 @@ class DeepSpeedStrategy:
             yield
             return
         trained = trainer.denoiser
-        weights = {name: tensor.detach().clone() for name, tensor in trainer.trainable_state_dict().items()}
+        # A CPU copy: the gathered weights may hold the whole model on the GPU already.
+        weights = {name: tensor.detach().to("cpu", copy=True)
+                   for name, tensor in trainer.trainable_state_dict().items()}
         try:
             trainer.denoiser = trainer.spec.load_denoiser(self.device)
             trainer.configure_trainable(trainer.denoiser)

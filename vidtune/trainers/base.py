@@ -189,7 +189,7 @@ class Trainer(ABC):
                 if stopped_by is not None:
                     raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
             # ZeRO-3: every rank gathers the sharded weights for rank 0 to save and sample.
-            with self.strategy.gathered() if self.strategy is not None else contextlib.nullcontext():
+            with self.strategy.gathered(everything=True) if self.strategy is not None else contextlib.nullcontext():
                 weights, samples = parallel.on_main(self.write_results)
         return TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
 

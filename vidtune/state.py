@@ -59,6 +59,11 @@ def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tu
         ema_weights = checkpoints.load_ema(folder)
     except (OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"Could not read the checkpoint {folder}: {error}") from None
+    if (folder / checkpoints.SHARDS).is_dir() and config.parallel.strategy != "deepspeed":
+        raise CheckpointError(f"The checkpoint {folder} was written with parallel.strategy=deepspeed, whose "
+                              "optimizer state only DeepSpeed reads. What to do: resume it with "
+                              "parallel.strategy=deepspeed on as many processes as wrote it, or start a new run "
+                              f"from its weights (`vidtune export {folder} --output FOLDER`).")
     if state.get("algorithm", algorithm) != algorithm:
         raise ConfigError(f"Cannot resume from {folder}: it was written by training.algorithm="
                           f"{state['algorithm']}, this run uses {algorithm}.")

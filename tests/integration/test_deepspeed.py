@@ -28,6 +28,7 @@ from vidtune.config import build_config
 from vidtune.data.video import read_clip
 from vidtune.errors import VidtuneError
 from vidtune.models.tiny import TINY_SHAPES
+from vidtune.resume import CheckpointError
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import TrainingInterrupted
 
@@ -192,6 +193,9 @@ def test_the_deepspeed_launcher_runs_the_vidtune_command(make_config, tmp_path):
     assert [row["step"] for row in _metrics(tmp_path / "run")] == [1, 2]
     _, state = checkpoint.load(tmp_path / "run" / "checkpoints" / "step-00000002")
     assert state["world_size"] == 2
+    with pytest.raises(CheckpointError, match=r"written with parallel.strategy=deepspeed.*What to do: resume it"):
+        build_trainer(build_config({**config.to_dict(), "parallel": {"strategy": "ddp"},
+                                    "checkpoint": {"resume": "latest"}})).run()
 
     more = [sys.executable, "-m", "vidtune", "train", str(path), "training.steps=3", "checkpoint.resume=latest"]
     result = subprocess.run(more, capture_output=True, text=True, env=env, timeout=600)

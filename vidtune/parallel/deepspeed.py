@@ -241,6 +241,8 @@ class DeepSpeedStrategy:
         """The global gradient norm before clipping, over every rank's shard. DeepSpeed clips inside its step
         (`gradient_clipping`, derived from training.max_grad_norm)."""
         optimizer = self.optimizer
+        # The ZeRO optimizers' own norm over the reduced gradient shards (what their step clips with); DeepSpeed has
+        # no public call for it before the step.
         if self.zero_stage == 3:
             from deepspeed.runtime.utils import combine_grad_norm_groups
 

@@ -261,3 +261,18 @@ def test_guidance_distillation_of_a_full_student_under_zero_3_trains_what_it_tra
                                       output_dir=str(tmp_path / "zero3"))).run()
     assert zero3.losses == pytest.approx(plain.losses, rel=1e-5)
     _assert_close_weights(load_file(tmp_path / "zero3" / FULL_FILE), load_file(tmp_path / "plain" / FULL_FILE))
+
+
+def test_accumulation_under_zero_2_equals_twice_the_batch(make_config, tmp_path, monkeypatch):
+    """One process, batch 1 × accumulation 2 under ZeRO-2 (gradients reduced on the last micro-batch only, the
+    loss scaled once, by vidtune) trains what batch 2 trains without DeepSpeed."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    plain = build_trainer(make_config(training={"steps": 2, "batch_size": 2, "learning_rate": 1e-2},
+                                      output_dir=str(tmp_path / "plain"))).run()
+    zero2 = build_trainer(make_config(training={"steps": 2, "gradient_accumulation": 2, "learning_rate": 1e-2},
+                                      parallel={"strategy": "deepspeed", "zero_stage": 2},
+                                      output_dir=str(tmp_path / "zero2"))).run()
+    assert zero2.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert [row["grad_norm"] for row in _metrics(tmp_path / "zero2")] == pytest.approx(
+        [row["grad_norm"] for row in _metrics(tmp_path / "plain")], rel=1e-4)
+    _assert_close_weights(load_file(tmp_path / "zero2" / LORA_FILE), load_file(tmp_path / "plain" / LORA_FILE))

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
+from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
 from vidtune.data.video import read_clip
@@ -74,7 +75,8 @@ def _rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], ports:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
-    parallel.TIMEOUT = timedelta(seconds=120)  # a broken collective fails the test instead of hanging for an hour
+    # A broken collective fails the test instead of hanging for an hour; a loaded CI machine still gets minutes.
+    parallel.TIMEOUT = timedelta(seconds=300)
     results = {name: _train(config, port, **options) for (name, config, options), port in zip(runs, ports, strict=True)}
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
@@ -276,3 +278,20 @@ def test_accumulation_under_zero_2_equals_twice_the_batch(make_config, tmp_path,
     assert [row["grad_norm"] for row in _metrics(tmp_path / "zero2")] == pytest.approx(
         [row["grad_norm"] for row in _metrics(tmp_path / "plain")], rel=1e-4)
     _assert_close_weights(load_file(tmp_path / "zero2" / LORA_FILE), load_file(tmp_path / "plain" / LORA_FILE))
+
+
+def test_control_lora_under_zero_3_validates_between_steps_and_trains_what_it_trains_without(
+        make_config, shapes_dataset, tmp_path, monkeypatch):
+    """Control training widens the input layer and hooks the control latents into it. Under ZeRO-3 the validation
+    samples come from a copy set up the same way, after which training goes on with its own hook: the losses are
+    those of the run without DeepSpeed."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    settings = {"training": {"algorithm": "control-lora", "steps": 2, "learning_rate": 1e-2}, "data_root": root}
+    plain = build_trainer(make_config(**settings, output_dir=str(tmp_path / "plain"))).run()
+    zero3 = build_trainer(make_config(**settings, parallel={"strategy": "deepspeed", "zero_stage": 3},
+                                      validation={"enabled": True, "every": 1, "num_inference_steps": 2},
+                                      output_dir=str(tmp_path / "zero3"))).run()
+    assert zero3.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert [path.name for path in zero3.sample_paths] == ["step-00000002-0.mp4"]
+    assert (tmp_path / "zero3" / "samples" / "step-00000001-0.mp4").is_file()

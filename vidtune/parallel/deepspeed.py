@@ -290,22 +290,28 @@ class DeepSpeedStrategy:
         """Rank 0, inside `gathered()`: for the block, `trainer.denoiser` is a plain copy that validation samples
         with. ZeRO-3's module gathers its weights for each layer's forward in a collective of all ranks, so one
         rank cannot run it alone: the copy is loaded from the model folder (a second model in rank 0's memory for
-        the time of the samples) and given the trained weights. ZeRO 1 and 2: the trained module itself."""
+        the time of the samples), set up by the algorithm as for training and given the trained weights. What
+        that set-up replaces on the trainer (the denoiser, a control input's hook) is put back afterwards.
+        ZeRO 1 and 2: the trained module itself."""
         if self.zero_stage != 3:
             yield
             return
-        trained = trainer.denoiser
         # A CPU copy: the gathered weights may hold the whole model on the GPU already.
         weights = {name: tensor.detach().to("cpu", copy=True)
                    for name, tensor in trainer.trainable_state_dict().items()}
+        before = dict(vars(trainer))
+        replaced = {"denoiser": trainer.denoiser}
         try:
             trainer.denoiser = trainer.spec.load_denoiser(self.device)
             trainer.configure_trainable(trainer.denoiser)
+            replaced.update({name: value for name, value in before.items() if vars(trainer).get(name) is not value
+                             and name != "denoiser"})
             trainer.load_trainable_state_dict(weights)
             del weights
             yield
         finally:
-            trainer.denoiser = trained
+            for name, value in replaced.items():
+                setattr(trainer, name, value)
 
     # ----- checkpoints -----------------------------------------------------------------------------------
     def save_state(self, root: Path, step: int) -> Path:

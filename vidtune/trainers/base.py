@@ -300,7 +300,7 @@ class Trainer(ABC):
         if self.config.validation.enabled and self.due(self.config.validation.every):
             # ZeRO-3: every rank gathers the sharded weights for rank 0's samples.
             with self.strategy.gathered() if self.strategy is not None else contextlib.nullcontext():
-                parallel.on_main(self.validate)
+                parallel.on_main(self.validate_in_place)
 
     def due(self, every: int | None, final: bool = False) -> bool:
         """Whether something done every `every` steps is due now (`final`: also after the last step)."""
@@ -467,20 +467,24 @@ class Trainer(ABC):
                   flush=True)
             self.load_encoders()
         settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
-        with (self.strategy.sampling(self) if self.strategy is not None else contextlib.nullcontext(),
-              self.ema.applied() if self.ema is not None else contextlib.nullcontext()):
-            pipeline = self.spec.pipeline(self.text, self.vae, self.denoiser)
+        pipeline = self.spec.pipeline(self.text, self.vae, self.denoiser)
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
             videos = render_samples(self.spec, pipeline, settings, self.output_dir / outputs.SAMPLES,
                                     f"step-{self.state.step:08d}",
                                     reference=reference_clip(self.spec, self.clips, settings), bf16=self.use_bf16)
         self.log.samples(self.state.step, videos, settings.frame_rate)
         return videos
 
+    def validate_in_place(self) -> list[Path]:
+        """`validate`; under ZeRO-3 with a plain copy of the denoiser in place (`DeepSpeedStrategy.sampling`)."""
+        with self.strategy.sampling(self) if self.strategy is not None else contextlib.nullcontext():
+            return self.validate()
+
     def write_results(self) -> tuple[Path, list[Path]]:
         """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""
         weights = self.save_final(self.output_dir)
         plot_loss_curve(self.output_dir / outputs.METRICS, self.output_dir / outputs.LOSS_PLOT)
-        samples = self.validate() if self.config.validation.enabled else []
+        samples = self.validate_in_place() if self.config.validation.enabled else []
         return weights, samples
 
     def export_weights(self, weights: dict[str, torch.Tensor], output: Path,

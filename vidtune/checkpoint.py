@@ -30,6 +30,7 @@ SHARDS = "shards"
 CONFIG = "config.yaml"
 PREFIX = "step-"
 FORMAT = 1
+ZERO_SHARDS = "zero"  # parallel.strategy=deepspeed: DeepSpeed's own files, each rank's shards
 
 
 def rng_state() -> dict[str, Any]:
@@ -68,10 +69,12 @@ def save(
     rank: int = 0,
     rng: dict[int, Any] | None = None,
     ema_weights: dict[str, torch.Tensor] | None = None,
+    shards: Path | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically under `root`, then keep only the newest `keep`.
 
     `rng`: the RNG states by rank (under torchrun, every rank's); default: this process's, as `rank`.
+    `shards`: a folder every rank wrote its part of the state into (DeepSpeed), moved in as `zero/`.
 
     Any error while writing (OSError for a full disk, ...) removes the temporary folder and is raised
     again; the checkpoints already under `root` are untouched then.
@@ -89,6 +92,8 @@ def save(
             temporary / STATE,
         )
         write_resolved_config(config, temporary)
+        if shards is not None:
+            shutil.move(shards, temporary / ZERO_SHARDS)
         fsync_tree(temporary)
     prune(root, keep)
     return final

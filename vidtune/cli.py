@@ -293,6 +293,8 @@ def quiet_third_party() -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vidtune", description="Fine-tune video diffusion models on your clips.")
     parser.add_argument("--verbose", action="store_true", help="show library logs and full tracebacks")
+    # The `deepspeed` launcher passes each process --local_rank=N before the command; LOCAL_RANK says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train from a config file and/or section.key=value overrides",

@@ -63,6 +63,11 @@ def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tu
             ema_weights = checkpoints.load_ema(folder)
     except (OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"Could not read the checkpoint {folder}: {error}") from None
+    if (folder / checkpoints.ZERO_SHARDS).is_dir() and config.parallel.strategy != "deepspeed":
+        raise CheckpointError(f"The checkpoint {folder} was written with parallel.strategy=deepspeed, whose "
+                              "optimizer state only DeepSpeed reads. What to do: resume it with "
+                              "parallel.strategy=deepspeed on as many processes as wrote it, or start a new run "
+                              f"from its weights (`vidtune export {folder} --output FOLDER`).")
     if state.get("algorithm", algorithm) != algorithm:
         raise ConfigError(f"Cannot resume from {folder}: it was written by training.algorithm="
                           f"{state['algorithm']}, this run uses {algorithm}.")
@@ -111,7 +116,7 @@ class TrainingState:
             with warnings.catch_warnings():  # "scheduler stepped before optimizer": intended here
                 warnings.simplefilter("ignore", UserWarning)
                 self.lr_scheduler.step()
-        self.strategy.zero_grad(self.optimizer)
+        self.strategy.zero_grad(self.optimizer, applied=finite)
 
     # ----- checkpoints ----------------------------------------------------------------------------------------
     def save(self, root: Path) -> Path:
@@ -122,6 +127,11 @@ class TrainingState:
         rng = dict(enumerate(parallel.gather_objects(checkpoints.rng_state())))
         if self.strategy.sharded_checkpoints:
             folder = self._write_sharded(root, rng)
+        elif self.strategy.engine_checkpoints:
+            # DeepSpeed: every rank writes its shards and takes part in gathering the trained weights.
+            shards = self.strategy.save_engine_state(root, self.step)
+            weights = self.strategy.full_trainable_state_dict(self.strategy.module, self.get_weights)
+            folder = parallel.on_main(lambda: self._write(root, rng, shards, weights))
         else:
             folder = parallel.on_main(lambda: self._write(root, rng))
         self.saved_step = self.step
@@ -151,18 +161,21 @@ class TrainingState:
         except (OSError, RuntimeError) as error:  # DCP reports a failed write as a CheckpointException
             raise self._write_failed(root, error) from error
 
-    def _write(self, root: Path, rng: dict[int, Any]) -> Path:
+    def _write(self, root: Path, rng: dict[int, Any], shards: Path | None = None,
+               weights: Weights | None = None) -> Path:
         try:
             return checkpoints.save(
                 root,
                 step=self.step,
-                weights=self.get_weights(),
-                optimizer=self.optimizer.state_dict(),
+                weights=self.get_weights() if weights is None else weights,
+                # DeepSpeed's optimizer state is in its shards.
+                optimizer=self.optimizer.state_dict() if shards is None else {},
                 extra=self._extra(len(rng)),
                 config=self.config,
                 keep=self.config.checkpoint.keep,
                 rng=rng,
                 ema_weights=self.ema_weights(),
+                shards=shards,
             )
         except (OSError, RuntimeError, SafetensorError) as error:
             # A full disk reaches here as OSError (config), SafetensorError (weights) or RuntimeError (torch.save).
@@ -198,7 +211,9 @@ class TrainingState:
                                   "checkpoints on several processes. What to do: resume it with "
                                   "parallel.strategy=ddp (or in one process), or start anew.")
         try:
-            if saved.weights is not None:
+            if self.strategy.engine_checkpoints:  # DeepSpeed: each rank reads its shards of weights and optimizer
+                self.strategy.load_engine_state(saved.folder, int(state.get("world_size", 1)))
+            elif saved.weights is not None:
                 self.set_weights({key: value.to(device) for key, value in saved.weights.items()})
                 self.optimizer.load_state_dict(state["optimizer"])
             self._restore_ema(saved, device)

@@ -120,7 +120,7 @@ class FullyShardedStrategy(Strategy):
 
     # ----- results ----------------------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def gathered(self, module: nn.Module) -> Iterator[None]:
+    def gathered(self, module: nn.Module, everything: bool = False) -> Iterator[None]:
         """Every block's weights gathered on every rank (one all-gather each) and held, within the block, as
         ordinary parameters of their own: rank 0 alone may then run forwards (validation samples) and save them
         (safetensors cannot write views into FSDP's all-gather buffers). Sharded again at the end."""

@@ -36,6 +36,11 @@ class Strategy:
     # Whether `save_state` / `load_state` write / read the checkpoint's weights and optimizer state (every rank
     # taking part) instead of the single-file format rank 0 writes.
     sharded_checkpoints = False
+    # Whether the training engine keeps checkpoint files of its own beside the single-file format (DeepSpeed's
+    # `zero/`: `save_engine_state` / `load_engine_state`).
+    engine_checkpoints = False
+    # Whether `wrap` comes before a checkpoint is restored (an engine that restores into itself).
+    wraps_before_restore = False
 
     def __init__(self, config: Config, device: torch.device) -> None:
         self.config = config
@@ -71,7 +76,8 @@ class Strategy:
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, optimizer: torch.optim.Optimizer, applied: bool = True) -> None:
+        """After each step (`applied`: whether the update was, or the step was skipped as non-finite)."""
         optimizer.zero_grad(set_to_none=True)
 
     def save_state(self, folder: Path, weights: Weights, optimizer: torch.optim.Optimizer) -> None:
@@ -88,8 +94,14 @@ class Strategy:
         read_shards(folder, self.module, weights, set_weights, optimizer)
 
     @contextlib.contextmanager
-    def gathered(self, module: nn.Module) -> Iterator[None]:
-        """Within the block, `module` holds its whole weights on every rank (rank 0 saves / samples them)."""
+    def gathered(self, module: nn.Module, everything: bool = False) -> Iterator[None]:
+        """Within the block, `module` holds its whole trained weights on every rank (rank 0 saves / samples them;
+        `everything`: the frozen ones too, for the final files)."""
+        yield
+
+    @contextlib.contextmanager
+    def sampling(self, trainer: object) -> Iterator[None]:
+        """Rank 0, inside `gathered`: what validation samples with is the trainer's denoiser as it is."""
         yield
 
     def full_trainable_state_dict(self, module: nn.Module, get_weights: Callable[[], Weights]) -> Weights:
@@ -132,10 +144,9 @@ def choose_strategy(config: Config, device: torch.device) -> Strategy:
     elif name == "ddp" or (name == "auto" and parallel.world_size() > 1):
         strategy = DataParallelStrategy(config, device)
     elif name == "deepspeed":
-        from vidtune.errors import ConfigError
+        from vidtune.parallel.deepspeed import DeepSpeedStrategy
 
-        raise ConfigError("parallel.strategy=deepspeed is not available in this version of vidtune. What to do: use "
-                          "parallel.strategy=fsdp to shard the model over the GPUs, or ddp.")
+        strategy = DeepSpeedStrategy(config, device)
     else:
         strategy = Strategy(config, device)
     strategy.check()

@@ -60,6 +60,8 @@ from vidtune.offload import (
     loading_device,
 )
 from vidtune.optim import check_optimizer
+from vidtune.parallel.deepspeed import check_deepspeed
+from vidtune.parallel.deepspeed import process_group as deepspeed_process_group
 from vidtune.parallel.strategy import Strategy, choose_strategy
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
@@ -164,7 +166,8 @@ class Trainer(ABC):
     # ----- the run ---------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         # Under torchrun: this run's process group (or the one already set up), taken down at the end.
-        with parallel.process_group(self.device):
+        deepspeed = self.config.parallel.strategy == "deepspeed"
+        with deepspeed_process_group(self.device) if deepspeed else parallel.process_group(self.device):
             return self.train()
 
     def train(self) -> TrainResult:
@@ -200,7 +203,8 @@ class Trainer(ABC):
                 stopped_by = agreed_stop(stop)
                 if stopped_by is not None:
                     raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
-            with self.strategy.gathered(self.denoiser):  # FSDP: the whole weights, for rank 0 to save
+            # FSDP, ZeRO-3: every rank gathers the whole weights for rank 0 to save and sample.
+            with self.strategy.gathered(self.denoiser, everything=True):
                 weights, samples = parallel.on_main(self.write_results)
         return TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
 
@@ -217,11 +221,14 @@ class Trainer(ABC):
         self.ema = self.make_ema(parameters)
         self.state = TrainingState(self.config, self.algorithm, parameters, len(self.clips),
                                    self.trainable_state_dict, self.load_trainable_state_dict, self.ema, self.strategy)
+        if self.strategy.wraps_before_restore:  # DeepSpeed: each rank restores its own shards into the engine
+            self.trained_denoiser = self.strategy.wrap(self.denoiser, parameters, self.state.optimizer)
         if saved is not None:
             self.state.restore(saved, self.device)
         self.first_step = self.state.step
-        # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
-        self.trained_denoiser = self.strategy.wrap(self.denoiser, parameters, self.state.optimizer)
+        if not self.strategy.wraps_before_restore:
+            # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
+            self.trained_denoiser = self.strategy.wrap(self.denoiser, parameters, self.state.optimizer)
         # After the wrapper, which checks and broadcasts the weights on the training device.
         self.block_swap = apply_block_swap(self.denoiser, self.spec.block_lists, self.config.memory.blocks_to_swap,
                                            self.device)
@@ -257,7 +264,7 @@ class Trainer(ABC):
         with self.strategy.accumulating(self.trained_denoiser, sync=sync):
             with activation_offload(self.config.memory.activation_offload, self.device):
                 loss = self.compute_loss(batch) / self.clips_per_step
-            self.strategy.backward(loss)
+            self.strategy.backward(loss)  # DDP, FSDP and DeepSpeed reduce the gradients in the backward
         return loss.detach()
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:
@@ -307,8 +314,9 @@ class Trainer(ABC):
         if self.due(self.config.checkpoint.every):
             self.state.save(self.checkpoints_root)
         if self.config.validation.enabled and self.due(self.config.validation.every):
+            # FSDP, ZeRO-3: every rank gathers the trained weights for rank 0's samples.
             with self.strategy.gathered(self.denoiser):
-                parallel.on_main(self.validate)
+                parallel.on_main(self.validate_in_place)
 
     def due(self, every: int | None, final: bool = False) -> bool:
         """Whether something done every `every` steps is due now (`final`: also after the last step)."""
@@ -353,6 +361,8 @@ class Trainer(ABC):
         self.objective = self.spec.objective(self.config.training)  # an unknown scheduler fails here, not later
         check_trackers(self.config)
         check_optimizer(self.config, self.device)
+        if self.config.parallel.strategy == "deepspeed":
+            check_deepspeed(self.config, self.device.type, self.resuming_from)
         check_base_weights(self.config.memory.base_weights)
         check_base_weights(self.config.memory.text_encoder_weights, "memory.text_encoder_weights")
         memory, training = self.config.memory, self.config.training
@@ -429,7 +439,7 @@ class Trainer(ABC):
     def check_every_parameter_trains(self, parameters: list[nn.Parameter]) -> None:
         """Under torchrun, after the first step: DDP (which does not search for unused parameters, that would cost
         a graph traversal every step) needs every trainable parameter to take part in the loss."""
-        if not parallel.is_distributed():
+        if not parallel.is_distributed() or self.strategy is not None:  # DeepSpeed keeps gradients in its shards
             return
         names = {id(p): name for name, p in self.denoiser.named_parameters()}
         unused = [names.get(id(p), "?") for p in parameters if p.grad is None]
@@ -491,6 +501,11 @@ class Trainer(ABC):
         self.log.samples(self.state.step, videos, settings.frame_rate)
         return videos
 
+    def validate_in_place(self) -> list[Path]:
+        """`validate`; under ZeRO-3 with a plain copy of the denoiser in place (`DeepSpeedStrategy.sampling`)."""
+        with self.strategy.sampling(self):
+            return self.validate()
+
     def sampling_pipeline(self) -> Any:
         """The family's pipeline over the models being trained, for validation samples (an algorithm whose model
         samples another way changes a part of it)."""
@@ -500,7 +515,7 @@ class Trainer(ABC):
         """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""
         weights = self.save_final(self.output_dir)
         plot_loss_curve(self.output_dir / outputs.METRICS, self.output_dir / outputs.LOSS_PLOT)
-        samples = self.validate() if self.config.validation.enabled else []
+        samples = self.validate_in_place() if self.config.validation.enabled else []
         return weights, samples
 
     def export_weights(self, weights: dict[str, torch.Tensor], output: Path,

@@ -159,7 +159,7 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
     weights, state = checkpoint.load(folder)
     assert len(weights) == len(trained) and any(v.abs().max() > 0 for k, v in weights.items() if "lora_B" in k)
     assert sorted(state["rng"]) == [0, 1] and state["world_size"] == 2 and state["samples_consumed"] == STEPS * 2
-    shards = sorted(p.name for p in (folder / checkpoint.SHARDS / "state").iterdir())
+    shards = sorted(p.name for p in (folder / checkpoint.ZERO_SHARDS / "state").iterdir())
     assert [name for name in shards if "optim_states" in name] == [
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
     assert not any(p.name.startswith(".zero-") for p in (tmp_path / "zero2" / "checkpoints").iterdir())

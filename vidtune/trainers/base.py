@@ -439,7 +439,7 @@ class Trainer(ABC):
     def check_every_parameter_trains(self, parameters: list[nn.Parameter]) -> None:
         """Under torchrun, after the first step: DDP (which does not search for unused parameters, that would cost
         a graph traversal every step) needs every trainable parameter to take part in the loss."""
-        if not parallel.is_distributed() or self.strategy is not None:  # DeepSpeed keeps gradients in its shards
+        if not parallel.is_distributed() or self.strategy.engine_checkpoints:  # DeepSpeed keeps gradients in its shards
             return
         names = {id(p): name for name, p in self.denoiser.named_parameters()}
         unused = [names.get(id(p), "?") for p in parameters if p.grad is None]

@@ -87,9 +87,51 @@ def components_on_meta(spec: ModelSpec, device: torch.device, where: torch.devic
 
     spec.load_component = types.MethodType(load_component, spec)
     try:
-        yield
+        with _masks_never_read():
+            yield
     finally:
         del spec.load_component
+
+
+@contextlib.contextmanager
+def _masks_never_read() -> Iterator[None]:
+    """transformers reads an attention mask's values to skip building it when nothing is masked; a meta tensor has
+    no values. It does the same for the fake tensors of a traced graph: meta tensors are declared traced too (the
+    mask is then built, as it is for any padded caption)."""
+    from transformers import masking_utils
+
+    original = masking_utils.is_tracing
+
+    def is_tracing(tensor: torch.Tensor | None = None) -> bool:
+        return (isinstance(tensor, torch.Tensor) and tensor.is_meta) or original(tensor)
+
+    masking_utils.is_tracing = is_tracing
+    try:
+        yield
+    finally:
+        masking_utils.is_tracing = original
+
+
+class _Autocast(torch.autocast):
+    """`torch.autocast` that accepts the meta device (where it has nothing to do): a model's own autocast region
+    (Mochi's rotary embeddings) names the device of its tensors."""
+
+    def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def autocast_on_meta() -> Iterator[None]:
+    from torch.fx.experimental import _config as fx_config
+
+    original = torch.autocast
+    torch.autocast = _Autocast
+    # Selecting a caption's real tokens (Mochi) reads the mask: on meta, every token counts (the longest caption).
+    with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+        try:
+            yield
+        finally:
+            torch.autocast = original
 
 
 def _image_size(spec: ModelSpec) -> int:

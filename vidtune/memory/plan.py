@@ -30,7 +30,7 @@ from vidtune.config import Config
 from vidtune.errors import ConfigError
 from vidtune.memory import _frozen_linears
 from vidtune.memory.architectures import architecture_folder
-from vidtune.memory.meta import META, components_on_meta
+from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import FusedAttention, LiveMemory
 
 GIB = 1024**3
@@ -233,7 +233,8 @@ def trace_step(config: Config, conditions: dict, latent_shape: tuple[int, ...], 
     live.known([*denoiser.parameters(), *denoiser.buffers(), *_leaves(conditions)])
     denoiser.train()
     batch = config.training.batch_size
-    with FusedAttention(device.type), live, _offloading_saved_tensors(live, config.memory.activation_offload):
+    with FusedAttention(device.type), autocast_on_meta(), live, \
+            _offloading_saved_tensors(live, config.memory.activation_offload):
         noisy = torch.zeros((batch, *latent_shape[1:]), dtype=denoiser.dtype, device=META)
         timesteps = torch.full((batch,), 500.0, device=META)
         batch_conditions = {key: _batched(value, batch) for key, value in conditions.items()}

@@ -108,15 +108,15 @@ class FusedAttention(TorchFunctionMode):
     def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                   scale: float | None = None) -> torch.Tensor:
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch converts it for the fused kernels
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                attn_mask.logical_not(), float("-inf"))
         if self.device_type != "cuda":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
         if attn_mask is None:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, scale=scale)[0]
-        if attn_mask.dtype == torch.bool:  # as torch converts a boolean mask for the fused kernels
-            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                attn_mask.logical_not(), float("-inf"))
         bias = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]

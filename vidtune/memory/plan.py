@@ -31,7 +31,7 @@ from vidtune.errors import ConfigError
 from vidtune.memory import _frozen_linears
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
-from vidtune.memory.tracking import FusedAttention, LiveMemory
+from vidtune.memory.tracking import LiveMemory, fused_attention
 
 GIB = 1024**3
 # Tensors smaller than this keep fp32 optimizer state in the low-bit optimizers (bitsandbytes and torchao alike),
@@ -233,7 +233,7 @@ def trace_step(config: Config, conditions: dict, latent_shape: tuple[int, ...], 
     live.known([*denoiser.parameters(), *denoiser.buffers(), *_leaves(conditions)])
     denoiser.train()
     batch = config.training.batch_size
-    with FusedAttention(device.type), autocast_on_meta(), live, \
+    with fused_attention(device.type), autocast_on_meta(), live, \
             _offloading_saved_tensors(live, config.memory.activation_offload):
         noisy = torch.zeros((batch, *latent_shape[1:]), dtype=denoiser.dtype, device=META)
         timesteps = torch.full((batch,), 500.0, device=META)
@@ -323,7 +323,7 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
                                         skip_modules_pattern=_skip_patterns(encoder))
         live = LiveMemory()
         live.known([t for encoder in encoders for t in (*encoder.parameters(), *encoder.buffers())])
-        with FusedAttention(device.type), live:
+        with fused_attention(device.type), live:
             conditions = spec.prepare_conditions(text, ["a"] * config.precompute.batch_size)
         text_weights = _module_bytes(encoders, option)
         text_bytes = text_weights + live.peak
@@ -336,7 +336,7 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
                 module.enable_tiling()
     live = LiveMemory()
     live.known([t for module in vae_modules for t in (*module.parameters(), *module.buffers())])
-    with FusedAttention(device.type), live:
+    with fused_attention(device.type), live:
         videos = torch.zeros(batch, frames, 3, height, width, device=META)
         latents = spec.prepare_latents(vae, videos)
         latents = {key: value[:1] for key, value in latents.items()}

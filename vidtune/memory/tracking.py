@@ -13,12 +13,12 @@ while saved and come back when the backward pass reads them.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -89,29 +89,24 @@ class LiveMemory(TorchDispatchMode):
         return result
 
 
-class FusedAttention(TorchFunctionMode):
+@contextlib.contextmanager
+def fused_attention(device_type: str) -> Iterator[None]:
     """`scaled_dot_product_attention` as the planned device runs it. On meta tensors torch picks its reference
     implementation, which stores the whole attention matrix; the fused kernels the CPU and CUDA pick never do
     (flash attention; on CUDA with a mask, memory-efficient attention). Their meta versions give the same shapes
-    and the same saved tensors (output, log-sum-exp) as on the device."""
+    and the same saved tensors (output, log-sum-exp) as on the device. The function is replaced where models look
+    it up, so gradient checkpointing's recomputation in the backward pass sees the same one."""
+    original = F.scaled_dot_product_attention
 
-    def __init__(self, device_type: str) -> None:
-        super().__init__()
-        self.device_type = device_type
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or kwargs.pop("enable_gqa", False):
-            return func(*args, **kwargs)
-        return self.attention(*args, **kwargs)
-
-    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                  scale: float | None = None) -> torch.Tensor:
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        if enable_gqa:
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True)
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch converts it for the fused kernels
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 attn_mask.logical_not(), float("-inf"))
-        if self.device_type != "cuda":
+        if device_type != "cuda":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
         if attn_mask is None:
@@ -120,3 +115,9 @@ class FusedAttention(TorchFunctionMode):
         bias = attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

@@ -17,14 +17,16 @@ from vidtune.config import Config
 from vidtune.memory.plan import GIB, MemoryPlan, plan_memory
 
 # Estimated step time relative to the plain run (1.0): used only to rank the changes.
+# Activation offload copies every saved activation to the host and back each step: without checkpointing that is
+# tens of GiB a step, so it ranks after everything but block swap.
 COST = {
-    "training.gradient_checkpointing=true": 1.3,
+    "training.gradient_checkpointing=true": 1.25,
     "memory.base_weights=fp8": 1.05,
     "memory.base_weights=int8": 1.1,
-    "memory.base_weights=nf4": 1.2,
+    "memory.base_weights=nf4": 1.15,
     "optimizer.name=adamw8bit": 1.01,
     "optimizer.cpu_offload=true": 1.15,
-    "memory.activation_offload=true": 1.25,
+    "memory.activation_offload=true": 1.6,
 }
 SWAP_COST_PER_BLOCK_SHARE = 0.5  # block swap: + this x the share of blocks swapped
 ADAPTER_ALGORITHMS = ("lora", "guidance-distillation", "step-distillation")
@@ -117,10 +119,11 @@ def _fewest_blocks(config: Config, budget: float, world_size: int) -> tuple[int,
     """The fewest `memory.blocks_to_swap` with which `config` fits (bisection: weights fall as blocks leave)."""
     if config.training.algorithm not in ADAPTER_ALGORITHMS or config.memory.blocks_to_swap:
         return None
-    from vidtune.memory.plan import _encoders, _planned_device, _step, transformer_blocks  # the cached traces
+    from vidtune.memory.plan import _encoders, _planned_device, _step, resolve_architecture, transformer_blocks
 
-    device = _planned_device(config)
-    total = len(transformer_blocks(_step(config, device, _encoders(config, device)).denoiser))
+    resolved, _ = resolve_architecture(config)
+    device = _planned_device(resolved)
+    total = len(transformer_blocks(_step(resolved, device, _encoders(resolved, device)).denoiser))
     plan = plan_memory(with_overrides(config, [f"memory.blocks_to_swap={total}"]), world_size)
     if plan.peak > budget:
         return None

@@ -8,6 +8,7 @@ component is built exactly as `from_config` builds it from the released file. A 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import tempfile
 from pathlib import Path
@@ -30,8 +31,21 @@ def _written(hub_id: str) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="vidtune-architecture-"))
     for component, config in shipped_architectures()[hub_id]["components"].items():
         (folder / component).mkdir()
-        (folder / component / "config.json").write_text(json.dumps(config))
+        (folder / component / "config.json").write_text(json.dumps(_with_defaults(config)))
     return folder
+
+
+def _with_defaults(config: dict) -> dict:
+    """A diffusers component's config with every argument its class takes (the specs read some of them from the
+    file, as a released config.json holds them all); transformers configs fill their own defaults."""
+    import diffusers
+
+    cls = getattr(diffusers, config["_class_name"], None)
+    if cls is None or "model_type" in config:
+        return config
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    return json.loads(json.dumps({**defaults, **config}, default=list))
 
 
 def architecture_folder(pretrained: str, family: str) -> tuple[Path, str]:

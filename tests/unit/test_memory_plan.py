@@ -14,7 +14,7 @@ from vidtune.errors import ConfigError
 from vidtune.memory.architectures import shipped_architectures
 from vidtune.memory.measure import measure_training
 from vidtune.memory.meta import META, build_from_config
-from vidtune.memory.plan import GIB, plan_memory, quantized_linear_bytes
+from vidtune.memory.plan import GIB, plan_memory, quantized_linear_bytes, weight_bytes
 from vidtune.memory.suggest import suggest, with_overrides
 from vidtune.memory.tracking import LiveMemory
 from vidtune.models.registry import available_models, get_spec_class
@@ -118,11 +118,18 @@ def test_plan_works_offline_for_a_shipped_hub_id():
 def test_quantized_weights_and_block_swap_are_accounted(plan_config):
     linear = torch.nn.Linear(256, 128, device=META)
     assert quantized_linear_bytes(linear, "int8") == 256 * 128 + 128 * 4
-    assert quantized_linear_bytes(linear, "nf4") == 256 * 128 // 2 + 512 + 4 + 4
+    assert quantized_linear_bytes(linear, "nf4") == 256 * 128 // 2 + 512 + 2 * 4 + 4
     plain = plan_memory(plan_config()).training["weights"]
     assert plan_memory(plan_config(memory={"base_weights": "int8"})).training["weights"] < 0.6 * plain
-    swapped = plan_memory(plan_config(memory={"blocks_to_swap": 2})).training["weights"]
-    assert swapped < plain
+    # Block swap: the swapped blocks' frozen weights leave, two of them stay in flight.
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(8, 8)
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(5)])
+    model.requires_grad_(False)
+    block, proj = (16 * 16 + 16) * 4, (8 * 8 + 8) * 4
+    assert weight_bytes(model, "auto", 0) == proj + 5 * block
+    assert weight_bytes(model, "auto", 3) == proj + 2 * block + 2 * block
+    assert weight_bytes(model, "auto", 5) == proj + 2 * block
     with pytest.raises(ConfigError, match=r"memory\.blocks_to_swap=99"):
         plan_memory(plan_config(memory={"blocks_to_swap": 99}))
 

@@ -336,8 +336,10 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
                 module.enable_tiling()
     live = LiveMemory()
     live.known([t for module in vae_modules for t in (*module.parameters(), *module.buffers())])
+    # The clips are real (zeros) host tensors, as decoded clips are: image-to-video families read the first frame's
+    # pixels (an image processor, a seed from its content). Only the device's copy of them is counted.
+    videos = torch.zeros(batch, frames, 3, height, width)
     with fused_attention(device.type), live:
-        videos = torch.zeros(batch, frames, 3, height, width, device=META)
         latents = spec.prepare_latents(vae, videos)
         latents = {key: value[:1] for key, value in latents.items()}
     vae_weights = _module_bytes(vae_modules)

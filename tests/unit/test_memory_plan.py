@@ -63,6 +63,7 @@ def test_plan_matches_the_measured_peak_of_each_tiny_family(plan_config, family)
     assert BAND[0] <= predicted / measured <= BAND[1], (predicted, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", [
     {"training": {"algorithm": "full", "gradient_checkpointing": True}},
     {"memory": {"base_weights": "int8"}},

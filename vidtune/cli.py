@@ -199,6 +199,13 @@ def command_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_plan(args: argparse.Namespace) -> int:
+    from vidtune.memory.report import run_plan
+
+    path, overrides = _split_config_and_overrides(args.config)
+    return run_plan(path, overrides, args.gpu_memory, args.json, args.gpus)
+
+
 def positive_int(text: str) -> int:
     """An option's whole number above 0 (argparse names the option and shows the usage otherwise)."""
     try:
@@ -384,6 +391,18 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--no-ema", action="store_true", help="runs with training.ema_decay: the trained weights "
                         "instead of their moving average (which validation used)")
     sample.set_defaults(handler=command_sample)
+
+    plan = commands.add_parser("plan", help="the peak GPU memory a config needs, and what makes it fit (no weights "
+                               "loaded, no GPU needed)")
+    plan.add_argument("config", nargs="*", metavar="CONFIG [KEY=VALUE ...]",
+                      help="a config file (YAML or TOML), then section.key=value overrides")
+    plan.add_argument("--gpu-memory", type=float, metavar="GIB", help="the GPU's memory: whether the run fits, and "
+                      "else the fastest settings that make it fit")
+    plan.add_argument("--gpus", type=positive_int, default=1, metavar="N", help="GPUs training together "
+                      "(parallel.strategy fsdp / deepspeed shard over them)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object (peak_gib; with --gpu-memory also "
+                      "fits and suggested_overrides)")
+    plan.set_defaults(handler=command_plan)
     return parser
 
 

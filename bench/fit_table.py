@@ -1,0 +1,70 @@
+"""README's "Will it fit?" table: `vidtune plan` for a LoRA of every family at one clip size, on cards of
+16 / 24 / 48 / 80 GiB (the settings `--gpu-memory` suggests, or "-" when nothing vidtune has makes it fit).
+
+    python bench/fit_table.py                         # 49x512x768, rank 128, precomputed (several minutes)
+    python bench/fit_table.py --models Lightricks/LTX-Video --frames 49 --height 512 --width 768
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from vidtune.config import build_config
+from vidtune.memory.architectures import shipped_architectures
+from vidtune.memory.plan import GIB, plan_memory
+from vidtune.memory.suggest import suggest
+
+MODELS = ["Lightricks/LTX-Video", "THUDM/CogVideoX-5b", "hunyuanvideo-community/HunyuanVideo",
+          "genmo/mochi-1-preview", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers"]
+SHORT = {"training.gradient_checkpointing=true": "checkpointing", "precompute.enabled=true": "",
+         "memory.vae_tiling=true": "", "optimizer.name=adamw8bit": "adamw8bit",
+         "optimizer.cpu_offload=true": "optimizer offload", "memory.activation_offload=true": "activation offload"}
+
+
+def short(overrides: list[str]) -> str:
+    """The training-stage changes in a few words (precompute settings are the same for every card)."""
+    words = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if override in SHORT:
+            words.append(SHORT[override])
+        elif key == "memory.base_weights":
+            words.append(f"{value} base")
+        elif key == "memory.blocks_to_swap":
+            words.append(f"swap {value} blocks")
+        elif key == "memory.text_encoder_weights":
+            continue
+        else:
+            words.append(override)
+    return ", ".join(word for word in words if word) or "as is"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=MODELS)
+    parser.add_argument("--frames", type=int, default=49)
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--rank", type=int, default=128)
+    parser.add_argument("--cards", type=float, nargs="*", default=[16, 24, 48, 80])
+    args = parser.parse_args()
+    header = " | ".join(f"{card:g} GiB" for card in args.cards)
+    print(f"| model | plain LoRA (bf16) | {header} |\n|---|---:|{'---|' * len(args.cards)}", flush=True)
+    for hub_id in args.models:
+        started = time.perf_counter()
+        config = build_config({
+            "model": {"name": shipped_architectures()[hub_id]["family"], "pretrained": hub_id},
+            "data": {"root": ".", "frames": args.frames, "height": args.height, "width": args.width},
+            "lora": {"rank": args.rank, "alpha": args.rank}, "precompute": {"enabled": True}})
+        plain = plan_memory(config)
+        cells = []
+        for card in args.cards:
+            found = suggest(config, card)
+            cells.append(f"{short(found.overrides)} ({found.plan.peak / GIB:.1f})" if found else "-")
+        seconds = time.perf_counter() - started
+        print(f"| {hub_id} | {plain.peak / GIB:.1f} GiB | {' | '.join(cells)} |  <!-- {seconds:.0f} s -->", flush=True)
+
+
+if __name__ == "__main__":
+    main()

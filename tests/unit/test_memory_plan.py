@@ -1,0 +1,174 @@
+"""The memory planner (`vidtune plan`): its prediction against the measured peak, the shipped architectures, the
+accounting of the memory savers, the suggestion search and the command's JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vidtune.cli import main
+from vidtune.config import build_config
+from vidtune.errors import ConfigError
+from vidtune.memory.architectures import shipped_architectures
+from vidtune.memory.measure import measure_training
+from vidtune.memory.meta import META, build_from_config
+from vidtune.memory.plan import GIB, plan_memory, quantized_linear_bytes, weight_bytes
+from vidtune.memory.suggest import suggest, with_overrides
+from vidtune.memory.tracking import LiveMemory
+from vidtune.models.registry import available_models, get_spec_class
+from vidtune.models.tiny import TINY_SHAPES
+
+BAND = (0.85, 1.15)
+
+
+@pytest.fixture
+def plan_config(tiny_model_dir):
+    """plan_config(family, **sections) -> a CPU config of the family's tiny model, trained from the cache."""
+
+    def build(family: str = "ltx-video", **sections):
+        frames, height, width = TINY_SHAPES[family]
+        data = {"model": {"name": family, "pretrained": str(tiny_model_dir(family))},
+                "data": {"root": ".", "frames": frames, "height": height, "width": width},
+                "training": {"device": "cpu"}, "precompute": {"enabled": True}}
+        for section, values in sections.items():
+            data.setdefault(section, {}).update(values)
+        return build_config(data)
+
+    return build
+
+
+def test_live_memory_counts_what_is_alive():
+    live = LiveMemory()
+    weight = torch.ones(1000)
+    live.known([weight])
+    with live:
+        first = weight * 2  # 4000 bytes
+        second = first + 1  # 8000 live
+        del first
+        third = second.view(10, 100)  # a view: no new storage
+    assert live.peak == 8000
+    assert live.current == 4000
+    assert third.untyped_storage().nbytes() == 4000
+
+
+@pytest.mark.parametrize("family", available_models())
+def test_plan_matches_the_measured_peak_of_each_tiny_family(plan_config, family):
+    """Planned on meta from the saved tiny model's config.json files, measured by the profiler while the same
+    model (random weights) trains two steps on the CPU."""
+    config = plan_config(family)
+    predicted = plan_memory(config).training_peak
+    measured = measure_training(config).peak
+    assert BAND[0] <= predicted / measured <= BAND[1], (predicted, measured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    {"training": {"algorithm": "full", "gradient_checkpointing": True}},
+    {"memory": {"base_weights": "int8"}},
+    {"memory": {"base_weights": "fp8"}},
+    {"training": {"algorithm": "full"}, "optimizer": {"name": "came"}},
+], ids=["full-checkpointing", "int8", "fp8", "full-came"])
+def test_plan_matches_the_measured_peak_across_options(plan_config, options):
+    config = plan_config("ltx-video", lora={"rank": 64, "alpha": 64}, **options)
+    predicted = plan_memory(config).training_peak
+    measured = measure_training(config).peak
+    assert BAND[0] <= predicted / measured <= BAND[1], (predicted, measured)
+
+
+# Parameter counts of the released denoisers (their model cards, rounded): the shipped configs build these.
+DENOISER_PARAMETERS = {
+    "Lightricks/LTX-Video": 1.9e9,
+    "THUDM/CogVideoX-2b": 1.7e9,
+    "THUDM/CogVideoX-5b": 5.6e9,
+    "THUDM/CogVideoX-5b-I2V": 5.6e9,
+    "hunyuanvideo-community/HunyuanVideo": 12.8e9,
+    "genmo/mochi-1-preview": 10.0e9,
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": 1.4e9,
+    "Wan-AI/Wan2.1-T2V-14B-Diffusers": 14.3e9,
+    "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": 16.4e9,
+}
+
+
+@pytest.mark.parametrize("hub_id", sorted(shipped_architectures()))
+def test_shipped_architectures_build_the_released_denoisers(hub_id):
+    entry = shipped_architectures()[hub_id]
+    spec_class = get_spec_class(entry["family"])
+    from vidtune.memory.architectures import _written
+
+    denoiser = build_from_config(spec_class.denoiser_class, _written(hub_id) / "transformer", None)
+    count = sum(p.numel() for p in denoiser.parameters())
+    assert all(p.device == META for p in denoiser.parameters())
+    assert abs(count / DENOISER_PARAMETERS[hub_id] - 1) < 0.08, count
+
+
+@pytest.mark.slow
+def test_plan_works_offline_for_a_shipped_hub_id():
+    config = build_config({"model": {"name": "wan", "pretrained": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"},
+                           "data": {"root": ".", "frames": 17, "height": 256, "width": 256},
+                           "training": {"gradient_checkpointing": True}, "precompute": {"enabled": True}})
+    plan = plan_memory(config)
+    assert plan.device == "cuda"
+    # 1.4B bf16 weights; the LoRA's gradients and state in fp32.
+    assert 2.5 < plan.training["weights"] / GIB < 3.0
+    assert plan.training["optimizer state"] == 2 * plan.training["gradients"]
+    assert plan.precompute["precompute: text encoders"] > 10 * GIB  # UMT5-XXL in bf16
+
+
+def test_quantized_weights_and_block_swap_are_accounted(plan_config):
+    linear = torch.nn.Linear(256, 128, device=META)
+    assert quantized_linear_bytes(linear, "int8") == 256 * 128 + 128 * 4
+    assert quantized_linear_bytes(linear, "nf4") == 256 * 128 // 2 + 512 + 2 * 4 + 4
+    plain = plan_memory(plan_config()).training["weights"]
+    assert plan_memory(plan_config(memory={"base_weights": "int8"})).training["weights"] < 0.6 * plain
+    # Block swap: the swapped blocks' frozen weights leave, two of them stay in flight.
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(8, 8)
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(5)])
+    model.requires_grad_(False)
+    block, proj = (16 * 16 + 16) * 4, (8 * 8 + 8) * 4
+    assert weight_bytes(model, "auto", 0) == proj + 5 * block
+    assert weight_bytes(model, "auto", 3) == proj + 2 * block + 2 * block
+    assert weight_bytes(model, "auto", 5) == proj + 2 * block
+    with pytest.raises(ConfigError, match=r"memory\.blocks_to_swap=99"):
+        plan_memory(plan_config(memory={"blocks_to_swap": 99}))
+
+
+def test_sharding_divides_the_sharded_parts(plan_config):
+    config = plan_config(training={"algorithm": "full"}, parallel={"strategy": "fsdp"})
+    one, four = plan_memory(config), plan_memory(config, world_size=4)
+    for part in ("weights", "gradients", "optimizer state"):
+        assert four.training[part] == -(-one.training[part] // 4)
+    assert four.training["activations"] == one.training["activations"]
+
+
+def test_suggestion_fits_the_budget(plan_config):
+    config = plan_config(training={"algorithm": "full"})
+    plan = plan_memory(config)
+    budget = 0.9 * plan.peak / GIB
+    found = suggest(config, budget)
+    assert found is not None and found.overrides
+    assert plan_memory(with_overrides(config, found.overrides)).peak <= budget * GIB
+    assert suggest(config, 2 * plan.peak / GIB).overrides == []
+    assert suggest(config, 1e-6) is None
+
+
+def test_plan_command_prints_one_json_object(tiny_model_dir, capsys):
+    folder = tiny_model_dir("ltx-video")
+    frames, height, width = TINY_SHAPES["ltx-video"]
+    words = ["plan", "model.name=ltx-video", f"model.pretrained={folder}", f"data.frames={frames}",
+             f"data.height={height}", f"data.width={width}", "training.device=cpu", "--json"]
+    assert main([*words, "--gpu-memory", "80"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])  # (library warnings may come before it)
+    assert isinstance(result["peak_gib"], float) and result["peak_gib"] > 0
+    assert result["fits"] is True and result["suggested_overrides"] == []
+    assert main([*words, "--gpu-memory", "1e-9"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["fits"] is False and result["suggested_overrides"] == []
+
+
+def test_plan_refuses_an_unknown_hub_id(capsys):
+    assert main(["plan", "model.name=wan", "model.pretrained=someone/unknown-model"]) == 2
+    error = capsys.readouterr().err
+    assert "someone/unknown-model" in error and "What to do:" in error

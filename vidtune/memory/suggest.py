@@ -1,0 +1,140 @@
+"""The cheapest change of settings that makes a plan fit a memory budget.
+
+Each saver has an estimated step-time factor (the order of their costs as the field knows it; not measured here,
+see docs/benchmarks.md). The stages are independent: the precompute stage's savers (8-bit / 4-bit text encoders,
+VAE tiling) are chosen for it alone, and training from the cache (`precompute.enabled=true`) takes the encoders off
+the training device. For training, every combination of the savers is planned (the traced steps are re-used, so
+each costs only the accounting) and the cheapest that fits wins; block swap, the slowest, comes last, with the
+fewest blocks that fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from vidtune.config import Config
+from vidtune.memory.plan import GIB, MemoryPlan, plan_memory
+
+# Estimated step time relative to the plain run (1.0): used only to rank the changes.
+# Activation offload copies every saved activation to the host and back each step: without checkpointing that is
+# tens of GiB a step, so it ranks after everything but block swap.
+COST = {
+    "training.gradient_checkpointing=true": 1.25,
+    "memory.base_weights=fp8": 1.05,
+    "memory.base_weights=int8": 1.1,
+    "memory.base_weights=nf4": 1.15,
+    "optimizer.name=adamw8bit": 1.01,
+    "optimizer.cpu_offload=true": 1.15,
+    "memory.activation_offload=true": 1.6,
+}
+SWAP_COST_PER_BLOCK_SHARE = 0.5  # block swap: + this x the share of blocks swapped
+ADAPTER_ALGORITHMS = ("lora", "guidance-distillation", "step-distillation")
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    overrides: list[str]  # `key=value` settings, empty when the config fits as it is
+    plan: MemoryPlan
+    cost: float  # estimated step time relative to the config as it is
+
+
+def with_overrides(config: Config, overrides: list[str]) -> Config:
+    """`config` with `section.key=value` settings applied (validated like the command line's)."""
+    from vidtune.config import apply_overrides, build_config
+
+    return build_config(apply_overrides(config.to_dict(), overrides))
+
+
+def suggest(config: Config, budget_gib: float, world_size: int = 1) -> Suggestion | None:
+    """The cheapest overrides whose plan fits `budget_gib` (None when nothing vidtune offers does)."""
+    budget = budget_gib * GIB
+    plan = plan_memory(config, world_size)
+    if plan.peak <= budget:
+        return Suggestion([], plan, 1.0)
+    precompute = _precompute_overrides(config, budget, world_size)
+    if precompute is None:
+        return None
+    best: Suggestion | None = None
+    for changes in _training_changes(config):
+        overrides = [*precompute, *changes]
+        cost = _cost(changes)
+        if best is not None and cost >= best.cost:
+            continue
+        candidate = with_overrides(config, overrides)
+        plan = plan_memory(candidate, world_size)
+        if plan.peak <= budget:
+            best = Suggestion(overrides, plan, cost)
+            continue
+        swap = _fewest_blocks(candidate, budget, world_size)
+        if swap is not None:
+            blocks, swapped, share = swap
+            cost *= 1 + SWAP_COST_PER_BLOCK_SHARE * share
+            if best is None or cost < best.cost:
+                best = Suggestion([*overrides, f"memory.blocks_to_swap={blocks}"], swapped, cost)
+    return best
+
+
+def _cost(changes: list[str]) -> float:
+    cost = 1.0
+    for change in changes:
+        cost *= COST.get(change, 1.0)
+    return cost
+
+
+def _precompute_overrides(config: Config, budget: float, world_size: int) -> list[str] | None:
+    """Train from the cache (when the encoders do not fit beside the denoiser), then the cheapest text encoder and
+    VAE settings with which each precompute stage fits alone."""
+    overrides = [] if config.precompute.enabled else ["precompute.enabled=true"]
+    choices = [[""], ["memory.vae_tiling=true"]] if not config.memory.vae_tiling else [[""]]
+    text = ["", "memory.text_encoder_weights=fp8", "memory.text_encoder_weights=int8",
+            "memory.text_encoder_weights=nf4"] if config.memory.text_encoder_weights == "auto" else [""]
+    for tiling, weights in itertools.product(choices, text):
+        changes = [change for change in (*tiling, weights) if change]
+        plan = plan_memory(with_overrides(config, [*overrides, *changes]), world_size)
+        if all(stage <= budget for stage in plan.precompute.values()):
+            return [*overrides, *changes]
+    return None
+
+
+def _training_changes(config: Config) -> list[list[str]]:
+    """Every combination of the training-stage savers that applies to `config`, cheapest first."""
+    options: list[list[str]] = []
+    if not config.training.gradient_checkpointing:
+        options.append(["", "training.gradient_checkpointing=true"])
+    if config.training.algorithm in ADAPTER_ALGORITHMS and config.memory.base_weights == "auto" \
+            and not config.lora.use_dora and config.distillation.student != "full":
+        options.append(["", "memory.base_weights=fp8", "memory.base_weights=int8", "memory.base_weights=nf4"])
+    if config.optimizer.name == "adamw":
+        options.append(["", "optimizer.name=adamw8bit"])
+    if not config.optimizer.cpu_offload:
+        options.append(["", "optimizer.cpu_offload=true"])
+    if not config.memory.activation_offload:
+        options.append(["", "memory.activation_offload=true"])
+    combos = [[change for change in combo if change] for combo in itertools.product(*options)]
+    return sorted(combos, key=lambda changes: (_cost(changes), len(changes)))
+
+
+def _fewest_blocks(config: Config, budget: float, world_size: int) -> tuple[int, MemoryPlan, float] | None:
+    """The fewest `memory.blocks_to_swap` with which `config` fits (bisection: weights fall as blocks leave)."""
+    if config.training.algorithm not in ADAPTER_ALGORITHMS or config.memory.blocks_to_swap:
+        return None
+    from vidtune.memory.plan import _encoders, _planned_device, _step, resolve_architecture, transformer_blocks
+
+    resolved, _ = resolve_architecture(config)
+    device = _planned_device(resolved)
+    total = len(transformer_blocks(_step(resolved, device, _encoders(resolved, device)).denoiser))
+    plan = plan_memory(with_overrides(config, [f"memory.blocks_to_swap={total}"]), world_size)
+    if plan.peak > budget:
+        return None
+    low, high, fitting = 1, total, plan
+    while low < high:
+        middle = (low + high) // 2
+        candidate = plan_memory(with_overrides(config, [f"memory.blocks_to_swap={middle}"]), world_size)
+        if candidate.peak <= budget:
+            high, fitting = middle, candidate
+        else:
+            low = middle + 1
+    if high != total:
+        fitting = plan_memory(with_overrides(config, [f"memory.blocks_to_swap={high}"]), world_size)
+    return high, fitting, high / total

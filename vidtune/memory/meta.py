@@ -27,6 +27,11 @@ class ShapeTokenizer:
     """Tokenizes every text to `max_length` tokens (what `padding="max_length"` gives), all of them real: the
     planner needs the shapes of what a tokenizer returns, never its ids."""
 
+    # What specs and pipelines read or set besides calling it (a pad token, the side it pads).
+    pad_token = eos_token = "<pad>"
+    pad_token_id = eos_token_id = 0
+    padding_side = "right"
+
     def __init__(self, model_max_length: int = 77) -> None:
         self.model_max_length = model_max_length
 
@@ -35,6 +40,12 @@ class ShapeTokenizer:
         length = max_length or self.model_max_length
         return types.SimpleNamespace(input_ids=torch.zeros(count, length, dtype=torch.long),
                                      attention_mask=torch.ones(count, length, dtype=torch.long))
+
+    def apply_chat_template(self, conversations: list[Any], max_length: int | None = None,
+                            **_: Any) -> types.SimpleNamespace:
+        """Chat-formatted prompts (Qwen2.5-VL's, HunyuanVideo 1.5), tokenized to `max_length` like `__call__`."""
+        batch = conversations if conversations and isinstance(conversations[0], list) else [conversations]
+        return self(["" for _ in batch], max_length=max_length)
 
 
 class ShapeImageProcessor:

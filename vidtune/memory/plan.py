@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from vidtune.config import Config
-from vidtune.errors import ConfigError
+from vidtune.errors import ConfigError, ModelError
 from vidtune.memory import _frozen_linears
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
@@ -355,8 +355,17 @@ def resolve_architecture(config: Config) -> tuple[Config, str]:
     return config.model_copy(update={"model": model}), label
 
 
+# Families whose caption or image encoding the meta-device trace cannot run yet (their pipelines' own encode
+# functions read token values and image pixels, which meta tensors do not have).
+NOT_PLANNED = ("hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "ltx-2")
+
+
 def plan_memory(config: Config, world_size: int = 1) -> MemoryPlan:
     """The predicted peak memory of one training device for `config` (see the module's docstring)."""
+    if config.model.name in NOT_PLANNED:
+        raise ModelError(f"vidtune plan cannot plan {config.model.name} yet: its text or image encoders read values "
+                         "that the planner's shape-only trace does not have.\nWhat to do: measure instead: a short "
+                         "`vidtune train` with training.steps=2 and `nvidia-smi` beside it.")
     config, label = resolve_architecture(config)
     device = _planned_device(config)
     options = config.memory

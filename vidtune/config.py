@@ -56,6 +56,13 @@ class ModelConfig(Section):
         "training and used again when sampling; default: the family's (HunyuanVideo: 1.0, the unguided "
         "data distribution). Ignored by families without a guidance embedding.",
     )
+    attention_backend: str = Field(
+        "auto",
+        description="Attention kernel of the denoiser, through diffusers' attention dispatcher: `native` (torch's "
+        "scaled_dot_product_attention), `flash`, `_flash_3`, `xformers`, `flex`, ... (any backend the installed "
+        "diffusers offers that has a backward pass); auto: the fastest installed one for training on this device "
+        "(FlashAttention 3 on Hopper, FlashAttention 2, else native). CogVideoX and Mochi take native only.",
+    )
 
 
 class _SourceBase(Section):
@@ -180,6 +187,11 @@ class TrainingConfig(Section):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null disables it.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, slower steps."
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer block (regional: one block's compile time, reused by all), once "
+        "per bucket shape; the compile time is logged apart from the step time. Validation samples run eagerly.",
     )
     sigma_sampling: Literal["uniform", "logit_normal"] = Field(
         "logit_normal", description="How training noise levels are drawn."

@@ -137,6 +137,20 @@ class DataConfig(Section):
     )
     fps: float | None = Field(None, gt=0, description="Resample clips to this rate; default: native frames.")
     num_workers: int = Field(2, ge=0, description="Decoding worker processes.")
+    frame_store_mib: int | None = Field(
+        None,
+        ge=0,
+        description="On-the-fly training: MiB of decoded, resized windows (uint8) kept for later epochs, so each "
+        "window is decoded once; in shared memory (/dev/shm) when the system has it, else the temp folder; removed "
+        "after the run. null: up to 2048, at most half the free space there; 0: decode every visit.",
+    )
+    encoded_store_mib: int = Field(
+        1024,
+        ge=0,
+        description="MiB of host memory for the text encoders' outputs per caption and the VAE posterior per window: "
+        "on the fly, kept so each is encoded once (what the precompute cache keeps on disk); from the cache, kept "
+        "after their first read. 0: encode (or read) every visit.",
+    )
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Probability of dropping a caption.")
     caption_dropout_technique: Literal["empty", "zero"] = Field(
         "empty", description="`empty`: encode an empty prompt; `zero`: zero the embedding."

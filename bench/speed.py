@@ -25,7 +25,7 @@ import statistics
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,13 +49,19 @@ class Size:
     frames: int
     height: int
     width: int
-    latent_shape: tuple[int, int, int, int] | None  # the real VAE's latent shape, when it differs from the tiny one
     precision: str
+    real_vae: bool = False  # latents in the real LTX-Video VAE's shape (128 channels, 8x temporal, 32x spatial)
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int, int] | None:
+        if not self.real_vae:
+            return None
+        return 128, (self.frames - 1) // 8 + 1, self.height // 32, self.width // 32
 
 
 SIZES = {
-    "bench": Size(17, 64, 64, None, "fp32"),
-    "ltx-2b": Size(49, 512, 768, (128, 7, 16, 24), "bf16"),
+    "bench": Size(17, 64, 64, "fp32"),
+    "ltx-2b": Size(49, 512, 768, "bf16", real_vae=True),
 }
 
 
@@ -98,8 +104,13 @@ def write_model(folder: Path, size: str) -> Path:
 
     write_tiny_ltx_video(folder, text_hidden=4096, latent_channels=128)
     shutil.rmtree(folder / "transformer")
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        transformer = LTXVideoTransformer3DModel().to(torch.bfloat16)  # the 2B defaults
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: never 8 GB of fp32 weights in memory
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            transformer = LTXVideoTransformer3DModel()  # the 2B defaults
+    finally:
+        torch.set_default_dtype(default_dtype)
     transformer.save_pretrained(folder / "transformer")
     del transformer
     return folder
@@ -198,8 +209,12 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="bench")
     parser.add_argument("--no-compile", action="store_true", help="leave out the compiled run")
     parser.add_argument("--backends", nargs="*", help="attention backends to time (default: every usable one)")
+    parser.add_argument("--shape", type=int, nargs=3, metavar=("FRAMES", "HEIGHT", "WIDTH"),
+                        help="another clip shape than the size's (a quick check of the script)")
     args = parser.parse_args()
     size, device = SIZES[args.size], torch.device(args.device)
+    if args.shape:
+        size = replace(size, frames=args.shape[0], height=args.shape[1], width=args.shape[2])
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="vidtune-bench-speed-"))
     model = write_model(work / "model", args.size)

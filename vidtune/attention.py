@@ -27,8 +27,8 @@ KEY = "model.attention_backend"
 AUTO = "auto"
 NATIVE = "native"
 
-# Backends that compute attention on the CPU too; every other one needs a CUDA device.
-CPU_BACKENDS = frozenset({"native", "_native_math", "flex"})
+# Backends that train on the CPU too (FlexAttention has no backward pass there); every other one needs CUDA.
+CPU_BACKENDS = frozenset({"native", "_native_math"})
 # Backends without a backward pass: their output carries no gradient to the query / key / value projections.
 INFERENCE_ONLY_PREFIXES = ("sage", "_sage")
 # The pip package each backend needs, for the error message (the first matching prefix wins).

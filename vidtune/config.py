@@ -77,6 +77,13 @@ class ModelConfig(Section):
         "on, kept clean in training and given as images when sampling: [0] is image-to-video from the first "
         "frame; more are keyframes (e.g. [0, 48]). Ignored by other families.",
     )
+    attention_backend: str = Field(
+        "auto",
+        description="Attention kernel of the denoiser, through diffusers' attention dispatcher: `native` (torch's "
+        "scaled_dot_product_attention), `flash`, `_flash_3`, `xformers`, `flex`, ... (any backend the installed "
+        "diffusers offers that has a backward pass); auto: the fastest installed one for training on this device "
+        "(FlashAttention 3 on Hopper, FlashAttention 2, else native). CogVideoX and Mochi take native only.",
+    )
 
 
 class _SourceBase(Section):
@@ -154,6 +161,20 @@ class DataConfig(Section):
     )
     fps: float | None = Field(None, gt=0, description="Resample clips to this rate; default: native frames.")
     num_workers: int = Field(2, ge=0, description="Decoding worker processes.")
+    frame_store_mib: int | None = Field(
+        None,
+        ge=0,
+        description="On-the-fly training: MiB of decoded, resized windows (uint8) kept for later epochs, so each "
+        "window is decoded once; in shared memory (/dev/shm) when the system has it, else the temp folder; removed "
+        "after the run. null: up to 2048, at most half the free space there; 0: decode every visit.",
+    )
+    encoded_store_mib: int = Field(
+        1024,
+        ge=0,
+        description="MiB of host memory for the text encoders' outputs per caption and the VAE posterior per window: "
+        "on the fly, kept so each is encoded once (what the precompute cache keeps on disk); from the cache, kept "
+        "after their first read. 0: encode (or read) every visit.",
+    )
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Probability of dropping a caption.")
     caption_dropout_technique: Literal["empty", "zero"] = Field(
         "empty", description="`empty`: encode an empty prompt; `zero`: zero the embedding."
@@ -204,6 +225,11 @@ class TrainingConfig(Section):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping; null disables it.")
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass: less memory, slower steps."
+    )
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer block (regional: one block's compile time, reused by all), once "
+        "per bucket shape; the compile time is logged apart from the step time. Validation samples run eagerly.",
     )
     sigma_sampling: Literal["uniform", "logit_normal"] = Field(
         "logit_normal", description="How training noise levels are drawn; unset: the family's (docs/models.md)."

@@ -26,12 +26,15 @@ class StepLog:
                              dynamic_ncols=True)
 
     def record(self, step: int, loss: float, lr: float, grad_norm: float | None, seconds: float,
-               samples: int) -> None:
-        """One logged step; `samples`: how many samples all ranks took in it."""
+               samples: int, compile_seconds: float = 0.0) -> None:
+        """One logged step; `samples`: how many samples all ranks took in it; `compile_seconds`: the time
+        torch.compile took during the step (not part of `seconds`)."""
         if parallel.is_main():
+            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "seconds_per_step": seconds}
+            if compile_seconds > 0:
+                row["compile_seconds"] = compile_seconds
             with self.path.open("a", encoding="utf-8") as handle:
-                handle.write(json.dumps({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                                         "seconds_per_step": seconds}) + "\n")
+                handle.write(json.dumps(row) + "\n")
         for tracker in self.trackers:
             tracker.log_metrics(step, step_values(loss, lr, grad_norm, seconds, samples))
         self.losses.append(loss)

@@ -6,12 +6,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from vidtune.data.buckets import Shape, visit_start
+from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import Clip
-from vidtune.data.video import ClipTooShortError, VideoDecodeError, read_clip
+from vidtune.data.video import ClipTooShortError, VideoDecodeError, decode_clip, frames_to_tensor
 from vidtune.processors import ProcessorChoice, apply_processor
 
 Key = tuple[int, int, int]  # (stream position, sample index, bucket): see vidtune.data.buckets.ScheduleSampler
@@ -27,7 +29,7 @@ class VideoCaptionDataset(Dataset):
 
     def __init__(self, clips: Sequence[Clip], shapes: Sequence[Shape], fps: float | None = None,
                  resize: str = "crop", frame_sampling: str = "start", seed: int = 0,
-                 processor: ProcessorChoice | None = None) -> None:
+                 processor: ProcessorChoice | None = None, store: FrameStore | None = None) -> None:
         self.clips = list(clips)
         self.shapes = list(shapes)
         self.fps = fps
@@ -35,6 +37,7 @@ class VideoCaptionDataset(Dataset):
         self.frame_sampling = frame_sampling
         self.seed = seed
         self.processor = processor  # control training: the control clip computed from the clip
+        self.store = store  # decoded windows kept for later visits (data.frame_store_mib)
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -47,7 +50,7 @@ class VideoCaptionDataset(Dataset):
         if clip.info is not None and not clip.is_image:
             start = visit_start(clip.info, frames, self.fps, self.frame_sampling, self.seed, position)
         item = {"video": self.read(clip, clip.video, frames, height, width, start), "caption": clip.caption,
-                "index": clip.index, "position": position}
+                "index": clip.index, "position": position, "bucket": bucket, "start": start}
         if self.processor is not None:
             item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), item["video"])
         elif clip.control is not None:  # control training: the same window of the control clip
@@ -55,8 +58,14 @@ class VideoCaptionDataset(Dataset):
         return item
 
     def read(self, clip: Clip, path: Path, frames: int, height: int, width: int, start: int) -> torch.Tensor:
+        def decode() -> np.ndarray:
+            return decode_clip(path, frames, height, width, fps=self.fps, start=start, resize=self.resize)
+
         try:
-            return read_clip(path, frames, height, width, fps=self.fps, start=start, resize=self.resize)
+            if self.store is None:
+                return frames_to_tensor(decode())
+            key = (str(path), frames, height, width, start, self.fps, self.resize)
+            return frames_to_tensor(self.store.frames(key, decode))
         except (VideoDecodeError, ClipTooShortError) as error:
             # Raised in a worker mid-training: say which line, since the user only knows their own files.
             raise VideoDecodeError(path, error.reason, where=clip.where) from error
@@ -73,4 +82,7 @@ def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "caption": [item["caption"] for item in batch],
         "index": torch.tensor([item["index"] for item in batch], dtype=torch.long),
         "position": torch.tensor([item.get("position", -1) for item in batch], dtype=torch.long),
+        # The window each sample is: which bucket's shape, from which frame.
+        "bucket": torch.tensor([item.get("bucket", 0) for item in batch], dtype=torch.long),
+        "start": torch.tensor([item.get("start", 0) for item in batch], dtype=torch.long),
     }

@@ -6,19 +6,25 @@ each visit's randomness (see `vidtune.data.buckets`). Two sources give the same 
 (with `data.frame_sampling` `start` or `middle`; `random` draws any start on the fly, one of the cached windows
 from the cache):
 
-- `CachedBatches` reads precomputed entries (`vidtune.precompute`); the encoders are never loaded.
-- `EncodedBatches` decodes clips in DataLoader workers and encodes them in this process with the functional
-  API the precompute stage uses (`encode_captions`, `encode_videos`).
+- `CachedBatches` reads precomputed entries (`vidtune.precompute`), kept in memory after their first read; on a
+  GPU a background thread reads ahead of the step. The encoders are never loaded.
+- `EncodedBatches` decodes clips in DataLoader workers (each window once: later visits read it back from the
+  `FrameStore`) and encodes them in this process with the functional API the precompute stage uses
+  (`encode_captions`, `encode_videos`), each caption and window once (`EncodedStore`) while they fit.
+
+On CUDA, loaded batches are pinned and copied without blocking, so the step waits neither for a read nor a copy.
 
 Both also give the conditions of the empty caption, for caption dropout with the `empty` technique.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -28,10 +34,14 @@ from vidtune import parallel
 from vidtune.config import Config
 from vidtune.data.buckets import BatchSchedule, ScheduleSampler
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
+from vidtune.data.encoded_store import EncodedStore
+from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import Clip
 from vidtune.models.spec import CONTROL_LATENTS, Conditions, Latents, ModelSpec, TextComponents
 from vidtune.precompute import CachedClips, collate_cached, encode_captions, encode_videos, stack_items
 from vidtune.processors import configured_processor
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,6 +56,8 @@ class BatchSource(ABC):
     """Batches of `training.batch_size` samples of one bucket, for this rank, from any position of the stream, on
     `device`. The samples come from `load_dataset` (each with its bucket)."""
 
+    read_ahead = 0  # batches a background thread loads ahead of the step (0: the loader's own workers do)
+
     def __init__(self, config: Config, clips: Sequence[Clip], device: torch.device) -> None:
         self.config = config
         self.clips = list(clips)
@@ -56,7 +68,8 @@ class BatchSource(ABC):
     def batches(self, start_position: int) -> Iterator[Batch]:
         """The endless stream from `start_position` (samples consumed so far by all ranks)."""
         sampler = ScheduleSampler(self.schedule, start_position, rank=parallel.rank(), world=parallel.world_size())
-        for raw in self.loader(sampler):
+        loaded = self.loader(sampler)
+        for raw in read_ahead(loaded, self.read_ahead) if self.read_ahead else loaded:
             conditions, latents = self.encode(raw)
             yield Batch(to_device(conditions, self.device), to_device(latents, self.device), raw["position"],
                         raw["index"])
@@ -80,10 +93,15 @@ class CachedBatches(BatchSource):
     def __init__(self, config: Config, clips: Sequence[Clip], device: torch.device, cached: CachedClips) -> None:
         super().__init__(config, clips, device)
         self.cached = cached
+        # On a GPU a thread reads (and pins) the next batches while the device computes. On the CPU the read (and,
+        # after the first epoch, a copy from memory) costs a fraction of a millisecond, and a thread would only
+        # take the GIL and a core from the step.
+        self.read_ahead = 2 if device.type == "cuda" else 0
 
     def loader(self, sampler: ScheduleSampler) -> DataLoader:
         # Reading an entry is far cheaper than a step: no worker processes (nor their memory) needed.
-        return DataLoader(self.cached, batch_sampler=sampler, num_workers=0, collate_fn=collate_cached)
+        return DataLoader(self.cached, batch_sampler=sampler, num_workers=0, collate_fn=collate_cached,
+                          pin_memory=self.device.type == "cuda")
 
     def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
         return raw["conditions"], raw["latents"]
@@ -101,28 +119,44 @@ class EncodedBatches(BatchSource):
         self.spec = spec
         self.text = text
         self.vae = vae
+        self.store = FrameStore.create(config.data.frame_store_mib, config.data.num_workers)
+        self.encoded = EncodedStore(config.data.encoded_store_mib * 2**20)
 
     def loader(self, sampler: ScheduleSampler) -> DataLoader:
         data = self.config.data
         dataset = VideoCaptionDataset(self.clips, data.bucket_shapes(), data.fps, data.resize, data.frame_sampling,
-                                      self.config.training.seed, configured_processor(self.config))
+                                      self.config.training.seed, configured_processor(self.config), self.store)
         return DataLoader(
             dataset,
             batch_sampler=sampler,
             num_workers=data.num_workers,
             collate_fn=collate_samples,
+            pin_memory=self.device.type == "cuda",
             persistent_workers=data.num_workers > 0,
             prefetch_factor=2 if data.num_workers > 0 else None,
         )
 
     def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
-        count = len(raw["caption"])
-        conditions = stack_items(encode_captions(self.spec, self.text, raw["caption"], batch_size=count))
-        latents = stack_items(encode_videos(self.spec, self.vae, raw["video"], batch_size=count))
-        if "control" in raw:  # control training: the control clips' latents, from the same VAE
-            controls = stack_items(encode_videos(self.spec, self.vae, raw["control"], batch_size=count))
-            latents[CONTROL_LATENTS] = controls["latents_mean"]
-        return conditions, latents
+        captions = raw["caption"]
+
+        def encode_captions_at(picks: list[int]) -> list[Conditions]:
+            chosen = [captions[i] for i in picks]
+            return encode_captions(self.spec, self.text, chosen, batch_size=len(picks), device="cpu")
+
+        def encode_windows_at(picks: list[int]) -> list[Latents]:
+            latents = encode_videos(self.spec, self.vae, raw["video"][picks], batch_size=len(picks), device="cpu")
+            if "control" in raw:  # control training: the control clips' latents, from the same VAE
+                controls = encode_videos(self.spec, self.vae, raw["control"][picks], batch_size=len(picks),
+                                         device="cpu")
+                latents = [{**item, CONTROL_LATENTS: control["latents_mean"]}
+                           for item, control in zip(latents, controls, strict=True)]
+            return latents
+
+        # A window is its clip, bucket and start frame: the same frames, so the same posterior, at every visit.
+        windows = [("window", *key) for key in zip(raw["index"].tolist(), raw["bucket"].tolist(),
+                                                   raw["start"].tolist(), strict=True)]
+        conditions = self.encoded.items([("caption", caption) for caption in captions], encode_captions_at)
+        return stack_items(conditions), stack_items(self.encoded.items(windows, encode_windows_at))
 
     def empty_caption(self) -> Conditions:
         return to_device(stack_items(encode_captions(self.spec, self.text, [""], batch_size=1)), self.device)
@@ -130,3 +164,45 @@ class EncodedBatches(BatchSource):
 
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     return {key: value.to(device, non_blocking=True) for key, value in tensors.items()}
+
+
+def read_ahead(items: Iterable[T], depth: int) -> Iterator[T]:
+    """`items`, loaded up to `depth` ahead by a background thread; its errors are raised here, in order.
+
+    The iterator is created in the caller's thread, at the first `next`: a DataLoader draws its base seed from the
+    global RNG then, exactly when it would without the thread (a resumed run restores its RNGs after that)."""
+    iterator = iter(items)
+    loaded: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+    finished = threading.Event()
+
+    def put(kind: str, value: Any) -> bool:
+        while not finished.is_set():
+            try:
+                loaded.put((kind, value), timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False  # the consumer is gone
+
+    def load() -> None:
+        try:
+            for item in iterator:
+                if not put("item", item):
+                    return
+        except BaseException as error:  # handed to the consumer, which raises it
+            put("error", error)
+            return
+        put("end", None)
+
+    thread = threading.Thread(target=load, name="vidtune-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, value = loaded.get()
+            if kind == "error":
+                raise value
+            if kind == "end":
+                return
+            yield value
+    finally:
+        finished.set()

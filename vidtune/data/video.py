@@ -296,11 +296,24 @@ def read_clip(
     `resize`: `crop` covers H x W keeping the aspect ratio, then cuts the centre; `fit` fits inside and pads
     with black; `stretch` scales to H x W exactly.
     """
+    return frames_to_tensor(decode_clip(path, num_frames, height, width, fps, start, resize))
+
+
+def decode_clip(
+    path: str | os.PathLike[str],
+    num_frames: int,
+    height: int,
+    width: int,
+    fps: float | None = None,
+    start: int = 0,
+    resize: str = "crop",
+) -> np.ndarray:
+    """`read_clip`'s frames as decoded and resized, uint8 [F, H, W, 3] (a quarter of the float32 size, to keep)."""
     path = Path(path)
     if is_image_path(path):
         if num_frames != 1:
             raise ClipTooShortError(path, 1, num_frames, 0.0)
-        return read_image(path, height, width, resize)
+        return _image_array(path, height, width, resize)
     _check_file(path)
     try:
         with av.open(str(path)) as container:
@@ -311,17 +324,21 @@ def read_clip(
             images = _decode_indices(container, stream, indices, path, (height, width), resize)
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
-    return _to_tensor(np.stack([images[index] for index in indices]))
+    return np.stack([images[index] for index in indices])
 
 
-def _to_tensor(array: np.ndarray) -> torch.Tensor:
+def frames_to_tensor(array: np.ndarray) -> torch.Tensor:
     """uint8 [F, H, W, 3] -> float32 [F, 3, H, W] in [-1, 1]."""
     return torch.from_numpy(array).permute(0, 3, 1, 2).contiguous().float().div_(127.5).sub_(1.0)
 
 
 def read_image(path: str | os.PathLike[str], height: int, width: int, resize: str = "crop") -> torch.Tensor:
     """A still as a one-frame sample [1, 3, H, W] in [-1, 1], resized like a clip's frames."""
-    path = Path(path)
+    return frames_to_tensor(_image_array(Path(path), height, width, resize))
+
+
+def _image_array(path: Path, height: int, width: int, resize: str) -> np.ndarray:
+    """A still as uint8 [1, H, W, 3], resized like a clip's frames."""
     _check_file(path, "image")
     try:
         with Image.open(path) as opened:
@@ -334,7 +351,7 @@ def read_image(path: str | os.PathLike[str], height: int, width: int, resize: st
         image = ImageOps.pad(image, (width, height), Image.Resampling.LANCZOS, color=(0, 0, 0))
     else:
         image = ImageOps.fit(image, (width, height), Image.Resampling.LANCZOS)
-    return _to_tensor(np.array(image)[None])  # a writable copy for torch
+    return np.array(image)[None]  # a writable copy for torch
 
 
 def read_frames(path: str | os.PathLike[str], indices: list[int]) -> list[np.ndarray]:

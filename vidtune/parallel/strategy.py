@@ -66,12 +66,14 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def clip_gradients(self, parameters: list[nn.Parameter], max_norm: float | None) -> float | None:
-        """Clip to `max_norm` (None: do not clip) and return the global norm before clipping."""
+    def clip_gradients(self, parameters: list[nn.Parameter],
+                       max_norm: float | None) -> torch.Tensor | float | None:
+        """Clip to `max_norm` (None: do not clip) and return the global norm before clipping, as a tensor on the
+        device where it is one (the trainer reads it with the loss, in the step's one synchronisation)."""
         if max_norm is None:
             grads = [p.grad for p in parameters if p.grad is not None]
-            return _as_float(torch.nn.utils.get_total_norm(grads)) if grads else None
-        return _as_float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
+            return _whole(torch.nn.utils.get_total_norm(grads)) if grads else None
+        return _whole(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
@@ -128,10 +130,10 @@ class DataParallelStrategy(Strategy):
         return accumulating(module, sync)
 
 
-def _as_float(norm: torch.Tensor) -> float:
-    """A norm as a number; a DTensor norm (sharded gradients) is whole already (replicated) on every rank."""
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """A norm as a plain tensor; a DTensor norm (sharded gradients) is whole already (replicated) on every rank."""
     full = getattr(norm, "full_tensor", None)
-    return float(full() if full is not None else norm)
+    return full() if full is not None else norm
 
 
 def choose_strategy(config: Config, device: torch.device) -> Strategy:

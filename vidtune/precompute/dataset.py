@@ -1,7 +1,8 @@
 """Training from the cache: each clip's conditions and VAE posterior, read instead of computed.
 
 Reads verify each entry (see `CacheStore.read`). An entry that is damaged or gone is reported with a warning
-and computed again, loading the one component it needs just for that and releasing it afterwards.
+and computed again, loading the one component it needs just for that and releasing it afterwards. Entries read
+once stay in host memory while `data.encoded_store_mib` allows, so later epochs read nothing from disk.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch.utils.data import Dataset
 
 from vidtune.config import Config
 from vidtune.data.buckets import visit_window
+from vidtune.data.encoded_store import EncodedStore
 from vidtune.data.sources import Clip
 from vidtune.models.spec import CONTROL_LATENTS, ModelSpec
 from vidtune.precompute.cache import CorruptEntryError
@@ -36,11 +38,15 @@ class CachedClips(Dataset):
         self.plan = plan
         self.clips = list(clips)
         self._lock = threading.Lock()
+        self.kept = EncodedStore(config.data.encoded_store_mib * 2**20)
 
     def __len__(self) -> int:
         return len(self.clips)
 
     def read(self, kind: str, key: str) -> Tensors:
+        return self.kept.items([(kind, key)], lambda _: [self.read_entry(kind, key)])[0]
+
+    def read_entry(self, kind: str, key: str) -> Tensors:
         try:
             return self.plan.cache.read(kind, key)
         except CorruptEntryError as error:

@@ -37,6 +37,8 @@ from torch import nn
 
 from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
+from vidtune.attention import resolve_attention_backend, set_attention_backend
+from vidtune.compile import check_compile, compile_blocks, compile_seconds, eager
 from vidtune.config import Config, write_resolved_config
 from vidtune.data.buckets import check_bucket_shapes, visit_generator
 from vidtune.data.overview import write_dataset_overview
@@ -91,7 +93,8 @@ class StepOutcome:
     grad_norm: float | None
     finite: bool
     stopped_by: signal.Signals | None  # the signal every rank stops on after this step, if any
-    seconds: float
+    seconds: float  # without the time spent compiling (training.compile)
+    compile_seconds: float = 0.0
 
 
 @dataclass
@@ -146,6 +149,7 @@ class Trainer(ABC):
         self.resuming_from: SavedState | None = None  # the checkpoint this run continues, if any
         self.ema: EMA | None = None  # the trained weights' moving average (training.ema_decay)
         self.block_swap: BlockSwap | None = None  # memory.blocks_to_swap
+        self.attention_backend = "native"  # model.attention_backend, resolved for the device by check_inputs
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -192,9 +196,12 @@ class Trainer(ABC):
                 while state.step < self.config.training.steps and stopped_by is None:
                     outcome = self.train_step(stream, parameters, stop)
                     stopped_by = outcome.stopped_by
+                    if outcome.compile_seconds > 0 and parallel.is_main():
+                        print(f"training.compile: {outcome.compile_seconds:.1f} s compiling during step {state.step} "
+                              "(not counted in its seconds_per_step).", flush=True)
                     if outcome.finite and self.due(self.config.logging.log_every, final=True):
                         log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds,
-                                   self.clips_per_step * parallel.world_size())
+                                   self.clips_per_step * parallel.world_size(), outcome.compile_seconds)
                     log.advance()
                     self.between_steps()
                 log.end_progress()
@@ -237,18 +244,21 @@ class Trainer(ABC):
     def train_step(self, stream: Iterator[Batch], parameters: list[nn.Parameter], stop: StopSignals) -> StepOutcome:
         """One optimizer step: `gradient_accumulation` micro-batches, clipping, then the update unless non-finite."""
         state, accumulation = self.state, self.config.training.gradient_accumulation
-        started = time.perf_counter()
+        started, compiled_before = time.perf_counter(), compile_seconds()
         step_loss = torch.zeros((), device=self.device)
         for micro in range(accumulation):
             # Under torchrun the gradients are averaged once per step, on the last micro-batch.
             step_loss += self.forward_backward(next(stream), sync=micro == accumulation - 1)
         if state.step == self.first_step:
             self.check_every_parameter_trains(parameters)
-        grad_norm = self.clip_gradients(parameters)
+        norm = self.clip_gradients(parameters)
+        # The step's one host-device synchronisation: the loss and the gradient norm come back together.
+        step_loss_value, grad_norm = (torch.stack([step_loss, torch.as_tensor(norm).to(step_loss)]).tolist()
+                                      if norm is not None else (step_loss.item(), None))
         # Under torchrun, one collective per step: the loss summed over ranks (its mean is logged, and every rank
         # must take the same finite / non-finite decision or the replicas drift apart) and whether a rank was
         # asked to stop (all ranks stop after the same step). One process: the values as they are.
-        loss_sum, *stop_counts = parallel.all_reduce_sum([float(step_loss), *stop_votes(stop)])
+        loss_sum, *stop_counts = parallel.all_reduce_sum([step_loss_value, *stop_votes(stop)])
         loss = loss_sum / parallel.world_size()
         state.step += 1
         state.samples_consumed += self.clips_per_step * parallel.world_size()
@@ -256,7 +266,9 @@ class Trainer(ABC):
         if not finite:
             self.skip_nonfinite_step(loss, grad_norm)  # raises past the limit
         state.apply_update(finite)
-        return StepOutcome(loss, grad_norm, finite, agreed_stop(stop, stop_counts), time.perf_counter() - started)
+        compiling = compile_seconds() - compiled_before
+        return StepOutcome(loss, grad_norm, finite, agreed_stop(stop, stop_counts),
+                           time.perf_counter() - started - compiling, compiling)
 
     def forward_backward(self, batch: Batch, sync: bool) -> torch.Tensor:
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
@@ -373,6 +385,8 @@ class Trainer(ABC):
             check_block_count(memory.blocks_to_swap, self.spec.block_lists,
                               self.spec.load_config(self.spec.denoiser_class, "transformer"))
         check_activation_offload(memory.activation_offload, self.device)
+        self.attention_backend = resolve_attention_backend(self.config.model.attention_backend, self.device)
+        check_compile(self.config)
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 
@@ -394,6 +408,10 @@ class Trainer(ABC):
         if self.config.training.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
         parameters = self.configure_trainable(self.denoiser)
+        # The kernel before compiling, so the compiled blocks call it; both after the adapter and base weights.
+        set_attention_backend(self.denoiser, self.attention_backend, self.spec.name)
+        if self.config.training.compile:
+            compile_blocks(self.denoiser, len(self.config.data.bucket_shapes()))
         if load_on != self.device:
             self.denoiser.to(self.device)
         return parameters
@@ -450,9 +468,9 @@ class Trainer(ABC):
                 "lora.target_modules)."
             )
 
-    def clip_gradients(self, parameters: list[nn.Parameter]) -> float | None:
+    def clip_gradients(self, parameters: list[nn.Parameter]) -> torch.Tensor | None:
         """Clip to `training.max_grad_norm` and return the norm before clipping (also when clipping is off,
-        so a non-finite gradient is caught before the optimizer applies it)."""
+        so a non-finite gradient is caught before the optimizer applies it), on the device: no synchronisation."""
         return self.strategy.clip_gradients(parameters, self.config.training.max_grad_norm)
 
     def skip_nonfinite_step(self, loss: float, grad_norm: float | None) -> None:
@@ -493,7 +511,8 @@ class Trainer(ABC):
             self.load_encoders()
         settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
         pipeline = self.sampling_pipeline()
-        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+        compiled = eager() if self.config.training.compile else contextlib.nullcontext()
+        with compiled, self.ema.applied() if self.ema is not None else contextlib.nullcontext():
             videos = render_samples(self.spec, pipeline, settings, self.output_dir / outputs.SAMPLES,
                                     f"step-{self.state.step:08d}",
                                     reference=reference_clip(self.spec, self.clips, settings, self.config.data.fps),

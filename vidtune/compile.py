@@ -1,0 +1,98 @@
+"""`training.compile`: torch.compile per transformer block (regional compilation).
+
+Compiling each repeated block instead of the whole denoiser keeps the compile time to one block's graph (seconds
+to a few minutes), reused by every block of the same class: with torch's default of inlining nn.Module calls, the
+parameters are graph inputs, so one compiled graph serves all of them. It is done after the adapter is added and
+the base weights are stored (int8), so LoRA layers and quantized weights are traced with the block, and before
+DDP / FSDP wrap the denoiser. fp8 storage is refused with it (`check_compile`): its layerwise casting swaps each
+weight's storage back to fp8 after the layer runs, and a compiled backward reads the weight itself, by then fp8.
+Gradient checkpointing keeps working: diffusers calls the (compiled) block inside
+torch.utils.checkpoint.
+
+Shapes: each bucket shape is compiled once (static shapes give the fastest kernels and a run has a handful of
+buckets); the recompile limit is raised to allow it, and the log says how many compilations to expect. The time
+spent compiling is measured from torch's own compile metrics and reported apart from the step time.
+
+Validation samples run eagerly (`eager`): sampling shapes (guidance doubles the batch, other sizes) would each
+cost a compilation for a few denoising steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from vidtune.config import Config
+from vidtune.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# The graphs a block may need per bucket shape: training (grad on), and a no-grad forward (a distillation teacher).
+GRAPHS_PER_SHAPE = 2
+
+
+def check_compile(config: Config) -> None:
+    """Before any long work: the settings compiled blocks cannot train with."""
+    if config.training.compile and config.memory.base_weights == "fp8":
+        raise ConfigError(
+            "training.compile=true cannot train over memory.base_weights=fp8: fp8 storage casts each weight back to "
+            "fp8 right after its layer runs, and the compiled backward pass reads the weight itself, by then fp8.\n"
+            "What to do: keep fp8 and set training.compile=false, or compile with memory.base_weights=int8 (or auto)."
+        )
+
+
+def repeated_blocks(denoiser: nn.Module) -> list[nn.Module]:
+    """The denoiser's transformer blocks: the classes diffusers names in `_repeated_blocks`, else the children of
+    its largest ModuleList (CogVideoX and Mochi declare none)."""
+    names = set(getattr(denoiser, "_repeated_blocks", None) or ())
+    if names:
+        blocks = [module for module in denoiser.modules() if type(module).__name__ in names]
+        if blocks:
+            return blocks
+    lists = [module for module in denoiser.modules() if isinstance(module, nn.ModuleList) and len(module) > 0]
+    if not lists:
+        return []
+    largest = max(lists, key=lambda blocks: sum(p.numel() for p in blocks.parameters()))
+    return list(largest)
+
+
+def compile_blocks(denoiser: nn.Module, num_shapes: int) -> int:
+    """Compile each transformer block in place; returns how many were compiled."""
+    blocks = repeated_blocks(denoiser)
+    if not blocks:
+        raise ConfigError(
+            f"training.compile: no transformer blocks found in {type(denoiser).__name__} to compile.\n"
+            "What to do: set training.compile=false for this model."
+        )
+    # One graph per bucket shape (and grad mode): allow them all without hitting torch's recompile limit.
+    needed = max(8, GRAPHS_PER_SHAPE * num_shapes)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, needed)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, needed * 8)
+    for block in blocks:
+        block.compile(dynamic=False)
+    logger.info("training.compile: %d %s blocks compiled with torch.compile, once per bucket shape (%d shape%s).",
+                len(blocks), type(blocks[0]).__name__, num_shapes, "" if num_shapes == 1 else "s")
+    return len(blocks)
+
+
+def compile_seconds() -> float:
+    """Seconds spent compiling in this process so far (forward and backward graphs), from torch's own metrics."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    # Dynamo's frame compilations (forward graphs, with inductor inside); backward graphs compile lazily on
+    # the first backward, outside any frame.
+    frames = sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+    backward = sum(compilation_time_metrics.get("compile_fx.<locals>.bw_compiler", ()))
+    return frames + backward
+
+
+@contextlib.contextmanager
+def eager() -> Iterator[None]:
+    """Run compiled modules eagerly inside (validation samples)."""
+    with torch.compiler.set_stance("force_eager"):
+        yield

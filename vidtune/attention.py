@@ -136,7 +136,13 @@ def set_attention_backend(denoiser: nn.Module, backend: str, family: str) -> Non
         return
     if backend == NATIVE and _active_backend() == NATIVE:
         return  # the dispatcher's default already
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    previous = _AttentionBackendRegistry.get_active_backend()[0]
     denoiser.set_attention_backend(backend)
+    # diffusers also makes `backend` the process-wide default, which every model built later in this process (a
+    # second run, the planner's trace) would compute with: the denoiser's layers keep it, the default goes back.
+    _AttentionBackendRegistry.set_active_backend(previous)
     logger.info("Attention backend: %s.", backend)
 
 

@@ -50,6 +50,10 @@ def test_the_chosen_backend_reaches_the_attention_layers(make_config):
                 if hasattr(m, "processor")}
     assert uses_dispatcher(trainer.denoiser)
     assert backends == {"_native_math"}
+    # Only this denoiser's layers: models built later in the process keep the dispatcher's default.
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    assert _AttentionBackendRegistry.get_active_backend()[0].value == "native"
 
 
 def test_a_family_without_the_dispatcher_takes_native_only(tiny_model_dir, make_config):

@@ -19,7 +19,8 @@ def test_the_encoded_store_computes_only_missing_entries_and_keeps_to_its_size()
     store = EncodedStore(budget_bytes=32)
     first = store.items(["a", "b", "c"], encode)
     again = store.items(["c", "a", "b"], encode)
-    assert calls == [[0, 1, 2], [0]]  # "c" did not fit: computed again, alone
+    # Each entry encoded alone (its values never depend on its batch mates); "c" did not fit: computed again.
+    assert calls == [[0], [1], [2], [0]]
     assert [e["x"][0].item() for e in first] == [0, 1, 2]
     assert [e["x"][0].item() for e in again] == [0, 0, 1]
     assert (store.stored_bytes, store.hits, store.misses) == (32, 2, 4)

@@ -28,12 +28,15 @@ class EncodedStore:
         self.misses = 0
 
     def items(self, keys: Sequence[Hashable], encode: Callable[[list[int]], list[Tensors]]) -> list[Tensors]:
-        """The entry of each key; the missing ones computed together by `encode(positions in keys)` (entries on
-        the CPU), and kept while there is room."""
+        """The entry of each key; the missing ones computed by `encode(positions in keys)` (entries on the CPU),
+        and kept while there is room."""
         missing = [i for i, key in enumerate(keys) if key not in self.entries]
         self.hits += len(keys) - len(missing)
         self.misses += len(missing)
-        computed = dict(zip(missing, encode(missing), strict=True)) if missing else {}
+        # One at a time: encoders give slightly different values for an item in another batch, and which items
+        # miss together depends on the run's history; encoded alone, an entry is the same in a run resumed from a
+        # checkpoint (with an empty store) as in the run left alone, bit for bit.
+        computed = {i: encode([i])[0] for i in missing}
         for i, entry in computed.items():
             size = sum(t.numel() * t.element_size() for t in entry.values())
             if self.stored_bytes + size <= self.budget_bytes:

@@ -86,8 +86,20 @@ def process_group(device: torch.device) -> Iterator[bool]:
     try:
         yield world > 1
     finally:
+        _restore_linear()
         if created:
             deepspeed.comm.destroy_process_group()
+
+
+def _restore_linear() -> None:
+    """ZeRO-3 replaces torch.nn.functional.linear process-wide with its memory-efficient version and leaves it so
+    ("persists unless manually reset"); after the run, the original goes back, or every model used later in this
+    process (float8 layerwise casting, torchao's int8 weights) would compute through DeepSpeed's."""
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+
+    original = getattr(patcher, "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
 
 
 def read_override(config: Config) -> dict[str, Any]:

@@ -206,7 +206,8 @@ def test_control_batches_from_the_cache_equal_those_encoded_on_the_fly(family, m
     batches = {}
     for cached in (False, True):
         config = make_config(family, data_root=root, training={"algorithm": "control-lora", "batch_size": 2},
-                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache")},
+                             # One clip per VAE call, as on the fly: the same computation, the same values.
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
                              output_dir=str(tmp_path / f"run-{cached}"))
         trainer = build_trainer(config)
         trainer.check_inputs()
@@ -265,7 +266,8 @@ def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_conf
     for cached in (False, True):
         config = make_config(training={"algorithm": "control-lora", "batch_size": 2},
                              control={"processor": "canny"},
-                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache")},
+                             # One clip per VAE call, as on the fly: the same computation, the same values.
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
                              output_dir=str(tmp_path / f"run-{cached}"))
         trainer = build_trainer(config)
         trainer.check_inputs()

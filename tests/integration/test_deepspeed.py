@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
-import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -23,15 +21,14 @@ import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
+from tests.integration.test_distributed_training import _free_port, _train
 from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
 from vidtune.data.video import read_clip
-from vidtune.errors import VidtuneError
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.resume import CheckpointError
 from vidtune.trainers import build_trainer
-from vidtune.trainers.stop import TrainingInterrupted
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 FULL_FILE = "transformer/diffusion_pytorch_model.safetensors"
@@ -39,36 +36,6 @@ STEPS = 3
 # Two ranks reduce the gradients in another order than one process sums them: float32 rounding, amplified a little
 # by Adam's division by the root of the second moment.
 RTOL, ATOL = 1e-3, 1e-4
-
-
-def _free_port() -> int:
-    with socket.socket() as handle:
-        handle.bind(("127.0.0.1", 0))
-        return handle.getsockname()[1]
-
-
-def _train(config: dict, port: int, stop_on: tuple[int, int] | None = None) -> dict:
-    """One run of this rank (the process group set up by the trainer from the environment); `stop_on=(rank,
-    micro_batch)` sends that rank SIGTERM during that micro-batch."""
-    os.environ["MASTER_PORT"] = str(port)
-    trainer = build_trainer(build_config(config))
-    positions: list[int] = []
-    original = trainer.compute_loss
-
-    def recording(batch):
-        positions.extend(int(p) for p in batch.positions)
-        if stop_on is not None and stop_on == (int(os.environ["RANK"]), len(positions)):
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(batch)
-
-    trainer.compute_loss = recording
-    try:
-        result = trainer.run()
-    except TrainingInterrupted as stopped:
-        return {"positions": positions, "exit_code": stopped.exit_code}
-    except VidtuneError as error:
-        return {"positions": positions, "error": str(error)}
-    return {"positions": positions, "losses": result.losses, "weights": str(result.weights_path)}
 
 
 def _rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], ports: list[int], out: str) -> None:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
-from vidtune.errors import TrainingError
+from vidtune.errors import VidtuneError
 from vidtune.outputs import COMFYUI_LORA_WEIGHTS
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import TrainingInterrupted
@@ -68,7 +68,7 @@ def _train(config: dict, port: int, stop_on: tuple[int, int] | None = None, unus
         result = trainer.run()
     except TrainingInterrupted as stopped:
         return {"positions": positions, "exit_code": stopped.exit_code, "message": str(stopped)}
-    except TrainingError as error:
+    except VidtuneError as error:  # TrainingError, and the refusals of a strategy's settings
         return {"positions": positions, "error": str(error)}
     return {"positions": positions, "losses": result.losses, "weights": str(result.weights_path)}
 

@@ -50,6 +50,7 @@ from vidtune.models.spec import (
     ModelSpec,
     StepCallback,
     TextComponents,
+    VAEWithExtras,
     frame_count_problem,
     raise_shape_problems,
     shape_rule,
@@ -329,23 +330,14 @@ class HunyuanVideo15Spec(ModelSpec):
         return pipeline.video_processor.postprocess_video(video, output_type=output_type)
 
 
-class HunyuanVideo15ImageEncoders(nn.Module):
+class HunyuanVideo15ImageEncoders(VAEWithExtras):
     """What `HunyuanVideo15ImageToVideoSpec.load_vae` returns: the VAE with the SigLIP image encoder and its
     processor. Opaque to trainers; the spec's `prepare_latents` and `pipeline` take it apart."""
 
     def __init__(self, vae: nn.Module, image_encoder: nn.Module, feature_extractor: SiglipImageProcessor) -> None:
-        super().__init__()
-        self.vae = vae
+        super().__init__(vae)
         self.image_encoder = image_encoder
         self.feature_extractor = feature_extractor
-
-    @property
-    def device(self) -> torch.device:
-        return self.vae.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.vae.dtype
 
 
 class HunyuanVideo15ImageToVideoSpec(HunyuanVideo15Spec):

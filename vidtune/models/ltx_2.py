@@ -49,6 +49,7 @@ from vidtune.models.spec import (
     ModelSpec,
     StepCallback,
     TextComponents,
+    VAEWithExtras,
     frame_count_problem,
     raise_shape_problems,
     shape_rule,
@@ -70,23 +71,14 @@ ORIGINAL_MODULATIONS = {"video_scale_shift": "video_scale_shift", "video_a2v_gat
 SILENT_LOG_MEL = math.log(1e-5)
 
 
-class LTX2Autoencoders(nn.Module):
+class LTX2Autoencoders(VAEWithExtras):
     """What `LTX2Spec.load_vae` returns: the video VAE (which training encodes with) and the audio VAE and vocoder
     the pipeline needs to render a sample's sound. Opaque to trainers."""
 
     def __init__(self, vae: nn.Module, audio_vae: nn.Module, vocoder: nn.Module) -> None:
-        super().__init__()
-        self.vae = vae
+        super().__init__(vae)
         self.audio_vae = audio_vae
         self.vocoder = vocoder
-
-    @property
-    def device(self) -> torch.device:
-        return self.vae.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.vae.dtype
 
 
 def encode_log_mel(audio_vae: nn.Module, log_mel: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,23 @@ def resolve_dtype(name: DType | None, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+class VAEWithExtras(nn.Module):
+    """A VAE and what a family loads beside it (image encoders, an audio VAE), as one `load_vae` result. Opaque
+    to trainers, which only hand it back to the spec; it reports the VAE's device and dtype as a VAE would."""
+
+    def __init__(self, vae: nn.Module) -> None:
+        super().__init__()
+        self.vae = vae
+
+    @property
+    def device(self) -> torch.device:
+        return self.vae.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.vae.dtype
+
+
 @dataclass
 class TextComponents:
     """Text encoders and tokenizers of one model, by name (e.g. {"text_encoder": ..., "tokenizer": ...})."""

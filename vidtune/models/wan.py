@@ -48,6 +48,7 @@ from vidtune.models.spec import (
     Latents,
     ModelSpec,
     TextComponents,
+    VAEWithExtras,
     frame_count_problem,
     raise_shape_problems,
     shape_rule,
@@ -218,8 +219,7 @@ class WanSpec(ModelSpec):
         )
 
 
-
-class WanImageEncoders(nn.Module):
+class WanImageEncoders(VAEWithExtras):
     """What `WanImageToVideoSpec.load_vae` returns: the VAE with the CLIP image encoder and its processor.
 
     Opaque to trainers (they only hand it back to the spec); the spec's `prepare_latents` and `pipeline`
@@ -227,18 +227,9 @@ class WanImageEncoders(nn.Module):
     """
 
     def __init__(self, vae: nn.Module, image_encoder: nn.Module, image_processor: CLIPImageProcessor) -> None:
-        super().__init__()
-        self.vae = vae
+        super().__init__(vae)
         self.image_encoder = image_encoder
         self.image_processor = image_processor
-
-    @property
-    def device(self) -> torch.device:
-        return self.vae.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.vae.dtype
 
 
 class WanImageToVideoSpec(WanSpec):

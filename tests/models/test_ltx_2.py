@@ -1,5 +1,6 @@
 """LTX-2 specifics that must match what LTX2Pipeline does: the text embeddings after the connectors, every input the
-transformer's two streams take, the silent audio track's latents, and the joint video + audio loss."""
+transformer's two streams take, the silent audio track's latents, and the joint video + audio loss (a clip's own sound
+through the data path: tests/models/test_ltx_2_audio.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from vidtune.config import ModelConfig
-from vidtune.models.ltx_2 import AUDIO_LATENTS, SILENT_LOG_MEL, LTX2Spec, encode_log_mel
+from vidtune.models.ltx_2 import AUDIO_LATENTS, AUDIO_PRESENT, SILENT_LOG_MEL, LTX2Spec, encode_log_mel
 
 CPU = torch.device("cpu")
 FRAMES, HEIGHT, WIDTH = 9, 32, 32
@@ -65,7 +66,7 @@ def test_forward_gives_both_streams_what_the_pipeline_gives_them(parts):
                                denoiser.audio_rope.prepare_audio_coords(1, from_training["audio_num_frames"], CPU))
 
 
-def test_a_clip_trains_with_the_audio_latents_of_silence_of_its_duration(parts):
+def test_a_clip_without_sound_gets_the_audio_latents_of_silence_of_its_duration(parts):
     spec, _, vae, _ = parts
     latents = spec.prepare_latents(vae, torch.rand(2, FRAMES, 3, HEIGHT, WIDTH) * 2 - 1)
     audio = latents[AUDIO_LATENTS]
@@ -73,28 +74,35 @@ def test_a_clip_trains_with_the_audio_latents_of_silence_of_its_duration(parts):
     assert length == round(FRAMES / 24.0 * 16000 / 160 / 4)  # LTX2Pipeline's audio_num_frames
     assert audio.shape == (2, length, 8)
     assert torch.equal(audio[0], audio[1])  # silence does not depend on the picture
+    assert torch.equal(latents[AUDIO_PRESENT], torch.zeros(2, 1))  # and is not taught (video only)
     config = vae.audio_vae.config
-    silence = torch.full((1, config.in_channels, 4 * (length - 1) + 1, config.mel_bins), SILENT_LOG_MEL)
+    # 4 L log-mel frames: what the causal audio VAE encodes into L latent frames.
+    silence = torch.full((1, config.in_channels, 4 * length, config.mel_bins), SILENT_LOG_MEL)
     torch.testing.assert_close(audio[:1], encode_log_mel(vae.audio_vae, silence))
     # Another duration, another track; the same one comes from the per-shape cache.
     assert spec.silent_audio_latents(vae.audio_vae, 17).shape[1] == spec.audio_latent_length(17) > length
     assert spec.silent_audio_latents(vae.audio_vae, FRAMES) is spec.silent_audio_latents(vae.audio_vae, FRAMES)
 
 
-def test_the_loss_is_the_video_error_plus_the_weighted_audio_error(parts, folder):
+def test_the_loss_is_the_video_error_plus_the_weighted_audio_error_of_clips_with_sound(parts, folder):
     spec, text, vae, denoiser = parts
     conditions = spec.prepare_conditions(text, ["a", "b"])
     conditions[AUDIO_LATENTS] = spec.prepare_latents(vae, torch.zeros(2, FRAMES, 3, HEIGHT, WIDTH))[AUDIO_LATENTS]
+    conditions[AUDIO_PRESENT] = torch.tensor([[1.0], [1.0]])
     noisy, target = torch.randn(2, 8, 3, 8, 8), torch.randn(2, 8, 3, 8, 8)
     timesteps = torch.tensor([250.0, 900.0])
     with torch.no_grad():
         video, audio, audio_target = spec.joint_forward(denoiser, conditions, noisy, timesteps)
         error = spec.training_error(denoiser, conditions, noisy, timesteps, target)
         halved = _spec(folder, audio_loss_weight=0.5).training_error(denoiser, conditions, noisy, timesteps, target)
+        video_only = spec.training_error(denoiser, {**conditions, AUDIO_PRESENT: torch.tensor([[0.0], [1.0]])},
+                                         noisy, timesteps, target)
     video_error = (video - target).pow(2).flatten(1).mean(1)
     audio_error = (audio - audio_target).pow(2).flatten(1).mean(1)
     torch.testing.assert_close(error, video_error + audio_error)
     torch.testing.assert_close(halved, video_error + 0.5 * audio_error)
+    # A clip without sound trains video only.
+    torch.testing.assert_close(video_only, video_error + torch.tensor([0.0, 1.0]) * audio_error)
     # The audio target is the flow-matching velocity of the clip's own noise, drawn per clip from its timestep.
     noise = spec.audio_noise(timesteps, conditions[AUDIO_LATENTS])
     torch.testing.assert_close(audio_target, noise - conditions[AUDIO_LATENTS])

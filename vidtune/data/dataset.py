@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from vidtune.data.audio import AudioFormat, ClipAudio, as_clip_audio, decode_audio
 from vidtune.data.buckets import Shape, visit_start
 from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import Clip
@@ -21,15 +22,18 @@ Key = tuple[int, int, int]  # (stream position, sample index, bucket): see vidtu
 
 class VideoCaptionDataset(Dataset):
     """At a key, yields {"video": float32 [F, 3, H, W] in [-1, 1] of the sample's bucket, "caption": str,
-    "index": int, "position": int}. The window's start is drawn per visit (`data.frame_sampling`) from the
-    position's own generator, so it is the same whatever worker decodes it, and after a resume.
+    "index": int, "position": int}, and with `audio` (a family that hears its clips) the window's sound: "audio"
+    float32 [channels, samples] (silence without a track) and "audio_present". The window's start is drawn per
+    visit (`data.frame_sampling`) from the position's own generator, so it is the same whatever worker decodes it,
+    and after a resume.
 
     Samples come from `load_dataset` (each with its probe and bucket); a failure here still names the line to fix.
     """
 
     def __init__(self, clips: Sequence[Clip], shapes: Sequence[Shape], fps: float | None = None,
                  resize: str = "crop", frame_sampling: str = "start", seed: int = 0,
-                 processor: ProcessorChoice | None = None, store: FrameStore | None = None) -> None:
+                 processor: ProcessorChoice | None = None, store: FrameStore | None = None,
+                 audio: AudioFormat | None = None) -> None:
         self.clips = list(clips)
         self.shapes = list(shapes)
         self.fps = fps
@@ -38,6 +42,7 @@ class VideoCaptionDataset(Dataset):
         self.seed = seed
         self.processor = processor  # control training: the control clip computed from the clip
         self.store = store  # decoded windows kept for later visits (data.frame_store_mib)
+        self.audio = audio  # the sound's format, for a family that trains on it (None: no sound decoded)
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -51,6 +56,8 @@ class VideoCaptionDataset(Dataset):
             start = visit_start(clip.info, frames, self.fps, self.frame_sampling, self.seed, position)
         item = {"video": self.read(clip, clip.video, frames, height, width, start), "caption": clip.caption,
                 "index": clip.index, "position": position, "bucket": bucket, "start": start}
+        if self.audio is not None:
+            item["audio"], item["audio_present"] = self.read_audio(clip, frames, start, self.audio)
         if self.processor is not None:
             item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), item["video"])
         elif clip.control is not None:  # control training: the same window of the control clip
@@ -71,13 +78,32 @@ class VideoCaptionDataset(Dataset):
             raise VideoDecodeError(path, error.reason, where=clip.where) from error
 
 
+    def read_audio(self, clip: Clip, frames: int, start: int, audio: AudioFormat) -> ClipAudio:
+        """The window's sound, kept in the frame store beside its frames (an empty array: the clip has none)."""
+        def decode() -> np.ndarray:
+            decoded = decode_audio(clip.video, frames, start, audio)
+            return np.zeros(0, np.float32) if decoded is None else decoded
+
+        try:
+            if self.store is None:
+                decoded = decode()
+            else:
+                decoded = self.store.frames(("audio", str(clip.video), frames, start, audio), decode)
+        except (VideoDecodeError, ClipTooShortError) as error:
+            raise VideoDecodeError(clip.video, error.reason, where=clip.where) from error
+        return as_clip_audio(decoded if decoded.size else None, frames, audio)
+
+
 def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Stack videos to [B, F, 3, H, W]; captions stay a list; indices and positions become LongTensors."""
     if not batch:
         raise ValueError("cannot collate an empty batch")
-    controls = {"control": torch.stack([item["control"] for item in batch])} if "control" in batch[0] else {}
+    extras = {"control": torch.stack([item["control"] for item in batch])} if "control" in batch[0] else {}
+    if "audio" in batch[0]:
+        extras["audio"] = torch.stack([item["audio"] for item in batch])
+        extras["audio_present"] = torch.tensor([item["audio_present"] for item in batch], dtype=torch.bool)
     return {
-        **controls,
+        **extras,
         "video": torch.stack([item["video"] for item in batch]),
         "caption": [item["caption"] for item in batch],
         "index": torch.tensor([item["index"] for item in batch], dtype=torch.long),

@@ -6,7 +6,9 @@ model, and two decode workers on a small CPU do not hide it. A window decoded on
 (resized: a quarter of the float32 batch it becomes) in a folder that the DataLoader's worker processes share:
 under /dev/shm (memory) when it has room, else the system's temp folder, where the page cache keeps recent files
 in memory. A later visit of the same window (same file, start, shape, fps and resize) reads it back in a fraction of
-a millisecond. Files are written whole and renamed into place, so a reader never sees half of one.
+a millisecond. A family that trains on the clips' sound (LTX-2) keeps each window's sound beside its frames, under
+its own key, so a later visit reads the same samples back. Files are written whole and renamed into place, so a
+reader never sees half of one.
 
 The store is bounded: each process may add up to its share of `data.frame_store_mib` (the whole of it without
 worker processes); past that, windows are decoded every visit as before. The folder is removed when the batch

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from vidtune import parallel
 from vidtune.config import Config
+from vidtune.data.audio import AudioBatch
 from vidtune.data.buckets import BatchSchedule, ScheduleSampler
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.encoded_store import EncodedStore
@@ -125,7 +126,8 @@ class EncodedBatches(BatchSource):
     def loader(self, sampler: ScheduleSampler) -> DataLoader:
         data = self.config.data
         dataset = VideoCaptionDataset(self.clips, data.bucket_shapes(), data.fps, data.resize, data.frame_sampling,
-                                      self.config.training.seed, configured_processor(self.config), self.store)
+                                      self.config.training.seed, configured_processor(self.config), self.store,
+                                      self.spec.audio_format())
         return DataLoader(
             dataset,
             batch_sampler=sampler,
@@ -144,7 +146,9 @@ class EncodedBatches(BatchSource):
             return encode_captions(self.spec, self.text, chosen, batch_size=len(picks), device="cpu")
 
         def encode_windows_at(picks: list[int]) -> list[Latents]:
-            latents = encode_videos(self.spec, self.vae, raw["video"][picks], batch_size=len(picks), device="cpu")
+            audio = AudioBatch(raw["audio"], raw["audio_present"]).select(picks) if "audio" in raw else None
+            latents = encode_videos(self.spec, self.vae, raw["video"][picks], batch_size=len(picks), device="cpu",
+                                    audio=audio)
             if "control" in raw:  # control training: the control clips' latents, from the same VAE
                 controls = encode_videos(self.spec, self.vae, raw["control"][picks], batch_size=len(picks),
                                          device="cpu")
@@ -152,7 +156,8 @@ class EncodedBatches(BatchSource):
                            for item, control in zip(latents, controls, strict=True)]
             return latents
 
-        # A window is its clip, bucket and start frame: the same frames, so the same posterior, at every visit.
+        # A window is its clip, bucket and start frame: the same frames (and sound), so the same posterior, at every
+        # visit.
         windows = [("window", *key) for key in zip(raw["index"].tolist(), raw["bucket"].tolist(),
                                                    raw["start"].tolist(), strict=True)]
         conditions = self.encoded.items([("caption", caption) for caption in captions], encode_captions_at)

@@ -68,6 +68,7 @@ class VideoInfo:
     fps: float
     width: int
     height: int
+    has_audio: bool = False  # the file holds an audio track
 
     @property
     def duration(self) -> float:
@@ -107,6 +108,7 @@ def probe_video(path: str | os.PathLike[str]) -> VideoInfo:
             first, stored, shown = _first_frame_and_packet_count(container, stream, path)
             promised = stream.frames
             width, height = _display_size(first, stream)
+            has_audio = bool(container.streams.audio)
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
     if promised > 0 and stored < promised:
@@ -115,7 +117,7 @@ def probe_video(path: str | os.PathLike[str]) -> VideoInfo:
             f"the file is incomplete (probably cut off while copying or downloading): it should hold "
             f"{promised} frames but only {stored} are there. Copy or export the clip again.",
         )
-    return VideoInfo(path=path, num_frames=shown, fps=fps, width=width, height=height)
+    return VideoInfo(path=path, num_frames=shown, fps=fps, width=width, height=height, has_audio=has_audio)
 
 
 def probe_image(path: str | os.PathLike[str]) -> VideoInfo:
@@ -492,8 +494,11 @@ def write_video(
     *,
     crf: int = 18,
     keyframe_interval: int | None = None,
+    audio: np.ndarray | torch.Tensor | None = None,
+    sample_rate: int = 48000,
 ) -> Path:
-    """Write frames as an H.264 (yuv420p) mp4 that plays everywhere.
+    """Write frames as an H.264 (yuv420p) mp4 that plays everywhere, with `audio` (float [channels, samples] in
+    [-1, 1], one or two channels, at `sample_rate`) as its AAC sound track when given.
 
     `frames` is uint8 [F, H, W, 3] or float [F, 3, H, W] in [-1, 1]. Odd sizes are padded by repeating
     the last row/column, because yuv420p needs even sizes. The video is encoded to a temporary file next
@@ -503,10 +508,18 @@ def write_video(
     if fps <= 0:
         raise ValueError(f"fps must be positive, got {fps}")
     array = _pad_to_even(frames_to_uint8(frames))
+    sound = None if audio is None else _audio_array(audio)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as temporary:
-        _encode_h264(temporary, array, fps, crf, keyframe_interval)
+        _encode_h264(temporary, array, fps, crf, keyframe_interval, sound, sample_rate)
     return path
+
+
+def _audio_array(audio: np.ndarray | torch.Tensor) -> np.ndarray:
+    array = audio.detach().cpu().float().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
+    if array.ndim != 2 or array.shape[0] not in (1, 2) or array.shape[1] == 0:
+        raise ValueError(f"audio must be float [channels, samples] with 1 or 2 channels, got shape {array.shape}")
+    return np.ascontiguousarray(array, dtype=np.float32)
 
 
 def frames_to_uint8(frames: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -542,7 +555,8 @@ def _pad_to_even(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def _encode_h264(path: Path, array: np.ndarray, fps: float, crf: int, keyframe_interval: int | None) -> None:
+def _encode_h264(path: Path, array: np.ndarray, fps: float, crf: int, keyframe_interval: int | None,
+                 audio: np.ndarray | None = None, sample_rate: int = 48000) -> None:
     rate = Fraction(fps).limit_denominator(1001)
     with av.open(str(path), "w", format="mp4", options={"movflags": "+faststart"}) as container:
         stream = container.add_stream("libx264", rate=rate, options={"crf": str(crf)})
@@ -551,9 +565,27 @@ def _encode_h264(path: Path, array: np.ndarray, fps: float, crf: int, keyframe_i
         stream.pix_fmt = "yuv420p"
         if keyframe_interval is not None:
             stream.codec_context.gop_size = keyframe_interval
+        sound = None if audio is None else container.add_stream("aac", rate=sample_rate,
+                                                                layout="mono" if len(audio) == 1 else "stereo")
         for image in array:
             container.mux(stream.encode(_to_video_frame(image)))
         container.mux(stream.encode(None))
+        if sound is not None and audio is not None:
+            _encode_audio(container, sound, audio, sample_rate)
+
+
+def _encode_audio(container: av.container.OutputContainer, stream: av.audio.stream.AudioStream, audio: np.ndarray,
+                  sample_rate: int) -> None:
+    """Whole encoder frames (AAC takes a fixed number of samples per frame), the last one padded with silence."""
+    size = stream.codec_context.frame_size or 1024
+    padded = np.pad(audio, ((0, 0), (0, -audio.shape[1] % size)))
+    layout = "mono" if len(audio) == 1 else "stereo"
+    for begin in range(0, padded.shape[1], size):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(padded[:, begin : begin + size]), format="fltp",
+                                           layout=layout)
+        frame.sample_rate, frame.pts, frame.time_base = sample_rate, begin, Fraction(1, sample_rate)
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode(None))
 
 
 def _to_video_frame(image: np.ndarray) -> av.VideoFrame:

@@ -2,17 +2,22 @@
 and audio together (LTX2Pipeline).
 
 Training is joint, as sampling is: the transformer always runs its audio stream beside the video one, and the two
-see each other through audio-to-video and video-to-audio attention, so the audio stream is trained too. Each clip's
-audio latents are those of silence of the clip's duration (encoded by the audio VAE once per shape); they are noised
-at the clip's sigma, like the video's, and the loss is the video's flow-matching error plus
-`model.audio_loss_weight` times the audio's. Conventions taken from LTX2Pipeline:
+see each other through audio-to-video and video-to-audio attention. A clip with an audio track trains both streams:
+its window's sound (resampled to the audio VAE's rate and channels) becomes LTX-2's log-mel spectrogram, which the
+audio VAE encodes; the audio latents are noised at the clip's sigma, like the video's, and the loss is the video's
+flow-matching error plus `model.audio_loss_weight` times the audio's. A clip without an audio track trains video
+only: its audio stream is given silence (noised alike) and its audio error is left out. Conventions taken from
+LTX2Pipeline and LTX-2's audio processing:
     text: the caption, stripped, left-padded to `max_sequence_length` tokens (1024, or the tokenizer's
         `model_max_length` when shorter), every hidden state of Gemma 3 stacked on the last dim, then the text
         connectors (frozen), which give the video and audio streams their embeddings and the mask;
     video latents: the VAE posterior normalised per channel with the VAE's `latents_mean` / `latents_std` and
         `scaling_factor`, packed into tokens like LTX-Video's;
     audio latents: [B, L, C * mel] (channels and latent mel bins on the last dim), normalised with the audio VAE's
-        `latents_mean` / `latents_std`; L = round(frames / frame_rate * sample_rate / hop / 4);
+        `latents_mean` / `latents_std`; L = round(frames / frame_rate * sample_rate / hop / 4); the log-mel
+        spectrogram of the sound: STFT magnitude (Hann window of 1024, hop `mel_hop_length`, centred), Slaney mel
+        filterbank of `mel_bins` over 0 Hz to Nyquist, log(max(mel, 1e-5)); its first 4 L frames (silence where the
+        sound is shorter), which the causal audio VAE encodes into L latent frames;
     rotary positions: the transformer's own, from the latent grids and the frame rate.
 """
 
@@ -39,6 +44,7 @@ from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 from torch import nn
 from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 
+from vidtune.data.audio import AudioBatch, AudioFormat, log_mel_spectrogram
 from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.models.defaults import FamilyDefaults
@@ -67,8 +73,13 @@ UNGUIDED = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "a
 # diffusers' names of the audio-video cross-attention modulations -> the original checkpoint's (`av_ca_*_adaln_single`).
 ORIGINAL_MODULATIONS = {"video_scale_shift": "video_scale_shift", "video_a2v_gate": "a2v_gate",
                         "audio_scale_shift": "audio_scale_shift", "audio_v2a_gate": "v2a_gate"}
-# The log-mel floor of LTX-2's audio processing (log(clamp(mel, 1e-5))): silence is this value in every bin.
-SILENT_LOG_MEL = math.log(1e-5)
+# `prepare_latents`'s key of which clips have sound [B, 1] (1.0, else 0.0: the clip trains video only).
+AUDIO_PRESENT = "audio_present"
+# LTX-2's audio processing (its audio encoder's settings; diffusers' audio VAE config does not hold them): the STFT
+# window, and the log-mel floor (log(clamp(mel, 1e-5))): silence is this value in every bin.
+N_FFT = 1024
+MEL_FLOOR = 1e-5
+SILENT_LOG_MEL = math.log(MEL_FLOOR)
 
 
 class LTX2Autoencoders(VAEWithExtras):
@@ -119,8 +130,22 @@ class LTX2Spec(ModelSpec):
         return self.config.audio_loss_weight
 
     def latent_identity(self) -> dict[str, Any]:
-        # The audio track's length follows the frame rate the clip is told about.
-        return {**super().latent_identity(), "frame_rate": self.frame_rate, "audio": "silence"}
+        # The audio track's length follows the frame rate the clip is told about; its latents come from the clip's
+        # own sound through the log-mel settings below (earlier caches held silence for every clip: other keys).
+        return {**super().latent_identity(), "frame_rate": self.frame_rate,
+                "audio": {"source": "clip", "n_fft": N_FFT, "mel_floor": MEL_FLOOR}}
+
+    def audio_format(self) -> AudioFormat:
+        """The audio VAE's sample rate and channels (LTX-2's: 16 kHz stereo), at the frame rate the clip is told."""
+        audio = self.load_config(AutoencoderKLLTX2Audio, "audio_vae")
+        channels = int(audio.get("in_channels", 2))
+        if channels not in (1, 2):
+            raise ModelError(
+                f"{self.describe_file('audio_vae', 'config.json')} says in_channels={channels}; vidtune reads a clip's "
+                "sound as mono (1) or stereo (2).\nWhat to do: use an LTX-2 audio VAE of 1 or 2 input channels (the "
+                "released ones take 2)."
+            )
+        return AudioFormat(int(audio["sample_rate"]), channels, self.frame_rate)
 
     def required_components(self) -> tuple[str, ...]:
         return (*super().required_components(), "connectors", "audio_vae", "vocoder")
@@ -192,16 +217,42 @@ class LTX2Spec(ModelSpec):
         return {"prompt_embeds": video, "audio_prompt_embeds": audio, "prompt_attention_mask": connector_mask}
 
     @torch.no_grad()
-    def prepare_latents(self, vae: LTX2Autoencoders, videos: torch.Tensor) -> Latents:
-        """The video posterior, and the clip's audio latents: those of silence of its duration."""
+    def prepare_latents(self, vae: LTX2Autoencoders, videos: torch.Tensor, audio: AudioBatch | None = None) -> Latents:
+        """The video posterior, the clip's audio latents and whether it has sound (`AUDIO_PRESENT`). `audio`: each
+        window's sound (`audio_format`); without it, or for a clip without a track, the latents of silence of the
+        clip's duration, marked absent."""
         video_vae = vae.vae
         pixels = videos.to(device=video_vae.device, dtype=video_vae.dtype).permute(0, 2, 1, 3, 4)
         posterior = video_vae.encode(pixels).latent_dist
         mean_shift = video_vae.latents_mean.view(1, -1, 1, 1, 1).to(posterior.mean)
         scale = (video_vae.config.scaling_factor / video_vae.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
-        silence = self.silent_audio_latents(vae.audio_vae, videos.shape[1])
+        batch, frames = videos.shape[:2]
+        audio_latents = self.silent_audio_latents(vae.audio_vae, frames).expand(batch, -1, -1).clone()
+        present = torch.zeros(batch, 1)
+        if audio is not None and bool(audio.present.any()):
+            heard = audio.present.nonzero().flatten().tolist()  # silence is encoded once per length, not per clip
+            audio_latents[heard] = self.sound_latents(vae.audio_vae, audio.waveforms[heard], frames)
+            present[heard] = 1.0
         return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale,
-                AUDIO_LATENTS: silence.expand(videos.shape[0], -1, -1).clone()}
+                AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device)}
+
+    def log_mel(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int) -> torch.Tensor:
+        """[B, channels, samples] at the audio VAE's rate -> LTX-2's log-mel spectrogram [B, channels, 4 L, mel bins]
+        of a clip of `frames` frames: the frames the causal audio VAE encodes into the clip's L latent frames
+        (trimmed, or padded with silence where the sound is shorter)."""
+        config = audio_vae.config
+        log_mel = log_mel_spectrogram(waveforms, config.sample_rate, N_FFT, config.mel_hop_length, config.mel_bins,
+                                      floor=MEL_FLOOR)
+        wanted = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames)
+        missing = wanted - log_mel.shape[2]
+        if missing > 0:
+            log_mel = torch.nn.functional.pad(log_mel, (0, 0, 0, missing), value=SILENT_LOG_MEL)
+        return log_mel[:, :, :wanted]
+
+    def sound_latents(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int) -> torch.Tensor:
+        """[B, L, C * mel]: the audio VAE's normalised latents of each clip's sound."""
+        log_mel = self.log_mel(audio_vae, waveforms.to(audio_vae.device), frames)
+        return encode_log_mel(audio_vae, log_mel.to(audio_vae.dtype))
 
     def silent_audio_latents(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
         """[1, L, C * mel]: the audio VAE's normalised latents of silence lasting `frames` frames (once per length:
@@ -212,10 +263,9 @@ class LTX2Spec(ModelSpec):
         return by_length[frames]
 
     def silent_log_mel(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
-        """[1, channels, T, mel bins] of silence: T mel frames encode to the clip's L latent frames (the audio VAE
-        is causal: T = 4 (L - 1) + 1)."""
+        """[1, channels, 4 L, mel bins] of silence: what `log_mel` gives for a silent clip of `frames` frames."""
         config = audio_vae.config
-        mel_frames = AUDIO_LATENT_DOWNSAMPLING * (self.audio_latent_length(frames) - 1) + 1
+        mel_frames = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames)
         return torch.full((1, config.in_channels, mel_frames, config.mel_bins), SILENT_LOG_MEL,
                           device=audio_vae.device, dtype=audio_vae.dtype)
 
@@ -275,11 +325,13 @@ class LTX2Spec(ModelSpec):
 
     def training_error(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                        timesteps: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The video's mean squared error plus `model.audio_loss_weight` times the audio's, per clip."""
+        """The video's mean squared error plus `model.audio_loss_weight` times the audio's, per clip; a clip without
+        sound (`AUDIO_PRESENT` 0) adds no audio error: it trains video only."""
         video, audio, audio_target = self.joint_forward(denoiser, conditions, noisy_latents, timesteps)
         video_error = self.per_clip_error((video.float() - target).pow(2), conditions)
         audio_error = (audio.float() - audio_target).pow(2).flatten(1).mean(dim=1)
-        return video_error + self.audio_loss_weight * audio_error
+        heard = conditions[AUDIO_PRESENT].float().flatten().to(audio_error.device)
+        return video_error + self.audio_loss_weight * heard * audio_error
 
     def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
         """Packed like the video latents, channels on the last dimension (as LTX-Video)."""

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from vidtune.config import Config, DType, ModelConfig, TrainingConfig
+from vidtune.data.audio import AudioFormat
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.files import INCOMPLETE, follow_umask
@@ -432,7 +433,13 @@ class ModelSpec(ABC):
 
     @abstractmethod
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        """videos: [B, F, 3, H, W] in [-1, 1] -> normalised posterior {"latents_mean", "latents_std"}."""
+        """videos: [B, F, 3, H, W] in [-1, 1] -> normalised posterior {"latents_mean", "latents_std"}. A family
+        with an `audio_format` also takes `audio=` (an `AudioBatch`: each window's sound, or None)."""
+
+    def audio_format(self) -> AudioFormat | None:
+        """The sound a family trains on beside the frames (sample rate, channels), which the data path then decodes
+        for each window and hands to `prepare_latents` as `audio=`; None (the default): no sound is decoded."""
+        return None
 
     @abstractmethod
     def forward(

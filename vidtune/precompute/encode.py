@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from vidtune import parallel
 from vidtune.config import Config
+from vidtune.data.audio import AudioBatch, ClipAudio
 from vidtune.data.buckets import check_bucket_shapes
 from vidtune.data.sources import Clip, load_dataset
 from vidtune.models.registry import get_spec_class
@@ -54,6 +55,7 @@ _LOAD_LOCK = threading.Lock()
 
 Tensors = dict[str, torch.Tensor]
 ClipSource = torch.Tensor | str | os.PathLike | Clip
+Decoded = tuple[torch.Tensor, ClipAudio | None]  # a window's frames [F, 3, H, W], and its sound when it is read
 T = TypeVar("T")
 
 
@@ -96,14 +98,16 @@ def encode_captions(spec: ModelSpec, text: TextComponents, captions: Sequence[st
 
 
 def read_clips(clips: Sequence[ClipSource], preprocess: Preprocess | None, workers: int = 2,
-               lookahead: int = 8) -> Iterator[torch.Tensor]:
-    """Clips as [F, 3, H, W] tensors in order, decoded by `workers` threads up to `lookahead` clips ahead."""
-    def decode(clip: ClipSource) -> torch.Tensor:
+               lookahead: int = 8) -> Iterator[Decoded]:
+    """Clips as ([F, 3, H, W] tensor, its sound or None) in order, decoded by `workers` threads up to `lookahead`
+    clips ahead. The sound is read where `preprocess` says so (`Preprocess.audio`); tensors come without."""
+    def decode(clip: ClipSource) -> Decoded:
         if isinstance(clip, torch.Tensor):
-            return clip
+            return clip, None
         if preprocess is None:
             raise ValueError("encode_videos: pass preprocess=Preprocess(frames, height, width) to read clip files")
-        return preprocess.read(clip.video if isinstance(clip, Clip) else clip)
+        path = clip.video if isinstance(clip, Clip) else clip
+        return preprocess.read(path), preprocess.read_audio(path)
 
     if workers <= 0:
         yield from (decode(clip) for clip in clips)
@@ -118,10 +122,12 @@ def read_clips(clips: Sequence[ClipSource], preprocess: Preprocess | None, worke
             yield future.result()
 
 
-def _latent_items(spec: ModelSpec, vae: torch.nn.Module, videos: torch.Tensor, store: str,
+def _latent_items(spec: ModelSpec, vae: torch.nn.Module, videos: torch.Tensor, audio: AudioBatch | None, store: str,
                   generators: Sequence[torch.Generator | None] | None, device: torch.device | str | None,
                   dtype: torch.dtype | None) -> list[Tensors]:
-    items = split_items(spec.prepare_latents(vae, videos), len(videos))
+    # Only a family with an audio format takes the sound (and always gets the argument, even when it is None).
+    sound = {"audio": audio} if spec.audio_format() is not None else {}
+    items = split_items(spec.prepare_latents(vae, videos, **sound), len(videos))
     if store == "sample":
         generators = generators or [None] * len(items)
         items = [
@@ -136,36 +142,50 @@ def _latent_items(spec: ModelSpec, vae: torch.nn.Module, videos: torch.Tensor, s
 def encode_videos(spec: ModelSpec, vae: torch.nn.Module, clips: torch.Tensor | Sequence[ClipSource],
                   batch_size: int = 4, device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
                   preprocess: Preprocess | None = None, store: str = "posterior",
-                  generators: Sequence[torch.Generator] | None = None, decode_workers: int = 2) -> list[Tensors]:
+                  generators: Sequence[torch.Generator] | None = None, decode_workers: int = 2,
+                  audio: AudioBatch | None = None) -> list[Tensors]:
     """The normalised VAE posterior of each clip ({"latents_mean", "latents_std"} + video-derived conditions).
 
-    `clips`: a [B, F, 3, H, W] tensor in [-1, 1], or a list of such [F, 3, H, W] tensors, video paths or
-    `Clip`s (files are decoded with `preprocess`, ahead of the VAE). `store="sample"` returns one drawn
-    latent per clip instead ({"latents"}, drawn with `generators`).
+    `clips`: a [B, F, 3, H, W] tensor in [-1, 1] (with `audio`, their sound, for a family that trains on it), or
+    a list of such [F, 3, H, W] tensors, video paths or `Clip`s (files are decoded with `preprocess`, ahead of the
+    VAE, their sound too where it says so). `store="sample"` returns one drawn latent per clip instead
+    ({"latents"}, drawn with `generators`).
     """
     if store not in ("posterior", "sample"):
         raise ValueError(f"store must be 'posterior' or 'sample', not {store!r}")
     if isinstance(clips, torch.Tensor):
-        batches: Iterator[torch.Tensor] = (clips[i : i + batch_size] for i in range(0, len(clips), batch_size))
+        def picks(first: int) -> list[int]:
+            return list(range(first, min(first + batch_size, len(clips))))
+
+        batches: Iterator[tuple[torch.Tensor, AudioBatch | None]] = (
+            (clips[picks(i)], None if audio is None else audio.select(picks(i)))
+            for i in range(0, len(clips), batch_size))
     else:
         decoded = read_clips(list(clips), preprocess, workers=decode_workers, lookahead=2 * batch_size)
         batches = _batched_stack(decoded, batch_size)
     items: list[Tensors] = []
-    for videos in batches:
+    for videos, sound in batches:
         chunk_generators = generators[len(items) : len(items) + len(videos)] if generators else None
-        items.extend(_latent_items(spec, vae, videos, store, chunk_generators, device, dtype))
+        items.extend(_latent_items(spec, vae, videos, sound, store, chunk_generators, device, dtype))
     return items
 
 
-def _batched_stack(tensors: Iterator[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
-    batch: list[torch.Tensor] = []
-    for tensor in tensors:
-        batch.append(tensor)
+def stack_decoded(decoded: Sequence[Decoded]) -> tuple[torch.Tensor, AudioBatch | None]:
+    """Decoded windows of one shape as a batch: frames [B, F, 3, H, W] and their sound (None when not read)."""
+    sounds = [sound for _, sound in decoded if sound is not None]
+    return (torch.stack([video for video, _ in decoded]),
+            AudioBatch.stack(sounds) if len(sounds) == len(decoded) else None)
+
+
+def _batched_stack(decoded: Iterator[Decoded], size: int) -> Iterator[tuple[torch.Tensor, AudioBatch | None]]:
+    batch: list[Decoded] = []
+    for item in decoded:
+        batch.append(item)
         if len(batch) == size:
-            yield torch.stack(batch)
+            yield stack_decoded(batch)
             batch = []
     if batch:
-        yield torch.stack(batch)
+        yield stack_decoded(batch)
 
 
 def as_posterior(entry: Tensors) -> Tensors:
@@ -340,8 +360,9 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
     work: queue.Queue = queue.Queue(maxsize=2 * len(plan.vae_devices))
     pool = ThreadPoolExecutor(max(1, decode_workers), thread_name_prefix="vidtune-decode")
 
-    def decode(key: str) -> torch.Tensor:
-        return plan.latent_preprocess[key].read(plan.latents[key])
+    def decode(key: str) -> Decoded:
+        preprocess, path = plan.latent_preprocess[key], plan.latents[key]
+        return preprocess.read(path), preprocess.read_audio(path)
 
     def producer(report: WorkerReport) -> None:
         for chunk in _same_shape_chunks(latent_keys, plan, batch_size):
@@ -364,9 +385,9 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
             if job is None:
                 break
             chunk, futures = job
-            videos = torch.stack([future.result() for future in futures])
+            videos, audio = stack_decoded([future.result() for future in futures])
             generators = [latent_draw_generator(key) for key in chunk]
-            items = _latent_items(spec, vae, videos, plan.store, generators, None, None)
+            items = _latent_items(spec, vae, videos, audio, plan.store, generators, None, None)
             for key, item in zip(chunk, items, strict=True):
                 cache.write("latents", key, item, plan.latent_info[key])
             report.items += len(chunk)

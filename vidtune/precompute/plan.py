@@ -27,6 +27,7 @@ import torch
 
 from vidtune import parallel
 from vidtune.config import Config
+from vidtune.data.audio import AudioFormat, ClipAudio, read_audio
 from vidtune.data.buckets import window_starts
 from vidtune.data.sources import Clip
 from vidtune.data.video import read_clip
@@ -105,6 +106,8 @@ class Preprocess:
     start: int = 0  # the window's first source frame
     # Control training with `control.processor`: (name, sorted options) of the processor the clip goes through.
     processor: tuple[str, tuple[tuple[str, Any], ...]] | None = None
+    # A family that trains on the clip's sound (`spec.audio_format()`): the window's sound is read too.
+    audio: AudioFormat | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> Preprocess:
@@ -120,11 +123,19 @@ class Preprocess:
         name, options = self.processor
         return apply_processor(name, dict(options), video)
 
+    def read_audio(self, path: str | Path) -> ClipAudio | None:
+        """The window's sound, as `VideoCaptionDataset` reads it; None when this preprocessing reads none."""
+        if self.audio is None:
+            return None
+        return read_audio(path, self.frames, self.start, self.audio)
+
     def describe(self) -> dict[str, Any]:
         described = {"frames": self.frames, "height": self.height, "width": self.width, "fps": self.fps,
                      "resize": self.resize, "start": self.start, "version": PREPROCESS_VERSION}
         if self.processor is not None:  # only then: keys of unprocessed clips stay what they were
             described["processor"] = processor_identity(self.processor[0], dict(self.processor[1]))
+        if self.audio is not None:  # likewise: only the families that read sound have it in their keys
+            described["audio"] = self.audio.describe()
         return described
 
 
@@ -198,6 +209,7 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         latent_parts["vae_tiling"] = True
     data, shapes = config.data, config.data.bucket_shapes()
     processor = configured_processor(config)
+    audio_format = spec.audio_format()
 
     def condition(caption: str) -> str:
         key = entry_key("conditions", {**text_parts, "caption": caption})
@@ -222,8 +234,10 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
                 sources.append((clip.control, fingerprints.file(clip.control), None))
         keys: list[list[str]] = [[] for _ in sources]
         for start in starts:
-            for (path, content_hash, processed), windows in zip(sources, keys, strict=True):
-                preprocess = Preprocess(frames, height, width, data.fps, data.resize, start, processed)
+            for number, ((path, content_hash, processed), windows) in enumerate(zip(sources, keys, strict=True)):
+                # The clip's sound goes with its own latents; control clips give only their video latents.
+                audio = audio_format if number == 0 else None
+                preprocess = Preprocess(frames, height, width, data.fps, data.resize, start, processed, audio)
                 key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": content_hash})
                 windows.append(key)
                 plan.latents.setdefault(key, path)

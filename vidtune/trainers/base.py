@@ -40,6 +40,7 @@ from vidtune import outputs, parallel
 from vidtune.attention import resolve_attention_backend, set_attention_backend
 from vidtune.compile import check_compile, compile_blocks, compile_seconds, eager
 from vidtune.config import Config, write_resolved_config
+from vidtune.data.audio import sound_line
 from vidtune.data.buckets import check_bucket_shapes, visit_generator
 from vidtune.data.overview import write_dataset_overview
 from vidtune.data.sources import Clip, load_dataset
@@ -427,6 +428,8 @@ class Trainer(ABC):
     def open_batch_source(self) -> BatchSource:
         """From the cache (`precompute.enabled`: missing entries are computed first, with the encoders loaded and
         released by that stage, so training never holds them), or encoded on the fly (the encoders loaded here)."""
+        if self.spec.audio_format() is not None and parallel.is_main():
+            print(sound_line(self.spec.name, self.clips), flush=True)
         if not self.config.precompute.enabled:
             self.load_encoders()
             return EncodedBatches(self.config, self.clips, self.device, self.spec, self.text, self.vae)

@@ -1,0 +1,137 @@
+"""LTX-2 trains on a clip's own sound: read with its frames, turned into LTX-2's log-mel spectrogram and encoded by
+the audio VAE, alike on the fly and from the precompute cache; a clip without an audio track trains video only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vidtune.data.audio import AudioBatch, AudioFormat, read_audio
+from vidtune.data.synthetic import render_shapes_dataset
+from vidtune.data.video import read_frames, write_video
+from vidtune.models.ltx_2 import AUDIO_LATENTS, AUDIO_PRESENT, SILENT_LOG_MEL, encode_log_mel
+from vidtune.trainers import build_trainer
+
+CLIP_FRAMES, FPS = 17, 24
+
+
+def write_tone(path: Path, hz: float, rate: int = 48000) -> None:
+    """Rewrite the clip at `path` with a stereo tone of `hz` as its sound track."""
+    frames = np.stack(read_frames(path, list(range(CLIP_FRAMES))))
+    wave = 0.5 * np.sin(2 * np.pi * hz * np.arange(round(CLIP_FRAMES / FPS * rate)) / rate)
+    write_video(path, frames, FPS, audio=np.stack([wave, 0.7 * wave]).astype(np.float32), sample_rate=rate)
+
+
+@pytest.fixture(scope="module")
+def sound_dataset(tmp_path_factory) -> Path:
+    """Two clips (17 frames, 32x32, 24 fps): clip 0 with a 1 kHz tone as its sound, clip 1 without a sound track."""
+    folder = render_shapes_dataset(tmp_path_factory.mktemp("sound"), num_clips=2, num_frames=CLIP_FRAMES, height=32,
+                                   width=32, fps=FPS, seed=0)
+    write_tone(folder / "clips" / "clip_000.mp4", 1000.0)
+    return folder
+
+
+def first_batch(config):
+    trainer = build_trainer(config)
+    trainer.check_inputs()
+    trainer.load_models()
+    return trainer, next(trainer.source.batches(0))
+
+
+def test_sound_latents_differ_from_silence_and_the_cache_gives_what_on_the_fly_computes(
+        make_config, sound_dataset, tmp_path, capsys):
+    def config(enabled: bool, name: str):
+        return make_config("ltx-2", data_root=sound_dataset, training={"batch_size": 2},
+                           precompute={"enabled": enabled, "cache_dir": str(tmp_path / "cache"), "batch_size": 2},
+                           output_dir=str(tmp_path / name))
+
+    live_trainer, live = first_batch(config(False, "live"))
+    cached_trainer, cached = first_batch(config(True, "cached"))
+    # One line per run says which clips train with sound.
+    said = capsys.readouterr().out.count("ltx-2: 1 of 2 samples have an audio track")
+    assert said == 2
+    assert live.indices.tolist() == cached.indices.tolist()
+    for key in live.latents:
+        torch.testing.assert_close(cached.latents[key], live.latents[key], rtol=1e-4, atol=1e-5)
+    heard = live.indices.tolist().index(0)  # clip 0 has the tone, clip 1 no track
+    assert live.latents[AUDIO_PRESENT][:, 0].tolist() == [float(i == heard) for i in range(2)]
+    spec = live_trainer.spec
+    silence = spec.silent_audio_latents(live_trainer.vae.audio_vae, 9)[0]
+    assert torch.equal(live.latents[AUDIO_LATENTS][1 - heard], silence)
+    assert (live.latents[AUDIO_LATENTS][heard] - silence).abs().max() > 0.2
+    # The tone's latents are the audio VAE's of its log-mel spectrogram (4 L frames for L latent frames).
+    audio_vae = live_trainer.vae.audio_vae
+    sound = read_audio(sound_dataset / "clips" / "clip_000.mp4", 9, 0, spec.audio_format())
+    assert sound.present and sound.waveform.shape == (2, 6000)  # 9 frames at 24 fps, 16 kHz
+    log_mel = spec.log_mel(audio_vae, sound.waveform[None], 9)
+    assert log_mel.shape == (1, 2, 4 * spec.audio_latent_length(9), audio_vae.config.mel_bins)
+    assert log_mel.max() > SILENT_LOG_MEL + 5
+    torch.testing.assert_close(live.latents[AUDIO_LATENTS][heard], encode_log_mel(audio_vae, log_mel)[0])
+    # The cache key follows the sound: entries of the earlier silent tracks are never read as these.
+    plan = cached_trainer.source.cached.plan
+    assert {info["audio"]["sample_rate"] for info in plan.latent_info.values()} == {16000}
+    assert spec.latent_identity()["audio"]["source"] == "clip"
+
+
+def test_same_losses_from_the_cache_and_on_the_fly_with_sound(make_config, sound_dataset, tmp_path):
+    losses = []
+    for enabled in (False, True):
+        config = make_config("ltx-2", data_root=sound_dataset, training={"steps": 3, "seed": 5},
+                             precompute={"enabled": enabled, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
+                             output_dir=str(tmp_path / f"run-{enabled}"))
+        losses.append(build_trainer(config).run().losses)
+    assert losses[0] == losses[1]
+
+
+def test_the_audio_format_is_the_audio_vaes(tiny_model_dir):
+    from vidtune.config import ModelConfig
+    from vidtune.models.ltx_2 import LTX2Spec
+
+    spec = LTX2Spec(ModelConfig(name="ltx-2", pretrained=str(tiny_model_dir("ltx-2"))), frame_rate=25.0)
+    assert spec.audio_format() == AudioFormat(16000, 2, 25.0)
+
+
+@pytest.mark.slow
+def test_a_trained_model_samples_the_sound_it_learnt_beside_the_video(tiny_model_dir, sound_dataset, tmp_path):
+    """The audio stream is taught the clip's own sound: after a short full fine-tune on the clip with a tone,
+    LTX2Pipeline samples audio latents near the tone's, and the video near the clip (the family's overfit test holds
+    the 0.15 bound)."""
+    from tests.models.test_overfit import one_clip_dataset, overfit_config
+    from vidtune.config import ModelConfig
+    from vidtune.data.video import read_clip
+    from vidtune.models.ltx_2 import LTX2Spec
+
+    folder = tiny_model_dir("ltx-2")
+    clip, caption = sound_dataset / "clips" / "clip_000.mp4", "a tone"
+    frames, height, width = 9, 32, 32
+    config = overfit_config("ltx-2", folder, one_clip_dataset(clip, caption, tmp_path / "data"), tmp_path / "run")
+    config.training.steps, config.optimizer.warmup_steps = 300, 30
+    weights = build_trainer(config).run().weights_path
+
+    def errors(transformer) -> tuple[float, float]:
+        subfolders = {"transformer": str(transformer)} if transformer else {}
+        spec = LTX2Spec(ModelConfig(name="ltx-2", pretrained=str(folder), subfolders=subfolders), frame_rate=24.0)
+        text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
+        sound = AudioBatch.stack([read_audio(clip, frames, 0, spec.audio_format())])
+        latents = spec.prepare_latents(vae, read_clip(clip, frames, height, width)[None], audio=sound)
+        pipeline = spec.pipeline(text, vae, denoiser.eval())
+        pipeline.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            video, audio = spec.generate_joint_latents(pipeline, caption, frames, height, width, 30,
+                                                       torch.Generator().manual_seed(1))
+        x0, tone = latents["latents_mean"], latents[AUDIO_LATENTS]
+        # Root mean square errors, in the normalised latents' units (the pipeline starts both from unit noise).
+        return float((video - x0).pow(2).mean().sqrt()), float((audio - tone).pow(2).mean().sqrt())
+
+    video_error, audio_error = errors(weights)
+    untrained_video, untrained_audio = errors(None)
+    print(f"ltx-2 with sound, 300 steps: RMS error of the video latents {video_error:.3f} (untrained "
+          f"{untrained_video:.3f}), of the audio latents {audio_error:.3f} (untrained {untrained_audio:.3f})")
+    assert audio_error < untrained_audio / 2
+    assert video_error < untrained_video / 2
+
+
+CPU = torch.device("cpu")

@@ -70,6 +70,8 @@ def test_sound_latents_differ_from_silence_and_the_cache_gives_what_on_the_fly_c
     assert log_mel.shape == (1, 2, 4 * spec.audio_latent_length(9), audio_vae.config.mel_bins)
     assert log_mel.max() > SILENT_LOG_MEL + 5
     torch.testing.assert_close(live.latents[AUDIO_LATENTS][heard], encode_log_mel(audio_vae, log_mel)[0])
+    # A silent sound track gives exactly the latents of a clip without one (the log-mel floor in every bin).
+    torch.testing.assert_close(spec.sound_latents(audio_vae, torch.zeros(1, 2, 6000), 9)[0], silence)
     # The cache key follows the sound: entries of the earlier silent tracks are never read as these.
     plan = cached_trainer.source.cached.plan
     assert {info["audio"]["sample_rate"] for info in plan.latent_info.values()} == {16000}

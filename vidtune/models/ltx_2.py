@@ -137,6 +137,11 @@ class LTX2Spec(ModelSpec):
 
     def audio_format(self) -> AudioFormat:
         """The audio VAE's sample rate and channels (LTX-2's: 16 kHz stereo), at the frame rate the clip is told."""
+        return self._audio_format
+
+    @functools.cached_property
+    def _audio_format(self) -> AudioFormat:
+        # Read once: the data path asks for every batch.
         audio = self.load_config(AutoencoderKLLTX2Audio, "audio_vae")
         channels = int(audio.get("in_channels", 2))
         if channels not in (1, 2):

@@ -149,6 +149,8 @@ def command_precompute(args: argparse.Namespace) -> int:
     if summary.rank == 0:
         print(f"Cache: {summary.cache_dir} ({summary.seconds:.1f} s)")
         print(summary.line())
+        if summary.sound:
+            print(summary.sound)
     return 0
 
 

@@ -13,6 +13,7 @@ from vidtune.data.audio import AudioBatch, AudioFormat, read_audio
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.data.video import read_frames, write_video
 from vidtune.models.ltx_2 import AUDIO_LATENTS, AUDIO_PRESENT, SILENT_LOG_MEL, encode_log_mel
+from vidtune.precompute import precompute
 from vidtune.trainers import build_trainer
 
 CLIP_FRAMES, FPS = 17, 24
@@ -76,6 +77,10 @@ def test_sound_latents_differ_from_silence_and_the_cache_gives_what_on_the_fly_c
     plan = cached_trainer.source.cached.plan
     assert {info["audio"]["sample_rate"] for info in plan.latent_info.values()} == {16000}
     assert spec.latent_identity()["audio"]["source"] == "clip"
+    # `vidtune precompute` (which loads the clips itself) says it too; every entry is reused.
+    summary = precompute(config(True, "cached"), progress=False)
+    assert summary.latents_reused == 2
+    assert summary.sound is not None and "1 of 2 samples have an audio track" in summary.sound
 
 
 def test_same_losses_from_the_cache_and_on_the_fly_with_sound(make_config, sound_dataset, tmp_path):

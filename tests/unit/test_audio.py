@@ -110,3 +110,26 @@ def test_a_tones_mel_peak_lands_in_its_bin_and_silence_gives_the_floor() -> None
     loud = log_mel_spectrogram(torch.from_numpy(tone(0.2, 1000.0, rate)).view(1, 1, -1), rate, n_fft, hop, bins)
     torch.testing.assert_close(loud[..., 20], quiet[..., 20] + math.log(10.0), rtol=0, atol=1e-3)
     assert log_mel_spectrogram(torch.ones(1, 1, 300), rate, n_fft, hop, bins).shape == (1, 1, 2, bins)
+
+
+def test_the_dataset_gives_each_window_its_sound_and_the_frame_store_keeps_it(tmp_path: Path) -> None:
+    from vidtune.data.dataset import VideoCaptionDataset, collate_samples
+    from vidtune.data.frame_store import FrameStore
+    from vidtune.data.sources import Clip
+
+    paths = [clip_with_sound(tmp_path / "tone.mp4"),
+             write_video(tmp_path / "silent.mp4", np.zeros((48, 16, 16, 3), np.uint8), 24)]
+    clips = [Clip(path, "c", number, number + 1, info=probe_video(path), bucket=0) for number, path in enumerate(paths)]
+    audio = AudioFormat(16000, 2, 24.0)
+    store = FrameStore.create(8, num_workers=0)
+    stored = VideoCaptionDataset(clips, [(9, 16, 16)], store=store, audio=audio)
+    plain = VideoCaptionDataset(clips, [(9, 16, 16)], audio=audio)
+    for _ in range(2):
+        batch = collate_samples([stored[(0, index, 0)] for index in range(2)])
+        expected = collate_samples([plain[(0, index, 0)] for index in range(2)])
+        assert torch.equal(batch["audio"], expected["audio"]) and batch["audio"].shape == (2, 2, 6000)
+        assert batch["audio_present"].tolist() == [True, False]
+    assert batch["audio"][0].abs().max() > 0.3 and not batch["audio"][1].any()
+    assert (store.misses, store.hits) == (4, 4)  # frames and sound of two windows, each decoded once
+    # Families without sound read none.
+    assert "audio" not in VideoCaptionDataset(clips, [(9, 16, 16)])[(0, 0, 0)]

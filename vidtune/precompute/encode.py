@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from vidtune import parallel
 from vidtune.config import Config
-from vidtune.data.audio import AudioBatch, ClipAudio
+from vidtune.data.audio import AudioBatch, ClipAudio, sound_line
 from vidtune.data.buckets import check_bucket_shapes
 from vidtune.data.sources import Clip, load_dataset
 from vidtune.models.registry import get_spec_class
@@ -235,6 +235,7 @@ class PrecomputeSummary:
     workers: list[WorkerReport] = field(default_factory=list)
     computed_keys: dict[str, list[str]] = field(default_factory=dict)  # this rank's, by kind
     plan: CachePlan | None = None
+    sound: str | None = None  # which clips train with their sound (a family that trains on it; `sound_line`)
 
     def line(self) -> str:
         return (f"conditions: {self.conditions_computed} computed, {self.conditions_reused} reused; "
@@ -442,8 +443,11 @@ def precompute(config: Config, clips: list[Clip] | None = None, *, progress: boo
     started = time.perf_counter()
     progress = config.logging.progress if progress is None else progress
     spec = build_spec(config)
+    # A training run says which clips have sound when it opens its batches; `vidtune precompute` says it here.
+    sound = None
     if clips is None:
         clips = load_clips(config, spec, progress=progress)
+        sound = sound_line(spec.name, clips) if spec.audio_format() is not None else None
     cache = CacheStore(cache_root(config))
     cache.prepare()
     cache.remove_stale_temporary_files()
@@ -469,6 +473,7 @@ def precompute(config: Config, clips: list[Clip] | None = None, *, progress: boo
     return PrecomputeSummary(
         *counts, seconds=time.perf_counter() - started, rank=rank, world=world, cache_dir=cache.root,
         workers=reports, computed_keys={"conditions": condition_todo, "latents": latent_todo}, plan=plan,
+        sound=sound,
     )
 
 

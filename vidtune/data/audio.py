@@ -81,7 +81,7 @@ class AudioBatch:
         return cls(torch.stack([item.waveform for item in items]),
                    torch.tensor([item.present for item in items], dtype=torch.bool))
 
-    def select(self, picks: list[int]) -> AudioBatch:
+    def select(self, picks: list[int] | slice) -> AudioBatch:
         return AudioBatch(self.waveforms[picks], self.present[picks])
 
 

@@ -77,9 +77,9 @@ class VideoCaptionDataset(Dataset):
             # Raised in a worker mid-training: say which line, since the user only knows their own files.
             raise VideoDecodeError(path, error.reason, where=clip.where) from error
 
-
     def read_audio(self, clip: Clip, frames: int, start: int, audio: AudioFormat) -> ClipAudio:
         """The window's sound, kept in the frame store beside its frames (an empty array: the clip has none)."""
+
         def decode() -> np.ndarray:
             decoded = decode_audio(clip.video, frames, start, audio)
             return np.zeros(0, np.float32) if decoded is None else decoded

@@ -154,11 +154,8 @@ def encode_videos(spec: ModelSpec, vae: torch.nn.Module, clips: torch.Tensor | S
     if store not in ("posterior", "sample"):
         raise ValueError(f"store must be 'posterior' or 'sample', not {store!r}")
     if isinstance(clips, torch.Tensor):
-        def picks(first: int) -> list[int]:
-            return list(range(first, min(first + batch_size, len(clips))))
-
         batches: Iterator[tuple[torch.Tensor, AudioBatch | None]] = (
-            (clips[picks(i)], None if audio is None else audio.select(picks(i)))
+            (clips[i : i + batch_size], None if audio is None else audio.select(slice(i, i + batch_size)))
             for i in range(0, len(clips), batch_size))
     else:
         decoded = read_clips(list(clips), preprocess, workers=decode_workers, lookahead=2 * batch_size)
@@ -173,8 +170,9 @@ def encode_videos(spec: ModelSpec, vae: torch.nn.Module, clips: torch.Tensor | S
 def stack_decoded(decoded: Sequence[Decoded]) -> tuple[torch.Tensor, AudioBatch | None]:
     """Decoded windows of one shape as a batch: frames [B, F, 3, H, W] and their sound (None when not read)."""
     sounds = [sound for _, sound in decoded if sound is not None]
-    return (torch.stack([video for video, _ in decoded]),
-            AudioBatch.stack(sounds) if len(sounds) == len(decoded) else None)
+    if 0 < len(sounds) < len(decoded):
+        raise ValueError("a batch mixes windows read with and without their sound")
+    return torch.stack([video for video, _ in decoded]), AudioBatch.stack(sounds) if sounds else None
 
 
 def _batched_stack(decoded: Iterator[Decoded], size: int) -> Iterator[tuple[torch.Tensor, AudioBatch | None]]:

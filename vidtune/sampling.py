@@ -7,9 +7,9 @@ Two callers share the rendering here:
   pipeline built from the spec, with the run's transformer (full fine-tuning) or with its adapter loaded by
   the pipeline's own `load_lora_weights`, then render with `render_sample`.
 
-Each sample is an mp4, a PNG contact sheet to judge it without a player, and its prompt; on request also the
-final latents (safetensors, key `latents`, the training layout [B, C, F, H, W], normalised like
-`spec.prepare_latents`).
+Each sample is an mp4 (with the generated sound as its AAC track, for a family that generates sound: LTX-2), a PNG
+contact sheet to judge it without a player, and its prompt; on request also the final latents (safetensors, key
+`latents`, the training layout [B, C, F, H, W], normalised like `spec.prepare_latents`).
 """
 
 from __future__ import annotations
@@ -115,15 +115,18 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
 
     try:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            frames = spec.generate(pipeline, prompt, frames=settings.frames, height=settings.height,
-                                   width=settings.width, num_inference_steps=settings.num_inference_steps,
-                                   guidance_scale=settings.guidance_scale,
-                                   generator=torch.Generator().manual_seed(seed), reference=reference,
-                                   callback=keep_latents if latents_path is not None else None)
+            sample = spec.generate_sample(pipeline, prompt, frames=settings.frames, height=settings.height,
+                                          width=settings.width, num_inference_steps=settings.num_inference_steps,
+                                          guidance_scale=settings.guidance_scale,
+                                          generator=torch.Generator().manual_seed(seed), reference=reference,
+                                          callback=keep_latents if latents_path is not None else None)
     finally:
         denoiser.train(was_training)
-    pixels = frames_to_uint8(frames)
-    write_video(video_path, pixels, fps=settings.frame_rate)
+    pixels = frames_to_uint8(sample.frames)
+    if sample.audio is None:
+        write_video(video_path, pixels, fps=settings.frame_rate)
+    else:  # a family that generates sound (LTX-2): its waveform is the mp4's sound track
+        write_video(video_path, pixels, fps=settings.frame_rate, audio=sample.audio, sample_rate=sample.sample_rate)
     write_contact_sheet(pixels, video_path.with_suffix(".png"))
     atomic_write_text(video_path.with_suffix(".txt"), prompt + "\n")
     if latents_path is not None:

@@ -26,15 +26,17 @@ FAMILIES = available_models()
 
 
 def _record_generate(spec) -> list[torch.Tensor]:
-    """Every video `spec.generate` returns from now on (what validation and `vidtune sample` render)."""
+    """The frames of every sample `spec.generate_sample` returns from now on (what validation and `vidtune sample`
+    render)."""
     made: list[torch.Tensor] = []
-    original = spec.generate
+    original = spec.generate_sample
 
-    def generate(*args, **kwargs):
-        made.append(original(*args, **kwargs))
-        return made[-1]
+    def generate_sample(*args, **kwargs):
+        sample = original(*args, **kwargs)
+        made.append(sample.frames)
+        return sample
 
-    spec.generate = generate
+    spec.generate_sample = generate_sample
     return made
 
 

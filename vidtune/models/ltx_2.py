@@ -51,6 +51,7 @@ from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.ltx_video import vae_downsampling_steps
 from vidtune.models.spec import (
     Conditions,
+    GeneratedSample,
     Latents,
     ModelSpec,
     StepCallback,
@@ -408,8 +409,28 @@ class LTX2Spec(ModelSpec):
     def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
-        """LTX2Pipeline's call. Without guidance (scale 1) its other guidances (spatio-temporal, modality, rescale,
-        the audio's) are off too, so a step is one plain forward: what `generate_latents` compares with training."""
+        """LTX2Pipeline's call; its `.frames`."""
+        return self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                  generator, output_type, reference, callback).frames
+
+    def generate_sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                        num_inference_steps: int, guidance_scale: float, generator: torch.Generator,
+                        reference: torch.Tensor | None = None, callback: StepCallback | None = None
+                        ) -> GeneratedSample:
+        """The video and its sound: LTX2Pipeline decodes the audio latents with the audio VAE and the vocoder, which
+        gives the waveform [channels, samples] at its `output_sampling_rate` (clamped to [-1, 1]: the vocoder with
+        bandwidth extension ends without a tanh)."""
+        output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                    generator, "pt", reference, callback)
+        return GeneratedSample(output.frames[0].float() * 2.0 - 1.0, output.audio[0].float().clamp(-1.0, 1.0),
+                               int(pipeline.vocoder.config.output_sampling_rate))
+
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
+        """LTX2Pipeline's call: its output (`.frames`, `.audio`). Without guidance (scale 1) its other guidances
+        (spatio-temporal, modality, rescale, the audio's) are off too, so a step is one plain forward: what
+        `generate_latents` compares with training."""
         unguided = UNGUIDED if guidance_scale <= 1.0 else {}
         return pipeline(
             prompt=prompt,
@@ -424,4 +445,4 @@ class LTX2Spec(ModelSpec):
             **unguided,
             **self.pipeline_inputs(reference),
             **step_callback(callback),
-        ).frames
+        )

@@ -58,6 +58,15 @@ POSTERIOR_KEYS = ("latents_mean", "latents_std")
 CONTROL_LATENTS = "control_latents"
 
 
+@dataclass(frozen=True)
+class GeneratedSample:
+    """One sampled video as a run writes it: its frames and, for a family that generates sound, its waveform."""
+
+    frames: torch.Tensor  # float [F, 3, H, W] in [-1, 1]
+    audio: torch.Tensor | None = None  # float [channels, samples] in [-1, 1]
+    sample_rate: int | None = None  # of `audio`, in Hz
+
+
 def step_callback(callback: StepCallback | None) -> dict[str, Any]:
     """The pipeline call's arguments for `callback` (none without one)."""
     if callback is None:
@@ -491,6 +500,15 @@ class ModelSpec(ABC):
         video = self.run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
                                   generator, "pt", reference, callback)
         return video[0].float() * 2.0 - 1.0
+
+    def generate_sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                        num_inference_steps: int, guidance_scale: float, generator: torch.Generator,
+                        reference: torch.Tensor | None = None, callback: StepCallback | None = None
+                        ) -> GeneratedSample:
+        """What validation and `vidtune sample` write: `generate`'s frames, and the sound of a family whose pipeline
+        generates it (a family with a sound track overrides this)."""
+        return GeneratedSample(self.generate(pipeline, prompt, frames, height, width, num_inference_steps,
+                                             guidance_scale, generator, reference, callback))
 
     def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                          num_inference_steps: int, generator: torch.Generator,

@@ -98,9 +98,11 @@ def write_tiny_ltx_2(folder: str | Path, *, latent_channels: int = 8, seed: int 
         mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8,
     )
     torch.manual_seed(seed)
+    # One mel frame (a hop of 160 samples at 16 kHz) becomes 160 samples at 16 kHz, so the sound it renders lasts as
+    # long as the clip, as the published vocoder's 240 samples at 24 kHz do.
     vocoder = LTX2Vocoder(
         in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins, hidden_channels=32, out_channels=2,
-        upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2], resnet_kernel_sizes=[3],
+        upsample_kernel_sizes=[16, 40], upsample_factors=[8, 20], resnet_kernel_sizes=[3],
         resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1, output_sampling_rate=16000,
     )
     # Captions of 32 tokens (LTX2Pipeline's 1024 is the default only where the tokenizer allows it): cheap tests.

@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from PIL import Image
 
 from vidtune.cli import main
+from vidtune.config import build_config
 from vidtune.data.synthetic import render_mixed_dataset
 from vidtune.data.video import write_video
 
@@ -103,3 +105,54 @@ def test_the_contact_sheet_is_paged(tmp_path, pages):
                          progress=False)
     written = write_sheets(clips, tmp_path / "sheet.png", per_page=-(-len(clips) // pages))
     assert [path.name for path in written] == ["sheet.png", *[f"sheet-{n}.png" for n in range(2, pages + 1)]]
+
+
+def test_for_a_family_that_trains_on_sound_each_sample_says_whether_it_has_a_track(tmp_path, tiny_model_dir, capsys):
+    from vidtune.data.overview import clip_details
+    from vidtune.data.report import check_data
+    from vidtune.models.registry import get_spec_class
+
+    data = tmp_path / "data"
+    data.mkdir()
+    frames = np.zeros((12, 32, 32, 3), np.uint8)
+    tone = 0.5 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000).astype(np.float32)
+    write_video(data / "heard.mp4", frames, 24, audio=np.stack([tone, tone]), sample_rate=16000)
+    write_video(data / "quiet.mp4", frames, 24)
+    Image.new("RGB", (32, 32)).save(data / "still.png")
+    for name in ("heard", "quiet", "still"):
+        (data / f"{name}.txt").write_text(f"a {name} sample")
+
+    def check(family: str) -> tuple[int, list[str], dict]:
+        path = tmp_path / f"{family}.yaml"
+        path.write_text(yaml.safe_dump({
+            "model": {"name": family, "pretrained": str(tiny_model_dir(family))},
+            "data": {"datasets": [{"type": "folder", "root": str(data)}], "buckets": [[9, 32, 32], [1, 32, 32]]},
+            "output_dir": str(tmp_path / family), "logging": {"progress": False}}))
+        code = main(["data", "check", str(path), "--report", str(tmp_path / f"{family}.json")])
+        return code, capsys.readouterr().out.splitlines(), json.loads((tmp_path / f"{family}.json").read_text())
+
+    code, lines, report = check("ltx-2")
+    assert code == 0, "\n".join(lines)
+    header = next(line for line in lines if line.startswith("#"))
+    assert header.split()[-2:] == ["sound", "file"]
+    sound_column = {line.split()[-1]: line.split()[-2] for line in lines if line.split()[-1:] and
+                    line.split()[-1] in ("heard.mp4", "quiet.mp4", "still.png")}
+    assert sound_column == {"heard.mp4": "yes", "quiet.mp4": "no", "still.png": "-"}
+    summary = ("ltx-2: 1 of 3 samples have an audio track and train sound and video together; 2 without one train "
+               "video only (the audio stream gets silence, not taught).")
+    assert summary in lines and report["sound"] == summary
+    tracks = {Path(clip["path"]).name: clip["audio_track"] for clip in report["clips"]}
+    assert tracks == {"heard.mp4": True, "quiet.mp4": False, "still.png": False}
+
+    # The contact sheet's rows say it too (for such a family only).
+    config = build_config(yaml.safe_load((tmp_path / "ltx-2.yaml").read_text()))
+    spec = get_spec_class("ltx-2")(config.model, frame_rate=config.frame_rate)
+    clips = {clip.video.name: clip for clip in check_data(config, spec, progress=False).clips}
+    assert clip_details(clips["heard.mp4"], clips["heard.mp4"].info, sound=True).endswith(", sound track")
+    assert clip_details(clips["quiet.mp4"], clips["quiet.mp4"].info, sound=True).endswith(", no sound track")
+    assert "sound" not in clip_details(clips["heard.mp4"], clips["heard.mp4"].info)
+    assert "sound" not in clip_details(clips["still.png"], clips["still.png"].info, sound=True)
+
+    # A family that does not read sound shows no such column or line.
+    code, lines, report = check("ltx-video")
+    assert code == 0 and not any("sound" in line for line in lines) and report["sound"] is None

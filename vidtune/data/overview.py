@@ -1,6 +1,7 @@
 """A contact sheet of the dataset, so a user can eyeball clips and captions before training.
 
-One row per clip: first, middle and last frame, then the line number, length, size and caption.
+One row per clip: first, middle and last frame, then the line number, length, size (for a family that trains on a
+clip's sound, whether it has an audio track) and caption.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def write_dataset_overview(
     infos: Sequence[VideoInfo],
     path: str | os.PathLike[str],
     max_rows: int = MAX_ROWS,
+    sound: bool = False,
 ) -> Path:
-    """Write the contact sheet as a PNG at `path` (atomically) and return the path."""
+    """Write the contact sheet as a PNG at `path` (atomically) and return the path. `sound`: each row says whether
+    the clip has an audio track."""
     if len(clips) != len(infos):
         raise ValueError(f"got {len(clips)} clips but {len(infos)} video infos")
     path = Path(path)
@@ -60,7 +63,7 @@ def write_dataset_overview(
         header += f" (showing the first {shown})"
     _text(draw, (PAD, PAD), header + "   |   first, middle and last frame of each clip", font, _TEXT)
     for row, (clip, info) in enumerate(zip(clips[:shown], infos[:shown], strict=True)):
-        _draw_row(sheet, draw, font, HEADER_H + row * ROW_H, clip, info)
+        _draw_row(sheet, draw, font, HEADER_H + row * ROW_H, clip, info, sound)
     if shown < len(clips):
         more = len(clips) - shown
         note = f"... and {more} more clip{'s' if more != 1 else ''} not shown."
@@ -76,22 +79,28 @@ def _draw_row(
     top: int,
     clip: Clip,
     info: VideoInfo,
+    sound: bool,
 ) -> None:
     last = max(info.num_frames - 1, 0)
     for column, index in enumerate((0, last // 2, last)):
         left = PAD + column * (THUMB_W + PAD)
         sheet.paste(_thumbnail(clip.video, index), (left, top + PAD))
     text_left = PAD + 3 * (THUMB_W + PAD)
-    details = (
-        f"{info.num_frames} frames, {format_fps(info.fps)} fps, {info.width}x{info.height}, "
-        f"{info.duration:.1f} s"
-    )
-    if clip.is_image:
-        details = f"still, {info.width}x{info.height}"
-    lines = [(f"{clip.where}: {clip.video.name}", _TEXT), (details, _DIM_TEXT)]
+    lines = [(f"{clip.where}: {clip.video.name}", _TEXT), (clip_details(clip, info, sound), _DIM_TEXT)]
     lines += [(line, _TEXT) for line in _wrap_caption(clip.caption)]
     for number, (line, color) in enumerate(lines):
         _text(draw, (text_left, top + PAD + number * 17), line, font, color)
+
+
+def clip_details(clip: Clip, info: VideoInfo, sound: bool = False) -> str:
+    """A row's second line: frames, rate, size, length (`still` and size for a picture); with `sound`, whether the
+    clip has an audio track (without one it trains video only)."""
+    if clip.is_image:
+        return f"still, {info.width}x{info.height}"
+    details = f"{info.num_frames} frames, {format_fps(info.fps)} fps, {info.width}x{info.height}, {info.duration:.1f} s"
+    if sound:
+        details += ", sound track" if info.has_audio else ", no sound track"
+    return details
 
 
 def _thumbnail(video: Path, index: int) -> Image.Image:

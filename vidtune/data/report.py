@@ -1,9 +1,11 @@
 """`vidtune data check`: everything `vidtune train` checks about the data, without loading a model.
 
 Every source is read and every sample probed (headers and packets: no clip is decoded), given its bucket, its
-caption counted in the family's tokens; then duplicates (same bytes, same caption) are looked for. The result is a
-table per sample, counts per bucket, a paged contact sheet and a JSON report. Problems would stop training;
-warnings would not (a caption cut at the token limit, a duplicate, a file a folder holds but no sample uses).
+caption counted in the family's tokens; then duplicates (same bytes, same caption) are looked for. For a family that
+trains on a clip's sound (LTX-2), each sample's audio track is shown and counted: with one it trains sound and video,
+without one video only. The result is a table per sample, counts per bucket, a paged contact sheet and a JSON
+report. Problems would stop training; warnings would not (a caption cut at the token limit, a duplicate, a file a
+folder holds but no sample uses).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vidtune.config import Config
+from vidtune.data.audio import sound_line
 from vidtune.data.buckets import Shape, check_bucket_shapes, describe_shape
 from vidtune.data.sources import Clip, DatasetReport, inspect_dataset
 from vidtune.data.video import VideoInfo, format_fps, frames_available
@@ -36,6 +39,9 @@ class DataCheck:
     tokens: dict[int, int] = field(default_factory=dict)  # sample index -> caption tokens
     token_limit: int | None = None
     sample_warnings: dict[int, list[str]] = field(default_factory=dict)
+    # The family trains on a clip's sound beside its frames (`spec.audio_format()`): its audio track is shown.
+    family: str = ""
+    reads_sound: bool = False
 
     @property
     def clips(self) -> list[Clip]:
@@ -56,6 +62,10 @@ class DataCheck:
                 counts[shape_key(self.shapes[clip.bucket])] += 1
         return counts
 
+    def sound_summary(self) -> str | None:
+        """How many samples train with their sound (the line a training run logs), for a family that reads it."""
+        return sound_line(self.family, self.clips) if self.reads_sound else None
+
     def to_json(self) -> dict[str, Any]:
         rows = []
         for number, clip in enumerate(self.clips):
@@ -66,11 +76,13 @@ class DataCheck:
                 "bucket": list(self.shapes[clip.bucket]) if clip.bucket is not None else None,
                 "duration": round(info.duration, 3) if info else None, "fps": info.fps if info else None,
                 "size": [info.width, info.height] if info else None, "frames": info.num_frames if info else None,
+                "audio_track": info.has_audio if info else None,
                 "tokens": self.tokens.get(number),
                 "problems": list(self.report.sample_problems.get(number, [])),
                 "warnings": list(self.sample_warnings.get(number, [])),
             })
         return {"clips": rows, "buckets": self.bucket_counts(), "token_limit": self.token_limit,
+                "sound": self.sound_summary(),
                 "problems": [*self.config_problems, *self.report.source_problems],
                 "warnings": list(self.report.warnings), "ok": not self.problems()}
 
@@ -91,7 +103,8 @@ def check_data(config: Config, spec: Any, progress: bool = True) -> DataCheck:
         check_bucket_shapes(spec, shapes, single=not data.buckets)
     except ConfigError as error:
         config_problems.append(str(error).rsplit("\nWhat to do:", 1)[0].replace("\n  - ", "\n    - "))
-    check = DataCheck(shapes, inspect_dataset(data, progress=progress), config_problems)
+    check = DataCheck(shapes, inspect_dataset(data, progress=progress), config_problems, family=spec.name,
+                      reads_sound=spec.audio_format() is not None)
     _count_tokens(check, spec)
     _find_duplicates(check)
     return check
@@ -152,8 +165,9 @@ def _file_hash(path: Path) -> str | None:
 # ----- presenting it ----------------------------------------------------------------------------------------------
 def table(check: DataCheck, fps: float | None) -> str:
     """One row per sample: where it was named, its length, rate, size, the frames it yields, its bucket (or why it
-    fits none), its caption tokens; then the counts per bucket."""
-    header = ("#", "sample", "length", "fps", "size", "frames", "bucket", "tokens", "file")
+    fits none), its caption tokens, for a family that reads sound whether it has an audio track; then the counts per
+    bucket and of samples with sound."""
+    header = ("#", "sample", "length", "fps", "size", "frames", "bucket", "tokens", *_sound_header(check), "file")
     rows = [header]
     notes: list[str] = []
     for number, clip in enumerate(check.clips):
@@ -168,8 +182,9 @@ def table(check: DataCheck, fps: float | None) -> str:
         tokens = f"{check.tokens[number]}{limit}" if number in check.tokens else "-"
         if number in check.tokens and check.token_limit and check.tokens[number] > check.token_limit:
             tokens += " CUT"
+        sound = (_sound(clip, info),) if check.reads_sound else ()
         rows.append((str(number + 1), clip.where, _length(clip, info), _rate(clip, info), _size(info),
-                     _frames(clip, info, fps), bucket, tokens, clip.video.name))
+                     _frames(clip, info, fps), bucket, tokens, *sound, clip.video.name))
     widths = [min(40, max(len(row[column]) for row in rows)) for column in range(len(header))]
     lines = ["  ".join(_cell(text, width) for text, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
@@ -177,10 +192,25 @@ def table(check: DataCheck, fps: float | None) -> str:
     lines.append("Samples per bucket (frames x height x width):")
     for key, count in check.bucket_counts().items():
         lines.append(f"  {key:>14}  {count}")
+    if check.reads_sound:
+        lines += ["", check.sound_summary() or ""]
     if notes:
         lines.append("")
         lines.extend(f"({number}) {note}" for number, note in enumerate(notes, start=1))
     return "\n".join(lines)
+
+
+def _sound_header(check: DataCheck) -> tuple[str, ...]:
+    return ("sound",) if check.reads_sound else ()
+
+
+def _sound(clip: Clip, info: VideoInfo | None) -> str:
+    """Whether the sample trains with its sound: `yes` (an audio track), `no` (none: video only), `-` (a still)."""
+    if info is None:
+        return "?"
+    if clip.is_image:
+        return "-"
+    return "yes" if info.has_audio else "no"
 
 
 def _cell(text: str, width: int) -> str:
@@ -216,8 +246,9 @@ def write_json(check: DataCheck, path: str | os.PathLike[str]) -> Path:
     return atomic_write_text(Path(path), json.dumps(check.to_json(), indent=2, ensure_ascii=False) + "\n")
 
 
-def write_sheets(clips: Sequence[Clip], path: Path, per_page: int = PAGE_ROWS) -> list[Path]:
-    """The contact sheet of every sample, `per_page` rows a page: path, then path-2.png, path-3.png, ..."""
+def write_sheets(clips: Sequence[Clip], path: Path, per_page: int = PAGE_ROWS, sound: bool = False) -> list[Path]:
+    """The contact sheet of every sample, `per_page` rows a page: path, then path-2.png, path-3.png, ... `sound`:
+    each row says whether the clip has an audio track (a family that trains on it)."""
     from vidtune.data.overview import write_dataset_overview
 
     pages = []
@@ -225,5 +256,5 @@ def write_sheets(clips: Sequence[Clip], path: Path, per_page: int = PAGE_ROWS) -
         chunk = list(clips[first : first + per_page])
         infos = [clip.info or VideoInfo(clip.video, 0, 0.0, 0, 0) for clip in chunk]
         target = path if page == 1 else path.with_name(f"{path.stem}-{page}{path.suffix}")
-        pages.append(write_dataset_overview(chunk, infos, target, max_rows=per_page))
+        pages.append(write_dataset_overview(chunk, infos, target, max_rows=per_page, sound=sound))
     return pages

@@ -418,8 +418,8 @@ class LTX2Spec(ModelSpec):
                         reference: torch.Tensor | None = None, callback: StepCallback | None = None
                         ) -> GeneratedSample:
         """The video and its sound: LTX2Pipeline decodes the audio latents with the audio VAE and the vocoder, which
-        gives the waveform [channels, samples] at its `output_sampling_rate` (clamped to [-1, 1]: the vocoder with
-        bandwidth extension ends without a tanh)."""
+        gives the waveform [channels, samples] at its `output_sampling_rate` (clamped to [-1, 1], the range a sound
+        track holds: a vocoder configured without its final tanh can leave it)."""
         output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
                                     generator, "pt", reference, callback)
         return GeneratedSample(output.frames[0].float() * 2.0 - 1.0, output.audio[0].float().clamp(-1.0, 1.0),

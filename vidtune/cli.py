@@ -221,6 +221,7 @@ def positive_int(text: str) -> int:
 
 
 def command_sample(args: argparse.Namespace) -> int:
+    from vidtune.data.video import probe_video
     from vidtune.sampling import load_pipeline, next_sample_path, sample_run
 
     run_dir = Path(args.run_dir)
@@ -244,7 +245,8 @@ def command_sample(args: argparse.Namespace) -> int:
                          control=Path(args.control) if args.control else None, num_inference_steps=args.steps,
                          guidance_scale=args.guidance, seed=args.seed, frames=args.frames, height=args.height,
                          width=args.width)
-    print(f"Sample in {time.perf_counter() - started:.0f} s: {written.resolve()} (+ "
+    sound = "with the sampled sound; " if probe_video(written).has_audio else ""  # LTX-2's
+    print(f"Sample in {time.perf_counter() - started:.0f} s: {written.resolve()} ({sound}+ "
           f"{written.with_suffix('.png').name} contact sheet, {written.with_suffix('.txt').name} prompt)")
     if args.latents:
         print(f"Latents: {Path(args.latents).resolve()} (key 'latents')")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import av
 import numpy as np
+import pytest
+import torch
 
 from vidtune.cli import main as cli_main
 from vidtune.models.ltx_2 import LTX2Spec
@@ -82,10 +84,10 @@ def test_ltx_2_validation_and_vidtune_sample_write_the_generated_sound(make_conf
                      "--output", str(out), "--device", "cpu"]) == 0
     assert len(sampled) == 1
     assert_sound_track(out, sampled[0], longer, fps)
-    assert str(out.resolve()) in capsys.readouterr().out
+    assert f"{out.resolve()} (with the sampled sound; + sample.png contact sheet" in capsys.readouterr().out
 
 
-def test_a_family_without_sound_writes_no_sound_track(make_config):
+def test_a_family_without_sound_writes_no_sound_track(make_config, tmp_path, capsys):
     config = make_config("ltx-video", training={"steps": 1},
                          validation={"enabled": True, "num_inference_steps": 1, "prompts": ["a red circle"]})
     trainer = build_trainer(config)
@@ -96,4 +98,17 @@ def test_a_family_without_sound_writes_no_sound_track(make_config):
     assert len(videos) == 1 and read_sound(videos[0]) is None
     with av.open(str(videos[0])) as container:
         assert len(list(container.decode(video=0))) == config.data.frames
+    out = tmp_path / "sample.mp4"
+    assert cli_main(["sample", config.output_dir, "--prompt", "x", "--steps", "1", "--output", str(out),
+                     "--device", "cpu"]) == 0
+    assert read_sound(out) is None and f"{out.resolve()} (+ sample.png contact sheet" in capsys.readouterr().out
 
+
+
+def test_a_samples_sound_needs_its_rate():
+    frames = torch.zeros(2, 3, 8, 8)
+    assert GeneratedSample(frames).audio is None
+    with pytest.raises(ValueError, match="sample rate"):
+        GeneratedSample(frames, torch.zeros(2, 100))
+    with pytest.raises(ValueError, match="sample rate"):
+        GeneratedSample(frames, torch.zeros(2, 100), 0)

@@ -66,6 +66,10 @@ class GeneratedSample:
     audio: torch.Tensor | None = None  # float [channels, samples] in [-1, 1]
     sample_rate: int | None = None  # of `audio`, in Hz
 
+    def __post_init__(self) -> None:
+        if self.audio is not None and (self.sample_rate is None or self.sample_rate <= 0):
+            raise ValueError(f"a sample's audio needs its sample rate in Hz (positive), not {self.sample_rate}")
+
 
 def step_callback(callback: StepCallback | None) -> dict[str, Any]:
     """The pipeline call's arguments for `callback` (none without one)."""

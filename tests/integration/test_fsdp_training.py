@@ -279,3 +279,31 @@ def test_a_quantized_base_stays_whole_on_every_rank_and_trains_what_one_process_
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[key], uninterrupted[key]) for key in uninterrupted)
     assert [result["resumed"]["losses"] for result in ranks] == [result["int8"]["losses"][2:] for result in ranks]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_an_nf4_base_stays_whole_on_each_of_two_gpus(make_config, tmp_path):
+    """memory.base_weights=nf4 (bitsandbytes) under FSDP on NCCL: each GPU holds the whole 4-bit base, the adapter is
+    sharded, and the result is close to one GPU's with twice the batch (bf16 compute: a looser tolerance)."""
+    settings = {"model": {"dtype": "bfloat16"}, "memory": {"base_weights": "nf4"},
+                "training": {"steps": 3, "device": "cuda", "precision": "bf16", "learning_rate": 1e-3, **EMA}}
+    runs = [("nf4", make_config(output_dir=str(tmp_path / "fsdp"), parallel={"strategy": "fsdp"},
+                                **settings).to_dict(), {})]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_recording_storage, args=(2, runs, [_free_port()], str(out)), nprocs=2, join=True)
+    for rank in range(2):
+        (held,) = json.loads((out / f"storage{rank}.json").read_text())
+        assert held["base"].startswith("Params4bit:") and not held["base_sharded"]
+        assert held["adapter_shard"][0] * 2 == held["adapter_shape"][0]
+    single = build_trainer(make_config(output_dir=str(tmp_path / "single"), **{
+        **settings, "training": {**settings["training"], "batch_size": 2}})).run()
+    for name in (LORA_FILE, LORA_EMA_WEIGHTS):
+        trained, expected = load_file(tmp_path / "fsdp" / name), load_file(tmp_path / "single" / name)
+        assert trained.keys() == expected.keys() and expected
+        for key in expected:
+            torch.testing.assert_close(trained[key].float(), expected[key].float(), rtol=2e-2, atol=2e-3)
+    for rank in range(2):
+        losses = json.loads((out / f"rank{rank}.json").read_text())["nf4"]["losses"]
+        assert losses == pytest.approx(single.losses, rel=2e-2)

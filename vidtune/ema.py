@@ -30,6 +30,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def _gathered(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A DTensor's whole value on `device`, gathered from every rank (its shards may sit in CPU memory with FSDP's
+    CPU offload, where NCCL cannot gather them); a plain tensor as it is."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.to_local().device != device:
+        tensor = DTensor.from_local(tensor.to_local().to(device), tensor.device_mesh, tensor.placements,
+                                    shape=tensor.shape, stride=tensor.stride())
+    return tensor.full_tensor()
+
+
 class EMA:
     """The moving average of `parameters` (the trained ones, by name)."""
 
@@ -89,7 +100,7 @@ class EMA:
         average is a collective. What is written into the whole average inside is dropped at the end."""
         bound, shadow = self.parameters, self.shadow
         self.parameters = {name: parameters[name] for name in bound}
-        self.shadow = {name: s.full_tensor() if isinstance(s, DTensor) else s for name, s in shadow.items()}
+        self.shadow = {name: _gathered(s, self.parameters[name].device) for name, s in shadow.items()}
         try:
             yield
         finally:

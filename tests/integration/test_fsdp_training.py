@@ -58,7 +58,7 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
     runs = [
         ("lora", config("lora", checkpoint={"every": 2, "keep": 2}, training=EMA), {}),
         # HSDP: two replicas of one shard each (as two nodes of one GPU would be).
-        ("hsdp", config("hsdp", parallel={"strategy": "fsdp", "replicate_degree": 2}), {}),
+        ("hsdp", config("hsdp", parallel={"strategy": "fsdp", "replicate_degree": 2}, training=EMA), {}),
         # Validation samples after the last step: rank 0 samples the gathered weights while the others wait.
         ("full", config("full", training={"algorithm": "full", "steps": 2, **EMA},
                         validation={"enabled": True, "num_inference_steps": 2, "prompts": ["a red circle"]}), {}),
@@ -83,6 +83,7 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
         assert result["lora"]["positions"] == [[0, 2, 4], [1, 3, 5]][ranks.index(result)]
     assert _losses(tmp_path / "lora") == pytest.approx(single.losses, rel=1e-4)
     _assert_close(load_file(tmp_path / "hsdp" / LORA_FILE), load_file(tmp_path / "single" / LORA_FILE))
+    _assert_close(load_file(tmp_path / "hsdp" / LORA_EMA_WEIGHTS), average)
 
     # Checkpoints: one DCP folder per step, a shard file per rank, no single-file weights.
     saved = checkpoint.list_checkpoints(tmp_path / "lora" / "checkpoints")
@@ -191,10 +192,11 @@ def test_two_nodes_and_a_killed_rank_restarted_by_torchrun(make_config, tmp_path
 @pytest.mark.parametrize("algorithm", ["lora", "full"])
 def test_fsdp_in_bf16_with_cpu_offload_on_two_gpus(make_config, tmp_path, algorithm):
     """NCCL, FSDP's bf16 mixed precision (fp32 gradient reduction), shards kept in CPU memory, gradient
-    checkpointing: the result is finite, saved whole, and close to one GPU's with twice the batch."""
+    checkpointing: the result and its moving average are finite, saved whole, and close to one GPU's with twice the
+    batch."""
     settings = {"model": {"dtype": "bfloat16"}, "training": {"algorithm": algorithm, "steps": 3, "device": "cuda",
                                                              "precision": "bf16", "gradient_checkpointing": True,
-                                                             "learning_rate": 1e-3}}
+                                                             "learning_rate": 1e-3, **EMA}}
     runs = [("gpu", make_config(output_dir=str(tmp_path / "fsdp"), parallel={"strategy": "fsdp", "cpu_offload": True},
                                 **settings).to_dict(), {})]
     out = tmp_path / "results"
@@ -203,11 +205,12 @@ def test_fsdp_in_bf16_with_cpu_offload_on_two_gpus(make_config, tmp_path, algori
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     single = build_trainer(make_config(output_dir=str(tmp_path / "single"), **{
         **settings, "training": {**settings["training"], "batch_size": 2}})).run()
-    name = LORA_FILE if algorithm == "lora" else FULL_FILE
-    trained, expected = load_file(tmp_path / "fsdp" / name), load_file(tmp_path / "single" / name)
-    assert trained.keys() == expected.keys()
-    for key in expected:  # bf16 compute: a looser tolerance than fp32's
-        torch.testing.assert_close(trained[key].float(), expected[key].float(), rtol=2e-2, atol=2e-3)
+    # The moving average too: its shards sit in CPU memory and are gathered on the GPUs.
+    for name in (LORA_FILE, LORA_EMA_WEIGHTS) if algorithm == "lora" else (FULL_FILE, FULL_EMA_FILE):
+        trained, expected = load_file(tmp_path / "fsdp" / name), load_file(tmp_path / "single" / name)
+        assert trained.keys() == expected.keys()
+        for key in expected:  # bf16 compute: a looser tolerance than fp32's
+            torch.testing.assert_close(trained[key].float(), expected[key].float(), rtol=2e-2, atol=2e-3)
     for result in ranks:
         assert result["gpu"]["losses"] == pytest.approx(single.losses, rel=2e-2)
 

@@ -253,7 +253,9 @@ def test_a_quantized_base_stays_whole_on_every_rank_and_trains_what_one_process_
         ("int8", config("int8", "int8", 3, checkpoint={"every": 2, "keep": 2}), {}),
         # The same run continued from its step-2 checkpoint by two new ranks.
         ("resumed", config("resumed", "int8", 3, checkpoint={"resume": str(step_two)}), {}),
-        ("fp8", config("fp8", "fp8", 2), {}),
+        # Validation after the last step: rank 0 samples through the gathered adapter and its own fp8 base.
+        ("fp8", config("fp8", "fp8", 2, validation={"enabled": True, "num_inference_steps": 2,
+                                                    "prompts": ["a red circle"]}), {}),
     ]
     out = tmp_path / "results"
     out.mkdir()
@@ -282,6 +284,7 @@ def test_a_quantized_base_stays_whole_on_every_rank_and_trains_what_one_process_
         for result in ranks:
             assert result[option]["losses"] == pytest.approx(single.losses, rel=1e-3)
 
+    assert [p.name for p in (tmp_path / "fp8" / "samples").glob("*.mp4")] == ["step-00000002-0.mp4"]
     resumed, uninterrupted = load_file(tmp_path / "resumed" / LORA_FILE), load_file(tmp_path / "int8" / LORA_FILE)
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[key], uninterrupted[key]) for key in uninterrupted)

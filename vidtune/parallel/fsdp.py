@@ -20,7 +20,7 @@ quantized base, read from the same files, and FSDP shards the adapters and the f
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
             if isinstance(child, nn.ModuleList) and name.endswith("blocks") for block in child]
 
 
-def broadcast_from_main(module: nn.Module, skip: set[nn.Parameter] = frozenset()) -> None:
+def broadcast_from_main(module: nn.Module, skip: Collection[nn.Parameter] = ()) -> None:
     """Every rank's parameters and buffers set to rank 0's: freshly initialised adapters differ per rank (each
     rank seeds its RNG apart), and FSDP, unlike DDP, does not broadcast them itself. `skip`: parameters every rank
     made alike itself (quantized base weights, which a broadcast cannot carry)."""
@@ -69,7 +69,7 @@ def quantized_parameters(module: nn.Module) -> set[nn.Parameter]:
 class FullyShardedStrategy(Strategy):
     name = "fsdp"
     sharded_checkpoints = True
-    kept_whole: set[nn.Parameter] = frozenset()  # quantized base weights: on every rank whole, never sharded
+    kept_whole: Collection[nn.Parameter] = ()  # quantized base weights: on every rank whole, never sharded
 
     def check(self) -> None:
         settings, world = self.config.parallel, parallel.world_size()
@@ -117,7 +117,7 @@ class FullyShardedStrategy(Strategy):
         trained = [names[id(p)] for p in parameters]
         self.kept_whole = quantized_parameters(module)
         broadcast_from_main(module, skip=self.kept_whole)
-        options = {**self.shard_options(), "ignored_params": self.kept_whole}
+        options = {**self.shard_options(), "ignored_params": set(self.kept_whole)}
         for block in transformer_blocks(module):
             fully_shard(block, **options)
         fully_shard(module, **options)
@@ -181,7 +181,7 @@ def _remove_state_dict_hooks(group: Any) -> None:
         handles.clear()
 
 
-def _own_parameters(module: nn.Module, skip: set[nn.Parameter] = frozenset()
+def _own_parameters(module: nn.Module, skip: Collection[nn.Parameter] = ()
                     ) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Replace every parameter of `module` (but those of `skip`, which FSDP left alone) by a copy with storage of
     its own; returns what it replaced."""

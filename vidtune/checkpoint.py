@@ -183,6 +183,13 @@ def load(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict[s
 
 
 def load_ema(folder: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor] | None:
-    """The moving average of the trained weights a checkpoint holds (a run with training.ema_decay), or None."""
+    """The moving average of the trained weights a checkpoint holds (a run with training.ema_decay), or None; a
+    sharded one's is read whole, in this process."""
+    if is_sharded(folder):
+        from vidtune.parallel.fsdp import EMA_KEY, has_entry, read_weights
+
+        if not has_entry(folder / SHARDS, EMA_KEY):
+            return None
+        return {key: value.to(map_location) for key, value in read_weights(folder / SHARDS, EMA_KEY).items()}
     path = folder / EMA_WEIGHTS
     return load_file(path, device=str(map_location)) if path.is_file() else None

@@ -154,7 +154,8 @@ class TrainingState:
         the checkpoints already written intact."""
         try:
             temporary = parallel.on_main(lambda: checkpoints.begin_sharded(root, self.step))
-            self.strategy.save_state(temporary / checkpoints.SHARDS, self.get_weights(), self.optimizer)
+            self.strategy.save_state(temporary / checkpoints.SHARDS, self.get_weights(), self.optimizer,
+                                     self.ema_weights())
             return parallel.on_main(lambda: checkpoints.finish_sharded(
                 root, temporary, step=self.step, extra=self._extra(len(rng)), config=self.config,
                 keep=self.config.checkpoint.keep, rng=rng))
@@ -194,7 +195,17 @@ class TrainingState:
         if self.ema is None:
             return None
         with self.ema.applied():
-            return self.get_weights()
+            weights = self.get_weights()
+            # Sharded weights hold the average only inside the block: a copy outlives it.
+            return {key: value.clone() for key, value in weights.items()} if self.ema.holds_shards else weights
+
+    def ema_template(self) -> Weights | None:
+        """Tensors laid out as the weights' average (its own, not views of it), for a sharded checkpoint's average
+        to be read into; None without training.ema_decay."""
+        if self.ema is None:
+            return None
+        weights = self.ema_weights()  # copies already when sharded; else views of the average itself
+        return weights if self.ema.holds_shards else {key: value.detach().clone() for key, value in weights.items()}
 
     def restore(self, saved: SavedState, device: torch.device) -> None:
         """Weights, optimizer, schedule, data position and skip count of `saved`; the RNGs follow with the data
@@ -203,8 +214,9 @@ class TrainingState:
         state = saved.state
         self._say_what_differs(state)
         if saved.weights is None:
-            self.strategy.load_state(saved.folder / checkpoints.SHARDS, self.get_weights(), self.set_weights,
-                                     self.optimizer)
+            # The average (if the checkpoint has one) is read into tensors laid out as this run's.
+            saved.ema_weights = self.strategy.load_state(saved.folder / checkpoints.SHARDS, self.get_weights(),
+                                                         self.set_weights, self.optimizer, self.ema_template())
         elif self.strategy.sharded_checkpoints and parallel.is_distributed():
             raise CheckpointError(f"{saved.folder} was written with parallel.strategy=ddp (or by one process); "
                                   f"parallel.strategy={self.strategy.name} resumes only its own sharded "

@@ -141,6 +141,9 @@ def test_sharding_divides_the_sharded_parts(plan_config):
     for part in ("weights", "gradients", "optimizer state"):
         assert four.training[part] == -(-one.training[part] // 4)
     assert four.training["activations"] == one.training["activations"]
+    # A quantized base stays whole on every device under FSDP.
+    quantized = plan_config(parallel={"strategy": "fsdp"}, memory={"base_weights": "int8"})
+    assert plan_memory(quantized, world_size=4).training["weights"] == plan_memory(quantized).training["weights"]
 
 
 def test_suggestion_fits_the_budget(plan_config):

@@ -8,7 +8,7 @@ from torch import nn
 
 from vidtune.config import load_config
 from vidtune.errors import ConfigError
-from vidtune.parallel.fsdp import FullyShardedStrategy, transformer_blocks
+from vidtune.parallel.fsdp import FullyShardedStrategy, quantized_parameters, transformer_blocks
 from vidtune.parallel.strategy import DataParallelStrategy, Strategy, choose_strategy
 
 REQUIRED = ["model.name=ltx-video", "model.pretrained=some/model", "data.root=clips"]
@@ -34,13 +34,31 @@ def test_the_strategy_named_or_implied(monkeypatch, world, setting, expected):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["parallel.replicate_degree=3"], r"replicate_degree=3 does not divide the 4 processes.*What to do"),
-    (["training.ema_decay=0.99"], r"training.ema_decay is not supported with parallel.strategy=fsdp.*What to do"),
-    (["memory.base_weights=int8"], r"memory.base_weights=int8 .* cannot be sharded by FSDP.*What to do"),
 ])
 def test_fsdp_refuses_what_it_cannot_run(monkeypatch, overrides, message):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match=message):
         choose("parallel.strategy=fsdp", *overrides)
+
+
+def test_fsdp_takes_a_moving_average_and_a_quantized_base(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    strategy = choose("parallel.strategy=fsdp", "training.ema_decay=0.99", "memory.base_weights=int8")
+    assert type(strategy) is FullyShardedStrategy
+
+
+def test_only_the_quantized_frozen_weights_are_kept_out_of_the_sharding():
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = nn.ModuleDict({"int8": nn.Linear(32, 32), "fp8": nn.Linear(4, 4), "norm": nn.LayerNorm(4),
+                           "adapter": nn.Linear(4, 4)})
+    model.requires_grad_(False)
+    model["adapter"].requires_grad_(True)
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name == "int8")
+    model["fp8"].to(torch.float8_e4m3fn)
+    kept = quantized_parameters(model)
+    assert kept == {model["int8"].weight, model["fp8"].weight, model["fp8"].bias}
+    assert model["int8"].bias not in kept  # stays fp32: sharded like the rest
 
 
 def test_hsdp_groups_that_divide_the_processes_are_accepted(monkeypatch):

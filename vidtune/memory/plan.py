@@ -390,12 +390,16 @@ def plan_memory(config: Config, world_size: int = 1) -> MemoryPlan:
 
 
 def shard(training: dict[str, int], config: Config, world_size: int) -> dict[str, int]:
-    """Per-device bytes when `parallel.strategy` shards over `world_size` devices (FSDP2: weights, gradients and
-    optimizer state; DeepSpeed ZeRO 1 / 2 / 3: the optimizer state, then gradients, then weights)."""
+    """Per-device bytes when `parallel.strategy` shards over `world_size` devices (FSDP2: weights, but a quantized
+    base, gradients and optimizer state; DeepSpeed ZeRO 1 / 2 / 3: the optimizer state, then gradients, then
+    weights)."""
     if world_size <= 1:
         return training
     strategy = config.parallel.strategy
-    sharded = {"fsdp": ("weights", "gradients", "optimizer state"),
+    # FSDP keeps a quantized base whole on every device (only the small adapter's weights would divide).
+    fsdp = ("gradients", "optimizer state") if config.memory.base_weights != "auto" else \
+        ("weights", "gradients", "optimizer state")
+    sharded = {"fsdp": fsdp,
                "deepspeed": ("optimizer state", "gradients", "weights")[:config.parallel.zero_stage]}.get(strategy, ())
     return {key: math.ceil(value / world_size) if key in sharded else value for key, value in training.items()}
 

@@ -10,12 +10,17 @@ Checkpoints are torch Distributed Checkpoint (DCP) folders: every rank writes it
 and optimizer state, in parallel. DCP reshards on load, so a checkpoint resumes on any number of ranks, one
 process included. Gradients are averaged over ranks as DDP does, so a step of `world` ranks with `batch_size`
 each is a step of one process with `batch_size * world`.
+
+`training.ema_decay`: the moving average follows the sharded weights, each rank its shard (`vidtune.ema`); the
+checkpoint stores it beside the weights, and `gathered` gathers it with them. `memory.base_weights` (fp8, int8,
+nf4): the quantized frozen weights are left out of the sharding (`ignored_params`): every rank holds the whole
+quantized base, read from the same files, and FSDP shards the adapters and the full-precision rest.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,7 @@ from vidtune.parallel.strategy import Strategy, Weights
 # The two parts of a sharded checkpoint, as keys of the state DCP writes.
 WEIGHTS_KEY = "weights"
 OPTIMIZER_KEY = "optimizer"
+EMA_KEY = "ema"  # training.ema_decay: the weights' moving average, in the format of WEIGHTS_KEY
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
@@ -38,19 +44,32 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
             if isinstance(child, nn.ModuleList) and name.endswith("blocks") for block in child]
 
 
-def broadcast_from_main(module: nn.Module) -> None:
+def broadcast_from_main(module: nn.Module, skip: Collection[nn.Parameter] = ()) -> None:
     """Every rank's parameters and buffers set to rank 0's: freshly initialised adapters differ per rank (each
-    rank seeds its RNG apart), and FSDP, unlike DDP, does not broadcast them itself."""
+    rank seeds its RNG apart), and FSDP, unlike DDP, does not broadcast them itself. `skip`: parameters every rank
+    made alike itself (quantized base weights, which a broadcast cannot carry)."""
     import torch.distributed as dist
 
+    skipped = {id(p) for p in skip}
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+            if id(tensor) not in skipped:
+                dist.broadcast(tensor.data, src=0)
+
+
+def quantized_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """The frozen parameters `memory.base_weights` stores quantized: float8 storage (layerwise casting), or a
+    quantized tensor class (torchao's int8, bitsandbytes' NF4). FSDP cannot shard them (its all-gather needs one
+    plain dtype per block), so each rank keeps them whole."""
+    float8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+    return {p for p in module.parameters()
+            if not p.requires_grad and (p.dtype in float8 or type(p) not in (torch.Tensor, nn.Parameter))}
 
 
 class FullyShardedStrategy(Strategy):
     name = "fsdp"
     sharded_checkpoints = True
+    kept_whole: Collection[nn.Parameter] = ()  # quantized base weights: on every rank whole, never sharded
 
     def check(self) -> None:
         settings, world = self.config.parallel, parallel.world_size()
@@ -58,13 +77,6 @@ class FullyShardedStrategy(Strategy):
             raise ConfigError(f"parallel.replicate_degree={settings.replicate_degree} does not divide the "
                               f"{world} processes. What to do: set it to the number of nodes (each node then holds "
                               "one whole copy, sharded over its GPUs), or 1 to shard over all processes.")
-        if self.config.training.ema_decay is not None:
-            raise ConfigError("training.ema_decay is not supported with parallel.strategy=fsdp yet. What to do: "
-                              "remove training.ema_decay, or train with parallel.strategy=ddp.")
-        if self.config.memory.base_weights != "auto":
-            raise ConfigError(f"memory.base_weights={self.config.memory.base_weights} (quantized base weights) cannot "
-                              "be sharded by FSDP. What to do: remove memory.base_weights (FSDP already splits the "
-                              "weights over the GPUs), or use parallel.strategy=ddp.")
 
     # ----- sharding ---------------------------------------------------------------------------------------------
     def mesh(self) -> Any:
@@ -103,8 +115,9 @@ class FullyShardedStrategy(Strategy):
 
         names = {id(p): name for name, p in module.named_parameters()}
         trained = [names[id(p)] for p in parameters]
-        broadcast_from_main(module)
-        options = self.shard_options()
+        self.kept_whole = quantized_parameters(module)
+        broadcast_from_main(module, skip=self.kept_whole)
+        options = {**self.shard_options(), "ignored_params": set(self.kept_whole)}
         for block in transformer_blocks(module):
             fully_shard(block, **options)
         fully_shard(module, **options)
@@ -115,8 +128,9 @@ class FullyShardedStrategy(Strategy):
         return _gradient_sync(module, sync)
 
     # ----- checkpoints --------------------------------------------------------------------------------------------
-    def save_state(self, folder: Path, weights: Weights, optimizer: torch.optim.Optimizer) -> None:
-        write_shards(folder, self.module, weights, optimizer)
+    def save_state(self, folder: Path, weights: Weights, optimizer: torch.optim.Optimizer,
+                   ema_weights: Weights | None = None) -> None:
+        write_shards(folder, self.module, weights, optimizer, ema_weights)
 
     # ----- results ----------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -139,13 +153,15 @@ class FullyShardedStrategy(Strategy):
         # FSDP's state-dict hooks would put the shards back into the module when rank 0 reads its weights.
         for group in groups:
             _remove_state_dict_hooks(group)
-        gathered = _own_parameters(module)
+        gathered = _own_parameters(module, skip=self.kept_whole)
         # fully_shard gives the module a class `FSDP<Name>`; diffusers' save_pretrained writes the class name into
         # config.json, which must stay the model's own for the saved weights to load.
         sharded_class = type(module)
         module.__class__ = next(base for base in sharded_class.__bases__ if base is not FSDPModule)
         try:
-            yield
+            # The weights' average gathered too, standing for the gathered weights (what `EMA.applied` swaps in).
+            with self.ema.whole(dict(module.named_parameters())) if self.ema else contextlib.nullcontext():
+                yield
         finally:
             module.__class__ = sharded_class
             for owner, name, parameter in gathered:
@@ -165,13 +181,16 @@ def _remove_state_dict_hooks(group: Any) -> None:
         handles.clear()
 
 
-def _own_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Replace every parameter of `module` by a copy with storage of its own; returns what it replaced."""
+def _own_parameters(module: nn.Module, skip: Collection[nn.Parameter] = ()
+                    ) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Replace every parameter of `module` (but those of `skip`, which FSDP left alone) by a copy with storage of
+    its own; returns what it replaced."""
+    skipped = {id(p) for p in skip}
     replaced = []
     with torch.no_grad():
         for owner in module.modules():
             for name, parameter in list(owner._parameters.items()):
-                if parameter is None:
+                if parameter is None or id(parameter) in skipped:
                     continue
                 owner._parameters[name] = nn.Parameter(parameter.detach().clone(),
                                                        requires_grad=parameter.requires_grad)
@@ -194,25 +213,33 @@ def _gradient_sync(module: nn.Module, sync: bool) -> Iterator[None]:
         module.set_requires_gradient_sync(True)
 
 
-def write_shards(folder: Path, module: nn.Module, weights: Weights, optimizer: torch.optim.Optimizer) -> None:
-    """Every rank writes its shard of `weights` and of the optimizer state into the DCP folder `folder`."""
+def write_shards(folder: Path, module: nn.Module, weights: Weights, optimizer: torch.optim.Optimizer,
+                 ema_weights: Weights | None = None) -> None:
+    """Every rank writes its shard of `weights`, of the optimizer state and of the weights' average (`ema_weights`,
+    when there is one) into the DCP folder `folder`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = {WEIGHTS_KEY: weights, OPTIMIZER_KEY: get_optimizer_state_dict(module, optimizer)}
+    if ema_weights is not None:
+        state[EMA_KEY] = ema_weights
     dcp.save(state, checkpoint_id=str(folder), no_dist=not parallel.is_distributed())
 
 
 def read_shards(folder: Path, module: nn.Module, weights: Weights, set_weights: Callable[[Weights], None],
-                optimizer: torch.optim.Optimizer) -> None:
+                optimizer: torch.optim.Optimizer, ema_weights: Weights | None = None) -> Weights | None:
     """Load a DCP folder written by any number of ranks into this rank's part of the weights and optimizer state
-    (`weights`: the current trainable weights, whose keys and layout say what to read)."""
+    (`weights`: the current trainable weights, whose keys and layout say what to read). `ema_weights`: tensors
+    laid out as the weights, filled with the checkpoint's average of them and returned; None when the checkpoint
+    has none (or none is asked for)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     from vidtune.resume import CheckpointError
 
     state = {WEIGHTS_KEY: weights, OPTIMIZER_KEY: get_optimizer_state_dict(module, optimizer)}
+    if ema_weights is not None and has_entry(folder, EMA_KEY):
+        state[EMA_KEY] = ema_weights
     try:
         dcp.load(state, checkpoint_id=str(folder), no_dist=not parallel.is_distributed())
     except Exception as error:  # DCP wraps every rank's failure in one CheckpointException
@@ -221,18 +248,28 @@ def read_shards(folder: Path, module: nn.Module, weights: Weights, set_weights: 
                               "the run that wrote it.") from None
     set_weights(state[WEIGHTS_KEY])
     set_optimizer_state_dict(module, optimizer, state[OPTIMIZER_KEY])
+    return state.get(EMA_KEY)
 
 
-def read_weights(folder: Path) -> Weights:
-    """The trainable weights of a DCP folder, whole, in one process (for `vidtune export`)."""
+def has_entry(folder: Path, key: str) -> bool:
+    """Whether the DCP folder holds tensors under `key` (an average, written with training.ema_decay)."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return any(name.startswith(f"{key}.") for name in stored)
+
+
+def read_weights(folder: Path, key: str = WEIGHTS_KEY) -> Weights:
+    """The trainable weights of a DCP folder (or, `key=EMA_KEY`, their average), whole, in one process (for
+    `vidtune export`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    prefix = f"{WEIGHTS_KEY}."
+    prefix = f"{key}."
     stored = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     weights = {
-        key[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
-        for key, entry in stored.items() if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+        name[len(prefix):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for name, entry in stored.items() if name.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
     }
-    dcp.load({WEIGHTS_KEY: weights}, checkpoint_id=str(folder), no_dist=True)
+    dcp.load({key: weights}, checkpoint_id=str(folder), no_dist=True)
     return weights

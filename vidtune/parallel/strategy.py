@@ -25,6 +25,7 @@ from torch import nn
 
 from vidtune import parallel
 from vidtune.config import Config
+from vidtune.ema import EMA
 
 Weights = dict[str, torch.Tensor]
 
@@ -46,6 +47,7 @@ class Strategy:
         self.config = config
         self.device = device
         self.module: nn.Module | None = None  # the denoiser, once `prepare` has seen it
+        self.ema: EMA | None = None  # training.ema_decay: the weights' average, which `gathered` gathers with them
 
     def check(self) -> None:
         """Refuse settings this strategy cannot run, before any model is loaded."""
@@ -82,18 +84,21 @@ class Strategy:
         """After each step (`applied`: whether the update was, or the step was skipped as non-finite)."""
         optimizer.zero_grad(set_to_none=True)
 
-    def save_state(self, folder: Path, weights: Weights, optimizer: torch.optim.Optimizer) -> None:
-        """`sharded_checkpoints` only: write `weights` and the optimizer state into `folder` (every rank)."""
+    def save_state(self, folder: Path, weights: Weights, optimizer: torch.optim.Optimizer,
+                   ema_weights: Weights | None = None) -> None:
+        """`sharded_checkpoints` only: write `weights`, the optimizer state and the weights' average (`ema_weights`)
+        into `folder` (every rank)."""
         raise NotImplementedError(f"parallel.strategy={self.name} writes single-file checkpoints")
 
     def load_state(self, folder: Path, weights: Weights, set_weights: Callable[[Weights], None],
-                   optimizer: torch.optim.Optimizer) -> None:
+                   optimizer: torch.optim.Optimizer, ema_weights: Weights | None = None) -> Weights | None:
         """Read the weights and optimizer state of a sharded checkpoint, written by any number of ranks, into the
         model and the optimizer (`weights`: the current trainable weights, whose keys say what to read). Every
-        strategy reads them: a run sharded over many GPUs continues in one process too."""
+        strategy reads them: a run sharded over many GPUs continues in one process too. `ema_weights`: tensors
+        laid out as `weights`, filled with the checkpoint's average and returned (None: it has none)."""
         from vidtune.parallel.fsdp import read_shards
 
-        read_shards(folder, self.module, weights, set_weights, optimizer)
+        return read_shards(folder, self.module, weights, set_weights, optimizer, ema_weights)
 
     @contextlib.contextmanager
     def gathered(self, module: nn.Module, everything: bool = False) -> Iterator[None]:

@@ -226,7 +226,7 @@ class Trainer(ABC):
         # FSDP shards the denoiser here, replacing its parameters, so the optimizer is built after.
         parameters = self.load_models()
         parameters = self.strategy.prepare(self.denoiser, parameters)
-        self.ema = self.make_ema(parameters)
+        self.ema = self.strategy.ema = self.make_ema(parameters)
         self.state = TrainingState(self.config, self.algorithm, parameters, len(self.clips),
                                    self.trainable_state_dict, self.load_trainable_state_dict, self.ema, self.strategy)
         if self.strategy.wraps_before_restore:  # DeepSpeed: each rank restores its own shards into the engine

@@ -125,7 +125,7 @@ def test_one_expert_trains_only_on_its_side_of_the_boundary(two_expert_dir, expe
     assert float(timesteps.max() - timesteps.min()) > 100  # a range, not one value
 
 
-def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_dir, tmp_path):
+def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_dir, tmp_path, monkeypatch):
     config = two_expert_config(make_config, training={"algorithm": "guidance-distillation"})(two_expert_dir)
     with pytest.raises(ConfigError, match=r"(?s)training.algorithm=guidance-distillation: .*What to do: set "
                                           r"training.algorithm=lora"):
@@ -139,6 +139,13 @@ def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_
     config = two_expert_config(make_config, lora={"init_from": str(adapter)})(two_expert_dir)
     with pytest.raises(ConfigError, match=r"(?s)lora.init_from: .*each expert has its own adapter"):
         build_trainer(config).run()
+    # Under torchrun: sharded strategies cannot follow a rank that skips an expert (DDP can).
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for strategy in ("fsdp", "deepspeed"):
+        config = two_expert_config(make_config, parallel={"strategy": strategy})(two_expert_dir)
+        with pytest.raises(ConfigError, match=rf"(?s)parallel.strategy={strategy}: .*DDP only"):
+            spec_of("wan2.2", two_expert_dir).check_training(config)
+    spec_of("wan2.2", two_expert_dir).check_training(two_expert_config(make_config)(two_expert_dir))
 
 
 def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_noise_range(make_config,

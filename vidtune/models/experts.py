@@ -46,6 +46,10 @@ class TwoExperts(nn.Module):
     adapters (`add_adapter`). `device`: where the running expert lives; with `offload`, the idle one's frozen
     weights live in CPU memory."""
 
+    # A step may leave an expert out of the loss (every sample on one side of the boundary). Under torchrun, DDP
+    # must look for such parameters each backward (`find_unused_parameters`; see vidtune/parallel/ddp.py).
+    leaves_parameters_unused = True
+
     def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary_timestep: float,
                  trained: tuple[str, ...] = EXPERT_NAMES, device: torch.device | None = None,
                  offload: bool = False) -> None:

@@ -153,12 +153,14 @@ class Wan22Spec(WanSpec):
             )
         from vidtune import parallel
 
-        if parallel.world_size() > 1:
-            # DDP expects every trainable weight in every step's backward; a step's samples may all be one expert's.
+        strategy = config.parallel.strategy
+        if parallel.world_size() > 1 and strategy in ("fsdp", "deepspeed"):
+            # A rank whose samples all fall on one expert would skip the other expert's sharded collectives while
+            # the other ranks wait in them; DDP instead finds the skipped parameters (vidtune/parallel/ddp.py).
             raise ConfigError(
-                f"{self.name} two-expert models ({self.config.pretrained}) train in one process here, not under "
-                "torchrun.\nWhat to do: run `vidtune train` without torchrun (one GPU), or train one expert's LoRA "
-                "per run on one GPU each."
+                f"parallel.strategy={strategy}: {self.name} two-expert models ({self.config.pretrained}) train "
+                "on several processes with DDP only (a step may run one expert on one GPU and the other on "
+                "another, which sharded training cannot follow).\nWhat to do: set parallel.strategy=ddp (or auto)."
             )
         if algorithm == "full" and len(self.trained_experts) == 1:
             raise ConfigError(

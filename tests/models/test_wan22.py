@@ -134,11 +134,6 @@ def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_
                                training={"algorithm": "full"})(two_expert_dir)
     with pytest.raises(ConfigError, match=r"(?s)model.experts=high_noise with training.algorithm=full"):
         build_trainer(config).run()
-    adapter = tmp_path / "adapter.safetensors"
-    adapter.write_bytes(b"")
-    config = two_expert_config(make_config, lora={"init_from": str(adapter)})(two_expert_dir)
-    with pytest.raises(ConfigError, match=r"(?s)lora.init_from: .*each expert has its own adapter"):
-        build_trainer(config).run()
     # Under torchrun: sharded strategies cannot follow a rank that skips an expert (DDP can).
     monkeypatch.setenv("WORLD_SIZE", "2")
     for strategy in ("fsdp", "deepspeed"):
@@ -146,6 +141,68 @@ def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_
         with pytest.raises(ConfigError, match=rf"(?s)parallel.strategy={strategy}: .*DDP only"):
             spec_of("wan2.2", two_expert_dir).check_training(config)
     spec_of("wan2.2", two_expert_dir).check_training(two_expert_config(make_config)(two_expert_dir))
+
+
+def _at_first_step(trainer, load: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The adapter as the first optimizer step finds it; with `load`, these weights put into it just before."""
+    seen: dict[str, torch.Tensor] = {}
+    original = trainer.train_step
+
+    def step(*args, **kwargs):
+        if not seen:
+            if load is not None:
+                trainer.load_trainable_state_dict(load)
+            seen.update({k: v.detach().clone() for k, v in trainer.trainable_state_dict().items()})
+        return original(*args, **kwargs)
+
+    trainer.train_step = step
+    return seen
+
+
+def test_two_experts_start_from_a_two_expert_runs_adapters(make_config, two_expert_dir, tmp_path):
+    """lora.init_from: a two-expert run's folder starts each expert from its own file; one expert takes its file
+    alone. The first step's loss is the loaded adapters' (the same weights put in by hand give the same loss)."""
+    def config(name: str, seed: int, steps: int = 1, **sections):
+        # Seed 8: the first run's two steps draw noise levels on both sides of the boundary (both experts train).
+        return two_expert_config(make_config, training={"steps": steps, "learning_rate": 5e-2, "batch_size": 2,
+                                                        "seed": seed, "sigma_sampling": "uniform"},
+                                 output_dir=str(tmp_path / name), **sections)(two_expert_dir)
+
+    build_trainer(config("first", seed=8, steps=2)).run()
+    first = tmp_path / "first"
+    # The files as written, in the denoiser's naming: each expert's keys under its own prefix.
+    by_hand = {f"{expert}.{key.removeprefix('transformer.')}": value
+               for expert, name in (("transformer", LORA_WEIGHTS), ("transformer_2", LORA_WEIGHTS_2))
+               for key, value in load_file(first / name).items()}
+    assert all(any(float(v.abs().max()) > 0 for k, v in by_hand.items() if k.startswith(f"{e}.") and "lora_B" in k)
+               for e in ("transformer", "transformer_2"))
+
+    started = build_trainer(config("started", seed=7, lora={"rank": 4, "alpha": 4, "init_from": str(first)}))
+    at_start = _at_first_step(started)
+    loss = started.run().losses[0]
+    assert at_start.keys() == by_hand.keys()
+    assert all(torch.equal(at_start[key], by_hand[key]) for key in by_hand), "did not start at the adapters"
+    reference = build_trainer(config("reference", seed=7))
+    _at_first_step(reference, load=by_hand)
+    assert reference.run().losses[0] == pytest.approx(loss, rel=1e-6)
+    assert build_trainer(config("fresh", seed=7)).run().losses[0] != pytest.approx(loss, rel=1e-3)
+
+    # One expert: its own file; the other expert keeps no adapter.
+    low = build_trainer(config("low", seed=7, model={"experts": "low_noise"},
+                               lora={"rank": 4, "alpha": 4, "init_from": str(first / LORA_WEIGHTS_2)}))
+    low_start = _at_first_step(low)
+    low.run()
+    expected = {k: v for k, v in by_hand.items() if k.startswith("transformer_2.")}
+    assert low_start.keys() == expected.keys() and all(torch.equal(low_start[k], expected[k]) for k in expected)
+
+    # Refused before any model loads: one file for two adapters, a folder lacking an expert's file.
+    with pytest.raises(ConfigError, match=r"(?s)is one adapter file, but model.experts=both.*What to do: give the "
+                                          r"folder holding both files"):
+        build_trainer(config("one-file", seed=7, lora={"init_from": str(first / LORA_WEIGHTS)})).run()
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / LORA_WEIGHTS).write_bytes((first / LORA_WEIGHTS).read_bytes())
+    with pytest.raises(ConfigError, match=rf"(?s)lacks {LORA_WEIGHTS_2} .*What to do"):
+        build_trainer(config("half-run", seed=7, lora={"init_from": str(tmp_path / "half")})).run()
 
 
 def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_noise_range(make_config,

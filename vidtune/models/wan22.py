@@ -168,12 +168,35 @@ class Wan22Spec(WanSpec):
                 f"{self.name} trains and saves both experts.\n"
                 "What to do: remove model.experts (both), or train one expert's LoRA (training.algorithm=lora)."
             )
-        if algorithm == "lora" and config.lora.init_from:
+
+    def initial_adapters(self, path: Path) -> dict[str, Path]:
+        """Two experts: a folder holding each trained expert's file (a two-expert run's output_dir:
+        `pytorch_lora_weights.safetensors` for the high-noise expert, `..._transformer_2.safetensors` for the
+        low-noise one), or, when one expert trains (`model.experts`), that expert's file itself."""
+        if not self.two_experts:
+            return super().initial_adapters(path)
+        files = {"transformer": LORA_WEIGHTS, "transformer_2": second_expert_file(LORA_WEIGHTS)}
+        if path.is_dir():
+            wanted = {f"{name}.": path / files[name] for name in self.trained_experts}
+            missing = [file.name for file in wanted.values() if not file.is_file()]
+            if missing:
+                raise ConfigError(
+                    f"lora.init_from: the folder {path} lacks {' and '.join(missing)} (model.experts="
+                    f"{self.config.experts or 'both'} starts each trained expert from its own file).\nWhat to do: give "
+                    "the output_dir of a two-expert run, or a folder holding those files."
+                )
+            return wanted
+        if not path.is_file():
+            raise ConfigError(f"lora.init_from: {path} is neither a file nor a folder.\nWhat to do: give a two-expert "
+                              f"run's output_dir (it holds {' and '.join(files.values())}).")
+        if len(self.trained_experts) == 2:
             raise ConfigError(
-                f"lora.init_from: starting from an adapter file is not supported for {self.name} two-expert models "
-                f"({self.config.pretrained}): each expert has its own adapter.\n"
-                "What to do: remove lora.init_from, or resume a two-expert run with checkpoint.resume."
+                f"lora.init_from: {path} is one adapter file, but model.experts=both trains an adapter for each of "
+                f"the two experts of {self.config.pretrained}.\nWhat to do: give the folder holding both files "
+                f"({' and '.join(files.values())}; e.g. a two-expert run's output_dir), or train one expert "
+                "(model.experts=high_noise or low_noise)."
             )
+        return {f"{self.trained_experts[0]}.": path}
 
     def component_dtype(self, component: str, device: torch.device) -> torch.dtype:
         # The second expert is a transformer too: model.transformer_dtype applies to it.

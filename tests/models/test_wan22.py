@@ -126,9 +126,19 @@ def test_one_expert_trains_only_on_its_side_of_the_boundary(two_expert_dir, expe
 
 
 def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_dir, tmp_path, monkeypatch):
-    config = two_expert_config(make_config, training={"algorithm": "guidance-distillation"})(two_expert_dir)
-    with pytest.raises(ConfigError, match=r"(?s)training.algorithm=guidance-distillation: .*What to do: set "
+    config = two_expert_config(make_config, training={"algorithm": "control-lora"})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)training.algorithm=control-lora: .*What to do: set "
                                           r"training.algorithm=lora"):
+        build_trainer(config).run()
+    config = two_expert_config(make_config, model={"experts": "low_noise"},
+                               training={"algorithm": "step-distillation"})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)model.experts=low_noise with training.algorithm=step-distillation: "
+                                          r".*both students train"):
+        build_trainer(config).run()
+    config = two_expert_config(make_config, model={"experts": "high_noise"},
+                               training={"algorithm": "guidance-distillation"},
+                               distillation={"student": "full"})(two_expert_dir)
+    with pytest.raises(ConfigError, match=r"(?s)model.experts=high_noise with distillation.student=full"):
         build_trainer(config).run()
     config = two_expert_config(make_config, model={"experts": "high_noise"},
                                training={"algorithm": "full"})(two_expert_dir)
@@ -203,6 +213,52 @@ def test_two_experts_start_from_a_two_expert_runs_adapters(make_config, two_expe
     (tmp_path / "half" / LORA_WEIGHTS).write_bytes((first / LORA_WEIGHTS).read_bytes())
     with pytest.raises(ConfigError, match=rf"(?s)lacks {LORA_WEIGHTS_2} .*What to do"):
         build_trainer(config("half-run", seed=7, lora={"init_from": str(tmp_path / "half")})).run()
+
+
+@pytest.mark.parametrize(("algorithm", "student"), [
+    ("guidance-distillation", "lora"), ("guidance-distillation", "full"), ("step-distillation", "lora")])
+def test_two_expert_students_distil_their_own_expert_and_load_into_the_pipeline(make_config, two_expert_dir,
+                                                                               algorithm, student):
+    """Each expert's student (its own adapter) learns from the frozen expert itself: the teacher is the
+    `TwoExperts` with its adapters off, routed by the same noise levels. Both adapters train, are written as the
+    pipeline loads them, validate with both experts and load through `vidtune sample`'s path."""
+    def config(name: str, steps: int, **distillation):
+        # Seed 8: the first step's two clips fall on both sides of the boundary (guidance distillation).
+        return two_expert_config(
+            make_config, training={"algorithm": algorithm, "steps": steps, "learning_rate": 5e-2, "batch_size": 2,
+                                   "seed": 8, "sigma_sampling": "uniform"},
+            # 4 student steps start at sigmas 1, 0.75, 0.5, 0.25: the last window is the low-noise student's.
+            distillation={"student_steps": 4, "teacher_steps": 4, "student": student, **distillation},
+            validation={"enabled": name == "trained", "num_inference_steps": 4},
+            output_dir=str(Path(make_config().output_dir).parent / name))(two_expert_dir)
+
+    if algorithm == "guidance-distillation":
+        # Guidance 1: the teacher's target is its own prediction, which the fresh students (adapters at zero) give
+        # exactly, on both sides of the boundary, only if each student's teacher is its own expert.
+        assert build_trainer(config("unguided", 1, guidance_scale=1.0)).run().losses == [0.0]
+    trainer = build_trainer(config("trained", 3))
+    result = trainer.run()
+    assert result.losses[0] > 0 and result.sample_paths and all(path.is_file() for path in result.sample_paths)
+    out = Path(trainer.config.output_dir)
+    if student == "lora":
+        for name in (LORA_WEIGHTS, LORA_WEIGHTS_2):
+            adapter = load_file(out / name)
+            assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k), f"{name} did not train"
+    else:  # both experts' students in full, beside each other as the pipeline's components
+        assert (out / "transformer").is_dir() and (out / "transformer_2").is_dir()
+    run = load_pipeline(out, device="cpu")
+    base = spec_of("wan2.2", two_expert_dir).load_denoiser(CPU).eval()
+    latents = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(3))
+    prompt = torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(4))
+    for name in ("transformer", "transformer_2"):
+        inputs = {"hidden_states": latents, "timestep": torch.tensor([600.0]), "encoder_hidden_states": prompt,
+                  "return_dict": False}
+        with torch.no_grad():
+            loaded = getattr(run.pipeline, name)(**inputs)[0]
+            trained = trainer.denoiser.expert(name)(**inputs)[0]
+            untrained = base.expert(name)(**inputs)[0]
+        torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(loaded, untrained), f"{name}: the student is the base expert"
 
 
 def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_noise_range(make_config,

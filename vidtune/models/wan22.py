@@ -46,8 +46,9 @@ from vidtune.outputs import LORA_WEIGHTS
 NUM_TRAIN_TIMESTEPS = 1000  # Wan's schedulers; the pipelines' boundary is boundary_ratio times this
 # What `model.experts` names, and the expert each one trains.
 EXPERTS = {"both": EXPERT_NAMES, "high_noise": ("transformer",), "low_noise": ("transformer_2",)}
-# Only these algorithms know how to train and save two experts (a LoRA per expert, or both experts in full).
-TWO_EXPERT_ALGORITHMS = ("lora", "full")
+# The algorithms that train and save two experts: a LoRA per expert, both experts in full, and the distillations,
+# whose teacher is the frozen `TwoExperts` (each expert teaching its own student at its own noise levels).
+TWO_EXPERT_ALGORITHMS = ("lora", "full", "guidance-distillation", "step-distillation")
 
 
 def second_expert_file(weight_name: str) -> str:
@@ -146,10 +147,19 @@ class Wan22Spec(WanSpec):
             return
         algorithm = config.training.algorithm
         if algorithm not in TWO_EXPERT_ALGORITHMS:
+            # Control: each expert would need its own widened input layer, and diffusers' Wan 2.2 pipelines take
+            # no control input to sample them with (docs/wan22.md).
             raise ConfigError(
                 f"training.algorithm={algorithm}: {self.name} two-expert models ({self.config.pretrained}) are "
-                f"trained with {' or '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
+                f"trained with {', '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
                 "What to do: set training.algorithm=lora (model.experts picks the experts) or full (both experts)."
+            )
+        if algorithm == "step-distillation" and len(self.trained_experts) == 1:
+            # The student's K sampling steps cross the boundary: every window needs a trained student.
+            raise ConfigError(
+                f"model.experts={self.config.experts} with training.algorithm=step-distillation: the student's "
+                f"{config.distillation.student_steps} sampling steps run both experts, so both students train.\n"
+                "What to do: remove model.experts (both)."
             )
         from vidtune import parallel
 
@@ -162,9 +172,12 @@ class Wan22Spec(WanSpec):
                 "on several processes with DDP only (a step may run one expert on one GPU and the other on "
                 "another, which sharded training cannot follow).\nWhat to do: set parallel.strategy=ddp (or auto)."
             )
-        if algorithm == "full" and len(self.trained_experts) == 1:
+        full = {"full": "training.algorithm=full"}.get(algorithm)
+        if algorithm == "guidance-distillation" and config.distillation.student == "full":
+            full = "distillation.student=full"
+        if full and len(self.trained_experts) == 1:
             raise ConfigError(
-                f"model.experts={self.config.experts} with training.algorithm=full: a full fine-tune of "
+                f"model.experts={self.config.experts} with {full}: a full fine-tune of "
                 f"{self.name} trains and saves both experts.\n"
                 "What to do: remove model.experts (both), or train one expert's LoRA (training.algorithm=lora)."
             )

@@ -13,6 +13,9 @@ optimizer's state stays put (a full fine-tune, where every weight trains, keeps 
 A micro-batch whose samples fall on both sides of the boundary runs both experts in one forward, so both stay on
 the device until its backward is done; one clip per micro-batch (the usual for 14B experts) never
 needs that. On a CPU both simply stay where they are.
+
+Under torchrun each rank routes its own samples, so one rank may run an expert the other ranks do not:
+`leaves_parameters_unused` tells DDP to find the parameters a rank left out (vidtune/parallel/ddp.py).
 """
 
 from __future__ import annotations

@@ -305,7 +305,8 @@ class LoRAConfig(Section):
         None,
         description="Start from an existing adapter file (.safetensors) instead of a fresh one: the diffusers "
         "format, or another format the family's diffusers loader converts. Its rank, alpha, targets and DoRA "
-        "must match lora.*.",
+        "must match lora.*. Wan 2.2 two-expert models: the folder of a two-expert run (a file per expert), or with "
+        "model.experts=high_noise / low_noise that expert's file.",
     )
 
 

@@ -26,11 +26,14 @@ from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
 from vidtune.errors import VidtuneError
-from vidtune.outputs import COMFYUI_LORA_WEIGHTS
+from vidtune.models.experts import TwoExperts
+from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
+from vidtune.outputs import COMFYUI_LORA_WEIGHTS, LORA_WEIGHTS_2
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import TrainingInterrupted
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
+LORA_FILE_2 = LORA_WEIGHTS_2  # the low-noise expert's adapter
 STEPS = 3
 
 
@@ -212,9 +215,10 @@ def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
     assert again.stderr.count(f"output_dir {out} already holds a run") == 2, again.stderr[-3000:]
 
 
-def _two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, atol: float = 1e-4) -> None:
-    """Train `settings` on two spawned ranks x batch 1 and in this process with batch 2: the same adapter (within
-    rtol 1e-3 / `atol`), a trained one, and on both ranks the same logged losses (rel 1e-4)."""
+def _two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, atol: float = 1e-4,
+                                  files: tuple[str, ...] = (LORA_FILE,)) -> None:
+    """Train `settings` on two spawned ranks x batch 1 and in this process with batch 2: the same adapter files
+    `files` (within rtol 1e-3 / `atol`), each trained, and on both ranks the same logged losses (rel 1e-4)."""
     runs = [("ddp", make_config(output_dir=str(tmp_path / "ddp"), **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
@@ -223,10 +227,12 @@ def _two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, 
     single = make_config(output_dir=str(tmp_path / "single"), **{
         **settings, "training": {**settings["training"], "batch_size": 2}})
     single_result = build_trainer(single).run()
-    expected, trained = _adapter(tmp_path / "single"), _adapter(tmp_path / "ddp")
-    assert expected.keys() == trained.keys() and any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)
-    for key in expected:
-        torch.testing.assert_close(trained[key], expected[key], rtol=1e-3, atol=atol)
+    for name in files:
+        expected, trained = (load_file(tmp_path / run / name) for run in ("single", "ddp"))
+        assert expected.keys() == trained.keys()
+        assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k), name
+        for key in expected:
+            torch.testing.assert_close(trained[key], expected[key], rtol=1e-3, atol=atol)
     for result in ranks:
         assert "error" not in result["ddp"], result["ddp"]
         assert result["ddp"]["losses"] == pytest.approx(single_result.losses, rel=1e-4)
@@ -257,3 +263,32 @@ def test_two_ranks_with_an_int8_base_train_what_one_process_trains_with_twice_th
     settings = {"training": {"steps": 2, "learning_rate": 1e-2}, "memory": {"base_weights": "int8"}}
     # The int8 kernel rounds a batch of two a little otherwise than two of one: measured up to 1.1e-4.
     _two_ranks_against_one_process(make_config, tmp_path, settings, atol=3e-4)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_two_experts_like_one_process_with_twice_the_batch(make_config, tmp_path, monkeypatch):
+    """Wan 2.2 A14B-like, a LoRA per expert: each sample's noise level picks its expert, so a step may run one
+    expert on one rank and the other on the other (DDP finds the parameters a rank left out), or only one expert
+    on both. Either way two ranks train the adapters one process trains with both samples in one batch."""
+    folder = write_tiny_wan22(tmp_path / "a14b", two_experts=True, boundary_ratio=0.5)
+    frames, height, width = TWO_EXPERT_SHAPE
+    settings = {"family": "wan2.2", "model": {"pretrained": str(folder)},
+                "data": {"frames": frames, "height": height, "width": width},
+                # Gradient checkpointing, as 14B experts train: diffusers' non-reentrant checkpoints let DDP find the
+                # unused expert.
+                "training": {"steps": 3, "learning_rate": 1e-2, "seed": 8, "sigma_sampling": "uniform",
+                             "sigma_shift": 1.0, "gradient_checkpointing": True},
+                "lora": {"rank": 4, "alpha": 4}}
+    # Which expert each sample of the one process's forwards ran on: every kind of step must be among them.
+    routed: list[tuple[bool, ...]] = []
+    route = TwoExperts.is_high_noise
+
+    def recording(self, timestep):
+        high = route(self, timestep)
+        routed.append(tuple(bool(h) for h in high))
+        return high
+
+    monkeypatch.setattr(TwoExperts, "is_high_noise", recording)
+    _two_ranks_against_one_process(make_config, tmp_path, settings, files=(LORA_FILE, LORA_FILE_2))
+    # Seed 8's noise levels: one step split between the experts, one all high-noise, one all low-noise.
+    assert routed == [(True, False), (True, True), (False, False)], routed

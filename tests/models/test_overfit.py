@@ -103,18 +103,43 @@ def test_overfit_one_clip_then_sample_with_pipeline(family, tiny_model_dir, shap
     assert relative_error < untrained_error / 2
 
 
+def overfit_odd_latent_count(family: str, pretrained: Path, shapes_dataset: Path, tmp_path: Path,
+                             frames: int) -> tuple[torch.Tensor, float, float]:
+    """Overfit `frames` frames of one clip with `pretrained` (a CogVideoX 1.5 layout: temporal patch 2) and sample
+    them with the family's pipeline: the clip's latents and the relative errors, trained and untrained."""
+    clip = load_text_pair_dataset(shapes_dataset)[0]
+    data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
+    result = build_trainer(overfit_config(family, pretrained, data_root, tmp_path / "run", frames)).run()
+    torch.manual_seed(0)
+    x0, sampled = sample_with_pipeline(family, pretrained, result.weights_path, clip.video, clip.caption, frames)
+    assert sampled.shape == x0.shape
+    _, untrained = sample_with_pipeline(family, pretrained, pretrained / "transformer", clip.video, clip.caption,
+                                        frames)
+    return x0, float((sampled - x0).norm() / x0.norm()), float((untrained - x0).norm() / x0.norm())
+
+
 @pytest.mark.slow
 def test_cogvideox_1_5_overfits_with_an_odd_latent_frame_count(tiny_model_dir, shapes_dataset, tmp_path):
     """9 frames: 3 latent frames for a temporal patch of 2, padded in front as CogVideoXPipeline pads; the pipeline
     samples the padded grid, so the trained clip comes back frame for frame, padding included."""
     family, frames = "cogvideox", 9
-    clip = load_text_pair_dataset(shapes_dataset)[0]
-    data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
-    pretrained = tiny_model_dir(family)
-    result = build_trainer(overfit_config(family, pretrained, data_root, tmp_path / "run", frames)).run()
-    torch.manual_seed(0)
-    x0, sampled = sample_with_pipeline(family, pretrained, result.weights_path, clip.video, clip.caption, frames)
-    assert x0.shape[2] == 4 and sampled.shape == x0.shape
-    relative_error = float((sampled - x0).norm() / x0.norm())
-    print(f"cogvideox, {frames} frames: relative error {relative_error:.3f}")
-    assert relative_error < tiny_family(family).overfit.bound
+    x0, trained, untrained = overfit_odd_latent_count(family, tiny_model_dir(family), shapes_dataset, tmp_path,
+                                                      frames)
+    assert x0.shape[2] == 4
+    print(f"cogvideox, {frames} frames: relative error {trained:.3f} (untrained model: {untrained:.3f})")
+    assert trained < tiny_family(family).overfit.bound and trained < untrained / 2
+
+
+@pytest.mark.slow
+def test_cogvideox_1_5_image_to_video_overfits_with_an_odd_latent_frame_count(shapes_dataset, tmp_path):
+    """CogVideoX 1.5 I2V layout (temporal patch 2, rotary embeddings only), 9 frames: 3 latent frames padded to 4
+    in front; CogVideoXImageToVideoPipeline samples the padded grid from the clip's first frame (the image latent
+    in latent frame 0, zeros after it), so the trained clip comes back, padding included."""
+    from vidtune.models.tiny.cogvideox import write_tiny_cogvideox
+
+    family, frames = "cogvideox-i2v", 9
+    pretrained = write_tiny_cogvideox(tmp_path / "cogvideox-1.5-i2v", image_to_video=True, version_1_5=True)
+    x0, trained, untrained = overfit_odd_latent_count(family, pretrained, shapes_dataset, tmp_path, frames)
+    assert x0.shape[2] == 4
+    print(f"cogvideox-i2v (1.5), {frames} frames: relative error {trained:.3f} (untrained model: {untrained:.3f})")
+    assert trained < tiny_family(family).overfit.bound and trained < untrained / 2

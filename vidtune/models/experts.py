@@ -13,6 +13,9 @@ optimizer's state stays put (a full fine-tune, where every weight trains, keeps 
 A micro-batch whose samples fall on both sides of the boundary runs both experts in one forward, so both stay on
 the device until its backward is done; one clip per micro-batch (the usual for 14B experts) never
 needs that. On a CPU both simply stay where they are.
+
+Under torchrun each rank routes its own samples, so one rank may run an expert the other ranks do not:
+`leaves_parameters_unused` tells DDP to find the parameters a rank left out (vidtune/parallel/ddp.py).
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class TwoExperts(nn.Module):
     `boundary_timestep`: the pipeline's `boundary_ratio * num_train_timesteps`. `trained`: the experts that get
     adapters (`add_adapter`). `device`: where the running expert lives; with `offload`, the idle one's frozen
     weights live in CPU memory."""
+
+    # A step may leave an expert out of the loss (every sample on one side of the boundary). Under torchrun, DDP
+    # must look for such parameters each backward (`find_unused_parameters`; see vidtune/parallel/ddp.py).
+    leaves_parameters_unused = True
 
     def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary_timestep: float,
                  trained: tuple[str, ...] = EXPERT_NAMES, device: torch.device | None = None,

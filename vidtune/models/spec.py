@@ -539,6 +539,15 @@ class ModelSpec(ABC):
         denoisers names one folder per denoiser, as its pipeline's components)."""
         return {TRANSFORMER_FOLDER: denoiser}
 
+    def initial_adapters(self, path: Path) -> dict[str, Path]:
+        """`lora.init_from`: the adapter files to start from, by the prefix their keys take in the denoiser's
+        adapter state dict (one denoiser: one file, no prefix; a family with several denoisers maps each to its
+        file). Raises ConfigError when `path` is not what the family takes."""
+        if not path.is_file():
+            raise ConfigError(f"lora.init_from: {path} is not a file.\nWhat to do: give the path of an adapter file "
+                              f"(e.g. another run's {LORA_WEIGHTS}).")
+        return {"": path}
+
     def load_lora(self, pipeline: Any, folder: Path, weight_name: str = LORA_WEIGHTS) -> None:
         """A run's adapter into the family's pipeline (by default its `load_lora_weights`; a family with more than
         one denoiser loads each of its files)."""

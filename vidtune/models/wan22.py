@@ -46,8 +46,9 @@ from vidtune.outputs import LORA_WEIGHTS
 NUM_TRAIN_TIMESTEPS = 1000  # Wan's schedulers; the pipelines' boundary is boundary_ratio times this
 # What `model.experts` names, and the expert each one trains.
 EXPERTS = {"both": EXPERT_NAMES, "high_noise": ("transformer",), "low_noise": ("transformer_2",)}
-# Only these algorithms know how to train and save two experts (a LoRA per expert, or both experts in full).
-TWO_EXPERT_ALGORITHMS = ("lora", "full")
+# The algorithms that train and save two experts: a LoRA per expert, both experts in full, and the distillations,
+# whose teacher is the frozen `TwoExperts` (each expert teaching its own student at its own noise levels).
+TWO_EXPERT_ALGORITHMS = ("lora", "full", "guidance-distillation", "step-distillation")
 
 
 def second_expert_file(weight_name: str) -> str:
@@ -146,32 +147,69 @@ class Wan22Spec(WanSpec):
             return
         algorithm = config.training.algorithm
         if algorithm not in TWO_EXPERT_ALGORITHMS:
+            # Control: each expert would need its own widened input layer, and diffusers' Wan 2.2 pipelines take
+            # no control input to sample them with (docs/wan22.md).
             raise ConfigError(
                 f"training.algorithm={algorithm}: {self.name} two-expert models ({self.config.pretrained}) are "
-                f"trained with {' or '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
+                f"trained with {', '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
                 "What to do: set training.algorithm=lora (model.experts picks the experts) or full (both experts)."
+            )
+        if algorithm == "step-distillation" and len(self.trained_experts) == 1:
+            # The student's K sampling steps cross the boundary: every window needs a trained student.
+            raise ConfigError(
+                f"model.experts={self.config.experts} with training.algorithm=step-distillation: the student's "
+                f"{config.distillation.student_steps} sampling steps run both experts, so both students train.\n"
+                "What to do: remove model.experts (both)."
             )
         from vidtune import parallel
 
-        if parallel.world_size() > 1:
-            # DDP expects every trainable weight in every step's backward; a step's samples may all be one expert's.
+        strategy = config.parallel.strategy
+        if parallel.world_size() > 1 and strategy in ("fsdp", "deepspeed"):
+            # A rank whose samples all fall on one expert would skip the other expert's sharded collectives while
+            # the other ranks wait in them; DDP instead finds the skipped parameters (vidtune/parallel/ddp.py).
             raise ConfigError(
-                f"{self.name} two-expert models ({self.config.pretrained}) train in one process here, not under "
-                "torchrun.\nWhat to do: run `vidtune train` without torchrun (one GPU), or train one expert's LoRA "
-                "per run on one GPU each."
+                f"parallel.strategy={strategy}: {self.name} two-expert models ({self.config.pretrained}) train "
+                "on several processes with DDP only (a step may run one expert on one GPU and the other on "
+                "another, which sharded training cannot follow).\nWhat to do: set parallel.strategy=ddp (or auto)."
             )
-        if algorithm == "full" and len(self.trained_experts) == 1:
+        full = {"full": "training.algorithm=full"}.get(algorithm)
+        if algorithm == "guidance-distillation" and config.distillation.student == "full":
+            full = "distillation.student=full"
+        if full and len(self.trained_experts) == 1:
             raise ConfigError(
-                f"model.experts={self.config.experts} with training.algorithm=full: a full fine-tune of "
+                f"model.experts={self.config.experts} with {full}: a full fine-tune of "
                 f"{self.name} trains and saves both experts.\n"
                 "What to do: remove model.experts (both), or train one expert's LoRA (training.algorithm=lora)."
             )
-        if algorithm == "lora" and config.lora.init_from:
+
+    def initial_adapters(self, path: Path) -> dict[str, Path]:
+        """Two experts: a folder holding each trained expert's file (a two-expert run's output_dir:
+        `pytorch_lora_weights.safetensors` for the high-noise expert, `..._transformer_2.safetensors` for the
+        low-noise one), or, when one expert trains (`model.experts`), that expert's file itself."""
+        if not self.two_experts:
+            return super().initial_adapters(path)
+        files = {"transformer": LORA_WEIGHTS, "transformer_2": second_expert_file(LORA_WEIGHTS)}
+        if path.is_dir():
+            wanted = {f"{name}.": path / files[name] for name in self.trained_experts}
+            missing = [file.name for file in wanted.values() if not file.is_file()]
+            if missing:
+                raise ConfigError(
+                    f"lora.init_from: the folder {path} lacks {' and '.join(missing)} (model.experts="
+                    f"{self.config.experts or 'both'} starts each trained expert from its own file).\nWhat to do: give "
+                    "the output_dir of a two-expert run, or a folder holding those files."
+                )
+            return wanted
+        if not path.is_file():
+            raise ConfigError(f"lora.init_from: {path} is neither a file nor a folder.\nWhat to do: give a two-expert "
+                              f"run's output_dir (it holds {' and '.join(files.values())}).")
+        if len(self.trained_experts) == 2:
             raise ConfigError(
-                f"lora.init_from: starting from an adapter file is not supported for {self.name} two-expert models "
-                f"({self.config.pretrained}): each expert has its own adapter.\n"
-                "What to do: remove lora.init_from, or resume a two-expert run with checkpoint.resume."
+                f"lora.init_from: {path} is one adapter file, but model.experts=both trains an adapter for each of "
+                f"the two experts of {self.config.pretrained}.\nWhat to do: give the folder holding both files "
+                f"({' and '.join(files.values())}; e.g. a two-expert run's output_dir), or train one expert "
+                "(model.experts=high_noise or low_noise)."
             )
+        return {f"{self.trained_experts[0]}.": path}
 
     def component_dtype(self, component: str, device: torch.device) -> torch.dtype:
         # The second expert is a transformer too: model.transformer_dtype applies to it.

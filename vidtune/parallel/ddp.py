@@ -37,8 +37,17 @@ def wrap(module: nn.Module, device: torch.device) -> nn.Module:
     # same way, and quantized ones (memory.base_weights int8 / nf4) are tensor subclasses DDP cannot broadcast.
     frozen = [name for name, parameter in module.named_parameters() if not parameter.requires_grad]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, frozen)
+    # A module whose forward routes samples to parts of it (two experts split by noise level) declares
+    # `leaves_parameters_unused`: a rank's micro-batch may skip a part that another rank's used. DDP then marks the
+    # skipped parameters ready with a zero gradient, so the average over ranks is the gradient of the mean loss
+    # over all ranks' samples, as one process with the whole batch computes it; a part no rank used keeps no
+    # gradient, as in one process. The price is one walk over the autograd graph per backward.
+    # Such a module also keeps its idle part's buffers in CPU memory (vidtune/models/experts.py), where a broadcast
+    # from rank 0 cannot reach them; they are not broadcast: every rank built them the same way from one config.
+    routed = bool(getattr(module, "leaves_parameters_unused", False))
     # Gradients are views into DDP's communication buckets: no second copy of them in memory.
-    return DataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
+    return DataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
+                        find_unused_parameters=routed, broadcast_buffers=not routed)
 
 
 def accumulating(module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:

@@ -464,6 +464,8 @@ class Trainer(ABC):
         a graph traversal every step) needs every trainable parameter to take part in the loss."""
         if not parallel.is_distributed() or self.strategy.engine_checkpoints:  # DeepSpeed keeps gradients in its shards
             return
+        if getattr(self.denoiser, "leaves_parameters_unused", False):  # DDP looks for them itself (parallel/ddp.py)
+            return
         names = {id(p): name for name, p in self.denoiser.named_parameters()}
         unused = [names.get(id(p), "?") for p in parameters if p.grad is None]
         if unused:

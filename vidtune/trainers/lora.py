@@ -60,9 +60,8 @@ class LoRATrainer(Trainer):
         super().check_inputs()
         self.requested_targets()
         init_from = self.config.lora.init_from
-        if init_from and self.resuming_from is None and not Path(init_from).is_file():
-            raise ConfigError(f"lora.init_from: {init_from} is not a file.\nWhat to do: give the path of an adapter "
-                              f"file (e.g. another run's {LORA_WEIGHTS}).")
+        if init_from and self.resuming_from is None:
+            self.spec.initial_adapters(Path(init_from))  # a missing file fails here, before any model loads
 
     def requested_targets(self) -> tuple[str, ...]:
         """`lora.target_modules` as module names: a preset of the family resolved, a list as it is."""
@@ -120,9 +119,15 @@ class LoRATrainer(Trainer):
         return [p for p in denoiser.parameters() if p.requires_grad]
 
     def load_initial_adapter(self, denoiser: nn.Module, path: Path) -> None:
-        """`lora.init_from`: the adapter file's weights into the fresh adapter, refused unless they fit it."""
+        """`lora.init_from`: the adapter file's weights into the fresh adapter, refused unless they fit it (a
+        denoiser of several parts, e.g. two experts, takes a file per part: `spec.initial_adapters`)."""
         expected = get_peft_model_state_dict(denoiser)
-        state, alpha = read_adapter(self.spec, path)
+        state: dict[str, torch.Tensor] = {}
+        alphas: set[float | None] = set()
+        for prefix, file in self.spec.initial_adapters(path).items():
+            part, alpha = read_adapter(self.spec, file)
+            state.update({prefix + key: value for key, value in part.items()})
+            alphas.add(alpha)
         options = self.config.lora
         key = f"lora.init_from: {path}"
         ranks = sorted({int(v.shape[0]) for k, v in state.items() if ".lora_A." in k})
@@ -130,11 +135,12 @@ class LoRATrainer(Trainer):
             raise ConfigError(f"{key} is an adapter of rank {', '.join(map(str, ranks))}, but lora.rank is "
                               f"{options.rank}.\nWhat to do: set lora.rank={ranks[0]} (and lora.alpha to the "
                               "adapter's), or start from a fresh adapter (remove lora.init_from).")
-        effective_alpha = alpha if alpha is not None else float(options.rank)  # no metadata: diffusers scales by 1
-        if ranks and effective_alpha != options.alpha:
-            raise ConfigError(f"{key} has alpha {effective_alpha:g}, but lora.alpha is {options.alpha:g} (the "
-                              f"adapter's effect would be scaled differently).\nWhat to do: set "
-                              f"lora.alpha={effective_alpha:g}.")
+        for alpha in sorted(alphas, key=lambda a: -1.0 if a is None else a):
+            effective_alpha = alpha if alpha is not None else float(options.rank)  # no metadata: diffusers scales by 1
+            if ranks and effective_alpha != options.alpha:
+                raise ConfigError(f"{key} has alpha {effective_alpha:g}, but lora.alpha is {options.alpha:g} (the "
+                                  f"adapter's effect would be scaled differently).\nWhat to do: set "
+                                  f"lora.alpha={effective_alpha:g}.")
         has_dora = any("lora_magnitude_vector" in k for k in state)
         if has_dora != options.use_dora:
             raise ConfigError(f"{key} is {'a DoRA' if has_dora else 'a plain LoRA'} adapter, but lora.use_dora is "

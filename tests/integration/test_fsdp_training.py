@@ -22,8 +22,11 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.integration.test_distributed_training import LORA_FILE, _free_port, _rank_main
+from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint
+from vidtune.control import CONTROL_WEIGHTS
 from vidtune.trainers import build_trainer
+from vidtune.trainers.base import TrainResult
 
 FULL_FILE = "transformer/diffusion_pytorch_model.safetensors"
 # Sharding changes the order of float additions (reduce-scatter instead of one process's sums), nothing else.
@@ -187,3 +190,51 @@ def test_fsdp_in_bf16_with_cpu_offload_on_two_gpus(make_config, tmp_path, algori
         torch.testing.assert_close(trained[key].float(), expected[key].float(), rtol=2e-2, atol=2e-3)
     for result in ranks:
         assert result["gpu"]["losses"] == pytest.approx(single.losses, rel=2e-2)
+
+
+@pytest.mark.slow
+def test_control_and_distillation_under_fsdp_train_like_one_process_and_resume_in_one(make_config, shapes_dataset,
+                                                                                        tmp_path):
+    """control-lora (the widened input layer sharded with the root and trained beside the adapter) and
+    guidance-distillation with a full student (its frozen teacher sharded like the student): two ranks x batch 1
+    train what one process trains with batch 2, and the 2-rank checkpoint of step 1 resumes in one process."""
+    data_root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    fsdp = {"parallel": {"strategy": "fsdp"}}
+    algorithms = {
+        "control-lora": {"training": {"algorithm": "control-lora", "steps": 2, "learning_rate": 1e-2},
+                         "data_root": data_root},
+        "distillation": {"training": {"algorithm": "guidance-distillation", "steps": 2, "learning_rate": 1e-2},
+                         "distillation": {"student": "full"}},
+    }
+    runs = [(name, make_config(output_dir=str(tmp_path / name), checkpoint={"every": 1, "keep": 2}, **fsdp,
+                               **settings).to_dict(), {}) for name, settings in algorithms.items()]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    def single(name: str, folder: str, **extra) -> TrainResult:
+        settings = algorithms[name]
+        return build_trainer(make_config(output_dir=str(tmp_path / folder), **{
+            **settings, "training": {**settings["training"], "batch_size": 2}}, **extra)).run()
+
+    files = {"control-lora": [LORA_FILE, CONTROL_WEIGHTS], "distillation": [FULL_FILE]}
+    for name in algorithms:
+        expected = single(name, f"single-{name}")
+        for result in ranks:
+            assert "error" not in result[name], result[name]
+            assert result[name]["losses"] == pytest.approx(expected.losses, rel=1e-4)
+        for file in files[name]:
+            _assert_close(load_file(tmp_path / name / file), load_file(tmp_path / f"single-{name}" / file))
+
+    # The widened layer trained (its control columns left zero), sharded over the ranks and gathered to save.
+    control = load_file(tmp_path / "control-lora" / CONTROL_WEIGHTS)["weight"]
+    base_inputs = json.loads((tmp_path / "control-lora" / "control.json").read_text())["in_features"]
+    assert control.shape[1] > base_inputs and control[:, base_inputs:].abs().max() > 0
+
+    # The 2-rank control checkpoint of step 1, resumed by one process with batch 2, ends where the 2-rank run ended.
+    first = checkpoint.list_checkpoints(tmp_path / "control-lora" / "checkpoints")[0]
+    resumed = single("control-lora", "resumed", checkpoint={"resume": str(first)}, **fsdp)
+    assert resumed.first_step == 1
+    for file in files["control-lora"]:
+        _assert_close(load_file(tmp_path / "resumed" / file), load_file(tmp_path / "control-lora" / file))

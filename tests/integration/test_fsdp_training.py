@@ -203,6 +203,10 @@ def test_control_and_distillation_under_fsdp_train_like_one_process_and_resume_i
     algorithms = {
         "control-lora": {"training": {"algorithm": "control-lora", "steps": 2, "learning_rate": 1e-2},
                          "data_root": data_root},
+        "control-full": {"training": {"algorithm": "control-full", "steps": 2, "learning_rate": 1e-2},
+                         "data_root": data_root},
+        "step": {"training": {"algorithm": "step-distillation", "steps": 2, "learning_rate": 1e-2},
+                         "distillation": {"student_steps": 2, "teacher_steps": 4}},
         "distillation": {"training": {"algorithm": "guidance-distillation", "steps": 2, "learning_rate": 1e-2},
                          "distillation": {"student": "full"}},
     }
@@ -218,7 +222,8 @@ def test_control_and_distillation_under_fsdp_train_like_one_process_and_resume_i
         return build_trainer(make_config(output_dir=str(tmp_path / folder), **{
             **settings, "training": {**settings["training"], "batch_size": 2}}, **extra)).run()
 
-    files = {"control-lora": [LORA_FILE, CONTROL_WEIGHTS], "distillation": [FULL_FILE]}
+    files = {"control-lora": [LORA_FILE, CONTROL_WEIGHTS], "control-full": [FULL_FILE, CONTROL_WEIGHTS],
+             "step": [LORA_FILE], "distillation": [FULL_FILE]}
     for name in algorithms:
         expected = single(name, f"single-{name}")
         for result in ranks:

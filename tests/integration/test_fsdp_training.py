@@ -44,6 +44,24 @@ def _losses(folder: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+def _recording_rank_main(rank: int, world: int, runs: list, ports: list[int], out: str) -> None:
+    """`_rank_main`, noting for every `fully_shard` call whether the parameters it shards (those not sharded
+    already, by the blocks' calls) were all on the meta device: this rank held none of their weights."""
+    from torch.distributed import fsdp
+    from torch.distributed.tensor import DTensor
+
+    original, calls = fsdp.fully_shard, []
+
+    def recording(module, **options):
+        fresh = [p for p in module.parameters() if not isinstance(p, DTensor)]
+        calls.append(all(p.is_meta for p in fresh))
+        return original(module, **options)
+
+    fsdp.fully_shard = recording
+    _rank_main(rank, world, runs, ports, out)
+    Path(out, f"meta{rank}.json").write_text(json.dumps(calls))
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_config, tmp_path, capsys):
     fsdp = {"parallel": {"strategy": "fsdp"}}
@@ -54,6 +72,8 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
 
     runs = [
         ("lora", config("lora", checkpoint={"every": 2, "keep": 2}), {}),
+        # Every rank reads the weights (by default rank 0 alone does, the other ranks build the denoiser on meta).
+        ("every-rank", config("every-rank", parallel={"strategy": "fsdp", "load_on_rank0": False}), {}),
         # HSDP: two replicas of one shard each (as two nodes of one GPU would be).
         ("hsdp", config("hsdp", parallel={"strategy": "fsdp", "replicate_degree": 2}), {}),
         # Validation samples after the last step: rank 0 samples the gathered weights while the others wait.
@@ -62,8 +82,18 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(_recording_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # Rank 1 sharded a denoiser without weights (each block, then the rest) in every run but `every-rank`; rank 0
+    # always held them. Filled from rank 0, it trains bit for bit what every rank loading the weights trains.
+    calls = [json.loads((out / f"meta{r}.json").read_text()) for r in range(2)]
+    per_run = len(calls[0]) // len(runs)
+    assert len(calls[0]) == len(calls[1]) == per_run * len(runs) and per_run > 2
+    assert not any(calls[0])
+    assert calls[1] == [name != "every-rank" for name, _, _ in runs for _ in range(per_run)]
+    every_rank, lora = load_file(tmp_path / "every-rank" / LORA_FILE), load_file(tmp_path / "lora" / LORA_FILE)
+    assert every_rank.keys() == lora.keys() and all(torch.equal(every_rank[k], lora[k]) for k in lora)
 
     # LoRA: the adapter and the logged losses of one process with batch 2.
     single = build_trainer(make_config(training={"steps": 3, "batch_size": 2, "learning_rate": 1e-2},

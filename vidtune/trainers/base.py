@@ -404,6 +404,8 @@ class Trainer(ABC):
         # Quantized base weights for a GPU are quantized in host memory first: the GPU never holds the whole
         # unquantized model (vidtune/offload.py).
         load_on = loading_device(self.config.memory.base_weights, self.device)
+        if self.strategy is None:
+            self.strategy = choose_strategy(self.config, self.device)
         self.denoiser = self.strategy.load_denoiser(self.spec, load_on)  # FSDP: perhaps rank 0 only
         if self.config.training.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()

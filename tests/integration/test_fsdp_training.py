@@ -225,9 +225,11 @@ def test_fsdp_in_bf16_with_cpu_offload_on_two_gpus(make_config, tmp_path, algori
 @pytest.mark.slow
 def test_control_and_distillation_under_fsdp_train_like_one_process_and_resume_in_one(make_config, shapes_dataset,
                                                                                         tmp_path):
-    """control-lora (the widened input layer sharded with the root and trained beside the adapter) and
+    """control-lora / control-full (the widened input layer sharded with the root and trained fully),
+    step-distillation (the ranks agree on their number of teacher forwards, which gather weights) and
     guidance-distillation with a full student (its frozen teacher sharded like the student): two ranks x batch 1
-    train what one process trains with batch 2, and the 2-rank checkpoint of step 1 resumes in one process."""
+    train what one process trains with batch 2, rank 0 samples the gathered control and step-distilled weights, and
+    the 2-rank control checkpoint of step 1 resumes in one process."""
     data_root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
     fsdp = {"parallel": {"strategy": "fsdp"}}
     algorithms = {
@@ -236,16 +238,25 @@ def test_control_and_distillation_under_fsdp_train_like_one_process_and_resume_i
         "control-full": {"training": {"algorithm": "control-full", "steps": 2, "learning_rate": 1e-2},
                          "data_root": data_root},
         "step": {"training": {"algorithm": "step-distillation", "steps": 2, "learning_rate": 1e-2},
-                         "distillation": {"student_steps": 2, "teacher_steps": 4}},
+                 "distillation": {"student_steps": 2, "teacher_steps": 4}},
         "distillation": {"training": {"algorithm": "guidance-distillation", "steps": 2, "learning_rate": 1e-2},
                          "distillation": {"student": "full"}},
     }
+    sampled = {"control-lora", "step"}
     runs = [(name, make_config(output_dir=str(tmp_path / name), checkpoint={"every": 1, "keep": 2}, **fsdp,
+                               validation={"enabled": name in sampled, "prompts": ["a red circle"]},
                                **settings).to_dict(), {}) for name, settings in algorithms.items()]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(_recording_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # Each run shards its denoiser (every block, then the rest), the full student's run its teacher too; rank 1
+    # builds both without weights, with every algorithm's changes (adapters, the widened layer), and rank 0 fills them.
+    calls = [json.loads((out / f"meta{r}.json").read_text()) for r in range(2)]
+    per_model = len(calls[0]) // (len(runs) + 1)
+    assert len(calls[0]) == len(calls[1]) == per_model * (len(runs) + 1) and per_model > 2
+    assert not any(calls[0]) and all(calls[1])
 
     def single(name: str, folder: str, **extra) -> TrainResult:
         settings = algorithms[name]
@@ -261,6 +272,9 @@ def test_control_and_distillation_under_fsdp_train_like_one_process_and_resume_i
             assert result[name]["losses"] == pytest.approx(expected.losses, rel=1e-4)
         for file in files[name]:
             _assert_close(load_file(tmp_path / name / file), load_file(tmp_path / f"single-{name}" / file))
+
+    for name in sampled:
+        assert [p.name for p in (tmp_path / name / "samples").glob("*.mp4")] == ["step-00000002-0.mp4"]
 
     # The widened layer trained (its control columns left zero), sharded over the ranks and gathered to save.
     control = load_file(tmp_path / "control-lora" / CONTROL_WEIGHTS)["weight"]

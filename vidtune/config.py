@@ -528,6 +528,12 @@ class ParallelConfig(Section):
         1, ge=1, description="`fsdp`: HSDP — shard inside groups of world_size / replicate_degree ranks (one node) "
         "and replicate across the groups (nodes). 1: shard over all ranks.",
     )
+    load_on_rank0: Literal["auto"] | bool = Field(
+        "auto", description="`fsdp`: rank 0 alone reads the denoiser's weights (into CPU memory); the other ranks "
+        "build it without weights (meta device) and receive their shards from rank 0 after sharding, so a node holds "
+        "the whole weights once instead of once per GPU. `auto`: on with several processes; false: every rank reads "
+        "the weights.",
+    )
     zero_stage: Literal[1, 2, 3] = Field(
         2, description="`deepspeed`: ZeRO stage — 1 shards the optimizer state, 2 also the gradients, 3 also the "
         "weights.",
@@ -540,6 +546,14 @@ class ParallelConfig(Section):
         None, description="`deepspeed`: a DeepSpeed JSON file whose keys override the ones vidtune derives from this "
         "config (in a file: relative to its folder).",
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelConfig:
+        if self.load_on_rank0 is True and self.strategy != "fsdp":
+            raise ValueError(f"parallel.load_on_rank0=true needs parallel.strategy=fsdp (it is {self.strategy}): only "
+                             "FSDP fills the other ranks' weights from rank 0. What to do: set parallel.strategy=fsdp, "
+                             "or remove parallel.load_on_rank0.")
+        return self
 
 
 class Config(Section):

@@ -24,11 +24,14 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.integration.test_distributed_training import LORA_FILE, _free_port, _rank_main
+from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint
+from vidtune.control import CONTROL_WEIGHTS
 from vidtune.export import export_checkpoint
 from vidtune.outputs import LORA_EMA_WEIGHTS
 from vidtune.parallel.fsdp import FullyShardedStrategy
 from vidtune.trainers import build_trainer
+from vidtune.trainers.base import TrainResult
 
 FULL_FILE = "transformer/diffusion_pytorch_model.safetensors"
 FULL_EMA_FILE = "transformer_ema/diffusion_pytorch_model.safetensors"
@@ -48,6 +51,24 @@ def _losses(folder: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
+def _recording_rank_main(rank: int, world: int, runs: list, ports: list[int], out: str) -> None:
+    """`_rank_main`, noting for every `fully_shard` call whether the parameters it shards (those not sharded
+    already, by the blocks' calls) were all on the meta device: this rank held none of their weights."""
+    from torch.distributed import fsdp
+    from torch.distributed.tensor import DTensor
+
+    original, calls = fsdp.fully_shard, []
+
+    def recording(module, **options):
+        fresh = [p for p in module.parameters() if not isinstance(p, DTensor)]
+        calls.append(all(p.is_meta for p in fresh))
+        return original(module, **options)
+
+    fsdp.fully_shard = recording
+    _rank_main(rank, world, runs, ports, out)
+    Path(out, f"meta{rank}.json").write_text(json.dumps(calls))
+
+
 @pytest.mark.slow
 def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_config, tmp_path, capsys):
     fsdp = {"parallel": {"strategy": "fsdp"}}
@@ -58,6 +79,8 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
 
     runs = [
         ("lora", config("lora", checkpoint={"every": 2, "keep": 2}, training=EMA), {}),
+        # Every rank reads the weights (by default rank 0 alone does, the other ranks build the denoiser on meta).
+        ("every-rank", config("every-rank", parallel={"strategy": "fsdp", "load_on_rank0": False}), {}),
         # HSDP: two replicas of one shard each (as two nodes of one GPU would be).
         ("hsdp", config("hsdp", parallel={"strategy": "fsdp", "replicate_degree": 2}, training=EMA), {}),
         # Validation samples after the last step: rank 0 samples the gathered weights while the others wait.
@@ -66,8 +89,18 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(_recording_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # Rank 1 sharded a denoiser without weights (each block, then the rest) in every run but `every-rank`; rank 0
+    # always held them. Filled from rank 0, it trains bit for bit what every rank loading the weights trains.
+    calls = [json.loads((out / f"meta{r}.json").read_text()) for r in range(2)]
+    per_run = len(calls[0]) // len(runs)
+    assert len(calls[0]) == len(calls[1]) == per_run * len(runs) and per_run > 2
+    assert not any(calls[0])
+    assert calls[1] == [name != "every-rank" for name, _, _ in runs for _ in range(per_run)]
+    every_rank, lora = load_file(tmp_path / "every-rank" / LORA_FILE), load_file(tmp_path / "lora" / LORA_FILE)
+    assert every_rank.keys() == lora.keys() and all(torch.equal(every_rank[k], lora[k]) for k in lora)
 
     # LoRA: the adapter and the logged losses of one process with batch 2.
     single = build_trainer(make_config(training={"steps": 3, "batch_size": 2, "learning_rate": 1e-2, **EMA},
@@ -318,3 +351,70 @@ def test_an_nf4_base_stays_whole_on_each_of_two_gpus(make_config, tmp_path):
     for rank in range(2):
         losses = json.loads((out / f"rank{rank}.json").read_text())["nf4"]["losses"]
         assert losses == pytest.approx(single.losses, rel=2e-2)
+
+
+@pytest.mark.slow
+def test_control_and_distillation_under_fsdp_train_like_one_process_and_resume_in_one(make_config, shapes_dataset,
+                                                                                        tmp_path):
+    """control-lora / control-full (the widened input layer sharded with the root and trained fully),
+    step-distillation (the ranks agree on their number of teacher forwards, which gather weights) and
+    guidance-distillation with a full student (its frozen teacher sharded like the student): two ranks x batch 1
+    train what one process trains with batch 2, rank 0 samples the gathered control and step-distilled weights, and
+    the 2-rank control checkpoint of step 1 resumes in one process."""
+    data_root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    fsdp = {"parallel": {"strategy": "fsdp"}}
+    algorithms = {
+        "control-lora": {"training": {"algorithm": "control-lora", "steps": 2, "learning_rate": 1e-2},
+                         "data_root": data_root},
+        "control-full": {"training": {"algorithm": "control-full", "steps": 2, "learning_rate": 1e-2},
+                         "data_root": data_root},
+        "step": {"training": {"algorithm": "step-distillation", "steps": 2, "learning_rate": 1e-2},
+                 "distillation": {"student_steps": 2, "teacher_steps": 4}},
+        "distillation": {"training": {"algorithm": "guidance-distillation", "steps": 2, "learning_rate": 1e-2},
+                         "distillation": {"student": "full"}},
+    }
+    sampled = {"control-lora", "step"}
+    runs = [(name, make_config(output_dir=str(tmp_path / name), checkpoint={"every": 1, "keep": 2}, **fsdp,
+                               validation={"enabled": name in sampled, "prompts": ["a red circle"]},
+                               **settings).to_dict(), {}) for name, settings in algorithms.items()]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_recording_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # Each run shards its denoiser (every block, then the rest), the full student's run its teacher too; rank 1
+    # builds both without weights, with every algorithm's changes (adapters, the widened layer), and rank 0 fills them.
+    calls = [json.loads((out / f"meta{r}.json").read_text()) for r in range(2)]
+    per_model = len(calls[0]) // (len(runs) + 1)
+    assert len(calls[0]) == len(calls[1]) == per_model * (len(runs) + 1) and per_model > 2
+    assert not any(calls[0]) and all(calls[1])
+
+    def single(name: str, folder: str, **extra) -> TrainResult:
+        settings = algorithms[name]
+        return build_trainer(make_config(output_dir=str(tmp_path / folder), **{
+            **settings, "training": {**settings["training"], "batch_size": 2}}, **extra)).run()
+
+    files = {"control-lora": [LORA_FILE, CONTROL_WEIGHTS], "control-full": [FULL_FILE, CONTROL_WEIGHTS],
+             "step": [LORA_FILE], "distillation": [FULL_FILE]}
+    for name in algorithms:
+        expected = single(name, f"single-{name}")
+        for result in ranks:
+            assert "error" not in result[name], result[name]
+            assert result[name]["losses"] == pytest.approx(expected.losses, rel=1e-4)
+        for file in files[name]:
+            _assert_close(load_file(tmp_path / name / file), load_file(tmp_path / f"single-{name}" / file))
+
+    for name in sampled:
+        assert [p.name for p in (tmp_path / name / "samples").glob("*.mp4")] == ["step-00000002-0.mp4"]
+
+    # The widened layer trained (its control columns left zero), sharded over the ranks and gathered to save.
+    control = load_file(tmp_path / "control-lora" / CONTROL_WEIGHTS)["weight"]
+    base_inputs = json.loads((tmp_path / "control-lora" / "control.json").read_text())["in_features"]
+    assert control.shape[1] > base_inputs and control[:, base_inputs:].abs().max() > 0
+
+    # The 2-rank control checkpoint of step 1, resumed by one process with batch 2, ends where the 2-rank run ended.
+    first = checkpoint.list_checkpoints(tmp_path / "control-lora" / "checkpoints")[0]
+    resumed = single("control-lora", "resumed", checkpoint={"resume": str(first)}, **fsdp)
+    assert resumed.first_step == 1
+    for file in files["control-lora"]:
+        _assert_close(load_file(tmp_path / "resumed" / file), load_file(tmp_path / "control-lora" / file))

@@ -8,7 +8,8 @@ from torch import nn
 
 from vidtune.config import load_config
 from vidtune.errors import ConfigError
-from vidtune.parallel.fsdp import FullyShardedStrategy, quantized_parameters, transformer_blocks
+from vidtune.models.registry import get_spec_class
+from vidtune.parallel.fsdp import FullyShardedStrategy, quantized_parameters, transformer_blocks, weights_not_read
 from vidtune.parallel.strategy import DataParallelStrategy, Strategy, choose_strategy
 
 REQUIRED = ["model.name=ltx-video", "model.pretrained=some/model", "data.root=clips"]
@@ -77,3 +78,29 @@ def test_every_list_of_blocks_is_sharded_block_by_block():
 
     denoiser = Denoiser()
     assert transformer_blocks(denoiser) == [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]
+
+
+@pytest.mark.parametrize(("world", "setting", "expected"), [
+    ("4", "auto", True), ("1", "auto", False), ("4", "false", False), ("4", "true", True)])
+def test_rank0_loading_is_on_for_several_processes_unless_turned_off(monkeypatch, world, setting, expected):
+    monkeypatch.setenv("WORLD_SIZE", world)
+    strategy = choose("parallel.strategy=fsdp", f"parallel.load_on_rank0={setting}")
+    assert strategy.loads_on_rank0 is expected
+
+
+def test_rank0_loading_without_fsdp_names_the_keys():
+    with pytest.raises(ConfigError, match=r"parallel.load_on_rank0=true needs parallel.strategy=fsdp .*What to do"):
+        load_config(None, [*REQUIRED, "parallel.strategy=ddp", "parallel.load_on_rank0=true"])
+
+
+def test_the_ranks_that_do_not_load_build_the_same_denoiser_without_weights(tiny_model_dir):
+    """What rank 0 loads and what the other ranks build on the meta device: the same names, shapes and dtypes."""
+    config = load_config(None, [*REQUIRED, f"model.pretrained={tiny_model_dir('ltx-video')}"])
+    spec = get_spec_class("ltx-video")(config.model)
+    loaded = spec.load_denoiser(CPU)
+    with weights_not_read(spec):
+        built = spec.load_denoiser(CPU, torch.device("meta"))
+    assert "load_component" not in vars(spec)  # the spec loads weights again afterwards
+    layout = {name: (t.shape, t.dtype) for name, t in loaded.state_dict().items()}
+    assert {name: (t.shape, t.dtype) for name, t in built.state_dict().items()} == layout and layout
+    assert all(t.is_meta for t in [*built.parameters(), *built.buffers()])

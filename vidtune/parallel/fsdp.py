@@ -8,18 +8,26 @@ HSDP: shard inside groups of world / replicate_degree ranks (a node), replicate 
 
 Checkpoints are torch Distributed Checkpoint (DCP) folders: every rank writes its shard of the trainable weights
 and optimizer state, in parallel. DCP reshards on load, so a checkpoint resumes on any number of ranks, one
-process included. Gradients are averaged over ranks as DDP does, so a step of `world` ranks with `batch_size`
-each is a step of one process with `batch_size * world`.
+process included. Gradients are averaged over ranks as DDP does, so a step of `world` ranks with `batch_size` each
+is a step of one process with `batch_size * world`.
+
+`parallel.load_on_rank0` (on by default with several ranks): rank 0 alone reads the denoiser's weights, into CPU
+memory; the other ranks build it on the meta device (shapes, no data), configure it the same way (adapters, a widened
+control input), are sharded alike, and then receive their shards of rank 0's weights (`fill_from_main`). A node
+then holds the whole weights once, not once per GPU. A distillation teacher that is a copy of the denoiser follows
+the same path (`prepare_frozen`).
 
 `training.ema_decay`: the moving average follows the sharded weights, each rank its shard (`vidtune.ema`); the
 checkpoint stores it beside the weights, and `gathered` gathers it with them. `memory.base_weights` (fp8, int8,
 nf4): the quantized frozen weights are left out of the sharding (`ignored_params`): every rank holds the whole
-quantized base, read from the same files, and FSDP shards the adapters and the full-precision rest.
+quantized base, read from the same files by every rank (`load_on_rank0` is then off), and FSDP shards the adapters
+and the full-precision rest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,13 +36,15 @@ import torch
 from torch import nn
 
 from vidtune import parallel
-from vidtune.errors import ConfigError
+from vidtune.errors import ConfigError, ModelError
+from vidtune.models.spec import ModelSpec
 from vidtune.parallel.strategy import Strategy, Weights
 
 # The two parts of a sharded checkpoint, as keys of the state DCP writes.
 WEIGHTS_KEY = "weights"
 OPTIMIZER_KEY = "optimizer"
 EMA_KEY = "ema"  # training.ema_decay: the weights' moving average, in the format of WEIGHTS_KEY
+META = torch.device("meta")
 
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
@@ -66,13 +76,88 @@ def quantized_parameters(module: nn.Module) -> set[nn.Parameter]:
             if not p.requires_grad and (p.dtype in float8 or type(p) not in (torch.Tensor, nn.Parameter))}
 
 
+def shard(module: nn.Module, options: dict[str, Any]) -> None:
+    """`fully_shard` on every transformer block, then on the rest of `module`."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in transformer_blocks(module):
+        fully_shard(block, **options)
+    fully_shard(module, **options)
+
+
+@contextlib.contextmanager
+def weights_not_read(spec: ModelSpec) -> Iterator[None]:
+    """While inside: `spec` builds every component it loads from its config.json on the meta device, in the dtype
+    it asks for; no weight is read (the spec's own loading code runs, only `load_component` is replaced)."""
+
+    def load_component(self: ModelSpec, cls: Any, component: str, **kwargs: Any) -> Any:
+        with torch.device(META):
+            model = cls.from_config(self.load_config(cls, component))
+        dtype = kwargs.get("torch_dtype")
+        return model.to(dtype) if dtype is not None else model
+
+    spec.load_component = types.MethodType(load_component, spec)
+    try:
+        yield
+    finally:
+        del spec.load_component
+
+
+def match_main_layout(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """Before sharding a module that only rank 0 loaded: rank 0's whole state (its tensors, not copies; None on the
+    other ranks), and on the other ranks every parameter and buffer in rank 0's dtype (loading may keep some layers
+    in another dtype than the one asked for). A module of another layout is a ModelError."""
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    layout = parallel.broadcast_object({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+    mine = {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+    differ = sorted(name for name in layout.keys() | mine.keys()
+                    if name not in layout or name not in mine or layout[name][0] != mine[name][0])
+    if differ:
+        raise ModelError(f"rank {parallel.rank()} built the denoiser otherwise than rank 0, which loaded it (e.g. "
+                         f"{', '.join(differ[:3])}).\nWhat to do: set parallel.load_on_rank0=false (every rank then "
+                         "loads the weights) and report this model.")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            if tensor.dtype != layout[name][1]:
+                tensor.data = tensor.data.to(layout[name][1])
+    return module.state_dict() if parallel.is_main() else None
+
+
+def fill_from_main(module: nn.Module, whole: dict[str, torch.Tensor] | None, shards_on: torch.device,
+                   device: torch.device) -> None:
+    """After sharding: every rank's shards of rank 0's state `whole` (None on the other ranks, whose module is on
+    the meta device, its shards then made on `shards_on`), sent by rank 0 one tensor at a time; the buffers (on
+    `device`) as rank 0 has them, also those outside the state dict (rotary tables)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not parallel.is_main():
+        module.to_empty(device=shards_on)
+    set_model_state_dict(module, whole or {}, options=StateDictOptions(full_state_dict=True,
+                                                                         broadcast_from_rank0=True))
+    with torch.no_grad():
+        for owner in module.modules():
+            for name, buffer in owner._buffers.items():
+                if buffer is None:
+                    continue
+                if buffer.device != device:  # CPU offload keeps the shards in host memory, buffers on the GPU
+                    owner._buffers[name] = buffer = buffer.to(device)
+                dist.broadcast(buffer, src=0)
+
+
 class FullyShardedStrategy(Strategy):
     name = "fsdp"
     sharded_checkpoints = True
     kept_whole: Collection[nn.Parameter] = ()  # quantized base weights: on every rank whole, never sharded
+    forwards_gather_weights = True
 
     def check(self) -> None:
         settings, world = self.config.parallel, parallel.world_size()
+        if settings.load_on_rank0 is True and self.config.memory.base_weights != "auto":
+            raise ConfigError(f"parallel.load_on_rank0=true with memory.base_weights={self.config.memory.base_weights}:"
+                              " every rank quantizes its own whole copy of the base, so every rank reads the weights "
+                              "(a quantized tensor cannot be sent from rank 0). What to do: remove "
+                              "parallel.load_on_rank0 (auto), or set memory.base_weights=auto.")
         if settings.replicate_degree > 1 and world % settings.replicate_degree:
             raise ConfigError(f"parallel.replicate_degree={settings.replicate_degree} does not divide the "
                               f"{world} processes. What to do: set it to the number of nodes (each node then holds "
@@ -105,24 +190,58 @@ class FullyShardedStrategy(Strategy):
             options["offload_policy"] = CPUOffloadPolicy()
         return options
 
+    @property
+    def loads_on_rank0(self) -> bool:
+        """`parallel.load_on_rank0` for this run: `auto` is on with several processes, unless the base weights are
+        quantized (every rank quantizes its own whole copy: a quantized tensor cannot be sent from rank 0)."""
+        setting = self.config.parallel.load_on_rank0
+        quantized = self.config.memory.base_weights != "auto"
+        return parallel.world_size() > 1 and (setting is True or (setting == "auto" and not quantized))
+
+    def load_denoiser(self, spec: ModelSpec, load_on: torch.device) -> nn.Module:
+        """With `load_on_rank0`: rank 0 reads the weights into CPU memory (sharding moves each rank's part to its
+        device), the other ranks build the denoiser on the meta device."""
+        if not self.loads_on_rank0:
+            return super().load_denoiser(spec, load_on)
+        if parallel.is_main():
+            return spec.load_denoiser(self.device, torch.device("cpu"))
+        with weights_not_read(spec):
+            return spec.load_denoiser(self.device, META)
+
     def prepare(self, module: nn.Module, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
         """Shard `module` in place (each block, then the rest); returns the sharded trainable parameters, which
         replace the ones given (FSDP swaps every parameter for a DTensor of this rank's shard)."""
         self.module = module
         if not parallel.is_distributed():
             return parameters  # one process: nothing to shard, checkpoints are still DCP folders
-        from torch.distributed.fsdp import fully_shard
-
         names = {id(p): name for name, p in module.named_parameters()}
         trained = [names[id(p)] for p in parameters]
         self.kept_whole = quantized_parameters(module)
-        broadcast_from_main(module, skip=self.kept_whole)
-        options = {**self.shard_options(), "ignored_params": set(self.kept_whole)}
-        for block in transformer_blocks(module):
-            fully_shard(block, **options)
-        fully_shard(module, **options)
+        self.shard_like_main(module, self.kept_whole)
         sharded = dict(module.named_parameters())
         return [sharded[name] for name in trained]
+
+    def prepare_frozen(self, module: nn.Module) -> nn.Module:
+        """The teacher of a fully trained student is sharded like the student: held whole it would cost every GPU
+        the whole model again, which is what FSDP is used to avoid. Frozen shards take no optimizer state and no
+        gradients; each teacher forward gathers one block at a time, as the student's do."""
+        if parallel.is_distributed():
+            self.shard_like_main(module)
+        return module
+
+    def shard_like_main(self, module: nn.Module, kept_whole: Collection[nn.Parameter] = ()) -> None:
+        """Shard `module` with rank 0's weights on every rank: filled from rank 0 after sharding (load_on_rank0),
+        or, when every rank loaded them, made equal before (fresh adapters differ per rank). `kept_whole`: the
+        quantized base weights, which every rank built alike and FSDP leaves unsharded."""
+        options = {**self.shard_options(), "ignored_params": set(kept_whole)}
+        if not self.loads_on_rank0:
+            broadcast_from_main(module, skip=kept_whole)
+            shard(module, options)
+            return
+        whole = match_main_layout(module)
+        shard(module, options)
+        shards_on = torch.device("cpu") if self.config.parallel.cpu_offload else self.device
+        fill_from_main(module, whole, shards_on, self.device)
 
     def accumulating(self, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         return _gradient_sync(module, sync)

@@ -6,9 +6,10 @@
   the gradients (`vidtune.parallel.ddp`);
 - `fsdp`: torch's FSDP2 shards weights, gradients and optimizer state (`vidtune.parallel.fsdp`).
 
-The trainer calls, in this order: `prepare` (before the optimizer exists: a strategy that replaces the
-parameters, as FSDP does, returns the new ones), `wrap` (the module to call for forward), then every step
-`accumulating` / `backward` / `clip_gradients` / `optimizer_step` / `zero_grad`. Checkpoints: a strategy with
+The trainer calls, in this order: `load_denoiser` (how each rank gets the weights), `prepare` (before the optimizer
+exists: a strategy that replaces the parameters, as FSDP does, returns the new ones), `wrap` (the module to call
+for forward), then every step `accumulating` / `backward` / `clip_gradients` / `optimizer_step` / `zero_grad`; a
+frozen model beside the trained one (a distillation teacher) goes through `prepare_frozen`. Checkpoints: a strategy with
 `sharded_checkpoints` writes its trainable weights and optimizer state with `save_state` (every rank its shard)
 and reads them with `load_state`; the others keep the single-file format of `vidtune.checkpoint`. `gathered`
 makes the whole trained model usable on rank 0 (final weights, validation samples).
@@ -26,6 +27,7 @@ from torch import nn
 from vidtune import parallel
 from vidtune.config import Config
 from vidtune.ema import EMA
+from vidtune.models.spec import ModelSpec
 
 Weights = dict[str, torch.Tensor]
 
@@ -42,6 +44,9 @@ class Strategy:
     engine_checkpoints = False
     # Whether `wrap` comes before a checkpoint is restored (an engine that restores into itself).
     wraps_before_restore = False
+    # Whether a forward gathers weights from every rank (sharded weights): all ranks must then run the same number
+    # of forwards, also of a frozen teacher, or their collectives no longer pair up.
+    forwards_gather_weights = False
 
     def __init__(self, config: Config, device: torch.device) -> None:
         self.config = config
@@ -51,6 +56,14 @@ class Strategy:
 
     def check(self) -> None:
         """Refuse settings this strategy cannot run, before any model is loaded."""
+
+    def load_denoiser(self, spec: ModelSpec, load_on: torch.device) -> nn.Module:
+        """The denoiser as this rank starts from it, placed on `load_on` (see `ModelSpec.load_denoiser`)."""
+        return spec.load_denoiser(self.device, load_on)
+
+    def prepare_frozen(self, module: nn.Module) -> nn.Module:
+        """A frozen model used for forwards only (the teacher of a fully trained student), after `prepare`."""
+        return module
 
     def prepare(self, module: nn.Module, parameters: list[nn.Parameter]) -> list[nn.Parameter]:
         """Before the optimizer is built: the parameters it is to update (the same ones unless replaced)."""

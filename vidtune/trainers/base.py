@@ -407,7 +407,9 @@ class Trainer(ABC):
         # Quantized base weights for a GPU are quantized in host memory first: the GPU never holds the whole
         # unquantized model (vidtune/offload.py).
         load_on = loading_device(self.config.memory.base_weights, self.device)
-        self.denoiser = self.spec.load_denoiser(self.device, load_on)
+        if self.strategy is None:
+            self.strategy = choose_strategy(self.config, self.device)
+        self.denoiser = self.strategy.load_denoiser(self.spec, load_on)  # FSDP: perhaps rank 0 only
         if self.config.training.gradient_checkpointing:
             self.denoiser.enable_gradient_checkpointing()
         parameters = self.configure_trainable(self.denoiser)

@@ -30,6 +30,7 @@ from vidtune.data.stream import Batch
 from vidtune.errors import ConfigError
 from vidtune.models.spec import Conditions
 from vidtune.precompute.encode import encode_captions, stack_items
+from vidtune.state import SavedState
 from vidtune.trainers.base import Trainer
 from vidtune.trainers.full import FullTrainer
 from vidtune.trainers.lora import LoRATrainer
@@ -167,6 +168,12 @@ class FullGuidanceDistillationTrainer(GuidanceDistillation, FullTrainer):
         # Copied before the trained weights change (and before they become fp32).
         self.frozen_teacher = copy.deepcopy(denoiser).requires_grad_(False).eval()
         return super().configure_trainable(denoiser)
+
+    def set_up(self, saved: SavedState | None) -> list[nn.Parameter]:
+        parameters = super().set_up(saved)
+        # FSDP shards the teacher like the student (see FullyShardedStrategy.prepare_frozen).
+        self.frozen_teacher = self.strategy.prepare_frozen(self.frozen_teacher)
+        return parameters
 
     @contextlib.contextmanager
     def teacher(self) -> Iterator[nn.Module]:

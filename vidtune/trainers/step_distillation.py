@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vidtune import parallel
 from vidtune.config import Config
 from vidtune.data.buckets import visit_generator
 from vidtune.data.stream import Batch
@@ -125,12 +126,25 @@ class StepDistillationTrainer(LoRATrainer):
         sigmas = self.teacher_sigmas[first]
         if self.config.distillation.window_start == "data":
             return self.objective.noisy(inputs.x0, inputs.noise, sigmas)
+        extra = self.missing_teacher_forwards(sum(first.tolist()))
         starts = []
         for i, index in enumerate(first.tolist()):
             conditions = {key: value[i: i + 1] for key, value in inputs.conditions.items()}
             starts.append(sample_euler(self.spec, self.objective, teacher, conditions, inputs.noise[i: i + 1],
                                        self.teacher_sigmas[: index + 1], self.use_bf16))
+        conditions = {key: value[:1] for key, value in inputs.conditions.items()}
+        for _ in range(extra):  # results dropped: they run while this rank would wait for the others anyway
+            velocity(self.spec, self.objective, teacher, conditions, inputs.noise[:1], self.teacher_sigmas[:1],
+                     self.use_bf16)
         return torch.cat(starts)
+
+    def missing_teacher_forwards(self, count: int) -> int:
+        """Sharded weights (FSDP): each forward gathers every block's weights from all ranks, so each rank must run
+        as many teacher forwards as the rank whose windows start latest. How many this rank, which needs `count`,
+        adds (agreed before any of them runs: the agreement is a collective too)."""
+        if not self.strategy.forwards_gather_weights or not parallel.is_distributed():
+            return 0
+        return max(parallel.gather_objects(count)) - count
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:
         """Sum over the micro-batch of each clip's mean squared error to its window's one-step velocity."""

@@ -85,10 +85,8 @@ def test_a_missing_json_file_is_named(tmp_path):
         deepspeed_config(config, world=1)
 
 
-def test_a_checkpoint_of_another_strategy_or_world_size_is_refused(tmp_path):
+def test_a_checkpoint_of_another_strategy_is_refused(tmp_path):
     with pytest.raises(TrainingError, match=r"has no DeepSpeed state \(zero/\).*What to do: resume it with that"):
-        check_resumable(tmp_path, saved_world=1)
+        check_resumable(tmp_path)
     (tmp_path / "zero").mkdir()
-    with pytest.raises(TrainingError, match=r"written by 4 processes and this run has 1.*What to do: start 4"):
-        check_resumable(tmp_path, saved_world=4)
-    check_resumable(tmp_path, saved_world=1)  # the same number: accepted
+    check_resumable(tmp_path)  # any number of processes: another one re-cuts the shards (test_deepspeed.py)

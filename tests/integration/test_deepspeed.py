@@ -207,6 +207,45 @@ def test_the_deepspeed_launcher_runs_the_vidtune_command(make_config, tmp_path):
     assert state["world_size"] == 1 and state["samples_consumed"] == 2 * 2 + 1
 
 
+@pytest.mark.slow
+def test_control_and_distillation_on_two_ranks_train_what_one_process_trains_with_twice_the_batch(
+        make_config, shapes_dataset, tmp_path):
+    """Control: the widened input layer, trained as part of the full model, sharded by ZeRO-3 with the rest, its
+    control latents fed by a hook on the engine's module. Step distillation: the frozen teacher (the student's
+    base, adapters off) beside the LoRA student, under ZeRO 2 and 3. Two ranks with batch 1 give the losses and
+    weights of one process with batch 2 and no DeepSpeed."""
+    data_root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    settings = {
+        "control": {"training": {"algorithm": "control-full", "steps": 2, "learning_rate": 1e-2},
+                    "data_root": data_root},
+        "distillation": {"training": {"algorithm": "step-distillation", "steps": 2, "learning_rate": 1e-2},
+                         "distillation": {"student_steps": 2, "teacher_steps": 4}},
+    }
+    runs = [(f"{name}-zero{stage}", make_config(
+        output_dir=str(tmp_path / f"{name}-zero{stage}"), parallel={"strategy": "deepspeed", "zero_stage": stage},
+        **settings[name]).to_dict(), {}) for name, stage in (("control", 3), ("distillation", 2), ("distillation", 3))]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    single = {name: build_trainer(make_config(output_dir=str(tmp_path / name), **{
+        **values, "training": {**values["training"], "batch_size": 2}})).run() for name, values in settings.items()}
+
+    files = {"control": (FULL_FILE, "control_input.safetensors"), "distillation": (LORA_FILE,)}
+    for run, _, _ in runs:
+        name = run.split("-")[0]
+        for result in ranks:
+            assert "error" not in result[run], result[run]
+            assert result[run]["losses"] == pytest.approx(single[name].losses, rel=1e-5)
+        for file in files[name]:
+            _assert_close_weights(load_file(tmp_path / run / file), load_file(tmp_path / name / file))
+    # Trained, not just equal: the student's adapter moved, and so did the control weights of the input layer.
+    adapter = load_file(tmp_path / "distillation-zero3" / LORA_FILE)
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)
+    widened = load_file(tmp_path / "control-zero3" / "control_input.safetensors")["weight"]
+    assert widened[:, widened.shape[1] // 2:].abs().max() > 0  # the control inputs' columns, appended at zero
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("stage", "offload"), [(2, "optimizer"), (3, "none"), (3, "all")])

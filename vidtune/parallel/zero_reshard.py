@@ -29,7 +29,8 @@ def to_universal(shards: Path, target: Path) -> None:
 
     arguments = argparse.Namespace(
         input_folder=str(shards), output_folder=str(target),
-        # In this process: worker processes would each import torch and DeepSpeed again for a few files.
+        # In this process: the converter's worker pool would fork a process that may hold a CUDA context, which
+        # CUDA does not support; one process reads the shards and writes each parameter's files in turn.
         num_extract_workers=1, num_merge_workers=1,
         keep_temp_folder=False, strict=True,
         # vidtune's checkpoints carry no "universal checkpoint info" (a Megatron-style client state); the

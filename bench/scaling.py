@@ -1,15 +1,18 @@
 """Samples per second at 1 and 2 processes per strategy, as a ratio to ideal, and the communication of one step.
 
-Each strategy (DDP, FSDP) trains the tiny LTX-Video model (LoRA and full fine-tuning) on CPU with gloo: once in one
-process, once in two processes with the same batch per process. The ratio to ideal is
+Each strategy (DDP, FSDP, DeepSpeed ZeRO 2 and 3) trains the tiny LTX-Video model (LoRA and full fine-tuning) on
+CPU with gloo: once in one process, once in two processes with the same batch per process. The ratio to ideal is
 `samples/s at 2 / (2 x samples/s at 1)` (1.0: perfect scaling). The bytes every collective of one steady-state step
 moves are counted on rank 0 as they are issued through torch.distributed's Python API: FSDP's all-gathers and
-reduce-scatters, the trainer's loss all-reduce, and DDP's gradient buckets (sent through DDP's default
+reduce-scatters, DeepSpeed's (its communication backend calls the same functions: ZeRO's gradient reductions, ZeRO-3's
+weight gathers), the trainer's loss all-reduce, and DDP's gradient buckets (sent through DDP's default
 communication hook, which calls that API, instead of DDP's C++ path).
 A "byte" here is the size of a collective's whole buffer (the gathered output, the reduce-scattered input, the
 all-reduced tensor); a ring algorithm sends (N-1)/N of it per rank.
 
-    python bench/scaling.py [--steps 8] [--algorithms lora full] [--strategies ddp fsdp]
+    python bench/scaling.py [--steps 8] [--algorithms lora full] [--strategies ddp fsdp deepspeed-zero2 deepspeed-zero3]
+
+`deepspeed-zeroN` is parallel.strategy=deepspeed with parallel.zero_stage=N.
 
 On a shared or small CPU the timings are noisy (two processes compete for cores with everything else); the byte
 counts are exact.
@@ -44,7 +47,23 @@ from vidtune.trainers import build_trainer
 # The step whose collectives are counted: past the first (which also checks every parameter gets a gradient).
 COUNTED_STEP = 3
 COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "broadcast", "all_gather", "reduce_scatter")
+               "reduce_scatter_tensor", "broadcast", "all_gather", "reduce_scatter", "reduce",
+               "all_reduce_coalesced")
+# --strategies values -> the `parallel` section they stand for.
+STRATEGIES = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp"},
+    "deepspeed-zero2": {"strategy": "deepspeed", "zero_stage": 2},
+    "deepspeed-zero3": {"strategy": "deepspeed", "zero_stage": 3},
+}
+# ZeRO-3 keeps a parameter of fewer than `stage3_param_persistence_threshold` elements (1e5 by default) whole on
+# every rank, and keeps gathered weights alive between forward and backward up to `stage3_max_live_parameters` (1e9
+# elements). Every weight of the tiny model is under the first and the whole model under the second; a 13-14 B
+# model is far over both, so most of its weights are gathered in the forward, released, and gathered again in the
+# backward. The bench sets both (and the reuse and prefetch settings) to 0, a DeepSpeed JSON override, so that the
+# tiny model's bytes are those of that regime.
+ZERO3_PARTITION_ALL = {"zero_optimization": {"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 0,
+                                             "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}
 
 
 class Traffic:
@@ -65,14 +84,15 @@ def _buffer_of(kind: str, args: tuple, kwargs: dict) -> torch.Tensor | None:
         return args[0] if args else kwargs.get("output_tensor", kwargs.get("output"))
     if kind in ("reduce_scatter_tensor", "reduce_scatter_single"):  # (output, input): the whole input
         return args[1] if len(args) > 1 else kwargs.get("input")
-    if kind in ("all_gather", "reduce_scatter"):
+    if kind in ("all_gather", "reduce_scatter", "all_reduce_coalesced"):
         tensors = args[0] if args else []
         return torch.cat([t.flatten() for t in tensors]) if tensors else None
     return args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("tensor")
 
 
 def count_collectives(traffic: Traffic) -> None:
-    """Wrap torch.distributed's collectives (FSDP2 calls them through the module) to count their bytes."""
+    """Wrap torch.distributed's collectives (FSDP2 calls them through the module; DeepSpeed's backend keeps the
+    functions it finds when it starts, which is after this) to count their bytes."""
     for kind in COLLECTIVES:
         original = getattr(dist, kind, None)
         if original is None:  # a name this torch does not have
@@ -128,9 +148,14 @@ def run_rank(rank: int, world: int, config: dict, port: int, out: str) -> None:
         rows = [json.loads(line) for line in (Path(config["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
         seconds = statistics.median(row["seconds_per_step"] for row in rows[2:])  # past the warm-up steps
         parameters = list(trainer.denoiser.parameters())
-        sizes = {"weights": sum(p.numel() * p.element_size() for p in parameters),
-                 "trainable": sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)}
+        sizes = {"weights": sum(_numel(p) * p.element_size() for p in parameters),
+                 "trainable": sum(_numel(p) * p.element_size() for p in parameters if p.requires_grad)}
         Path(out).write_text(json.dumps({"seconds_per_step": seconds, "bytes": dict(traffic.bytes), **sizes}))
+
+
+def _numel(parameter: torch.nn.Parameter) -> int:
+    """The whole parameter's size (ZeRO-3 leaves an empty placeholder where its shard was gathered from)."""
+    return int(getattr(parameter, "ds_numel", parameter.numel()))
 
 
 def measure(config: dict, world: int, folder: Path) -> dict:
@@ -146,7 +171,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--algorithms", nargs="+", default=["lora", "full"])
-    parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"], help="values of parallel.strategy")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES),
+                        help="parallel.strategy, deepspeed-zeroN: deepspeed with parallel.zero_stage=N")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="vidtune-scaling-"))
     model = write_tiny_model("ltx-video", root / "model")
@@ -158,6 +184,11 @@ def main() -> None:
     for algorithm in args.algorithms:
         for strategy in args.strategies:
             rates, traffic, sizes = {}, {}, {}
+            settings = dict(STRATEGIES[strategy])
+            if settings.get("zero_stage") == 3:
+                override = root / "zero3.json"
+                override.write_text(json.dumps(ZERO3_PARTITION_ALL))
+                settings["deepspeed_config"] = str(override)
             for world in (1, 2):
                 run = root / f"{algorithm}-{strategy}-{world}"
                 config = {
@@ -168,7 +199,7 @@ def main() -> None:
                                  "precision": "fp32", "device": "cpu", "learning_rate": 1e-4},
                     "precompute": {"enabled": True, "cache_dir": str(root / "cache"), "batch_size": 1},
                     "checkpoint": {"every": 0}, "validation": {"enabled": False}, "logging": {"progress": False},
-                    "parallel": {"strategy": strategy}, "output_dir": str(run),
+                    "parallel": settings, "output_dir": str(run),
                 }
                 run.mkdir()
                 result = measure(config, world, run)

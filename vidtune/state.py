@@ -66,7 +66,7 @@ def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tu
     if (folder / checkpoints.ZERO_SHARDS).is_dir() and config.parallel.strategy != "deepspeed":
         raise CheckpointError(f"The checkpoint {folder} was written with parallel.strategy=deepspeed, whose "
                               "optimizer state only DeepSpeed reads. What to do: resume it with "
-                              "parallel.strategy=deepspeed on as many processes as wrote it, or start a new run "
+                              "parallel.strategy=deepspeed (on any number of processes), or start a new run "
                               f"from its weights (`vidtune export {folder} --output FOLDER`).")
     if state.get("algorithm", algorithm) != algorithm:
         raise ConfigError(f"Cannot resume from {folder}: it was written by training.algorithm="

@@ -2,7 +2,9 @@
 
 Two ranks with batch 1 under ZeRO 2 and 3 must train what one process trains with batch 2 (LoRA and full
 fine-tuning: the same logged losses and gradient norms, the weights within float32 rounding), and a run stopped
-after a DeepSpeed checkpoint and resumed on two ranks must end bit for bit where the uninterrupted one does.
+after a DeepSpeed checkpoint and resumed on two ranks must end bit for bit where the uninterrupted one does. A
+checkpoint resumed on another number of processes (2 -> 1, 1 -> 2) continues at its data position and ends where
+the run on one number of processes ends, within float32 rounding.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def _assert_close_weights(trained: dict[str, torch.Tensor], expected: dict[str, 
 
 
 @pytest.mark.slow
-def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_config, tmp_path):
+def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_config, tmp_path,
+                                                                                       capsys):
     def config(name: str, stage: int, **sections) -> dict:
         sections["training"] = {"steps": STEPS, "learning_rate": 1e-2, **sections.get("training", {})}
         sections["parallel"] = {"strategy": "deepspeed", "zero_stage": stage}
@@ -70,9 +73,12 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
     full = {"training": {"algorithm": "full", "steps": 2}}
     # LoRA dropout draws from each rank's global RNG: a bitwise resume needs every rank's RNG state back.
     four = {"training": {"steps": 4}, "lora": {"dropout": 0.1}}
+    # One process with batch 2 under ZeRO-2 writes the checkpoint of step 2 that two ranks then continue (1 -> 2).
+    build_trainer(build_config(config("grown", 2, training={"steps": 2, "batch_size": 2}, checkpoint=every))).run()
     runs = [
         ("zero2", config("zero2", 2, checkpoint=every, validation=samples), {}),
-        ("zero3", config("zero3", 3, validation=samples), {}),
+        ("zero3", config("zero3", 3, checkpoint=every, validation=samples), {}),
+        ("grown", config("grown", 2, checkpoint={**every, "resume": "latest"}), {}),
         ("zero2-full", config("zero2-full", 2, **full), {}),
         ("zero3-full", config("zero3-full", 3, **full), {}),
         ("reference", config("reference", 3, checkpoint=every, **four), {}),
@@ -143,6 +149,30 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
     assert all(torch.equal(resumed[key], reference[key]) for key in reference)
     assert [row["loss"] for row in _metrics(stopped_dir)] == [row["loss"] for row in _metrics(tmp_path / "reference")]
 
+    # Another number of processes: the shards are re-cut through DeepSpeed's universal checkpoint. The two-rank
+    # checkpoints of step 2 (ZeRO 2 and 3), continued by one process with batch 2 (the same samples per step),
+    # announce the change and end where the two-rank runs ended; the staging folder of the conversion is gone.
+    for stage in (2, 3):
+        capsys.readouterr()
+        out_dir = tmp_path / f"zero{stage}-on-one"
+        resumed = build_trainer(make_config(
+            training={"steps": STEPS, "batch_size": 2, "learning_rate": 1e-2},
+            parallel={"strategy": "deepspeed", "zero_stage": stage}, output_dir=str(out_dir),
+            checkpoint={"resume": str(tmp_path / f"zero{stage}" / "checkpoints" / "step-00000002")})).run()
+        said = capsys.readouterr().out
+        assert "The number of processes changed since that checkpoint: 2 -> 1" in said
+        assert "re-cutting the checkpoint's ZeRO shards for 1 process" in said
+        assert resumed.first_step == 2 and resumed.losses == pytest.approx(single.losses[2:], rel=1e-5)
+        _assert_close_weights(load_file(out_dir / LORA_FILE), load_file(tmp_path / f"zero{stage}" / LORA_FILE))
+        assert [p.name for p in (out_dir / "checkpoints").iterdir()] == ["step-00000003"]
+    # The one-process checkpoint continued by two ranks (1 -> 2): each reads its share of the next samples, and
+    # the run ends where one process with batch 2 ends.
+    for rank, result in enumerate(ranks):
+        assert result["grown"]["positions"] == [4 + rank]
+        assert result["grown"]["losses"] == pytest.approx(single.losses[2:], rel=1e-5)
+    assert [row["loss"] for row in _metrics(tmp_path / "grown")] == pytest.approx(single.losses, rel=1e-5)
+    _assert_close_weights(load_file(tmp_path / "grown" / LORA_FILE), load_file(tmp_path / "single" / LORA_FILE))
+
 
 @pytest.mark.slow
 def test_the_deepspeed_launcher_runs_the_vidtune_command(make_config, tmp_path):
@@ -166,10 +196,54 @@ def test_the_deepspeed_launcher_runs_the_vidtune_command(make_config, tmp_path):
         build_trainer(build_config({**config.to_dict(), "parallel": {"strategy": "ddp"},
                                     "checkpoint": {"resume": "latest"}})).run()
 
+    # The same command in one process continues the two processes' checkpoint (ZeRO-1 with the optimizer state in
+    # CPU memory, re-cut for one rank), saying so.
     more = [sys.executable, "-m", "vidtune", "train", str(path), "training.steps=3", "checkpoint.resume=latest"]
     result = subprocess.run(more, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 2
-    assert "was written by 2 processes and this run has 1" in result.stderr and "What to do:" in result.stderr
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "The number of processes changed since that checkpoint: 2 -> 1" in result.stdout
+    assert [row["step"] for row in _metrics(tmp_path / "run")] == [1, 2, 3]
+    _, state = checkpoint.load(tmp_path / "run" / "checkpoints" / "step-00000003")
+    assert state["world_size"] == 1 and state["samples_consumed"] == 2 * 2 + 1
+
+
+@pytest.mark.slow
+def test_control_and_distillation_on_two_ranks_train_what_one_process_trains_with_twice_the_batch(
+        make_config, shapes_dataset, tmp_path):
+    """Control: the widened input layer, trained as part of the full model, sharded by ZeRO-3 with the rest, its
+    control latents fed by a hook on the engine's module. Step distillation: the frozen teacher (the student's
+    base, adapters off) beside the LoRA student, under ZeRO 2 and 3. Two ranks with batch 1 give the losses and
+    weights of one process with batch 2 and no DeepSpeed."""
+    data_root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    settings = {
+        "control": {"training": {"algorithm": "control-full", "steps": 2, "learning_rate": 1e-2},
+                    "data_root": data_root},
+        "distillation": {"training": {"algorithm": "step-distillation", "steps": 2, "learning_rate": 1e-2},
+                         "distillation": {"student_steps": 2, "teacher_steps": 4}},
+    }
+    runs = [(f"{name}-zero{stage}", make_config(
+        output_dir=str(tmp_path / f"{name}-zero{stage}"), parallel={"strategy": "deepspeed", "zero_stage": stage},
+        **settings[name]).to_dict(), {}) for name, stage in (("control", 3), ("distillation", 2), ("distillation", 3))]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    single = {name: build_trainer(make_config(output_dir=str(tmp_path / name), **{
+        **values, "training": {**values["training"], "batch_size": 2}})).run() for name, values in settings.items()}
+
+    files = {"control": (FULL_FILE, "control_input.safetensors"), "distillation": (LORA_FILE,)}
+    for run, _, _ in runs:
+        name = run.split("-")[0]
+        for result in ranks:
+            assert "error" not in result[run], result[run]
+            assert result[run]["losses"] == pytest.approx(single[name].losses, rel=1e-5)
+        for file in files[name]:
+            _assert_close_weights(load_file(tmp_path / run / file), load_file(tmp_path / name / file))
+    # Trained, not just equal: the student's adapter moved, and so did the control weights of the input layer.
+    adapter = load_file(tmp_path / "distillation-zero3" / LORA_FILE)
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)
+    widened = load_file(tmp_path / "control-zero3" / "control_input.safetensors")["weight"]
+    assert widened[:, widened.shape[1] // 2:].abs().max() > 0  # the control inputs' columns, appended at zero
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ import pytest
 from vidtune.config import build_config
 from vidtune.errors import ConfigError, TrainingError
 from vidtune.parallel.deepspeed import check_resumable, deepspeed_config
+from vidtune.parallel.zero_reshard import to_universal
 
 
 def _config(tmp_path: Path, override: dict | str | None = None, **sections) -> object:
@@ -85,10 +86,17 @@ def test_a_missing_json_file_is_named(tmp_path):
         deepspeed_config(config, world=1)
 
 
-def test_a_checkpoint_of_another_strategy_or_world_size_is_refused(tmp_path):
+def test_a_checkpoint_of_another_strategy_is_refused(tmp_path):
     with pytest.raises(TrainingError, match=r"has no DeepSpeed state \(zero/\).*What to do: resume it with that"):
-        check_resumable(tmp_path, saved_world=1)
+        check_resumable(tmp_path)
     (tmp_path / "zero").mkdir()
-    with pytest.raises(TrainingError, match=r"written by 4 processes and this run has 1.*What to do: start 4"):
-        check_resumable(tmp_path, saved_world=4)
-    check_resumable(tmp_path, saved_world=1)  # the same number: accepted
+    check_resumable(tmp_path)  # any number of processes: another one re-cuts the shards (test_deepspeed.py)
+
+
+def test_shards_that_cannot_be_converted_for_another_number_of_processes_are_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    (tmp_path / "state").mkdir()
+    message = r"(?s)Could not convert the DeepSpeed checkpoint .*state for another number of processes: " \
+              r"FileNotFoundError.*What to do: resume it on as many"
+    with pytest.raises(TrainingError, match=message):
+        to_universal(tmp_path / "state", tmp_path / "universal")

@@ -12,7 +12,9 @@ norm that is not finite makes DeepSpeed discard the step, which is how vidtune s
 Checkpoints: every rank writes its shards with DeepSpeed's own `save_checkpoint` into a staging folder, which rank 0
 then moves into vidtune's checkpoint folder (`zero/`) before that is renamed into place, beside the gathered
 trainable weights (so `vidtune export` reads a DeepSpeed checkpoint like any other) and the rest of the training
-state. Resuming loads the shards with `load_checkpoint`, on the same number of processes.
+state. Resuming loads the shards with `load_checkpoint`. On the same number of processes that is exact; on another
+number (`vidtune.parallel.zero_reshard`), the shards are first converted into DeepSpeed's universal checkpoint (one
+file per parameter and optimizer state, whole), from which every rank cuts its new shard.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from vidtune import parallel
 from vidtune.checkpoint import ZERO_SHARDS
 from vidtune.config import Config
 from vidtune.errors import ConfigError, TrainingError
+from vidtune.outputs import checkpoints_root
 from vidtune.parallel.strategy import Strategy
 
 # The tag DeepSpeed's files are saved under inside the checkpoint's `zero/` (checkpoint.ZERO_SHARDS).
@@ -188,20 +191,15 @@ def check_deepspeed(config: Config, device_type: str, resuming_from: Any = None)
     import_deepspeed(device_type)
     deepspeed_config(config, parallel.world_size())
     if resuming_from is not None:
-        check_resumable(resuming_from.folder, int(resuming_from.state.get("world_size", 1)))
+        check_resumable(resuming_from.folder)
 
 
-def check_resumable(folder: Path, saved_world: int) -> None:
-    """A DeepSpeed checkpoint, written by as many processes as this run has."""
+def check_resumable(folder: Path) -> None:
+    """A DeepSpeed checkpoint (on any number of processes: see `load_engine_state`)."""
     if not (folder / ZERO_SHARDS).is_dir():
         raise TrainingError(f"The checkpoint {folder} has no DeepSpeed state ({ZERO_SHARDS}/): it was written by "
                             "another parallel.strategy. What to do: resume it with that strategy, or start from its "
                             f"weights in a new run (`vidtune export {folder} --output FOLDER`).")
-    if saved_world != parallel.world_size():
-        raise TrainingError(f"The checkpoint {folder} was written by {saved_world} processes and this run has "
-                            f"{parallel.world_size()}; a DeepSpeed checkpoint resumes on the same number. What to do: "
-                            f"start {saved_world} processes, or start from its weights in a new run "
-                            f"(`vidtune export {folder} --output FOLDER`).")
 
 
 class EngineCall:
@@ -347,11 +345,17 @@ class DeepSpeedStrategy(Strategy):
         return staging
 
     def load_engine_state(self, folder: Path, saved_world: int) -> None:
-        """The weights and optimizer state of the checkpoint `folder`, every rank reading its own shards."""
-        check_resumable(folder, saved_world)
+        """The weights and optimizer state of the checkpoint `folder`: every rank reads its own shards, or, when the
+        checkpoint was written by another number of processes, cuts them from its universal form."""
+        check_resumable(folder)
         shards = folder / ZERO_SHARDS
-        loaded, _ = self.engine.load_checkpoint(str(shards), tag=ZERO_TAG, load_module_strict=False,
-                                                load_optimizer_states=True, load_lr_scheduler_states=False)
+        if saved_world == parallel.world_size():
+            loaded, _ = self.engine.load_checkpoint(str(shards), tag=ZERO_TAG, load_module_strict=False,
+                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
+        else:
+            from vidtune.parallel.zero_reshard import load_resharded
+
+            loaded = load_resharded(self.engine, shards / ZERO_TAG, checkpoints_root(Path(self.config.output_dir)))
         if loaded is None:
             raise TrainingError(f"DeepSpeed could not load the checkpoint {shards}. What to do: check that the "
                                 "folder is complete, or resume from an earlier checkpoint.")

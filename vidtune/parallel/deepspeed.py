@@ -231,6 +231,8 @@ class DeepSpeedStrategy(Strategy):
         super().__init__(config, device)
         self.deepspeed = import_deepspeed(device.type)
         self.zero_stage = config.parallel.zero_stage
+        # ZeRO-3 partitions the weights: every forward gathers them from all ranks, as FSDP's do.
+        self.forwards_gather_weights = self.zero_stage == 3
         self.engine: Any = None
         self.optimizer: Any = None  # DeepSpeed's ZeRO optimizer around vidtune's
         self.trainable: list[nn.Parameter] = []

@@ -139,9 +139,9 @@ class StepDistillationTrainer(LoRATrainer):
         return torch.cat(starts)
 
     def missing_teacher_forwards(self, count: int) -> int:
-        """Sharded weights (FSDP): each forward gathers every block's weights from all ranks, so each rank must run
-        as many teacher forwards as the rank whose windows start latest. How many this rank, which needs `count`,
-        adds (agreed before any of them runs: the agreement is a collective too)."""
+        """Sharded weights (FSDP, ZeRO-3): each forward gathers every block's weights from all ranks, so each rank
+        must run as many teacher forwards as the rank whose windows start latest. How many this rank, which needs
+        `count`, adds (agreed before any of them runs: the agreement is a collective too)."""
         if not self.strategy.forwards_gather_weights or not parallel.is_distributed():
             return 0
         return max(parallel.gather_objects(count)) - count

@@ -18,7 +18,7 @@ from tests.trainers.test_sample_sound import assert_sound_track, read_sound, rec
 from vidtune.config import ModelConfig
 from vidtune.errors import ModelError
 from vidtune.models.ltx_2 import TEXT_ENCODERS, VOCODERS, LTX2Spec
-from vidtune.models.tiny.ltx_2 import write_tiny_ltx_2
+from vidtune.models.tiny.ltx_2 import build_tiny_gemma4, write_tiny_ltx_2
 from vidtune.outputs import LORA_WEIGHTS
 from vidtune.trainers import build_trainer
 
@@ -101,3 +101,23 @@ def test_the_class_comes_from_model_index_or_a_given_subfolders_own_config(tiny_
     shutil.copytree(bwe_folder, bare, ignore=shutil.ignore_patterns("model_index.json", "*.safetensors"))
     assert _spec(bare).component_class("vocoder", VOCODERS) is LTX2VocoderWithBWE
     assert _spec(bare).component_class("text_encoder", TEXT_ENCODERS) is Gemma3ForConditionalGeneration
+
+
+def test_a_gemma_4_text_encoder_loads_and_encodes_as_the_pipeline_does(tiny_model_dir, tmp_path):
+    tiny = tiny_model_dir("ltx-2")
+    folder = renamed_component(tiny, tmp_path / "gemma4", "text_encoder", "Gemma4UnifiedForConditionalGeneration")
+    (folder / "text_encoder").unlink()
+    build_tiny_gemma4().save_pretrained(folder / "text_encoder")
+    spec = _spec(folder)
+    spec.check_source()
+    text = spec.load_text_components(CPU)
+    assert type(text["text_encoder"]) is Gemma4UnifiedForConditionalGeneration
+    conditions = spec.prepare_conditions(text, ["a red circle"])
+
+    pipeline = spec.pipeline(text, spec.load_vae(CPU), spec.load_denoiser(CPU))
+    embeds, mask, _, _ = pipeline.encode_prompt("a red circle", do_classifier_free_guidance=False,
+                                                max_sequence_length=spec.max_sequence_length, device=CPU)
+    video, audio, connector_mask = pipeline.connectors(embeds, mask, padding_side="left")
+    torch.testing.assert_close(conditions["prompt_embeds"], video)
+    torch.testing.assert_close(conditions["audio_prompt_embeds"], audio)
+    assert torch.equal(conditions["prompt_attention_mask"], connector_mask)

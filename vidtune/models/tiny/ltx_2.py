@@ -35,6 +35,20 @@ def build_tiny_gemma3(seed: int = 0) -> torch.nn.Module:
                                                        mm_tokens_per_image=4)).eval()
 
 
+def build_tiny_gemma4(seed: int = 0) -> torch.nn.Module:
+    """Gemma 4 (text only), the other text encoder LTX2Pipeline takes, of the tiny Gemma 3's hidden size and depth
+    (so the tiny connectors fit either)."""
+    from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
+    from transformers.models.gemma4_unified.configuration_gemma4_unified import Gemma4UnifiedTextConfig
+
+    text = Gemma4UnifiedTextConfig(vocab_size=TINY_VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                   max_position_embeddings=1024, layer_types=["sliding_attention", "full_attention"],
+                                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(seed)
+    return Gemma4UnifiedForConditionalGeneration(Gemma4UnifiedConfig(text_config=text)).eval()
+
+
 def calm_ltx2_vae_posterior(vae: torch.nn.Module, log_variance: float = -12.0) -> None:
     """A narrow posterior like a trained VAE's: the LTX-2 encoder's last output channel is the shared log-variance."""
     conv = vae.encoder.conv_out.conv

@@ -371,13 +371,12 @@ class ModelSpec(ABC):
         several classes for one component). model_index.json's entry names it, as the pipeline reads it; a component
         given by `model.subfolders` (or missing from model_index.json) names it in its own config.json; the first
         choice where neither names one. Any other class is refused before anything loads."""
-        found, where = None, ""
-        entry = None if self.config.subfolders.get(component) else self.model_index.get(component)
-        if isinstance(entry, (list, tuple)) and entry and entry[-1]:
-            found, where = str(entry[-1]), self._describe_model_index()
-        elif (found := self._class_in_config(component, choices[0])) is not None:
-            where = self.describe_file(component, "config.json")
         by_name = {cls.__name__: cls for cls in choices}
+        entry = None if self.config.subfolders.get(component) else self.model_index.get(component)
+        if isinstance(entry, (list, tuple)) and entry and entry[-1]:  # ["diffusers", "LTX2Vocoder"]
+            found, where = str(entry[-1]), self._describe_model_index()
+        else:
+            found, where = self._class_in_config(component, choices[0]), self.describe_file(component, "config.json")
         if found is None:
             return choices[0]
         if found not in by_name:

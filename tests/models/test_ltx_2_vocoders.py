@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from safetensors.torch import load_file
 from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
 
 from tests.trainers.test_sample_sound import assert_sound_track, read_sound, record_samples
+from vidtune.cli import main as cli_main
 from vidtune.config import ModelConfig
 from vidtune.errors import ModelError
 from vidtune.models.ltx_2 import TEXT_ENCODERS, VOCODERS, LTX2Spec
@@ -84,6 +86,19 @@ def test_a_vocoder_class_ltx_2_pipeline_does_not_accept_is_refused_before_loadin
     message = str(raised.value)
     assert f"model.pretrained: {(folder / 'model_index.json').resolve()} names LTX3Vocoder for the vocoder" in message
     assert "LTX2Vocoder or LTX2VocoderWithBWE" in message and "\nWhat to do: " in message
+
+
+def test_vidtune_train_with_an_unknown_vocoder_class_exits_2_before_loading(make_config, tiny_model_dir, tmp_path,
+                                                                           capsys):
+    folder = renamed_component(tiny_model_dir("ltx-2"), tmp_path / "model", "vocoder", "LTX3Vocoder")
+    config = make_config("ltx-2", model={"pretrained": str(folder)})
+    path = tmp_path / "my.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    assert cli_main(["train", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert f"error: model.pretrained: {(folder / 'model_index.json').resolve()} names LTX3Vocoder" in error
+    assert "What to do:" in error and "Traceback" not in error
+    assert not (Path(config.output_dir) / LORA_WEIGHTS).exists()
 
 
 def test_the_class_comes_from_model_index_or_a_given_subfolders_own_config(tiny_model_dir, bwe_folder, tmp_path):

@@ -63,7 +63,7 @@ def test_the_bwe_vocoder_loads_with_its_own_class_and_weights(bwe_folder):
         assert torch.equal(loaded[name], tensor), name
 
 
-def test_ltx_2_with_a_bwe_vocoder_trains_lora_and_samples_its_48_khz_sound(make_config, bwe_folder):
+def test_ltx_2_with_a_bwe_vocoder_trains_lora_and_samples_its_48_khz_sound(make_config, bwe_folder, tmp_path):
     config = make_config("ltx-2", model={"pretrained": str(bwe_folder)}, training={"steps": 2},
                          validation={"enabled": True, "num_inference_steps": 1, "prompts": ["a tone"]})
     trainer = build_trainer(config)
@@ -77,6 +77,11 @@ def test_ltx_2_with_a_bwe_vocoder_trains_lora_and_samples_its_48_khz_sound(make_
     # Compared below 4 kHz: AAC (at the encoder's default bit rate) keeps that band of a random model's noise-like
     # sound, not the higher ones.
     assert_sound_track(videos[0], validated[0], config.data.frames, config.frame_rate, highest_hz=4000)
+    # `vidtune sample` loads the run's base model the same way: its mp4 has the 48 kHz track too.
+    out = tmp_path / "sample.mp4"
+    assert cli_main(["sample", config.output_dir, "--prompt", "a tone", "--steps", "1", "--output", str(out),
+                     "--device", "cpu"]) == 0
+    assert read_sound(out)[1] == 48000
 
 
 def test_a_vocoder_class_ltx_2_pipeline_does_not_accept_is_refused_before_loading(tiny_model_dir, tmp_path):

@@ -40,9 +40,9 @@ from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import (
     LATENT_DOWNSAMPLE_FACTOR as AUDIO_LATENT_DOWNSAMPLING,
 )
 from diffusers.pipelines.ltx2 import LTX2TextConnectors
-from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from torch import nn
-from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
+from transformers import AutoTokenizer, Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
 
 from vidtune.data.audio import AudioBatch, AudioFormat, log_mel_spectrogram
 from vidtune.errors import ModelError
@@ -81,6 +81,10 @@ AUDIO_PRESENT = "audio_present"
 N_FFT = 1024
 MEL_FLOOR = 1e-5
 SILENT_LOG_MEL = math.log(MEL_FLOOR)
+# The classes LTX2Pipeline accepts, and loads as model_index.json names them: LTX-2's vocoder (24 kHz) or the vocoder
+# with bandwidth extension of LTX-2.3 (48 kHz); Gemma 3, or Gemma 4 (its text encoding is the same).
+VOCODERS = (LTX2Vocoder, LTX2VocoderWithBWE)
+TEXT_ENCODERS = (Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration)
 
 
 class LTX2Autoencoders(VAEWithExtras):
@@ -156,6 +160,12 @@ class LTX2Spec(ModelSpec):
     def required_components(self) -> tuple[str, ...]:
         return (*super().required_components(), "connectors", "audio_vae", "vocoder")
 
+    def check_source(self) -> None:
+        """Also: the text encoder and vocoder are of classes LTX2Pipeline accepts (before anything loads)."""
+        super().check_source()
+        self.component_class("text_encoder", TEXT_ENCODERS)
+        self.component_class("vocoder", VOCODERS)
+
     # ----- shape rules, read from the configs -------------------------------------------------------------------
     @functools.cached_property
     def compression(self) -> tuple[int, int, int, int]:
@@ -189,7 +199,8 @@ class LTX2Spec(ModelSpec):
         video and audio text embeddings (frozen: LoRA and full fine-tuning train the transformer)."""
         tokenizer = self.load_component(AutoTokenizer, "tokenizer")
         dtype = self.component_dtype("text_encoder", device)
-        text_encoder = self.load_component(Gemma3ForConditionalGeneration, "text_encoder", torch_dtype=dtype)
+        text_encoder_class = self.component_class("text_encoder", TEXT_ENCODERS)
+        text_encoder = self.load_component(text_encoder_class, "text_encoder", torch_dtype=dtype)
         connectors = self.load_component(LTX2TextConnectors, "connectors", torch_dtype=dtype)
         for module in (text_encoder, connectors):
             module.requires_grad_(False).eval().to(device)
@@ -199,7 +210,7 @@ class LTX2Spec(ModelSpec):
         vae = super().load_vae(device)
         dtype = self.component_dtype("vae", device)
         audio_vae = self.load_component(AutoencoderKLLTX2Audio, "audio_vae", torch_dtype=dtype)
-        vocoder = self.load_component(LTX2Vocoder, "vocoder", torch_dtype=dtype)
+        vocoder = self.load_component(self.component_class("vocoder", VOCODERS), "vocoder", torch_dtype=dtype)
         return LTX2Autoencoders(vae, audio_vae.requires_grad_(False).eval().to(device),
                                 vocoder.requires_grad_(False).eval().to(device))
 
@@ -418,8 +429,9 @@ class LTX2Spec(ModelSpec):
                         reference: torch.Tensor | None = None, callback: StepCallback | None = None
                         ) -> GeneratedSample:
         """The video and its sound: LTX2Pipeline decodes the audio latents with the audio VAE and the vocoder, which
-        gives the waveform [channels, samples] at its `output_sampling_rate` (clamped to [-1, 1], the range a sound
-        track holds: a vocoder configured without its final tanh can leave it)."""
+        gives the waveform [channels, samples] at its `output_sampling_rate` (LTX2Vocoder's one rate; the
+        bandwidth-extended rate of LTX2VocoderWithBWE, whose `input_sampling_rate` is its first stage's), clamped to
+        [-1, 1], the range a sound track holds: a vocoder configured without its final tanh can leave it."""
         output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
                                     generator, "pt", reference, callback)
         return GeneratedSample(output.frames[0].float() * 2.0 - 1.0, output.audio[0].float().clamp(-1.0, 1.0),

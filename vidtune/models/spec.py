@@ -354,6 +354,63 @@ class ModelSpec(ABC):
             f"{cls.__name__}{hint}. Check model.name and model.pretrained."
         )
 
+    @functools.cached_property
+    def model_index(self) -> dict[str, Any]:
+        """model.pretrained's model_index.json: the class of each component, as the pipeline reads it (empty for a
+        local folder without one: its components' own configs then say)."""
+        source = self.config.pretrained
+        if looks_local(source) and not (Path(source).expanduser() / "model_index.json").is_file():
+            return {}
+        try:
+            return dict(self.pipeline_class.load_config(source, revision=self.config.revision))
+        except (OSError, ValueError) as error:
+            raise self._load_problem("model_index.json", source, None, error) from None
+
+    def component_class(self, component: str, choices: tuple[type, ...]) -> type:
+        """Which of `choices` loads `component`: the class its checkpoint names (a family whose pipeline accepts
+        several classes for one component). model_index.json's entry names it, as the pipeline reads it; a component
+        given by `model.subfolders` (or missing from model_index.json) names it in its own config.json; the first
+        choice where neither names one. Any other class is refused before anything loads."""
+        by_name = {cls.__name__: cls for cls in choices}
+        entry = None if self.config.subfolders.get(component) else self.model_index.get(component)
+        if isinstance(entry, (list, tuple)) and entry and entry[-1]:  # ["diffusers", "LTX2Vocoder"]
+            found, where = str(entry[-1]), self._describe_model_index()
+        else:
+            found, where = self._class_in_config(component, choices[0]), self.describe_file(component, "config.json")
+        if found is None:
+            return choices[0]
+        if found not in by_name:
+            raise ModelError(
+                f"{where} names {found} for the {component}, but {self.name} loads its {component} as "
+                f"{' or '.join(by_name)}.\nWhat to do: point model.pretrained (or model.subfolders.{component}) at "
+                f"a {self.name} checkpoint in the diffusers layout whose {component} is one of these classes, or "
+                "update vidtune and diffusers if a newer release of the model brought a new class."
+            )
+        return by_name[found]
+
+    def _describe_model_index(self) -> str:
+        source = self.config.pretrained
+        local = Path(source).expanduser()
+        if local.is_dir():
+            return f"model.pretrained: {(local / 'model_index.json').resolve()}"
+        return f"model.pretrained: model_index.json of {source}"
+
+    def _class_in_config(self, component: str, cls: type) -> str | None:
+        """The class a component's config.json names (diffusers' `_class_name`, transformers' `architectures`)."""
+        from diffusers.configuration_utils import ConfigMixin
+        from transformers import PretrainedConfig
+
+        source, subfolder = self.component_source(component)
+        try:
+            if issubclass(cls, ConfigMixin):
+                return cls.load_config(source, subfolder=subfolder, revision=self.config.revision).get("_class_name")
+            config, _ = PretrainedConfig.get_config_dict(source, subfolder=subfolder or "",
+                                                         revision=self.config.revision)
+        except (OSError, ValueError) as error:
+            raise self._load_problem(f"{component} config", source, subfolder, error) from None
+        architectures = config.get("architectures") or [None]
+        return architectures[0]
+
     def component_dtype(self, component: str, device: torch.device) -> torch.dtype:
         override = {
             "text_encoder": self.config.text_encoder_dtype,

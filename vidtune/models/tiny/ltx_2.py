@@ -35,6 +35,20 @@ def build_tiny_gemma3(seed: int = 0) -> torch.nn.Module:
                                                        mm_tokens_per_image=4)).eval()
 
 
+def build_tiny_gemma4(seed: int = 0) -> torch.nn.Module:
+    """Gemma 4 (text only), the other text encoder LTX2Pipeline takes, of the tiny Gemma 3's hidden size and depth
+    (so the tiny connectors fit either)."""
+    from transformers import Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration
+    from transformers.models.gemma4_unified.configuration_gemma4_unified import Gemma4UnifiedTextConfig
+
+    text = Gemma4UnifiedTextConfig(vocab_size=TINY_VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                   max_position_embeddings=1024, layer_types=["sliding_attention", "full_attention"],
+                                   pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(seed)
+    return Gemma4UnifiedForConditionalGeneration(Gemma4UnifiedConfig(text_config=text)).eval()
+
+
 def calm_ltx2_vae_posterior(vae: torch.nn.Module, log_variance: float = -12.0) -> None:
     """A narrow posterior like a trained VAE's: the LTX-2 encoder's last output channel is the shared log-variance."""
     conv = vae.encoder.conv_out.conv
@@ -43,8 +57,40 @@ def calm_ltx2_vae_posterior(vae: torch.nn.Module, log_variance: float = -12.0) -
         conv.bias[-1] = log_variance
 
 
-def write_tiny_ltx_2(folder: str | Path, *, latent_channels: int = 8, seed: int = 0) -> Path:
-    """Write a tiny LTX-2 model folder (diffusers layout) and return it. VAE: spatial and temporal ratio 4."""
+def build_tiny_bwe_vocoder(in_channels: int, seed: int = 0) -> torch.nn.Module:
+    """LTX-2.3's vocoder with bandwidth extension at toy sizes: a first stage rendering one mel frame (a hop of 160
+    samples at 16 kHz) into 160 samples at 16 kHz, then a causal log-mel of that (hop 80) from which the extension
+    renders the 48 kHz residual, 240 samples a frame, as the published one does."""
+    from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
+    torch.manual_seed(seed)
+    vocoder = LTX2VocoderWithBWE(
+        in_channels=in_channels, hidden_channels=16, out_channels=2, upsample_kernel_sizes=[16, 40],
+        upsample_factors=[8, 20], resnet_kernel_sizes=[3], resnet_dilations=[[1]],
+        bwe_in_channels=2 * 8, bwe_hidden_channels=16, bwe_out_channels=2, bwe_upsample_kernel_sizes=[24, 40],
+        bwe_upsample_factors=[12, 20], bwe_resnet_kernel_sizes=[3], bwe_resnet_dilations=[[1]],
+        filter_length=128, hop_length=80, window_length=128, num_mel_channels=8,
+        input_sampling_rate=16000, output_sampling_rate=48000,
+    )
+    # The STFT and mel bases are checkpoint buffers (zeros until loaded): a Hann-windowed DFT and a random
+    # non-negative filterbank, so that the extension hears the first stage's sound.
+    stft, mel_basis = vocoder.mel_stft.stft_fn, vocoder.mel_stft.mel_basis
+    length = stft.forward_basis.shape[-1]
+    frequencies = torch.arange(length // 2 + 1, dtype=torch.float64)[:, None]
+    angles = 2 * torch.pi * frequencies * torch.arange(length, dtype=torch.float64) / length
+    window = torch.hann_window(length, periodic=True, dtype=torch.float64)
+    basis = torch.cat([torch.cos(angles), -torch.sin(angles)]) * window
+    with torch.no_grad():
+        stft.forward_basis.copy_(basis[:, None].float())
+        stft.inverse_basis.copy_(basis[:, None].float())
+        mel_basis.copy_(torch.rand(mel_basis.shape) / length)
+    return vocoder.eval()
+
+
+def write_tiny_ltx_2(folder: str | Path, *, latent_channels: int = 8, seed: int = 0,
+                     bandwidth_extension: bool = False) -> Path:
+    """Write a tiny LTX-2 model folder (diffusers layout) and return it. VAE: spatial and temporal ratio 4.
+    `bandwidth_extension`: its vocoder is LTX2VocoderWithBWE (48 kHz, as LTX-2.3's), else LTX2Vocoder (16 kHz)."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
@@ -100,8 +146,9 @@ def write_tiny_ltx_2(folder: str | Path, *, latent_channels: int = 8, seed: int 
     torch.manual_seed(seed)
     # One mel frame (a hop of 160 samples at 16 kHz) becomes 160 samples at 16 kHz, so the sound it renders lasts as
     # long as the clip, as the published vocoder's 240 samples at 24 kHz do.
-    vocoder = LTX2Vocoder(
-        in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins, hidden_channels=32, out_channels=2,
+    mel_channels = audio_vae.config.output_channels * audio_vae.config.mel_bins
+    vocoder = build_tiny_bwe_vocoder(mel_channels, seed) if bandwidth_extension else LTX2Vocoder(
+        in_channels=mel_channels, hidden_channels=32, out_channels=2,
         upsample_kernel_sizes=[16, 40], upsample_factors=[8, 20], resnet_kernel_sizes=[3],
         resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1, output_sampling_rate=16000,
     )

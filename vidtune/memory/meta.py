@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import BatchFeature
 
 from vidtune.errors import ModelError
 from vidtune.models.spec import ModelSpec
@@ -55,8 +56,11 @@ class ShapeImageProcessor:
         self.size = size
         self.where = where
 
-    def __call__(self, images: list[Any], **_: Any) -> types.SimpleNamespace:
-        return types.SimpleNamespace(pixel_values=torch.zeros(len(images), 3, self.size, self.size, device=self.where))
+    def __call__(self, images: list[Any] | Any, **_: Any) -> BatchFeature:
+        count = len(images) if isinstance(images, (list, tuple)) else 1
+        return BatchFeature({"pixel_values": torch.zeros(count, 3, self.size, self.size, device=self.where)})
+
+    preprocess = __call__  # what HunyuanVideo 1.5's image-to-video pipeline calls
 
 
 def _component_folder(spec: ModelSpec, component: str) -> Path:

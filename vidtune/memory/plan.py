@@ -32,6 +32,7 @@ from vidtune.memory import _frozen_linears
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention
+from vidtune.memory.values import KnownValues, UnknownValue
 
 GIB = 1024**3
 # Tensors smaller than this keep fp32 optimizer state in the low-bit optimizers (bitsandbytes and torchao alike),
@@ -233,11 +234,17 @@ def trace_step(config: Config, conditions: dict, latent_shape: tuple[int, ...], 
     live.known([*denoiser.parameters(), *denoiser.buffers(), *_leaves(conditions)])
     denoiser.train()
     batch = config.training.batch_size
+    values = KnownValues()
     with fused_attention(device.type), autocast_on_meta(), live, \
-            _offloading_saved_tensors(live, config.memory.activation_offload):
+            _offloading_saved_tensors(live, config.memory.activation_offload), values:
         noisy = torch.zeros((batch, *latent_shape[1:]), dtype=denoiser.dtype, device=META)
         timesteps = torch.full((batch,), 500.0, device=META)
         batch_conditions = {key: _batched(value, batch) for key, value in conditions.items()}
+        # What branches may read, as the measurement feeds it: masks of ones (every token real, the longest
+        # caption), encoder outputs that are not all zeros (HunyuanVideo 1.5 tells image-to-video by that).
+        for value in batch_conditions.values():
+            if isinstance(value, torch.Tensor):
+                values.mark(value, 1)
         prediction = spec.forward(denoiser, batch_conditions, noisy, timesteps)
         loss = (prediction.float() - noisy.float()).pow(2).flatten(1).mean(dim=1).sum()
         loss.backward()
@@ -323,7 +330,7 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
                                         skip_modules_pattern=_skip_patterns(encoder))
         live = LiveMemory()
         live.known([t for encoder in encoders for t in (*encoder.parameters(), *encoder.buffers())])
-        with fused_attention(device.type), live:
+        with fused_attention(device.type), live, KnownValues():
             conditions = spec.prepare_conditions(text, ["a"] * config.precompute.batch_size)
         text_weights = _module_bytes(encoders, option)
         text_bytes = text_weights + live.peak
@@ -339,7 +346,7 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
     # The clips are real (zeros) host tensors, as decoded clips are: image-to-video families read the first frame's
     # pixels (an image processor, a seed from its content). Only the device's copy of them is counted.
     videos = torch.zeros(batch, frames, 3, height, width)
-    with fused_attention(device.type), live:
+    with fused_attention(device.type), live, KnownValues():
         latents = spec.prepare_latents(vae, videos)
         latents = {key: value[:1] for key, value in latents.items()}
     vae_weights = _module_bytes(vae_modules)
@@ -355,17 +362,17 @@ def resolve_architecture(config: Config) -> tuple[Config, str]:
     return config.model_copy(update={"model": model}), label
 
 
-# Families whose caption or image encoding the meta-device trace cannot run yet (their pipelines' own encode
-# functions read token values and image pixels, which meta tensors do not have).
-NOT_PLANNED = ("hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "ltx-2")
-
-
 def plan_memory(config: Config, world_size: int = 1) -> MemoryPlan:
     """The predicted peak memory of one training device for `config` (see the module's docstring)."""
-    if config.model.name in NOT_PLANNED:
-        raise ModelError(f"vidtune plan cannot plan {config.model.name} yet: its text or image encoders read values "
-                         "that the planner's shape-only trace does not have.\nWhat to do: measure instead: a short "
-                         "`vidtune train` with training.steps=2 and `nvidia-smi` beside it.")
+    try:
+        return _plan(config, world_size)
+    except UnknownValue as error:
+        raise ModelError(f"vidtune plan cannot plan {config.model.name} with these settings: {error}.\nWhat to do: "
+                         "measure instead: a short `vidtune train` with training.steps=2 and `nvidia-smi` beside it."
+                         ) from error
+
+
+def _plan(config: Config, world_size: int) -> MemoryPlan:
     config, label = resolve_architecture(config)
     device = _planned_device(config)
     options = config.memory

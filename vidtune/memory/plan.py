@@ -33,6 +33,7 @@ from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention
 from vidtune.memory.values import KnownValues, UnknownValue
+from vidtune.models.experts import TwoExperts
 
 GIB = 1024**3
 # Tensors smaller than this keep fp32 optimizer state in the low-bit optimizers (bitsandbytes and torchao alike),
@@ -150,6 +151,11 @@ def weight_bytes(denoiser: nn.Module, base_weights: str, blocks_to_swap: int) ->
     return sum(sizes.values())
 
 
+def _frozen_bytes(module: nn.Module, base_weights: str) -> int:
+    trained = sum(p.untyped_storage().nbytes() for p in module.parameters() if p.requires_grad)
+    return weight_bytes(module, base_weights, 0) - trained
+
+
 def transformer_blocks(denoiser: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks (the items of every `...blocks` ModuleList), in the order they run."""
     return [(f"{name}.{index}", block) for name, child in denoiser.named_children()
@@ -223,6 +229,8 @@ def trace_step(config: Config, conditions: dict, latent_shape: tuple[int, ...], 
     spec = trainer.spec
     with components_on_meta(spec, device):
         denoiser = spec.load_denoiser(META)
+    if isinstance(denoiser, TwoExperts):  # its expert offloading moves weights to the host: accounted instead
+        denoiser.offload = False
     if config.training.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
     parameters = trainer.configure_trainable(denoiser)
@@ -263,8 +271,13 @@ def account_step(trace: StepTrace, config: Config, device: torch.device) -> dict
     # Traced gradients were the bf16 copies' where training keeps fp32 ones: the difference is added.
     step_peak = max(trace.live_peak + gradients - trace.traced_grad_bytes,
                     gradients + optimizer_step_temporaries(parameters, options.name, device))
+    weights = weight_bytes(trace.denoiser, config.memory.base_weights, config.memory.blocks_to_swap)
+    if isinstance(trace.denoiser, TwoExperts) and device.type == "cuda" and config.training.batch_size == 1:
+        # Wan 2.2 A14B on a GPU: a batch of one clip runs one expert; the idle one's frozen weights wait in host
+        # memory (a larger batch may hold clips of both experts, and keeps both on the device).
+        weights -= min(_frozen_bytes(expert, config.memory.base_weights) for expert in trace.denoiser.experts())
     return {
-        "weights": weight_bytes(trace.denoiser, config.memory.base_weights, config.memory.blocks_to_swap),
+        "weights": weights,
         "gradients": gradients,
         "optimizer state": optimizer_state_bytes(parameters, options.name,
                                                  options.cpu_offload and device.type == "cuda"),

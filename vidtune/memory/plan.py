@@ -194,6 +194,10 @@ def optimizer_step_temporaries(parameters: list[nn.Parameter], name: str, device
     largest = max(p.numel() * p.element_size() for p in parameters)
     if name in ("adamw", "prodigy") and device.type == "cuda":
         return sum(p.numel() * p.element_size() for p in parameters)
+    if name in ("adamw8bit", "paged_adamw8bit") and device.type != "cuda":
+        # bitsandbytes' CPU kernel (backends/cpu/ops.py) dequantizes both moments to fp32 beside an fp32 copy of the
+        # gradient, and its update makes two more: five fp32 copies of a tensor at a time (CUDA's kernel is fused).
+        return 5 * max(p.numel() * 4 for p in parameters)
     return 2 * largest
 
 

@@ -103,6 +103,7 @@ DENOISER_PARAMETERS = {
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": 5e9,
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": 14e9,  # each of the two experts
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers": 14e9,
+    "Lightricks/LTX-2": 19e9,  # the video and audio streams together
 }
 
 

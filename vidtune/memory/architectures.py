@@ -20,6 +20,8 @@ from vidtune.errors import ConfigError
 from vidtune.models.hub import looks_local
 
 ARCHITECTURES_FILE = Path(__file__).with_name("architectures.json")
+# Components whose settings file is not config.json.
+CONFIG_FILES = {"scheduler": "scheduler_config.json", "tokenizer": "tokenizer_config.json"}
 
 
 @functools.cache
@@ -35,7 +37,7 @@ def _written(hub_id: str) -> Path:
     entry = shipped_architectures()[hub_id]
     for component, config in entry["components"].items():
         (folder / component).mkdir()
-        name = "scheduler_config.json" if component == "scheduler" else "config.json"
+        name = CONFIG_FILES.get(component, "config.json")
         (folder / component / name).write_text(json.dumps(_with_defaults(config)))
     if "model_index" in entry:  # pipeline settings some specs read (Wan 2.2's experts and timestep layout)
         (folder / "model_index.json").write_text(json.dumps(entry["model_index"]))

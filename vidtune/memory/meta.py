@@ -92,7 +92,7 @@ def components_on_meta(spec: ModelSpec, device: torch.device, where: torch.devic
     def load_component(self: ModelSpec, cls: Any, component: str, **kwargs: Any) -> Any:
         folder = _component_folder(self, component)
         if "Tokenizer" in cls.__name__:
-            return ShapeTokenizer()
+            return ShapeTokenizer(_tokenizer_max_length(folder))
         if "ImageProcessor" in cls.__name__:
             return ShapeImageProcessor(_image_size(self), where)
         dtype = kwargs.get("torch_dtype")
@@ -147,6 +147,16 @@ def autocast_on_meta() -> Iterator[None]:
             yield
         finally:
             torch.autocast = original
+
+
+def _tokenizer_max_length(folder: Path) -> int:
+    """The tokenizer's `model_max_length` from its tokenizer_config.json (what some specs cap captions at), else 77."""
+    import json
+
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        return int(json.loads(config_file.read_text()).get("model_max_length", 77))
+    return 77
 
 
 def _image_size(spec: ModelSpec) -> int:

@@ -163,6 +163,11 @@ def test_plan_works_offline_for_every_hub_id_of_the_readme_table(hub_id):
     assert plan.peak >= plan.training_peak > plan.training["weights"]
 
 
+def test_the_readme_table_names_the_newest_models():
+    assert {"Wan-AI/Wan2.2-T2V-A14B-Diffusers", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
+            "Lightricks/LTX-Video-0.9.7-dev"} <= set(_fit_table_hub_ids())
+
+
 @pytest.mark.slow
 def test_plan_works_offline_for_a_shipped_hub_id():
     config = build_config({"model": {"name": "wan", "pretrained": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"},

@@ -266,7 +266,8 @@ def test_two_ranks_with_an_fp8_base_train_what_one_process_trains_with_twice_the
     usual. The fp8 weights are the same on both ranks and in the single process (rounded from the same file), so
     only the batch's arithmetic differs."""
     settings = {"training": {"steps": 2, "learning_rate": 1e-2}, "memory": {"base_weights": "fp8"}}
-    _two_ranks_against_one_process(make_config, tmp_path, settings, atol=3e-4)
+    # Measured: the adapters differ by at most 1.5e-5 (the helper's bound: rtol 1e-3, atol 1e-4).
+    _two_ranks_against_one_process(make_config, tmp_path, settings)
 
 
 @pytest.mark.gpu

@@ -11,12 +11,14 @@ import argparse
 import time
 
 from vidtune.config import build_config
-from vidtune.memory.architectures import shipped_architectures
+from vidtune.memory.architectures import families
 from vidtune.memory.plan import GIB, plan_memory
 from vidtune.memory.suggest import suggest
 
-MODELS = ["Lightricks/LTX-Video", "THUDM/CogVideoX-5b", "hunyuanvideo-community/HunyuanVideo",
-          "genmo/mochi-1-preview", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers"]
+MODELS = ["Lightricks/LTX-Video", "Lightricks/LTX-Video-0.9.7-dev", "THUDM/CogVideoX-5b", "THUDM/CogVideoX1.5-5B",
+          "hunyuanvideo-community/HunyuanVideo", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
+          "genmo/mochi-1-preview", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+          "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Lightricks/LTX-2"]
 SHORT = {"training.gradient_checkpointing=true": "checkpointing", "precompute.enabled=true": "",
          "memory.vae_tiling=true": "", "optimizer.name=adamw8bit": "adamw8bit",
          "optimizer.cpu_offload=true": "optimizer offload", "memory.activation_offload=true": "activation offload"}
@@ -54,7 +56,7 @@ def main() -> None:
     for hub_id in args.models:
         started = time.perf_counter()
         config = build_config({
-            "model": {"name": shipped_architectures()[hub_id]["family"], "pretrained": hub_id},
+            "model": {"name": families(hub_id)[0], "pretrained": hub_id},
             "data": {"root": ".", "frames": args.frames, "height": args.height, "width": args.width},
             "lora": {"rank": args.rank, "alpha": args.rank}, "precompute": {"enabled": True}})
         plain = plan_memory(config)

@@ -292,3 +292,26 @@ def test_two_ranks_train_two_experts_like_one_process_with_twice_the_batch(make_
     _two_ranks_against_one_process(make_config, tmp_path, settings, files=(LORA_FILE, LORA_FILE_2))
     # Seed 8's noise levels: one step split between the experts, one all high-noise, one all low-noise.
     assert routed == [(True, False), (True, True), (False, False)], routed
+
+
+@pytest.mark.slow
+def test_two_ranks_with_an_fp8_base_train_what_one_process_trains_with_twice_the_batch(make_config, tmp_path):
+    """memory.base_weights=fp8 under DDP: each rank stores the frozen weights in float8 (layerwise casting, set up
+    after the weights load and before DDP wraps the denoiser) and computes in fp32; the adapter is averaged as
+    usual. The fp8 weights are the same on both ranks and in the single process (rounded from the same file), so
+    only the batch's arithmetic differs."""
+    settings = {"training": {"steps": 2, "learning_rate": 1e-2}, "memory": {"base_weights": "fp8"}}
+    # Measured: the adapters differ by at most 1.5e-5 (the helper's bound: rtol 1e-3, atol 1e-4).
+    _two_ranks_against_one_process(make_config, tmp_path, settings)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_two_gpus_with_an_nf4_base_train_what_one_gpu_trains_with_twice_the_batch(make_config, tmp_path):
+    """memory.base_weights=nf4 (bitsandbytes 4-bit, QLoRA) under DDP with NCCL, one GPU a rank: the quantized frozen
+    weights are each rank's own, the fp32 adapter is averaged. The 4-bit kernels round a batch of two otherwise
+    than two of one; the tolerance is a bound chosen above int8's CPU measurement, not a measured CUDA figure."""
+    settings = {"training": {"steps": 2, "learning_rate": 1e-2, "device": "cuda"},
+                "memory": {"base_weights": "nf4"}}
+    _two_ranks_against_one_process(make_config, tmp_path, settings, atol=1e-3)

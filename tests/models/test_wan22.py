@@ -3,6 +3,7 @@ by the boundary, an adapter per expert, each loaded into its pipeline transforme
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 from pathlib import Path
@@ -259,6 +260,21 @@ def test_two_expert_students_distil_their_own_expert_and_load_into_the_pipeline(
             untrained = base.expert(name)(**inputs)[0]
         torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
         assert not torch.allclose(loaded, untrained), f"{name}: the student is the base expert"
+
+
+def test_an_fp8_base_stores_both_experts_in_fp8_and_trains(make_config, two_expert_dir):
+    """memory.base_weights=fp8 on the two-expert model: each expert's frozen layers are stored in float8 (layerwise
+    casting per expert: the pair itself is no diffusers model), and a LoRA trains on both."""
+    config = two_expert_config(make_config, memory={"base_weights": "fp8"},
+                               training={"steps": 2, "learning_rate": 5e-2, "batch_size": 2,
+                                         "sigma_sampling": "uniform"})(two_expert_dir)
+    trainer = build_trainer(config)
+    result = trainer.run()
+    assert len(result.losses) == 2 and all(math.isfinite(loss) for loss in result.losses)
+    for expert in trainer.denoiser.experts():
+        stored = {module.base_layer.weight.dtype for name, module in expert.named_modules()
+                  if name.endswith("attn1.to_q")}
+        assert stored == {torch.float8_e4m3fn}
 
 
 def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_noise_range(make_config,

@@ -40,6 +40,12 @@ def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = ())
     precision-sensitive layers are skipped by diffusers' default patterns. The compute dtype is the one the
     denoiser was loaded in (bf16 on GPU, fp32 on CPU by default).
     """
+    experts = getattr(denoiser, "experts", None)
+    if callable(experts):  # Wan 2.2 A14B's two experts (vidtune.models.experts): each casts its own layers
+        for name, expert in zip(("transformer", "transformer_2"), experts(), strict=True):
+            store_frozen_weights_in_fp8(expert, tuple(k.removeprefix(f"{name}.") for k in keep
+                                                      if k.startswith(f"{name}.")))
+        return
     compute_dtype = denoiser.dtype
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 

@@ -2,7 +2,10 @@
 each released model's transformer, VAE and text / image encoders, in `architectures.json`, by hub id.
 
 Only what differs from the diffusers / transformers class defaults is written there (with `_class_name`), so a
-component is built exactly as `from_config` builds it from the released file. A local model folder is read as it is.
+component is built exactly as `from_config` builds it from the released file; `model_index` holds the pipeline
+settings a spec reads. Each entry's `sources` says where its values come from (diffusers' conversion scripts, the
+class defaults, the published model configs) and `inferred` lists any value that had to be inferred. A local model
+folder is read as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from vidtune.errors import ConfigError
 from vidtune.models.hub import looks_local
 
 ARCHITECTURES_FILE = Path(__file__).with_name("architectures.json")
+# Components whose settings file is not config.json.
+CONFIG_FILES = {"scheduler": "scheduler_config.json", "tokenizer": "tokenizer_config.json"}
 
 
 @functools.cache
@@ -29,10 +34,20 @@ def _written(hub_id: str) -> Path:
     """The shipped architecture of `hub_id` as a model folder (one `<component>/config.json` each), written once
     per process into a temporary folder."""
     folder = Path(tempfile.mkdtemp(prefix="vidtune-architecture-"))
-    for component, config in shipped_architectures()[hub_id]["components"].items():
+    entry = shipped_architectures()[hub_id]
+    for component, config in entry["components"].items():
         (folder / component).mkdir()
-        (folder / component / "config.json").write_text(json.dumps(_with_defaults(config)))
+        name = CONFIG_FILES.get(component, "config.json")
+        (folder / component / name).write_text(json.dumps(_with_defaults(config)))
+    if "model_index" in entry:  # pipeline settings some specs read (Wan 2.2's experts and timestep layout)
+        (folder / "model_index.json").write_text(json.dumps(entry["model_index"]))
     return folder
+
+
+def families(hub_id: str) -> list[str]:
+    """The `model.name`s a shipped hub id serves (an image-to-video family often shares its text-to-video id)."""
+    family = shipped_architectures()[hub_id]["family"]
+    return [family] if isinstance(family, str) else list(family)
 
 
 def _with_defaults(config: dict) -> dict:
@@ -68,9 +83,10 @@ def architecture_folder(pretrained: str, family: str) -> tuple[Path, str]:
             f"What to do: use one it knows ({', '.join(known)}), or download the model (its config.json files are "
             "enough: `huggingface-cli download ID --include '*.json'`) and set model.pretrained to that folder."
         )
-    if known[pretrained]["family"] != family:
+    if family not in families(pretrained):
+        names = " or ".join(families(pretrained))
         raise ConfigError(
-            f"model.pretrained: {pretrained} is a {known[pretrained]['family']} model, but model.name is {family}.\n"
-            f"What to do: set model.name={known[pretrained]['family']}."
+            f"model.pretrained: {pretrained} is a {names} model, but model.name is {family}.\n"
+            f"What to do: set model.name={families(pretrained)[0]}."
         )
     return _written(pretrained), pretrained

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import BatchFeature
 
 from vidtune.errors import ModelError
 from vidtune.models.spec import ModelSpec
@@ -55,8 +56,11 @@ class ShapeImageProcessor:
         self.size = size
         self.where = where
 
-    def __call__(self, images: list[Any], **_: Any) -> types.SimpleNamespace:
-        return types.SimpleNamespace(pixel_values=torch.zeros(len(images), 3, self.size, self.size, device=self.where))
+    def __call__(self, images: list[Any] | Any, **_: Any) -> BatchFeature:
+        count = len(images) if isinstance(images, (list, tuple)) else 1
+        return BatchFeature({"pixel_values": torch.zeros(count, 3, self.size, self.size, device=self.where)})
+
+    preprocess = __call__  # what HunyuanVideo 1.5's image-to-video pipeline calls
 
 
 def _component_folder(spec: ModelSpec, component: str) -> Path:
@@ -88,7 +92,7 @@ def components_on_meta(spec: ModelSpec, device: torch.device, where: torch.devic
     def load_component(self: ModelSpec, cls: Any, component: str, **kwargs: Any) -> Any:
         folder = _component_folder(self, component)
         if "Tokenizer" in cls.__name__:
-            return ShapeTokenizer()
+            return ShapeTokenizer(_tokenizer_max_length(folder))
         if "ImageProcessor" in cls.__name__:
             return ShapeImageProcessor(_image_size(self), where)
         dtype = kwargs.get("torch_dtype")
@@ -143,6 +147,16 @@ def autocast_on_meta() -> Iterator[None]:
             yield
         finally:
             torch.autocast = original
+
+
+def _tokenizer_max_length(folder: Path) -> int:
+    """The tokenizer's `model_max_length` from its tokenizer_config.json (what some specs cap captions at), else 77."""
+    import json
+
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        return int(json.loads(config_file.read_text()).get("model_max_length", 77))
+    return 77
 
 
 def _image_size(spec: ModelSpec) -> int:

@@ -32,6 +32,8 @@ from vidtune.memory import _frozen_linears
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention
+from vidtune.memory.values import KnownValues, UnknownValue
+from vidtune.models.experts import TwoExperts
 
 GIB = 1024**3
 # Tensors smaller than this keep fp32 optimizer state in the low-bit optimizers (bitsandbytes and torchao alike),
@@ -149,6 +151,11 @@ def weight_bytes(denoiser: nn.Module, base_weights: str, blocks_to_swap: int) ->
     return sum(sizes.values())
 
 
+def _frozen_bytes(module: nn.Module, base_weights: str) -> int:
+    trained = sum(p.untyped_storage().nbytes() for p in module.parameters() if p.requires_grad)
+    return weight_bytes(module, base_weights, 0) - trained
+
+
 def transformer_blocks(denoiser: nn.Module) -> list[tuple[str, nn.Module]]:
     """The repeated blocks (the items of every `...blocks` ModuleList), in the order they run."""
     return [(f"{name}.{index}", block) for name, child in denoiser.named_children()
@@ -187,6 +194,10 @@ def optimizer_step_temporaries(parameters: list[nn.Parameter], name: str, device
     largest = max(p.numel() * p.element_size() for p in parameters)
     if name in ("adamw", "prodigy") and device.type == "cuda":
         return sum(p.numel() * p.element_size() for p in parameters)
+    if name in ("adamw8bit", "paged_adamw8bit") and device.type != "cuda":
+        # bitsandbytes' CPU kernel (backends/cpu/ops.py) dequantizes both moments to fp32 beside an fp32 copy of the
+        # gradient, and its update makes two more: five fp32 copies of a tensor at a time (CUDA's kernel is fused).
+        return 5 * max(p.numel() * 4 for p in parameters)
     return 2 * largest
 
 
@@ -222,6 +233,8 @@ def trace_step(config: Config, conditions: dict, latent_shape: tuple[int, ...], 
     spec = trainer.spec
     with components_on_meta(spec, device):
         denoiser = spec.load_denoiser(META)
+    if isinstance(denoiser, TwoExperts):  # its expert offloading moves weights to the host: accounted instead
+        denoiser.offload = False
     if config.training.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
     parameters = trainer.configure_trainable(denoiser)
@@ -233,11 +246,17 @@ def trace_step(config: Config, conditions: dict, latent_shape: tuple[int, ...], 
     live.known([*denoiser.parameters(), *denoiser.buffers(), *_leaves(conditions)])
     denoiser.train()
     batch = config.training.batch_size
+    values = KnownValues()
     with fused_attention(device.type), autocast_on_meta(), live, \
-            _offloading_saved_tensors(live, config.memory.activation_offload):
+            _offloading_saved_tensors(live, config.memory.activation_offload), values:
         noisy = torch.zeros((batch, *latent_shape[1:]), dtype=denoiser.dtype, device=META)
         timesteps = torch.full((batch,), 500.0, device=META)
         batch_conditions = {key: _batched(value, batch) for key, value in conditions.items()}
+        # What branches may read, as the measurement feeds it: masks of ones (every token real, the longest
+        # caption), encoder outputs that are not all zeros (HunyuanVideo 1.5 tells image-to-video by that).
+        for value in batch_conditions.values():
+            if isinstance(value, torch.Tensor):
+                values.mark(value, 1)
         prediction = spec.forward(denoiser, batch_conditions, noisy, timesteps)
         loss = (prediction.float() - noisy.float()).pow(2).flatten(1).mean(dim=1).sum()
         loss.backward()
@@ -256,8 +275,13 @@ def account_step(trace: StepTrace, config: Config, device: torch.device) -> dict
     # Traced gradients were the bf16 copies' where training keeps fp32 ones: the difference is added.
     step_peak = max(trace.live_peak + gradients - trace.traced_grad_bytes,
                     gradients + optimizer_step_temporaries(parameters, options.name, device))
+    weights = weight_bytes(trace.denoiser, config.memory.base_weights, config.memory.blocks_to_swap)
+    if isinstance(trace.denoiser, TwoExperts) and device.type == "cuda" and config.training.batch_size == 1:
+        # Wan 2.2 A14B on a GPU: a batch of one clip runs one expert; the idle one's frozen weights wait in host
+        # memory (a larger batch may hold clips of both experts, and keeps both on the device).
+        weights -= min(_frozen_bytes(expert, config.memory.base_weights) for expert in trace.denoiser.experts())
     return {
-        "weights": weight_bytes(trace.denoiser, config.memory.base_weights, config.memory.blocks_to_swap),
+        "weights": weights,
         "gradients": gradients,
         "optimizer state": optimizer_state_bytes(parameters, options.name,
                                                  options.cpu_offload and device.type == "cuda"),
@@ -323,7 +347,7 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
                                         skip_modules_pattern=_skip_patterns(encoder))
         live = LiveMemory()
         live.known([t for encoder in encoders for t in (*encoder.parameters(), *encoder.buffers())])
-        with fused_attention(device.type), live:
+        with fused_attention(device.type), live, KnownValues():
             conditions = spec.prepare_conditions(text, ["a"] * config.precompute.batch_size)
         text_weights = _module_bytes(encoders, option)
         text_bytes = text_weights + live.peak
@@ -339,7 +363,7 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
     # The clips are real (zeros) host tensors, as decoded clips are: image-to-video families read the first frame's
     # pixels (an image processor, a seed from its content). Only the device's copy of them is counted.
     videos = torch.zeros(batch, frames, 3, height, width)
-    with fused_attention(device.type), live:
+    with fused_attention(device.type), live, KnownValues():
         latents = spec.prepare_latents(vae, videos)
         latents = {key: value[:1] for key, value in latents.items()}
     vae_weights = _module_bytes(vae_modules)
@@ -355,17 +379,17 @@ def resolve_architecture(config: Config) -> tuple[Config, str]:
     return config.model_copy(update={"model": model}), label
 
 
-# Families whose caption or image encoding the meta-device trace cannot run yet (their pipelines' own encode
-# functions read token values and image pixels, which meta tensors do not have).
-NOT_PLANNED = ("hunyuan-video-1.5", "hunyuan-video-1.5-i2v", "ltx-2")
-
-
 def plan_memory(config: Config, world_size: int = 1) -> MemoryPlan:
     """The predicted peak memory of one training device for `config` (see the module's docstring)."""
-    if config.model.name in NOT_PLANNED:
-        raise ModelError(f"vidtune plan cannot plan {config.model.name} yet: its text or image encoders read values "
-                         "that the planner's shape-only trace does not have.\nWhat to do: measure instead: a short "
-                         "`vidtune train` with training.steps=2 and `nvidia-smi` beside it.")
+    try:
+        return _plan(config, world_size)
+    except UnknownValue as error:
+        raise ModelError(f"vidtune plan cannot plan {config.model.name} with these settings: {error}.\nWhat to do: "
+                         "measure instead: a short `vidtune train` with training.steps=2 and `nvidia-smi` beside it."
+                         ) from error
+
+
+def _plan(config: Config, world_size: int) -> MemoryPlan:
     config, label = resolve_architecture(config)
     device = _planned_device(config)
     options = config.memory

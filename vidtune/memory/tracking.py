@@ -103,9 +103,10 @@ def fused_attention(device_type: str) -> Iterator[None]:
                   enable_gqa: bool = False) -> torch.Tensor:
         if enable_gqa:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch converts it for the fused kernels
-            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                attn_mask.logical_not(), float("-inf"))
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # as torch converts it for the fused kernels:
+            # one `where` over two scalars (no temporary the size of the mask)
+            attn_mask = torch.where(attn_mask, torch.zeros((), dtype=query.dtype, device=query.device),
+                                    torch.full((), float("-inf"), dtype=query.dtype, device=query.device))
         if device_type != "cuda":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]

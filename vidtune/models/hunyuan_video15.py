@@ -76,6 +76,8 @@ def trim_padding(embeds: torch.Tensor, mask: torch.Tensor, suffix: str) -> Condi
     """Text tokens cut after the batch's last unmasked one (at least one kept). Masked tokens take no part in the
     transformer (its attention masks them and its refiner pools over the mask), so the prediction is the same; the
     pipelines pad to 1000 Qwen and 256 ByT5 tokens, and training pays for the tokens a caption has only."""
+    if mask.is_meta:  # `vidtune plan` traces without values: every token counts (the longest caption)
+        return {f"prompt_embeds{suffix}": embeds, f"prompt_embeds_mask{suffix}": mask}
     valid = mask.bool().any(dim=0).nonzero()
     length = int(valid.max()) + 1 if len(valid) else 1
     return {f"prompt_embeds{suffix}": embeds[:, :length], f"prompt_embeds_mask{suffix}": mask[:, :length]}

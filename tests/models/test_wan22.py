@@ -126,10 +126,6 @@ def test_one_expert_trains_only_on_its_side_of_the_boundary(two_expert_dir, expe
 
 
 def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_dir, tmp_path, monkeypatch):
-    config = two_expert_config(make_config, training={"algorithm": "control-lora"})(two_expert_dir)
-    with pytest.raises(ConfigError, match=r"(?s)training.algorithm=control-lora: .*What to do: set "
-                                          r"training.algorithm=lora"):
-        build_trainer(config).run()
     config = two_expert_config(make_config, model={"experts": "low_noise"},
                                training={"algorithm": "step-distillation"})(two_expert_dir)
     with pytest.raises(ConfigError, match=r"(?s)model.experts=low_noise with training.algorithm=step-distillation: "

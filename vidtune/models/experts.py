@@ -14,18 +14,32 @@ A micro-batch whose samples fall on both sides of the boundary runs both experts
 the device until its backward is done; one clip per micro-batch (the usual for 14B experts) never
 needs that. On a CPU both simply stay where they are.
 
+A control run (vidtune/control.py) passes the batch's control latents as a keyword argument: a tensor with a batch
+dimension, so a split batch hands each expert its own samples' rows, like every other per-sample input.
+
 Under torchrun each rank routes its own samples, so one rank may run an expert the other ranks do not:
 `leaves_parameters_unused` tells DDP to find the parameters a rank left out (vidtune/parallel/ddp.py).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
 
 EXPERT_NAMES = ("transformer", "transformer_2")  # high-noise, low-noise: the pipeline's component names
+
+
+def expert_file(file_name: str, expert: str) -> str:
+    """The file of `expert` for a run's file `file_name`: the high-noise expert's is `file_name` itself, the
+    low-noise one's takes `_transformer_2` before the suffix (`pytorch_lora_weights_transformer_2.safetensors`, the
+    name diffusers' Wan 2.2 examples load; `control_input_transformer_2.safetensors` likewise)."""
+    if expert == EXPERT_NAMES[0]:
+        return file_name
+    stem, suffix = os.path.splitext(file_name)
+    return f"{stem}_{expert}{suffix}"
 
 
 def _move_frozen(module: nn.Module, device: torch.device) -> None:

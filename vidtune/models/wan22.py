@@ -37,7 +37,7 @@ from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.defaults import FamilyDefaults
-from vidtune.models.experts import EXPERT_NAMES, TwoExperts
+from vidtune.models.experts import EXPERT_NAMES, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
 from vidtune.models.wan import WanImageToVideoSpec, WanSpec, frames_to_pil
 from vidtune.objectives import Objective
@@ -48,14 +48,15 @@ NUM_TRAIN_TIMESTEPS = 1000  # Wan's schedulers; the pipelines' boundary is bound
 EXPERTS = {"both": EXPERT_NAMES, "high_noise": ("transformer",), "low_noise": ("transformer_2",)}
 # The algorithms that train and save two experts: a LoRA per expert, both experts in full, and the distillations,
 # whose teacher is the frozen `TwoExperts` (each expert teaching its own student at its own noise levels).
-TWO_EXPERT_ALGORITHMS = ("lora", "full", "guidance-distillation", "step-distillation")
+# Control: each expert's input layer is widened and trained (vidtune/control.py, `ExpertsControlInput`).
+TWO_EXPERT_ALGORITHMS = ("lora", "full", "guidance-distillation", "step-distillation", "control-lora",
+                         "control-full")
 
 
 def second_expert_file(weight_name: str) -> str:
     """The low-noise expert's adapter file beside `weight_name`: `pytorch_lora_weights.safetensors` ->
     `pytorch_lora_weights_transformer_2.safetensors` (the name diffusers' Wan 2.2 examples load)."""
-    stem, suffix = os.path.splitext(weight_name)
-    return f"{stem}_transformer_2{suffix}"
+    return expert_file(weight_name, "transformer_2")
 
 
 @dataclass
@@ -147,12 +148,17 @@ class Wan22Spec(WanSpec):
             return
         algorithm = config.training.algorithm
         if algorithm not in TWO_EXPERT_ALGORITHMS:
-            # Control: each expert would need its own widened input layer, and diffusers' Wan 2.2 pipelines take
-            # no control input to sample them with (docs/wan22.md).
             raise ConfigError(
                 f"training.algorithm={algorithm}: {self.name} two-expert models ({self.config.pretrained}) are "
                 f"trained with {', '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
                 "What to do: set training.algorithm=lora (model.experts picks the experts) or full (both experts)."
+            )
+        if algorithm.startswith("control-") and len(self.trained_experts) == 1:
+            # The pipeline runs both experts on every control sample: an expert left as loaded would ignore it.
+            raise ConfigError(
+                f"model.experts={self.config.experts} with training.algorithm={algorithm}: the pipeline samples "
+                "with both experts, and each takes the control clip through its own widened input layer, so both "
+                "train.\nWhat to do: remove model.experts (both)."
             )
         if algorithm == "step-distillation" and len(self.trained_experts) == 1:
             # The student's K sampling steps cross the boundary: every window needs a trained student.

@@ -191,21 +191,27 @@ class ControlInput:
         layer.load_state_dict({key: value.to(layer.weight.dtype) for key, value in state.items()})
 
     def save(self, folder: Path, dtype: torch.dtype | None = None, name: str = CONTROL_WEIGHTS) -> Path:
-        """The widened layer(s) into `folder` (a file each, `files(name)`) and `control.json`; returns the first."""
-        folder.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict()
-        written = []
-        for prefix, file_name in self.files(name).items():
-            key_start = f"{prefix}." if prefix else ""
-            target = folder / file_name
-            with atomic_path(target) as temporary:
-                tensors = {key.removeprefix(key_start): value.to(dtype or value.dtype).cpu().contiguous()
-                           for key, value in state.items() if key.startswith(key_start)}
-                save_file(tensors, temporary, metadata={"format": "pt"})
-                follow_umask(temporary)
-            written.append(target)
-        atomic_write_text(folder / CONTROL_CONFIG, json.dumps(self.describe(), indent=2) + "\n")
-        return written[0]
+        return save_control(self, folder, dtype, name)
+
+
+def save_control(control: ControlInput | ExpertsControlInput, folder: Path, dtype: torch.dtype | None = None,
+                 name: str = CONTROL_WEIGHTS) -> Path:
+    """The widened layer(s) into `folder` (a file each, `control.files(name)`) and `control.json`; returns the
+    first file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = control.state_dict()
+    written = []
+    for prefix, file_name in control.files(name).items():
+        key_start = f"{prefix}." if prefix else ""
+        target = folder / file_name
+        with atomic_path(target) as temporary:
+            tensors = {key.removeprefix(key_start): value.to(dtype or value.dtype).cpu().contiguous()
+                       for key, value in state.items() if key.startswith(key_start)}
+            save_file(tensors, temporary, metadata={"format": "pt"})
+            follow_umask(temporary)
+        written.append(target)
+    atomic_write_text(folder / CONTROL_CONFIG, json.dumps(control.describe(), indent=2) + "\n")
+    return written[0]
 
 
 class ExpertsControlInput:
@@ -277,7 +283,8 @@ class ExpertsControlInput:
             part.load_state_dict({key.removeprefix(f"{name}."): value for key, value in state.items()
                                   if key.startswith(f"{name}.")})
 
-    save = ControlInput.save
+    def save(self, folder: Path, dtype: torch.dtype | None = None, name: str = CONTROL_WEIGHTS) -> Path:
+        return save_control(self, folder, dtype, name)
 
 
 def attach_control(spec: Any, denoiser: nn.Module, dtype: torch.dtype | None = None

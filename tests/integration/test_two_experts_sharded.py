@@ -65,9 +65,11 @@ def _assert_same_adapters(tmp_path: Path, run: str) -> None:
 @pytest.mark.slow
 def test_two_fsdp_ranks_train_two_experts_like_one_process_routed_per_step(make_config, tmp_path, monkeypatch):
     folder = write_tiny_wan22(tmp_path / "a14b", two_experts=True, boundary_ratio=0.5)
-    # No model.expert_routing: under FSDP on two ranks it is `step`.
+    # No model.expert_routing: under FSDP on two ranks it is `step`. A validation sample after the last step: rank 0
+    # samples with both experts' gathered weights (the pipeline calls each expert itself).
+    validation = {"enabled": True, "num_inference_steps": 2, "prompts": ["a red circle"]}
     runs = [("fsdp", make_config(output_dir=str(tmp_path / "fsdp"), **_settings(
-        folder, parallel={"strategy": "fsdp"})).to_dict(), {})]
+        folder, parallel={"strategy": "fsdp"}, validation=validation)).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
     mp.spawn(_rank_main, args=(2, runs, [_free_port()], str(out)), nprocs=2, join=True)
@@ -77,6 +79,7 @@ def test_two_fsdp_ranks_train_two_experts_like_one_process_routed_per_step(make_
         assert "error" not in result["fsdp"], result["fsdp"]
         assert result["fsdp"]["losses"] == pytest.approx(losses, rel=1e-4)
     _assert_same_adapters(tmp_path, "fsdp")
+    assert [p.name for p in (tmp_path / "fsdp" / "samples").glob("*.mp4")] == [f"step-{STEPS:08d}-0.mp4"]
 
 
 @pytest.mark.slow

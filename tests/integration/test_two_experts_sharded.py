@@ -69,7 +69,7 @@ def test_two_fsdp_ranks_train_two_experts_like_one_process_routed_per_step(make_
     # samples with both experts' gathered weights (the pipeline calls each expert itself).
     validation = {"enabled": True, "num_inference_steps": 2, "prompts": ["a red circle"]}
     runs = [("fsdp", make_config(output_dir=str(tmp_path / "fsdp"), **_settings(
-        folder, parallel={"strategy": "fsdp"}, validation=validation)).to_dict(), {})]
+        folder, parallel={"strategy": "fsdp"}, validation=validation, checkpoint={"every": 2})).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
     mp.spawn(_rank_main, args=(2, runs, [_free_port()], str(out)), nprocs=2, join=True)
@@ -80,6 +80,17 @@ def test_two_fsdp_ranks_train_two_experts_like_one_process_routed_per_step(make_
         assert result["fsdp"]["losses"] == pytest.approx(losses, rel=1e-4)
     _assert_same_adapters(tmp_path, "fsdp")
     assert [p.name for p in (tmp_path / "fsdp" / "samples").glob("*.mp4")] == [f"step-{STEPS:08d}-0.mp4"]
+    # The sharded checkpoint of step 2, resumed by one process with batch 2: the step's expert is drawn from the step
+    # number, so step 3 trains the expert it trained on two ranks, and the run ends where theirs ended.
+    settings = _settings(folder, model={"expert_routing": "step"}, parallel={"strategy": "fsdp"},
+                         checkpoint={"resume": str(tmp_path / "fsdp" / "checkpoints" / "step-00000002")})
+    settings["training"]["batch_size"] = 2
+    resumed = build_trainer(make_config(output_dir=str(tmp_path / "resumed"), **settings)).run()
+    assert resumed.first_step == 2 and resumed.losses == pytest.approx(losses[2:], rel=1e-4)
+    for name in (LORA_FILE, LORA_FILE_2):
+        expected, trained = load_file(tmp_path / "fsdp" / name), load_file(tmp_path / "resumed" / name)
+        for key in expected:
+            torch.testing.assert_close(trained[key], expected[key], rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.slow

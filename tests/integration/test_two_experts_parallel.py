@@ -1,6 +1,7 @@
-"""Wan 2.2's two experts under sharded training (FSDP2, DeepSpeed ZeRO-2) with real processes on CPU (gloo): each
-step trains one expert on every rank (`model.expert_routing: step`, their default). Under FSDP two ranks with batch 1
-train what one process trains with batch 2 and the same per-step routing; ZeRO-2 takes the experts and trains both."""
+"""Wan 2.2's two experts on several processes on CPU (gloo). Under sharded training (FSDP2, DeepSpeed ZeRO-2) each
+step trains one expert on every rank (`model.expert_routing: step`, their default): under FSDP two ranks with batch 1
+train what one process trains with batch 2 and the same per-step routing; ZeRO-2 takes the experts and trains both.
+Under DDP, control training: each rank's samples take their control latents to their own experts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.integration import test_deepspeed
-from tests.integration.test_distributed_training import LORA_FILE, LORA_FILE_2, _free_port, _rank_main
+from tests.integration.test_distributed_training import (
+    LORA_FILE,
+    LORA_FILE_2,
+    _free_port,
+    _rank_main,
+    _two_ranks_against_one_process,
+)
+from tests.trainers.test_control import control_dataset
 from vidtune.models.experts import TwoExperts
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
 from vidtune.trainers import build_trainer
@@ -117,3 +125,20 @@ def test_deepspeed_zero_2_trains_two_experts_routed_per_step(make_config, tmp_pa
         trained = load_file(tmp_path / "zero2" / name)
         assert trained.keys() == load_file(tmp_path / "single" / name).keys()
         assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k), name
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_train_two_experts_control_like_one_process(make_config, shapes_dataset, tmp_path):
+    """control-lora on two experts under DDP: each rank routes its sample (and its control latents) to its expert,
+    so a step may run a different expert on each rank; the adapters and both widened input layers are those one
+    process trains with both samples in one batch (seed 1: in every step one rank runs the high-noise expert and
+    the other the low-noise one, and the one process splits its batch between them)."""
+    folder = write_tiny_wan22(tmp_path / "a14b", two_experts=True, boundary_ratio=0.5)
+    settings = _settings(folder, data_root=control_dataset(shapes_dataset, tmp_path / "data")[0])
+    settings["training"].update(algorithm="control-lora", seed=1, steps=2)
+    _two_ranks_against_one_process(make_config, tmp_path, settings, files=(LORA_FILE, LORA_FILE_2))
+    for name in ("control_input.safetensors", "control_input_transformer_2.safetensors"):
+        expected, trained = (load_file(tmp_path / run / name) for run in ("single", "ddp"))
+        torch.testing.assert_close(trained["weight"], expected["weight"], rtol=RTOL, atol=ATOL)
+        in_features = json.loads((tmp_path / "ddp" / "control.json").read_text())["in_features"]
+        assert trained["weight"][:, in_features:].abs().max() > 0  # the control inputs trained (from zero)

@@ -57,6 +57,15 @@ class ModelConfig(Section):
         "`high_noise` / `low_noise`: one expert, trained only on noise levels of its side of the boundary. Not for "
         "one-transformer models.",
     )
+    expert_routing: Literal["sample", "step"] | None = Field(
+        None,
+        description="Two-expert models with both experts training: how noise levels pick the expert. `sample`: each "
+        "sample's own noise level picks it (a batch may run both); `step`: each optimizer step trains one expert, "
+        "the same on every process, drawn with probability equal to its share of the noise levels, and each "
+        "sample's level is drawn inside that expert's band (each sample's level keeps its distribution). Default: "
+        "`step` under parallel.strategy fsdp or deepspeed on several processes (their collectives need every "
+        "process to run the same expert), else `sample`. See docs/wan22.md.",
+    )
     guidance_scale: float | None = Field(
         None,
         gt=0,

@@ -8,11 +8,18 @@ the base model computes until they train. A forward pre-hook on the denoiser (`C
 latents to `hidden_states` on every call, after anything the family itself concatenates (an image-to-video first
 frame), so training (`spec.forward`) and sampling (the family's pipeline) feed the widened layer alike.
 
+Two experts (Wan 2.2 A14B, vidtune/models/experts.py): each expert's input layer is widened and trained on its own
+(`ExpertsControlInput`). In training the router gets the whole batch's control latents as a keyword argument
+(`CONTROL_KWARG`), so a batch split between the experts hands each expert the control rows of its own samples; the
+pipeline calls the experts directly, and each takes the latents set with `given`.
+
 On disk (a run's `output_dir`, beside its LoRA file or `transformer/` folder):
 - `control.json`: {"format": 1, "family", "layer": the widened module's name, "in_features": its input size
   before widening, "control_channels": latent channels of the control clip, "control_in_features": the inputs
-  added};
-- `control_input.safetensors`: the widened layer's `weight` (and `bias`), all input channels.
+  added; two experts: "experts": ["transformer", "transformer_2"]};
+- `control_input.safetensors`: the widened layer's `weight` (and `bias`), all input channels; two experts: the
+  high-noise expert's, and `control_input_transformer_2.safetensors` the low-noise expert's (the adapter files'
+  naming).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from torch import nn
 from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
+from vidtune.models.experts import TwoExperts, expert_file
 from vidtune.processors import ProcessorChoice, apply_processor
 
 CONTROL_CONFIG = "control.json"
@@ -37,6 +45,8 @@ CONTROL_WEIGHTS = "control_input.safetensors"
 # With `training.ema_decay`: the widened layer's moving average, beside the averaged adapter / transformer.
 CONTROL_EMA_WEIGHTS = "control_input_ema.safetensors"
 CONTROL_FORMAT = 1
+# The keyword a router of several denoisers (TwoExperts) passes each one its samples' rows of the control latents by.
+CONTROL_KWARG = "control_latents"
 
 
 def input_layer(spec: Any, denoiser: nn.Module) -> nn.Module:
@@ -125,6 +135,25 @@ class ControlInput:
     def layer(self) -> nn.Module:
         return self.denoiser.get_submodule(self.layer_name)
 
+    def layers(self) -> dict[str, nn.Module]:
+        """The widened layers by their name in the trained denoiser (one here)."""
+        return {self.layer_name: self.layer}
+
+    def files(self, name: str) -> dict[str, str]:
+        """The file of each widened layer by its key prefix in `state_dict` (one file, no prefix)."""
+        return {"": name}
+
+    @contextlib.contextmanager
+    def narrowed(self) -> Iterator[None]:
+        """The input layer cut back to the base model's inputs (its current weights), e.g. to save a transformer
+        every diffusers loader reads; the widened one is back afterwards."""
+        wide = self.layer
+        replace_module(self.denoiser, self.layer_name, narrow(wide, self.in_features))
+        try:
+            yield
+        finally:
+            replace_module(self.denoiser, self.layer_name, wide)
+
     @contextlib.contextmanager
     def given(self, latents: torch.Tensor) -> Iterator[None]:
         previous, self.latents = self.latents, latents
@@ -134,12 +163,16 @@ class ControlInput:
             self.latents = previous
 
     def append_control(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        # A router's call brings its rows of the control latents; the pipeline's calls take those of `given`.
+        routed = kwargs.get(CONTROL_KWARG)
+        kwargs = {key: value for key, value in kwargs.items() if key != CONTROL_KWARG}
+        latents = routed if routed is not None else self.latents
         hidden = kwargs.get("hidden_states")
-        if hidden is None or self.latents is None:
+        if hidden is None or latents is None:
             raise ModelError("this denoiser takes a control input, but it was called without control latents "
                              "(or with hidden_states given by position).\nWhat to do: call it within "
                              "`ControlInput.given(latents)` (`vidtune sample --control CLIP` does).")
-        control, dim = self.spec.pack_control(self.latents.to(device=hidden.device, dtype=hidden.dtype), module)
+        control, dim = self.spec.pack_control(latents.to(device=hidden.device, dtype=hidden.dtype), module)
         if control.shape[0] != hidden.shape[0]:  # classifier-free guidance batches [uncond, cond]
             control = control.repeat(hidden.shape[0] // control.shape[0], *([1] * (control.ndim - 1)))
         return args, {**kwargs, "hidden_states": torch.cat([hidden, control], dim=dim)}
@@ -153,15 +186,113 @@ class ControlInput:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {key: value.detach() for key, value in self.layer.state_dict().items()}
 
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        layer = self.layer
+        layer.load_state_dict({key: value.to(layer.weight.dtype) for key, value in state.items()})
+
     def save(self, folder: Path, dtype: torch.dtype | None = None, name: str = CONTROL_WEIGHTS) -> Path:
-        folder.mkdir(parents=True, exist_ok=True)
-        target = folder / name
+        return save_control(self, folder, dtype, name)
+
+
+def save_control(control: ControlInput | ExpertsControlInput, folder: Path, dtype: torch.dtype | None = None,
+                 name: str = CONTROL_WEIGHTS) -> Path:
+    """The widened layer(s) into `folder` (a file each, `control.files(name)`) and `control.json`; returns the
+    first file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = control.state_dict()
+    written = []
+    for prefix, file_name in control.files(name).items():
+        key_start = f"{prefix}." if prefix else ""
+        target = folder / file_name
         with atomic_path(target) as temporary:
-            tensors = {k: v.to(dtype or v.dtype).cpu().contiguous() for k, v in self.state_dict().items()}
+            tensors = {key.removeprefix(key_start): value.to(dtype or value.dtype).cpu().contiguous()
+                       for key, value in state.items() if key.startswith(key_start)}
             save_file(tensors, temporary, metadata={"format": "pt"})
             follow_umask(temporary)
-        atomic_write_text(folder / CONTROL_CONFIG, json.dumps(self.describe(), indent=2) + "\n")
-        return target
+        written.append(target)
+    atomic_write_text(folder / CONTROL_CONFIG, json.dumps(control.describe(), indent=2) + "\n")
+    return written[0]
+
+
+class ExpertsControlInput:
+    """Both experts of a `TwoExperts` denoiser widened, each with its own `ControlInput` (its own trained layer and
+    hook), behind `ControlInput`'s interface; state-dict keys and files name the expert (`transformer.weight`,
+    `control_input_transformer_2.safetensors`)."""
+
+    def __init__(self, spec: Any, router: TwoExperts, parts: dict[str, ControlInput]) -> None:
+        self.spec = spec
+        self.router = router
+        self.parts = parts
+        first = next(iter(parts.values()))
+        self.layer_name: str = first.layer_name
+        self.in_features = first.in_features
+        self.control_channels = first.control_channels
+        self.latents: torch.Tensor | None = None
+        # The router's training calls: the batch's control latents go in as a keyword argument, which the router
+        # splits by rows with the samples (TwoExperts.forward), so each expert sees its own samples' controls.
+        self.handle = router.register_forward_pre_hook(self.route_control, with_kwargs=True)
+
+    @classmethod
+    def attach(cls, spec: Any, router: TwoExperts, dtype: torch.dtype | None = None) -> ExpertsControlInput:
+        parts = {name: ControlInput.attach(spec, router.expert(name), dtype) for name in router.trained}
+        return cls(spec, router, parts)
+
+    def layers(self) -> dict[str, nn.Module]:
+        return {f"{name}.{self.layer_name}": part.layer for name, part in self.parts.items()}
+
+    def files(self, name: str) -> dict[str, str]:
+        return {expert: expert_file(name, expert) for expert in self.parts}
+
+    @contextlib.contextmanager
+    def given(self, latents: torch.Tensor) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for part in self.parts.values():  # the pipeline calls each expert directly
+                stack.enter_context(part.given(latents))
+            previous, self.latents = self.latents, latents
+            try:
+                yield
+            finally:
+                self.latents = previous
+
+    def route_control(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        if self.latents is None:
+            return args, kwargs  # each expert's own hook says what is missing
+        return args, {**kwargs, CONTROL_KWARG: self.latents}
+
+    @contextlib.contextmanager
+    def narrowed(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for part in self.parts.values():
+                stack.enter_context(part.narrowed())
+            yield
+
+    def describe(self) -> dict[str, Any]:
+        return {**next(iter(self.parts.values())).describe(), "experts": list(self.parts)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{key}": value for name, part in self.parts.items()
+                for key, value in part.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        unknown = sorted({key.split(".")[0] for key in state} - self.parts.keys())
+        if unknown:
+            raise ModelError(f"control input weights for {', '.join(unknown)}, which this model does not widen.\n"
+                             "What to do: load them with the two-expert model and model.experts they were trained "
+                             "with.")
+        for name, part in self.parts.items():
+            part.load_state_dict({key.removeprefix(f"{name}."): value for key, value in state.items()
+                                  if key.startswith(f"{name}.")})
+
+    def save(self, folder: Path, dtype: torch.dtype | None = None, name: str = CONTROL_WEIGHTS) -> Path:
+        return save_control(self, folder, dtype, name)
+
+
+def attach_control(spec: Any, denoiser: nn.Module, dtype: torch.dtype | None = None
+                   ) -> ControlInput | ExpertsControlInput:
+    """Widen the denoiser's input layer for control latents: each trained expert's, for two experts."""
+    if isinstance(denoiser, TwoExperts):
+        return ExpertsControlInput.attach(spec, denoiser, dtype)
+    return ControlInput.attach(spec, denoiser, dtype)
 
 
 @torch.no_grad()
@@ -180,14 +311,15 @@ def has_control(folder: Path) -> bool:
     return (Path(folder) / CONTROL_CONFIG).is_file()
 
 
-def load_control(spec: Any, denoiser: nn.Module, folder: Path, ema: bool = False) -> ControlInput:
+def load_control(spec: Any, denoiser: nn.Module, folder: Path, ema: bool = False
+                 ) -> ControlInput | ExpertsControlInput:
     """Widen `denoiser` as `folder/control.json` says and load `folder/control_input.safetensors` into it (with
-    `ema`: the layer's moving average, `control_input_ema.safetensors`)."""
+    `ema`: the layer's moving average, `control_input_ema.safetensors`). Two experts (a `TwoExperts` denoiser):
+    both, the low-noise one from `control_input_transformer_2.safetensors`."""
     folder = Path(folder)
     name = CONTROL_EMA_WEIGHTS if ema else CONTROL_WEIGHTS
     try:
         described = json.loads((folder / CONTROL_CONFIG).read_text())
-        weights = load_file(str(folder / name))
     except (OSError, ValueError) as error:
         raise ModelError(f"{folder / CONTROL_CONFIG}: the control input could not be read ({error}).\nWhat to do: "
                          f"give the output_dir of a finished control run (it holds {CONTROL_CONFIG} and "
@@ -195,12 +327,27 @@ def load_control(spec: Any, denoiser: nn.Module, folder: Path, ema: bool = False
     if described.get("family") != spec.name or described.get("layer") != spec.control_input_layer:
         raise ModelError(f"{folder / CONTROL_CONFIG}: made for {described.get('family')} (layer "
                          f"{described.get('layer')}), not {spec.name}.\nWhat to do: use the run's own model.")
-    layer = input_layer(spec, denoiser)
-    control = ControlInput.attach(spec, denoiser, dtype=layer.weight.dtype)
+    experts = described.get("experts")
+    if experts is not None and (not isinstance(denoiser, TwoExperts) or tuple(experts) != denoiser.trained):
+        raise ModelError(f"{folder / CONTROL_CONFIG}: made for the experts {', '.join(experts)} of a two-expert "
+                         "model, which this model does not match.\nWhat to do: use the run's own model and "
+                         "model.experts (its config.yaml).")
+    if experts is None and isinstance(denoiser, TwoExperts):
+        raise ModelError(f"{folder / CONTROL_CONFIG}: made for one denoiser, but {spec.config.pretrained} has two "
+                         "experts.\nWhat to do: use the run's own model (model.pretrained of its config.yaml).")
+    control = attach_control(spec, denoiser)
+    weights: dict[str, torch.Tensor] = {}
+    for prefix, file_name in control.files(name).items():
+        try:
+            part = load_file(str(folder / file_name))
+        except (OSError, ValueError) as error:
+            raise ModelError(f"{folder / file_name}: the control input could not be read ({error}).\nWhat to do: "
+                             f"give the output_dir of a finished control run.") from None
+        weights.update({f"{prefix}.{key}" if prefix else key: value for key, value in part.items()})
     if (control.in_features, control.control_channels) != (described["in_features"], described["control_channels"]):
         raise ModelError(f"{folder / CONTROL_CONFIG}: the input layer had {described['in_features']} inputs and "
                          f"{described['control_channels']} control channels; this model's has "
                          f"{control.in_features} and {control.control_channels}.\nWhat to do: use the run's own "
                          "model (model.pretrained of its config.yaml).")
-    control.layer.load_state_dict({k: v.to(layer.weight.dtype) for k, v in weights.items()})
+    control.load_state_dict(weights)
     return control

@@ -127,10 +127,6 @@ def test_one_expert_trains_only_on_its_side_of_the_boundary(two_expert_dir, expe
 
 
 def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_dir, tmp_path, monkeypatch):
-    config = two_expert_config(make_config, training={"algorithm": "control-lora"})(two_expert_dir)
-    with pytest.raises(ConfigError, match=r"(?s)training.algorithm=control-lora: .*What to do: set "
-                                          r"training.algorithm=lora"):
-        build_trainer(config).run()
     config = two_expert_config(make_config, model={"experts": "low_noise"},
                                training={"algorithm": "step-distillation"})(two_expert_dir)
     with pytest.raises(ConfigError, match=r"(?s)model.experts=low_noise with training.algorithm=step-distillation: "
@@ -145,12 +141,15 @@ def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_
                                training={"algorithm": "full"})(two_expert_dir)
     with pytest.raises(ConfigError, match=r"(?s)model.experts=high_noise with training.algorithm=full"):
         build_trainer(config).run()
-    # Under torchrun: sharded strategies cannot follow a rank that skips an expert (DDP can).
+    # Under torchrun: sharded strategies cannot follow a rank that skips an expert (DDP can): routing per sample is
+    # refused there.
     monkeypatch.setenv("WORLD_SIZE", "2")
     for strategy in ("fsdp", "deepspeed"):
-        config = two_expert_config(make_config, parallel={"strategy": strategy})(two_expert_dir)
-        with pytest.raises(ConfigError, match=rf"(?s)parallel.strategy={strategy}: .*DDP only"):
-            spec_of("wan2.2", two_expert_dir).check_training(config)
+        config = two_expert_config(make_config, model={"expert_routing": "sample"},
+                                   parallel={"strategy": strategy})(two_expert_dir)
+        with pytest.raises(ConfigError, match=rf"(?s)model.expert_routing=sample with parallel.strategy={strategy}: "
+                                              r".*What to do: remove model.expert_routing"):
+            spec_of("wan2.2", two_expert_dir, expert_routing="sample").check_training(config)
     spec_of("wan2.2", two_expert_dir).check_training(two_expert_config(make_config)(two_expert_dir))
 
 

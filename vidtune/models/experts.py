@@ -14,18 +14,39 @@ A micro-batch whose samples fall on both sides of the boundary runs both experts
 the device until its backward is done; one clip per micro-batch (the usual for 14B experts) never
 needs that. On a CPU both simply stay where they are.
 
+A control run (vidtune/control.py) passes the batch's control latents as a keyword argument: a tensor with a batch
+dimension, so a split batch hands each expert its own samples' rows, like every other per-sample input.
+
 Under torchrun each rank routes its own samples, so one rank may run an expert the other ranks do not:
-`leaves_parameters_unused` tells DDP to find the parameters a rank left out (vidtune/parallel/ddp.py).
+`leaves_parameters_unused` tells DDP to find the parameters a rank left out (vidtune/parallel/ddp.py). Sharded
+training (FSDP, DeepSpeed) cannot follow that: each expert's shards are gathered and its gradients reduced in
+collectives every rank must join. There the noise levels are routed per step (`StepRouted`,
+`model.expert_routing: step`): every rank runs the same expert in a step.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from vidtune.errors import ConfigError
+from vidtune.objectives import Objective
+
 EXPERT_NAMES = ("transformer", "transformer_2")  # high-noise, low-noise: the pipeline's component names
+
+
+def expert_file(file_name: str, expert: str) -> str:
+    """The file of `expert` for a run's file `file_name`: the high-noise expert's is `file_name` itself, the
+    low-noise one's takes `_transformer_2` before the suffix (`pytorch_lora_weights_transformer_2.safetensors`, the
+    name diffusers' Wan 2.2 examples load; `control_input_transformer_2.safetensors` likewise)."""
+    if expert == EXPERT_NAMES[0]:
+        return file_name
+    stem, suffix = os.path.splitext(file_name)
+    return f"{stem}_{expert}{suffix}"
 
 
 def _move_frozen(module: nn.Module, device: torch.device) -> None:
@@ -148,3 +169,61 @@ class TwoExperts(nn.Module):
         finally:
             self._keep_both = False
         return (output,)
+
+
+@dataclass
+class NoiseRange:
+    """An objective whose noise levels are drawn only where their timesteps lie in [low, high): one expert's side
+    of the boundary. The draw is the objective's own, rejected outside the range, so the distribution within the
+    range is unchanged and the visit's generator alone decides it (resume stays exact)."""
+
+    objective: Objective
+    low: float
+    high: float
+
+    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        kept: list[torch.Tensor] = []
+        for _ in range(10_000):
+            levels = self.objective.sample_noise_levels(batch_size, generator)
+            timesteps = self.objective.timesteps(levels)
+            kept.extend(levels[(timesteps >= self.low) & (timesteps < self.high)])
+            if len(kept) >= batch_size:
+                return torch.stack(kept[:batch_size])
+        raise ConfigError(f"model.experts: the noise levels of training.sigma_sampling almost never fall between "
+                          f"timesteps {self.low:g} and {self.high:g} (this expert's side of the boundary).\n"
+                          "What to do: use training.sigma_sampling=uniform, or train both experts.")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.objective, name)
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The randomness of one optimizer step that every rank shares (which expert the step trains)."""
+    return torch.Generator().manual_seed((seed * 1_000_211 + step * 6_007 + 29) % 2**63)
+
+
+@dataclass
+class StepRouted:
+    """Noise levels routed per step (`model.expert_routing: step`): each optimizer step trains one expert, the
+    same on every rank and every micro-batch of the step, so sharded training's collectives match.
+
+    The step's expert is the side of the boundary on which one noise level, drawn from the objective with the
+    step's generator (`step_generator`, seeded alike on every rank), falls: the high-noise expert with probability
+    P(timestep >= boundary), its share of the noise-level distribution. Each sample's level is then drawn inside
+    that expert's band from the sample's own visit generator (`NoiseRange`). A sample's level thus has the
+    objective's distribution (P(expert) times the distribution within its band); only the levels of one step's
+    samples are no longer independent of each other."""
+
+    objective: Objective
+    boundary_timestep: float
+    seed: int
+
+    def for_step(self, step: int) -> NoiseRange:
+        """The objective of step `step` (counted from 0): the noise levels of the step's expert only."""
+        level = self.objective.sample_noise_levels(1, step_generator(self.seed, step))
+        if bool(self.objective.timesteps(level)[0] >= self.boundary_timestep):
+            return NoiseRange(self.objective, self.boundary_timestep, float("inf"))
+        return NoiseRange(self.objective, float("-inf"), self.boundary_timestep)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.objective, name)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -37,7 +36,7 @@ from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.defaults import FamilyDefaults
-from vidtune.models.experts import EXPERT_NAMES, TwoExperts
+from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
 from vidtune.models.wan import WanImageToVideoSpec, WanSpec, frames_to_pil
 from vidtune.objectives import Objective
@@ -48,40 +47,15 @@ NUM_TRAIN_TIMESTEPS = 1000  # Wan's schedulers; the pipelines' boundary is bound
 EXPERTS = {"both": EXPERT_NAMES, "high_noise": ("transformer",), "low_noise": ("transformer_2",)}
 # The algorithms that train and save two experts: a LoRA per expert, both experts in full, and the distillations,
 # whose teacher is the frozen `TwoExperts` (each expert teaching its own student at its own noise levels).
-TWO_EXPERT_ALGORITHMS = ("lora", "full", "guidance-distillation", "step-distillation")
+# Control: each expert's input layer is widened and trained (vidtune/control.py, `ExpertsControlInput`).
+TWO_EXPERT_ALGORITHMS = ("lora", "full", "guidance-distillation", "step-distillation", "control-lora",
+                         "control-full")
 
 
 def second_expert_file(weight_name: str) -> str:
     """The low-noise expert's adapter file beside `weight_name`: `pytorch_lora_weights.safetensors` ->
     `pytorch_lora_weights_transformer_2.safetensors` (the name diffusers' Wan 2.2 examples load)."""
-    stem, suffix = os.path.splitext(weight_name)
-    return f"{stem}_transformer_2{suffix}"
-
-
-@dataclass
-class NoiseRange:
-    """An objective whose noise levels are drawn only where their timesteps lie in [low, high): one expert's side
-    of the boundary. The draw is the objective's own, rejected outside the range, so the distribution within the
-    range is unchanged and the visit's generator alone decides it (resume stays exact)."""
-
-    objective: Objective
-    low: float
-    high: float
-
-    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        kept: list[torch.Tensor] = []
-        for _ in range(10_000):
-            levels = self.objective.sample_noise_levels(batch_size, generator)
-            timesteps = self.objective.timesteps(levels)
-            kept.extend(levels[(timesteps >= self.low) & (timesteps < self.high)])
-            if len(kept) >= batch_size:
-                return torch.stack(kept[:batch_size])
-        raise ConfigError(f"model.experts: the noise levels of training.sigma_sampling almost never fall between "
-                          f"timesteps {self.low:g} and {self.high:g} (this expert's side of the boundary).\n"
-                          "What to do: use training.sigma_sampling=uniform, or train both experts.")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.objective, name)
+    return expert_file(weight_name, "transformer_2")
 
 
 class Wan22Spec(WanSpec):
@@ -89,6 +63,8 @@ class Wan22Spec(WanSpec):
     pipeline_class = WanPipeline
     # Published sampling settings (Wan2.2's configs): TI2V-5B guidance 5, T2V-A14B 4 (high noise) / 3 (low noise).
     published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 4.0}
+    # `model.expert_routing` resolved for the run (`check_training`): one expert per step (`StepRouted`).
+    step_routing = False
     defaults = FamilyDefaults(frames=121, height=704, width=1280, fps=24.0, sigma_shift=5.0, source=(
         "TI2V-5B's published recipe (121 frames of 704x1280 at 24 fps, shift 5, guidance 5); the A14B models "
         "publish 81 frames of 720p at 16 fps, shift 12 (T2V) / 5 (I2V), guidance 4 (docs/wan22.md): set them"))
@@ -135,6 +111,12 @@ class Wan22Spec(WanSpec):
 
     def check_source(self) -> None:
         super().check_source()
+        if self.config.expert_routing is not None and not self.two_experts:
+            raise ConfigError(
+                f"model.expert_routing={self.config.expert_routing}: {self.config.pretrained} has one transformer, "
+                "so there are no experts to route to.\nWhat to do: remove model.expert_routing (it is for the "
+                "two-expert A14B models)."
+            )
         if self.config.experts is not None and not self.two_experts:
             raise ConfigError(
                 f"model.experts={self.config.experts}: {self.config.pretrained} has one transformer (its "
@@ -147,12 +129,17 @@ class Wan22Spec(WanSpec):
             return
         algorithm = config.training.algorithm
         if algorithm not in TWO_EXPERT_ALGORITHMS:
-            # Control: each expert would need its own widened input layer, and diffusers' Wan 2.2 pipelines take
-            # no control input to sample them with (docs/wan22.md).
             raise ConfigError(
                 f"training.algorithm={algorithm}: {self.name} two-expert models ({self.config.pretrained}) are "
                 f"trained with {', '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
                 "What to do: set training.algorithm=lora (model.experts picks the experts) or full (both experts)."
+            )
+        if algorithm.startswith("control-") and len(self.trained_experts) == 1:
+            # The pipeline runs both experts on every control sample: an expert left as loaded would ignore it.
+            raise ConfigError(
+                f"model.experts={self.config.experts} with training.algorithm={algorithm}: the pipeline samples "
+                "with both experts, and each takes the control clip through its own widened input layer, so both "
+                "train.\nWhat to do: remove model.experts (both)."
             )
         if algorithm == "step-distillation" and len(self.trained_experts) == 1:
             # The student's K sampling steps cross the boundary: every window needs a trained student.
@@ -161,17 +148,7 @@ class Wan22Spec(WanSpec):
                 f"{config.distillation.student_steps} sampling steps run both experts, so both students train.\n"
                 "What to do: remove model.experts (both)."
             )
-        from vidtune import parallel
-
-        strategy = config.parallel.strategy
-        if parallel.world_size() > 1 and strategy in ("fsdp", "deepspeed"):
-            # A rank whose samples all fall on one expert would skip the other expert's sharded collectives while
-            # the other ranks wait in them; DDP instead finds the skipped parameters (vidtune/parallel/ddp.py).
-            raise ConfigError(
-                f"parallel.strategy={strategy}: {self.name} two-expert models ({self.config.pretrained}) train "
-                "on several processes with DDP only (a step may run one expert on one GPU and the other on "
-                "another, which sharded training cannot follow).\nWhat to do: set parallel.strategy=ddp (or auto)."
-            )
+        self.step_routing = self.expert_routing(config) == "step"
         full = {"full": "training.algorithm=full"}.get(algorithm)
         if algorithm == "guidance-distillation" and config.distillation.student == "full":
             full = "distillation.student=full"
@@ -181,6 +158,36 @@ class Wan22Spec(WanSpec):
                 f"{self.name} trains and saves both experts.\n"
                 "What to do: remove model.experts (both), or train one expert's LoRA (training.algorithm=lora)."
             )
+
+    def expert_routing(self, config: Config) -> str:
+        """`model.expert_routing`, checked, or its default: `step` when both experts train under FSDP or DeepSpeed
+        on several processes, else `sample`."""
+        from vidtune import parallel
+
+        strategy, routing = config.parallel.strategy, self.config.expert_routing
+        sharded = parallel.world_size() > 1 and strategy in ("fsdp", "deepspeed")
+        both = len(self.trained_experts) == 2
+        if routing == "step" and not both:
+            raise ConfigError(f"model.expert_routing=step with model.experts={self.config.experts}: one expert "
+                              "trains, so every step runs it already.\nWhat to do: remove model.expert_routing.")
+        if routing == "sample" and sharded and both:
+            # A rank whose samples all fall on one expert would skip the other expert's sharded collectives while
+            # the other ranks wait in them; DDP instead finds the skipped parameters (vidtune/parallel/ddp.py).
+            raise ConfigError(
+                f"model.expert_routing=sample with parallel.strategy={strategy}: a step could run one expert on "
+                "one process and the other on another, which sharded training cannot follow.\nWhat to do: remove "
+                "model.expert_routing (under fsdp and deepspeed each step trains one expert on every process), or "
+                "set parallel.strategy=ddp."
+            )
+        resolved = routing or ("step" if sharded and both else "sample")
+        if resolved == "step" and config.training.algorithm == "step-distillation":
+            where = f"parallel.strategy={strategy}" if routing is None else "model.expert_routing=step"
+            raise ConfigError(
+                f"{where} with training.algorithm=step-distillation on two experts: each step would have to train "
+                "one expert, but the student's windows of sampling steps pick their experts by its schedule.\n"
+                "What to do: set parallel.strategy=ddp (or train on one process) and remove model.expert_routing."
+            )
+        return resolved
 
     def initial_adapters(self, path: Path) -> dict[str, Path]:
         """Two experts: a folder holding each trained expert's file (a two-expert run's output_dir:
@@ -236,8 +243,11 @@ class Wan22Spec(WanSpec):
         return pair.to(load_on or device)
 
     def objective(self, training: TrainingConfig) -> Objective:
-        """One expert of two: only noise levels on its side of the boundary (the pipeline never asks it others)."""
+        """One expert of two: only noise levels on its side of the boundary (the pipeline never asks it others).
+        Both, routed per step (`model.expert_routing`): each step's levels on the side of the step's expert."""
         objective = super().objective(training)
+        if self.two_experts and len(self.trained_experts) == 2 and self.step_routing:
+            return StepRouted(objective, self.boundary_timestep, training.seed)
         if not self.two_experts or len(self.trained_experts) == 2:
             return objective
         if self.trained_experts == ("transformer",):

@@ -37,6 +37,7 @@ from torch import nn
 
 from vidtune import parallel
 from vidtune.errors import ConfigError, ModelError
+from vidtune.models.experts import TwoExperts
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel.strategy import Strategy, Weights
 
@@ -49,7 +50,10 @@ META = torch.device("meta")
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a diffusers video transformer: the items of its ModuleLists whose name ends in
-    `blocks` (`transformer_blocks`, HunyuanVideo's `single_transformer_blocks`, Wan's `blocks`)."""
+    `blocks` (`transformer_blocks`, HunyuanVideo's `single_transformer_blocks`, Wan's `blocks`); two experts
+    (vidtune/models/experts.py): each expert's."""
+    if isinstance(module, TwoExperts):
+        return [block for expert in module.experts() for block in transformer_blocks(expert)]
     return [block for name, child in module.named_children()
             if isinstance(child, nn.ModuleList) and name.endswith("blocks") for block in child]
 
@@ -214,6 +218,8 @@ class FullyShardedStrategy(Strategy):
         self.module = module
         if not parallel.is_distributed():
             return parameters  # one process: nothing to shard, checkpoints are still DCP folders
+        if isinstance(module, TwoExperts):
+            module.offload = False  # FSDP places the shards; the idle expert's weights must not move under it
         names = {id(p): name for name, p in module.named_parameters()}
         trained = [names[id(p)] for p in parameters]
         self.kept_whole = quantized_parameters(module)

@@ -50,6 +50,7 @@ from vidtune.ema import EMA
 from vidtune.errors import TrainingError
 from vidtune.memory import check_base_weights
 from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
+from vidtune.models.experts import StepRouted
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
@@ -294,7 +295,11 @@ class Trainer(ABC):
         """Draw each clip's latent, noise level, noise and caption dropout from its visit's own generator."""
         seed, dropout = self.config.training.seed, self.config.data.caption_dropout
         generators = [visit_generator(seed, int(position)) for position in batch.positions]
-        levels = torch.cat([self.objective.sample_noise_levels(1, g) for g in generators])
+        # Two experts routed per step (vidtune/models/experts.py): the levels of this step's expert, on every rank.
+        objective = self.objective
+        if isinstance(objective, StepRouted):
+            objective = objective.for_step(self.state.step)
+        levels = torch.cat([objective.sample_noise_levels(1, g) for g in generators])
         x0 = torch.cat([
             draw_latent({k: batch.latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
         ]).float()
@@ -305,8 +310,8 @@ class Trainer(ABC):
             conditions = self.apply_caption_dropout(conditions, drop)
         # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout.
         conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS}}
-        return NoisyInputs(conditions, self.objective.noisy(x0, noise, levels),
-                           self.objective.timesteps(levels).to(x0.device), self.objective.target(x0, noise, levels),
+        return NoisyInputs(conditions, objective.noisy(x0, noise, levels),
+                           objective.timesteps(levels).to(x0.device), objective.target(x0, noise, levels),
                            levels, x0, noise)
 
     def apply_caption_dropout(self, conditions: Conditions, drop: torch.Tensor) -> Conditions:

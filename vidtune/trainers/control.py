@@ -8,7 +8,9 @@ trains as LoRA (`control-lora`) or as a full fine-tune (`control-full`, `full.*`
 What a run writes: `control-lora` the adapter (`pytorch_lora_weights.safetensors`), `control-full` the denoiser
 (`transformer/`, its input layer cut back to the base model's inputs so any diffusers loader reads it), and both
 `control_input.safetensors` (the whole widened layer) with `control.json` (which layer, how many inputs). Load
-them with `vidtune.sampling.load_pipeline` or sample with `vidtune sample RUN --control CLIP`.
+them with `vidtune.sampling.load_pipeline` or sample with `vidtune sample RUN --control CLIP`. Two experts (Wan 2.2
+A14B): each expert's layer is widened and trained, and each expert's files are written as its adapter's are
+(`..._transformer_2...` for the low-noise expert; `transformer_2/` for control-full).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from torch import nn
 
-from vidtune.control import CONTROL_EMA_WEIGHTS, ControlInput, encode_control, narrow, replace_module
+from vidtune.control import CONTROL_EMA_WEIGHTS, ControlInput, ExpertsControlInput, attach_control, encode_control
 from vidtune.data.stream import Batch
 from vidtune.errors import ConfigError, DataError
 from vidtune.models.spec import CONTROL_LATENTS
@@ -38,7 +40,7 @@ CONTROL_PREFIX = "control_input."
 class ControlTraining(Trainer):
     """What both control algorithms add to their base algorithm (listed first among the bases)."""
 
-    control: ControlInput | None = None
+    control: ControlInput | ExpertsControlInput | None = None
 
     def check_inputs(self) -> None:
         super().check_inputs()
@@ -63,17 +65,18 @@ class ControlTraining(Trainer):
 
     def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
         # Widened first, so `full.*` patterns and the state dicts see the layer under its own name.
-        self.control = ControlInput.attach(self.spec, denoiser)
+        self.control = attach_control(self.spec, denoiser)
         parameters = super().configure_trainable(denoiser)
-        layer = self.control.layer
-        if isinstance(layer, BaseTunerLayer):
-            raise ConfigError(f"lora.target_modules: the adapter would wrap {self.control.layer_name}, the input layer "
-                              f"{self.algorithm} trains fully.\nWhat to do: choose targets without it (e.g. the "
-                              "`attention` preset).")
-        # The widened layer trains fully, in fp32 like every trained weight.
-        layer.float().requires_grad_(True)
         known = {id(p) for p in parameters}
-        return parameters + [p for p in layer.parameters() if id(p) not in known]
+        for layer in self.control.layers().values():
+            if isinstance(layer, BaseTunerLayer):
+                raise ConfigError(f"lora.target_modules: the adapter would wrap {self.control.layer_name}, the input "
+                                  f"layer {self.algorithm} trains fully.\nWhat to do: choose targets without it (e.g. "
+                                  "the `attention` preset).")
+            # The widened layer trains fully, in fp32 like every trained weight.
+            layer.float().requires_grad_(True)
+            parameters = parameters + [p for p in layer.parameters() if id(p) not in known]
+        return parameters
 
     def export_weights(self, weights: dict[str, torch.Tensor], output: Path,
                        ema: dict[str, torch.Tensor] | None = None) -> Path:
@@ -109,11 +112,12 @@ class ControlLoRATrainer(ControlTraining, LoRATrainer):
 
     @property
     def trained_fully(self) -> tuple[str, ...]:
-        return (self.spec.control_input_layer,)
+        # The widened layers by their names in the denoiser (each expert's, for two).
+        return tuple(self.control.layers()) if self.control is not None else (self.spec.control_input_layer,)
 
     def resolve_targets(self, module_names: list[str]) -> list[str]:
         # The widened input layer trains fully: `all-linear` adapts every other linear layer.
-        return super().resolve_targets([name for name in module_names if name != self.spec.control_input_layer])
+        return super().resolve_targets([name for name in module_names if name not in self.trained_fully])
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         control = {CONTROL_PREFIX + key: value for key, value in self.control.state_dict().items()}
@@ -121,7 +125,7 @@ class ControlLoRATrainer(ControlTraining, LoRATrainer):
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         control = {k.removeprefix(CONTROL_PREFIX): v for k, v in state.items() if k.startswith(CONTROL_PREFIX)}
-        self.control.layer.load_state_dict(control)
+        self.control.load_state_dict(control)
         super().load_trainable_state_dict({k: v for k, v in state.items() if not k.startswith(CONTROL_PREFIX)})
 
     def save_final(self, folder: Path) -> Path:
@@ -144,21 +148,22 @@ class ControlFullTrainer(ControlTraining, FullTrainer):
 
     def save_final(self, folder: Path) -> Path:
         """`transformer/` with the input layer's base part (so the base class loads it), and the control input;
-        with `training.ema_decay` their moving averages as `transformer_ema/` and `control_input_ema.safetensors`."""
-        written = self.save_narrowed(Path(folder) / TRANSFORMER_FOLDER)
+        with `training.ema_decay` their moving averages as `transformer_ema/` and `control_input_ema.safetensors`.
+        Two experts: `transformer_2/` (`transformer_2_ema/`) and the low-noise expert's control files too."""
+        written = self.save_narrowed(Path(folder))
         self.control.save(Path(folder), dtype=self.base_dtype)
         if self.ema is not None:
             with self.ema.applied():
-                self.save_narrowed(Path(folder) / TRANSFORMER_EMA_FOLDER)
+                self.save_narrowed(Path(folder), ema=True)
                 self.control.save(Path(folder), dtype=self.base_dtype, name=CONTROL_EMA_WEIGHTS)
         return written
 
-    def save_narrowed(self, target: Path) -> Path:
-        """The denoiser with the input layer cut back to the base model's inputs (its current weights), as
-        `save_pretrained` writes it."""
-        wide = self.control.layer
-        replace_module(self.denoiser, self.control.layer_name, narrow(wide, self.control.in_features))
-        try:
-            return self.save_transformer(target, self.denoiser)
-        finally:
-            replace_module(self.denoiser, self.control.layer_name, wide)
+    def save_narrowed(self, folder: Path, ema: bool = False) -> Path:
+        """Each denoiser folder of the spec (`transformer/`, or its `_ema` with `ema`), the input layer cut back
+        to the base model's inputs (its current weights), as `save_pretrained` writes it. Returns the first."""
+        with self.control.narrowed():
+            written = []
+            for name, module in self.spec.denoiser_folders(self.denoiser).items():
+                target = (TRANSFORMER_EMA_FOLDER if name == TRANSFORMER_FOLDER else f"{name}_ema") if ema else name
+                written.append(self.save_transformer(folder / target, module))
+        return written[0]

@@ -3,9 +3,9 @@
 Compiling each repeated block instead of the whole denoiser keeps the compile time to one block's graph (seconds
 to a few minutes), reused by every block of the same class: with torch's default of inlining nn.Module calls, the
 parameters are graph inputs, so one compiled graph serves all of them. It is done after the adapter is added and
-the base weights are stored (int8), so LoRA layers and quantized weights are traced with the block, and before
-DDP / FSDP wrap the denoiser. fp8 storage is refused with it (`check_compile`): its layerwise casting swaps each
-weight's storage back to fp8 after the layer runs, and a compiled backward reads the weight itself, by then fp8.
+the base weights are stored (int8, fp8), so LoRA layers and quantized weights are traced with the block, and
+before DDP / FSDP wrap the denoiser. fp8 storage inside the blocks is an upcast within each linear layer's forward
+(vidtune/memory/float8.py) rather than diffusers' hooks, whose in-place casts a compiled backward cannot follow.
 Gradient checkpointing keeps working: diffusers calls the (compiled) block inside
 torch.utils.checkpoint.
 
@@ -26,23 +26,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from vidtune.config import Config
 from vidtune.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 # The graphs a block may need per bucket shape: training (grad on), and a no-grad forward (a distillation teacher).
 GRAPHS_PER_SHAPE = 2
-
-
-def check_compile(config: Config) -> None:
-    """Before any long work: the settings compiled blocks cannot train with."""
-    if config.training.compile and config.memory.base_weights == "fp8":
-        raise ConfigError(
-            "training.compile=true cannot train over memory.base_weights=fp8: fp8 storage casts each weight back to "
-            "fp8 right after its layer runs, and the compiled backward pass reads the weight itself, by then fp8.\n"
-            "What to do: keep fp8 and set training.compile=false, or compile with memory.base_weights=int8 (or auto)."
-        )
 
 
 def repeated_blocks(denoiser: nn.Module) -> list[nn.Module]:

@@ -38,7 +38,7 @@ from torch import nn
 from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
 from vidtune.attention import resolve_attention_backend, set_attention_backend
-from vidtune.compile import check_compile, compile_blocks, compile_seconds, eager
+from vidtune.compile import compile_blocks, compile_seconds, eager
 from vidtune.config import Config, write_resolved_config
 from vidtune.data.buckets import check_bucket_shapes, visit_generator
 from vidtune.data.overview import write_dataset_overview
@@ -386,7 +386,6 @@ class Trainer(ABC):
                               self.spec.load_config(self.spec.denoiser_class, "transformer"))
         check_activation_offload(memory.activation_offload, self.device)
         self.attention_backend = resolve_attention_backend(self.config.model.attention_backend, self.device)
-        check_compile(self.config)
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 

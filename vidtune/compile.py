@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,8 +30,9 @@ from vidtune.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# The graphs a block may need per bucket shape: training (grad on), and a no-grad forward (a distillation teacher).
-GRAPHS_PER_SHAPE = 2
+# The graphs a block may need per bucket shape: training the first block (its input carries no gradient), training
+# the others, and a no-grad forward (a distillation teacher).
+GRAPHS_PER_SHAPE = 3
 
 
 def repeated_blocks(denoiser: nn.Module) -> list[nn.Module]:
@@ -49,8 +50,9 @@ def repeated_blocks(denoiser: nn.Module) -> list[nn.Module]:
     return list(largest)
 
 
-def compile_blocks(denoiser: nn.Module, num_shapes: int) -> int:
-    """Compile each transformer block in place; returns how many were compiled."""
+def compile_blocks(denoiser: nn.Module, num_shapes: int, dynamic: bool = False) -> int:
+    """Compile each transformer block in place, once per bucket shape (`dynamic`: once with symbolic shapes for
+    all of them); returns how many blocks were compiled."""
     blocks = repeated_blocks(denoiser)
     if not blocks:
         raise ConfigError(
@@ -63,10 +65,20 @@ def compile_blocks(denoiser: nn.Module, num_shapes: int) -> int:
     config.recompile_limit = max(config.recompile_limit, needed)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, needed * 8)
     for block in blocks:
-        block.compile(dynamic=False)
-    logger.info("training.compile: %d %s blocks compiled with torch.compile, once per bucket shape (%d shape%s).",
-                len(blocks), type(blocks[0]).__name__, num_shapes, "" if num_shapes == 1 else "s")
+        block.compile(dynamic=dynamic)
+    plural = "" if num_shapes == 1 else "s"
+    how = (f"once with dynamic shapes for the {num_shapes} bucket shape{plural}" if dynamic
+           else f"once per bucket shape ({num_shapes} shape{plural}), each when its first batch comes")
+    logger.info("training.compile: %d %s blocks compiled with torch.compile, %s.", len(blocks),
+                type(blocks[0]).__name__, how)
     return len(blocks)
+
+
+def compile_note(seconds: float, step: int, shapes: Iterable[tuple[int, int, int]]) -> str:
+    """The line announcing a step that compiled: how long it took and the bucket shapes of its micro-batches."""
+    described = ", ".join(dict.fromkeys(f"{frames}x{height}x{width}" for frames, height, width in shapes))
+    return (f"training.compile: {seconds:.1f} s compiling during step {step}, for bucket shape {described} "
+            "(frames x height x width; not counted in its seconds_per_step).")
 
 
 def compile_seconds() -> float:

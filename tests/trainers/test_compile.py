@@ -8,18 +8,31 @@ import pytest
 import torch
 
 from vidtune.compile import repeated_blocks
+from vidtune.data.synthetic import render_mixed_dataset
+from vidtune.errors import ConfigError
 from vidtune.memory.float8 import Float8StorageLinear
 from vidtune.trainers import build_trainer
 
 # Inductor fuses and reorders float32 reductions: equal to eager up to rounding, not bit for bit.
 LOSS_RTOL = 1e-4
+# Enough steps for each of two buckets to come at least twice.
+STEPS_OVER_BUCKETS = 8
 
 
-def run_losses(make_config, tmp_path, name: str, memory: dict | None = None,
-               **training) -> tuple[list[float], list[dict], object]:
-    config = make_config("ltx-video", training={"steps": 3, **training}, memory=memory or {},
+def run_losses(make_config, tmp_path, name: str, memory: dict | None = None, data: dict | None = None,
+               shapes: list | None = None, **training) -> tuple[list[float], list[dict], object]:
+    """Losses, metrics rows and the trainer of a short run; `shapes` collects each batch's latent shape."""
+    config = make_config("ltx-video", training={"steps": 3, **training}, memory=memory or {}, data=data or {},
                          output_dir=str(tmp_path / name))
     trainer = build_trainer(config)
+    if shapes is not None:
+        compute_loss = trainer.compute_loss
+
+        def recording(batch):
+            shapes.append(tuple(batch.latents["latents_mean"].shape))
+            return compute_loss(batch)
+
+        trainer.compute_loss = recording
     result = trainer.run()
     rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     return result.losses, rows, trainer
@@ -79,3 +92,35 @@ def test_compiled_lora_over_fp8_base_weights_matches_fp8_eager(make_config, tmp_
     inside = blocks[0].get_submodule("attn1.to_q.base_layer")
     assert isinstance(inside, Float8StorageLinear) and not hasattr(inside, "_diffusers_hook")
     assert trainer.denoiser.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_compiled_training_over_two_buckets_compiles_once_per_shape(make_config, tmp_path, capsys):
+    """Landscape and square buckets (the portrait clips go to the square one) take turns: each shape is compiled
+    on its first batch and never again, the log names the shape and the time, and the losses are eager's."""
+    from torch._dynamo.utils import counters
+
+    datasets = render_mixed_dataset(tmp_path / "data", stills=False)
+    data = {"datasets": datasets, "root": None, "buckets": [[9, 32, 64], [9, 32, 32]]}
+    eager, _, _ = run_losses(make_config, tmp_path, "eager", data=data, steps=STEPS_OVER_BUCKETS)
+    torch._dynamo.reset()
+    capsys.readouterr()
+    graphs = counters["stats"]["unique_graphs"]
+    shapes: list[tuple[int, ...]] = []
+    compiled, rows, _ = run_losses(make_config, tmp_path, "compiled", data=data, steps=STEPS_OVER_BUCKETS,
+                                   compile=True, shapes=shapes)
+    assert compiled == pytest.approx(eager, rel=LOSS_RTOL)
+    assert len(set(shapes)) == 2 and all(shapes.count(shape) >= 2 for shape in shapes), shapes
+    # Per shape, two graphs shared by the blocks (all of one class): the first block's input carries no gradient,
+    # the others' do. Both made in the step a shape first came, none when it came again.
+    assert counters["stats"]["unique_graphs"] - graphs == 2 * 2
+    first_steps = sorted(shapes.index(shape) + 1 for shape in set(shapes))
+    assert [row["step"] for row in rows if "compile_seconds" in row] == first_steps
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("training.compile:")]
+    assert [note.split("during step ")[1].split(",")[0] for note in notes] == [str(step) for step in first_steps]
+    assert {note.split("for bucket shape ")[1].split(" ")[0] for note in notes} == {"9x32x64", "9x32x32"}
+
+
+def test_dynamic_shapes_without_compile_are_refused(make_config):
+    with pytest.raises(ConfigError, match=r"training\.compile_dynamic=true needs training\.compile=true"):
+        make_config(training={"compile_dynamic": True})

@@ -38,7 +38,7 @@ from torch import nn
 from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
 from vidtune.attention import resolve_attention_backend, set_attention_backend
-from vidtune.compile import compile_blocks, compile_seconds, eager
+from vidtune.compile import compile_blocks, compile_note, compile_seconds, eager
 from vidtune.config import Config, write_resolved_config
 from vidtune.data.buckets import check_bucket_shapes, visit_generator
 from vidtune.data.overview import write_dataset_overview
@@ -95,6 +95,7 @@ class StepOutcome:
     stopped_by: signal.Signals | None  # the signal every rank stops on after this step, if any
     seconds: float  # without the time spent compiling (training.compile)
     compile_seconds: float = 0.0
+    shapes: tuple[tuple[int, int, int], ...] = ()  # the bucket shape of each micro-batch
 
 
 @dataclass
@@ -197,8 +198,7 @@ class Trainer(ABC):
                     outcome = self.train_step(stream, parameters, stop)
                     stopped_by = outcome.stopped_by
                     if outcome.compile_seconds > 0 and parallel.is_main():
-                        print(f"training.compile: {outcome.compile_seconds:.1f} s compiling during step {state.step} "
-                              "(not counted in its seconds_per_step).", flush=True)
+                        print(compile_note(outcome.compile_seconds, state.step, outcome.shapes), flush=True)
                     if outcome.finite and self.due(self.config.logging.log_every, final=True):
                         log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds,
                                    self.clips_per_step * parallel.world_size(), outcome.compile_seconds)
@@ -246,9 +246,12 @@ class Trainer(ABC):
         state, accumulation = self.state, self.config.training.gradient_accumulation
         started, compiled_before = time.perf_counter(), compile_seconds()
         step_loss = torch.zeros((), device=self.device)
+        shapes = []
         for micro in range(accumulation):
+            batch = next(stream)
+            shapes.append(self.config.data.bucket_shapes()[self.clips[int(batch.indices[0])].bucket or 0])
             # Under torchrun the gradients are averaged once per step, on the last micro-batch.
-            step_loss += self.forward_backward(next(stream), sync=micro == accumulation - 1)
+            step_loss += self.forward_backward(batch, sync=micro == accumulation - 1)
         if state.step == self.first_step:
             self.check_every_parameter_trains(parameters)
         norm = self.clip_gradients(parameters)
@@ -268,7 +271,7 @@ class Trainer(ABC):
         state.apply_update(finite)
         compiling = compile_seconds() - compiled_before
         return StepOutcome(loss, grad_norm, finite, agreed_stop(stop, stop_counts),
-                           time.perf_counter() - started - compiling, compiling)
+                           time.perf_counter() - started - compiling, compiling, tuple(shapes))
 
     def forward_backward(self, batch: Batch, sync: bool) -> torch.Tensor:
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
@@ -410,7 +413,7 @@ class Trainer(ABC):
         # The kernel before compiling, so the compiled blocks call it; both after the adapter and base weights.
         set_attention_backend(self.denoiser, self.attention_backend, self.spec.name)
         if self.config.training.compile:
-            compile_blocks(self.denoiser, len(self.config.data.bucket_shapes()))
+            compile_blocks(self.denoiser, len(self.config.data.bucket_shapes()), self.config.training.compile_dynamic)
         if load_on != self.device:
             self.denoiser.to(self.device)
         return parameters

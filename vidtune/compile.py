@@ -2,16 +2,25 @@
 
 Compiling each repeated block instead of the whole denoiser keeps the compile time to one block's graph (seconds
 to a few minutes), reused by every block of the same class: with torch's default of inlining nn.Module calls, the
-parameters are graph inputs, so one compiled graph serves all of them. It is done after the adapter is added and
-the base weights are stored (int8, fp8), so LoRA layers and quantized weights are traced with the block, and
-before DDP / FSDP wrap the denoiser. fp8 storage inside the blocks is an upcast within each linear layer's forward
-(vidtune/memory/float8.py) rather than diffusers' hooks, whose in-place casts a compiled backward cannot follow.
-Gradient checkpointing keeps working: diffusers calls the (compiled) block inside
+parameters are graph inputs, so one compiled graph serves all of them (two in fact: the first block's input
+carries no gradient). It is done after the adapter is added and the base weights are stored (int8, fp8), so LoRA
+layers and quantized weights are traced with the block. fp8 storage inside the blocks is an upcast within each
+linear layer's forward (vidtune/memory/float8.py) rather than diffusers' hooks, whose in-place casts a compiled
+backward cannot follow. Gradient checkpointing keeps working: diffusers calls the (compiled) block inside
 torch.utils.checkpoint.
 
-Shapes: each bucket shape is compiled once (static shapes give the fastest kernels and a run has a handful of
-buckets); the recompile limit is raised to allow it, and the log says how many compilations to expect. The time
-spent compiling is measured from torch's own compile metrics and reported apart from the step time.
+Parallel runs: the blocks are compiled before DDP wraps the denoiser or FSDP2 shards it (torchtitan's order).
+DDP only sees the compiled blocks as modules of the one it wraps, so its gradient hooks stay outside the graphs
+(no DDPOptimizer graph splitting, which only applies when the DDP module itself is compiled). `fully_shard`
+puts its all-gather / reshard hooks around each compiled block; FSDP2 marks them `torch._dynamo.disable`, so they
+run eagerly and a block's graph sees its gathered, unsharded weights.
+
+Shapes: each bucket shape is compiled on its first batch (static shapes give the fastest kernels and a run has a
+handful of buckets); a block sees only the number of latent tokens, so bucket shapes of equal token count share
+one compilation. The recompile limit is raised to allow them all. `training.compile_dynamic` compiles once with
+symbolic shapes instead: one (slower) compilation for all buckets, slower steps (docs/benchmarks.md). The time
+spent compiling is measured from torch's own compile metrics, reported apart from the step time, and logged with
+the bucket shapes of the step it happened in.
 
 Validation samples run eagerly (`eager`): sampling shapes (guidance doubles the batch, other sizes) would each
 cost a compilation for a few denoising steps.
@@ -68,7 +77,7 @@ def compile_blocks(denoiser: nn.Module, num_shapes: int, dynamic: bool = False) 
         block.compile(dynamic=dynamic)
     plural = "" if num_shapes == 1 else "s"
     how = (f"once with dynamic shapes for the {num_shapes} bucket shape{plural}" if dynamic
-           else f"once per bucket shape ({num_shapes} shape{plural}), each when its first batch comes")
+           else f"at most once per bucket shape ({num_shapes} shape{plural}), each when its first batch comes")
     logger.info("training.compile: %d %s blocks compiled with torch.compile, %s.", len(blocks),
                 type(blocks[0]).__name__, how)
     return len(blocks)

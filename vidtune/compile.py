@@ -33,6 +33,7 @@ import logging
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.fx.experimental._config
 from torch import nn
 
 from vidtune.errors import ConfigError
@@ -73,6 +74,10 @@ def compile_blocks(denoiser: nn.Module, num_shapes: int, dynamic: bool = False) 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, needed)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, needed * 8)
+    if dynamic:
+        # Duck sizing would tie every two sizes that happen to be equal at the first shape (the token count and
+        # a channel count, say) and compile again when a bucket parts them.
+        torch.fx.experimental._config.use_duck_shape = False
     for block in blocks:
         block.compile(dynamic=dynamic)
     plural = "" if num_shapes == 1 else "s"

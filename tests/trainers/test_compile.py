@@ -94,31 +94,48 @@ def test_compiled_lora_over_fp8_base_weights_matches_fp8_eager(make_config, tmp_
     assert trainer.denoiser.dtype == torch.float32
 
 
-@pytest.mark.slow
-def test_compiled_training_over_two_buckets_compiles_once_per_shape(make_config, tmp_path, capsys):
-    """Landscape and square buckets (the portrait clips go to the square one) take turns: each shape is compiled
-    on its first batch and never again, the log names the shape and the time, and the losses are eager's."""
+def compiled_over_buckets(make_config, tmp_path, capsys, name: str, data: dict, **training):
+    """A compiled run over several buckets: its losses, the bucket shape of each step, the graphs dynamo made,
+    the steps that logged compile time, and the compile lines it printed as (step, bucket shape)."""
     from torch._dynamo.utils import counters
 
-    datasets = render_mixed_dataset(tmp_path / "data", stills=False)
-    data = {"datasets": datasets, "root": None, "buckets": [[9, 32, 64], [9, 32, 32]]}
-    eager, _, _ = run_losses(make_config, tmp_path, "eager", data=data, steps=STEPS_OVER_BUCKETS)
     torch._dynamo.reset()
     capsys.readouterr()
     graphs = counters["stats"]["unique_graphs"]
     shapes: list[tuple[int, ...]] = []
-    compiled, rows, _ = run_losses(make_config, tmp_path, "compiled", data=data, steps=STEPS_OVER_BUCKETS,
-                                   compile=True, shapes=shapes)
-    assert compiled == pytest.approx(eager, rel=LOSS_RTOL)
+    losses, rows, _ = run_losses(make_config, tmp_path, name, data=data, steps=STEPS_OVER_BUCKETS, compile=True,
+                                 shapes=shapes, **training)
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("training.compile:")]
+    said = [(int(note.split("during step ")[1].split(",")[0]), note.split("for bucket shape ")[1].split(" ")[0])
+            for note in notes]
+    compiled_steps = [row["step"] for row in rows if "compile_seconds" in row]
+    return losses, shapes, counters["stats"]["unique_graphs"] - graphs, compiled_steps, said
+
+
+@pytest.mark.slow
+def test_compiled_training_over_two_buckets_compiles_once_per_shape_or_once_dynamic(make_config, tmp_path, capsys):
+    """Landscape and square buckets (the portrait clips go to the square one) take turns. Static shapes: each
+    shape is compiled on its first batch and never again; dynamic shapes (training.compile_dynamic): once for
+    both. The log names the step, the bucket shape and the time; the losses are eager's."""
+    datasets = render_mixed_dataset(tmp_path / "data", stills=False)
+    data = {"datasets": datasets, "root": None, "buckets": [[9, 32, 64], [9, 32, 32]]}
+    eager, _, _ = run_losses(make_config, tmp_path, "eager", data=data, steps=STEPS_OVER_BUCKETS)
+
+    losses, shapes, graphs, compiled_steps, said = compiled_over_buckets(make_config, tmp_path, capsys, "static",
+                                                                         data)
+    assert losses == pytest.approx(eager, rel=LOSS_RTOL)
     assert len(set(shapes)) == 2 and all(shapes.count(shape) >= 2 for shape in shapes), shapes
     # Per shape, two graphs shared by the blocks (all of one class): the first block's input carries no gradient,
     # the others' do. Both made in the step a shape first came, none when it came again.
-    assert counters["stats"]["unique_graphs"] - graphs == 2 * 2
+    assert graphs == 2 * 2
     first_steps = sorted(shapes.index(shape) + 1 for shape in set(shapes))
-    assert [row["step"] for row in rows if "compile_seconds" in row] == first_steps
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("training.compile:")]
-    assert [note.split("during step ")[1].split(",")[0] for note in notes] == [str(step) for step in first_steps]
-    assert {note.split("for bucket shape ")[1].split(" ")[0] for note in notes} == {"9x32x64", "9x32x32"}
+    assert compiled_steps == first_steps == [step for step, _ in said]
+    assert {shape for _, shape in said} == {"9x32x64", "9x32x32"}
+
+    losses, shapes, graphs, compiled_steps, said = compiled_over_buckets(make_config, tmp_path, capsys, "dynamic",
+                                                                         data, compile_dynamic=True)
+    assert losses == pytest.approx(eager, rel=LOSS_RTOL)
+    assert graphs == 2 and compiled_steps == [1] and [step for step, _ in said] == [1]
 
 
 def test_dynamic_shapes_without_compile_are_refused(make_config):

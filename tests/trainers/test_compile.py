@@ -55,7 +55,7 @@ def test_compiled_lora_with_gradient_checkpointing_matches_eager(make_config, tm
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("base_weights", ["auto", "int8"])
+@pytest.mark.parametrize("base_weights", ["auto", "int8", "fp8"])
 def test_compiled_bf16_training_on_cuda_matches_eager(make_config, tmp_path, base_weights):
     """On CUDA, bf16: compiled blocks with the kernel `auto` picks, over frozen base weights of each storage."""
     cuda = {"device": "cuda", "precision": "bf16", "gradient_checkpointing": True}

@@ -15,6 +15,9 @@ from vidtune.trainers import build_trainer
 
 # Inductor fuses and reorders float32 reductions: equal to eager up to rounding, not bit for bit.
 LOSS_RTOL = 1e-4
+# Over fp8 base weights, the compiled run's rounding differences grow through Adam's updates to 1.3e-4 at step 8
+# (measured); the first steps stay within LOSS_RTOL. fp8 storage itself moves the losses by 1.5e-3 (docs/memory.md).
+FP8_LOSS_RTOL = 5e-4
 # Enough steps for each of two buckets to come at least twice.
 STEPS_OVER_BUCKETS = 8
 
@@ -68,23 +71,51 @@ def test_compiled_bf16_training_on_cuda_matches_eager(make_config, tmp_path, bas
     assert trainer.attention_backend in ("_flash_3", "flash", "native")
 
 
-@pytest.mark.slow
-def test_compiled_lora_over_fp8_base_weights_matches_fp8_eager(make_config, tmp_path):
-    """fp8 storage inside compiled blocks: the upcast is in each linear layer's forward (traced with the block),
-    the layers outside the blocks keep diffusers' layerwise casting; both hold the same float8 values."""
+def compiled_over_buckets(make_config, tmp_path, capsys, name: str, data: dict, **settings):
+    """A compiled run over several buckets: its losses, its trainer, the latent shape of each step, the graphs
+    dynamo made, the steps that logged compile time, and the compile lines it printed as (step, bucket shape)."""
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    capsys.readouterr()
+    graphs = counters["stats"]["unique_graphs"]
+    shapes: list[tuple[int, ...]] = []
+    losses, rows, trainer = run_losses(make_config, tmp_path, name, data=data, steps=STEPS_OVER_BUCKETS,
+                                       compile=True, shapes=shapes, **settings)
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("training.compile:")]
+    said = [(int(note.split("during step ")[1].split(",")[0]), note.split("for bucket shape ")[1].split(" ")[0])
+            for note in notes]
+    compiled_steps = [row["step"] for row in rows if "compile_seconds" in row]
+    return losses, trainer, shapes, counters["stats"]["unique_graphs"] - graphs, compiled_steps, said
+
+
+def float8_weights(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in denoiser.named_parameters() if p.dtype == torch.float8_e4m3fn}
+
+
+@pytest.mark.slow
+def test_compiled_lora_over_fp8_weights_and_two_buckets_matches_eager_compiling_once_per_shape(
+        make_config, tmp_path, capsys):
+    """One run covers fp8 storage and buckets (each compilation costs tens of seconds on a CPU).
+
+    fp8 inside compiled blocks: each linear layer upcasts in its own forward (traced with the block), the layers
+    outside keep diffusers' layerwise casting; the same float8 values as the eager run's. Buckets: landscape and
+    square (the portrait clips go to the square one) take turns. Static shapes: each shape compiled on its first
+    batch and never again; dynamic shapes (training.compile_dynamic): once for both. The log names the step, the
+    bucket shape and the time; the losses are eager's."""
+    datasets = render_mixed_dataset(tmp_path / "data", stills=False)
+    data = {"datasets": datasets, "root": None, "buckets": [[9, 32, 64], [9, 32, 32]]}
     fp8 = {"base_weights": "fp8"}
-    eager, _, plain = run_losses(make_config, tmp_path, "eager", memory=fp8)
-    compiled, rows, trainer = run_losses(make_config, tmp_path, "compiled", memory=fp8, compile=True)
-    assert compiled == pytest.approx(eager, rel=LOSS_RTOL)
-    assert rows[0]["compile_seconds"] > 0
+    eager, _, plain = run_losses(make_config, tmp_path, "eager", data=data, memory=fp8, steps=STEPS_OVER_BUCKETS)
+
+    losses, trainer, shapes, graphs, compiled_steps, said = compiled_over_buckets(make_config, tmp_path, capsys,
+                                                                                  "static", data, memory=fp8)
+    assert losses[:3] == pytest.approx(eager[:3], rel=LOSS_RTOL)
+    assert losses == pytest.approx(eager, rel=FP8_LOSS_RTOL)
     blocks = repeated_blocks(trainer.denoiser)
     assert blocks and all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks)
     # The same layers in float8, and the same values in them, as in the eager run.
-    def stored(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {name: p for name, p in denoiser.named_parameters() if p.dtype == torch.float8_e4m3fn}
-
-    eager_weights, compiled_weights = stored(plain.denoiser), stored(trainer.denoiser)
+    eager_weights, compiled_weights = float8_weights(plain.denoiser), float8_weights(trainer.denoiser)
     assert eager_weights.keys() == compiled_weights.keys()
     assert any(".to_q.base_layer." in name for name in compiled_weights)
     assert all(torch.equal(compiled_weights[n].float(), eager_weights[n].float()) for n in eager_weights)
@@ -93,37 +124,6 @@ def test_compiled_lora_over_fp8_base_weights_matches_fp8_eager(make_config, tmp_
     assert isinstance(inside, Float8StorageLinear) and not hasattr(inside, "_diffusers_hook")
     assert trainer.denoiser.dtype == torch.float32
 
-
-def compiled_over_buckets(make_config, tmp_path, capsys, name: str, data: dict, **training):
-    """A compiled run over several buckets: its losses, the bucket shape of each step, the graphs dynamo made,
-    the steps that logged compile time, and the compile lines it printed as (step, bucket shape)."""
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    capsys.readouterr()
-    graphs = counters["stats"]["unique_graphs"]
-    shapes: list[tuple[int, ...]] = []
-    losses, rows, _ = run_losses(make_config, tmp_path, name, data=data, steps=STEPS_OVER_BUCKETS, compile=True,
-                                 shapes=shapes, **training)
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("training.compile:")]
-    said = [(int(note.split("during step ")[1].split(",")[0]), note.split("for bucket shape ")[1].split(" ")[0])
-            for note in notes]
-    compiled_steps = [row["step"] for row in rows if "compile_seconds" in row]
-    return losses, shapes, counters["stats"]["unique_graphs"] - graphs, compiled_steps, said
-
-
-@pytest.mark.slow
-def test_compiled_training_over_two_buckets_compiles_once_per_shape_or_once_dynamic(make_config, tmp_path, capsys):
-    """Landscape and square buckets (the portrait clips go to the square one) take turns. Static shapes: each
-    shape is compiled on its first batch and never again; dynamic shapes (training.compile_dynamic): once for
-    both. The log names the step, the bucket shape and the time; the losses are eager's."""
-    datasets = render_mixed_dataset(tmp_path / "data", stills=False)
-    data = {"datasets": datasets, "root": None, "buckets": [[9, 32, 64], [9, 32, 32]]}
-    eager, _, _ = run_losses(make_config, tmp_path, "eager", data=data, steps=STEPS_OVER_BUCKETS)
-
-    losses, shapes, graphs, compiled_steps, said = compiled_over_buckets(make_config, tmp_path, capsys, "static",
-                                                                         data)
-    assert losses == pytest.approx(eager, rel=LOSS_RTOL)
     assert len(set(shapes)) == 2 and all(shapes.count(shape) >= 2 for shape in shapes), shapes
     # Per shape, two graphs shared by the blocks (all of one class): the first block's input carries no gradient,
     # the others' do. Both made in the step a shape first came, none when it came again.
@@ -132,9 +132,10 @@ def test_compiled_training_over_two_buckets_compiles_once_per_shape_or_once_dyna
     assert compiled_steps == first_steps == [step for step, _ in said]
     assert {shape for _, shape in said} == {"9x32x64", "9x32x32"}
 
-    losses, shapes, graphs, compiled_steps, said = compiled_over_buckets(make_config, tmp_path, capsys, "dynamic",
-                                                                         data, compile_dynamic=True)
-    assert losses == pytest.approx(eager, rel=LOSS_RTOL)
+    losses, _, _, graphs, compiled_steps, said = compiled_over_buckets(make_config, tmp_path, capsys, "dynamic",
+                                                                       data, memory=fp8, compile_dynamic=True)
+    assert losses[:3] == pytest.approx(eager[:3], rel=LOSS_RTOL)
+    assert losses == pytest.approx(eager, rel=FP8_LOSS_RTOL)
     assert graphs == 2 and compiled_steps == [1] and [step for step, _ in said] == [1]
 
 

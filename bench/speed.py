@@ -12,8 +12,8 @@ as `compile_seconds`, summed here). The compiled run's losses are compared with 
   in bf16; the latents have the real VAE's shape (128 channels, 7x16x24). Meant for a GPU (`--device cuda`).
 
 `--buckets F H W F H W ...`: batches of these bucket shapes in turn (one clip of each), to compare compiling once
-per bucket shape (`training.compile`) with compiling once with dynamic shapes (`training.compile_dynamic`): both
-runs are added, and each compiled run's compile time is printed.
+per bucket shape (what `training.compile` does) with compiling once with dynamic shapes (`compile_blocks(...,
+dynamic=True)`, swapped in for that run): both runs are added, and each compiled run's compile time is printed.
 
     python bench/speed.py [--steps 30] [--rounds 3]
     python bench/speed.py --device cuda --size ltx-2b --steps 20 --rounds 2
@@ -31,7 +31,9 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -39,6 +41,7 @@ import torch
 from peft import LoraConfig
 
 from vidtune.attention import CPU_BACKENDS, available_backend_names, resolve_attention_backend
+from vidtune.compile import compile_blocks
 from vidtune.config import build_config
 from vidtune.data.stream import Batch, BatchSource
 from vidtune.data.synthetic import render_shapes_dataset
@@ -124,7 +127,7 @@ def write_model(folder: Path, size: str) -> Path:
 
 
 def make_config(model: Path, data: list[Path], output: Path, steps: int, device: str, sizes: list[Size],
-                clip: bool = True, compile: bool = False, dynamic: bool = False, backend: str = "auto"):
+                clip: bool = True, compile: bool = False, backend: str = "auto"):
     """One clip folder and size, or (buckets) one folder per bucket shape."""
     if len(sizes) == 1:
         size = sizes[0]
@@ -136,8 +139,7 @@ def make_config(model: Path, data: list[Path], output: Path, steps: int, device:
         "model": {"name": "ltx-video", "pretrained": str(model), "attention_backend": backend},
         "data": {**shape, "num_workers": 0},
         "training": {"steps": steps, "batch_size": 1, "learning_rate": 1e-4, "precision": sizes[0].precision,
-                     "device": device, "max_grad_norm": 1.0 if clip else None, "compile": compile,
-                     "compile_dynamic": dynamic},
+                     "device": device, "max_grad_norm": 1.0 if clip else None, "compile": compile},
         "checkpoint": {"every": 0, "keep": 1},
         "validation": {"enabled": False},
         "logging": {"progress": False},
@@ -161,11 +163,14 @@ def fixed_tensors(probe: PrecomputedLoRATrainer, size: Size, index: int = 0) -> 
     return conditions, probe.spec.prepare_latents(vae, video)
 
 
-def trainer_run(config, tensors) -> tuple[list[float], list[float], float]:
-    """(seconds per step after the warm-up, every logged loss, seconds spent compiling)."""
+def trainer_run(config, tensors, dynamic: bool = False) -> tuple[list[float], list[float], float]:
+    """(seconds per step after the warm-up, every logged loss, seconds spent compiling); `dynamic`: the blocks
+    compiled once with dynamic shapes instead of once per shape."""
     trainer = PrecomputedLoRATrainer(config)
     trainer.tensors = tensors
-    trainer.run()
+    compiling = partial(compile_blocks, dynamic=True) if dynamic else compile_blocks
+    with mock.patch("vidtune.trainers.base.compile_blocks", compiling):
+        trainer.run()
     rows = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
     # Each bucket's first step is a warm-up too (its first compiled kernels run there).
     warmup = max(WARMUP, len(tensors))
@@ -273,9 +278,11 @@ def main() -> None:
             if name in failed:
                 continue
             output = work / f"{name.replace(' ', '-')}-{round_index}"
+            settings = {key: value for key, value in options.items() if key != "dynamic"}
             try:
                 seconds, run_losses, compiling = trainer_run(
-                    make_config(model, data, output, args.steps, args.device, sizes, **options), tensors)
+                    make_config(model, data, output, args.steps, args.device, sizes, **settings), tensors,
+                    dynamic=options.get("dynamic", False))
             except Exception as error:  # a backend that fails here is reported, the others still measured
                 failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                 traceback.print_exc()

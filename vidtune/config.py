@@ -233,11 +233,6 @@ class TrainingConfig(Section):
         "full fine-tuning, gradient checkpointing, memory.base_weights (fp8, int8), DDP and FSDP. Validation "
         "samples run eagerly.",
     )
-    compile_dynamic: bool = Field(
-        False,
-        description="With training.compile: compile the blocks once with dynamic shapes for every bucket shape, "
-        "instead of once per shape with static ones (docs/benchmarks.md compares them).",
-    )
     sigma_sampling: Literal["uniform", "logit_normal"] = Field(
         "logit_normal", description="How training noise levels are drawn; unset: the family's (docs/models.md)."
     )
@@ -267,13 +262,6 @@ class TrainingConfig(Section):
         description="Steps with a NaN/inf loss or gradient that may be skipped (nothing applied) before the run "
         "stops; 0 stops at the first one. A skipped step still counts towards `steps`.",
     )
-
-    @model_validator(mode="after")
-    def _compile_dynamic_needs_compile(self) -> TrainingConfig:
-        if self.compile_dynamic and not self.compile:
-            raise ValueError("training.compile_dynamic=true needs training.compile=true (it says how the blocks are "
-                             "compiled). What to do: set training.compile=true, or remove training.compile_dynamic.")
-        return self
 
 
 class OptimizerConfig(Section):

@@ -9,7 +9,6 @@ import torch
 
 from vidtune.compile import repeated_blocks
 from vidtune.data.synthetic import render_mixed_dataset
-from vidtune.errors import ConfigError
 from vidtune.memory.float8 import Float8StorageLinear
 from vidtune.trainers import build_trainer
 
@@ -100,9 +99,8 @@ def test_compiled_lora_over_fp8_weights_and_two_buckets_matches_eager_compiling_
 
     fp8 inside compiled blocks: each linear layer upcasts in its own forward (traced with the block), the layers
     outside keep diffusers' layerwise casting; the same float8 values as the eager run's. Buckets: landscape and
-    square (the portrait clips go to the square one) take turns. Static shapes: each shape compiled on its first
-    batch and never again; dynamic shapes (training.compile_dynamic): once for both. The log names the step, the
-    bucket shape and the time; the losses are eager's."""
+    square (the portrait clips go to the square one) take turns: each shape compiled on its first batch and never
+    again. The log names the step, the bucket shape and the time; the losses are eager's."""
     datasets = render_mixed_dataset(tmp_path / "data", stills=False)
     data = {"datasets": datasets, "root": None, "buckets": [[9, 32, 64], [9, 32, 32]]}
     fp8 = {"base_weights": "fp8"}
@@ -131,14 +129,3 @@ def test_compiled_lora_over_fp8_weights_and_two_buckets_matches_eager_compiling_
     first_steps = sorted(shapes.index(shape) + 1 for shape in set(shapes))
     assert compiled_steps == first_steps == [step for step, _ in said]
     assert {shape for _, shape in said} == {"9x32x64", "9x32x32"}
-
-    losses, _, _, graphs, compiled_steps, said = compiled_over_buckets(make_config, tmp_path, capsys, "dynamic",
-                                                                       data, memory=fp8, compile_dynamic=True)
-    assert losses[:3] == pytest.approx(eager[:3], rel=LOSS_RTOL)
-    assert losses == pytest.approx(eager, rel=FP8_LOSS_RTOL)
-    assert graphs == 2 and compiled_steps == [1] and [step for step, _ in said] == [1]
-
-
-def test_dynamic_shapes_without_compile_are_refused(make_config):
-    with pytest.raises(ConfigError, match=r"training\.compile_dynamic=true needs training\.compile=true"):
-        make_config(training={"compile_dynamic": True})

@@ -413,7 +413,7 @@ class Trainer(ABC):
         # The kernel before compiling, so the compiled blocks call it; both after the adapter and base weights.
         set_attention_backend(self.denoiser, self.attention_backend, self.spec.name)
         if self.config.training.compile:
-            compile_blocks(self.denoiser, len(self.config.data.bucket_shapes()), self.config.training.compile_dynamic)
+            compile_blocks(self.denoiser, len(self.config.data.bucket_shapes()))
         if load_on != self.device:
             self.denoiser.to(self.device)
         return parameters

@@ -19,9 +19,8 @@ Shapes: each bucket shape is compiled on its first batch (static shapes give the
 handful of buckets); a block sees only the number of latent tokens, so bucket shapes of equal token count share
 one compilation. The recompile limit is raised to allow them all. Compiling once with symbolic shapes
 (`dynamic`, kept for bench/speed.py --buckets) gave slower steps on the CPU and no clear saving in compile time
-(docs/benchmarks.md), so runs compile per shape. The time
-spent compiling is measured from torch's own compile metrics, reported apart from the step time, and logged with
-the bucket shapes of the step it happened in.
+(docs/benchmarks.md), so runs compile per shape. The time spent compiling is measured from torch's own compile
+metrics, reported apart from the step time, and logged with the bucket shapes of the step it happened in.
 
 Validation samples run eagerly (`eager`): sampling shapes (guidance doubles the batch, other sizes) would each
 cost a compilation for a few denoising steps.

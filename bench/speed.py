@@ -11,8 +11,13 @@ as `compile_seconds`, summed here). The compiled run's losses are compared with 
 - `--size ltx-2b`: the real LTX-Video 2B transformer (28 layers, 32 heads of 64; random weights) at 49x512x768
   in bf16; the latents have the real VAE's shape (128 channels, 7x16x24). Meant for a GPU (`--device cuda`).
 
+`--buckets F H W F H W ...`: batches of these bucket shapes in turn (one clip of each), to compare compiling once
+per bucket shape (what `training.compile` does) with compiling once with dynamic shapes (`compile_blocks(...,
+dynamic=True)`, swapped in for that run): both runs are added, and each compiled run's compile time is printed.
+
     python bench/speed.py [--steps 30] [--rounds 3]
     python bench/speed.py --device cuda --size ltx-2b --steps 20 --rounds 2
+    python bench/speed.py --buckets 17 64 64 17 64 96 17 96 64 --backends
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -34,6 +41,7 @@ import torch
 from peft import LoraConfig
 
 from vidtune.attention import CPU_BACKENDS, available_backend_names, resolve_attention_backend
+from vidtune.compile import compile_blocks
 from vidtune.config import build_config
 from vidtune.data.stream import Batch, BatchSource
 from vidtune.data.synthetic import render_shapes_dataset
@@ -66,15 +74,17 @@ SIZES = {
 
 
 class FixedBatches(BatchSource):
-    """The same precomputed tensors at every position of the stream."""
+    """The same precomputed tensors at every position of the stream; with several (one per bucket, clip i of
+    bucket i), each in turn."""
 
-    def __init__(self, tensors: tuple[dict, dict]) -> None:
+    def __init__(self, tensors: list[tuple[dict, dict]]) -> None:
         self.tensors = tensors
 
     def batches(self, start_position: int):
         position = start_position
         while True:
-            yield Batch(*self.tensors, positions=torch.tensor([position]), indices=torch.tensor([0]))
+            index = position % len(self.tensors)
+            yield Batch(*self.tensors[index], positions=torch.tensor([position]), indices=torch.tensor([index]))
             position += 1
 
     def loader(self, sampler):
@@ -89,7 +99,7 @@ class FixedBatches(BatchSource):
 class PrecomputedLoRATrainer(LoRATrainer):
     """The real trainer, fed the same precomputed tensors as the bare loop (no decoding, no encoders)."""
 
-    tensors: tuple[dict, dict]
+    tensors: list[tuple[dict, dict]]
 
     def open_batch_source(self) -> BatchSource:
         return FixedBatches(self.tensors)
@@ -116,13 +126,19 @@ def write_model(folder: Path, size: str) -> Path:
     return folder
 
 
-def make_config(model: Path, data: Path, output: Path, steps: int, device: str, size: Size, clip: bool = True,
-                compile: bool = False, backend: str = "auto"):
+def make_config(model: Path, data: list[Path], output: Path, steps: int, device: str, sizes: list[Size],
+                clip: bool = True, compile: bool = False, backend: str = "auto"):
+    """One clip folder and size, or (buckets) one folder per bucket shape."""
+    if len(sizes) == 1:
+        size = sizes[0]
+        shape = {"root": str(data[0]), "frames": size.frames, "height": size.height, "width": size.width}
+    else:
+        shape = {"datasets": [{"type": "pairs", "root": str(folder)} for folder in data],
+                 "buckets": [[size.frames, size.height, size.width] for size in sizes]}
     return build_config({
         "model": {"name": "ltx-video", "pretrained": str(model), "attention_backend": backend},
-        "data": {"root": str(data), "frames": size.frames, "height": size.height, "width": size.width,
-                 "num_workers": 0},
-        "training": {"steps": steps, "batch_size": 1, "learning_rate": 1e-4, "precision": size.precision,
+        "data": {**shape, "num_workers": 0},
+        "training": {"steps": steps, "batch_size": 1, "learning_rate": 1e-4, "precision": sizes[0].precision,
                      "device": device, "max_grad_norm": 1.0 if clip else None, "compile": compile},
         "checkpoint": {"every": 0, "keep": 1},
         "validation": {"enabled": False},
@@ -131,11 +147,11 @@ def make_config(model: Path, data: Path, output: Path, steps: int, device: str, 
     })
 
 
-def fixed_tensors(probe: PrecomputedLoRATrainer, size: Size) -> tuple[dict, dict]:
-    """The conditions of the first caption and a VAE posterior: encoded from the first clip, or (a real-size
+def fixed_tensors(probe: PrecomputedLoRATrainer, size: Size, index: int = 0) -> tuple[dict, dict]:
+    """The conditions of clip `index`'s caption and a VAE posterior: encoded from that clip, or (a real-size
     latent shape) drawn at random in that shape."""
     text = probe.spec.load_text_components(probe.device)
-    conditions = probe.spec.prepare_conditions(text, [probe.clips[0].caption])
+    conditions = probe.spec.prepare_conditions(text, [probe.clips[index].caption])
     if size.latent_shape is not None:
         generator = torch.Generator().manual_seed(0)
         mean = torch.randn((1, *size.latent_shape), generator=generator).to(probe.device)
@@ -143,23 +159,28 @@ def fixed_tensors(probe: PrecomputedLoRATrainer, size: Size) -> tuple[dict, dict
     from vidtune.data.video import read_clip
 
     vae = probe.spec.load_vae(probe.device)
-    video = read_clip(probe.clips[0].video, size.frames, size.height, size.width)[None].to(probe.device)
+    video = read_clip(probe.clips[index].video, size.frames, size.height, size.width)[None].to(probe.device)
     return conditions, probe.spec.prepare_latents(vae, video)
 
 
-def trainer_run(config, tensors) -> tuple[list[float], list[float], float]:
-    """(seconds per step after the warm-up, every logged loss, seconds spent compiling)."""
+def trainer_run(config, tensors, dynamic: bool = False) -> tuple[list[float], list[float], float]:
+    """(seconds per step after the warm-up, every logged loss, seconds spent compiling); `dynamic`: the blocks
+    compiled once with dynamic shapes instead of once per shape."""
     trainer = PrecomputedLoRATrainer(config)
     trainer.tensors = tensors
-    trainer.run()
+    compiling = partial(compile_blocks, dynamic=True) if dynamic else compile_blocks
+    with mock.patch("vidtune.trainers.base.compile_blocks", compiling):
+        trainer.run()
     rows = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
-    return ([row["seconds_per_step"] for row in rows[WARMUP:]], [row["loss"] for row in rows],
+    # Each bucket's first step is a warm-up too (its first compiled kernels run there).
+    warmup = max(WARMUP, len(tensors))
+    return ([row["seconds_per_step"] for row in rows[warmup:]], [row["loss"] for row in rows],
             sum(row.get("compile_seconds", 0.0) for row in rows))
 
 
-def bare_step_times(spec, denoiser_factory, tensors, steps: int, lora: LoraConfig, device: torch.device,
-                    bf16: bool) -> list[float]:
-    conditions, latents = tensors
+def bare_step_times(spec, denoiser_factory, tensors: list[tuple[dict, dict]], steps: int, lora: LoraConfig,
+                    device: torch.device, bf16: bool) -> list[float]:
+    """A hand-written LoRA loop over the same tensors (several: one per bucket, in turn)."""
     denoiser = denoiser_factory()
     denoiser.requires_grad_(False)
     denoiser.add_adapter(lora)
@@ -167,10 +188,11 @@ def bare_step_times(spec, denoiser_factory, tensors, steps: int, lora: LoraConfi
     for parameter in parameters:
         parameter.data = parameter.data.float()
     optimizer = torch.optim.AdamW(parameters, lr=1e-4)
-    x0 = latents["latents_mean"].float()
     times = []
-    for _ in range(steps):
+    for step in range(steps):
+        conditions, latents = tensors[step % len(tensors)]
         started = time.perf_counter()
+        x0 = latents["latents_mean"].float()
         sigma = torch.rand(1, device=device)
         noise = torch.randn_like(x0)
         noisy = (1 - sigma) * x0 + sigma * noise
@@ -183,7 +205,7 @@ def bare_step_times(spec, denoiser_factory, tensors, steps: int, lora: LoraConfi
         if device.type == "cuda":
             torch.cuda.synchronize()  # what the trainer's logged loss costs it, once a step
         times.append(time.perf_counter() - started)
-    return times[WARMUP:]
+    return times[max(WARMUP, len(tensors)):]
 
 
 def training_backends(device: torch.device) -> list[str]:
@@ -211,29 +233,43 @@ def main() -> None:
     parser.add_argument("--backends", nargs="*", help="attention backends to time (default: every usable one)")
     parser.add_argument("--shape", type=int, nargs=3, metavar=("FRAMES", "HEIGHT", "WIDTH"),
                         help="another clip shape than the size's (a quick check of the script)")
+    parser.add_argument("--buckets", type=int, nargs="+", metavar="F H W",
+                        help="several bucket shapes, frames height width each, trained in turn")
     args = parser.parse_args()
     size, device = SIZES[args.size], torch.device(args.device)
     if args.shape:
         size = replace(size, frames=args.shape[0], height=args.shape[1], width=args.shape[2])
+    sizes = [size]
+    if args.buckets:
+        if len(args.buckets) % 3 or len(args.buckets) < 6:
+            parser.error("--buckets takes two or more shapes of three numbers: frames height width")
+        shapes = [args.buckets[i:i + 3] for i in range(0, len(args.buckets), 3)]
+        sizes = [replace(size, frames=f, height=h, width=w) for f, h, w in shapes]
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="vidtune-bench-speed-"))
     model = write_model(work / "model", args.size)
-    data = render_shapes_dataset(work / "data", num_clips=1, num_frames=size.frames, height=size.height,
-                                 width=size.width)
+    # One clip per bucket shape, each in a folder of its own (a source of the dataset, in bucket order).
+    data = [render_shapes_dataset(work / f"data-{index}", num_clips=1, num_frames=each.frames, height=each.height,
+                                  width=each.width, seed=index) for index, each in enumerate(sizes)]
 
-    probe = PrecomputedLoRATrainer(make_config(model, data, work / "probe", 1, args.device, size))
+    probe = PrecomputedLoRATrainer(make_config(model, data, work / "probe", 1, args.device, sizes))
     probe.check_inputs()
-    tensors = fixed_tensors(probe, size)
+    if [clip.bucket or 0 for clip in probe.clips] != list(range(len(sizes))):
+        raise SystemExit("--buckets: each shape needs its own aspect ratio (the clip of each shape must land in its "
+                         f"bucket; they landed in {[clip.bucket for clip in probe.clips]})")
+    tensors = [fixed_tensors(probe, each, index) for index, each in enumerate(sizes)]
     lora = LoraConfig(r=16, lora_alpha=16, target_modules=list(probe.spec.default_lora_targets))
     backends = args.backends if args.backends is not None else training_backends(device)
 
     runs: dict[str, dict] = {"trainer": {}, "trainer_no_clip": {"clip": False}}
     if not args.no_compile:
         runs["trainer_compiled"] = {"compile": True}
+        if len(sizes) > 1:
+            runs["trainer_compiled_dynamic"] = {"compile": True, "dynamic": True}
     runs.update({f"attention {name}": {"backend": name} for name in backends})
     times: dict[str, list[float]] = {"bare": [], **{name: [] for name in runs}}
     losses: dict[str, list[float]] = {}
-    compile_seconds: list[float] = []
+    compile_seconds: dict[str, float] = {}
     failed: dict[str, str] = {}
     for round_index in range(args.rounds):
         times["bare"] += bare_step_times(probe.spec, lambda: probe.spec.load_denoiser(probe.device), tensors,
@@ -242,9 +278,11 @@ def main() -> None:
             if name in failed:
                 continue
             output = work / f"{name.replace(' ', '-')}-{round_index}"
+            settings = {key: value for key, value in options.items() if key != "dynamic"}
             try:
                 seconds, run_losses, compiling = trainer_run(
-                    make_config(model, data, output, args.steps, args.device, size, **options), tensors)
+                    make_config(model, data, output, args.steps, args.device, sizes, **settings), tensors,
+                    dynamic=options.get("dynamic", False))
             except Exception as error:  # a backend that fails here is reported, the others still measured
                 failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
                 traceback.print_exc()
@@ -252,12 +290,13 @@ def main() -> None:
             times[name] += seconds
             losses.setdefault(name, run_losses)
             if options.get("compile") and round_index == 0:
-                compile_seconds.append(compiling)
+                compile_seconds[name] = compiling
 
     bare = statistics.median(times["bare"])
-    latents = tensors[1]["latents_mean"]
-    print(f"device {args.device}, size {args.size} ({size.frames}x{size.height}x{size.width}, {size.precision}), "
-          f"latent tokens per sample {latents[0, 0].numel()}, torch threads {torch.get_num_threads()}, "
+    described = ", ".join(f"{each.frames}x{each.height}x{each.width}" for each in sizes)
+    tokens = ", ".join(str(latents["latents_mean"][0, 0].numel()) for _, latents in tensors)
+    print(f"device {args.device}, size {args.size} ({described}, {size.precision}), "
+          f"latent tokens per sample {tokens}, torch threads {torch.get_num_threads()}, "
           f"{args.rounds} rounds of {args.steps} steps")
     print(f"{'run':28s} {'median ms/step':>15s} {'ratio to bare':>14s} {'to trainer':>11s}")
     print(f"{'bare loop':28s} {bare * 1000:15.1f} {1.0:14.3f}")
@@ -268,12 +307,13 @@ def main() -> None:
             continue
         value = statistics.median(times[name])
         print(f"{name:28s} {value * 1000:15.1f} {value / bare:14.3f} {value / trainer:11.3f}")
-    if compile_seconds:
-        print(f"compile time (first compiled run, not in its step times): {compile_seconds[0]:.1f} s")
-    if "trainer_compiled" in losses and "trainer" in losses:
-        eager, compiled = torch.tensor(losses["trainer"]), torch.tensor(losses["trainer_compiled"])
-        print(f"compiled vs eager losses over {len(eager)} steps: max relative difference "
-              f"{((compiled - eager).abs() / eager.abs()).max().item():.2e}")
+    for name, seconds in compile_seconds.items():
+        print(f"compile time of {name} (first round, not in its step times): {seconds:.1f} s")
+    for name in ("trainer_compiled", "trainer_compiled_dynamic"):
+        if name in losses and "trainer" in losses:
+            eager, compiled = torch.tensor(losses["trainer"]), torch.tensor(losses[name])
+            print(f"{name} vs eager losses over {len(eager)} steps: max relative difference "
+                  f"{((compiled - eager).abs() / eager.abs()).max().item():.2e}")
 
 
 if __name__ == "__main__":

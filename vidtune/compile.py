@@ -2,16 +2,25 @@
 
 Compiling each repeated block instead of the whole denoiser keeps the compile time to one block's graph (seconds
 to a few minutes), reused by every block of the same class: with torch's default of inlining nn.Module calls, the
-parameters are graph inputs, so one compiled graph serves all of them. It is done after the adapter is added and
-the base weights are stored (int8), so LoRA layers and quantized weights are traced with the block, and before
-DDP / FSDP wrap the denoiser. fp8 storage is refused with it (`check_compile`): its layerwise casting swaps each
-weight's storage back to fp8 after the layer runs, and a compiled backward reads the weight itself, by then fp8.
-Gradient checkpointing keeps working: diffusers calls the (compiled) block inside
+parameters are graph inputs, so one compiled graph serves all of them (two in fact: the first block's input
+carries no gradient). It is done after the adapter is added and the base weights are stored (int8, fp8), so LoRA
+layers and quantized weights are traced with the block. fp8 storage inside the blocks is an upcast within each
+linear layer's forward (vidtune/memory/float8.py) rather than diffusers' hooks, whose in-place casts a compiled
+backward cannot follow. Gradient checkpointing keeps working: diffusers calls the (compiled) block inside
 torch.utils.checkpoint.
 
-Shapes: each bucket shape is compiled once (static shapes give the fastest kernels and a run has a handful of
-buckets); the recompile limit is raised to allow it, and the log says how many compilations to expect. The time
-spent compiling is measured from torch's own compile metrics and reported apart from the step time.
+Parallel runs: the blocks are compiled before DDP wraps the denoiser or FSDP2 shards it (torchtitan's order).
+DDP only sees the compiled blocks as modules of the one it wraps, so its gradient hooks stay outside the graphs
+(no DDPOptimizer graph splitting, which only applies when the DDP module itself is compiled). `fully_shard`
+puts its all-gather / reshard hooks around each compiled block; FSDP2 marks them `torch._dynamo.disable`, so they
+run eagerly and a block's graph sees its gathered, unsharded weights.
+
+Shapes: each bucket shape is compiled on its first batch (static shapes give the fastest kernels and a run has a
+handful of buckets); a block sees only the number of latent tokens, so bucket shapes of equal token count share
+one compilation. The recompile limit is raised to allow them all. Compiling once with symbolic shapes
+(`dynamic`, kept for bench/speed.py --buckets) gave slower steps on the CPU and no clear saving in compile time
+(docs/benchmarks.md), so runs compile per shape. The time spent compiling is measured from torch's own compile
+metrics, reported apart from the step time, and logged with the bucket shapes of the step it happened in.
 
 Validation samples run eagerly (`eager`): sampling shapes (guidance doubles the batch, other sizes) would each
 cost a compilation for a few denoising steps.
@@ -21,28 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
+import torch.fx.experimental._config
 from torch import nn
 
-from vidtune.config import Config
 from vidtune.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# The graphs a block may need per bucket shape: training (grad on), and a no-grad forward (a distillation teacher).
-GRAPHS_PER_SHAPE = 2
-
-
-def check_compile(config: Config) -> None:
-    """Before any long work: the settings compiled blocks cannot train with."""
-    if config.training.compile and config.memory.base_weights == "fp8":
-        raise ConfigError(
-            "training.compile=true cannot train over memory.base_weights=fp8: fp8 storage casts each weight back to "
-            "fp8 right after its layer runs, and the compiled backward pass reads the weight itself, by then fp8.\n"
-            "What to do: keep fp8 and set training.compile=false, or compile with memory.base_weights=int8 (or auto)."
-        )
+# The graphs a block may need per bucket shape: training the first block (its input carries no gradient), training
+# the others, and a no-grad forward (a distillation teacher).
+GRAPHS_PER_SHAPE = 3
 
 
 def repeated_blocks(denoiser: nn.Module) -> list[nn.Module]:
@@ -60,8 +60,9 @@ def repeated_blocks(denoiser: nn.Module) -> list[nn.Module]:
     return list(largest)
 
 
-def compile_blocks(denoiser: nn.Module, num_shapes: int) -> int:
-    """Compile each transformer block in place; returns how many were compiled."""
+def compile_blocks(denoiser: nn.Module, num_shapes: int, dynamic: bool = False) -> int:
+    """Compile each transformer block in place, once per bucket shape (`dynamic`: once with symbolic shapes for
+    all of them); returns how many blocks were compiled."""
     blocks = repeated_blocks(denoiser)
     if not blocks:
         raise ConfigError(
@@ -73,11 +74,25 @@ def compile_blocks(denoiser: nn.Module, num_shapes: int) -> int:
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, needed)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, needed * 8)
+    if dynamic:
+        # Duck sizing would tie every two sizes that happen to be equal at the first shape (the token count and
+        # a channel count, say) and compile again when a bucket parts them.
+        torch.fx.experimental._config.use_duck_shape = False
     for block in blocks:
-        block.compile(dynamic=False)
-    logger.info("training.compile: %d %s blocks compiled with torch.compile, once per bucket shape (%d shape%s).",
-                len(blocks), type(blocks[0]).__name__, num_shapes, "" if num_shapes == 1 else "s")
+        block.compile(dynamic=dynamic)
+    plural = "" if num_shapes == 1 else "s"
+    how = (f"once with dynamic shapes for the {num_shapes} bucket shape{plural}" if dynamic
+           else f"at most once per bucket shape ({num_shapes} shape{plural}), each when its first batch comes")
+    logger.info("training.compile: %d %s blocks compiled with torch.compile, %s.", len(blocks),
+                type(blocks[0]).__name__, how)
     return len(blocks)
+
+
+def compile_note(seconds: float, step: int, shapes: Iterable[tuple[int, int, int]]) -> str:
+    """The line announcing a step that compiled: how long it took and the bucket shapes of its micro-batches."""
+    described = ", ".join(dict.fromkeys(f"{frames}x{height}x{width}" for frames, height, width in shapes))
+    return (f"training.compile: {seconds:.1f} s compiling during step {step}, for bucket shape {described} "
+            "(frames x height x width; not counted in its seconds_per_step).")
 
 
 def compile_seconds() -> float:

@@ -238,7 +238,9 @@ class TrainingConfig(Section):
     compile: bool = Field(
         False,
         description="torch.compile each transformer block (regional: one block's compile time, reused by all), once "
-        "per bucket shape; the compile time is logged apart from the step time. Validation samples run eagerly.",
+        "per bucket shape; the compile time is logged apart from the step time, per bucket shape. Works with LoRA, "
+        "full fine-tuning, gradient checkpointing, memory.base_weights (fp8, int8), DDP and FSDP. Validation "
+        "samples run eagerly.",
     )
     sigma_sampling: Literal["uniform", "logit_normal"] = Field(
         "logit_normal", description="How training noise levels are drawn; unset: the family's (docs/models.md)."

@@ -1,7 +1,8 @@
 """Memory savers that change how weights are stored, not what is trained.
 
 `memory.base_weights` stores the frozen denoiser of an adapter run in less memory:
-- `fp8`: float8 (e4m3) storage, each layer upcast to the compute dtype as it runs (diffusers' layerwise casting);
+- `fp8`: float8 (e4m3) storage, each layer upcast to the compute dtype as it runs (diffusers' layerwise casting;
+  inside compiled blocks, an upcast within the layer's forward: vidtune/memory/float8.py);
 - `int8`: torchao's int8 weight-only quantization of the frozen linear layers (CPU and CUDA);
 - `nf4`: bitsandbytes' 4-bit NormalFloat linear layers (QLoRA), computing in the denoiser's dtype.
 The layers diffusers keeps in full precision for layerwise casting (norms, patch / position embeddings, the input
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from vidtune.errors import ConfigError
+from vidtune.memory.float8 import store_block_linears_in_float8
 
 if TYPE_CHECKING:
     from vidtune.models.spec import TextComponents
@@ -33,12 +35,14 @@ if TYPE_CHECKING:
 ADAPTER_LAYERS = ("lora_A", "lora_B", "lora_embedding", "lora_magnitude_vector")
 
 
-def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> None:
+def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = (), compiled: bool = False) -> None:
     """Keep the denoiser's weights in float8 (e4m3) and upcast each layer to the compute dtype as it runs.
 
     Done before adapters are added, so only the frozen base layers are affected; norms, embeddings and other
     precision-sensitive layers are skipped by diffusers' default patterns. The compute dtype is the one the
-    denoiser was loaded in (bf16 on GPU, fp32 on CPU by default).
+    denoiser was loaded in (bf16 on GPU, fp32 on CPU by default). `compiled` (training.compile): the layers inside
+    the transformer blocks upcast inside their own forward (vidtune/memory/float8.py), which torch.compile traces;
+    the rest keep diffusers' layerwise casting, as in an eager run.
     """
     experts = getattr(denoiser, "experts", None)
     if callable(experts):  # Wan 2.2 A14B's two experts (vidtune.models.experts): each casts its own layers
@@ -52,8 +56,18 @@ def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = ())
     # The model's own patterns (as diffusers would take them), and the modules that train fully.
     own = tuple(getattr(denoiser, "_skip_layerwise_casting_patterns", None) or DEFAULT_SKIP_MODULES_PATTERN)
     patterns = own + tuple(rf"^{re.escape(name)}$" for name in keep)
+    blocks: list[tuple[str, nn.Module]] = []
+    if compiled:
+        from vidtune.compile import repeated_blocks
+
+        chosen = {id(block) for block in repeated_blocks(denoiser)}
+        blocks = [(name, module) for name, module in denoiser.named_modules() if id(module) in chosen]
+    for name, block in blocks:
+        store_block_linears_in_float8(block, name, patterns, compute_dtype)
+    # Layerwise casting skips a module whose name matches, with everything under it: here the blocks done above.
+    done = tuple(rf"^{re.escape(name)}$" for name, _ in blocks)
     denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype,
-                                      skip_modules_pattern=patterns)
+                                      skip_modules_pattern=patterns + done)
 
 
 def _skip_patterns(model: nn.Module) -> tuple[str, ...]:
@@ -93,11 +107,13 @@ def check_base_weights(option: str, key: str = "memory.base_weights") -> None:
         ) from None
 
 
-def prepare_base_weights(denoiser: nn.Module, option: str, keep: tuple[str, ...] = ()) -> None:
+def prepare_base_weights(denoiser: nn.Module, option: str, keep: tuple[str, ...] = (),
+                         compiled: bool = False) -> None:
     """`fp8` and `nf4`: before the adapter is added (the denoiser frozen already). `keep`: names of modules
-    that train fully (a control run's widened input layer) and so stay as they are."""
+    that train fully (a control run's widened input layer) and so stay as they are; `compiled`: the blocks will
+    be compiled (training.compile)."""
     if option == "fp8":
-        store_frozen_weights_in_fp8(denoiser, keep)
+        store_frozen_weights_in_fp8(denoiser, keep, compiled)
     elif option == "nf4":
         _linears_to_nf4(denoiser, keep)
 

@@ -38,7 +38,7 @@ from torch import nn
 from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
 from vidtune.attention import resolve_attention_backend, set_attention_backend
-from vidtune.compile import check_compile, compile_blocks, compile_seconds, eager
+from vidtune.compile import compile_blocks, compile_note, compile_seconds, eager
 from vidtune.config import Config, write_resolved_config
 from vidtune.data.audio import sound_line
 from vidtune.data.buckets import check_bucket_shapes, visit_generator
@@ -97,6 +97,7 @@ class StepOutcome:
     stopped_by: signal.Signals | None  # the signal every rank stops on after this step, if any
     seconds: float  # without the time spent compiling (training.compile)
     compile_seconds: float = 0.0
+    shapes: tuple[tuple[int, int, int], ...] = ()  # the bucket shape of each micro-batch
 
 
 @dataclass
@@ -199,8 +200,7 @@ class Trainer(ABC):
                     outcome = self.train_step(stream, parameters, stop)
                     stopped_by = outcome.stopped_by
                     if outcome.compile_seconds > 0 and parallel.is_main():
-                        print(f"training.compile: {outcome.compile_seconds:.1f} s compiling during step {state.step} "
-                              "(not counted in its seconds_per_step).", flush=True)
+                        print(compile_note(outcome.compile_seconds, state.step, outcome.shapes), flush=True)
                     if outcome.finite and self.due(self.config.logging.log_every, final=True):
                         log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds,
                                    self.clips_per_step * parallel.world_size(), outcome.compile_seconds)
@@ -248,9 +248,12 @@ class Trainer(ABC):
         state, accumulation = self.state, self.config.training.gradient_accumulation
         started, compiled_before = time.perf_counter(), compile_seconds()
         step_loss = torch.zeros((), device=self.device)
+        shapes = []
         for micro in range(accumulation):
+            batch = next(stream)
+            shapes.append(self.config.data.bucket_shapes()[self.clips[int(batch.indices[0])].bucket or 0])
             # Under torchrun the gradients are averaged once per step, on the last micro-batch.
-            step_loss += self.forward_backward(next(stream), sync=micro == accumulation - 1)
+            step_loss += self.forward_backward(batch, sync=micro == accumulation - 1)
         if state.step == self.first_step:
             self.check_every_parameter_trains(parameters)
         norm = self.clip_gradients(parameters)
@@ -270,7 +273,7 @@ class Trainer(ABC):
         state.apply_update(finite)
         compiling = compile_seconds() - compiled_before
         return StepOutcome(loss, grad_norm, finite, agreed_stop(stop, stop_counts),
-                           time.perf_counter() - started - compiling, compiling)
+                           time.perf_counter() - started - compiling, compiling, tuple(shapes))
 
     def forward_backward(self, batch: Batch, sync: bool) -> torch.Tensor:
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
@@ -392,7 +395,6 @@ class Trainer(ABC):
                               self.spec.load_config(self.spec.denoiser_class, "transformer"))
         check_activation_offload(memory.activation_offload, self.device)
         self.attention_backend = resolve_attention_backend(self.config.model.attention_backend, self.device)
-        check_compile(self.config)
         self.clips = load_dataset(data, progress=self.show_progress)
         self.clip_infos = [clip.info for clip in self.clips]
 

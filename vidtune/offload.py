@@ -250,10 +250,18 @@ def _set_parameter(owner: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 def check_block_swap(blocks_to_swap: int, algorithm: str, full_student: bool, gradient_checkpointing: bool,
-                     activation_offload: bool, parallel_strategy: str = "auto") -> None:
+                     activation_offload: bool, parallel_strategy: str = "auto", compiled: bool = False) -> None:
     """Before any long work: block swap with what it cannot serve."""
     if blocks_to_swap == 0:
         return
+    if compiled:
+        # A compiled block runs its hooks inside the graph: the swap's copies and stream waits around each
+        # block's forward are not something that graph may capture.
+        raise ConfigError(
+            f"memory.blocks_to_swap={blocks_to_swap} cannot be combined with training.compile=true: the swap moves "
+            "each block's weights between host and GPU memory around its forward, outside what a compiled block "
+            "may do.\nWhat to do: set training.compile=false to swap blocks, or memory.blocks_to_swap=0 to compile."
+        )
     if parallel_strategy in ("fsdp", "deepspeed"):
         raise ConfigError(
             f"memory.blocks_to_swap={blocks_to_swap} cannot be combined with parallel.strategy={parallel_strategy}, "

@@ -130,6 +130,8 @@ def test_block_swap_and_activation_offload_are_off_on_the_cpu_with_a_notice(make
     ({}, "needs training.gradient_checkpointing=true"),
     ({"training": {"gradient_checkpointing": True}, "parallel": {"strategy": "fsdp"}},
      "cannot be combined with parallel.strategy=fsdp"),
+    ({"training": {"gradient_checkpointing": True, "compile": True}},
+     "cannot be combined with training.compile=true"),
 ])
 def test_block_swap_refuses_what_it_cannot_serve_before_loading(make_config, sections, message, monkeypatch):
     trainer = build_trainer(make_config(memory={"blocks_to_swap": 1}, **sections))

@@ -389,7 +389,7 @@ class Trainer(ABC):
         memory, training = self.config.memory, self.config.training
         full_student = training.algorithm == "guidance-distillation" and self.config.distillation.student == "full"
         check_block_swap(memory.blocks_to_swap, training.algorithm, full_student, training.gradient_checkpointing,
-                         memory.activation_offload, self.config.parallel.strategy)
+                         memory.activation_offload, self.config.parallel.strategy, training.compile)
         if memory.blocks_to_swap:
             check_block_count(memory.blocks_to_swap, self.spec.block_lists,
                               self.spec.load_config(self.spec.denoiser_class, "transformer"))

@@ -55,6 +55,22 @@ def test_compiled_lora_with_gradient_checkpointing_matches_eager(make_config, tm
     assert all("compile_seconds" not in row for row in rows[1:])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("algorithm", "base_weights"), [("full", "auto"), ("lora", "int8")])
+def test_compiled_full_fine_tuning_and_lora_over_int8_weights_match_eager(make_config, tmp_path, algorithm,
+                                                                          base_weights):
+    """The other settings training.compile works with on the CPU: every weight trained (full), and torchao's int8
+    weight-only base under a LoRA, each against its own eager run."""
+    torch._dynamo.reset()
+    settings = {"algorithm": algorithm, "gradient_checkpointing": True}
+    memory = {"base_weights": base_weights}
+    eager, _, _ = run_losses(make_config, tmp_path, "eager", memory=memory, **settings)
+    compiled, rows, trainer = run_losses(make_config, tmp_path, "compiled", memory=memory, compile=True, **settings)
+    assert compiled == pytest.approx(eager, rel=LOSS_RTOL)
+    assert all(getattr(block, "_compiled_call_impl", None) is not None for block in repeated_blocks(trainer.denoiser))
+    assert rows[0]["compile_seconds"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("base_weights", ["auto", "int8", "fp8"])

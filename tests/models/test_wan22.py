@@ -4,8 +4,6 @@ by the boundary, an adapter per expert, each loaded into its pipeline transforme
 from __future__ import annotations
 
 import math
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
+from tests.interrupt import interrupt_at
 from tests.models.test_overfit import one_clip_dataset, overfit_config
 from vidtune import checkpoint
 from vidtune.config import ModelConfig, TrainingConfig
@@ -371,15 +370,7 @@ def test_a_two_expert_run_resumes_bit_for_bit(make_config, two_expert_dir, tmp_p
     build_trainer(config(tmp_path / "reference")).run()
     out = tmp_path / "stopped"
     trainer = build_trainer(config(out))
-    original, calls = trainer.compute_loss, [0]
-
-    def interrupt_third(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
-
-    trainer.compute_loss = interrupt_third
+    interrupt_at(trainer, 3)
     with pytest.raises(TrainingInterrupted):
         trainer.run()
     saved = checkpoint.load(out / "checkpoints" / "step-00000003")[0]

@@ -4,14 +4,13 @@ latents routed with it to its expert, a file per expert, both widened when sampl
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.interrupt import interrupt_at
 from tests.models.test_wan22 import BOUNDARY, spec_of, two_expert_config
 from tests.trainers.test_control import control_dataset
 from vidtune.control import ExpertsControlInput, attach_control
@@ -125,15 +124,7 @@ def test_a_resumed_two_expert_control_full_run_ends_bit_for_bit(make_config, two
     build_trainer(config(tmp_path / "reference")).run()
     out = tmp_path / "stopped"
     trainer = build_trainer(config(out))
-    original, calls = trainer.compute_loss, [0]
-
-    def interrupt_third(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
-
-    trainer.compute_loss = interrupt_third
+    interrupt_at(trainer, 3)
     with pytest.raises(TrainingInterrupted):
         trainer.run()
     build_trainer(config(out, resume="latest")).run()

@@ -5,14 +5,13 @@ one bit for bit."""
 from __future__ import annotations
 
 import math
-import os
-import signal
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.interrupt import interrupt_at
 from vidtune.errors import ConfigError
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import TrainingInterrupted
@@ -75,15 +74,7 @@ def _stop_at_the_third_micro_batch_and_resume(make_config, settings: dict, out):
     """A run of `settings` stopped by SIGINT during its third micro-batch, then resumed to the end; returns its
     output_dir."""
     trainer = build_trainer(make_config(**settings, output_dir=str(out)))
-    original, calls = trainer.compute_loss, [0]
-
-    def interrupt_at_the_third(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
-
-    trainer.compute_loss = interrupt_at_the_third
+    interrupt_at(trainer, 3)
     with pytest.raises(TrainingInterrupted):
         trainer.run()
     resume = {**settings, "checkpoint": {**settings["checkpoint"], "resume": "latest"}}

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.interrupt import interrupt_at
 from vidtune.control import ControlInput
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
@@ -101,21 +102,10 @@ def test_each_control_clip_brings_back_its_target(family, algorithm, make_config
 
 
 def _interrupted_then_resumed(make_config, root: Path, out: Path, settings: dict) -> None:
-    import os
-    import signal
-
     from vidtune.trainers.stop import TrainingInterrupted
 
     trainer = build_trainer(make_config(data_root=root, **settings, output_dir=str(out)))
-    original, calls = trainer.compute_loss, [0]
-
-    def interrupt_on_third(batch):
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(batch)
-
-    trainer.compute_loss = interrupt_on_third
+    interrupt_at(trainer, 3)
     with pytest.raises(TrainingInterrupted):
         trainer.run()
     resumed = {**settings, "checkpoint": {**settings["checkpoint"], "resume": "latest"}}

@@ -4,14 +4,13 @@ package names its pip extra; optimizer.cpu_offload is refused off CUDA."""
 from __future__ import annotations
 
 import math
-import os
-import signal
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.interrupt import interrupt_at
 from vidtune import checkpoint
 from vidtune.errors import ConfigError
 from vidtune.optim import OPTIMIZERS, check_optimizer
@@ -34,19 +33,6 @@ def _is_low_bit(value) -> bool:
         "OptimState"))
 
 
-def _interrupt_at(trainer, number: int) -> None:
-    """SIGINT during the `number`-th micro-batch: the run saves a checkpoint at that step and stops."""
-    original, calls = trainer.compute_loss, [0]
-
-    def wrapped(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == number:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
-
-    trainer.compute_loss = wrapped
-
-
 @pytest.mark.parametrize("name", CPU_OPTIMIZERS)
 def test_each_optimizer_trains_and_resumes_bit_for_bit(make_config, tmp_path, name):
     # lora.rank 128 gives adapter matrices of 4096 values (the tiny model is 32 wide): the sizes the 8-bit, 4-bit
@@ -67,7 +53,7 @@ def test_each_optimizer_trains_and_resumes_bit_for_bit(make_config, tmp_path, na
 
     out = tmp_path / "stopped"
     trainer = build_trainer(make_config(**settings, output_dir=str(out)))
-    _interrupt_at(trainer, 3)
+    interrupt_at(trainer, 3)
     with pytest.raises(TrainingInterrupted):
         trainer.run()
     _, saved = checkpoint.load(out / "checkpoints" / "step-00000003")
@@ -133,7 +119,7 @@ def test_optimizers_on_cuda_resume_bit_for_bit(make_config, tmp_path, name, cpu_
         assert "CPUOffloadOptimizer" in [cls.__name__ for cls in type(reference.state.optimizer).__mro__]
     out = tmp_path / "stopped"
     trainer = build_trainer(make_config(**settings, output_dir=str(out)))
-    _interrupt_at(trainer, 3)
+    interrupt_at(trainer, 3)
     with pytest.raises(TrainingInterrupted):
         trainer.run()
     settings["checkpoint"] = {"every": 2, "resume": "latest"}

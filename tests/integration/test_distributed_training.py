@@ -22,11 +22,11 @@ import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
+from tests.models.test_wan22 import record_routing
 from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
 from vidtune.errors import VidtuneError
-from vidtune.models.experts import TwoExperts
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
 from vidtune.outputs import COMFYUI_LORA_WEIGHTS, LORA_WEIGHTS_2
 from vidtune.trainers import build_trainer
@@ -280,15 +280,7 @@ def test_two_ranks_train_two_experts_like_one_process_with_twice_the_batch(make_
                              "sigma_shift": 1.0, "gradient_checkpointing": True},
                 "lora": {"rank": 4, "alpha": 4}}
     # Which expert each sample of the one process's forwards ran on: every kind of step must be among them.
-    routed: list[tuple[bool, ...]] = []
-    route = TwoExperts.is_high_noise
-
-    def recording(self, timestep):
-        high = route(self, timestep)
-        routed.append(tuple(bool(h) for h in high))
-        return high
-
-    monkeypatch.setattr(TwoExperts, "is_high_noise", recording)
+    routed = record_routing(monkeypatch)
     _two_ranks_against_one_process(make_config, tmp_path, settings, files=(LORA_FILE, LORA_FILE_2))
     # Seed 8's noise levels: one step split between the experts, one all high-noise, one all low-noise.
     assert routed == [(True, False), (True, True), (False, False)], routed

@@ -21,8 +21,8 @@ from tests.integration.test_distributed_training import (
     _rank_main,
     _two_ranks_against_one_process,
 )
+from tests.models.test_wan22 import record_routing
 from tests.trainers.test_control import control_dataset
-from vidtune.models.experts import TwoExperts
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
 from vidtune.trainers import build_trainer
 
@@ -44,15 +44,7 @@ def _settings(folder: Path, **sections) -> dict:
 def _one_process_with_step_routing(make_config, tmp_path: Path, folder: Path, monkeypatch) -> list[float]:
     """The reference: one process, batch 2, `model.expert_routing: step` forced; checks that each step ran one
     expert, as the draws of seed 0 say."""
-    routed: list[tuple[bool, ...]] = []
-    route = TwoExperts.is_high_noise
-
-    def recording(self, timestep):
-        high = route(self, timestep)
-        routed.append(tuple(bool(h) for h in high))
-        return high
-
-    monkeypatch.setattr(TwoExperts, "is_high_noise", recording)
+    routed = record_routing(monkeypatch)
     settings = _settings(folder, model={"expert_routing": "step"})
     settings["training"]["batch_size"] = 2
     config = make_config(output_dir=str(tmp_path / "single"), **settings)

@@ -34,6 +34,39 @@ TWO_EXPERT_OVERFIT_STEPS = 2000
 I2V_TWO_EXPERT_OVERFIT = (500, 1e-2)  # steps, learning rate: measured 0.096 against the bound 0.15
 
 
+# One input for either tiny expert: latents [1, 4, 3, 4, 4], a caption's embedding, a timestep.
+EXPERT_INPUTS = {"hidden_states": torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(3)),
+                 "timestep": torch.tensor([600.0]), "return_dict": False,
+                 "encoder_hidden_states": torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(4))}
+
+
+def pipeline_experts_compute_the_trained_ones(out: Path, trainer) -> dict[str, torch.Tensor]:
+    """`vidtune sample`'s path (load_pipeline) on a two-expert run's output: each of its experts computes what the
+    trainer's trained expert does; returns each expert's output."""
+    run = load_pipeline(out, device="cpu")
+    outputs = {}
+    for name in ("transformer", "transformer_2"):
+        with torch.no_grad():
+            outputs[name] = getattr(run.pipeline, name)(**EXPERT_INPUTS)[0]
+            trained = trainer.denoiser.expert(name)(**EXPERT_INPUTS)[0]
+        torch.testing.assert_close(outputs[name], trained, rtol=1e-4, atol=1e-5)
+    return outputs
+
+
+def record_routing(monkeypatch) -> list[tuple[bool, ...]]:
+    """Which expert each sample of every forward ran on (True: the high-noise one), filled as the run goes."""
+    routed: list[tuple[bool, ...]] = []
+    route = TwoExperts.is_high_noise
+
+    def recording(self, timestep):
+        high = route(self, timestep)
+        routed.append(tuple(bool(h) for h in high))
+        return high
+
+    monkeypatch.setattr(TwoExperts, "is_high_noise", recording)
+    return routed
+
+
 @pytest.fixture(scope="module")
 def two_expert_dir(tmp_path_factory) -> Path:
     return write_tiny_wan22(tmp_path_factory.mktemp("wan22-a14b"), two_experts=True, boundary_ratio=BOUNDARY)
@@ -245,18 +278,10 @@ def test_two_expert_students_distil_their_own_expert_and_load_into_the_pipeline(
             assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k), f"{name} did not train"
     else:  # both experts' students in full, beside each other as the pipeline's components
         assert (out / "transformer").is_dir() and (out / "transformer_2").is_dir()
-    run = load_pipeline(out, device="cpu")
     base = spec_of("wan2.2", two_expert_dir).load_denoiser(CPU).eval()
-    latents = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(3))
-    prompt = torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(4))
-    for name in ("transformer", "transformer_2"):
-        inputs = {"hidden_states": latents, "timestep": torch.tensor([600.0]), "encoder_hidden_states": prompt,
-                  "return_dict": False}
+    for name, loaded in pipeline_experts_compute_the_trained_ones(out, trainer).items():
         with torch.no_grad():
-            loaded = getattr(run.pipeline, name)(**inputs)[0]
-            trained = trainer.denoiser.expert(name)(**inputs)[0]
-            untrained = base.expert(name)(**inputs)[0]
-        torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
+            untrained = base.expert(name)(**EXPERT_INPUTS)[0]
         assert not torch.allclose(loaded, untrained), f"{name}: the student is the base expert"
 
 
@@ -332,16 +357,7 @@ def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_no
     torch.testing.assert_close(from_comfyui[-1], both[-1], rtol=1e-4, atol=5e-5)
 
     # `vidtune sample`'s path loads both: its experts compute what the trained ones do.
-    run = load_pipeline(out, device="cpu")
-    latents = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(3))
-    prompt = torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(4))
-    for name in ("transformer", "transformer_2"):
-        inputs = {"hidden_states": latents, "timestep": torch.tensor([600.0]), "encoder_hidden_states": prompt,
-                  "return_dict": False}
-        with torch.no_grad():
-            loaded = getattr(run.pipeline, name)(**inputs)[0]
-            trained = trainer.denoiser.expert(name)(**inputs)[0]
-        torch.testing.assert_close(loaded, trained, rtol=1e-4, atol=1e-5)
+    pipeline_experts_compute_the_trained_ones(out, trainer)
 
 
 def test_one_low_noise_expert_writes_the_second_file_only(make_config, two_expert_dir, tmp_path):

@@ -78,7 +78,9 @@ def test_random_frames_from_the_cache_pick_among_the_cached_windows(config_for, 
         preprocess = plan.latent_preprocess[plan.latent_windows[indices[0]][window]]
         assert preprocess.start == start
         (expected,) = encode_videos(trainer.spec, vae, [clip], batch_size=1, preprocess=preprocess, decode_workers=0)
-        torch.testing.assert_close(latents["latents_mean"][0], expected["latents_mean"], rtol=1e-4, atol=1e-5)
+        # The cache may encode several windows in one VAE batch, which rounds a few values otherwise than one window
+        # alone (seen up to 1.03e-5 with two threads); another window's latents differ by orders more.
+        torch.testing.assert_close(latents["latents_mean"][0], expected["latents_mean"], rtol=1e-4, atol=5e-5)
     assert len(chosen) > 1, "visits should draw different windows"
 
 

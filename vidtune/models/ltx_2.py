@@ -61,7 +61,6 @@ from vidtune.models.spec import (
     raise_shape_problems,
     shape_rule,
     side_problems,
-    step_callback,
 )
 from vidtune.objectives import flow_matching_noisy, flow_matching_target
 
@@ -404,10 +403,8 @@ class LTX2Spec(ModelSpec):
                                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Unguided sampling: (video latents [B, C, F, H, W], audio latents [B, L, C * mel]), normalised as training
         normalises them (LTX2Pipeline's `output_type="latent"` gives them denormalised)."""
-        output = pipeline(prompt=prompt, num_frames=frames, height=height, width=width,
-                          num_inference_steps=num_inference_steps, guidance_scale=1.0,
-                          max_sequence_length=self.max_sequence_length, generator=generator, output_type="latent",
-                          **UNGUIDED, **self.pipeline_inputs())
+        output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator,
+                                    "latent")
         vae, audio_vae = pipeline.vae, pipeline.audio_vae
         video = output.frames.float()
         shift = vae.latents_mean.view(1, -1, 1, 1, 1).to(video)
@@ -416,13 +413,6 @@ class LTX2Spec(ModelSpec):
         audio = LTX2Pipeline._normalize_audio_latents(audio, audio_vae.latents_mean.float(),
                                                       audio_vae.latents_std.float())
         return video, audio
-
-    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
-        """LTX2Pipeline's call; its `.frames`."""
-        return self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
-                                  generator, output_type, reference, callback).frames
 
     def generate_sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                         num_inference_steps: int, guidance_scale: float, generator: torch.Generator,
@@ -437,24 +427,7 @@ class LTX2Spec(ModelSpec):
         return GeneratedSample(output.frames[0].float() * 2.0 - 1.0, output.audio[0].float().clamp(-1.0, 1.0),
                                int(pipeline.vocoder.config.output_sampling_rate))
 
-    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
-        """LTX2Pipeline's call: its output (`.frames`, `.audio`). Without guidance (scale 1) its other guidances
-        (spatio-temporal, modality, rescale, the audio's) are off too, so a step is one plain forward: what
-        `generate_latents` compares with training."""
-        unguided = UNGUIDED if guidance_scale <= 1.0 else {}
-        return pipeline(
-            prompt=prompt,
-            num_frames=frames,
-            height=height,
-            width=width,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            max_sequence_length=self.max_sequence_length,
-            generator=generator,
-            output_type=output_type,
-            **unguided,
-            **self.pipeline_inputs(reference),
-            **step_callback(callback),
-        )
+    def guidance_inputs(self, guidance_scale: float) -> dict[str, Any]:
+        """Without guidance (scale 1) LTX2Pipeline's other guidances (spatio-temporal, modality, rescale, the
+        audio's) are off too, so a step is one plain forward: what `generate_latents` compares with training."""
+        return UNGUIDED if guidance_scale <= 1.0 else {}

@@ -534,11 +534,24 @@ class ModelSpec(ABC):
         """The pipeline's `output_type="latent"` result in the training layout [B, C, F, H, W]."""
         return latents
 
+    def guidance_inputs(self, guidance_scale: float) -> dict[str, Any]:
+        """Further inputs of the pipeline call that follow the guidance scale (a pipeline with other guidances
+        turns them off without guidance)."""
+        return {}
+
     def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
         """One call of the family's pipeline; returns its `.frames`. `callback`: the pipeline's
         `callback_on_step_end`, given the step's latents."""
+        return self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                  generator, output_type, reference, callback).frames
+
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
+        """`run_pipeline`'s call, returning the pipeline's whole output (a family with more than frames reads the
+        rest)."""
         return pipeline(
             **self.prompt_inputs(pipeline, prompt, guidance_scale),
             num_frames=frames,
@@ -549,9 +562,10 @@ class ModelSpec(ABC):
             max_sequence_length=self.max_sequence_length,
             generator=generator,
             output_type=output_type,
+            **self.guidance_inputs(guidance_scale),
             **self.pipeline_inputs(reference),
             **step_callback(callback),
-        ).frames
+        )
 
     def generate(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                  num_inference_steps: int, guidance_scale: float, generator: torch.Generator,

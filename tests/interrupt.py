@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
 
-def interrupt_at(trainer, number: int) -> None:
-    """SIGINT during the trainer's `number`-th micro-batch: the run saves a checkpoint at that step and stops."""
+from vidtune.trainers.stop import TrainingInterrupted
+
+
+def run_stopped_at(trainer, number: int) -> None:
+    """Run `trainer` with a SIGINT during its `number`-th micro-batch: the run saves a checkpoint at that step and
+    stops with TrainingInterrupted."""
     original, calls = trainer.compute_loss, [0]
 
     def interrupting(*args, **kwargs):
@@ -17,3 +22,5 @@ def interrupt_at(trainer, number: int) -> None:
         return original(*args, **kwargs)
 
     trainer.compute_loss = interrupting
+    with pytest.raises(TrainingInterrupted):
+        trainer.run()

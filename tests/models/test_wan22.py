@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from tests.interrupt import interrupt_at
+from tests.interrupt import run_stopped_at
 from tests.models.test_overfit import one_clip_dataset, overfit_config
 from vidtune import checkpoint
 from vidtune.config import ModelConfig, TrainingConfig
@@ -26,7 +26,6 @@ from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
 from vidtune.outputs import COMFYUI_LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS_2, LORA_WEIGHTS, LORA_WEIGHTS_2
 from vidtune.sampling import load_pipeline
 from vidtune.trainers import build_trainer
-from vidtune.trainers.stop import TrainingInterrupted
 
 CPU = torch.device("cpu")
 BOUNDARY = 0.5  # the tests' two-expert model: both sides of the boundary alike
@@ -386,9 +385,7 @@ def test_a_two_expert_run_resumes_bit_for_bit(make_config, two_expert_dir, tmp_p
     build_trainer(config(tmp_path / "reference")).run()
     out = tmp_path / "stopped"
     trainer = build_trainer(config(out))
-    interrupt_at(trainer, 3)
-    with pytest.raises(TrainingInterrupted):
-        trainer.run()
+    run_stopped_at(trainer, 3)
     saved = checkpoint.load(out / "checkpoints" / "step-00000003")[0]
     assert {key.split(".")[0] for key in saved} == {"transformer", "transformer_2"}
     exported = export_checkpoint(out / "checkpoints" / "step-00000003", tmp_path / "exported")

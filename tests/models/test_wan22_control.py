@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.interrupt import interrupt_at
+from tests.interrupt import run_stopped_at
 from tests.models.test_wan22 import BOUNDARY, spec_of, two_expert_config
 from tests.trainers.test_control import control_dataset
 from vidtune.control import ExpertsControlInput, attach_control
@@ -19,7 +19,6 @@ from vidtune.models.tiny.wan22 import write_tiny_wan22
 from vidtune.outputs import LORA_WEIGHTS, LORA_WEIGHTS_2
 from vidtune.sampling import load_pipeline, sample_run
 from vidtune.trainers import build_trainer
-from vidtune.trainers.stop import TrainingInterrupted
 
 CPU = torch.device("cpu")
 CONTROL_FILES = ("control_input.safetensors", "control_input_transformer_2.safetensors")
@@ -124,9 +123,7 @@ def test_a_resumed_two_expert_control_full_run_ends_bit_for_bit(make_config, two
     build_trainer(config(tmp_path / "reference")).run()
     out = tmp_path / "stopped"
     trainer = build_trainer(config(out))
-    interrupt_at(trainer, 3)
-    with pytest.raises(TrainingInterrupted):
-        trainer.run()
+    run_stopped_at(trainer, 3)
     build_trainer(config(out, resume="latest")).run()
     files = [*CONTROL_FILES, "control_input_ema.safetensors", "control_input_ema_transformer_2.safetensors",
              *(f"{folder}/diffusion_pytorch_model.safetensors"

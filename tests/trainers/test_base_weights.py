@@ -11,10 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.interrupt import interrupt_at
+from tests.interrupt import run_stopped_at
 from vidtune.errors import ConfigError
 from vidtune.trainers import build_trainer
-from vidtune.trainers.stop import TrainingInterrupted
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 # Largest relative difference of any step's loss from the unquantized run's, over 4 steps of the tiny LTX-Video
@@ -74,9 +73,7 @@ def _stop_at_the_third_micro_batch_and_resume(make_config, settings: dict, out):
     """A run of `settings` stopped by SIGINT during its third micro-batch, then resumed to the end; returns its
     output_dir."""
     trainer = build_trainer(make_config(**settings, output_dir=str(out)))
-    interrupt_at(trainer, 3)
-    with pytest.raises(TrainingInterrupted):
-        trainer.run()
+    run_stopped_at(trainer, 3)
     resume = {**settings, "checkpoint": {**settings["checkpoint"], "resume": "latest"}}
     build_trainer(make_config(**resume, output_dir=str(out))).run()
     return out

@@ -10,12 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.interrupt import interrupt_at
+from tests.interrupt import run_stopped_at
 from vidtune import checkpoint
 from vidtune.errors import ConfigError
 from vidtune.optim import OPTIMIZERS, check_optimizer
 from vidtune.trainers import build_trainer
-from vidtune.trainers.stop import TrainingInterrupted
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 # All of them run on the CPU with the tested packages (bitsandbytes' paged one falls back to its plain kind).
@@ -53,9 +52,7 @@ def test_each_optimizer_trains_and_resumes_bit_for_bit(make_config, tmp_path, na
 
     out = tmp_path / "stopped"
     trainer = build_trainer(make_config(**settings, output_dir=str(out)))
-    interrupt_at(trainer, 3)
-    with pytest.raises(TrainingInterrupted):
-        trainer.run()
+    run_stopped_at(trainer, 3)
     _, saved = checkpoint.load(out / "checkpoints" / "step-00000003")
     assert saved["optimizer"]["state"], "the checkpoint holds the optimizer's per-parameter state"
 
@@ -119,9 +116,7 @@ def test_optimizers_on_cuda_resume_bit_for_bit(make_config, tmp_path, name, cpu_
         assert "CPUOffloadOptimizer" in [cls.__name__ for cls in type(reference.state.optimizer).__mro__]
     out = tmp_path / "stopped"
     trainer = build_trainer(make_config(**settings, output_dir=str(out)))
-    interrupt_at(trainer, 3)
-    with pytest.raises(TrainingInterrupted):
-        trainer.run()
+    run_stopped_at(trainer, 3)
     settings["checkpoint"] = {"every": 2, "resume": "latest"}
     build_trainer(make_config(**settings, output_dir=str(out))).run()
     trained, resumed = load_file(tmp_path / "reference" / LORA_FILE), load_file(out / LORA_FILE)

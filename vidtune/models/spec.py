@@ -361,6 +361,11 @@ class ModelSpec(ABC):
         source = self.config.pretrained
         if looks_local(source) and not (Path(source).expanduser() / "model_index.json").is_file():
             return {}
+        return self.read_model_index()
+
+    def read_model_index(self) -> dict[str, Any]:
+        """model.pretrained's model_index.json; a missing or unreadable one is a ModelError naming it."""
+        source = self.config.pretrained
         try:
             return dict(self.pipeline_class.load_config(source, revision=self.config.revision))
         except (OSError, ValueError) as error:

@@ -72,12 +72,9 @@ class Wan22Spec(WanSpec):
     # ----- what the model folder is ---------------------------------------------------------------------------
     @functools.cached_property
     def pipeline_config(self) -> dict[str, Any]:
-        """The model folder's model_index.json (the pipeline's `boundary_ratio`, `expand_timesteps`, components)."""
-        source = self.config.pretrained
-        try:
-            return dict(self.pipeline_class.load_config(source, revision=self.config.revision))
-        except (OSError, ValueError) as error:
-            raise self._load_problem("model_index.json", source, None, error) from None
+        """The model folder's model_index.json (the pipeline's `boundary_ratio`, `expand_timesteps`, components),
+        required: without it a folder does not say which Wan 2.2 it holds."""
+        return self.model_index or self.read_model_index()
 
     @property
     def expand_timesteps(self) -> bool:

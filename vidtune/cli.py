@@ -362,8 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--output", required=True, help="folder to write the adapter or transformer/ into")
     export.add_argument("--overwrite", action="store_true", help="replace weights already in --output")
     export.add_argument("--format", choices=["diffusers", "comfyui"], default="diffusers",
-                        help="comfyui: only the LoRA for ComfyUI (pytorch_lora_weights_comfyui.safetensors); a "
-                        "finished run's folder converts its final adapter")
+                        help="comfyui: only the LoRA for ComfyUI (<run>_comfyui.safetensors); a finished run's "
+                        "folder converts its final adapter")
     export.set_defaults(handler=command_export)
 
     sample = commands.add_parser(

@@ -272,6 +272,10 @@ def print_summary(result, seconds: float) -> None:
     print(f"Outputs in {result.output_dir.resolve()}:")
     if result.weights_path:
         print(f"  weights      {result.weights_path}")
+    for second in (False, True):  # the LoRA for ComfyUI, named after the run (two files for two experts)
+        comfyui = result.output_dir / outputs.comfyui_lora_weights(result.output_dir.resolve().name, second)
+        if comfyui.is_file():
+            print(f"  for ComfyUI  {comfyui}")
     print(f"  checkpoints  {outputs.checkpoints_root(result.output_dir)}")
     print(f"  metrics      {result.output_dir / outputs.METRICS}")
     print(f"  loss curve   {result.output_dir / outputs.LOSS_PLOT}")

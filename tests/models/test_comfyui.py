@@ -354,14 +354,17 @@ def test_vidtune_export_format_comfyui_from_a_checkpoint_and_from_a_finished_run
     in ComfyUI's loras folder; the diffusers file keeps the name diffusers looks for. Each export says what it
     wrote, a plain one the ComfyUI file too."""
     from vidtune.cli import main as cli_main
+    from vidtune.cli import print_summary
 
     config = make_config("wan", training={"steps": 2, "learning_rate": 5e-2}, checkpoint={"every": 1, "keep": 2},
                          lora={"rank": 4, "alpha": 8})
     capsys.readouterr()
-    build_trainer(config).run()
+    result = build_trainer(config).run()
     run = Path(config.output_dir)
     assert run.name == RUN and (run / COMFYUI_LORA_WEIGHTS).is_file() and (run / LORA_WEIGHTS).is_file()
     assert f"Wrote the LoRA for ComfyUI: {run / COMFYUI_LORA_WEIGHTS}" in capsys.readouterr().out
+    print_summary(result, 1.0)  # the end-of-run summary lists it beside the diffusers file
+    assert f"  for ComfyUI  {run / COMFYUI_LORA_WEIGHTS}\n" in capsys.readouterr().out
     assert cli_main(["export", str(run / "checkpoints" / "step-00000001"), "--output", str(tmp_path / "step1"),
                      "--format", "comfyui"]) == 0
     step1_name = comfyui_lora_weights(f"{RUN}_step-00000001")

@@ -219,7 +219,7 @@ class CogVideoXSpec(ModelSpec):
     # ----- ComfyUI ------------------------------------------------------------------------------------
     def comfyui_absent(self) -> str:
         return (f"ComfyUI's core has no CogVideoX model, so there is no ComfyUI file to write. In ComfyUI, CogVideoX "
-                f"runs through the ComfyUI-CogVideoXWrapper nodes, whose CogVideo LoraSelect node loads the diffusers "
+                f"runs through the ComfyUI-CogVideoXWrapper nodes, whose CogVideoLoraSelect node loads the diffusers "
                 f"file ({LORA_WEIGHTS}, renamed as you like) from ComfyUI/models/CogVideo/loras.")
 
     # ----- pipeline and outputs ----------------------------------------------------------------------

@@ -313,11 +313,14 @@ def test_cogvideox_writes_no_comfyui_file_and_says_what_loads_its_lora(make_conf
     trainer = build_trainer(make_config(family, lora={"rank": 2}))
     denoiser = trainer.spec.load_denoiser(CPU)
     trainer.configure_trainable(denoiser)
-    assert trainer.save_comfyui(tmp_path, get_peft_model_state_dict(denoiser)) is None
+    state = get_peft_model_state_dict(denoiser)
+    assert trainer.save_comfyui(tmp_path, state) is None  # at the end of a run: said, not fatal
     assert list(tmp_path.iterdir()) == []
     line = capsys.readouterr().out
     assert "No LoRA file for ComfyUI: ComfyUI's core has no CogVideoX model" in line
     assert "ComfyUI-CogVideoXWrapper" in line and LORA_WEIGHTS in line
+    with pytest.raises(ComfyUIExportError, match="no CogVideoX model"):  # `vidtune export --format comfyui`
+        save_comfyui_lora(trainer.spec, tmp_path, state, 2.0, RUN)
 
 
 def _delta(state: dict[str, torch.Tensor], module: str, scale: float) -> torch.Tensor:

@@ -397,3 +397,26 @@ def test_vidtune_export_format_comfyui_from_a_checkpoint_and_from_a_finished_run
     assert cli_main(["export", str(tmp_path / "full"), "--output", str(tmp_path / "nope"), "--format", "comfyui"]) == 2
     assert "converts LoRA adapters" in capsys.readouterr().err
     assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("family", ["hunyuan-video", "hunyuan-video-1.5"])
+def test_hunyuan_video_fused_attention_and_embedders_carry_the_diffusers_deltas(make_config, family):
+    """ComfyUI's fused `img_attn_qkv` / `txt_attn_qkv` get the q, k, v deltas stacked (1.5's checkpoint keeps them
+    apart, ComfyUI's model does not), and its MLP embedders `time_in.in_layer` / `out_layer` the timestep
+    embedder's."""
+    spec, _, state = _adapter_on_every_linear(family, make_config)
+    exported = comfyui_lora(state, spec.comfyui_lora_rules(), 3.0, family, spec.comfyui_model())
+    scale = 3.0 / 2
+
+    def comfy(module: str) -> torch.Tensor:
+        return exported[f"diffusion_model.{module}.lora_B.weight"] @ exported[f"diffusion_model.{module}.lora_A.weight"]
+
+    block = "transformer_blocks.0.attn"
+    for fused_name, parts in (("img_attn_qkv", ("to_q", "to_k", "to_v")),
+                              ("txt_attn_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))):
+        expected = torch.cat([_delta(state, f"{block}.{part}", scale) for part in parts])
+        torch.testing.assert_close(comfy(f"double_blocks.0.{fused_name}"), expected)
+    timestep = "time_text_embed.timestep_embedder" if family == "hunyuan-video" else "time_embed.timestep_embedder"
+    torch.testing.assert_close(comfy("time_in.in_layer"), _delta(state, f"{timestep}.linear_1", scale))
+    torch.testing.assert_close(comfy("time_in.out_layer"), _delta(state, f"{timestep}.linear_2", scale))
+    assert not any(".mlp.0." in key or "attn_q." in key for key in exported)

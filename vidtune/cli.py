@@ -272,6 +272,10 @@ def print_summary(result, seconds: float) -> None:
     print(f"Outputs in {result.output_dir.resolve()}:")
     if result.weights_path:
         print(f"  weights      {result.weights_path}")
+    for second in (False, True):  # the LoRA for ComfyUI, named after the run (two files for two experts)
+        comfyui = result.output_dir / outputs.comfyui_lora_weights(result.output_dir.resolve().name, second)
+        if comfyui.is_file():
+            print(f"  for ComfyUI  {comfyui}")
     print(f"  checkpoints  {outputs.checkpoints_root(result.output_dir)}")
     print(f"  metrics      {result.output_dir / outputs.METRICS}")
     print(f"  loss curve   {result.output_dir / outputs.LOSS_PLOT}")
@@ -362,8 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--output", required=True, help="folder to write the adapter or transformer/ into")
     export.add_argument("--overwrite", action="store_true", help="replace weights already in --output")
     export.add_argument("--format", choices=["diffusers", "comfyui"], default="diffusers",
-                        help="comfyui: only the LoRA for ComfyUI (pytorch_lora_weights_comfyui.safetensors); a "
-                        "finished run's folder converts its final adapter")
+                        help="comfyui: only the LoRA for ComfyUI (<run>_comfyui.safetensors); a finished run's "
+                        "folder converts its final adapter")
     export.set_defaults(handler=command_export)
 
     sample = commands.add_parser(

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # the name diffusers' `load_lora_weights` looks for
-COMFYUI_LORA_WEIGHTS = "pytorch_lora_weights_comfyui.safetensors"  # the same LoRA for ComfyUI's LoRA loaders
-COMFYUI_LORA_WEIGHTS_2 = "pytorch_lora_weights_transformer_2_comfyui.safetensors"  # a second denoiser's, for ComfyUI
 # A second denoiser's adapter (Wan 2.2's low-noise expert, `load_lora_weights(..., load_into_transformer_2=True)`).
 LORA_WEIGHTS_2 = "pytorch_lora_weights_transformer_2.safetensors"
 TRANSFORMER_FOLDER = "transformer"  # full fine-tuning: the denoiser in its family's diffusers layout
@@ -24,6 +22,13 @@ TENSORBOARD = "tensorboard"  # event files, when logging.tensorboard is on
 
 # What shows that a run finished in a folder (one per algorithm's result).
 FINAL_OUTPUTS = (LORA_WEIGHTS, LORA_WEIGHTS_2, TRANSFORMER_FOLDER)
+
+
+def comfyui_lora_weights(name: str, second: bool = False) -> str:
+    """The same LoRA for ComfyUI's LoRA loaders, named after its run (`name`: the run folder's name), so the files
+    of several runs can sit side by side in ComfyUI's loras folder; `second`: a second denoiser's (Wan 2.2's
+    low-noise expert)."""
+    return f"{name}{'_transformer_2' if second else ''}_comfyui.safetensors"
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:

@@ -28,7 +28,7 @@ from vidtune import checkpoint, parallel
 from vidtune.config import build_config
 from vidtune.errors import VidtuneError
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
-from vidtune.outputs import COMFYUI_LORA_WEIGHTS, LORA_WEIGHTS_2
+from vidtune.outputs import LORA_WEIGHTS_2, comfyui_lora_weights
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import TrainingInterrupted
 
@@ -143,8 +143,8 @@ def test_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_confi
 
     # (c) One set of outputs: rank 0's, each step logged once; checkpoints hold both ranks' RNGs.
     expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE,
-                COMFYUI_LORA_WEIGHTS]
-    assert sorted(p.name for p in ddp_dir.iterdir()) == expected
+                comfyui_lora_weights(ddp_dir.name)]
+    assert sorted(p.name for p in ddp_dir.iterdir()) == sorted(expected)
     rows = [json.loads(line) for line in (ddp_dir / "metrics.jsonl").read_text().splitlines()]
     single_rows = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -204,8 +204,8 @@ def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "run"
     expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE,
-                COMFYUI_LORA_WEIGHTS]
-    assert sorted(p.name for p in out.iterdir()) == expected
+                comfyui_lora_weights(out.name)]
+    assert sorted(p.name for p in out.iterdir()) == sorted(expected)
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert result.stdout.count("Finished 2 steps") == 1  # the summary, from rank 0
 

@@ -1,9 +1,12 @@
-"""The ComfyUI LoRA file: its maths, its key rules per family, and diffusers' own converters reading it back.
+"""The ComfyUI LoRA file: its maths, its key rules per family, the names ComfyUI's models read, and diffusers' own
+converters reading it back.
 
+Every family's file, for the default preset and for `all-linear`, must be read whole by the ComfyUI model of its
+family: its key names are built here from ComfyUI's published state-dict layouts and key map (no ComfyUI needed).
 diffusers ships converters for non-diffusers LoRAs (`diffusion_model.` keys with the original checkpoint's module
 names) for LTX-Video, Wan and HunyuanVideo: each family's `load_lora_weights` applies them, and the pipeline with
-the ComfyUI file must then produce what it produces with the diffusers file. CogVideoX and Mochi have no such
-converter: their files are checked against the module names and shapes of the original checkpoint layout.
+the ComfyUI file must then produce what it produces with the diffusers file. Mochi and HunyuanVideo 1.5 have no such
+converter: their files are checked against the module names and shapes of ComfyUI's model.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from vidtune.data.video import read_clip
-from vidtune.export.comfyui import ComfyUIExportError, Rule, comfyui_lora, fuse, fused
+from vidtune.export.comfyui import ComfyUIExportError, Rule, comfyui_lora, fuse, fused, save_comfyui_lora
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.tiny import TINY_SHAPES
-from vidtune.outputs import COMFYUI_LORA_WEIGHTS, LORA_WEIGHTS
+from vidtune.outputs import LORA_WEIGHTS, comfyui_lora_weights
 from vidtune.trainers import build_trainer
+from vidtune.trainers.lora import linear_module_names
+
+RUN = "run"  # make_config's output_dir: the ComfyUI file is named after it
+COMFYUI_LORA_WEIGHTS = comfyui_lora_weights(RUN)
 
 CPU = torch.device("cpu")
 
@@ -105,7 +112,9 @@ def hunyuan_hidden_size(hidden: int) -> Iterator[None]:
 
 # Targets per family: beyond the default attention projections, the layers each converter maps (feed-forward,
 # cross-attention image projections, fused parts), so the round trip covers them. HunyuanVideo: not the token
-# refiner, whose fused `self_attn_qkv` diffusers' converter splits as if it were a plain weight (its A too).
+# refiner, whose fused `self_attn_qkv` diffusers' converter splits as if it were a plain weight (its A too), nor the
+# MLP embedders, which the file names as ComfyUI reads them (`guidance_in.in_layer`) and diffusers' converter as the
+# original checkpoint does (`guidance_in.mlp.0`).
 ROUND_TRIP_TARGETS = {
     "ltx-video": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
     "ltx-video-i2v": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"],
@@ -123,7 +132,7 @@ ROUND_TRIP_TARGETS = {
                       "add_k_proj", "add_v_proj", "to_add_out", "transformer_blocks.0.ff.net.0.proj",
                       "ff_context.net.2", "single_transformer_blocks.0.attn.to_q",
                       "single_transformer_blocks.0.attn.to_k", "single_transformer_blocks.0.attn.to_v",
-                      "single_transformer_blocks.0.proj_out", "time_text_embed.guidance_embedder.linear_1"],
+                      "single_transformer_blocks.0.proj_out"],
 }
 
 
@@ -164,25 +173,53 @@ def test_the_comfyui_file_loads_through_diffusers_converter_and_samples_like_the
     assert difference < 5e-5
 
 
-# ----- families without a diffusers converter: the original checkpoint layout -----------------------------------
-def cogvideox_layout(config: dict) -> dict[str, tuple[int, int]]:
-    """THUDM's SAT checkpoints of CogVideoX (`model.diffusion_model.` + these): per layer a fused
-    `attention.query_key_value` (q, k, v), `attention.dense`, `mlp.dense_h_to_4h` / `dense_4h_to_h` (4 x width),
-    and the timestep MLP `time_embed.0` / `.2`. Weight shapes (out, in)."""
-    inner, time = config["num_attention_heads"] * config["attention_head_dim"], config["time_embed_dim"]
-    layout = {"time_embed.0": (time, inner), "time_embed.2": (time, time)}
+# ----- ComfyUI's models read every key -----------------------------------------------------------------------
+def hunyuan_video_layout(config: dict) -> dict[str, tuple[int, int]]:
+    """ComfyUI's HunyuanVideo model (1.0 and 1.5: `comfy/ldm/hunyuan_video/model.py`, Flux's blocks from
+    `comfy/ldm/flux/layers.py`) under the names its LoRA key map gives the original checkpoint's layers: double
+    blocks with fused `img_attn_qkv` / `txt_attn_qkv` (3 x width), `img_mod` / `txt_mod.linear` (6 x width),
+    `img_mlp` / `txt_mlp.fc1/fc2`; 1.0's single blocks (`linear1`: q, k, v and the MLP input; `linear2`,
+    `modulation.linear`, 3 x width); the text refiner `txt_in` (fused `self_attn_qkv`, 4 x width MLP, MLP embedders
+    `t_embedder` / `c_embedder` with `in_layer` / `out_layer`, which the key map keeps as they are); `time_in`, 1.0's
+    `vector_in` and `guidance_in`, 1.5's glyph projection `byt5_in` (2048 wide) and image projection
+    `vision_in.proj.1/3`; `final_layer`. Weight shapes (out, in)."""
+    x, text = config["num_attention_heads"] * config["attention_head_dim"], config["text_embed_dim"]
+    mlp = int(x * config["mlp_ratio"])
+    out = config["patch_size"] ** 2 * config["patch_size_t"] * config["out_channels"]
+    embedders = {"time_in": 256, "txt_in.t_embedder": 256, "txt_in.c_embedder": text}
+    if "num_single_layers" in config:  # 1.0
+        embedders |= {"vector_in": config["pooled_projection_dim"]}
+        embedders |= {"guidance_in": 256} if config["guidance_embeds"] else {}
+    layout = {f"{name}.{layer}": shape for name, width in embedders.items()
+              for layer, shape in (("in_layer", (x, width)), ("out_layer", (x, x)))}
+    layout |= {"txt_in.input_embedder": (x, text), "final_layer.linear": (out, x),
+               "final_layer.adaLN_modulation.1": (2 * x, x)}
+    if "text_embed_2_dim" in config:  # 1.5
+        glyph, image = config["text_embed_2_dim"], config["image_embed_dim"]
+        layout |= {"byt5_in.fc1": (2048, glyph), "byt5_in.fc2": (2048, 2048), "byt5_in.fc3": (x, 2048),
+                   "vision_in.proj.1": (image, image), "vision_in.proj.3": (x, image)}
+    for n in range(config["num_refiner_layers"]):
+        block = f"txt_in.individual_token_refiner.blocks.{n}"
+        layout |= {f"{block}.self_attn_qkv": (3 * x, x), f"{block}.self_attn_proj": (x, x),
+                   f"{block}.mlp.fc1": (4 * x, x), f"{block}.mlp.fc2": (x, 4 * x),
+                   f"{block}.adaLN_modulation.1": (2 * x, x)}
     for n in range(config["num_layers"]):
-        layer = f"transformer.layers.{n}"
-        layout |= {f"{layer}.attention.query_key_value": (3 * inner, inner), f"{layer}.attention.dense": (inner, inner),
-                   f"{layer}.mlp.dense_h_to_4h": (4 * inner, inner), f"{layer}.mlp.dense_4h_to_h": (inner, 4 * inner)}
+        for stream in ("img", "txt"):
+            block = f"double_blocks.{n}.{stream}"
+            layout |= {f"{block}_mod.linear": (6 * x, x), f"{block}_attn_qkv": (3 * x, x),
+                       f"{block}_attn_proj": (x, x), f"{block}_mlp.fc1": (mlp, x), f"{block}_mlp.fc2": (x, mlp)}
+    for n in range(config.get("num_single_layers", 0)):
+        block = f"single_blocks.{n}"
+        layout |= {f"{block}.linear1": (3 * x + mlp, x), f"{block}.linear2": (x, x + mlp),
+                   f"{block}.modulation.linear": (3 * x, x)}
     return layout
 
 
 def mochi_layout(config: dict) -> dict[str, tuple[int, int]]:
-    """Genmo's Mochi 1 checkpoint (`asymm_models_joint.py`): visual width x, text width y; per block fused
-    `attn.qkv_x` / `attn.qkv_y`, `attn.proj_x` / `proj_y`, SwiGLU `mlp_x` / `mlp_y` (`w1` holds both halves),
-    modulations `mod_x` / `mod_y`; the last block updates no text stream (no `proj_y`, `mlp_y`; `mod_y` gives
-    only a scale). Weight shapes (out, in)."""
+    """Genmo's Mochi 1 checkpoint (`asymm_models_joint.py`; ComfyUI's Mochi model keeps its names): visual width
+    x, text width y; per block fused `attn.qkv_x` / `attn.qkv_y`, `attn.proj_x` / `proj_y`, SwiGLU `mlp_x` /
+    `mlp_y` (`w1` holds both halves), modulations `mod_x` / `mod_y`; the last block updates no text stream (no
+    `proj_y`, `mlp_y`; `mod_y` gives only a scale). Weight shapes (out, in)."""
     x, y = config["num_attention_heads"] * config["attention_head_dim"], config["pooled_projection_dim"]
     t5, frequencies = config["text_embed_dim"], config["time_embed_dim"]
     hidden_x, hidden_y = 4 * x * 2 // 3, 4 * y * 2 // 3
@@ -200,74 +237,90 @@ def mochi_layout(config: dict) -> dict[str, tuple[int, int]]:
                        f"{block}.mlp_y.w2": (y, hidden_y)}
     return layout
 
-
-def hunyuan_video15_layout(config: dict) -> dict[str, tuple[int, int]]:
-    """Tencent's HunyuanVideo 1.5 checkpoint, as diffusers' conversion script reads it: double blocks with separate
-    `img_attn_q` / `k` / `v` and `txt_attn_*` (no fused qkv), `img_mod` / `txt_mod` (6 x width), `img_mlp` /
-    `txt_mlp`; the text refiner `txt_in` (fused `self_attn_qkv`, its own timestep and pooled-text embedders, 4 x width
-    MLP); the glyph projection `byt5_in` (2048 wide), the image projection `vision_in.proj.1` / `.3`; `time_in`;
-    `final_layer`. Weight shapes (out, in)."""
-    x, text, glyph, image = (config["num_attention_heads"] * config["attention_head_dim"], config["text_embed_dim"],
-                             config["text_embed_2_dim"], config["image_embed_dim"])
-    mlp = int(x * config["mlp_ratio"])
-    out = config["patch_size"] ** 2 * config["patch_size_t"] * config["out_channels"]
-    layout = {"time_in.mlp.0": (x, 256), "time_in.mlp.2": (x, x), "txt_in.t_embedder.mlp.0": (x, 256),
-              "txt_in.t_embedder.mlp.2": (x, x), "txt_in.c_embedder.linear_1": (x, text),
-              "txt_in.c_embedder.linear_2": (x, x), "txt_in.input_embedder": (x, text), "byt5_in.fc1": (2048, glyph),
-              "byt5_in.fc2": (2048, 2048), "byt5_in.fc3": (x, 2048), "vision_in.proj.1": (image, image),
-              "vision_in.proj.3": (x, image), "final_layer.linear": (out, x),
-              "final_layer.adaLN_modulation.1": (2 * x, x)}
-    for n in range(config["num_refiner_layers"]):
-        block = f"txt_in.individual_token_refiner.blocks.{n}"
-        layout |= {f"{block}.self_attn_qkv": (3 * x, x), f"{block}.self_attn_proj": (x, x),
-                   f"{block}.mlp.fc1": (4 * x, x), f"{block}.mlp.fc2": (x, 4 * x),
-                   f"{block}.adaLN_modulation.1": (2 * x, x)}
-    for n in range(config["num_layers"]):
-        block = f"double_blocks.{n}"
-        layout |= {f"{block}.{stream}_mod.linear": (6 * x, x) for stream in ("img", "txt")}
-        layout |= {f"{block}.{stream}_attn_{part}": (x, x)
-                   for stream in ("img", "txt") for part in ("q", "k", "v", "proj")}
-        layout |= {f"{block}.{stream}_mlp.fc1": (mlp, x) for stream in ("img", "txt")}
-        layout |= {f"{block}.{stream}_mlp.fc2": (x, mlp) for stream in ("img", "txt")}
-    return layout
-
-
-ORIGINAL_LAYOUTS = {"cogvideox": cogvideox_layout, "cogvideox-i2v": cogvideox_layout, "mochi": mochi_layout,
-                    "hunyuan-video-1.5": hunyuan_video15_layout, "hunyuan-video-1.5-i2v": hunyuan_video15_layout}
-# Linear layers of each family's transformer that have no ComfyUI name (an adapter on them gets no ComfyUI file).
-WITHOUT_ORIGINAL_NAME = {
-    "cogvideox": r"patch_embed\..*|transformer_blocks\.\d+\.norm[12]\.linear|norm_out\.linear|proj_out",
-    "cogvideox-i2v": r"patch_embed\..*|ofs_embedding\..*|transformer_blocks\.\d+\.norm[12]\.linear|norm_out\.linear"
-                     r"|proj_out",
-    "hunyuan-video": r"context_embedder\.(proj_in|time_text_embed\..*)",
-}
+LAYOUTS = {"mochi": mochi_layout, "hunyuan-video": hunyuan_video_layout, "hunyuan-video-1.5": hunyuan_video_layout,
+           "hunyuan-video-1.5-i2v": hunyuan_video_layout}
+COMFYUI_FAMILIES = [family for family in available_models() if not family.startswith("cogvideox")]
 
 
 def _adapter_on_every_linear(family: str, make_config) -> tuple[object, torch.nn.Module, dict[str, torch.Tensor]]:
-    """A random adapter (nonzero A and B) on every linear layer of the tiny transformer that has a ComfyUI name."""
+    """A random adapter (nonzero A and B) on every linear layer of the tiny transformer."""
     config = make_config(family)
     spec = get_spec_class(family)(config.model)
     denoiser = spec.load_denoiser(CPU)
-    rules = spec.comfyui_lora_rules()
-    linear = [name for name, module in denoiser.named_modules() if isinstance(module, torch.nn.Linear)]
-    unnamed = [name for name in linear if not any(re.fullmatch(rule.source, name) for rule in rules)]
-    assert all(re.fullmatch(WITHOUT_ORIGINAL_NAME.get(family, "$^"), name) for name in unnamed), unnamed
     torch.manual_seed(0)
-    named = "|".join(re.escape(name) for name in linear if name not in unnamed)  # whole names, not suffixes
+    named = "|".join(re.escape(name) for name in linear_module_names(denoiser))  # whole names, not suffixes
     denoiser.add_adapter(LoraConfig(r=2, lora_alpha=3.0, init_lora_weights=False, target_modules=f"({named})"))
     return spec, denoiser, get_peft_model_state_dict(denoiser)
 
 
-@pytest.mark.parametrize("family", sorted(ORIGINAL_LAYOUTS))
-def test_keys_are_the_modules_of_the_original_checkpoint_with_their_shapes(make_config, family):
+@pytest.mark.parametrize("family", sorted(LAYOUTS))
+def test_keys_are_the_modules_of_comfyuis_model_with_their_shapes(make_config, family):
     spec, denoiser, state = _adapter_on_every_linear(family, make_config)
-    exported = comfyui_lora(state, spec.comfyui_lora_rules(), 3.0, family)
-    layout = ORIGINAL_LAYOUTS[family](dict(denoiser.config))
+    exported = comfyui_lora(state, spec.comfyui_lora_rules(), 3.0, family, spec.comfyui_model())
+    layout = LAYOUTS[family](dict(denoiser.config))
     deltas = {key.removeprefix("diffusion_model.").removesuffix(".lora_B.weight"):
               exported[key] @ exported[key.replace("lora_B", "lora_A")] for key in exported if "lora_B" in key}
     assert 2 * len(deltas) == len(exported)
-    # Every module of the layout has its adapter, under its original name and with its weight's shape.
+    # Every module of the layout has its adapter, under its name in ComfyUI and with its weight's shape.
     assert {name: tuple(delta.shape) for name, delta in deltas.items()} == layout
+
+
+@pytest.mark.parametrize("preset", ["default", "all-linear"])
+@pytest.mark.parametrize("family", COMFYUI_FAMILIES)
+def test_comfyuis_model_reads_every_tensor_of_the_file(make_config, tmp_path, family, preset):
+    """The file a run writes (through the trainer's own adapter and the export's check), for the family's default
+    targets and for `all-linear`: every key is one ComfyUI's model of the family reads; with `all-linear`, every
+    linear layer of that model has its adapter, but those of the layers the family leaves out of training."""
+    lora = {"rank": 2, "alpha": 3.0} | ({"target_modules": "all-linear"} if preset == "all-linear" else {})
+    trainer = build_trainer(make_config(family, lora=lora))
+    denoiser = trainer.spec.load_denoiser(CPU)
+    trainer.configure_trainable(denoiser)
+    state = {key: torch.randn_like(value) for key, value in get_peft_model_state_dict(denoiser).items()}
+    model = trainer.spec.comfyui_model()
+    save_comfyui_lora(trainer.spec, tmp_path, state, 3.0, RUN)
+    files = sorted(tmp_path.iterdir())
+    assert [path.name for path in files] == [COMFYUI_LORA_WEIGHTS]
+    exported = load_file(files[0])
+    names = model.lora_names()
+    modules = {re.fullmatch(r"diffusion_model\.(.+)\.lora_[AB]\.weight", key).group(1) for key in exported}
+    assert modules <= names.keys(), sorted(modules - names.keys())
+    assert len(exported) == 2 * len(modules)
+    if preset == "all-linear":
+        left_out = set()
+        for name in trainer.spec.lora_exclude_modules():
+            rule = next(rule for rule in trainer.spec.comfyui_lora_rules() if re.fullmatch(rule.source, name))
+            left_out.add(names[re.fullmatch(rule.source, name).expand(rule.target)])
+        assert {names[module] for module in modules} == set(model.weights) - left_out
+
+
+def test_a_key_comfyui_would_not_read_is_an_error_naming_it_and_nothing_is_written(make_config, tmp_path,
+                                                                                     monkeypatch):
+    config = make_config("wan")
+    spec = get_spec_class("wan")(config.model)
+    state = {"blocks.0.attn1.to_q.lora_A.weight": torch.ones(2, 4),
+             "blocks.0.attn1.to_q.lora_B.weight": torch.ones(4, 2)}
+    # A layout that names the query projection as the original checkpoint does not.
+    monkeypatch.setattr(type(spec), "comfyui_lora_rules", lambda self: [Rule(r"blocks\.(\d+)\.attn1\.to_q",
+                                                                            r"blocks.\1.self_attn.query")])
+    with pytest.raises(ComfyUIExportError, match=r"WAN21 model \(wan\) would not load 2 of the 2 tensors.*"
+                                                 r"diffusion_model\.blocks\.0\.self_attn\.query\.lora_A\.weight"):
+        save_comfyui_lora(spec, tmp_path, state, 2.0, RUN)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("family", ["cogvideox", "cogvideox-i2v"])
+def test_cogvideox_writes_no_comfyui_file_and_says_what_loads_its_lora(make_config, tmp_path, capsys, family):
+    trainer = build_trainer(make_config(family, lora={"rank": 2}))
+    denoiser = trainer.spec.load_denoiser(CPU)
+    trainer.configure_trainable(denoiser)
+    state = get_peft_model_state_dict(denoiser)
+    assert trainer.save_comfyui(tmp_path, state) is None  # at the end of a run: said, not fatal
+    assert list(tmp_path.iterdir()) == []
+    line = capsys.readouterr().out
+    assert "No LoRA file for ComfyUI: ComfyUI's core has no CogVideoX model" in line
+    assert "ComfyUI-CogVideoXWrapper" in line and LORA_WEIGHTS in line
+    with pytest.raises(ComfyUIExportError, match="no CogVideoX model"):  # `vidtune export --format comfyui`
+        save_comfyui_lora(trainer.spec, tmp_path, state, 2.0, RUN)
 
 
 def _delta(state: dict[str, torch.Tensor], module: str, scale: float) -> torch.Tensor:
@@ -299,35 +352,43 @@ def test_mochi_fused_and_swiglu_deltas_act_like_the_split_diffusers_ones(make_co
     torch.testing.assert_close(silu(value) * gate, hidden * silu(diffusers_gate))
 
 
-@pytest.mark.parametrize("family", available_models())
-def test_every_linear_layer_has_an_original_name_but_the_listed_ones(make_config, family):
-    """The rules cover the whole transformer (fused sizes included: a wrong one raises), except the layers listed
-    in WITHOUT_ORIGINAL_NAME."""
-    spec, _, state = _adapter_on_every_linear(family, make_config)
-    exported = comfyui_lora(state, spec.comfyui_lora_rules(), 3.0, family)
-    assert len(exported) >= 8 and all(key.startswith("diffusion_model.") for key in exported)
-
-
 def test_vidtune_export_format_comfyui_from_a_checkpoint_and_from_a_finished_run(make_config, tmp_path, capsys):
+    """The ComfyUI file is named after the run (a checkpoint's also after its step), so several sit side by side
+    in ComfyUI's loras folder; the diffusers file keeps the name diffusers looks for. Each export says what it
+    wrote, a plain one the ComfyUI file too."""
     from vidtune.cli import main as cli_main
+    from vidtune.cli import print_summary
 
     config = make_config("wan", training={"steps": 2, "learning_rate": 5e-2}, checkpoint={"every": 1, "keep": 2},
                          lora={"rank": 4, "alpha": 8})
-    build_trainer(config).run()
+    capsys.readouterr()
+    result = build_trainer(config).run()
     run = Path(config.output_dir)
+    assert run.name == RUN and (run / COMFYUI_LORA_WEIGHTS).is_file() and (run / LORA_WEIGHTS).is_file()
+    assert f"Wrote the LoRA for ComfyUI: {run / COMFYUI_LORA_WEIGHTS}" in capsys.readouterr().out
+    print_summary(result, 1.0)  # the end-of-run summary lists it beside the diffusers file
+    assert f"  for ComfyUI  {run / COMFYUI_LORA_WEIGHTS}\n" in capsys.readouterr().out
     assert cli_main(["export", str(run / "checkpoints" / "step-00000001"), "--output", str(tmp_path / "step1"),
                      "--format", "comfyui"]) == 0
-    assert [path.name for path in (tmp_path / "step1").iterdir()] == [COMFYUI_LORA_WEIGHTS]
-    # Without --format, a LoRA export writes both files, as the end of a run does.
+    step1_name = comfyui_lora_weights(f"{RUN}_step-00000001")
+    assert [path.name for path in (tmp_path / "step1").iterdir()] == [step1_name]
+    # Without --format, a LoRA export writes both files, as the end of a run does, and says so.
+    capsys.readouterr()
     assert cli_main(["export", str(run / "checkpoints" / "step-00000002"), "--output", str(tmp_path / "both")]) == 0
-    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS}
+    step2_name = comfyui_lora_weights(f"{RUN}_step-00000002")
+    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, step2_name}
+    assert f"Wrote the LoRA for ComfyUI: {tmp_path / 'both' / step2_name}" in capsys.readouterr().out
     # A finished run's folder, even without checkpoints: its final adapter, the file the run wrote at its end.
     shutil.rmtree(run / "checkpoints")
     assert cli_main(["export", str(run), "--output", str(tmp_path / "final"), "--format", "comfyui"]) == 0
     final, at_end = load_file(tmp_path / "final" / COMFYUI_LORA_WEIGHTS), load_file(run / COMFYUI_LORA_WEIGHTS)
     assert final.keys() == at_end.keys() and all(torch.equal(final[k], at_end[k]) for k in final)
-    step1 = load_file(tmp_path / "step1" / COMFYUI_LORA_WEIGHTS)
+    step1 = load_file(tmp_path / "step1" / step1_name)
     assert not all(torch.equal(step1[k], final[k]) for k in final)
+    # Exporting again over the same file is refused, naming it.
+    capsys.readouterr()
+    assert cli_main(["export", str(run), "--output", str(tmp_path / "final"), "--format", "comfyui"]) == 2
+    assert COMFYUI_LORA_WEIGHTS in capsys.readouterr().err
 
     full = make_config("ltx-video", training={"algorithm": "full", "steps": 1}, checkpoint={"every": 1, "keep": 1},
                        output_dir=str(tmp_path / "full"))
@@ -336,3 +397,26 @@ def test_vidtune_export_format_comfyui_from_a_checkpoint_and_from_a_finished_run
     assert cli_main(["export", str(tmp_path / "full"), "--output", str(tmp_path / "nope"), "--format", "comfyui"]) == 2
     assert "converts LoRA adapters" in capsys.readouterr().err
     assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("family", ["hunyuan-video", "hunyuan-video-1.5"])
+def test_hunyuan_video_fused_attention_and_embedders_carry_the_diffusers_deltas(make_config, family):
+    """ComfyUI's fused `img_attn_qkv` / `txt_attn_qkv` get the q, k, v deltas stacked (1.5's checkpoint keeps them
+    apart, ComfyUI's model does not), and its MLP embedders `time_in.in_layer` / `out_layer` the timestep
+    embedder's."""
+    spec, _, state = _adapter_on_every_linear(family, make_config)
+    exported = comfyui_lora(state, spec.comfyui_lora_rules(), 3.0, family, spec.comfyui_model())
+    scale = 3.0 / 2
+
+    def comfy(module: str) -> torch.Tensor:
+        return exported[f"diffusion_model.{module}.lora_B.weight"] @ exported[f"diffusion_model.{module}.lora_A.weight"]
+
+    block = "transformer_blocks.0.attn"
+    for fused_name, parts in (("img_attn_qkv", ("to_q", "to_k", "to_v")),
+                              ("txt_attn_qkv", ("add_q_proj", "add_k_proj", "add_v_proj"))):
+        expected = torch.cat([_delta(state, f"{block}.{part}", scale) for part in parts])
+        torch.testing.assert_close(comfy(f"double_blocks.0.{fused_name}"), expected)
+    timestep = "time_text_embed.timestep_embedder" if family == "hunyuan-video" else "time_embed.timestep_embedder"
+    torch.testing.assert_close(comfy("time_in.in_layer"), _delta(state, f"{timestep}.linear_1", scale))
+    torch.testing.assert_close(comfy("time_in.out_layer"), _delta(state, f"{timestep}.linear_2", scale))
+    assert not any(".mlp.0." in key or "attn_q." in key for key in exported)

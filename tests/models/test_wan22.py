@@ -23,7 +23,7 @@ from vidtune.models.experts import TwoExperts
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
-from vidtune.outputs import COMFYUI_LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS_2, LORA_WEIGHTS, LORA_WEIGHTS_2
+from vidtune.outputs import LORA_WEIGHTS, LORA_WEIGHTS_2, comfyui_lora_weights
 from vidtune.sampling import load_pipeline
 from vidtune.trainers import build_trainer
 
@@ -311,7 +311,9 @@ def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_no
         assert adapter and all(k.startswith("transformer.") and "lora_" in k for k in adapter)
         assert any(float(v.abs().max()) > 0 for k, v in adapter.items() if "lora_B" in k), "an expert did not train"
     assert not all(torch.equal(high[k], low[k]) for k in high), "the experts share one adapter"
-    comfy_high, comfy_low = load_file(out / COMFYUI_LORA_WEIGHTS), load_file(out / COMFYUI_LORA_WEIGHTS_2)
+    # ComfyUI files named after the run: `<run>_comfyui` (high noise), `<run>_transformer_2_comfyui` (low noise).
+    comfy_high_file, comfy_low_file = comfyui_lora_weights(out.name), comfyui_lora_weights(out.name, second=True)
+    comfy_high, comfy_low = load_file(out / comfy_high_file), load_file(out / comfy_low_file)
     assert comfy_high.keys() == comfy_low.keys() and all(k.startswith("diffusion_model.blocks.") for k in comfy_high)
 
     # The files load into WanPipeline as diffusers' Wan 2.2 examples load them; each changes only its own steps.
@@ -350,8 +352,8 @@ def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_no
     pipeline = spec.pipeline(spec.load_text_components(CPU), spec.load_vae(CPU),
                              spec.load_denoiser(CPU))
     pipeline.set_progress_bar_config(disable=True)
-    pipeline.load_lora_weights(str(out), weight_name=COMFYUI_LORA_WEIGHTS)
-    pipeline.load_lora_weights(str(out), weight_name=COMFYUI_LORA_WEIGHTS_2, load_into_transformer_2=True)
+    pipeline.load_lora_weights(str(out), weight_name=comfy_high_file)
+    pipeline.load_lora_weights(str(out), weight_name=comfy_low_file, load_into_transformer_2=True)
     _, from_comfyui = step_latents()
     torch.testing.assert_close(from_comfyui[-1], both[-1], rtol=1e-4, atol=5e-5)
 
@@ -369,7 +371,7 @@ def test_one_low_noise_expert_writes_the_second_file_only(make_config, two_exper
     assert (out / LORA_WEIGHTS_2).is_file() and not (out / LORA_WEIGHTS).exists()
     assert result.sample_paths and all(path.is_file() for path in result.sample_paths)  # validated with both
     export_checkpoint(out, tmp_path / "comfy", format="comfyui")
-    assert sorted(path.name for path in (tmp_path / "comfy").iterdir()) == [COMFYUI_LORA_WEIGHTS_2]
+    assert sorted(path.name for path in (tmp_path / "comfy").iterdir()) == [comfyui_lora_weights(out.name, second=True)]
     assert not any("lora_" in name for name, _ in trainer.denoiser.transformer.named_parameters())
     run = load_pipeline(out, device="cpu")
     assert any("lora_" in name for name, _ in run.pipeline.transformer_2.named_parameters())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import typing
 import weakref
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from vidtune.config import TrainingConfig
 from vidtune.data.stream import CachedBatches, EncodedBatches
 from vidtune.models.ltx_video import LTXVideoSpec
 from vidtune.trainers import build_trainer
@@ -237,3 +239,41 @@ def test_validation_samples_do_not_depend_on_how_many_vae_workers_precomputed(co
     one, two = samples(["cpu"], "one-worker"), samples(["cpu", "cpu"], "two-workers")
     assert len(one) == len(two) == 1
     assert np.array_equal(one[0], two[0])
+
+
+ALGORITHMS = typing.get_args(TrainingConfig.model_fields["algorithm"].annotation)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_trains_from_the_cache_with_default_settings(config_for, tmp_path, algorithm):
+    """Each algorithm with its defaults (caption dropout off, the empty negative prompt), from the cache: the
+    plan holds every prompt the trainer reads (guidance distillation's teacher's negative prompt included)."""
+    control = {"processor": "canny"} if algorithm.startswith("control") else {}  # the control clips: the data's
+    config = config_for(training={"algorithm": algorithm, "steps": 1}, control=control,
+                        output_dir=str(tmp_path / algorithm))
+    result = build_trainer(config).run()
+    assert len(result.losses) == 1 and all(np.isfinite(result.losses))
+
+
+def test_guidance_distillation_reads_its_negative_prompt_from_the_cache(config_for, tmp_path, monkeypatch):
+    """The teacher's negative prompt is cached with the captions and equals the one encoded on the fly; training
+    from a warm cache loads no text encoder."""
+    distillation = {"negative_prompt": "blurry, low quality"}
+    live = build_trainer(config_for(training={"algorithm": "guidance-distillation"}, distillation=distillation,
+                                    precompute={"enabled": False}, output_dir=str(tmp_path / "live")))
+    live.check_inputs()
+    live.load_models()
+    config = config_for(training={"algorithm": "guidance-distillation", "steps": 1}, distillation=distillation,
+                        output_dir=str(tmp_path / "cold"))
+    build_trainer(config).run()  # a cold cache: precompute encodes the negative prompt with the captions
+
+    def no_text_encoder(self, device):
+        raise AssertionError("the text encoders were loaded while training from a warm cache")
+
+    monkeypatch.setattr(LTXVideoSpec, "load_text_components", no_text_encoder)
+    warm = build_trainer(config_for(training={"algorithm": "guidance-distillation", "steps": 1},
+                                    distillation=distillation, output_dir=str(tmp_path / "warm")))
+    warm.run()
+    assert warm.negative.keys() == live.negative.keys()
+    for key, value in live.negative.items():
+        assert torch.equal(warm.negative[key], value), key

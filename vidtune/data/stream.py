@@ -84,8 +84,13 @@ class BatchSource(ABC):
         """(conditions, latents) of one loaded batch."""
 
     @abstractmethod
+    def prompt(self, caption: str) -> Conditions:
+        """The conditions of a caption that is not a clip's (an empty or negative prompt), a batch of one, on
+        `device`."""
+
     def empty_caption(self) -> Conditions:
         """The conditions of the empty caption, a batch of one, on `device`."""
+        return self.prompt("")
 
 
 class CachedBatches(BatchSource):
@@ -107,8 +112,8 @@ class CachedBatches(BatchSource):
     def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
         return raw["conditions"], raw["latents"]
 
-    def empty_caption(self) -> Conditions:
-        return to_device(self.cached.empty_conditions(), self.device)
+    def prompt(self, caption: str) -> Conditions:
+        return to_device(self.cached.prompt_conditions(caption), self.device)
 
 
 class EncodedBatches(BatchSource):
@@ -163,8 +168,8 @@ class EncodedBatches(BatchSource):
         conditions = self.encoded.items([("caption", caption) for caption in captions], encode_captions_at)
         return stack_items(conditions), stack_items(self.encoded.items(windows, encode_windows_at))
 
-    def empty_caption(self) -> Conditions:
-        return to_device(stack_items(encode_captions(self.spec, self.text, [""], batch_size=1)), self.device)
+    def prompt(self, caption: str) -> Conditions:
+        return to_device(stack_items(encode_captions(self.spec, self.text, [caption], batch_size=1)), self.device)
 
 
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -12,17 +12,18 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from vidtune import checkpoint as checkpoints
 from vidtune.config import load_config
 from vidtune.outputs import (
-    COMFYUI_LORA_WEIGHTS,
-    COMFYUI_LORA_WEIGHTS_2,
+    CHECKPOINTS,
     FINAL_OUTPUTS,
     LORA_WEIGHTS,
     LORA_WEIGHTS_2,
     RESOLVED_CONFIG,
+    comfyui_lora_weights,
 )
 from vidtune.resume import CheckpointError, find_checkpoint
 
@@ -35,7 +36,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     """Write the final weights of `checkpoint` (a checkpoint folder, or a run folder: its newest) into `output`.
 
     `format="comfyui"` writes only the ComfyUI LoRA file; given a finished LoRA run's folder, it converts the
-    run's final adapter (`pytorch_lora_weights.safetensors`), which is newer than any of its checkpoints."""
+    run's final adapter (`pytorch_lora_weights.safetensors`), which is newer than any of its checkpoints. The
+    ComfyUI file is named after the run (`<run>_comfyui.safetensors`), a checkpoint's after the run and the step
+    (`<run>_step-00000500_comfyui.safetensors`)."""
     from vidtune.export.comfyui import save_comfyui_lora
     from vidtune.trainers import build_trainer
     from vidtune.trainers.lora import LoRATrainer
@@ -43,21 +46,22 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     if format not in FORMATS:
         raise CheckpointError(f"--format {format}: unknown format.\nWhat to do: choose one of {', '.join(FORMATS)}.")
     output = Path(output)
-    comfyui_names = (COMFYUI_LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS_2)
+    run = Path(checkpoint).expanduser()
+    finished = [run / name for name in (LORA_WEIGHTS, LORA_WEIGHTS_2) if (run / name).is_file()]
+    if format == "comfyui" and finished and (run / RESOLVED_CONFIG).is_file():
+        config_file, weights_file = run / RESOLVED_CONFIG, finished[0]
+        name = run.resolve().name
+    else:
+        folder = find_checkpoint(checkpoint)
+        config_file, weights_file = folder / checkpoints.CONFIG, None
+        name = f"{run_name(folder)}_{folder.name}"
+    comfyui_names = (comfyui_lora_weights(name), comfyui_lora_weights(name, second=True))
     names = comfyui_names if format == "comfyui" else (*FINAL_OUTPUTS, *comfyui_names)
     existing = [name for name in names if (output / name).exists()]
     if existing and not overwrite:
         raise CheckpointError(f"{output} already holds {', '.join(existing)}; nothing was written. Choose another "
                               "--output, or add --overwrite to replace it.")
-    run = Path(checkpoint).expanduser()
-    finished = [run / name for name in (LORA_WEIGHTS, LORA_WEIGHTS_2) if (run / name).is_file()]
-    if format == "comfyui" and finished and (run / RESOLVED_CONFIG).is_file():
-        config = load_config(run / RESOLVED_CONFIG, [f"output_dir={output}"])
-        weights_file = finished[0]
-    else:
-        folder = find_checkpoint(checkpoint)
-        config = load_config(folder / checkpoints.CONFIG, [f"output_dir={output}"])
-        weights_file = None
+    config = load_config(config_file, [f"output_dir={output}"])
     trainer = build_trainer(config)
     # A LoRA run, or a distillation whose student is an adapter.
     if format == "comfyui" and not isinstance(trainer, LoRATrainer):
@@ -73,8 +77,23 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
                               "What to do: export another checkpoint of the run, or the run's folder.") from None
     output.mkdir(parents=True, exist_ok=True)
     if format == "comfyui":
-        return save_comfyui_lora(trainer.spec, output, weights, config.lora.alpha)
+        return save_comfyui_lora(trainer.spec, output, weights, config.lora.alpha, name)
+    if isinstance(trainer, LoRATrainer):
+        trainer.export_name = name
     return trainer.export_weights(weights, output, ema)
+
+
+def run_name(checkpoint: Path) -> str:
+    """The name of the run a checkpoint folder belongs to: the folder holding its `checkpoints/` folder, or (a
+    checkpoint moved elsewhere) the `output_dir` its config names."""
+    folder = checkpoint.resolve()
+    if folder.parent.name == CHECKPOINTS:
+        return folder.parent.parent.name
+    try:
+        output_dir = yaml.safe_load((folder / checkpoints.CONFIG).read_text()).get("output_dir")
+    except (OSError, yaml.YAMLError, AttributeError):
+        output_dir = None
+    return Path(output_dir).name if isinstance(output_dir, str) and output_dir else folder.name
 
 
 def run_adapters(files: list[Path]) -> dict[str, torch.Tensor]:

@@ -13,6 +13,9 @@ Several diffusers modules can be slices of one original layer (q, k and v of a f
 (A_i: r_i x in, B_i: out_i x r_i) become one of rank sum(r_i): A stacks the A_i, B is block-diagonal, so
 B @ A stacks the B_i @ A_i row blocks, exactly the fused layer's delta. A part without an adapter is a block
 of zero rows.
+
+Every file is checked, before it is written, against the LoRA names the ComfyUI model of its family reads
+(`comfyui_models.py`): a key ComfyUI would skip is an error naming it, never a file that half-applies.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from safetensors.torch import save_file
 
 from vidtune.errors import ConfigError
 from vidtune.files import atomic_path, follow_umask
-from vidtune.outputs import COMFYUI_LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS_2
+from vidtune.outputs import LORA_WEIGHTS, comfyui_lora_weights
 
 if TYPE_CHECKING:
+    from vidtune.export.comfyui_models import ComfyUIModel
     from vidtune.models.spec import ModelSpec
 
 PREFIX = "diffusion_model."
@@ -94,11 +98,12 @@ def _find_rule(name: str, rules: list[Rule]) -> tuple[Rule, str] | None:
 
 
 def comfyui_lora(state_dict: dict[str, torch.Tensor], rules: list[Rule], alpha: float,
-                 family: str = "this model") -> dict[str, torch.Tensor]:
-    """The ComfyUI LoRA of an adapter (peft state dict, or a diffusers file's) trained with `lora.alpha = alpha`."""
+                 family: str = "this model", model: ComfyUIModel | None = None) -> dict[str, torch.Tensor]:
+    """The ComfyUI LoRA of an adapter (peft state dict, or a diffusers file's) trained with `lora.alpha = alpha`;
+    with `model`, checked against the names that ComfyUI model reads."""
     if not rules:
         raise ComfyUIExportError(f"There is no ComfyUI LoRA layout for {family} yet.\n"
-                                 "What to do: use the diffusers file (pytorch_lora_weights.safetensors).")
+                                 f"What to do: use the diffusers file ({LORA_WEIGHTS}).")
     singles: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     groups: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = defaultdict(dict)
     sizes: dict[str, tuple[int, ...]] = {}
@@ -136,7 +141,32 @@ def comfyui_lora(state_dict: dict[str, torch.Tensor], rules: list[Rule], alpha: 
         down, up = fuse(parts, sizes[target])
         result[f"{PREFIX}{target}.lora_A.weight"] = down
         result[f"{PREFIX}{target}.lora_B.weight"] = up
+    if model is not None:
+        check_names(result, model, family)
     return dict(sorted(result.items()))
+
+
+def unread_keys(tensors: dict[str, torch.Tensor], model: ComfyUIModel) -> list[str]:
+    """The keys of a ComfyUI LoRA file that `model`'s LoRA loader would not apply (it logs "lora key not loaded")."""
+    names = model.lora_names()
+    unread = []
+    for key in tensors:
+        match = re.fullmatch(rf"{re.escape(PREFIX)}(.+)\.lora_[AB]\.weight", key)
+        if match is None or match.group(1) not in names:
+            unread.append(key)
+    return sorted(unread)
+
+
+def check_names(tensors: dict[str, torch.Tensor], model: ComfyUIModel, family: str) -> None:
+    """Raise when a key of the file is not one `model` reads: such a file would apply only in part."""
+    unread = unread_keys(tensors, model)
+    if unread:
+        raise ComfyUIExportError(
+            f"ComfyUI's {model.name} model ({family}) would not load {len(unread)} of the {len(tensors)} tensors of "
+            f"the ComfyUI file: {', '.join(unread[:6])}{' ...' if len(unread) > 6 else ''}.\n"
+            "What to do: leave these layers out of lora.target_modules to get a ComfyUI file, or use the diffusers "
+            f"file ({LORA_WEIGHTS}); please report it, with the model's name, as vidtune's layout for it is wrong."
+        )
 
 
 def fuse(parts: dict[int, tuple[torch.Tensor, torch.Tensor]], sizes: tuple[int, ...]) -> tuple[torch.Tensor,
@@ -165,15 +195,22 @@ def write_comfyui_lora(path: str | os.PathLike[str], tensors: dict[str, torch.Te
 
 
 def save_comfyui_lora(spec: ModelSpec, folder: str | os.PathLike[str], state_dict: dict[str, torch.Tensor],
-                      alpha: float) -> Path:
-    """Write `folder/COMFYUI_LORA_WEIGHTS`: the adapter (peft or diffusers state dict) in `spec`'s ComfyUI layout;
-    a second denoiser's adapter (`transformer_2.` keys) goes to `folder/COMFYUI_LORA_WEIGHTS_2`. Returns the first
-    file written."""
+                      alpha: float, name: str) -> Path:
+    """Write `folder/<name>_comfyui.safetensors`: the adapter (peft or diffusers state dict) in `spec`'s ComfyUI
+    layout, checked against the names ComfyUI's model of the family reads; a second denoiser's adapter
+    (`transformer_2.` keys) goes to `folder/<name>_transformer_2_comfyui.safetensors`. Nothing is written unless
+    every file passes. Returns the first file written."""
+    model = spec.comfyui_model()
+    if model is None:
+        raise ComfyUIExportError(spec.comfyui_absent())
     rules = spec.comfyui_lora_rules()
     # A second denoiser's adapter (`transformer_2.` keys: Wan 2.2's low-noise expert) is a LoRA file of its own.
     second_prefix = "transformer_2."
     second = {k.removeprefix(second_prefix): v for k, v in state_dict.items() if k.startswith(second_prefix)}
     first = {k: v for k, v in state_dict.items() if not k.startswith(second_prefix)}
-    written = [write_comfyui_lora(Path(folder) / name, comfyui_lora(part, rules, alpha, spec.name))
-               for name, part in ((COMFYUI_LORA_WEIGHTS, first), (COMFYUI_LORA_WEIGHTS_2, second)) if part]
+    files = {comfyui_lora_weights(name, is_second): comfyui_lora(part, rules, alpha, spec.name, model)
+             for is_second, part in ((False, first), (True, second)) if part}
+    written = [write_comfyui_lora(Path(folder) / file, tensors) for file, tensors in files.items()]
+    for path in written:
+        print(f"Wrote the LoRA for ComfyUI: {path} (for ComfyUI/models/loras).", flush=True)
     return written[0]

@@ -34,7 +34,6 @@ from torch import nn
 from transformers import T5EncoderModel
 
 from vidtune.errors import ConfigError, ModelError
-from vidtune.export.comfyui import Rule, fused
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.spec import (
     Conditions,
@@ -46,6 +45,7 @@ from vidtune.models.spec import (
     shape_rule,
     side_problems,
 )
+from vidtune.outputs import LORA_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
@@ -217,21 +217,10 @@ class CogVideoXSpec(ModelSpec):
         return prediction.permute(0, 2, 1, 3, 4)
 
     # ----- ComfyUI ------------------------------------------------------------------------------------
-    def comfyui_lora_rules(self) -> list[Rule]:
-        """CogVideoX's original names (THUDM's SAT checkpoints, `transformer.layers.N`): fused
-        `attention.query_key_value`. The adaptive norms (one fused `adaLN_modulations.N` in the original) have no
-        rule, so an adapter on them has no ComfyUI file."""
-        config = self.transformer_config
-        inner = config["num_attention_heads"] * config["attention_head_dim"]
-        block, layer = r"transformer_blocks\.(\d+)", r"transformer.layers.\1"
-        return [
-            *fused([rf"{block}\.attn1\.to_{x}" for x in "qkv"], rf"{layer}.attention.query_key_value", [inner] * 3),
-            Rule(rf"{block}\.attn1\.to_out\.0", rf"{layer}.attention.dense"),
-            Rule(rf"{block}\.ff\.net\.0\.proj", rf"{layer}.mlp.dense_h_to_4h"),
-            Rule(rf"{block}\.ff\.net\.2", rf"{layer}.mlp.dense_4h_to_h"),
-            Rule(r"time_embedding\.linear_1", "time_embed.0"),
-            Rule(r"time_embedding\.linear_2", "time_embed.2"),
-        ]
+    def comfyui_absent(self) -> str:
+        return (f"ComfyUI's core has no CogVideoX model, so there is no ComfyUI file to write. In ComfyUI, CogVideoX "
+                f"runs through the ComfyUI-CogVideoXWrapper nodes, whose CogVideoLoraSelect node loads the diffusers "
+                f"file ({LORA_WEIGHTS}, renamed as you like) from ComfyUI/models/CogVideo/loras.")
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

@@ -29,7 +29,9 @@ from torch import nn
 from transformers import AutoTokenizer, CLIPTextModel, LlamaModel
 
 from vidtune.export.comfyui import Rule, fused
+from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
 from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.hunyuan_comfyui import embedder, shared_rules
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -197,45 +199,27 @@ class HunyuanVideoSpec(ModelSpec):
 
     # ----- ComfyUI ------------------------------------------------------------------------------------
     def comfyui_lora_rules(self) -> list[Rule]:
-        """HunyuanVideo's original names (Tencent's repository, ComfyUI's HunyuanVideo model), with its fused
-        layers: a double block's `img_attn_qkv` / `txt_attn_qkv`, a single block's `linear1` (q, k, v and the MLP
-        input) and the token refiner's `self_attn_qkv`."""
+        """The double blocks, text refiner and final layer as 1.5's (`hunyuan_comfyui.shared_rules`), and 1.0's own
+        layers: a single block's fused `linear1` (q, k, v and the MLP input), the guidance and pooled-text
+        embedders."""
         config = self.load_config(HunyuanVideoTransformer3DModel, "transformer")
         hidden = config["num_attention_heads"] * config["attention_head_dim"]
         mlp = int(hidden * config["mlp_ratio"])
-        double, single = r"transformer_blocks\.(\d+)", r"single_transformer_blocks\.(\d+)"
-        refiner = r"context_embedder\.token_refiner\.refiner_blocks\.(\d+)"
-        refined = r"txt_in.individual_token_refiner.blocks.\1"
+        single = r"single_transformer_blocks\.(\d+)"
         return [
-            *fused([rf"{double}\.attn\.to_{x}" for x in "qkv"], r"double_blocks.\1.img_attn_qkv", [hidden] * 3),
-            *fused([rf"{double}\.attn\.add_{x}_proj" for x in "qkv"], r"double_blocks.\1.txt_attn_qkv", [hidden] * 3),
-            Rule(rf"{double}\.attn\.to_out\.0", r"double_blocks.\1.img_attn_proj"),
-            Rule(rf"{double}\.attn\.to_add_out", r"double_blocks.\1.txt_attn_proj"),
-            Rule(rf"{double}\.ff\.net\.0\.proj", r"double_blocks.\1.img_mlp.fc1"),
-            Rule(rf"{double}\.ff\.net\.2", r"double_blocks.\1.img_mlp.fc2"),
-            Rule(rf"{double}\.ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.fc1"),
-            Rule(rf"{double}\.ff_context\.net\.2", r"double_blocks.\1.txt_mlp.fc2"),
-            Rule(rf"{double}\.norm1\.linear", r"double_blocks.\1.img_mod.linear"),
-            Rule(rf"{double}\.norm1_context\.linear", r"double_blocks.\1.txt_mod.linear"),
+            *shared_rules(hidden, r"time_text_embed\.timestep_embedder"),
             *fused([rf"{single}\.attn\.to_{x}" for x in "qkv"] + [rf"{single}\.proj_mlp"],
                    r"single_blocks.\1.linear1", [hidden] * 3 + [mlp]),
             Rule(rf"{single}\.proj_out", r"single_blocks.\1.linear2"),
             Rule(rf"{single}\.norm\.linear", r"single_blocks.\1.modulation.linear"),
-            *fused([rf"{refiner}\.attn\.to_{x}" for x in "qkv"], rf"{refined}.self_attn_qkv", [hidden] * 3),
-            Rule(rf"{refiner}\.attn\.to_out\.0", rf"{refined}.self_attn_proj"),
-            Rule(rf"{refiner}\.ff\.net\.0\.proj", rf"{refined}.mlp.fc1"),
-            Rule(rf"{refiner}\.ff\.net\.2", rf"{refined}.mlp.fc2"),
-            Rule(rf"{refiner}\.norm_out\.linear", rf"{refined}.adaLN_modulation.1"),
-            Rule(r"time_text_embed\.timestep_embedder\.linear_1", "time_in.mlp.0"),
-            Rule(r"time_text_embed\.timestep_embedder\.linear_2", "time_in.mlp.2"),
-            Rule(r"time_text_embed\.guidance_embedder\.linear_1", "guidance_in.mlp.0"),
-            Rule(r"time_text_embed\.guidance_embedder\.linear_2", "guidance_in.mlp.2"),
-            Rule(r"time_text_embed\.text_embedder\.linear_1", "vector_in.in_layer"),
-            Rule(r"time_text_embed\.text_embedder\.linear_2", "vector_in.out_layer"),
-            Rule(r"proj_out", "final_layer.linear"),
-            # The original modulation gives (shift, scale), diffusers' AdaLayerNormContinuous (scale, shift).
-            Rule(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=True),
+            *embedder(r"time_text_embed\.guidance_embedder", "guidance_in"),
+            *embedder(r"time_text_embed\.text_embedder", "vector_in"),
         ]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        config = self.load_config(HunyuanVideoTransformer3DModel, "transformer")
+        return hunyuan_video(config["num_layers"], config["num_single_layers"], config["num_refiner_layers"],
+                             guidance=bool(config["guidance_embeds"]), vector=True)
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> HunyuanVideoPipeline:

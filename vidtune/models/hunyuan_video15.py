@@ -38,8 +38,10 @@ from torch import nn
 from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcessor, SiglipVisionModel, T5EncoderModel
 
 from vidtune.errors import ConfigError, ModelError
-from vidtune.export.comfyui import Rule, fused
+from vidtune.export.comfyui import Rule
+from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
 from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.hunyuan_comfyui import shared_rules
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -241,43 +243,21 @@ class HunyuanVideo15Spec(ModelSpec):
 
     # ----- ComfyUI ------------------------------------------------------------------------------------
     def comfyui_lora_rules(self) -> list[Rule]:
-        """HunyuanVideo 1.5's original names (Tencent's checkpoint, as diffusers' conversion script maps them):
-        a double block's separate `img_attn_q` / `k` / `v` and `txt_attn_*`, the token refiner's fused
-        `self_attn_qkv`, the glyph projection `byt5_in` and the image projection `vision_in`."""
+        """The double blocks, text refiner and final layer as 1.0's (`hunyuan_comfyui.shared_rules`; Tencent's 1.5
+        checkpoint keeps q, k and v apart, ComfyUI's model fuses them), and 1.5's own layers: the glyph projection
+        `byt5_in` and the image projection `vision_in`."""
         config = self.transformer_config
         hidden = config["num_attention_heads"] * config["attention_head_dim"]
-        double = r"transformer_blocks\.(\d+)"
-        refiner = r"context_embedder\.token_refiner\.refiner_blocks\.(\d+)"
-        refined = r"txt_in.individual_token_refiner.blocks.\1"
-        attention = {"to_q": "img_attn_q", "to_k": "img_attn_k", "to_v": "img_attn_v", r"to_out\.0": "img_attn_proj",
-                     "add_q_proj": "txt_attn_q", "add_k_proj": "txt_attn_k", "add_v_proj": "txt_attn_v",
-                     "to_add_out": "txt_attn_proj"}
         return [
-            *[Rule(rf"{double}\.attn\.{ours}", rf"double_blocks.\1.{theirs}") for ours, theirs in attention.items()],
-            Rule(rf"{double}\.ff\.net\.0\.proj", r"double_blocks.\1.img_mlp.fc1"),
-            Rule(rf"{double}\.ff\.net\.2", r"double_blocks.\1.img_mlp.fc2"),
-            Rule(rf"{double}\.ff_context\.net\.0\.proj", r"double_blocks.\1.txt_mlp.fc1"),
-            Rule(rf"{double}\.ff_context\.net\.2", r"double_blocks.\1.txt_mlp.fc2"),
-            Rule(rf"{double}\.norm1\.linear", r"double_blocks.\1.img_mod.linear"),
-            Rule(rf"{double}\.norm1_context\.linear", r"double_blocks.\1.txt_mod.linear"),
-            *fused([rf"{refiner}\.attn\.to_{x}" for x in "qkv"], rf"{refined}.self_attn_qkv", [hidden] * 3),
-            Rule(rf"{refiner}\.attn\.to_out\.0", rf"{refined}.self_attn_proj"),
-            Rule(rf"{refiner}\.ff\.net\.0\.proj", rf"{refined}.mlp.fc1"),
-            Rule(rf"{refiner}\.ff\.net\.2", rf"{refined}.mlp.fc2"),
-            Rule(rf"{refiner}\.norm_out\.linear", rf"{refined}.adaLN_modulation.1"),
-            Rule(r"context_embedder\.proj_in", "txt_in.input_embedder"),
-            Rule(r"context_embedder\.time_text_embed\.timestep_embedder\.linear_1", "txt_in.t_embedder.mlp.0"),
-            Rule(r"context_embedder\.time_text_embed\.timestep_embedder\.linear_2", "txt_in.t_embedder.mlp.2"),
-            Rule(r"context_embedder\.time_text_embed\.text_embedder\.linear_([12])", r"txt_in.c_embedder.linear_\1"),
+            *shared_rules(hidden, r"time_embed\.timestep_embedder"),
             Rule(r"context_embedder_2\.linear_([123])", r"byt5_in.fc\1"),
             Rule(r"image_embedder\.linear_1", "vision_in.proj.1"),
             Rule(r"image_embedder\.linear_2", "vision_in.proj.3"),
-            Rule(r"time_embed\.timestep_embedder\.linear_1", "time_in.mlp.0"),
-            Rule(r"time_embed\.timestep_embedder\.linear_2", "time_in.mlp.2"),
-            Rule(r"proj_out", "final_layer.linear"),
-            # The original modulation gives (shift, scale), diffusers' AdaLayerNormContinuous (scale, shift).
-            Rule(r"norm_out\.linear", "final_layer.adaLN_modulation.1", swap_halves=True),
         ]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        config = self.transformer_config
+        return hunyuan_video(config["num_layers"], refiner=config["num_refiner_layers"], glyph=True, image=True)
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

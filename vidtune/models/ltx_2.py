@@ -47,6 +47,7 @@ from transformers import AutoTokenizer, Gemma3ForConditionalGeneration, Gemma4Un
 from vidtune.data.audio import AudioBatch, AudioFormat, log_mel_spectrogram
 from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule
+from vidtune.export.comfyui_models import ComfyUIModel, ltxav
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.ltx_video import vae_downsampling_steps
 from vidtune.models.spec import (
@@ -373,6 +374,9 @@ class LTX2Spec(ModelSpec):
             *[Rule(rf"av_cross_attn_{ours}\.{embedding}", rf"av_ca_{original}_adaln_single.\1")
               for ours, original in ORIGINAL_MODULATIONS.items()],
         ]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        return ltxav(self.load_config(LTX2VideoTransformer3DModel, "transformer"))
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: LTX2Autoencoders, denoiser: nn.Module) -> LTX2Pipeline:

@@ -23,6 +23,7 @@ from transformers import T5EncoderModel
 from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
+from vidtune.export.comfyui_models import ComfyUIModel, ltxv
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.spec import (
     Conditions,
@@ -154,6 +155,9 @@ class LTXVideoSpec(ModelSpec):
             Rule(r"proj_in", "patchify_proj"),
             Rule(r"time_embed\.(emb\.timestep_embedder\.linear_[12]|linear)", r"adaln_single.\1"),
         ]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        return ltxv(self.load_config(LTXVideoTransformer3DModel, "transformer"))
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> LTXPipeline:

@@ -32,6 +32,7 @@ from torch import nn
 from transformers import T5EncoderModel
 
 from vidtune.export.comfyui import Rule, fused
+from vidtune.export.comfyui_models import ComfyUIModel, mochi
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -190,6 +191,9 @@ class MochiSpec(ModelSpec):
             # The original modulation gives (shift, scale), diffusers' AdaLayerNormContinuous (scale, shift).
             Rule(r"norm_out\.linear", "final_layer.mod", swap_halves=True),
         ]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        return mochi(self.transformer_config)
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> MochiPipeline:

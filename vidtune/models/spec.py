@@ -32,6 +32,7 @@ from vidtune.config import Config, DType, ModelConfig, TrainingConfig
 from vidtune.data.audio import AudioFormat
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
+from vidtune.export.comfyui_models import ComfyUIModel
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.hub import check_hub_model, looks_local
@@ -634,6 +635,15 @@ class ModelSpec(ABC):
         (see vidtune/export/comfyui.py): one `Rule` per module pattern, fused layers with their parts' sizes
         (read them from the transformer config). Empty: the family has no ComfyUI file."""
         return []
+
+    def comfyui_model(self) -> ComfyUIModel | None:
+        """The model of ComfyUI's core that runs this family (vidtune/export/comfyui_models.py), whose LoRA names
+        every ComfyUI file is checked against; None: ComfyUI's core has no model for it, and no file is written."""
+        return None
+
+    def comfyui_absent(self) -> str:
+        """Why the family has no ComfyUI file, and what loads its LoRA in ComfyUI instead."""
+        return f"ComfyUI's core has no {self.name} model."
 
     def save_lora(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None,
                   weight_name: str = LORA_WEIGHTS) -> Path:

@@ -40,6 +40,7 @@ from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError, SchedulerError
 from vidtune.export.comfyui import Rule
+from vidtune.export.comfyui_models import ComfyUIModel, wan21
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -207,6 +208,9 @@ class WanSpec(ModelSpec):
             Rule(r"condition_embedder\.image_embedder\.ff\.net\.2", "img_emb.proj.3"),
             Rule(r"proj_out", "head.head"),
         ]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        return wan21(self.load_config(WanTransformer3DModel, "transformer"))
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

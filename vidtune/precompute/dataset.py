@@ -59,11 +59,18 @@ class CachedClips(Dataset):
     def conditions(self, key: str) -> Tensors:
         return self.read("conditions", key)
 
+    def prompt_conditions(self, prompt: str) -> Tensors:
+        """The cached conditions of a prompt the run reads beside its captions (`plan.extra_prompts`: the empty
+        prompt of caption dropout, the teacher's negative prompt), batch of one."""
+        key = self.plan.prompt_keys.get(prompt)
+        if key is None:  # `build_plan` adds every prompt a trainer asks for: a trainer that asks for another one
+            raise RuntimeError(f"the precompute plan has no entry for the prompt {prompt!r}; add it to "
+                               "vidtune.precompute.plan.extra_prompts")
+        return stack_items([self.conditions(key)])
+
     def empty_conditions(self) -> Tensors:
-        """The cached empty-prompt conditions (caption dropout technique `empty`), batch of one."""
-        if self.plan.empty_key is None:
-            raise ValueError("the plan has no empty prompt (caption dropout is off or technique is `zero`)")
-        return stack_items([self.conditions(self.plan.empty_key)])
+        """The cached empty-prompt conditions, batch of one."""
+        return self.prompt_conditions("")
 
     def __getitem__(self, key: tuple[int, int, int] | int) -> dict[str, Any]:
         position, item, _ = key if isinstance(key, tuple) else (-1, key, 0)

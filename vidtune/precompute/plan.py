@@ -167,6 +167,19 @@ class CachePlan:
     condition_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     latent_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     empty_key: str | None = None  # the empty prompt, for caption dropout technique `empty`
+    # Every prompt the run reads beyond the clips' captions (prompt -> key): see `extra_prompts`.
+    prompt_keys: dict[str, str] = field(default_factory=dict)
+
+
+def extra_prompts(config: Config) -> list[str]:
+    """The prompts a run encodes beside its captions: the empty one of caption dropout's `empty` technique, and
+    guidance distillation's teacher's unconditional caption (`distillation.negative_prompt`, empty by default)."""
+    prompts = []
+    if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
+        prompts.append("")
+    if config.training.algorithm == "guidance-distillation":
+        prompts.append(config.distillation.negative_prompt)
+    return list(dict.fromkeys(prompts))
 
 
 def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheStore | None = None) -> CachePlan:
@@ -247,6 +260,7 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         plan.latent_keys.append(keys[0][0])
         plan.latent_windows.append(keys[0])
         plan.control_windows.append(keys[1] if len(keys) > 1 else [])
+    plan.prompt_keys = {prompt: condition(prompt) for prompt in extra_prompts(config)}
     if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
-        plan.empty_key = condition("")
+        plan.empty_key = plan.prompt_keys[""]
     return plan

@@ -29,7 +29,6 @@ from vidtune.data.buckets import visit_generator
 from vidtune.data.stream import Batch
 from vidtune.errors import ConfigError
 from vidtune.models.spec import Conditions
-from vidtune.precompute.encode import encode_captions, stack_items
 from vidtune.state import SavedState
 from vidtune.trainers.base import Trainer
 from vidtune.trainers.full import FullTrainer
@@ -84,14 +83,9 @@ class GuidanceDistillation(Trainer):
         return parameters
 
     def negative_conditions(self) -> Conditions:
-        """The empty caption's conditions from the batch source, or `distillation.negative_prompt` encoded (with
-        the text encoders loaded for it when training reads the cache, and released after)."""
-        prompt = self.config.distillation.negative_prompt
-        if not prompt:
-            return self.source.empty_caption()
-        text = self.text if self.text is not None else self.spec.load_text_components(self.device)
-        encoded = stack_items(encode_captions(self.spec, text, [prompt], batch_size=1))
-        return {key: value.to(self.device) for key, value in encoded.items()}
+        """The conditions of `distillation.negative_prompt` (default: the empty caption), from the batch source:
+        the precompute cache holds them beside the captions' (`precompute.plan.extra_prompts`)."""
+        return self.source.prompt(self.config.distillation.negative_prompt)
 
     def validate(self) -> list[Path]:
         """A student of a range of scales samples with its embedding told `distillation.guidance_scale` (not

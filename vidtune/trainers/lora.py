@@ -21,7 +21,7 @@ from vidtune.errors import ConfigError
 from vidtune.export.comfyui import ComfyUIExportError, save_comfyui_lora
 from vidtune.memory import finish_base_weights, prepare_base_weights
 from vidtune.models.spec import ALL_LINEAR
-from vidtune.outputs import COMFYUI_LORA_WEIGHTS, LORA_EMA_WEIGHTS, LORA_WEIGHTS
+from vidtune.outputs import LORA_EMA_WEIGHTS, LORA_WEIGHTS
 from vidtune.trainers.base import Trainer
 
 # The tensors of one adapted module in a peft / diffusers adapter state dict.
@@ -54,6 +54,12 @@ class LoRATrainer(Trainer):
     targets: list[str] | None = None  # the resolved `lora.target_modules`, once the adapter is added
     # Modules of the denoiser that train fully beside the adapter: never stored quantized (memory.base_weights).
     trained_fully: tuple[str, ...] = ()
+    # The name of the ComfyUI file (`<name>_comfyui.safetensors`): the run folder's, unless an export names it.
+    export_name: str | None = None
+
+    @property
+    def comfyui_name(self) -> str:
+        return self.export_name or Path(self.config.output_dir).resolve().name
 
     def check_inputs(self) -> None:
         """Also the LoRA settings, before anything long: a preset the family lacks, an init_from file missing."""
@@ -213,12 +219,13 @@ class LoRATrainer(Trainer):
         return written
 
     def save_comfyui(self, folder: Path, state: dict[str, torch.Tensor]) -> Path | None:
-        """The same adapter for ComfyUI, beside the diffusers file. An adapter the ComfyUI layout cannot hold
-        (a target without an original name) is reported, not fatal: the diffusers file is the run's result."""
+        """The same adapter for ComfyUI, beside the diffusers file, named after the run (`comfyui_name`). An adapter
+        the ComfyUI layout cannot hold (a target without an original name, a family ComfyUI's core has no model
+        for) is reported, not fatal: the diffusers file is the run's result."""
         try:
-            return save_comfyui_lora(self.spec, folder, state, self.config.lora.alpha)
+            return save_comfyui_lora(self.spec, folder, state, self.config.lora.alpha, self.comfyui_name)
         except ComfyUIExportError as error:
-            print(f"{COMFYUI_LORA_WEIGHTS} was not written: {error}", flush=True)
+            print(f"No LoRA file for ComfyUI: {error}", flush=True)
             return None
 
 

@@ -74,6 +74,9 @@ def hold_out(clips: Sequence[Clip], config: Config) -> tuple[list[Clip], list[Cl
     validation = config.validation
     marked = [clip for clip in clips if clip.held_out]
     training = [clip for clip in clips if not clip.held_out]
+    if not training:
+        raise DataError(["Every data source is marked `eval: true`: nothing is left to train on."],
+                        hint="remove `eval: true` from the source(s) with the clips to train on.")
     wanted = validation.eval_clips
     spare = len(training) - (0 if validation.train_on_eval_clips else 1)
     if wanted > spare:
@@ -84,9 +87,6 @@ def hold_out(clips: Sequence[Clip], config: Config) -> tuple[list[Clip], list[Cl
             hint="lower validation.eval_clips, add clips, mark a separate source `eval: true`, or set "
             "validation.train_on_eval_clips=true to score samples that are also trained on.",
         )
-    if not training:
-        raise DataError(["Every data source is marked `eval: true`: nothing is left to train on."],
-                        hint="remove `eval: true` from the source(s) with the clips to train on.")
     picked = {int((number + 0.5) * len(training) / wanted) for number in range(wanted)} if wanted else set()
     chosen = [clip for number, clip in enumerate(training) if number in picked]
     if not validation.train_on_eval_clips:

@@ -4,21 +4,19 @@ weights; logged per noise level and in total; plotted; the best checkpoint named
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.interrupt import run_stopped_at
 from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.errors import ConfigError
 from vidtune.evaluation import HeldOutSet, Score
 from vidtune.trainers import build_trainer
-from vidtune.trainers.stop import TrainingInterrupted
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 EVAL = {"eval_clips": 1, "eval_noise_levels": [0.2, 0.5, 0.8]}
@@ -84,18 +82,7 @@ def test_scoring_leaves_training_alone_and_a_resumed_run_scores_like_one_left_al
     assert [row["step"] for row in eval_rows(reference.output_dir)] == [0, 2, 4, 5]
 
     out = tmp_path / "stopped"
-    trainer = build_trainer(make_config(**scored, output_dir=str(out)))
-    original, calls = trainer.compute_loss, [0]
-
-    def interrupt_at_the_third(batch):
-        calls[0] += 1
-        if calls[0] == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(batch)
-
-    trainer.compute_loss = interrupt_at_the_third
-    with pytest.raises(TrainingInterrupted):
-        trainer.run()
+    run_stopped_at(build_trainer(make_config(**scored, output_dir=str(out))), 3)
     # The stop's checkpoint (step 3) is written at once, unscored.
     assert [row["step"] for row in eval_rows(out)] == [0, 2]
     scored["checkpoint"] = {"every": 2, "resume": "latest"}

@@ -6,7 +6,8 @@ state (optimizer, schedule, data position, RNGs, checkpoints) lives in `vidtune.
 
 An algorithm (LoRA, full fine-tune, ...) subclasses `Trainer` and decides what is trainable
 (`configure_trainable`), what a checkpoint stores (`trainable_state_dict`) and what a finished run writes
-(`save_final`); one that needs another loss (control, distillation) overrides `compute_loss`.
+(`save_final`); one that needs another loss overrides `compute_loss` (distillation) or `clip_losses` (control), which
+the held-out score (`vidtune.evaluation`) calls too.
 
 A resumed run (`checkpoint.resume`) continues bit for bit; SIGINT / SIGTERM stop the loop after the current
 step with a checkpoint (`vidtune.trainers.stop`); a non-finite loss or gradient is never applied.

@@ -4,6 +4,7 @@ weights; logged per noise level and in total; plotted; the best checkpoint named
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from vidtune import checkpoint
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.errors import ConfigError
 from vidtune.evaluation import HeldOutSet, Score
+from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -180,3 +182,16 @@ def test_distillation_refuses_a_held_out_score_before_any_work(algorithm, make_c
     with pytest.raises(ConfigError, match=r"validation\.eval_clips: the held-out score is the denoising loss"):
         trainer.run()
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("family", sorted(TINY_SHAPES))
+def test_every_family_scores_the_same_weights_alike(family, make_config):
+    """Each family's own inputs reach the score: first frames (image-to-video), LTX-2's sound, DDPM timesteps
+    (CogVideoX), Mochi's inverted timesteps."""
+    trainer = build_trainer(make_config(family, training={"steps": 1},
+                                        validation={"eval_clips": 1, "eval_noise_levels": [0.3, 0.8]}))
+    trainer.run()
+    rows = eval_rows(trainer.output_dir)
+    assert [row["step"] for row in rows] == [0, 1]
+    assert all(math.isfinite(value) for row in rows for value in row["eval_loss_by_noise"].values())
+    assert score_now(trainer).total == rows[-1]["eval_loss"]

@@ -195,3 +195,18 @@ def test_every_family_scores_the_same_weights_alike(family, make_config):
     assert [row["step"] for row in rows] == [0, 1]
     assert all(math.isfinite(value) for row in rows for value in row["eval_loss_by_noise"].values())
     assert score_now(trainer).total == rows[-1]["eval_loss"]
+
+
+def test_training_from_the_cache_loads_the_encoders_once_for_its_clips_and_the_held_out_ones(make_config, tmp_path,
+                                                                                              monkeypatch):
+    from vidtune.models.spec import ModelSpec
+
+    loads = []
+    for name in ("load_text", "load_vae"):
+        original = getattr(ModelSpec, name)
+        monkeypatch.setattr(ModelSpec, name, lambda self, *args, _original=original, _name=name, **kwargs: (
+            loads.append(_name), _original(self, *args, **kwargs))[1])
+    config = make_config(training={"steps": 1}, validation=EVAL,
+                         precompute={"enabled": True, "cache_dir": str(tmp_path / "cache")})
+    build_trainer(config).run()
+    assert sorted(loads) == ["load_text", "load_vae"]

@@ -486,7 +486,8 @@ class Trainer(ABC):
         if not self.config.precompute.enabled:
             self.load_encoders()
             return EncodedBatches(self.config, self.clips, self.device, self.spec, self.text, self.vae)
-        summary = precompute(self.config, self.clips, progress=self.show_progress)
+        # The held-out samples' entries too: their encoders load once, with training's (vidtune/evaluation.py).
+        summary = precompute(self.config, [*self.clips, *self.eval_clips], progress=self.show_progress)
         if summary.rank == 0:
             print(summary.line(), flush=True)
         cached = CachedClips(self.config, self.spec, summary.plan, self.clips)

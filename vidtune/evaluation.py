@@ -329,16 +329,20 @@ def plot_eval_curve(metrics: Path, output: Path) -> Path | None:
         total_axis.plot([best["step"]], [best[EVAL_ROW_KEY]], marker="*", markersize=14, color="#c0392b",
                         linestyle="none", label=f"best checkpoint (step {best['step']})")
     total_axis.set_title("Held-out score")
+    # Each level relative to its first score: levels differ in size, what matters is how each moves.
     labels = list(rows[-1]["eval_loss_by_noise"])
     colours = plt.get_cmap("viridis")
     for number, label in enumerate(labels):
         values = [row["eval_loss_by_noise"].get(label, float("nan")) for row in rows]
-        level_axis.plot(steps, values, color=colours(number / max(1, len(labels) - 1)), linewidth=1.5,
-                        label=f"noise {label}")
-    level_axis.set_title("Held-out score by noise level")
+        first = next((value for value in values if math.isfinite(value) and value != 0), float("nan"))
+        level_axis.plot(steps, [value / first for value in values], color=colours(number / max(1, len(labels) - 1)),
+                        linewidth=1.5, label=f"noise {label}")
+    level_axis.axhline(1.0, color="#888888", linewidth=0.8, linestyle="--")
+    level_axis.set_title("By noise level, relative to the first score")
+    total_axis.set_ylabel("loss")
+    level_axis.set_ylabel(f"score / score at step {steps[0]}")
     for axis in (total_axis, level_axis):
         axis.set_xlabel("optimizer step")
-        axis.set_ylabel("loss")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -66,12 +67,14 @@ def save(
     extra: dict[str, Any],
     config: Config,
     keep: int,
+    protect: Collection[int] = (),
     rank: int = 0,
     rng: dict[int, Any] | None = None,
     ema_weights: dict[str, torch.Tensor] | None = None,
     shards: Path | None = None,
 ) -> Path:
-    """Write checkpoint `step` atomically under `root`, then keep only the newest `keep`.
+    """Write checkpoint `step` atomically under `root`, then keep only the newest `keep` (and those of the steps in
+    `protect`).
 
     `rng`: the RNG states by rank (under torchrun, every rank's); default: this process's, as `rank`.
     `shards`: a folder every rank wrote its part of the state into (DeepSpeed), moved in as `zero/`.
@@ -95,7 +98,7 @@ def save(
         if shards is not None:
             shutil.move(shards, temporary / ZERO_SHARDS)
         fsync_tree(temporary)
-    prune(root, keep)
+    prune(root, keep, protect)
     return final
 
 
@@ -109,7 +112,7 @@ def begin_sharded(root: Path, step: int) -> Path:
 
 
 def finish_sharded(root: Path, temporary: Path, *, step: int, extra: dict[str, Any], config: Config, keep: int,
-                   rng: dict[int, Any]) -> Path:
+                   rng: dict[int, Any], protect: Collection[int] = ()) -> Path:
     """Complete a sharded checkpoint whose shards every rank has written: the training state and config beside
     them, then the rename that makes it whole at once; then keep only the newest `keep`. On any error the
     temporary folder is removed and the error raised again."""
@@ -123,7 +126,7 @@ def finish_sharded(root: Path, temporary: Path, *, step: int, extra: dict[str, A
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-    prune(root, keep)
+    prune(root, keep, protect)
     return final
 
 
@@ -163,9 +166,11 @@ def recover(root: Path) -> None:
     recover_folders(root)
 
 
-def prune(root: Path, keep: int) -> None:
+def prune(root: Path, keep: int, protect: Collection[int] = ()) -> None:
+    """Remove all but the newest `keep` checkpoints, and those of the steps in `protect` (the best held-out score)."""
     for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old)
+        if step_of(old) not in protect:
+            shutil.rmtree(old)
 
 
 def load(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -279,8 +279,12 @@ def print_summary(result, seconds: float) -> None:
     print(f"  checkpoints  {outputs.checkpoints_root(result.output_dir)}")
     print(f"  metrics      {result.output_dir / outputs.METRICS}")
     print(f"  loss curve   {result.output_dir / outputs.LOSS_PLOT}")
+    if result.held_out:
+        print(f"  eval curve   {result.output_dir / outputs.EVAL_PLOT}")
     for path in result.sample_paths:
         print(f"  sample       {path} (+ {path.with_suffix('.png').name})")
+    if result.held_out:
+        print(result.held_out)
     if result.weights_path:
         run = shlex.quote(str(result.output_dir.resolve()))
         print(f"To generate a video with it: vidtune sample {run} --prompt \"...\"")

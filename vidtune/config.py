@@ -100,6 +100,10 @@ class _SourceBase(Section):
     caption_prefix: str = Field(
         "", description="Written before every caption of this source (e.g. a trigger word), with a space."
     )
+    eval: bool = Field(
+        False, description="Held out: this source's samples are never trained on, only scored for the held-out score "
+        "(see validation.eval_clips and docs/evaluation.md)."
+    )
 
 
 class PairsSource(_SourceBase):
@@ -405,10 +409,38 @@ class ValidationConfig(Section):
         None, ge=0, description="Classifier-free guidance of the samples; default: the family's recommended value."
     )
     every: int = Field(0, ge=0, description="Also sample every N steps; 0: only at the end of the run.")
-    seed: int = Field(0, ge=0, description="Seed of the validation samples' noise.")
+    seed: int = Field(0, ge=0, description="Seed of the validation samples' noise (and of the held-out score's).")
     frames: int | None = Field(None, gt=0, description="Default: data.frames.")
     height: int | None = Field(None, gt=0, description="Default: data.height.")
     width: int | None = Field(None, gt=0, description="Default: data.width.")
+    eval_clips: int = Field(
+        0, ge=0, description="Set aside this many samples of the training sources for the held-out score (spread "
+        "evenly over the dataset, named when the run starts), no longer trained on; samples of a source marked "
+        "`eval: true` are held out too. The score is taken before the first step, at every validation and checkpoint "
+        "step and at the end (metrics.jsonl, eval_loss.png); the run names its best checkpoint. See "
+        "docs/evaluation.md.",
+    )
+    train_on_eval_clips: bool = Field(
+        False, description="Also train on the samples `eval_clips` sets aside: the score then measures how well the "
+        "run fits them, not how it does on clips it never saw.",
+    )
+    eval_noise_levels: list[Annotated[float, Field(gt=0, lt=1)]] = Field(
+        default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9],
+        min_length=1,
+        description="The noise levels (0: clean, 1: pure noise; DDPM families: that fraction of the training "
+        "timesteps) each held-out sample is scored at; the score is logged per level and as their mean.",
+    )
+    eval_noise_draws: int = Field(
+        1, ge=1, description="Noises (and latents) drawn per held-out sample, the same at every evaluation (seeded "
+        "by validation.seed); more give a steadier score for one forward each per level.",
+    )
+
+    @model_validator(mode="after")
+    def _distinct_levels(self) -> ValidationConfig:
+        if len(set(self.eval_noise_levels)) != len(self.eval_noise_levels):
+            raise ValueError(f"validation.eval_noise_levels {self.eval_noise_levels} names a level twice; list each "
+                             "once")
+        return self
 
 
 class ControlConfig(Section):

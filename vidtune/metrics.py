@@ -84,6 +84,7 @@ def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
     if not metrics_path.is_file():
         return None
     rows = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [row for row in rows if "loss" in row]  # a held-out score's rows have their own picture (eval_loss.png)
     if not rows:
         return None
     steps = np.array([row["step"] for row in rows])

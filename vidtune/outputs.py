@@ -15,6 +15,7 @@ TRANSFORMER_EMA_FOLDER = "transformer_ema"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
+EVAL_PLOT = "eval_loss.png"  # the held-out score over steps (validation.eval_clips)
 DATASET_OVERVIEW = "dataset_overview.png"
 SAMPLES = "samples"
 RESOLVED_CONFIG = "config.yaml"

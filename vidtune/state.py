@@ -98,6 +98,7 @@ class TrainingState:
         self.samples_consumed = 0
         self.nonfinite_skipped = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint of this run
+        self.keep_steps: set[int] = set()  # checkpoints the pruning keeps beyond the newest (the best held-out score)
 
     @property
     def learning_rate(self) -> float:
@@ -158,7 +159,7 @@ class TrainingState:
                                      self.ema_weights())
             return parallel.on_main(lambda: checkpoints.finish_sharded(
                 root, temporary, step=self.step, extra=self._extra(len(rng)), config=self.config,
-                keep=self.config.checkpoint.keep, rng=rng))
+                keep=self.config.checkpoint.keep, rng=rng, protect=self.keep_steps))
         except (OSError, RuntimeError) as error:  # DCP reports a failed write as a CheckpointException
             raise self._write_failed(root, error) from error
 
@@ -174,6 +175,7 @@ class TrainingState:
                 extra=self._extra(len(rng)),
                 config=self.config,
                 keep=self.config.checkpoint.keep,
+                protect=self.keep_steps,
                 rng=rng,
                 ema_weights=self.ema_weights(),
                 shards=shards,

@@ -2,8 +2,8 @@
 
 Every logged step sends the loss, learning rate, gradient norm, seconds per step and samples per second; every
 validation sends its videos (TensorBoard: an animated GIF per sample in the Images tab, which is how TensorBoard
-shows videos; W&B: the mp4 itself). Only rank 0 tracks. A package that is missing is reported before any long work,
-with the pip extra to install.
+shows videos; W&B: the mp4 itself); every held-out score (`vidtune.evaluation`) sends its values under `eval/`.
+Only rank 0 tracks. A package that is missing is reported before any long work, with the pip extra to install.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ PACKAGES = {"logging.tensorboard": ("tensorboard", "tensorboard"), "logging.wand
 
 class Tracker(ABC):
     @abstractmethod
-    def log_metrics(self, step: int, values: dict[str, float]) -> None: ...
+    def log_metrics(self, step: int, values: dict[str, float], section: str = "train") -> None:
+        """`values` under `section/` (`train`: each logged step; `eval`: the held-out score)."""
 
     @abstractmethod
     def log_samples(self, step: int, videos: list[Path], fps: float) -> None: ...
@@ -81,9 +82,9 @@ class TensorBoardTracker(Tracker):
         # purge_step: events at or after it from an earlier (killed) run of this folder are dropped on resume.
         self.writer = SummaryWriter(str(folder), purge_step=first_step + 1 if first_step else None)
 
-    def log_metrics(self, step: int, values: dict[str, float]) -> None:
+    def log_metrics(self, step: int, values: dict[str, float], section: str = "train") -> None:
         for name, value in values.items():
-            self.writer.add_scalar(f"train/{name}", value, step)
+            self.writer.add_scalar(f"{section}/{name}", value, step)
         self.writer.flush()
 
     def log_samples(self, step: int, videos: list[Path], fps: float) -> None:
@@ -116,8 +117,8 @@ class WandbTracker(Tracker):
                               "What to do: log in with `wandb login` (or set WANDB_API_KEY), or set "
                               "logging.wandb.mode=offline and upload later with `wandb sync`.") from None
 
-    def log_metrics(self, step: int, values: dict[str, float]) -> None:
-        self.run.log({f"train/{name}": value for name, value in values.items()}, step=step)
+    def log_metrics(self, step: int, values: dict[str, float], section: str = "train") -> None:
+        self.run.log({f"{section}/{name}": value for name, value in values.items()}, step=step)
 
     def log_samples(self, step: int, videos: list[Path], fps: float) -> None:
         self.run.log({f"samples/{number}": self.wandb.Video(str(video), format="mp4")

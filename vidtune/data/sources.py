@@ -65,6 +65,7 @@ class Clip:
     info: VideoInfo | None = field(default=None, compare=False)
     bucket: int | None = None
     control: Path | None = None  # control training: the clip the denoiser is conditioned on (same frames, shape)
+    held_out: bool = False  # from a source marked `eval: true`: scored for the held-out score, never trained on
 
     @property
     def where(self) -> str:
@@ -368,7 +369,7 @@ def read_sources(data: Any) -> DatasetReport:
             label = f"{Path(source.root).name}/{clip.source}" if source.type == "pairs" and len(sources) > 1 \
                 else clip.source
             report.clips.append(replace(clip, caption=caption, index=len(report.clips), repeats=source.repeats,
-                                        source=label))
+                                        source=label, held_out=source.eval))
     if not report.clips and not report.source_problems:
         report.source_problems.append("The datasets hold no samples at all.")
     return report

@@ -6,7 +6,8 @@ state (optimizer, schedule, data position, RNGs, checkpoints) lives in `vidtune.
 
 An algorithm (LoRA, full fine-tune, ...) subclasses `Trainer` and decides what is trainable
 (`configure_trainable`), what a checkpoint stores (`trainable_state_dict`) and what a finished run writes
-(`save_final`); one that needs another loss (control, distillation) overrides `compute_loss`.
+(`save_final`); one that needs another loss overrides `compute_loss` (distillation) or `clip_losses` (control), which
+the held-out score (`vidtune.evaluation`) calls too.
 
 A resumed run (`checkpoint.resume`) continues bit for bit; SIGINT / SIGTERM stop the loop after the current
 step with a checkpoint (`vidtune.trainers.stop`); a non-finite loss or gradient is never applied.
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
@@ -48,6 +50,19 @@ from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatche
 from vidtune.data.video import VideoInfo
 from vidtune.ema import EMA
 from vidtune.errors import TrainingError
+from vidtune.evaluation import (
+    EvalHistory,
+    HeldOutSet,
+    append_row,
+    best_line,
+    check_evaluation,
+    encode_held_out,
+    held_out_line,
+    hold_out,
+    plot_eval_curve,
+    score_line,
+    tracker_values,
+)
 from vidtune.memory import check_base_weights
 from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.experts import StepRouted
@@ -87,6 +102,8 @@ class TrainResult:
     weights_path: Path | None = None
     sample_paths: list[Path] = field(default_factory=list)
     first_step: int = 0  # the step this process started from (> 0 after a resume)
+    best_checkpoint: Path | None = None  # the checkpoint with the best held-out score (validation.eval_clips)
+    held_out: str | None = None  # the closing line on the held-out score
 
 
 @dataclass
@@ -153,6 +170,9 @@ class Trainer(ABC):
         self.ema: EMA | None = None  # the trained weights' moving average (training.ema_decay)
         self.block_swap: BlockSwap | None = None  # memory.blocks_to_swap
         self.attention_backend = "native"  # model.attention_backend, resolved for the device by check_inputs
+        self.eval_clips: list[Clip] = []  # the held-out samples (validation.eval_clips, sources marked eval)
+        self.held_out: HeldOutSet | None = None  # their encoded inputs, once set up
+        self.eval_history = EvalHistory()
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -186,11 +206,16 @@ class Trainer(ABC):
         # Trackers start before the long work, so a refusal (no login, no package) comes at once.
         trackers = open_trackers(self.config, self.output_dir, saved.step if saved else 0) if parallel.is_main() else []
         parameters = self.set_up(saved)
+        self.set_up_held_out()
         state = self.state
         log = self.log = StepLog(self.output_dir / outputs.METRICS, self.config.training.steps, state.step,
                                  self.show_progress, trackers)
         parallel.on_main(lambda: truncate_metrics(log.path, state.step))
         self.denoiser.train()
+        if self.held_out is not None:
+            self.eval_history = parallel.on_main(lambda: EvalHistory.read(log.path))
+            if state.step == 0:  # the base model's score: where the curve starts
+                self.evaluate(checkpoint=False)
         with log:  # closes the trackers however the run ends
             # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
             with StopSignals() as stop:
@@ -207,6 +232,10 @@ class Trainer(ABC):
                     log.advance()
                     self.between_steps()
                 log.end_progress()
+                # The last step's score (a stop by signal saves at once, unscored); before its checkpoint is written,
+                # so the best one is kept by the pruning.
+                if stopped_by is None and self.held_out is not None and self.eval_history.last_step != state.step:
+                    self.evaluate(checkpoint=True)
                 if state.saved_step != state.step:
                     state.save(self.checkpoints_root)
                 stopped_by = agreed_stop(stop)
@@ -215,7 +244,10 @@ class Trainer(ABC):
             # FSDP, ZeRO-3: every rank gathers the whole weights for rank 0 to save and sample.
             with self.strategy.gathered(self.denoiser, everything=True):
                 weights, samples = parallel.on_main(self.write_results)
-        return TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
+        result = TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
+        if self.held_out is not None:
+            result.held_out, result.best_checkpoint = best_line(self.eval_history, self.checkpoints_root)
+        return result
 
     def set_up(self, saved: SavedState | None) -> list[nn.Parameter]:
         """Models, the training state (restored from `saved` when resuming) and the strategy's wrapper; returns the
@@ -287,12 +319,17 @@ class Trainer(ABC):
     def compute_loss(self, batch: Batch) -> torch.Tensor:
         """Sum over the micro-batch of each clip's weighted mean squared error (the method to override for
         another loss)."""
-        inputs = self.noisy_inputs(batch)
-        denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
+        return self.clip_losses(self.noisy_inputs(batch)).sum()
+
+    def clip_losses(self, inputs: NoisyInputs, denoiser: nn.Module | None = None) -> torch.Tensor:
+        """Each clip's weighted error [B] for these inputs: what training sums, and what the held-out score
+        averages (`denoiser`: the module to call; default the one training calls)."""
+        if denoiser is None:
+            denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             per_clip = self.spec.training_error(denoiser, inputs.conditions, inputs.noisy.to(self.denoiser.dtype),
                                                 inputs.timesteps, inputs.target)
-        return (per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)).sum()
+        return per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)
 
     def noisy_inputs(self, batch: Batch) -> NoisyInputs:
         """Draw each clip's latent, noise level, noise and caption dropout from its visit's own generator."""
@@ -331,8 +368,12 @@ class Trainer(ABC):
         }
 
     def between_steps(self) -> None:
-        """Checkpoints and validation samples every N steps (the last step's come after the loop)."""
-        if self.due(self.config.checkpoint.every):
+        """Checkpoints, the held-out score and validation samples every N steps (the last step's come after the
+        loop)."""
+        checkpoint_due = self.due(self.config.checkpoint.every)
+        if self.held_out is not None and (checkpoint_due or self.due(self.config.validation.every)):
+            self.evaluate(checkpoint=checkpoint_due)  # before the checkpoint, so the pruning keeps the best one
+        if checkpoint_due:
             self.state.save(self.checkpoints_root)
         if self.config.validation.enabled and self.due(self.config.validation.every):
             # FSDP, ZeRO-3: every rank gathers the trained weights for rank 0's samples.
@@ -395,7 +436,8 @@ class Trainer(ABC):
                               self.spec.load_config(self.spec.denoiser_class, "transformer"))
         check_activation_offload(memory.activation_offload, self.device)
         self.attention_backend = resolve_attention_backend(self.config.model.attention_backend, self.device)
-        self.clips = load_dataset(data, progress=self.show_progress)
+        check_evaluation(self.config)
+        self.clips, self.eval_clips = hold_out(load_dataset(data, progress=self.show_progress), self.config)
         self.clip_infos = [clip.info for clip in self.clips]
 
     def prepare_output_dir(self) -> None:
@@ -444,7 +486,8 @@ class Trainer(ABC):
         if not self.config.precompute.enabled:
             self.load_encoders()
             return EncodedBatches(self.config, self.clips, self.device, self.spec, self.text, self.vae)
-        summary = precompute(self.config, self.clips, progress=self.show_progress)
+        # The held-out samples' entries too: their encoders load once, with training's (vidtune/evaluation.py).
+        summary = precompute(self.config, [*self.clips, *self.eval_clips], progress=self.show_progress)
         if summary.rank == 0:
             print(summary.line(), flush=True)
         cached = CachedClips(self.config, self.spec, summary.plan, self.clips)
@@ -515,6 +558,57 @@ class Trainer(ABC):
             "To continue exactly where it stopped, run the same command again with checkpoint.resume=latest.\n"
             f"To use what it learned so far: vidtune export {where} --output FOLDER"
         )
+
+    # ----- the held-out score (vidtune/evaluation.py) ------------------------------------------------------
+    def set_up_held_out(self) -> None:
+        """The held-out samples' inputs, encoded once on every rank (from the cache or with the run's encoders),
+        without drawing from the training RNGs."""
+        if not self.eval_clips:
+            return
+        if parallel.is_main():
+            print(held_out_line(self.eval_clips, self.clips, self.config), flush=True)
+        with self.own_rng():
+            items = encode_held_out(self.config, self.spec, self.eval_clips, self.device, self.text, self.vae,
+                                    progress=self.show_progress)
+        self.held_out = HeldOutSet.from_config(self.config, self.eval_clips, items)
+
+    @contextlib.contextmanager
+    def own_rng(self) -> Iterator[None]:
+        """Inside, torch's RNGs (CPU, and this rank's GPU) may be used; afterwards they are as they were."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            yield
+
+    def evaluate(self, checkpoint: bool) -> None:
+        """The held-out score of the weights as they are now (their moving average with `training.ema_decay`, as
+        validation samples use), on every rank: written to metrics.jsonl, the trackers and the console by rank 0,
+        eval_loss.png redrawn; `checkpoint`: this step's weights are a checkpoint, which may become the best one
+        (kept by the pruning)."""
+        compiled = eager() if self.config.training.compile else contextlib.nullcontext()
+        average = self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        training = self.denoiser.training
+        self.denoiser.eval()  # no dropout: the same weights always give the same score
+        try:
+            with torch.no_grad(), self.own_rng(), compiled, average:
+                score = self.held_out.score(self.objective, self.held_out_losses, self.device,
+                                            every_rank=self.strategy.forwards_gather_weights,
+                                            progress=self.show_progress)
+        finally:
+            self.denoiser.train(training)
+        step = self.state.step
+        row = self.eval_history.add(step, score, checkpoint)
+        best = self.eval_history.best()
+        self.state.keep_steps = {best["step"]} if best is not None else set()
+        if parallel.is_main():
+            append_row(self.log.path, row)
+            for tracker in self.log.trackers:
+                tracker.log_metrics(step, tracker_values(score), section="eval")
+            tqdm.write(score_line(step, score, best))
+            plot_eval_curve(self.log.path, self.output_dir / outputs.EVAL_PLOT)
+
+    def held_out_losses(self, conditions: Conditions, noisy: torch.Tensor, timesteps: torch.Tensor,
+                        target: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        """`clip_losses` of the plain denoiser (not the data-parallel wrapper: no rank waits for another)."""
+        return self.clip_losses(NoisyInputs(conditions, noisy, timesteps, target, levels), denoiser=self.denoiser)
 
     # ----- results ---------------------------------------------------------------------------------------
     def validate(self) -> list[Path]:

@@ -23,13 +23,12 @@ from peft.utils import get_peft_model_state_dict
 from torch import nn
 
 from vidtune.control import CONTROL_EMA_WEIGHTS, ControlInput, ExpertsControlInput, attach_control, encode_control
-from vidtune.data.stream import Batch
 from vidtune.errors import ConfigError, DataError
 from vidtune.models.spec import CONTROL_LATENTS
 from vidtune.outputs import LORA_EMA_WEIGHTS, TRANSFORMER_EMA_FOLDER, TRANSFORMER_FOLDER
 from vidtune.processors import configured_processor, opencv
 from vidtune.sampling import SampleSettings
-from vidtune.trainers.base import Trainer
+from vidtune.trainers.base import NoisyInputs, Trainer
 from vidtune.trainers.full import FullTrainer
 from vidtune.trainers.lora import LoRATrainer
 
@@ -47,14 +46,14 @@ class ControlTraining(Trainer):
         processor = configured_processor(self.config)
         if processor is not None:
             opencv()  # a missing library fails here, before any long work
-            listed = [clip for clip in self.clips if clip.control is not None]
+            listed = [clip for clip in [*self.clips, *self.eval_clips] if clip.control is not None]
             if listed:
                 raise ConfigError(f"control.processor: {processor[0]} computes the control clips, but the dataset "
                                   f"also names control clips ({listed[0].where} and {len(listed) - 1} more).\n"
                                   "What to do: remove the control list (controls.txt, control_column) or unset "
                                   "control.processor.")
             return
-        missing = [clip for clip in self.clips if clip.control is None]
+        missing = [clip for clip in [*self.clips, *self.eval_clips] if clip.control is None]
         if missing:
             raise DataError(
                 [f"{clip.where} ({clip.video.name}) has no control clip." for clip in missing],
@@ -84,10 +83,11 @@ class ControlTraining(Trainer):
         (the base class's, which also loads the moving average `ema`)."""
         return Trainer.export_weights(self, weights, output, ema)
 
-    def compute_loss(self, batch: Batch) -> torch.Tensor:
-        """The base loss, with this batch's control latents appended to the denoiser's input."""
-        with self.control.given(batch.latents[CONTROL_LATENTS]):
-            return super().compute_loss(batch)
+    def clip_losses(self, inputs: NoisyInputs, denoiser: nn.Module | None = None) -> torch.Tensor:
+        """The base losses, with the control latents (among the inputs' video-derived conditions) appended to the
+        denoiser's input: in training and in the held-out score alike."""
+        with self.control.given(inputs.conditions[CONTROL_LATENTS]):
+            return super().clip_losses(inputs, denoiser)
 
     def validate(self) -> list[Path]:
         """Validation samples take the first dataset clip's control clip (or, with `control.processor`, its

@@ -98,6 +98,8 @@ class StepOutcome:
     seconds: float  # without the time spent compiling (training.compile)
     compile_seconds: float = 0.0
     shapes: tuple[tuple[int, int, int], ...] = ()  # the bucket shape of each micro-batch
+    # This process's samples of the step: their noise levels (and other streams') and each one's loss, by metrics key.
+    noise: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,6 +113,20 @@ class NoisyInputs:
     levels: torch.Tensor  # the objective's noise levels (sigmas or DDPM timesteps), for the loss weights
     x0: torch.Tensor | None = None  # the clean latents and the noise they were mixed with (for distillation)
     noise: torch.Tensor | None = None
+    # Other streams' noise levels by metrics key (LTX-2's "audio_sigmas"), as `ModelSpec.stream_noise` drew them.
+    stream_levels: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def gathered_noise(noise: dict[str, list[float]]) -> dict[str, list[float]]:
+    """A step's noise levels and sample losses of every rank, in rank order (one collective under torchrun: every
+    rank logs the same steps)."""
+    if not parallel.is_distributed():
+        return noise
+    merged: dict[str, list[float]] = {}
+    for rows in parallel.gather_objects(noise):
+        for key, values in rows.items():
+            merged.setdefault(key, []).extend(values)
+    return merged
 
 
 def seed_everything(seed: int) -> None:
@@ -125,6 +141,9 @@ class Trainer(ABC):
     algorithm: str
     # Config keys whose change a checkpoint of this algorithm cannot follow (beyond model and algorithm).
     resume_fixed_keys: tuple[str, ...] = ()
+    # Whether other streams (LTX-2's audio) get noise levels of their own (`ModelSpec.stream_noise`), or follow the
+    # video's as when sampling.
+    stream_noise_levels = True
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -153,6 +172,8 @@ class Trainer(ABC):
         self.ema: EMA | None = None  # the trained weights' moving average (training.ema_decay)
         self.block_swap: BlockSwap | None = None  # memory.blocks_to_swap
         self.attention_backend = "native"  # model.attention_backend, resolved for the device by check_inputs
+        # The current step's micro-batches: (their inputs, each sample's loss), for the step's row in metrics.jsonl.
+        self.step_noise: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -203,7 +224,8 @@ class Trainer(ABC):
                         print(compile_note(outcome.compile_seconds, state.step, outcome.shapes), flush=True)
                     if outcome.finite and self.due(self.config.logging.log_every, final=True):
                         log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds,
-                                   self.clips_per_step * parallel.world_size(), outcome.compile_seconds)
+                                   self.clips_per_step * parallel.world_size(), outcome.compile_seconds,
+                                   gathered_noise(outcome.noise))
                     log.advance()
                     self.between_steps()
                 log.end_progress()
@@ -249,6 +271,7 @@ class Trainer(ABC):
         started, compiled_before = time.perf_counter(), compile_seconds()
         step_loss = torch.zeros((), device=self.device)
         shapes = []
+        self.step_noise = []
         for micro in range(accumulation):
             batch = next(stream)
             shapes.append(self.config.data.bucket_shapes()[self.clips[int(batch.indices[0])].bucket or 0])
@@ -273,7 +296,7 @@ class Trainer(ABC):
         state.apply_update(finite)
         compiling = compile_seconds() - compiled_before
         return StepOutcome(loss, grad_norm, finite, agreed_stop(stop, stop_counts),
-                           time.perf_counter() - started - compiling, compiling, tuple(shapes))
+                           time.perf_counter() - started - compiling, compiling, tuple(shapes), self.noise_row())
 
     def forward_backward(self, batch: Batch, sync: bool) -> torch.Tensor:
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
@@ -292,7 +315,25 @@ class Trainer(ABC):
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
             per_clip = self.spec.training_error(denoiser, inputs.conditions, inputs.noisy.to(self.denoiser.dtype),
                                                 inputs.timesteps, inputs.target)
-        return (per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)).sum()
+        weighted = per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)
+        self.note_noise(inputs, weighted)
+        return weighted.sum()
+
+    def note_noise(self, inputs: NoisyInputs, losses: torch.Tensor) -> None:
+        """Keep a micro-batch's noise levels and each sample's loss [B] for the step's row in metrics.jsonl (read
+        after the step, whose loss already waits for them: no synchronisation of its own)."""
+        self.step_noise.append(({self.objective.level_name: inputs.levels, **inputs.stream_levels}, losses.detach()))
+
+    def noise_row(self) -> dict[str, list[float]]:
+        """The step's noise levels by metrics key ("sigmas", or "timesteps" for DDPM; other streams' too) and each
+        sample's loss ("sample_losses"), in sample order; empty for an algorithm that notes none."""
+        row: dict[str, list[float]] = {}
+        for levels_by_key, losses in self.step_noise:
+            for key, levels in levels_by_key.items():
+                row.setdefault(key, []).extend(levels.detach().float().cpu().tolist())
+            row.setdefault("sample_losses", []).extend(losses.float().cpu().tolist())
+        self.step_noise = []
+        return row
 
     def noisy_inputs(self, batch: Batch) -> NoisyInputs:
         """Draw each clip's latent, noise level, noise and caption dropout from its visit's own generator."""
@@ -300,9 +341,10 @@ class Trainer(ABC):
         generators = [visit_generator(seed, int(position)) for position in batch.positions]
         # Two experts routed per step (vidtune/models/experts.py): the levels of this step's expert, on every rank.
         objective = self.objective
+        tokens = self.spec.token_count(batch.latents[POSTERIOR_KEYS[0]].shape[1:])  # one bucket shape a batch
         if isinstance(objective, StepRouted):
-            objective = objective.for_step(self.state.step)
-        levels = torch.cat([objective.sample_noise_levels(1, g) for g in generators])
+            objective = objective.for_step(self.state.step, tokens)
+        levels = torch.cat([objective.sample_noise_levels(1, g, tokens) for g in generators])
         x0 = torch.cat([
             draw_latent({k: batch.latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
         ]).float()
@@ -311,11 +353,14 @@ class Trainer(ABC):
         if dropout > 0:
             drop = torch.tensor([float(torch.rand(1, generator=g)) < dropout for g in generators])
             conditions = self.apply_caption_dropout(conditions, drop)
-        # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout.
+        # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout, nor do the other
+        # streams' noise, drawn last from each visit's generator.
         conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS}}
-        return NoisyInputs(conditions, objective.noisy(x0, noise, levels),
+        stream_inputs, stream_levels = (self.spec.stream_noise(objective, batch.latents, generators)
+                                        if self.stream_noise_levels else ({}, {}))
+        return NoisyInputs({**conditions, **stream_inputs}, objective.noisy(x0, noise, levels),
                            objective.timesteps(levels).to(x0.device), objective.target(x0, noise, levels),
-                           levels, x0, noise)
+                           levels, x0, noise, stream_levels)
 
     def apply_caption_dropout(self, conditions: Conditions, drop: torch.Tensor) -> Conditions:
         if not bool(drop.any()):

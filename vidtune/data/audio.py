@@ -208,4 +208,5 @@ def sound_line(family: str, clips: Sequence[Clip]) -> str:
     line = f"{family}: {heard} of {len(clips)} samples have an audio track and train sound and video together"
     if heard == len(clips):
         return line + "."
-    return line + f"; {len(clips) - heard} without one train video only (the video does not attend to the audio stream)."
+    return line + (f"; {len(clips) - heard} without one train video only (the video does not attend to the audio "
+                   "stream).")

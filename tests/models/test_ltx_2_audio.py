@@ -13,6 +13,7 @@ import torch
 from vidtune.data.audio import AudioBatch, AudioFormat, read_audio
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.data.video import read_frames, write_video
+from vidtune.errors import ConfigError
 from vidtune.models.ltx_2 import AUDIO_LATENTS, AUDIO_PRESENT, AUDIO_SIGMAS, SILENT_LOG_MEL, encode_log_mel
 from vidtune.precompute import precompute
 from vidtune.trainers import build_trainer
@@ -128,6 +129,21 @@ def test_training_draws_the_audio_its_own_sigma_and_keeps_clips_without_sound_fr
     for row in rows:
         assert len(row["sigmas"]) == len(row[AUDIO_SIGMAS]) == 2
         assert sum(value is None for value in row[AUDIO_SIGMAS]) == 1
+
+
+def test_clips_without_sound_can_be_left_out(make_config, sound_dataset, tmp_path, capsys):
+    config = make_config("ltx-2", data_root=sound_dataset, model={"clips_without_sound": "leave-out"},
+                         output_dir=str(tmp_path / "run"))
+    trainer = build_trainer(config)
+    trainer.check_inputs()
+    assert [clip.video.name for clip in trainer.clips] == ["clip_000.mp4"]  # the clip with the tone
+    assert "ltx-2: 1 of 2 samples have no audio track and are left out" in capsys.readouterr().out
+    # Nothing left to train: said before anything loads, naming the setting.
+    silent = render_shapes_dataset(tmp_path / "silent", num_clips=1, num_frames=CLIP_FRAMES, height=32, width=32,
+                                   fps=FPS, seed=1)
+    with pytest.raises(ConfigError, match=r"model\.clips_without_sound"):
+        build_trainer(make_config("ltx-2", data_root=silent, model={"clips_without_sound": "leave-out"},
+                                  output_dir=str(tmp_path / "run2"))).check_inputs()
 
 
 def test_the_audio_format_is_the_audio_vaes(tiny_model_dir):

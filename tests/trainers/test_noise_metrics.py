@@ -35,6 +35,13 @@ def test_each_row_holds_its_samples_sigmas_and_losses(make_config):
     assert "Loss by noise level" in [axis.get_title() for axis in figure.axes]
 
 
+def test_guidance_distillation_rows_hold_sigmas_too(make_config):
+    config = make_config(training={"algorithm": "guidance-distillation", "steps": 1})
+    row = _rows(build_trainer(config).run().output_dir)[0]
+    assert len(row["sigmas"]) == len(row["sample_losses"]) == 1
+    assert row["loss"] == pytest.approx(row["sample_losses"][0], rel=1e-5)
+
+
 def test_ddpm_families_log_timesteps(make_config):
     result = build_trainer(make_config("cogvideox", training={"steps": 1})).run()
     row = _rows(result.output_dir)[0]

@@ -40,14 +40,14 @@ from vidtune import outputs, parallel
 from vidtune.attention import resolve_attention_backend, set_attention_backend
 from vidtune.compile import compile_blocks, compile_note, compile_seconds, eager
 from vidtune.config import Config, write_resolved_config
-from vidtune.data.audio import sound_line
+from vidtune.data.audio import has_sound, sound_line
 from vidtune.data.buckets import check_bucket_shapes, visit_generator
 from vidtune.data.overview import write_dataset_overview
 from vidtune.data.sources import Clip, load_dataset
 from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.data.video import VideoInfo
 from vidtune.ema import EMA
-from vidtune.errors import TrainingError
+from vidtune.errors import ConfigError, TrainingError
 from vidtune.memory import check_base_weights
 from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
 from vidtune.models.experts import StepRouted
@@ -172,7 +172,7 @@ class Trainer(ABC):
         self.ema: EMA | None = None  # the trained weights' moving average (training.ema_decay)
         self.block_swap: BlockSwap | None = None  # memory.blocks_to_swap
         self.attention_backend = "native"  # model.attention_backend, resolved for the device by check_inputs
-        # The current step's micro-batches: (their inputs, each sample's loss), for the step's row in metrics.jsonl.
+        # The current step's micro-batches: (their noise levels by metrics key, each sample's loss), for metrics.jsonl.
         self.step_noise: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
 
     # ----- what an algorithm decides ------------------------------------------------------------------
@@ -440,8 +440,23 @@ class Trainer(ABC):
                               self.spec.load_config(self.spec.denoiser_class, "transformer"))
         check_activation_offload(memory.activation_offload, self.device)
         self.attention_backend = resolve_attention_backend(self.config.model.attention_backend, self.device)
-        self.clips = load_dataset(data, progress=self.show_progress)
+        self.clips = self.leave_out_silent(load_dataset(data, progress=self.show_progress))
         self.clip_infos = [clip.info for clip in self.clips]
+
+    def leave_out_silent(self, clips: list[Clip]) -> list[Clip]:
+        """The clips a run trains on: for a family that trains on sound with `model.clips_without_sound: leave-out`,
+        those with an audio track, with one line saying how many were left out; else all of them."""
+        if self.spec.audio_format() is None or self.config.model.clips_without_sound != "leave-out":
+            return clips
+        kept = [clip for clip in clips if has_sound(clip)]
+        if not kept:
+            raise ConfigError(f"model.clips_without_sound: leave-out leaves none of the {len(clips)} samples: none "
+                                "has an audio track.\nWhat to do: add clips with sound, or set "
+                                "model.clips_without_sound=video-only to train their video.")
+        if len(kept) < len(clips) and parallel.is_main():
+            print(f"{self.spec.name}: {len(clips) - len(kept)} of {len(clips)} samples have no audio track and are "
+                  "left out (model.clips_without_sound: leave-out).", flush=True)
+        return kept
 
     def prepare_output_dir(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)

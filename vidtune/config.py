@@ -79,6 +79,12 @@ class ModelConfig(Section):
         description="ltx-2: weight of the audio stream's flow-matching loss beside the video's (the loss is video + "
         "weight x audio; 0 leaves the audio stream untaught, which drifts from what it samples).",
     )
+    clips_without_sound: Literal["video-only", "leave-out"] = Field(
+        "video-only",
+        description="ltx-2: what a sample without an audio track does: `video-only` trains its video with the audio "
+        "stream cut off (as ltx-trainer's video-only runs); `leave-out` drops it from the run, with one line saying "
+        "how many (as ltx-trainer's audio runs).",
+    )
     condition_frames: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=lambda: [0],
         min_length=1,
@@ -246,13 +252,27 @@ class TrainingConfig(Section):
         "full fine-tuning, gradient checkpointing, memory.base_weights (fp8, int8), DDP and FSDP. Validation "
         "samples run eagerly.",
     )
-    sigma_sampling: Literal["uniform", "logit_normal"] = Field(
-        "logit_normal", description="How training noise levels are drawn; unset: the family's (docs/models.md)."
+    sigma_sampling: Literal["uniform", "logit_normal", "token_shifted_logit_normal"] = Field(
+        "logit_normal",
+        description="How training noise levels are drawn: `uniform`; `logit_normal` (sigmoid of a normal); "
+        "`token_shifted_logit_normal`: a logit-normal whose mean grows with the clip's token count (Lightricks' "
+        "trainers: 0.95 at 1024 tokens, 2.05 at 4096). Unset: the family's (docs/models.md).",
     )
-    logit_mean: float = Field(0.0, description="Mean of the logit-normal noise levels (>0: noisier).")
+    logit_mean: float = Field(0.0, description="Mean of the logit-normal noise levels (>0: noisier); with "
+                              "token_shifted_logit_normal, added to the token count's mean.")
     logit_std: float = Field(1.0, gt=0, description="Spread of the logit-normal noise levels.")
+    sigma_stretch: bool = Field(
+        False, description="token_shifted_logit_normal: stretch the draws so the distribution's 0.5th..99.9th "
+        "percentiles span [0, 1] (LTX-2's ltx-trainer); unset: the family's (docs/models.md).")
+    sigma_uniform_fraction: float = Field(
+        0.0, ge=0, lt=1, description="token_shifted_logit_normal: the share of noise levels drawn uniformly instead "
+        "(LTX-2's ltx-trainer: 0.1); unset: the family's (docs/models.md).")
     sigma_shift: float = Field(1.0, gt=0, description="Shift of sampled sigmas towards noise (>1) or data (<1); "
                              "unset: the family's (docs/models.md).")
+    loss_weighting: Literal["none", "bell"] = Field(
+        "none", description="Weight of each sample's loss by its noise level (flow matching): `none`; `bell`: "
+        "DiffSynth-Studio's, heaviest mid-range and 0 at pure noise, normalised over the sigma_shift grid (with "
+        "sigma_sampling uniform and sigma_shift 5: DiffSynth-Studio's Wan recipe).")
     device: str = Field(
         "auto", description="auto: cuda if available, else cpu. Under torchrun auto / cuda: cuda:LOCAL_RANK."
     )

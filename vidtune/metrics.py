@@ -1,9 +1,16 @@
-"""The run's metrics: `metrics.jsonl` (one JSON object per logged step) and its picture, `loss.png`."""
+"""The run's metrics: `metrics.jsonl` (one JSON object per logged step) and its picture, `loss.png`.
+
+A step's row also holds its samples' noise levels ("sigmas", or "timesteps" for DDPM families; LTX-2 adds
+"audio_sigmas", null for a clip without sound) and each sample's loss ("sample_losses", in the same order), which
+`loss.png` bins into the loss by noise level.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -26,13 +33,17 @@ class StepLog:
                              dynamic_ncols=True)
 
     def record(self, step: int, loss: float, lr: float, grad_norm: float | None, seconds: float,
-               samples: int, compile_seconds: float = 0.0) -> None:
+               samples: int, compile_seconds: float = 0.0, noise: dict[str, list[float]] | None = None) -> None:
         """One logged step; `samples`: how many samples all ranks took in it; `compile_seconds`: the time
-        torch.compile took during the step (not part of `seconds`)."""
+        torch.compile took during the step (not part of `seconds`); `noise`: the samples' noise levels and losses by
+        key (NaN: a level a sample has not, written as null)."""
         if parallel.is_main():
-            row = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "seconds_per_step": seconds}
+            row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                   "seconds_per_step": seconds}
             if compile_seconds > 0:
                 row["compile_seconds"] = compile_seconds
+            for key, values in (noise or {}).items():
+                row[key] = [None if math.isnan(value) else value for value in values]
             with self.path.open("a", encoding="utf-8") as handle:
                 handle.write(json.dumps(row) + "\n")
         for tracker in self.trackers:
@@ -74,24 +85,45 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
-def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
-    """loss.png: raw loss per step and a moving average, from metrics.jsonl."""
+NOISE_BINS = 10  # equal bins of the noise range in loss.png's loss-by-noise-level panel
+# A row's noise-level key -> the value of pure noise, which the panel's bins divide by.
+NOISE_LEVEL_SCALES = {"sigmas": 1.0, "timesteps": 1000.0}
+
+
+def loss_by_noise_level(rows: list[dict[str, Any]]) -> tuple[str, np.ndarray, np.ndarray] | None:
+    """(level key, mean sample loss per bin [NOISE_BINS], samples per bin) of `rows`' samples, binned by noise
+    level over [0, 1] (DDPM timesteps over 1000); None when no row holds noise levels."""
+    key = next((name for name in NOISE_LEVEL_SCALES if any(name in row for row in rows)), None)
+    if key is None:
+        return None
+    levels = [level for row in rows for level in row.get(key, [])]
+    losses = [loss for row in rows for loss in row.get("sample_losses", [])]
+    if not levels or len(levels) != len(losses):
+        return None
+    bins = np.clip((np.asarray(levels, dtype=float) / NOISE_LEVEL_SCALES[key] * NOISE_BINS).astype(int), 0,
+                   NOISE_BINS - 1)
+    counts = np.bincount(bins, minlength=NOISE_BINS)
+    sums = np.bincount(bins, weights=np.asarray(losses, dtype=float), minlength=NOISE_BINS)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return key, np.where(counts > 0, sums / np.maximum(counts, 1), np.nan), counts
+
+
+def loss_figure(rows: list[dict[str, Any]]) -> Any:
+    """The matplotlib figure of loss.png: the loss per step with a moving average; beside it, where the rows hold
+    noise levels, the mean loss by noise level for the first and the second half of the logged steps (which part of
+    the noise range the run learnt) with the samples drawn per level."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not metrics_path.is_file():
-        return None
-    rows = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    rows = [row for row in rows if "loss" in row]  # a held-out score's rows have their own picture (eval_loss.png)
-    if not rows:
-        return None
     steps = np.array([row["step"] for row in rows])
     losses = np.array([row["loss"] for row in rows])
     window = max(1, len(losses) // 20)
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-    figure, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
+    binned = loss_by_noise_level(rows)
+    figure, axes = plt.subplots(1, 2 if binned else 1, figsize=(14 if binned else 8, 4.5), dpi=100, squeeze=False)
+    axis = axes[0][0]
     axis.plot(steps, losses, color="#9bbbd4", linewidth=0.8, label="loss")
     axis.plot(steps[window - 1 :], smooth, color="#1f4e79", linewidth=2, label=f"mean of {window}")
     axis.set_xlabel("optimizer step")
@@ -99,7 +131,42 @@ def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
     axis.set_title("Training loss")
     axis.grid(alpha=0.3)
     axis.legend()
+    if binned:
+        key, _, counts = binned
+        axis = axes[0][1]
+        centres = (np.arange(NOISE_BINS) + 0.5) / NOISE_BINS
+        half = (len(rows) + 1) // 2
+        for part, colour, label in ((rows[:half], "#9bbbd4", "first half of the steps"),
+                                    (rows[half:], "#1f4e79", "second half of the steps")):
+            part_binned = loss_by_noise_level(part)
+            if part_binned is not None:
+                axis.plot(centres, part_binned[1], "o-", color=colour, linewidth=2, label=label)
+        axis.set_xlim(0, 1)
+        axis.set_xlabel("noise level (sigma)" if key == "sigmas" else "noise level (timestep / 1000)")
+        axis.set_ylabel("mean sample loss")
+        axis.set_title("Loss by noise level")
+        axis.grid(alpha=0.3)
+        axis.legend(loc="upper left")
+        drawn = axis.twinx()
+        drawn.bar(centres, counts, width=0.8 / NOISE_BINS, color="#d9d9d9", alpha=0.5, zorder=0)
+        drawn.set_ylabel("samples drawn")
+        axis.set_zorder(drawn.get_zorder() + 1)
+        axis.patch.set_visible(False)
     figure.tight_layout()
+    return figure
+
+
+def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
+    """loss.png from metrics.jsonl (see `loss_figure`)."""
+    if not metrics_path.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [row for row in rows if "loss" in row]  # a held-out score's rows have their own picture (eval_loss.png)
+    if not rows:
+        return None
+    figure = loss_figure(rows)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
     with atomic_path(output) as temporary:
         figure.savefig(temporary, format="png")
     plt.close(figure)

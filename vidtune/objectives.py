@@ -12,16 +12,24 @@ Flow-matching conventions (, rectified flow as used by LTX-Video, HunyuanVideo, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 
 from vidtune.errors import SchedulerError
 
-SigmaSampling = Literal["uniform", "logit_normal"]
+SigmaSampling = Literal["uniform", "logit_normal", "token_shifted_logit_normal"]
+LossWeighting = Literal["none", "bell"]
 NUM_TRAIN_TIMESTEPS = 1000
 DDPM_PREDICTIONS = ("epsilon", "v_prediction")
+# Lightricks' trainers (LTX-Video-Trainer and LTX-2's ltx-trainer, `timestep_samplers.py`): the logit-normal's mean
+# grows linearly with the denoiser's token count, from 0.95 at 1024 tokens to 2.05 at 4096 (and on beyond).
+TOKEN_SHIFT_POINTS = ((1024, 0.95), (4096, 2.05))
+# ltx-trainer's percentile stretching: the 0.5th and 99.9th percentiles of N(0, 1), and the floor small sigmas are
+# reflected at.
+STRETCH_LOW_QUANTILE, STRETCH_HIGH_QUANTILE, STRETCH_EPS = -2.5758, 3.0902, 1e-3
 
 
 def sample_uniform_sigmas(batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -34,6 +42,47 @@ def sample_logit_normal_sigmas(
     """sigma = sigmoid(N(mean, std)): concentrates training on the middle of the noise range (SD3)."""
     normal = torch.randn(batch_size, generator=generator, dtype=torch.float64) * std + mean
     return torch.sigmoid(normal).float()
+
+
+def token_shifted_mean(tokens: int) -> float:
+    """The logit-normal mean Lightricks' trainers use for a sequence of `tokens` denoiser tokens (not capped: the
+    trainers' own line, extended past 4096 tokens)."""
+    (low_tokens, low_mean), (high_tokens, high_mean) = TOKEN_SHIFT_POINTS
+    return low_mean + (tokens - low_tokens) * (high_mean - low_mean) / (high_tokens - low_tokens)
+
+
+def sample_token_shifted_sigmas(batch_size: int, tokens: int, std: float = 1.0, offset: float = 0.0,
+                                stretch: bool = False, uniform_fraction: float = 0.0,
+                                generator: torch.Generator | None = None) -> torch.Tensor:
+    """sigma = sigmoid(N(mu, std)) with mu = `token_shifted_mean(tokens)` + `offset` (LTX-Video-Trainer's
+    `shifted_logit_normal`). `stretch`: ltx-trainer's (LTX-2) percentile stretching, which maps the logit-normal's
+    0.5th..99.9th percentiles onto [0, 1] (small values reflected above 1e-3, the rest clamped), so high token counts
+    still reach both ends; `uniform_fraction`: that share of the draws is uniform on [1e-3, 1) instead (ltx-trainer:
+    0.1). Computed in float64, where the percentiles stay apart for any practical token count."""
+    mu = token_shifted_mean(tokens) + offset
+    sigmas = torch.sigmoid(torch.randn(batch_size, generator=generator, dtype=torch.float64) * std + mu)
+    if stretch:
+        low = 1.0 / (1.0 + math.exp(-(mu + STRETCH_LOW_QUANTILE * std)))
+        high = 1.0 / (1.0 + math.exp(-(mu + STRETCH_HIGH_QUANTILE * std)))
+        sigmas = (sigmas - low) / (high - low)
+        sigmas = torch.where(sigmas >= STRETCH_EPS, sigmas, 2 * STRETCH_EPS - sigmas).clamp(0.0, 1.0)
+    if uniform_fraction > 0:
+        uniform = (1 - STRETCH_EPS) * torch.rand(batch_size, generator=generator, dtype=torch.float64) + STRETCH_EPS
+        chosen = torch.rand(batch_size, generator=generator, dtype=torch.float64) < uniform_fraction
+        sigmas = torch.where(chosen, uniform, sigmas)
+    return sigmas.float()
+
+
+def bell_loss_weights(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """DiffSynth-Studio's loss weight of flow-matching training (`FlowMatchScheduler.set_training_weight`): the bell
+    exp(-2 (sigma - 1/2)^2) less its minimum over the training grid (1000 sigmas, linear from 1, shifted by
+    `shift`), scaled so its mean over that grid is 1. Heaviest in the middle of the noise range, 0 at the grid's
+    extreme."""
+    grid = shift_sigmas(torch.linspace(1.0, 0.0, NUM_TRAIN_TIMESTEPS + 1, dtype=torch.float64)[:-1], shift)
+    floor = torch.exp(-2 * (grid - 0.5) ** 2).min()
+    scale = len(grid) / (torch.exp(-2 * (grid - 0.5) ** 2) - floor).sum()
+    bell = torch.exp(-2 * (sigmas.double() - 0.5) ** 2)
+    return ((bell - floor) * scale).clamp_min(0.0).float()
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -60,10 +109,15 @@ class Objective(Protocol):
     """What a trainer needs from an objective; every method is pure tensor maths.
 
     A "noise level" is the per-sample quantity the objective samples: sigma in (0, 1) for flow
-    matching, an integer training timestep (as float) for DDPM.
+    matching, an integer training timestep (as float) for DDPM; `level_name` names them in metrics.jsonl.
+    `tokens`: the denoiser's token count for the sample (the video's, or another stream's), which some
+    distributions depend on (`token_shifted_logit_normal`); the others ignore it.
     """
 
-    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor: ...
+    level_name: str
+
+    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None,
+                            tokens: int | None = None) -> torch.Tensor: ...
 
     def noisy(self, x0: torch.Tensor, noise: torch.Tensor, levels: torch.Tensor) -> torch.Tensor: ...
 
@@ -82,18 +136,30 @@ class FlowMatching:
     convention, `invert_sigmas` in its scheduler config).
     `negate_target`: the target is x0 - noise instead of noise - x0. A scheduler with `invert_sigmas` steps
     x += (s_next - s) * prediction over s = 1 - sigma, so the prediction it needs is d x / d s = x0 - noise.
+    `token_shifted_logit_normal` adds `logit_mean` to the token count's mean and takes `stretch` and
+    `uniform_fraction` (see `sample_token_shifted_sigmas`); `weighting` "bell": DiffSynth-Studio's loss weight.
     """
 
+    level_name: ClassVar[str] = "sigmas"
     sampling: SigmaSampling = "logit_normal"
     logit_mean: float = 0.0
     logit_std: float = 1.0
     shift: float = 1.0
     invert_timesteps: bool = False
     negate_target: bool = False
+    stretch: bool = False
+    uniform_fraction: float = 0.0
+    weighting: LossWeighting = "none"
 
-    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None,
+                            tokens: int | None = None) -> torch.Tensor:
         if self.sampling == "uniform":
             sigmas = sample_uniform_sigmas(batch_size, generator)
+        elif self.sampling == "token_shifted_logit_normal":
+            if tokens is None:
+                raise ValueError("token_shifted_logit_normal noise levels need the sample's token count")
+            sigmas = sample_token_shifted_sigmas(batch_size, tokens, self.logit_std, self.logit_mean, self.stretch,
+                                                 self.uniform_fraction, generator)
         else:
             sigmas = sample_logit_normal_sigmas(batch_size, self.logit_mean, self.logit_std, generator)
         return shift_sigmas(sigmas, self.shift)
@@ -110,6 +176,8 @@ class FlowMatching:
         return sigmas * NUM_TRAIN_TIMESTEPS
 
     def loss_weights(self, levels: torch.Tensor) -> torch.Tensor:
+        if self.weighting == "bell":
+            return bell_loss_weights(levels, self.shift)
         return torch.ones_like(levels)
 
 
@@ -132,11 +200,13 @@ class DDPM:
     `snr_weighting`: weight each sample's loss by 1 / (1 - alpha_bar_t), as CogVideoX was trained.
     """
 
+    level_name: ClassVar[str] = "timesteps"
     alphas_cumprod: torch.Tensor
     prediction_type: Literal["epsilon", "v_prediction"] = "v_prediction"
     snr_weighting: bool = False
 
-    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None,
+                            tokens: int | None = None) -> torch.Tensor:
         count = len(self.alphas_cumprod)
         return torch.randint(0, count, (batch_size,), generator=generator).float()
 
@@ -170,11 +240,13 @@ SUPPORTED_SCHEDULERS = (
 
 def objective_from_scheduler(scheduler: Any, sampling: SigmaSampling = "logit_normal", logit_mean: float = 0.0,
                              logit_std: float = 1.0, shift: float = 1.0,
-                             source: str = "the scheduler config") -> FlowMatching | DDPM:
+                             source: str = "the scheduler config", stretch: bool = False,
+                             uniform_fraction: float = 0.0, weighting: LossWeighting = "none") -> FlowMatching | DDPM:
     """Pick the objective a model was trained with from its diffusers scheduler instance.
 
     `source` names where the scheduler came from (its scheduler_config.json) for the SchedulerError raised when
-    no objective fits."""
+    no objective fits. The noise-level settings (`sampling` ... `weighting`) are flow matching's; DDPM draws
+    timesteps uniformly."""
     config = scheduler.config
     # Flow matching is recognised by name (FlowMatch*Scheduler) or by data: multistep solvers such as
     # Wan's UniPCMultistepScheduler sample flow models with prediction_type="flow_prediction" / use_flow_sigmas.
@@ -182,7 +254,8 @@ def objective_from_scheduler(scheduler: Any, sampling: SigmaSampling = "logit_no
     if "FlowMatch" in type(scheduler).__name__ or flow_by_config:
         return FlowMatching(sampling=sampling, logit_mean=logit_mean, logit_std=logit_std, shift=shift,
                             invert_timesteps=bool(config.get("invert_sigmas", False)),
-                            negate_target=bool(config.get("invert_sigmas", False)))
+                            negate_target=bool(config.get("invert_sigmas", False)), stretch=stretch,
+                            uniform_fraction=uniform_fraction, weighting=weighting)
     name = type(scheduler).__name__
     if hasattr(scheduler, "alphas_cumprod"):
         prediction = config.get("prediction_type", "epsilon")

@@ -139,7 +139,7 @@ def test_for_a_family_that_trains_on_sound_each_sample_says_whether_it_has_a_tra
                     line.split()[-1] in ("heard.mp4", "quiet.mp4", "still.png")}
     assert sound_column == {"heard.mp4": "yes", "quiet.mp4": "no", "still.png": "-"}
     summary = ("ltx-2: 1 of 3 samples have an audio track and train sound and video together; 2 without one train "
-               "video only (the audio stream gets silence, not taught).")
+               "video only (the video does not attend to the audio stream).")
     assert summary in lines and report["sound"] == summary
     tracks = {Path(clip["path"]).name: clip["audio_track"] for clip in report["clips"]}
     assert tracks == {"heard.mp4": True, "quiet.mp4": False, "still.png": False}

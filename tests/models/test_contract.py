@@ -70,7 +70,7 @@ def test_components_load_and_shapes_agree(make_config, family):
     objective = spec.objective(config.training)
     x0 = draw_latent(latents, torch.Generator().manual_seed(0))
     noise = torch.randn_like(x0)
-    levels = objective.sample_noise_levels(2, torch.Generator().manual_seed(0))
+    levels = objective.sample_noise_levels(2, torch.Generator().manual_seed(0), spec.token_count(x0.shape[1:]))
     noisy = objective.noisy(x0, noise, levels)
     video_conditions = {k: v for k, v in latents.items() if k not in POSTERIOR_KEYS}
     with torch.no_grad():

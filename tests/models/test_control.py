@@ -27,7 +27,7 @@ def _inputs(spec, config, family):
     control = spec.prepare_latents(vae, controls)["latents_mean"]
     objective = spec.objective(config.training)
     x0 = draw_latent(latents, generator)
-    levels = objective.sample_noise_levels(2, generator)
+    levels = objective.sample_noise_levels(2, generator, spec.token_count(x0.shape[1:]))
     noisy = objective.noisy(x0, torch.randn(x0.shape, generator=generator), levels)
     conditions = {**conditions, **{k: v for k, v in latents.items() if k not in POSTERIOR_KEYS}}
     return conditions, noisy, objective.timesteps(levels), control

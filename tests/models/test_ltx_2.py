@@ -95,14 +95,22 @@ def test_the_loss_is_the_video_error_plus_the_weighted_audio_error_of_clips_with
         video, audio, audio_target = spec.joint_forward(denoiser, conditions, noisy, timesteps)
         error = spec.training_error(denoiser, conditions, noisy, timesteps, target)
         halved = _spec(folder, audio_loss_weight=0.5).training_error(denoiser, conditions, noisy, timesteps, target)
-        video_only = spec.training_error(denoiser, {**conditions, AUDIO_PRESENT: torch.tensor([[0.0], [1.0]])},
-                                         noisy, timesteps, target)
+        silent_first = {**conditions, AUDIO_PRESENT: torch.tensor([[0.0], [1.0]])}
+        video_only = spec.training_error(denoiser, silent_first, noisy, timesteps, target)
+        other_audio = spec.training_error(denoiser, {**silent_first, AUDIO_LATENTS: conditions[AUDIO_LATENTS] + 1},
+                                          noisy, timesteps, target)
+        alone = spec.joint_forward(denoiser, {k: v[:1] for k, v in conditions.items()}, noisy[:1], timesteps[:1],
+                                   isolated=True)[0]
     video_error = (video - target).pow(2).flatten(1).mean(1)
     audio_error = (audio - audio_target).pow(2).flatten(1).mean(1)
     torch.testing.assert_close(error, video_error + audio_error)
     torch.testing.assert_close(halved, video_error + 0.5 * audio_error)
-    # A clip without sound trains video only.
-    torch.testing.assert_close(video_only, video_error + torch.tensor([0.0, 1.0]) * audio_error)
+    # A clip without sound trains video only: no audio error, and its video does not attend to the audio stream
+    # (whatever that holds), while the clip with sound in the same batch trains both streams jointly.
+    alone_error = (alone - target[:1]).pow(2).flatten(1).mean(1)
+    torch.testing.assert_close(video_only, torch.cat([alone_error, video_error[1:] + audio_error[1:]]))
+    torch.testing.assert_close(other_audio[0], video_only[0])
+    assert not torch.allclose(alone_error, video_error[:1])  # the joint forward would have shown it the audio
     # The audio target is the flow-matching velocity of the clip's own noise, drawn per clip from its timestep.
     noise = spec.audio_noise(timesteps, conditions[AUDIO_LATENTS])
     torch.testing.assert_close(audio_target, noise - conditions[AUDIO_LATENTS])

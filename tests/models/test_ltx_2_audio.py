@@ -3,6 +3,7 @@ the audio VAE, alike on the fly and from the precompute cache; a clip without an
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,8 @@ import torch
 from vidtune.data.audio import AudioBatch, AudioFormat, read_audio
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.data.video import read_frames, write_video
-from vidtune.models.ltx_2 import AUDIO_LATENTS, AUDIO_PRESENT, SILENT_LOG_MEL, encode_log_mel
+from vidtune.errors import ConfigError
+from vidtune.models.ltx_2 import AUDIO_LATENTS, AUDIO_PRESENT, AUDIO_SIGMAS, SILENT_LOG_MEL, encode_log_mel
 from vidtune.precompute import precompute
 from vidtune.trainers import build_trainer
 
@@ -91,6 +93,57 @@ def test_same_losses_from_the_cache_and_on_the_fly_with_sound(make_config, sound
                              output_dir=str(tmp_path / f"run-{enabled}"))
         losses.append(build_trainer(config).run().losses)
     assert losses[0] == losses[1]
+
+
+def test_training_draws_the_audio_its_own_sigma_and_keeps_clips_without_sound_from_the_audio(
+        make_config, sound_dataset, tmp_path):
+    """Each clip's audio sigma is drawn apart from its video's and handed to the transformer as `audio_timestep` /
+    `audio_sigma`; the clip without sound runs isolated (its video does not attend to the audio stream), in a call of
+    its own beside the clip with sound; metrics.jsonl logs both clips' sigmas and the heard clip's audio sigma."""
+    config = make_config("ltx-2", data_root=sound_dataset, training={"batch_size": 2, "steps": 2},
+                         output_dir=str(tmp_path / "run"))
+    trainer, batch = first_batch(config)
+    calls: list[dict] = []
+    hook = trainer.denoiser.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs),
+                                                      with_kwargs=True)
+    try:
+        trainer.compute_loss(batch)
+    finally:
+        hook.remove()
+    noise = trainer.noise_row()
+    heard = batch.indices.tolist().index(0)  # clip 0 has the tone
+    video_sigmas, audio_sigmas = noise["sigmas"], noise[AUDIO_SIGMAS]
+    assert audio_sigmas[1 - heard] != audio_sigmas[1 - heard]  # NaN: no sound, no audio sigma (null in the file)
+    assert 0 < audio_sigmas[heard] < 1 and audio_sigmas[heard] != pytest.approx(video_sigmas[heard])
+    joint, alone = sorted(calls, key=lambda kwargs: kwargs["isolate_modalities"])
+    assert (joint["isolate_modalities"], alone["isolate_modalities"]) == (False, True)
+    torch.testing.assert_close(joint["timestep"], torch.tensor([1000 * video_sigmas[heard]]))
+    torch.testing.assert_close(joint["audio_timestep"], torch.tensor([1000 * audio_sigmas[heard]]))
+    torch.testing.assert_close(joint["audio_sigma"], joint["audio_timestep"])
+    torch.testing.assert_close(alone["timestep"], torch.tensor([1000 * video_sigmas[1 - heard]]))
+    # The audio sigma follows the audio's token count (its latent frames), not the video's.
+    assert trainer.spec.token_count(batch.latents["latents_mean"].shape[1:]) != batch.latents[AUDIO_LATENTS].shape[1]
+
+    rows = [json.loads(line) for line in (build_trainer(config).run().output_dir / "metrics.jsonl").read_text()
+            .splitlines()]
+    for row in rows:
+        assert len(row["sigmas"]) == len(row[AUDIO_SIGMAS]) == 2
+        assert sum(value is None for value in row[AUDIO_SIGMAS]) == 1
+
+
+def test_clips_without_sound_can_be_left_out(make_config, sound_dataset, tmp_path, capsys):
+    config = make_config("ltx-2", data_root=sound_dataset, model={"clips_without_sound": "leave-out"},
+                         output_dir=str(tmp_path / "run"))
+    trainer = build_trainer(config)
+    trainer.check_inputs()
+    assert [clip.video.name for clip in trainer.clips] == ["clip_000.mp4"]  # the clip with the tone
+    assert "ltx-2: 1 of 2 samples have no audio track and are left out" in capsys.readouterr().out
+    # Nothing left to train: said before anything loads, naming the setting.
+    silent = render_shapes_dataset(tmp_path / "silent", num_clips=1, num_frames=CLIP_FRAMES, height=32, width=32,
+                                   fps=FPS, seed=1)
+    with pytest.raises(ConfigError, match=r"model\.clips_without_sound"):
+        build_trainer(make_config("ltx-2", data_root=silent, model={"clips_without_sound": "leave-out"},
+                                  output_dir=str(tmp_path / "run2"))).check_inputs()
 
 
 def test_the_audio_format_is_the_audio_vaes(tiny_model_dir):

@@ -8,10 +8,11 @@ import pytest
 
 import vidtune
 from vidtune.config import build_config
-from vidtune.models.defaults import CONFIG_KEYS, defaults_table
+from vidtune.models.defaults import CONFIG_KEYS, defaults_table, noise_table
 from vidtune.models.registry import available_models, get_spec_class
 
 TABLE_START, TABLE_END = "<!-- defaults table: start -->\n", "<!-- defaults table: end -->\n"
+NOISE_START, NOISE_END = "<!-- noise table: start -->\n", "<!-- noise table: end -->\n"
 
 
 def _config(name: str, **sections):
@@ -52,3 +53,10 @@ def test_docs_models_md_holds_the_generated_table():
     text = (Path(vidtune.__file__).parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
     table = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
     assert table == defaults_table(), "run: python -m vidtune.models.defaults and paste it into docs/models.md"
+
+
+def test_docs_models_md_holds_the_noise_table_with_a_source_for_every_family():
+    text = (Path(vidtune.__file__).parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
+    table = text.split(NOISE_START, 1)[1].split(NOISE_END, 1)[0]
+    assert table == noise_table(), "run: python -m vidtune.models.defaults and paste it into docs/models.md"
+    assert all(get_spec_class(family).defaults.noise_source for family in available_models())

@@ -202,10 +202,16 @@ def log_mel_spectrogram(waveforms: torch.Tensor, sample_rate: int, n_fft: int, h
     return log_mel.reshape(batch, channels, mel_bins, -1).transpose(-1, -2)
 
 
+def has_sound(clip: Clip) -> bool:
+    """Whether a (checked) clip has an audio track: a video file with one, never a still."""
+    return clip.info is not None and not clip.is_image and clip.info.has_audio
+
+
 def sound_line(family: str, clips: Sequence[Clip]) -> str:
     """One line for a run's log: how many clips train with their sound, and that the others train video only."""
-    heard = sum(1 for clip in clips if clip.info is not None and not clip.is_image and clip.info.has_audio)
+    heard = sum(1 for clip in clips if has_sound(clip))
     line = f"{family}: {heard} of {len(clips)} samples have an audio track and train sound and video together"
     if heard == len(clips):
         return line + "."
-    return line + f"; {len(clips) - heard} without one train video only (the audio stream gets silence, not taught)."
+    return line + (f"; {len(clips) - heard} without one train video only (the video does not attend to the audio "
+                   "stream).")

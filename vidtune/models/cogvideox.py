@@ -57,7 +57,9 @@ class CogVideoXSpec(ModelSpec):
     validation_guidance_scale = 6.0
     defaults = FamilyDefaults(frames=49, height=480, width=720, fps=8.0, ddpm=True, source=(
         "CogVideoX-5B: 49 frames of 480x720 at 8 fps (its model card and fine-tuning scripts); the pipeline's "
-        "guidance"))
+        "guidance"), noise_source=(
+            "zai-org/CogVideo `finetune/models/cogvideox_t2v/lora_trainer.py`: `torch.randint(0, "
+            "num_train_timesteps)`, the scheduler's own alphas"))
     pipeline_class = CogVideoXPipeline
     # CogVideoX 1.5 (a temporal patch): a latent frame count that is not a multiple of the patch is padded at the
     # front with copies of the first latent frame. CogVideoXPipeline generates those `additional_frames` too and

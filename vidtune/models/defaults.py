@@ -19,17 +19,33 @@ if TYPE_CHECKING:
 class FamilyDefaults:
     """What a family's published recipe trains with. `fps`: the frame rate the denoiser is told about and samples
     are written at, unless `model.frame_rate` or `data.fps` is set (clips are resampled only with `data.fps`).
-    `sigma_shift`: the shift of the training noise levels (flow matching; DDPM families draw timesteps uniformly
-    and ignore it). `source`: where the values come from, for the table."""
+    `sigma_sampling`, `sigma_stretch`, `sigma_uniform_fraction`, `sigma_shift`: how the training noise levels are
+    drawn (flow matching; DDPM families draw timesteps uniformly and ignore them). `source`: where the clip shape,
+    frame rate and guidance come from; `noise_source`: where the noise levels come from (repository, file,
+    setting), for the tables."""
 
     frames: int
     height: int
     width: int
     fps: float
-    sigma_sampling: Literal["uniform", "logit_normal"] = "logit_normal"
+    sigma_sampling: Literal["uniform", "logit_normal", "token_shifted_logit_normal"] = "logit_normal"
     sigma_shift: float = 1.0
+    sigma_stretch: bool = False
+    sigma_uniform_fraction: float = 0.0
     ddpm: bool = False
     source: str = ""
+    noise_source: str = ""
+
+    def describe_noise(self) -> str:
+        """The noise levels in words, for the tables."""
+        if self.ddpm:
+            return "uniform timesteps (DDPM)"
+        words = self.sigma_sampling.replace("_", "-")
+        if self.sigma_stretch:
+            words += ", stretched"
+        if self.sigma_uniform_fraction:
+            words += f", {self.sigma_uniform_fraction:g} uniform"
+        return words + f", shift {self.sigma_shift:g}"
 
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.
@@ -39,6 +55,8 @@ CONFIG_KEYS: dict[tuple[str, str], str] = {
     ("data", "width"): "width",
     ("training", "sigma_sampling"): "sigma_sampling",
     ("training", "sigma_shift"): "sigma_shift",
+    ("training", "sigma_stretch"): "sigma_stretch",
+    ("training", "sigma_uniform_fraction"): "sigma_uniform_fraction",
 }
 
 
@@ -75,8 +93,7 @@ def defaults_table() -> str:
     for name in available_models():
         spec = get_spec_class(name)
         d = spec.defaults
-        noise = (f"{d.sigma_sampling.replace('_', '-')}, shift {d.sigma_shift:g}" if not d.ddpm
-                 else "uniform timesteps (DDPM)")
+        noise = d.describe_noise()
         # A family whose guidance depends on the checkpoint (Wan 2.2: TI2V-5B or A14B) says so in its source.
         guidance = spec.validation_guidance_scale
         guidance = f"{guidance:g}" if isinstance(guidance, float | int) else "by checkpoint"
@@ -85,5 +102,19 @@ def defaults_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def noise_table() -> str:
+    """The Markdown table of every registered family's training noise levels and where they come from
+    (docs/models.md)."""
+    from vidtune.models.registry import available_models, get_spec_class
+
+    lines = ["| family | noise levels (training) | source |", "|---|---|---|"]
+    for name in available_models():
+        d = get_spec_class(name).defaults
+        lines.append(f"| `{name}` | {d.describe_noise()} | {d.noise_source} |")
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
     print(defaults_table(), end="")
+    print()
+    print(noise_table(), end="")

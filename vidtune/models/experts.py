@@ -181,10 +181,11 @@ class NoiseRange:
     low: float
     high: float
 
-    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None,
+                            tokens: int | None = None) -> torch.Tensor:
         kept: list[torch.Tensor] = []
         for _ in range(10_000):
-            levels = self.objective.sample_noise_levels(batch_size, generator)
+            levels = self.objective.sample_noise_levels(batch_size, generator, tokens)
             timesteps = self.objective.timesteps(levels)
             kept.extend(levels[(timesteps >= self.low) & (timesteps < self.high)])
             if len(kept) >= batch_size:
@@ -218,9 +219,10 @@ class StepRouted:
     boundary_timestep: float
     seed: int
 
-    def for_step(self, step: int) -> NoiseRange:
-        """The objective of step `step` (counted from 0): the noise levels of the step's expert only."""
-        level = self.objective.sample_noise_levels(1, step_generator(self.seed, step))
+    def for_step(self, step: int, tokens: int | None = None) -> NoiseRange:
+        """The objective of step `step` (counted from 0): the noise levels of the step's expert only (`tokens`: the
+        step's token count, for distributions that depend on it)."""
+        level = self.objective.sample_noise_levels(1, step_generator(self.seed, step), tokens)
         if bool(self.objective.timesteps(level)[0] >= self.boundary_timestep):
             return NoiseRange(self.objective, self.boundary_timestep, float("inf"))
         return NoiseRange(self.objective, float("-inf"), self.boundary_timestep)

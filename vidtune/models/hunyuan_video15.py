@@ -101,9 +101,11 @@ class HunyuanVideo15Spec(ModelSpec):
     name = "hunyuan-video-1.5"
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, 2C + 1, F, H, W]
     validation_guidance_scale = 6.0  # the published guider's scale
-    defaults = FamilyDefaults(frames=121, height=480, width=848, fps=24.0, sigma_shift=5.0, source=(
+    defaults = FamilyDefaults(frames=121, height=480, width=848, fps=24.0, sigma_shift=3.0, source=(
         "the 480p checkpoints: 121 frames (the pipelines' default) at 24 fps, 480x848 (the 16:9 bucket of "
-        "target_size 640), scheduler shift 5, guider scale 6"))
+        "target_size 640), guider scale 6"), noise_source=(
+            "Tencent-Hunyuan/HunyuanVideo-1.5 `train.py`: `snr_type: lognorm`, `train_timestep_shift: 3.0` (5 is its "
+            "`validation_timestep_shift`, the scheduler's)"))
     pipeline_class = HunyuanVideo15LoraPipeline
     vae_class = AutoencoderKLHunyuanVideo15
     denoiser_class = HunyuanVideo15Transformer3DModel

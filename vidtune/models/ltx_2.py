@@ -4,10 +4,11 @@ and audio together (LTX2Pipeline).
 Training is joint, as sampling is: the transformer always runs its audio stream beside the video one, and the two
 see each other through audio-to-video and video-to-audio attention. A clip with an audio track trains both streams:
 its window's sound (resampled to the audio VAE's rate and channels) becomes LTX-2's log-mel spectrogram, which the
-audio VAE encodes; the audio latents are noised at the clip's sigma, like the video's, and the loss is the video's
+audio VAE encodes; the audio latents are noised at a sigma of their own, drawn apart from the video's with the
+audio's token count (`stream_noise`, as ltx-trainer's `flexible` strategy), and the loss is the video's
 flow-matching error plus `model.audio_loss_weight` times the audio's. A clip without an audio track trains video
-only: its audio stream is given silence (noised alike) and its audio error is left out. Conventions taken from
-LTX2Pipeline and LTX-2's audio processing:
+only, as ltx-trainer's video-only runs: the video stream does not attend to the audio stream (the transformer's
+`isolate_modalities`) and the audio error is left out. Conventions taken from LTX2Pipeline and LTX-2's audio processing:
     text: the caption, stripped, left-padded to `max_sequence_length` tokens (1024, or the tokenizer's
         `model_max_length` when shorter), every hidden state of Gemma 3 stacked on the last dim, then the text
         connectors (frozen), which give the video and audio streams their embeddings and the mask;
@@ -63,7 +64,7 @@ from vidtune.models.spec import (
     shape_rule,
     side_problems,
 )
-from vidtune.objectives import flow_matching_noisy, flow_matching_target
+from vidtune.objectives import NUM_TRAIN_TIMESTEPS, Objective, flow_matching_noisy, flow_matching_target
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # LTX2Pipeline's default
 # `prepare_latents`'s key of the clip's audio latents [B, L, C * mel], normalised as LTX2Pipeline's.
@@ -76,6 +77,9 @@ ORIGINAL_MODULATIONS = {"video_scale_shift": "video_scale_shift", "video_a2v_gat
                         "audio_scale_shift": "audio_scale_shift", "audio_v2a_gate": "v2a_gate"}
 # `prepare_latents`'s key of which clips have sound [B, 1] (1.0, else 0.0: the clip trains video only).
 AUDIO_PRESENT = "audio_present"
+# `stream_noise`'s keys: each clip's audio sigma [B] and audio noise [B, L, C * mel], drawn apart from the video's.
+AUDIO_SIGMAS = "audio_sigmas"
+AUDIO_NOISE = "audio_noise"
 # LTX-2's audio processing (its audio encoder's settings; diffusers' audio VAE config does not hold them): the STFT
 # window, and the log-mel floor (log(clamp(mel, 1e-5))): silence is this value in every bin.
 N_FFT = 1024
@@ -118,7 +122,11 @@ class LTX2Spec(ModelSpec):
     validation_guidance_scale = 3.0  # LTX2Pipeline's default
     defaults = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, source=(
         "LTX2Pipeline's defaults (512x768 at 24 fps, guidance 3); 121 frames: 5 s at 24 fps (the pipeline sets no "
-        "frame count)"))
+        "frame count)"), sigma_sampling="token_shifted_logit_normal", sigma_stretch=True, sigma_uniform_fraction=0.1,
+        noise_source=(
+            "Lightricks/LTX-2 `packages/ltx-trainer/src/ltx_trainer/config.py`: `FlowMatchingConfig."
+            "timestep_sampling_mode = shifted_logit_normal` (`timestep_samplers.py`: std 1, percentile stretching, "
+            "uniform_prob 0.1); the audio's drawn apart with its own token count (`training_strategies/flexible.py`)"))
     text_encoder_class = Gemma3ForConditionalGeneration
     vae_class = AutoencoderKLLTX2Video
     denoiser_class = LTX2VideoTransformer3DModel
@@ -300,18 +308,49 @@ class LTX2Spec(ModelSpec):
             noise.append(torch.randn(like.shape[1:], generator=generator))
         return torch.stack(noise).to(like)
 
+    def stream_noise(self, objective: Objective, latents: Conditions,
+                     generators: list[torch.Generator]) -> tuple[Conditions, dict[str, torch.Tensor]]:
+        """Each clip's audio sigma, drawn from the training distribution with the audio's own token count (its
+        latent frames), and its audio noise, both from the clip's generator (ltx-trainer's `flexible` strategy
+        draws the audio's sigma apart from the video's). A clip without sound logs no audio sigma (NaN)."""
+        clean_audio = latents[AUDIO_LATENTS]
+        tokens = clean_audio.shape[1]
+        sigmas, noise = [], []
+        for generator in generators:
+            sigmas.append(objective.sample_noise_levels(1, generator, tokens))
+            noise.append(torch.randn(clean_audio.shape[1:], generator=generator))
+        sigmas = torch.cat(sigmas)
+        heard = self.heard(latents, len(generators)).cpu()
+        return ({AUDIO_SIGMAS: sigmas, AUDIO_NOISE: torch.stack(noise).to(clean_audio.device)},
+                {AUDIO_SIGMAS: torch.where(heard, sigmas, torch.full_like(sigmas, float("nan")))})
+
+    @staticmethod
+    def heard(conditions: Conditions, batch: int) -> torch.Tensor:
+        """[B] bool: which clips have sound (all of them where the conditions do not say: the pipeline's case)."""
+        if AUDIO_PRESENT not in conditions:
+            return torch.ones(batch, dtype=torch.bool)
+        return conditions[AUDIO_PRESENT].flatten() > 0.5
+
     def joint_forward(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
-                      timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      timesteps: torch.Tensor, isolated: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One call of the transformer on both streams: (video prediction [B, C, F, H, W], audio prediction
-        [B, L, C * mel], audio target). The audio is noised at the video's sigma (timestep / 1000), as
-        LTX2Pipeline steps both with one schedule."""
+        [B, L, C * mel], audio target). The audio is noised at the conditions' `AUDIO_SIGMAS` with their
+        `AUDIO_NOISE` (training); without them at the video's sigma (timestep / 1000) with noise keyed by the
+        timestep, as LTX2Pipeline steps both streams with one schedule. `isolated`: neither stream attends to the
+        other (a clip without sound trains the video alone)."""
         patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
         _, _, frames, height, width = noisy_latents.shape
         clean_audio = conditions[AUDIO_LATENTS].float()
-        sigmas = timesteps.detach().float().cpu() / 1000.0
-        audio_noise = self.audio_noise(timesteps, clean_audio)
-        noisy_audio = flow_matching_noisy(clean_audio, audio_noise, sigmas)
+        if AUDIO_SIGMAS in conditions:
+            audio_sigmas = conditions[AUDIO_SIGMAS].detach().float().cpu()
+            audio_noise = conditions[AUDIO_NOISE].to(clean_audio)
+        else:
+            audio_sigmas = timesteps.detach().float().cpu() / NUM_TRAIN_TIMESTEPS
+            audio_noise = self.audio_noise(timesteps, clean_audio)
+        noisy_audio = flow_matching_noisy(clean_audio, audio_noise, audio_sigmas)
         timesteps = timesteps.to(noisy_latents.device)
+        audio_timesteps = (audio_sigmas * NUM_TRAIN_TIMESTEPS).to(timesteps)
         mask = conditions["prompt_attention_mask"]
         video_prediction, audio_prediction = denoiser(
             hidden_states=LTX2Pipeline._pack_latents(noisy_latents, patch, patch_t),
@@ -319,7 +358,9 @@ class LTX2Spec(ModelSpec):
             encoder_hidden_states=conditions["prompt_embeds"],
             audio_encoder_hidden_states=conditions["audio_prompt_embeds"],
             timestep=timesteps,
+            audio_timestep=audio_timesteps,
             sigma=timesteps,
+            audio_sigma=audio_timesteps,
             encoder_attention_mask=mask,
             audio_encoder_attention_mask=mask,
             num_frames=frames // patch_t,
@@ -327,6 +368,7 @@ class LTX2Spec(ModelSpec):
             width=width // patch,
             fps=self.frame_rate,
             audio_num_frames=clean_audio.shape[1],
+            isolate_modalities=isolated,
             use_cross_timestep=True,  # LTX2Pipeline's default
             return_dict=False,
         )
@@ -334,20 +376,37 @@ class LTX2Spec(ModelSpec):
                                                         width // patch, patch, patch_t)
         return video_prediction, audio_prediction, flow_matching_target(clean_audio, audio_noise)
 
+    def predict(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`joint_forward` with the clips with sound joint and those without isolated (one call each where a
+        micro-batch holds both), in the batch's order."""
+        heard = self.heard(conditions, noisy_latents.shape[0])
+        if bool(heard.all()) or not bool(heard.any()):
+            return self.joint_forward(denoiser, conditions, noisy_latents, timesteps, isolated=not bool(heard.any()))
+        parts = []
+        for group, isolated in ((heard.nonzero().flatten(), False), ((~heard).nonzero().flatten(), True)):
+            subset = {key: value[group.to(value.device)] for key, value in conditions.items()}
+            parts.append((group, self.joint_forward(denoiser, subset, noisy_latents[group.to(noisy_latents.device)],
+                                                    timesteps[group.to(timesteps.device)], isolated)))
+        order = torch.argsort(torch.cat([group for group, _ in parts]))
+        return tuple(torch.cat([outputs[i] for _, outputs in parts])[order.to(parts[0][1][i].device)]
+                     for i in range(3))
+
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
-        """The video prediction (the audio stream runs beside it, given the clip's audio noised alike)."""
-        return self.joint_forward(denoiser, conditions, noisy_latents, timesteps)[0]
+        """The video prediction (the audio stream runs beside it; a clip without sound is not shown it)."""
+        return self.predict(denoiser, conditions, noisy_latents, timesteps)[0]
 
     def training_error(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                        timesteps: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The video's mean squared error plus `model.audio_loss_weight` times the audio's, per clip; a clip without
-        sound (`AUDIO_PRESENT` 0) adds no audio error: it trains video only."""
-        video, audio, audio_target = self.joint_forward(denoiser, conditions, noisy_latents, timesteps)
+        sound (`AUDIO_PRESENT` 0) adds no audio error, and its video does not see the audio stream: it trains video
+        only."""
+        video, audio, audio_target = self.predict(denoiser, conditions, noisy_latents, timesteps)
         video_error = self.per_clip_error((video.float() - target).pow(2), conditions)
         audio_error = (audio.float() - audio_target).pow(2).flatten(1).mean(dim=1)
-        heard = conditions[AUDIO_PRESENT].float().flatten().to(audio_error.device)
+        heard = self.heard(conditions, video.shape[0]).float().to(audio_error.device)
         return video_error + self.audio_loss_weight * heard * audio_error
 
     def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:

@@ -55,7 +55,10 @@ class LTXVideoSpec(ModelSpec):
     control_input_layer = "proj_in"  # Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0
     defaults = FamilyDefaults(frames=49, height=512, width=768, fps=25.0, source=(
-        "finetrainers' LTX-Video LoRA recipe (49x512x768, logit-normal); LTXPipeline's frame_rate and guidance"))
+        "finetrainers' LTX-Video LoRA recipe (49x512x768); LTXPipeline's frame_rate and guidance"),
+        sigma_sampling="token_shifted_logit_normal", noise_source=(
+            "Lightricks/LTX-Video-Trainer `configs/ltxv_2b_lora.yaml`: `flow_matching.timestep_sampling_mode: "
+            "shifted_logit_normal` (`src/ltxv_trainer/timestep_samplers.py`, std 1)"))
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property

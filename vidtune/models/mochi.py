@@ -64,7 +64,8 @@ class MochiSpec(ModelSpec):
     }
     validation_guidance_scale = 4.5
     defaults = FamilyDefaults(frames=19, height=480, width=848, fps=30.0, source=(
-        "MochiPipeline's defaults (480x848, 19 frames, guidance 4.5); Mochi 1 is a 30 fps model"))
+        "MochiPipeline's defaults (480x848, 19 frames, guidance 4.5); Mochi 1 is a 30 fps model"),
+        sigma_sampling="uniform", noise_source="genmoai/mochi `demos/fine_tuner/train.py`: `sigma = torch.rand(...)`")
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property

@@ -485,7 +485,34 @@ class ModelSpec(ABC):
             logit_std=training.logit_std,
             shift=training.sigma_shift,
             source=self.describe_file("scheduler", "scheduler_config.json"),
+            stretch=training.sigma_stretch,
+            uniform_fraction=training.sigma_uniform_fraction,
+            weighting=training.loss_weighting,
         )
+
+    @functools.cached_property
+    def patch_sizes(self) -> tuple[int, int, int]:
+        """(temporal, height, width) patch of the denoiser, from its config: `patch_size` and `patch_size_t`, or a
+        (t, h, w) `patch_size` (Wan)."""
+        config = self.load_config(self.denoiser_class, "transformer")
+        patch = config.get("patch_size") or 1
+        if isinstance(patch, list | tuple):
+            return int(patch[0]), int(patch[1]), int(patch[2])
+        return int(config.get("patch_size_t") or 1), int(patch), int(patch)
+
+    def token_count(self, latent_shape: tuple[int, ...] | torch.Size) -> int:
+        """The denoiser's video tokens for one clip's latents of `latent_shape` ([C, F, H, W]): what noise levels
+        drawn by token count (`token_shifted_logit_normal`) depend on."""
+        patch_t, patch_h, patch_w = self.patch_sizes
+        frames, height, width = (int(size) for size in latent_shape[-3:])
+        return -(-frames // patch_t) * (height // patch_h) * (width // patch_w)
+
+    def stream_noise(self, objective: Objective, latents: Latents,
+                     generators: list[torch.Generator]) -> tuple[Conditions, dict[str, torch.Tensor]]:
+        """The noise of the streams a family's denoiser takes beside the video (LTX-2's audio), drawn for each clip
+        of a micro-batch from its visit's generator after the video's draws: (what `forward` reads from the
+        conditions, each stream's noise levels by metrics name). By default none."""
+        return {}, {}
 
     # ----- what a precomputed entry depends on ----------------------------------------------------------
     def condition_identity(self) -> dict[str, Any]:

@@ -87,7 +87,9 @@ class WanSpec(ModelSpec):
     validation_guidance_scale = 5.0
     defaults = FamilyDefaults(frames=81, height=480, width=832, fps=16.0, sigma_shift=3.0, source=(
         "WanPipeline's defaults (81 frames of 480x832, guidance 5) and 16 fps; shift 3: the 480p checkpoints' "
-        "flow_shift"))
+        "flow_shift"), noise_source=(
+            "kohya-ss/musubi-tuner `docs/wan.md`: `--timestep_sampling shift --discrete_flow_shift 3.0` (logit-normal, "
+            "shift 3); DiffSynth-Studio's uniform shift-5 grid with a bell weight is reachable (below)"))
     pipeline_class = WanPipeline
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
         "attention": ATTENTION_TARGETS,

@@ -67,7 +67,10 @@ class Wan22Spec(WanSpec):
     step_routing = False
     defaults = FamilyDefaults(frames=121, height=704, width=1280, fps=24.0, sigma_shift=5.0, source=(
         "TI2V-5B's published recipe (121 frames of 704x1280 at 24 fps, shift 5, guidance 5); the A14B models "
-        "publish 81 frames of 720p at 16 fps, shift 12 (T2V) / 5 (I2V), guidance 4 (docs/wan22.md): set them"))
+        "publish 81 frames of 720p at 16 fps, shift 12 (T2V) / 5 (I2V), guidance 4 (docs/wan22.md): set them"),
+        noise_source=(
+            "TI2V-5B's sampling shift 5 (docs/wan22.md), drawn as kohya-ss/musubi-tuner's `--timestep_sampling shift` "
+            "(`docs/wan.md`: logit-normal, then the shift)"))
 
     # ----- what the model folder is ---------------------------------------------------------------------------
     @functools.cached_property

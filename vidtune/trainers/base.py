@@ -42,14 +42,14 @@ from vidtune import outputs, parallel
 from vidtune.attention import resolve_attention_backend, set_attention_backend
 from vidtune.compile import compile_blocks, compile_note, compile_seconds, eager
 from vidtune.config import Config, write_resolved_config
-from vidtune.data.audio import sound_line
+from vidtune.data.audio import has_sound, sound_line
 from vidtune.data.buckets import check_bucket_shapes, visit_generator
 from vidtune.data.overview import write_dataset_overview
 from vidtune.data.sources import Clip, load_dataset
 from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.data.video import VideoInfo
 from vidtune.ema import EMA
-from vidtune.errors import TrainingError
+from vidtune.errors import ConfigError, TrainingError
 from vidtune.evaluation import (
     EvalHistory,
     HeldOutSet,
@@ -115,6 +115,8 @@ class StepOutcome:
     seconds: float  # without the time spent compiling (training.compile)
     compile_seconds: float = 0.0
     shapes: tuple[tuple[int, int, int], ...] = ()  # the bucket shape of each micro-batch
+    # This process's samples of the step: their noise levels (and other streams') and each one's loss, by metrics key.
+    noise: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -128,6 +130,20 @@ class NoisyInputs:
     levels: torch.Tensor  # the objective's noise levels (sigmas or DDPM timesteps), for the loss weights
     x0: torch.Tensor | None = None  # the clean latents and the noise they were mixed with (for distillation)
     noise: torch.Tensor | None = None
+    # Other streams' noise levels by metrics key (LTX-2's "audio_sigmas"), as `ModelSpec.stream_noise` drew them.
+    stream_levels: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def gathered_noise(noise: dict[str, list[float]]) -> dict[str, list[float]]:
+    """A step's noise levels and sample losses of every rank, in rank order (one collective under torchrun: every
+    rank logs the same steps)."""
+    if not parallel.is_distributed():
+        return noise
+    merged: dict[str, list[float]] = {}
+    for rows in parallel.gather_objects(noise):
+        for key, values in rows.items():
+            merged.setdefault(key, []).extend(values)
+    return merged
 
 
 def seed_everything(seed: int) -> None:
@@ -142,6 +158,9 @@ class Trainer(ABC):
     algorithm: str
     # Config keys whose change a checkpoint of this algorithm cannot follow (beyond model and algorithm).
     resume_fixed_keys: tuple[str, ...] = ()
+    # Whether other streams (LTX-2's audio) get noise levels of their own (`ModelSpec.stream_noise`), or follow the
+    # video's as when sampling.
+    stream_noise_levels = True
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -173,6 +192,8 @@ class Trainer(ABC):
         self.eval_clips: list[Clip] = []  # the held-out samples (validation.eval_clips, sources marked eval)
         self.held_out: HeldOutSet | None = None  # their encoded inputs, once set up
         self.eval_history = EvalHistory()
+        # The current step's micro-batches: (their noise levels by metrics key, each sample's loss), for metrics.jsonl.
+        self.step_noise: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -228,7 +249,8 @@ class Trainer(ABC):
                         print(compile_note(outcome.compile_seconds, state.step, outcome.shapes), flush=True)
                     if outcome.finite and self.due(self.config.logging.log_every, final=True):
                         log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds,
-                                   self.clips_per_step * parallel.world_size(), outcome.compile_seconds)
+                                   self.clips_per_step * parallel.world_size(), outcome.compile_seconds,
+                                   gathered_noise(outcome.noise))
                     log.advance()
                     self.between_steps()
                 log.end_progress()
@@ -281,6 +303,7 @@ class Trainer(ABC):
         started, compiled_before = time.perf_counter(), compile_seconds()
         step_loss = torch.zeros((), device=self.device)
         shapes = []
+        self.step_noise = []
         for micro in range(accumulation):
             batch = next(stream)
             shapes.append(self.config.data.bucket_shapes()[self.clips[int(batch.indices[0])].bucket or 0])
@@ -305,7 +328,7 @@ class Trainer(ABC):
         state.apply_update(finite)
         compiling = compile_seconds() - compiled_before
         return StepOutcome(loss, grad_norm, finite, agreed_stop(stop, stop_counts),
-                           time.perf_counter() - started - compiling, compiling, tuple(shapes))
+                           time.perf_counter() - started - compiling, compiling, tuple(shapes), self.noise_row())
 
     def forward_backward(self, batch: Batch, sync: bool) -> torch.Tensor:
         """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
@@ -319,7 +342,10 @@ class Trainer(ABC):
     def compute_loss(self, batch: Batch) -> torch.Tensor:
         """Sum over the micro-batch of each clip's weighted mean squared error (the method to override for
         another loss)."""
-        return self.clip_losses(self.noisy_inputs(batch)).sum()
+        inputs = self.noisy_inputs(batch)
+        losses = self.clip_losses(inputs)
+        self.note_noise(inputs, losses)
+        return losses.sum()
 
     def clip_losses(self, inputs: NoisyInputs, denoiser: nn.Module | None = None) -> torch.Tensor:
         """Each clip's weighted error [B] for these inputs: what training sums, and what the held-out score
@@ -331,15 +357,32 @@ class Trainer(ABC):
                                                 inputs.timesteps, inputs.target)
         return per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)
 
+    def note_noise(self, inputs: NoisyInputs, losses: torch.Tensor) -> None:
+        """Keep a micro-batch's noise levels and each sample's loss [B] for the step's row in metrics.jsonl (read
+        after the step, whose loss already waits for them: no synchronisation of its own)."""
+        self.step_noise.append(({self.objective.level_name: inputs.levels, **inputs.stream_levels}, losses.detach()))
+
+    def noise_row(self) -> dict[str, list[float]]:
+        """The step's noise levels by metrics key ("sigmas", or "timesteps" for DDPM; other streams' too) and each
+        sample's loss ("sample_losses"), in sample order; empty for an algorithm that notes none."""
+        row: dict[str, list[float]] = {}
+        for levels_by_key, losses in self.step_noise:
+            for key, levels in levels_by_key.items():
+                row.setdefault(key, []).extend(levels.detach().float().cpu().tolist())
+            row.setdefault("sample_losses", []).extend(losses.float().cpu().tolist())
+        self.step_noise = []
+        return row
+
     def noisy_inputs(self, batch: Batch) -> NoisyInputs:
         """Draw each clip's latent, noise level, noise and caption dropout from its visit's own generator."""
         seed, dropout = self.config.training.seed, self.config.data.caption_dropout
         generators = [visit_generator(seed, int(position)) for position in batch.positions]
         # Two experts routed per step (vidtune/models/experts.py): the levels of this step's expert, on every rank.
         objective = self.objective
+        tokens = self.spec.token_count(batch.latents[POSTERIOR_KEYS[0]].shape[1:])  # one bucket shape a batch
         if isinstance(objective, StepRouted):
-            objective = objective.for_step(self.state.step)
-        levels = torch.cat([objective.sample_noise_levels(1, g) for g in generators])
+            objective = objective.for_step(self.state.step, tokens)
+        levels = torch.cat([objective.sample_noise_levels(1, g, tokens) for g in generators])
         x0 = torch.cat([
             draw_latent({k: batch.latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
         ]).float()
@@ -348,11 +391,14 @@ class Trainer(ABC):
         if dropout > 0:
             drop = torch.tensor([float(torch.rand(1, generator=g)) < dropout for g in generators])
             conditions = self.apply_caption_dropout(conditions, drop)
-        # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout.
+        # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout, nor do the other
+        # streams' noise, drawn last from each visit's generator.
         conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS}}
-        return NoisyInputs(conditions, objective.noisy(x0, noise, levels),
+        stream_inputs, stream_levels = (self.spec.stream_noise(objective, batch.latents, generators)
+                                        if self.stream_noise_levels else ({}, {}))
+        return NoisyInputs({**conditions, **stream_inputs}, objective.noisy(x0, noise, levels),
                            objective.timesteps(levels).to(x0.device), objective.target(x0, noise, levels),
-                           levels, x0, noise)
+                           levels, x0, noise, stream_levels)
 
     def apply_caption_dropout(self, conditions: Conditions, drop: torch.Tensor) -> Conditions:
         if not bool(drop.any()):
@@ -437,8 +483,24 @@ class Trainer(ABC):
         check_activation_offload(memory.activation_offload, self.device)
         self.attention_backend = resolve_attention_backend(self.config.model.attention_backend, self.device)
         check_evaluation(self.config)
-        self.clips, self.eval_clips = hold_out(load_dataset(data, progress=self.show_progress), self.config)
+        clips = self.leave_out_silent(load_dataset(data, progress=self.show_progress))
+        self.clips, self.eval_clips = hold_out(clips, self.config)
         self.clip_infos = [clip.info for clip in self.clips]
+
+    def leave_out_silent(self, clips: list[Clip]) -> list[Clip]:
+        """The clips a run trains on: for a family that trains on sound with `model.clips_without_sound: leave-out`,
+        those with an audio track, with one line saying how many were left out; else all of them."""
+        if self.spec.audio_format() is None or self.config.model.clips_without_sound != "leave-out":
+            return clips
+        kept = [clip for clip in clips if has_sound(clip)]
+        if not kept:
+            raise ConfigError(f"model.clips_without_sound: leave-out leaves none of the {len(clips)} samples: none "
+                                "has an audio track.\nWhat to do: add clips with sound, or set "
+                                "model.clips_without_sound=video-only to train their video.")
+        if len(kept) < len(clips) and parallel.is_main():
+            print(f"{self.spec.name}: {len(clips) - len(kept)} of {len(clips)} samples have no audio track and are "
+                  "left out (model.clips_without_sound: leave-out).", flush=True)
+        return kept
 
     def prepare_output_dir(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -138,7 +138,9 @@ class GuidanceDistillation(Trainer):
         embedded = scales if self.config.distillation.guidance_range is not None else None
         denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
         prediction = self.predict(denoiser, inputs.conditions, noisy, inputs.timesteps, embedded)
-        return self.spec.per_clip_error((prediction - target).pow(2), inputs.conditions).sum()
+        per_clip = self.spec.per_clip_error((prediction - target).pow(2), inputs.conditions)
+        self.note_noise(inputs, per_clip)
+        return per_clip.sum()
 
 
 class GuidanceDistillationTrainer(GuidanceDistillation, LoRATrainer):

@@ -89,6 +89,7 @@ class StepDistillationTrainer(LoRATrainer):
     algorithm = "step-distillation"
     resume_fixed_keys = (*LoRATrainer.resume_fixed_keys, "distillation.student_steps", "distillation.teacher_steps",
                          "distillation.sigma_shift", "distillation.window_start")
+    stream_noise_levels = False  # the student learns sampling steps, where every stream follows the video's sigmas
 
     def __init__(self, config: Config) -> None:
         super().__init__(step_distillation_config(config))

@@ -18,7 +18,10 @@ LTX2Pipeline and LTX-2's audio processing:
         spectrogram of the sound: STFT magnitude (Hann window of 1024, hop `mel_hop_length`, centred), Slaney mel
         filterbank of `mel_bins` over 0 Hz to Nyquist, log(max(mel, 1e-5)); its first 4 L frames (silence where the
         sound is shorter), which the causal audio VAE encodes into L latent frames;
-    rotary positions: the transformer's own, from the latent grids and the frame rate.
+    rotary positions: the transformer's own, from the latent grids and the frame rate (`fps`, per sample);
+    frame_rate: each clip's own (`ModelSpec.clip_frame_rate`), for its positions and its sound's length L, as the
+        official trainer cuts a clip's sound to its frames / fps;
+    first-frame conditioning (`model.first_frame_conditioning`): see vidtune/models/first_frame.py.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from transformers import AutoTokenizer, Gemma3ForConditionalGeneration, Gemma4Un
 from vidtune.data.audio import AudioBatch, AudioFormat, log_mel_spectrogram
 from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule
+from vidtune.models import first_frame
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.ltx_video import vae_downsampling_steps
 from vidtune.models.spec import (
@@ -115,6 +119,9 @@ class LTX2Spec(ModelSpec):
     name = "ltx-2"
     control_input_layer = "proj_in"  # the video stream's Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0  # LTX2Pipeline's default
+    frame_rate_conditioned = True
+    # ltx-trainer's text-to-video strategy: `first_frame_conditioning_p` defaults to 0.1 (text_to_video.py).
+    first_frame_conditioning = 0.1
     defaults = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, source=(
         "LTX2Pipeline's defaults (512x768 at 24 fps, guidance 3); 121 frames: 5 s at 24 fps (the pipeline sets no "
         "frame count)"))
@@ -182,9 +189,10 @@ class LTX2Spec(ModelSpec):
         audio = self.load_config(AutoencoderKLLTX2Audio, "audio_vae")
         return audio["sample_rate"] / audio["mel_hop_length"] / float(AUDIO_LATENT_DOWNSAMPLING)
 
-    def audio_latent_length(self, frames: int) -> int:
-        """Audio latent frames of a clip of `frames` frames, as LTX2Pipeline computes them."""
-        return round(frames / self.frame_rate * self.audio_latents_per_second)
+    def audio_latent_length(self, frames: int, frame_rate: float | None = None) -> int:
+        """Audio latent frames of a clip of `frames` frames at `frame_rate` (default: `frame_rate`), as LTX2Pipeline
+        computes them."""
+        return round(frames / (frame_rate or self.frame_rate) * self.audio_latents_per_second)
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch, patch_t = self.compression
@@ -235,59 +243,63 @@ class LTX2Spec(ModelSpec):
     @torch.no_grad()
     def prepare_latents(self, vae: LTX2Autoencoders, videos: torch.Tensor, audio: AudioBatch | None = None) -> Latents:
         """The video posterior, the clip's audio latents and whether it has sound (`AUDIO_PRESENT`). `audio`: each
-        window's sound (`audio_format`); without it, or for a clip without a track, the latents of silence of the
-        clip's duration, marked absent."""
+        window's sound (`audio_format`) and the rate its frames play at, which sets the sound's length; without it, or
+        for a clip without a track, the latents of silence of the clip's duration, marked absent."""
         video_vae = vae.vae
         pixels = videos.to(device=video_vae.device, dtype=video_vae.dtype).permute(0, 2, 1, 3, 4)
         posterior = video_vae.encode(pixels).latent_dist
         mean_shift = video_vae.latents_mean.view(1, -1, 1, 1, 1).to(posterior.mean)
         scale = (video_vae.config.scaling_factor / video_vae.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
         batch, frames = videos.shape[:2]
-        audio_latents = self.silent_audio_latents(vae.audio_vae, frames).expand(batch, -1, -1).clone()
+        rate = audio.frame_rate if audio is not None else None
+        audio_latents = self.silent_audio_latents(vae.audio_vae, frames, rate).expand(batch, -1, -1).clone()
         present = torch.zeros(batch, 1)
         if audio is not None and bool(audio.present.any()):
             heard = audio.present.nonzero().flatten().tolist()  # silence is encoded once per length, not per clip
-            audio_latents[heard] = self.sound_latents(vae.audio_vae, audio.waveforms[heard], frames)
+            audio_latents[heard] = self.sound_latents(vae.audio_vae, audio.waveforms[heard], frames, rate)
             present[heard] = 1.0
         return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale,
                 AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device)}
 
-    def log_mel(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int) -> torch.Tensor:
+    def log_mel(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int,
+                frame_rate: float | None = None) -> torch.Tensor:
         """[B, channels, samples] at the audio VAE's rate -> LTX-2's log-mel spectrogram [B, channels, 4 L, mel bins]
         of a clip of `frames` frames: the frames the causal audio VAE encodes into the clip's L latent frames
         (trimmed, or padded with silence where the sound is shorter)."""
         config = audio_vae.config
         log_mel = log_mel_spectrogram(waveforms, config.sample_rate, N_FFT, config.mel_hop_length, config.mel_bins,
                                       floor=MEL_FLOOR)
-        wanted = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames)
+        wanted = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames, frame_rate)
         missing = wanted - log_mel.shape[2]
         if missing > 0:
             log_mel = torch.nn.functional.pad(log_mel, (0, 0, 0, missing), value=SILENT_LOG_MEL)
         return log_mel[:, :, :wanted]
 
-    def sound_latents(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int) -> torch.Tensor:
+    def sound_latents(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int,
+                      frame_rate: float | None = None) -> torch.Tensor:
         """[B, L, C * mel]: the audio VAE's normalised latents of each clip's sound."""
-        log_mel = self.log_mel(audio_vae, waveforms.to(audio_vae.device), frames)
+        log_mel = self.log_mel(audio_vae, waveforms.to(audio_vae.device), frames, frame_rate)
         return encode_log_mel(audio_vae, log_mel.to(audio_vae.dtype))
 
-    def silent_audio_latents(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
-        """[1, L, C * mel]: the audio VAE's normalised latents of silence lasting `frames` frames (once per length:
-        every clip of a shape shares them)."""
+    def silent_audio_latents(self, audio_vae: nn.Module, frames: int, frame_rate: float | None = None) -> torch.Tensor:
+        """[1, L, C * mel]: the audio VAE's normalised latents of silence lasting `frames` frames at `frame_rate` (once
+        per length: every clip of a shape and rate shares them)."""
         by_length = self._silence.setdefault(audio_vae, {})
-        if frames not in by_length:
-            by_length[frames] = encode_log_mel(audio_vae, self.silent_log_mel(audio_vae, frames))
-        return by_length[frames]
+        length = self.audio_latent_length(frames, frame_rate)
+        if length not in by_length:
+            by_length[length] = encode_log_mel(audio_vae, self.silent_log_mel(audio_vae, frames, frame_rate))
+        return by_length[length]
 
-    def silent_log_mel(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
+    def silent_log_mel(self, audio_vae: nn.Module, frames: int, frame_rate: float | None = None) -> torch.Tensor:
         """[1, channels, 4 L, mel bins] of silence: what `log_mel` gives for a silent clip of `frames` frames."""
         config = audio_vae.config
-        mel_frames = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames)
+        mel_frames = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames, frame_rate)
         return torch.full((1, config.in_channels, mel_frames, config.mel_bins), SILENT_LOG_MEL,
                           device=audio_vae.device, dtype=audio_vae.dtype)
 
     @functools.cached_property
     def _silence(self) -> weakref.WeakKeyDictionary[nn.Module, dict[int, torch.Tensor]]:
-        # Per audio VAE object (a reloaded VAE gets its own entries), per clip length.
+        # Per audio VAE object (a reloaded VAE gets its own entries), per audio latent length.
         return weakref.WeakKeyDictionary()
 
     def audio_noise(self, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -305,26 +317,36 @@ class LTX2Spec(ModelSpec):
         [B, L, C * mel], audio target). The audio is noised at the video's sigma (timestep / 1000), as
         LTX2Pipeline steps both with one schedule."""
         patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
-        _, _, frames, height, width = noisy_latents.shape
+        batch, _, frames, height, width = noisy_latents.shape
         clean_audio = conditions[AUDIO_LATENTS].float()
         sigmas = timesteps.detach().float().cpu() / 1000.0
         audio_noise = self.audio_noise(timesteps, clean_audio)
         noisy_audio = flow_matching_noisy(clean_audio, audio_noise, sigmas)
         timesteps = timesteps.to(noisy_latents.device)
         mask = conditions["prompt_attention_mask"]
+        noisy_latents, given = first_frame.give(noisy_latents, conditions)
+        tokens = LTX2Pipeline._pack_latents(noisy_latents, patch, patch_t)
+        # Timestep 0 on a given first frame's tokens (as LTX2ImageToVideoPipeline's `timestep * (1 - mask)`); the
+        # audio keeps the clip's.
+        video_timesteps = first_frame.token_timesteps(timesteps, given, (height // patch) * (width // patch),
+                                                      tokens.shape[1]) if bool(given.any()) else timesteps
+        rates = self.frame_rates(conditions, batch)
+        # One rate: a float, as the pipelines pass it; several: [B, 1, 1], dividing each sample's time coordinates.
+        fps = float(rates[0]) if bool((rates == rates[0]).all()) else rates.float().to(tokens.device).view(-1, 1, 1)
         video_prediction, audio_prediction = denoiser(
-            hidden_states=LTX2Pipeline._pack_latents(noisy_latents, patch, patch_t),
+            hidden_states=tokens,
             audio_hidden_states=noisy_audio.to(noisy_latents.dtype),
             encoder_hidden_states=conditions["prompt_embeds"],
             audio_encoder_hidden_states=conditions["audio_prompt_embeds"],
-            timestep=timesteps,
+            timestep=video_timesteps,
+            audio_timestep=timesteps,
             sigma=timesteps,
             encoder_attention_mask=mask,
             audio_encoder_attention_mask=mask,
             num_frames=frames // patch_t,
             height=height // patch,
             width=width // patch,
-            fps=self.frame_rate,
+            fps=fps,
             audio_num_frames=clean_audio.shape[1],
             use_cross_timestep=True,  # LTX2Pipeline's default
             return_dict=False,
@@ -348,6 +370,10 @@ class LTX2Spec(ModelSpec):
         audio_error = (audio.float() - audio_target).pow(2).flatten(1).mean(dim=1)
         heard = conditions[AUDIO_PRESENT].float().flatten().to(audio_error.device)
         return video_error + self.audio_loss_weight * heard * audio_error
+
+    def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """A first frame given clean (first-frame conditioning) is not predicted: it stays out of the loss."""
+        return first_frame.per_clip_error(squared_error, conditions)
 
     def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
         """Packed like the video latents, channels on the last dimension (as LTX-Video)."""

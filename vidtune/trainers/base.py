@@ -312,7 +312,8 @@ class Trainer(ABC):
             drop = torch.tensor([float(torch.rand(1, generator=g)) < dropout for g in generators])
             conditions = self.apply_caption_dropout(conditions, drop)
         # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout.
-        conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS}}
+        conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS},
+                      **self.spec.visit_conditions(x0, batch.positions, seed)}
         return NoisyInputs(conditions, objective.noisy(x0, noise, levels),
                            objective.timesteps(levels).to(x0.device), objective.target(x0, noise, levels),
                            levels, x0, noise)
@@ -396,6 +397,7 @@ class Trainer(ABC):
         check_activation_offload(memory.activation_offload, self.device)
         self.attention_backend = resolve_attention_backend(self.config.model.attention_backend, self.device)
         self.clips = load_dataset(data, progress=self.show_progress)
+        self.spec.check_frame_settings(self.config, self.clips)
         self.clip_infos = [clip.info for clip in self.clips]
 
     def prepare_output_dir(self) -> None:

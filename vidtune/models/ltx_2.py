@@ -36,6 +36,7 @@ from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     FlowMatchEulerDiscreteScheduler,
+    LTX2ImageToVideoPipeline,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
@@ -52,7 +53,7 @@ from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.models import first_frame
 from vidtune.models.defaults import FamilyDefaults
-from vidtune.models.ltx_video import vae_downsampling_steps
+from vidtune.models.ltx_video import frame_to_pil, vae_downsampling_steps
 from vidtune.models.spec import (
     Conditions,
     GeneratedSample,
@@ -402,7 +403,7 @@ class LTX2Spec(ModelSpec):
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: LTX2Autoencoders, denoiser: nn.Module) -> LTX2Pipeline:
-        return LTX2Pipeline(
+        return self.pipeline_class(
             scheduler=self.load_scheduler(), vae=vae.vae, audio_vae=vae.audio_vae, text_encoder=text["text_encoder"],
             tokenizer=text["tokenizer"], connectors=text["connectors"], transformer=denoiser, vocoder=vae.vocoder,
         )
@@ -422,15 +423,15 @@ class LTX2Spec(ModelSpec):
                          num_inference_steps: int, generator: torch.Generator,
                          reference: torch.Tensor | None = None) -> torch.Tensor:
         return self.generate_joint_latents(pipeline, prompt, frames, height, width, num_inference_steps,
-                                           generator)[0]
+                                           generator, reference)[0]
 
     def generate_joint_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                               num_inference_steps: int, generator: torch.Generator
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               num_inference_steps: int, generator: torch.Generator,
+                               reference: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Unguided sampling: (video latents [B, C, F, H, W], audio latents [B, L, C * mel]), normalised as training
         normalises them (LTX2Pipeline's `output_type="latent"` gives them denormalised)."""
         output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator,
-                                    "latent")
+                                    "latent", reference)
         vae, audio_vae = pipeline.vae, pipeline.audio_vae
         video = output.frames.float()
         shift = vae.latents_mean.view(1, -1, 1, 1, 1).to(video)
@@ -457,3 +458,26 @@ class LTX2Spec(ModelSpec):
         """Without guidance (scale 1) LTX2Pipeline's other guidances (spatio-temporal, modality, rescale, the
         audio's) are off too, so a step is one plain forward: what `generate_latents` compares with training."""
         return UNGUIDED if guidance_scale <= 1.0 else {}
+
+
+class LTX2ImageToVideoSpec(LTX2Spec):
+    """LTX-2 from a first frame, sampled with LTX2ImageToVideoPipeline (the image's latent clean, timestep 0 on its
+    tokens, the sound generated from noise beside it).
+
+    Trained as Lightricks' image-to-video recipe trains it (ltx-trainer configs/i2v_lora.yaml: a `first_frame`
+    condition of `probability: 0.5`): half the samples are given their first latent frame clean (timestep 0 on its
+    tokens, left out of the loss), the rest train as text-to-video; `model.first_frame_conditioning` sets the share.
+    The causal video VAE encodes the first frame into the first latent frame on its own, so the clip's first latent
+    frame is what the pipeline makes of the image."""
+
+    name = "ltx-2-i2v"
+    image_to_video = True
+    pipeline_class = LTX2ImageToVideoPipeline
+    first_frame_conditioning = 0.5  # ltx-trainer configs/i2v_lora.yaml: first_frame `probability: 0.5`
+
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
+        if reference is None:
+            raise ModelError(f"{self.name} samples from a clip's first frame: pass the clip as `reference` (validation "
+                             "uses the first dataset clip; `vidtune sample` takes --image).\nWhat to do: give the "
+                             "reference clip or image.")
+        return {"image": frame_to_pil(reference[0]), "frame_rate": self.frame_rate}

@@ -654,7 +654,8 @@ class Config(Section):
 
     @property
     def frame_rate(self) -> float:
-        """The frame rate the denoiser is conditioned on, in training and in sampling alike."""
+        """The frame rate samples are generated at; in training, the one the denoiser is told for clips without their
+        own (the LTX families tell each clip its own rate: `ModelSpec.clip_frame_rate`)."""
         return self.model.frame_rate or self.data.fps or 25.0
 
     def to_dict(self) -> dict[str, Any]:

@@ -146,3 +146,32 @@ def test_ltx2_refuses_batches_of_clips_at_several_rates_before_training(make_con
     # One rate for all (resampled) is fine.
     build_trainer(make_config("ltx-2", data_root=mixed_rates, training={"batch_size": 2},
                               data={"fps": 24})).check_inputs()
+
+
+@pytest.mark.parametrize("family", ["ltx-video", "ltx-2", "ltx-video-i2v"])
+def test_a_batch_of_two_rates_predicts_what_each_sample_alone_predicts(tiny_model_dir, family):
+    """The per-sample rate reaches the transformer's rotary embedding as it should: a batch at 24 and 30 fps gives
+    each sample what it gets alone, told its rate as the single float the pipelines pass."""
+    from vidtune.config import ModelConfig
+    from vidtune.models.registry import get_spec_class
+
+    spec = get_spec_class(family)(ModelConfig(name=family, pretrained=str(tiny_model_dir(family))), frame_rate=24.0)
+    cpu = torch.device("cpu")
+    text, vae, denoiser = spec.load_text_components(cpu), spec.load_vae(cpu), spec.load_denoiser(cpu)
+    videos = torch.rand(2, 9, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = spec.prepare_latents(vae, videos)
+    conditions = {**spec.prepare_conditions(text, ["a red circle", "a blue square"]),
+                  **{k: v for k, v in latents.items() if k not in ("latents_mean", "latents_std")},
+                  FRAME_RATE: torch.tensor([[24.0], [30.0]], dtype=torch.float64)}
+    noisy = torch.randn_like(latents["latents_mean"])
+    timesteps = torch.tensor([500.0, 500.0])
+    with torch.no_grad():
+        together = spec.forward(denoiser, conditions, noisy, timesteps)
+        alone = [spec.forward(denoiser, {k: v[i : i + 1] for k, v in conditions.items()}, noisy[i : i + 1],
+                              timesteps[i : i + 1]) for i in range(2)]
+        told_24 = spec.forward(denoiser, {**{k: v[1:] for k, v in conditions.items()},
+                                          FRAME_RATE: torch.tensor([[24.0]], dtype=torch.float64)},
+                               noisy[1:], timesteps[1:])
+    for i in range(2):
+        torch.testing.assert_close(together[i : i + 1], alone[i], atol=1e-5, rtol=1e-4)
+    assert (told_24 - alone[1]).abs().max() > 1e-4  # the rate matters

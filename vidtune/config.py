@@ -47,8 +47,24 @@ class ModelConfig(Section):
         None, gt=0, description="Tokens kept per caption; default: the family's own (LTX-Video 128, CogVideoX 226)."
     )
     frame_rate: float | None = Field(
-        None, gt=0, description="Frame rate the denoiser is told about; default: data.fps, else the family's "
-        "(docs/models.md)."
+        None, gt=0, description="Frame rate samples are generated at and written with; the denoiser is told it in "
+        "training for stills, clips that do not say their rate, and every clip with model.clip_frame_rate off; "
+        "default: data.fps, else the family's (docs/models.md)."
+    )
+    clip_frame_rate: bool = Field(
+        True,
+        description="LTX families (ltx-video, ltx-2 and their i2v): tell the denoiser each clip's own frame rate, "
+        "read from the file (data.fps when set: clips are resampled to it), as Lightricks' trainers do; LTX-2 "
+        "also cuts each clip's sound to frames / that rate. false: every clip is told model.frame_rate. Other "
+        "families take no frame rate.",
+    )
+    first_frame_conditioning: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="LTX families: the probability that a training sample is given its first latent frame clean "
+        "(timestep 0 there, left out of the loss), as image-to-video sampling gives it. Default: the family's "
+        "(ltx-video, ltx-2: 0.1; ltx-2-i2v: 0.5; ltx-video-i2v: 1; docs/models.md). Other families: unset.",
     )
     experts: Literal["both", "high_noise", "low_noise"] | None = Field(
         None,
@@ -690,7 +706,8 @@ class Config(Section):
 
     @property
     def frame_rate(self) -> float:
-        """The frame rate the denoiser is conditioned on, in training and in sampling alike."""
+        """The frame rate samples are generated at; in training, the one the denoiser is told for clips without their
+        own (the LTX families tell each clip its own rate: `ModelSpec.clip_frame_rate`)."""
         return self.model.frame_rate or self.data.fps or 25.0
 
     def to_dict(self) -> dict[str, Any]:

@@ -167,7 +167,7 @@ def test_stored_samples_halve_the_disk(config_for):
     sample = precompute(config_for(precompute={"store": "sample"}))
     assert counts(sample) == (0, 4, 4, 0)
     entry = sample.plan.cache.read("latents", sample.plan.latent_keys[0])
-    assert set(entry) == {"latents"}
+    assert set(entry) == {"latents", "frame_rate"}  # the drawn latent (no posterior), and the clip's rate (LTX)
     sizes = [plan.cache.path("latents", plan.latent_keys[0]).stat().st_size
              for plan in (posterior.plan, sample.plan)]
     assert sizes[1] < 0.6 * sizes[0]

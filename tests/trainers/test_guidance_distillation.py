@@ -61,8 +61,8 @@ def _held_out(trainer, count: int = 4, seed: int = 1234):
     levels = torch.rand(count, generator=g) * 0.9 + 0.05
     captions = held_out_captions(Path(trainer.config.data.root), count)
     conditions = trainer.spec.prepare_conditions(trainer.text, captions)
-    extra = {k: v.expand(count, *v.shape[1:]) for k, v in batch.latents.items() if k not in ("latents_mean",
-                                                                                            "latents_std")}
+    extra = {k: v[:1].expand(count, *v.shape[1:]) for k, v in batch.latents.items() if k not in ("latents_mean",
+                                                                                                "latents_std")}
     objective = trainer.objective
     return {**conditions, **extra}, objective.noisy(x0, noise, levels), objective.timesteps(levels)
 

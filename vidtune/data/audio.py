@@ -3,7 +3,8 @@ resampled to the model's rate and channels, and the log-mel spectrogram its audi
 
 Only specs that name an `AudioFormat` (`ModelSpec.audio_format`) get audio; every other family decodes none. The
 window's audio starts at the time of its first video frame and lasts as long as its frames at the frame rate they
-play at (the model's frame rate: `model.frame_rate`, else `data.fps`, which the frames are resampled to).
+play at (the rate the model is told for the clip: `data.fps`, which the frames are resampled to, else the clip's own
+rate, or `model.frame_rate`; see `ModelSpec.clip_frame_rate`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class AudioBatch:
 
     waveforms: torch.Tensor  # [B, channels, samples]; zeros where a clip has no audio track
     present: torch.Tensor  # [B] bool: which clips have an audio track
+    frame_rate: float | None = None  # the rate the windows' frames play at (None: the model's `frame_rate`)
 
     @classmethod
     def stack(cls, items: Sequence[ClipAudio]) -> AudioBatch:
@@ -82,7 +84,7 @@ class AudioBatch:
                    torch.tensor([item.present for item in items], dtype=torch.bool))
 
     def select(self, picks: list[int] | slice) -> AudioBatch:
-        return AudioBatch(self.waveforms[picks], self.present[picks])
+        return AudioBatch(self.waveforms[picks], self.present[picks], self.frame_rate)
 
 
 def decode_audio(path: str | os.PathLike[str], num_frames: int, start: int, audio: AudioFormat) -> np.ndarray | None:

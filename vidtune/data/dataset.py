@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,9 @@ Key = tuple[int, int, int]  # (stream position, sample index, bucket): see vidtu
 class VideoCaptionDataset(Dataset):
     """At a key, yields {"video": float32 [F, 3, H, W] in [-1, 1] of the sample's bucket, "caption": str,
     "index": int, "position": int}, and with `audio` (a family that hears its clips) the window's sound: "audio"
-    float32 [channels, samples] (silence without a track) and "audio_present". The window's start is drawn per
+    float32 [channels, samples] (silence without a track) and "audio_present", and with `frame_rates` (a family that
+    tells its denoiser the rate) the sample's "frame_rate", which also sets how long its sound lasts. The window's
+    start is drawn per
     visit (`data.frame_sampling`) from the position's own generator, so it is the same whatever worker decodes it,
     and after a resume.
 
@@ -33,7 +36,7 @@ class VideoCaptionDataset(Dataset):
     def __init__(self, clips: Sequence[Clip], shapes: Sequence[Shape], fps: float | None = None,
                  resize: str = "crop", frame_sampling: str = "start", seed: int = 0,
                  processor: ProcessorChoice | None = None, store: FrameStore | None = None,
-                 audio: AudioFormat | None = None) -> None:
+                 audio: AudioFormat | None = None, frame_rates: Sequence[float | None] | None = None) -> None:
         self.clips = list(clips)
         self.shapes = list(shapes)
         self.fps = fps
@@ -43,6 +46,7 @@ class VideoCaptionDataset(Dataset):
         self.processor = processor  # control training: the control clip computed from the clip
         self.store = store  # decoded windows kept for later visits (data.frame_store_mib)
         self.audio = audio  # the sound's format, for a family that trains on it (None: no sound decoded)
+        self.frame_rates = None if frame_rates is None else list(frame_rates)  # per sample, in `clips` order
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -56,8 +60,13 @@ class VideoCaptionDataset(Dataset):
             start = visit_start(clip.info, frames, self.fps, self.frame_sampling, self.seed, position)
         item = {"video": self.read(clip, clip.video, frames, height, width, start), "caption": clip.caption,
                 "index": clip.index, "position": position, "bucket": bucket, "start": start}
-        if self.audio is not None:
-            item["audio"], item["audio_present"] = self.read_audio(clip, frames, start, self.audio)
+        audio = self.audio
+        rate = None if self.frame_rates is None else self.frame_rates[index]
+        if rate is not None:
+            item["frame_rate"] = rate
+            audio = None if audio is None else replace(audio, frame_rate=rate)
+        if audio is not None:
+            item["audio"], item["audio_present"] = self.read_audio(clip, frames, start, audio)
         if self.processor is not None:
             item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), item["video"])
         elif clip.control is not None:  # control training: the same window of the control clip
@@ -102,6 +111,8 @@ def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if "audio" in batch[0]:
         extras["audio"] = torch.stack([item["audio"] for item in batch])
         extras["audio_present"] = torch.tensor([item["audio_present"] for item in batch], dtype=torch.bool)
+    if "frame_rate" in batch[0]:
+        extras["frame_rate"] = torch.tensor([item["frame_rate"] for item in batch], dtype=torch.float64)
     return {
         **extras,
         "video": torch.stack([item["video"] for item in batch]),

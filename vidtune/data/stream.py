@@ -38,7 +38,7 @@ from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.encoded_store import EncodedStore
 from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import Clip
-from vidtune.models.spec import CONTROL_LATENTS, Conditions, Latents, ModelSpec, TextComponents
+from vidtune.models.spec import CONTROL_LATENTS, FRAME_RATE, Conditions, Latents, ModelSpec, TextComponents
 from vidtune.precompute import CachedClips, collate_cached, encode_captions, encode_videos, stack_items
 from vidtune.processors import configured_processor
 
@@ -130,9 +130,10 @@ class EncodedBatches(BatchSource):
 
     def loader(self, sampler: ScheduleSampler) -> DataLoader:
         data = self.config.data
+        rates = [self.spec.clip_frame_rate(clip, data.fps) for clip in self.clips]
         dataset = VideoCaptionDataset(self.clips, data.bucket_shapes(), data.fps, data.resize, data.frame_sampling,
                                       self.config.training.seed, configured_processor(self.config), self.store,
-                                      self.spec.audio_format())
+                                      self.spec.audio_format(), rates if any(r is not None for r in rates) else None)
         return DataLoader(
             dataset,
             batch_sampler=sampler,
@@ -151,15 +152,26 @@ class EncodedBatches(BatchSource):
             return encode_captions(self.spec, self.text, chosen, batch_size=len(picks), device="cpu")
 
         def encode_windows_at(picks: list[int]) -> list[Latents]:
-            audio = AudioBatch(raw["audio"], raw["audio_present"]).select(picks) if "audio" in raw else None
-            latents = encode_videos(self.spec, self.vae, raw["video"][picks], batch_size=len(picks), device="cpu",
-                                    audio=audio)
-            if "control" in raw:  # control training: the control clips' latents, from the same VAE
-                controls = encode_videos(self.spec, self.vae, raw["control"][picks], batch_size=len(picks),
-                                         device="cpu")
-                latents = [{**item, CONTROL_LATENTS: control["latents_mean"]}
-                           for item, control in zip(latents, controls, strict=True)]
-            return latents
+            # Windows of one frame rate at a time: the rate sets how long a window's sound lasts (a family whose
+            # sound follows the rate never batches clips of several rates: `ModelSpec.check_frame_settings`).
+            rates = raw.get("frame_rate")
+            by_rate: dict[float | None, list[int]] = {}
+            for pick in picks:
+                by_rate.setdefault(None if rates is None else float(rates[pick]), []).append(pick)
+            encoded: dict[int, Latents] = {}
+            for rate, chosen in by_rate.items():
+                audio = AudioBatch(raw["audio"], raw["audio_present"], rate).select(chosen) if "audio" in raw else None
+                latents = encode_videos(self.spec, self.vae, raw["video"][chosen], batch_size=len(chosen),
+                                        device="cpu", audio=audio)
+                if "control" in raw:  # control training: the control clips' latents, from the same VAE
+                    controls = encode_videos(self.spec, self.vae, raw["control"][chosen], batch_size=len(chosen),
+                                             device="cpu")
+                    latents = [{**item, CONTROL_LATENTS: control["latents_mean"]}
+                               for item, control in zip(latents, controls, strict=True)]
+                if rate is not None:  # each sample's rate goes beside its latents, as the cache stores it
+                    latents = [{**item, FRAME_RATE: torch.tensor([rate], dtype=torch.float64)} for item in latents]
+                encoded.update(zip(chosen, latents, strict=True))
+            return [encoded[pick] for pick in picks]
 
         # A window is its clip, bucket and start frame: the same frames (and sound), so the same posterior, at every
         # visit.

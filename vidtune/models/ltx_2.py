@@ -19,7 +19,10 @@ only, as ltx-trainer's video-only runs: the video stream does not attend to the 
         spectrogram of the sound: STFT magnitude (Hann window of 1024, hop `mel_hop_length`, centred), Slaney mel
         filterbank of `mel_bins` over 0 Hz to Nyquist, log(max(mel, 1e-5)); its first 4 L frames (silence where the
         sound is shorter), which the causal audio VAE encodes into L latent frames;
-    rotary positions: the transformer's own, from the latent grids and the frame rate.
+    rotary positions: the transformer's own, from the latent grids and the frame rate (`fps`, per sample);
+    frame_rate: each clip's own (`ModelSpec.clip_frame_rate`), for its positions and its sound's length L, as the
+        official trainer cuts a clip's sound to its frames / fps;
+    first-frame conditioning (`model.first_frame_conditioning`): see vidtune/models/first_frame.py.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     FlowMatchEulerDiscreteScheduler,
+    LTX2ImageToVideoPipeline,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
@@ -49,8 +53,9 @@ from vidtune.data.audio import AudioBatch, AudioFormat, log_mel_spectrogram
 from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
+from vidtune.models import first_frame
 from vidtune.models.defaults import FamilyDefaults
-from vidtune.models.ltx_video import vae_downsampling_steps
+from vidtune.models.ltx_video import frame_to_pil, vae_downsampling_steps
 from vidtune.models.spec import (
     Conditions,
     GeneratedSample,
@@ -120,6 +125,9 @@ class LTX2Spec(ModelSpec):
     name = "ltx-2"
     control_input_layer = "proj_in"  # the video stream's Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0  # LTX2Pipeline's default
+    frame_rate_conditioned = True
+    # ltx-trainer's text-to-video strategy: `first_frame_conditioning_p` defaults to 0.1 (text_to_video.py).
+    first_frame_conditioning = 0.1
     defaults = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, source=(
         "LTX2Pipeline's defaults (512x768 at 24 fps, guidance 3); 121 frames: 5 s at 24 fps (the pipeline sets no "
         "frame count)"), sigma_sampling="token_shifted_logit_normal", sigma_stretch=True, sigma_uniform_fraction=0.1,
@@ -191,9 +199,10 @@ class LTX2Spec(ModelSpec):
         audio = self.load_config(AutoencoderKLLTX2Audio, "audio_vae")
         return audio["sample_rate"] / audio["mel_hop_length"] / float(AUDIO_LATENT_DOWNSAMPLING)
 
-    def audio_latent_length(self, frames: int) -> int:
-        """Audio latent frames of a clip of `frames` frames, as LTX2Pipeline computes them."""
-        return round(frames / self.frame_rate * self.audio_latents_per_second)
+    def audio_latent_length(self, frames: int, frame_rate: float | None = None) -> int:
+        """Audio latent frames of a clip of `frames` frames at `frame_rate` (default: `frame_rate`), as LTX2Pipeline
+        computes them."""
+        return round(frames / (frame_rate or self.frame_rate) * self.audio_latents_per_second)
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch, patch_t = self.compression
@@ -244,59 +253,63 @@ class LTX2Spec(ModelSpec):
     @torch.no_grad()
     def prepare_latents(self, vae: LTX2Autoencoders, videos: torch.Tensor, audio: AudioBatch | None = None) -> Latents:
         """The video posterior, the clip's audio latents and whether it has sound (`AUDIO_PRESENT`). `audio`: each
-        window's sound (`audio_format`); without it, or for a clip without a track, the latents of silence of the
-        clip's duration, marked absent."""
+        window's sound (`audio_format`) and the rate its frames play at, which sets the sound's length; without it, or
+        for a clip without a track, the latents of silence of the clip's duration, marked absent."""
         video_vae = vae.vae
         pixels = videos.to(device=video_vae.device, dtype=video_vae.dtype).permute(0, 2, 1, 3, 4)
         posterior = video_vae.encode(pixels).latent_dist
         mean_shift = video_vae.latents_mean.view(1, -1, 1, 1, 1).to(posterior.mean)
         scale = (video_vae.config.scaling_factor / video_vae.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
         batch, frames = videos.shape[:2]
-        audio_latents = self.silent_audio_latents(vae.audio_vae, frames).expand(batch, -1, -1).clone()
+        rate = audio.frame_rate if audio is not None else None
+        audio_latents = self.silent_audio_latents(vae.audio_vae, frames, rate).expand(batch, -1, -1).clone()
         present = torch.zeros(batch, 1)
         if audio is not None and bool(audio.present.any()):
             heard = audio.present.nonzero().flatten().tolist()  # silence is encoded once per length, not per clip
-            audio_latents[heard] = self.sound_latents(vae.audio_vae, audio.waveforms[heard], frames)
+            audio_latents[heard] = self.sound_latents(vae.audio_vae, audio.waveforms[heard], frames, rate)
             present[heard] = 1.0
         return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale,
                 AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device)}
 
-    def log_mel(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int) -> torch.Tensor:
+    def log_mel(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int,
+                frame_rate: float | None = None) -> torch.Tensor:
         """[B, channels, samples] at the audio VAE's rate -> LTX-2's log-mel spectrogram [B, channels, 4 L, mel bins]
         of a clip of `frames` frames: the frames the causal audio VAE encodes into the clip's L latent frames
         (trimmed, or padded with silence where the sound is shorter)."""
         config = audio_vae.config
         log_mel = log_mel_spectrogram(waveforms, config.sample_rate, N_FFT, config.mel_hop_length, config.mel_bins,
                                       floor=MEL_FLOOR)
-        wanted = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames)
+        wanted = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames, frame_rate)
         missing = wanted - log_mel.shape[2]
         if missing > 0:
             log_mel = torch.nn.functional.pad(log_mel, (0, 0, 0, missing), value=SILENT_LOG_MEL)
         return log_mel[:, :, :wanted]
 
-    def sound_latents(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int) -> torch.Tensor:
+    def sound_latents(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int,
+                      frame_rate: float | None = None) -> torch.Tensor:
         """[B, L, C * mel]: the audio VAE's normalised latents of each clip's sound."""
-        log_mel = self.log_mel(audio_vae, waveforms.to(audio_vae.device), frames)
+        log_mel = self.log_mel(audio_vae, waveforms.to(audio_vae.device), frames, frame_rate)
         return encode_log_mel(audio_vae, log_mel.to(audio_vae.dtype))
 
-    def silent_audio_latents(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
-        """[1, L, C * mel]: the audio VAE's normalised latents of silence lasting `frames` frames (once per length:
-        every clip of a shape shares them)."""
+    def silent_audio_latents(self, audio_vae: nn.Module, frames: int, frame_rate: float | None = None) -> torch.Tensor:
+        """[1, L, C * mel]: the audio VAE's normalised latents of silence lasting `frames` frames at `frame_rate` (once
+        per length: every clip of a shape and rate shares them)."""
         by_length = self._silence.setdefault(audio_vae, {})
-        if frames not in by_length:
-            by_length[frames] = encode_log_mel(audio_vae, self.silent_log_mel(audio_vae, frames))
-        return by_length[frames]
+        length = self.audio_latent_length(frames, frame_rate)
+        if length not in by_length:
+            by_length[length] = encode_log_mel(audio_vae, self.silent_log_mel(audio_vae, frames, frame_rate))
+        return by_length[length]
 
-    def silent_log_mel(self, audio_vae: nn.Module, frames: int) -> torch.Tensor:
+    def silent_log_mel(self, audio_vae: nn.Module, frames: int, frame_rate: float | None = None) -> torch.Tensor:
         """[1, channels, 4 L, mel bins] of silence: what `log_mel` gives for a silent clip of `frames` frames."""
         config = audio_vae.config
-        mel_frames = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames)
+        mel_frames = AUDIO_LATENT_DOWNSAMPLING * self.audio_latent_length(frames, frame_rate)
         return torch.full((1, config.in_channels, mel_frames, config.mel_bins), SILENT_LOG_MEL,
                           device=audio_vae.device, dtype=audio_vae.dtype)
 
     @functools.cached_property
     def _silence(self) -> weakref.WeakKeyDictionary[nn.Module, dict[int, torch.Tensor]]:
-        # Per audio VAE object (a reloaded VAE gets its own entries), per clip length.
+        # Per audio VAE object (a reloaded VAE gets its own entries), per audio latent length.
         return weakref.WeakKeyDictionary()
 
     def audio_noise(self, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -340,7 +353,7 @@ class LTX2Spec(ModelSpec):
         timestep, as LTX2Pipeline steps both streams with one schedule. `isolated`: neither stream attends to the
         other (a clip without sound trains the video alone)."""
         patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
-        _, _, frames, height, width = noisy_latents.shape
+        batch, _, frames, height, width = noisy_latents.shape
         clean_audio = conditions[AUDIO_LATENTS].float()
         if AUDIO_SIGMAS in conditions:
             audio_sigmas = conditions[AUDIO_SIGMAS].detach().float().cpu()
@@ -352,12 +365,21 @@ class LTX2Spec(ModelSpec):
         timesteps = timesteps.to(noisy_latents.device)
         audio_timesteps = (audio_sigmas * NUM_TRAIN_TIMESTEPS).to(timesteps)
         mask = conditions["prompt_attention_mask"]
+        noisy_latents, given = first_frame.give(noisy_latents, conditions)
+        tokens = LTX2Pipeline._pack_latents(noisy_latents, patch, patch_t)
+        # Timestep 0 on a given first frame's tokens (as LTX2ImageToVideoPipeline's `timestep * (1 - mask)`); the
+        # audio keeps the clip's.
+        video_timesteps = first_frame.token_timesteps(timesteps, given, (height // patch) * (width // patch),
+                                                      tokens.shape[1]) if bool(given.any()) else timesteps
+        rates = self.frame_rates(conditions, batch)
+        # One rate: a float, as the pipelines pass it; several: [B, 1, 1], dividing each sample's time coordinates.
+        fps = float(rates[0]) if bool((rates == rates[0]).all()) else rates.float().to(tokens.device).view(-1, 1, 1)
         video_prediction, audio_prediction = denoiser(
-            hidden_states=LTX2Pipeline._pack_latents(noisy_latents, patch, patch_t),
+            hidden_states=tokens,
             audio_hidden_states=noisy_audio.to(noisy_latents.dtype),
             encoder_hidden_states=conditions["prompt_embeds"],
             audio_encoder_hidden_states=conditions["audio_prompt_embeds"],
-            timestep=timesteps,
+            timestep=video_timesteps,
             audio_timestep=audio_timesteps,
             sigma=timesteps,
             audio_sigma=audio_timesteps,
@@ -366,7 +388,7 @@ class LTX2Spec(ModelSpec):
             num_frames=frames // patch_t,
             height=height // patch,
             width=width // patch,
-            fps=self.frame_rate,
+            fps=fps,
             audio_num_frames=clean_audio.shape[1],
             isolate_modalities=isolated,
             use_cross_timestep=True,  # LTX2Pipeline's default
@@ -409,6 +431,10 @@ class LTX2Spec(ModelSpec):
         heard = self.heard(conditions, video.shape[0]).float().to(audio_error.device)
         return video_error + self.audio_loss_weight * heard * audio_error
 
+    def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """A first frame given clean (first-frame conditioning) is not predicted: it stays out of the loss."""
+        return first_frame.per_clip_error(squared_error, conditions)
+
     def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
         """Packed like the video latents, channels on the last dimension (as LTX-Video)."""
         config = denoiser.config
@@ -439,7 +465,7 @@ class LTX2Spec(ModelSpec):
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: LTX2Autoencoders, denoiser: nn.Module) -> LTX2Pipeline:
-        return LTX2Pipeline(
+        return self.pipeline_class(
             scheduler=self.load_scheduler(), vae=vae.vae, audio_vae=vae.audio_vae, text_encoder=text["text_encoder"],
             tokenizer=text["tokenizer"], connectors=text["connectors"], transformer=denoiser, vocoder=vae.vocoder,
         )
@@ -459,15 +485,15 @@ class LTX2Spec(ModelSpec):
                          num_inference_steps: int, generator: torch.Generator,
                          reference: torch.Tensor | None = None) -> torch.Tensor:
         return self.generate_joint_latents(pipeline, prompt, frames, height, width, num_inference_steps,
-                                           generator)[0]
+                                           generator, reference)[0]
 
     def generate_joint_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                               num_inference_steps: int, generator: torch.Generator
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+                               num_inference_steps: int, generator: torch.Generator,
+                               reference: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Unguided sampling: (video latents [B, C, F, H, W], audio latents [B, L, C * mel]), normalised as training
         normalises them (LTX2Pipeline's `output_type="latent"` gives them denormalised)."""
         output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator,
-                                    "latent")
+                                    "latent", reference)
         vae, audio_vae = pipeline.vae, pipeline.audio_vae
         video = output.frames.float()
         shift = vae.latents_mean.view(1, -1, 1, 1, 1).to(video)
@@ -494,3 +520,26 @@ class LTX2Spec(ModelSpec):
         """Without guidance (scale 1) LTX2Pipeline's other guidances (spatio-temporal, modality, rescale, the
         audio's) are off too, so a step is one plain forward: what `generate_latents` compares with training."""
         return UNGUIDED if guidance_scale <= 1.0 else {}
+
+
+class LTX2ImageToVideoSpec(LTX2Spec):
+    """LTX-2 from a first frame, sampled with LTX2ImageToVideoPipeline (the image's latent clean, timestep 0 on its
+    tokens, the sound generated from noise beside it).
+
+    Trained as Lightricks' image-to-video recipe trains it (ltx-trainer configs/i2v_lora.yaml: a `first_frame`
+    condition of `probability: 0.5`): half the samples are given their first latent frame clean (timestep 0 on its
+    tokens, left out of the loss), the rest train as text-to-video; `model.first_frame_conditioning` sets the share.
+    The causal video VAE encodes the first frame into the first latent frame on its own, so the clip's first latent
+    frame is what the pipeline makes of the image."""
+
+    name = "ltx-2-i2v"
+    image_to_video = True
+    pipeline_class = LTX2ImageToVideoPipeline
+    first_frame_conditioning = 0.5  # ltx-trainer configs/i2v_lora.yaml: first_frame `probability: 0.5`
+
+    def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
+        if reference is None:
+            raise ModelError(f"{self.name} samples from a clip's first frame: pass the clip as `reference` (validation "
+                             "uses the first dataset clip; `vidtune sample` takes --image).\nWhat to do: give the "
+                             "reference clip or image.")
+        return {"image": frame_to_pil(reference[0]), "frame_rate": self.frame_rate}

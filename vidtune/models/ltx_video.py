@@ -24,6 +24,7 @@ from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
+from vidtune.models import first_frame
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.spec import (
     Conditions,
@@ -54,6 +55,8 @@ class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
     control_input_layer = "proj_in"  # Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0
+    frame_rate_conditioned = True
+    first_frame_conditioning = 0.1  # LTX-Video-Trainer configs/ltxv_2b_lora.yaml: first_frame_conditioning_p
     defaults = FamilyDefaults(frames=49, height=512, width=768, fps=25.0, source=(
         "finetrainers' LTX-Video LoRA recipe (49x512x768); LTXPipeline's frame_rate and guidance"),
         sigma_sampling="token_shifted_logit_normal", noise_source=(
@@ -112,10 +115,16 @@ class LTXVideoSpec(ModelSpec):
         # The pipeline decodes latents * std / scaling + mean; normalise so that inverts it.
         return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale}
 
-    def rope_interpolation_scale(self) -> tuple[float, float, float]:
-        """The scale LTXPipeline passes at inference; training with another one builds an unusable model."""
+    def rope_interpolation_scale(self, frame_rates: torch.Tensor | None = None) -> tuple[Any, float, float]:
+        """The scale LTXPipeline passes at inference (VAE temporal ratio / frame rate, spatial ratio twice); training
+        with another one builds an unusable model. `frame_rates` [B]: each sample's own rate (one rate: a float, as
+        the pipeline passes it; several: a [B, 1, 1, 1, 1] tensor, which the rotary embedding multiplies its frame
+        coordinates [B, 1, F, H, W] by)."""
         spatial, temporal, _, _ = self.compression
-        return (temporal / self.frame_rate, spatial, spatial)
+        if frame_rates is None or bool((frame_rates == frame_rates[0]).all()):
+            rate = self.frame_rate if frame_rates is None else float(frame_rates[0])
+            return (temporal / rate, spatial, spatial)
+        return ((temporal / frame_rates.float()).view(-1, 1, 1, 1, 1), spatial, spatial)
 
     def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
         """Packed like the latents ([B, tokens, C * patch volume], channels most significant): appended on the
@@ -128,8 +137,12 @@ class LTXVideoSpec(ModelSpec):
     ) -> torch.Tensor:
         patch = denoiser.config.patch_size
         patch_t = denoiser.config.patch_size_t
-        _, _, frames, height, width = noisy_latents.shape
+        batch, _, frames, height, width = noisy_latents.shape
+        noisy_latents, given = first_frame.give(noisy_latents, conditions)
         packed = LTXPipeline._pack_latents(noisy_latents, patch, patch_t)
+        if bool(given.any()):  # timestep 0 on the given first frame's tokens (tokens run frame by frame)
+            timesteps = first_frame.token_timesteps(timesteps, given, (height // patch) * (width // patch),
+                                                    packed.shape[1])
         prediction = denoiser(
             hidden_states=packed,
             encoder_hidden_states=conditions["prompt_embeds"],
@@ -138,12 +151,16 @@ class LTXVideoSpec(ModelSpec):
             num_frames=frames // patch_t,
             height=height // patch,
             width=width // patch,
-            rope_interpolation_scale=self.rope_interpolation_scale(),
+            rope_interpolation_scale=self.rope_interpolation_scale(self.frame_rates(conditions, batch)),
             return_dict=False,
         )[0]
         return LTXPipeline._unpack_latents(
             prediction, frames // patch_t, height // patch, width // patch, patch, patch_t
         )
+
+    def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """A first frame given clean (first-frame conditioning) is not predicted: it stays out of the loss."""
+        return first_frame.per_clip_error(squared_error, conditions)
 
     # ----- ComfyUI ------------------------------------------------------------------------------------
     def comfyui_lora_rules(self) -> list[Rule]:
@@ -205,6 +222,8 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
     name = "ltx-video-i2v"
     image_to_video = True
     pipeline_class = LTXConditionPipeline
+    # Every sample conditioned, unless `model.first_frame_conditioning` says otherwise (first frame only, then).
+    first_frame_conditioning = 1.0
 
     # ----- which pipeline, and the condition frames -------------------------------------------------------------
     @functools.cached_property
@@ -237,6 +256,10 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         if outside and frames > 1:  # a still trains unconditioned
             problems.append(f"model.condition_frames={chosen}: frame(s) {outside} lie outside the {frames} frames of "
                             f"a clip (data.frames); use frames 0 to {frames - 1}")
+        if chosen != [0] and self.first_frame_probability < 1:
+            problems.append(f"model.condition_frames={chosen} with model.first_frame_conditioning="
+                            f"{self.first_frame_probability:g}: a share of unconditioned samples works with the "
+                            "first frame only; set model.condition_frames to [0], or first_frame_conditioning to 1")
         if chosen != [0] and not self.uses_condition_pipeline:
             problems.append(
                 f"model.condition_frames={chosen}: the model at {self.config.pretrained} samples with "
@@ -250,6 +273,23 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
 
     def latent_identity(self) -> dict[str, Any]:
         return {**super().latent_identity(), "condition_frames": self.condition_frames}
+
+    def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
+        """Which samples are conditioned, when `model.first_frame_conditioning` is below 1 (else all are); the
+        condition is the first frame encoded alone (`condition_latents`), as the pipelines encode the image."""
+        probability = self.first_frame_probability
+        if probability >= 1:
+            return {}
+        return {first_frame.GIVEN: first_frame.draw(probability, x0, positions, seed)[first_frame.GIVEN]}
+
+    def first_frame_given(self, conditions: Conditions, batch: int, frames: int, device: torch.device
+                          ) -> torch.Tensor:
+        """[B] float: 1.0 where a sample's first latent frame is its condition (every sample without a draw)."""
+        if 0 not in self.frames_given(frames):
+            return torch.zeros(batch, device=device)
+        if first_frame.GIVEN not in conditions:
+            return torch.ones(batch, device=device)
+        return first_frame.given_mask(conditions, batch, device)
 
     # ----- tensors ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -279,8 +319,11 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         frame_mask = noisy_latents.new_zeros(batch, frames)
         if 0 in order:
             first = order.index(0)
-            noisy_latents = torch.cat([condition[:, :, first : first + 1], noisy_latents[:, :, 1:]], dim=2)
-            frame_mask[:, 0] = 1.0
+            given = self.first_frame_given(conditions, batch, frames, noisy_latents.device).to(noisy_latents.dtype)
+            chosen = given.view(-1, 1, 1, 1, 1)
+            start = chosen * condition[:, :, first : first + 1] + (1.0 - chosen) * noisy_latents[:, :, :1]
+            noisy_latents = torch.cat([start, noisy_latents[:, :, 1:]], dim=2)
+            frame_mask[:, 0] = given
         tokens = LTXPipeline._pack_latents(noisy_latents, patch, patch_t)
         # One mask value per token (tokens run frame by frame), as the pipelines gather it.
         token_mask = frame_mask[:, :: patch_t].repeat_interleave((height // patch) * (width // patch), dim=1)
@@ -290,7 +333,8 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         mask = torch.cat([*(token_mask.new_ones(part.shape[:2]) for part in extra), token_mask], dim=1)
         # Timestep 0 on the clean tokens (the pipelines' min(t, (1 - mask) * 1000)).
         per_token = torch.minimum(timesteps.to(mask)[:, None], (1.0 - mask) * 1000.0)
-        position = self.rotary_inputs(batch, frames, height, width, patch, patch_t, inputs.device)
+        position = self.rotary_inputs(batch, frames, height, width, patch, patch_t, inputs.device,
+                                      self.frame_rates(conditions, batch))
         prediction = denoiser(
             hidden_states=inputs,
             encoder_hidden_states=conditions["prompt_embeds"],
@@ -308,12 +352,12 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         )
 
     def rotary_inputs(self, batch: int, frames: int, height: int, width: int, patch: int, patch_t: int,
-                      device: torch.device) -> dict[str, Any]:
+                      device: torch.device, frame_rates: torch.Tensor) -> dict[str, Any]:
         """Where each token sits, as the sampling pipeline tells the transformer: LTXConditionPipeline's
-        `video_coords` (the keyframes' tokens first, at their frames), or LTXImageToVideoPipeline's
-        `rope_interpolation_scale`."""
+        `video_coords` (the keyframes' tokens first, at their frames; seconds: frame / each sample's rate), or
+        LTXImageToVideoPipeline's `rope_interpolation_scale`."""
         if not self.uses_condition_pipeline:
-            return {"rope_interpolation_scale": self.rope_interpolation_scale()}
+            return {"rope_interpolation_scale": self.rope_interpolation_scale(frame_rates)}
         spatial, temporal, _, _ = self.compression
 
         def coords(count: int, frame_index: int) -> torch.Tensor:
@@ -321,7 +365,7 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
             return LTXConditionPipeline._scale_video_ids(ids, spatial, temporal, frame_index)
 
         video_coords = torch.cat([*(coords(1, k) for k in self.keyframes(frames)), coords(frames, 0)], dim=2).float()
-        video_coords[:, 0] = video_coords[:, 0] * (1.0 / self.frame_rate)
+        video_coords[:, 0] = video_coords[:, 0] / frame_rates.float().to(device).view(-1, 1)
         return {"video_coords": video_coords}
 
     def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
@@ -333,10 +377,13 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         return torch.cat([packed.new_zeros(packed.shape[0], extra, packed.shape[2]), packed], dim=1), dim
 
     def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
-        """The clean first latent frame is given, not predicted: it stays out of the loss."""
-        if 0 in self.frames_given(squared_error.shape[2]):
-            squared_error = squared_error[:, :, 1:]
-        return squared_error.flatten(1).mean(dim=1)
+        """The clean first latent frame is given, not predicted: it stays out of the loss (where it is given)."""
+        batch, frames = squared_error.shape[0], squared_error.shape[2]
+        given = self.first_frame_given(conditions, batch, frames, squared_error.device)
+        whole = squared_error.flatten(1).mean(dim=1)
+        if not bool(given.any()):
+            return whole
+        return torch.where(given > 0, squared_error[:, :, 1:].flatten(1).mean(dim=1), whole)
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

@@ -17,6 +17,7 @@ SPECS: dict[str, str] = {
     "ltx-video": "vidtune.models.ltx_video:LTXVideoSpec",
     "ltx-video-i2v": "vidtune.models.ltx_video:LTXVideoImageToVideoSpec",
     "ltx-2": "vidtune.models.ltx_2:LTX2Spec",
+    "ltx-2-i2v": "vidtune.models.ltx_2:LTX2ImageToVideoSpec",
     "cogvideox": "vidtune.models.cogvideox:CogVideoXSpec",
     "cogvideox-i2v": "vidtune.models.cogvideox:CogVideoXI2VSpec",
     "mochi": "vidtune.models.mochi:MochiSpec",

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 
 from vidtune.config import Config, DType, ModelConfig, TrainingConfig
 from vidtune.data.audio import AudioFormat
+from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel
@@ -57,6 +58,9 @@ ALL_LINEAR = "all-linear"
 POSTERIOR_KEYS = ("latents_mean", "latents_std")
 # Control training: the key of a batch's control latents (the control clips' posterior means, [B, C, F, H, W]).
 CONTROL_LATENTS = "control_latents"
+# The key of each clip's frame rate [B, 1] (float64, frames per second) that families which tell their denoiser a
+# frame rate (`ModelSpec.frame_rate_conditioned`) find beside the latents: the rate the clip's frames play at.
+FRAME_RATE = "frame_rate"
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,11 @@ class ModelSpec(ABC):
     # Image-to-video families sample from a first frame: `generate(..., reference=video)` hands it to
     # `pipeline_inputs`. A spec holds no per-run state, so the reference is always an argument.
     image_to_video: ClassVar[bool] = False
+    # The denoiser is told the frame rate of its input (LTX): each clip's own rate reaches `forward` (`FRAME_RATE`).
+    frame_rate_conditioned: ClassVar[bool] = False
+    # Share of training samples given their first latent frame clean (`model.first_frame_conditioning`'s default;
+    # None: the family cannot take it). See vidtune/models/first_frame.py.
+    first_frame_conditioning: ClassVar[float | None] = None
     # Bump when the family's prepare_conditions / prepare_latents code changes what it computes, so that
     # precomputed entries made by the old code are not reused (see `condition_identity`).
     cache_version: ClassVar[int] = 1
@@ -632,6 +641,72 @@ class ModelSpec(ABC):
         """Refuse, before any long work, run settings the model cannot take (e.g. an algorithm that cannot train a
         two-expert model); by default everything goes."""
         return None
+
+    # ----- frame rate and first-frame conditioning ------------------------------------------------------------
+    def clip_frame_rate(self, clip: Clip, data_fps: float | None) -> float | None:
+        """The frame rate the denoiser is told for `clip` (None: the family takes none): `data.fps` when clips are
+        resampled to it, else the clip's own rate as its file says; `model.frame_rate` for stills, clips that do
+        not say their rate, and every clip when `model.clip_frame_rate` is off."""
+        if not self.frame_rate_conditioned:
+            return None
+        if not self.config.clip_frame_rate:
+            return self.frame_rate
+        if data_fps:
+            return float(data_fps)
+        if clip.info is not None and not clip.is_image and clip.info.fps > 0:
+            return float(clip.info.fps)
+        return self.frame_rate
+
+    def frame_rates(self, conditions: Conditions, batch: int) -> torch.Tensor:
+        """[B] float64: each sample's frame rate (`FRAME_RATE` beside its latents; `frame_rate` without it, as in
+        sampling-time checks that pass tensors directly)."""
+        if FRAME_RATE in conditions:
+            return conditions[FRAME_RATE].detach().double().flatten().cpu()
+        return torch.full((batch,), float(self.frame_rate), dtype=torch.float64)
+
+    @property
+    def first_frame_probability(self) -> float:
+        """`model.first_frame_conditioning`, else the family's default (0 for a family without it)."""
+        chosen = self.config.first_frame_conditioning
+        return float(self.first_frame_conditioning or 0.0) if chosen is None else float(chosen)
+
+    def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
+        """Conditions drawn per visit from the clean latents `x0` [B, C, F, H, W] (the trainer adds them to the
+        batch's): by default, first-frame conditioning when the family takes it and its probability is above 0."""
+        if self.first_frame_conditioning is None or self.first_frame_probability <= 0:
+            return {}
+        from vidtune.models import first_frame  # the module imports this one
+
+        return first_frame.draw(self.first_frame_probability, x0, positions, seed)
+
+    def check_frame_settings(self, config: Config, clips: list[Clip]) -> None:
+        """Before any long work: `model.first_frame_conditioning` only for a family that takes it; and for a family
+        whose sound lasts frames / rate (LTX-2), the clips a batch can hold (one bucket) must share a frame rate when
+        batches hold several clips, as their sound is stacked."""
+        if self.first_frame_conditioning is None and config.model.first_frame_conditioning is not None:
+            raise ConfigError(
+                f"model.first_frame_conditioning={config.model.first_frame_conditioning}: {self.name} takes no "
+                "first-frame conditioning (the LTX families do).\nWhat to do: remove model.first_frame_conditioning."
+            )
+        if self.audio_format() is None or config.training.batch_size == 1:
+            return
+        by_bucket: dict[int, dict[float, Clip]] = {}
+        for clip in clips:
+            rate = self.clip_frame_rate(clip, config.data.fps)
+            if rate is not None:
+                by_bucket.setdefault(clip.bucket or 0, {}).setdefault(rate, clip)
+        mixed = {bucket: rates for bucket, rates in by_bucket.items() if len(rates) > 1}
+        if mixed:
+            lines = [f"  - bucket {bucket}: " + "; ".join(f"{rate:g} fps ({clip.where})"
+                                                          for rate, clip in rates.items())
+                     for bucket, rates in sorted(mixed.items())]
+            raise ConfigError(
+                f"training.batch_size={config.training.batch_size}: {self.name} trains each clip with the sound of its "
+                "frames at its own frame rate, so a batch's clips must share a rate, but clips of one bucket "
+                "differ:\n" + "\n".join(lines) + "\nWhat to do: set data.fps to resample every clip to one rate, "
+                "or training.batch_size=1 (training.gradient_accumulation gives the same clips per step), or set "
+                "model.clip_frame_rate=false to tell every clip model.frame_rate."
+            )
 
     def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """Each clip's mean of the squared error [B, C, F, H, W] (a family leaves out what its pipeline does not

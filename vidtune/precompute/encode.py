@@ -29,7 +29,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,7 +42,7 @@ from vidtune.data.audio import AudioBatch, ClipAudio, sound_line
 from vidtune.data.buckets import check_bucket_shapes
 from vidtune.data.sources import Clip, load_dataset
 from vidtune.models.registry import get_spec_class
-from vidtune.models.spec import POSTERIOR_KEYS, ModelSpec, TextComponents, draw_latent
+from vidtune.models.spec import FRAME_RATE, POSTERIOR_KEYS, ModelSpec, TextComponents, draw_latent
 from vidtune.precompute.cache import CacheStore, CorruptEntryError
 from vidtune.precompute.plan import CachePlan, Preprocess, build_plan, cache_root
 
@@ -124,7 +124,9 @@ def read_clips(clips: Sequence[ClipSource], preprocess: Preprocess | None, worke
 
 def _latent_items(spec: ModelSpec, vae: torch.nn.Module, videos: torch.Tensor, audio: AudioBatch | None, store: str,
                   generators: Sequence[torch.Generator | None] | None, device: torch.device | str | None,
-                  dtype: torch.dtype | None) -> list[Tensors]:
+                  dtype: torch.dtype | None, frame_rate: float | None = None) -> list[Tensors]:
+    if frame_rate is not None and audio is not None:
+        audio = replace(audio, frame_rate=frame_rate)
     # Only a family with an audio format takes the sound (and always gets the argument, even when it is None).
     sound = {"audio": audio} if spec.audio_format() is not None else {}
     items = split_items(spec.prepare_latents(vae, videos, **sound), len(videos))
@@ -135,7 +137,11 @@ def _latent_items(spec: ModelSpec, vae: torch.nn.Module, videos: torch.Tensor, a
              **{k: v for k, v in item.items() if k not in POSTERIOR_KEYS}}
             for item, generator in zip(items, generators, strict=True)
         ]
-    return [place(item, device, dtype) for item in items]
+    items = [place(item, device, dtype) for item in items]
+    if frame_rate is not None:  # the clip's frame rate beside its latents, float64 whatever `dtype` (29.97 stays)
+        items = [{**item, FRAME_RATE: torch.tensor([frame_rate], dtype=torch.float64, device=device)}
+                 for item in items]
+    return items
 
 
 @torch.no_grad()
@@ -161,9 +167,10 @@ def encode_videos(spec: ModelSpec, vae: torch.nn.Module, clips: torch.Tensor | S
         decoded = read_clips(list(clips), preprocess, workers=decode_workers, lookahead=2 * batch_size)
         batches = _batched_stack(decoded, batch_size)
     items: list[Tensors] = []
+    frame_rate = None if preprocess is None or isinstance(clips, torch.Tensor) else preprocess.frame_rate
     for videos, sound in batches:
         chunk_generators = generators[len(items) : len(items) + len(videos)] if generators else None
-        items.extend(_latent_items(spec, vae, videos, sound, store, chunk_generators, device, dtype))
+        items.extend(_latent_items(spec, vae, videos, sound, store, chunk_generators, device, dtype, frame_rate))
     return items
 
 
@@ -386,7 +393,8 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
             chunk, futures = job
             videos, audio = stack_decoded([future.result() for future in futures])
             generators = [latent_draw_generator(key) for key in chunk]
-            items = _latent_items(spec, vae, videos, audio, plan.store, generators, None, None)
+            items = _latent_items(spec, vae, videos, audio, plan.store, generators, None, None,
+                                  plan.latent_preprocess[chunk[0]].frame_rate)
             for key, item in zip(chunk, items, strict=True):
                 cache.write("latents", key, item, plan.latent_info[key])
             report.items += len(chunk)
@@ -413,11 +421,12 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
 
 
 def _same_shape_chunks(keys: list[str], plan: CachePlan, size: int) -> Iterator[list[str]]:
-    """Chunks of up to `size` keys whose clips are read to one shape (one bucket), so each stacks into a batch."""
-    by_shape: dict[tuple[int, int, int], list[str]] = {}
+    """Chunks of up to `size` keys whose clips are read to one shape (one bucket) and play at one frame rate (a
+    window's sound lasts frames / rate), so each stacks into a batch."""
+    by_shape: dict[tuple[int, int, int, float | None], list[str]] = {}
     for key in keys:
         pre = plan.latent_preprocess[key]
-        by_shape.setdefault((pre.frames, pre.height, pre.width), []).append(key)
+        by_shape.setdefault((pre.frames, pre.height, pre.width, pre.frame_rate), []).append(key)
     for group in by_shape.values():
         yield from (list(chunk) for chunk in _chunks(group, size))
 

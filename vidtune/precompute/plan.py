@@ -6,7 +6,8 @@ of every text component (tokenizers and encoders), the text encoder dtype (and `
 when set) and the caption text. A latent's key
 covers the spec's `latent_identity()` (the family, its format version, and the constants its `prepare_latents`
 reads, e.g. an image-to-video family's first-frame noise), the identity and dtype of the VAE (and image
-encoder), the preprocessing (the bucket's frames and size, resize mode, fps, the window's first frame), the clip's
+encoder), the preprocessing (the bucket's frames and size, resize mode, fps, the window's first frame, and for a
+family that tells its denoiser a frame rate the clip's rate, which its entry stores), the clip's
 content hash, the storage mode and `memory.vae_tiling` when on. A clip has one entry per window it offers
 (see `data.frame_sampling` and `precompute.windows_per_clip`). Nothing
 else is in a key: settings that do not change the tensors (validation, LoRA, the optimizer) keep the cache,
@@ -19,7 +20,7 @@ folder by (path, size, mtime, ctime, inode), so only new or changed files are re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,8 @@ class Preprocess:
     processor: tuple[str, tuple[tuple[str, Any], ...]] | None = None
     # A family that trains on the clip's sound (`spec.audio_format()`): the window's sound is read too.
     audio: AudioFormat | None = None
+    # A family that tells its denoiser a frame rate (`spec.clip_frame_rate`): the clip's, stored in its entry.
+    frame_rate: float | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> Preprocess:
@@ -136,6 +139,8 @@ class Preprocess:
             described["processor"] = processor_identity(self.processor[0], dict(self.processor[1]))
         if self.audio is not None:  # likewise: only the families that read sound have it in their keys
             described["audio"] = self.audio.describe()
+        if self.frame_rate is not None:  # and those that store the clip's frame rate
+            described["frame_rate"] = self.frame_rate
         return described
 
 
@@ -246,11 +251,14 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
             elif clip.control is not None:
                 sources.append((clip.control, fingerprints.file(clip.control), None))
         keys: list[list[str]] = [[] for _ in sources]
+        rate = spec.clip_frame_rate(clip, data.fps)
+        clip_audio = audio_format if audio_format is None or rate is None else replace(audio_format, frame_rate=rate)
         for start in starts:
             for number, ((path, content_hash, processed), windows) in enumerate(zip(sources, keys, strict=True)):
-                # The clip's sound goes with its own latents; control clips give only their video latents.
-                audio = audio_format if number == 0 else None
-                preprocess = Preprocess(frames, height, width, data.fps, data.resize, start, processed, audio)
+                # The clip's sound and rate go with its own latents; control clips give only their video latents.
+                audio, clip_rate = (clip_audio, rate) if number == 0 else (None, None)
+                preprocess = Preprocess(frames, height, width, data.fps, data.resize, start, processed, audio,
+                                        clip_rate)
                 key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": content_hash})
                 windows.append(key)
                 plan.latents.setdefault(key, path)

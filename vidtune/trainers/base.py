@@ -393,7 +393,8 @@ class Trainer(ABC):
             conditions = self.apply_caption_dropout(conditions, drop)
         # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout, nor do the other
         # streams' noise, drawn last from each visit's generator.
-        conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS}}
+        conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS},
+                      **self.spec.visit_conditions(x0, batch.positions, seed)}
         stream_inputs, stream_levels = (self.spec.stream_noise(objective, batch.latents, generators)
                                         if self.stream_noise_levels else ({}, {}))
         return NoisyInputs({**conditions, **stream_inputs}, objective.noisy(x0, noise, levels),
@@ -484,6 +485,7 @@ class Trainer(ABC):
         self.attention_backend = resolve_attention_backend(self.config.model.attention_backend, self.device)
         check_evaluation(self.config)
         clips = self.leave_out_silent(load_dataset(data, progress=self.show_progress))
+        self.spec.check_frame_settings(self.config, clips)
         self.clips, self.eval_clips = hold_out(clips, self.config)
         self.clip_infos = [clip.info for clip in self.clips]
 

@@ -164,4 +164,8 @@ def write_tiny_ltx_2(folder: str | Path, *, latent_channels: int = 8, seed: int 
     return save_tiny(pipeline, folder, "ltx-2", seed)
 
 
-TINY = {"ltx-2": TinyFamily(write_tiny_ltx_2, SHAPE, OverfitSettings(steps=1000, learning_rate=1e-2))}
+TINY = {
+    "ltx-2": TinyFamily(write_tiny_ltx_2, SHAPE, OverfitSettings(steps=1000, learning_rate=1e-2)),
+    # The same model: image-to-video is how it is trained and sampled (LTX2ImageToVideoPipeline).
+    "ltx-2-i2v": TinyFamily(write_tiny_ltx_2, SHAPE, OverfitSettings(steps=1000, learning_rate=1e-2)),
+}

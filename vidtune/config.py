@@ -761,6 +761,26 @@ def _section_model(location: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
+def _suggest_key(key: str, section: tuple[Any, ...], allowed: list[str]) -> list[str]:
+    """What an unknown `key` of `section` most likely meant: the same key in another section (`training.rank` ->
+    `lora.rank`, a top-level `steps` -> `training.steps`), else a near spelling here, else (at the top level) a
+    near spelling of a section's key (`learning_rat` -> `training.learning_rate`)."""
+    elsewhere: dict[str, str] = {}  # section.key -> key, of every section but this one
+    for name, field_info in Config.model_fields.items():
+        annotation = field_info.annotation
+        if (name,) != tuple(str(part) for part in section) and isinstance(annotation, type) \
+                and issubclass(annotation, BaseModel):
+            elsewhere.update({f"{name}.{sub}": sub for sub in annotation.model_fields})
+    exact = [full for full, sub in elsewhere.items() if sub == key]
+    if exact:
+        return exact
+    close = difflib.get_close_matches(key, allowed, n=1)
+    if close or section:
+        return close
+    near = difflib.get_close_matches(key, sorted(set(elsewhere.values())), n=1)
+    return [full for full, sub in elsewhere.items() if near and sub == near[0]]
+
+
 def _describe(error: dict[str, Any]) -> str:
     location = tuple(error["loc"])
     key = ".".join(str(part) for part in location) or "(top level)"
@@ -768,8 +788,8 @@ def _describe(error: dict[str, Any]) -> str:
     if kind == "extra_forbidden":
         section = _section_model(location)
         allowed = sorted(section.model_fields) if section else []
-        close = difflib.get_close_matches(str(location[-1]), allowed, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
+        close = _suggest_key(str(location[-1]), location[:-1], allowed)
+        hint = f" Did you mean {' or '.join(repr(name) for name in close)}?" if close else ""
         return f"{key}: unknown key.{hint} Allowed keys here: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required, but not set"

@@ -793,9 +793,10 @@ def _describe(error: dict[str, Any]) -> str:
         return f"{key}: unknown key.{hint} Allowed keys here: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required, but not set"
-    if kind == "value_error" and not location:
-        # A check across sections: its message names the keys; the whole input would only bury it.
-        return str(error["msg"]).removeprefix("Value error, ")
+    if kind == "value_error" and (not location or isinstance(error.get("input"), dict)):
+        # A check across sections or keys of a section: its message names the keys; the whole input would bury it.
+        message = str(error["msg"]).removeprefix("Value error, ")
+        return message if not location or message.startswith(key) else f"{key}: {message}"
     if kind == "literal_error":
         expected = error.get("ctx", {}).get("expected", "")
         return f"{key}: {error['input']!r} is not allowed; choose one of {expected}"
@@ -839,11 +840,6 @@ class Origins:
                 return override
         return None
 
-    def where(self, location: tuple[str, ...]) -> str:
-        if self.command_line(location) is not None or self.file is None:
-            return "on the command line"
-        return f"in {self.file}"
-
     def line(self, location: tuple[str, ...]) -> int | None:
         while location:
             if location in self.file_lines:
@@ -860,9 +856,14 @@ def _problems(error: ValidationError, origins: Origins) -> str:
         if not location:
             where = "between settings"
         else:
-            where = origins.where(location)
-            line = origins.line(location) if where.startswith("in ") else None
             override = origins.command_line(location)
+            key = override.partition("=")[0].strip() if override else ""
+            if override and len(key.split(".")) > len(location) and key not in text:
+                # A rule of the whole section (a key it lacks, two that clash) that does not name the key set
+                # inside it: that key is not the cause.
+                override = None
+            where = "on the command line" if override is not None or origins.file is None else f"in {origins.file}"
+            line = origins.line(location) if where.startswith("in ") else None
             if line is not None:
                 text = f"line {line}: {text}"
             elif override is not None and not override.startswith(".".join(location) + "="):

@@ -11,6 +11,8 @@ from vidtune.memory.plan import GIB, MemoryPlan, plan_memory
 from vidtune.memory.suggest import suggest
 
 UNSET = "(unset)"
+# Stands for the clips' folder in a printed command when the plan was made without one.
+DATA_ROOT_PLACEHOLDER = "/path/to/your/clips"
 
 
 def load_plan_config(path: str | None, overrides: list[str]) -> Config:
@@ -44,6 +46,18 @@ def table(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+def train_example(config: Config, path: str | None, overrides: list[str], added: list[str]) -> str:
+    """"For example:" and the `vidtune train` command that runs the plan's config with `added`. A plan needs no
+    data, training does: without data.root / data.datasets the command holds a placeholder the text points at."""
+    words = ["vidtune", "train", *([path] if path else []), *overrides]
+    note = ""
+    if config.data.root == UNSET and not config.data.datasets:
+        words.append(f"data.root={DATA_ROOT_PLACEHOLDER}")
+        note = (f" (data.root is not set: replace {DATA_ROOT_PLACEHOLDER} with the folder holding your clips, "
+                "videos.txt and prompts.txt)")
+    return f"For example{note}:\n  {shlex.join([*words, *added])}"
+
+
 def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, as_json: bool, gpus: int) -> int:
     config = load_plan_config(path, overrides)
     plan = plan_memory(config, gpus)
@@ -68,10 +82,9 @@ def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, a
     if result["fits"]:
         print(f"\nFits in {gpu_memory:g} GiB.")
     elif suggestion is not None:
-        words = ["vidtune", "train", *([path] if path else []), *overrides, *suggestion.overrides]
         print(f"\nDoes not fit in {gpu_memory:g} GiB. It fits with these settings (the fastest combination found; "
               f"peak {suggestion.plan.peak / GIB:.2f} GiB):\n  {' '.join(suggestion.overrides)}\n"
-              f"For example:\n  {shlex.join(words)}")
+              f"{train_example(config, path, overrides, suggestion.overrides)}")
     else:
         print(f"\nDoes not fit in {gpu_memory:g} GiB, even with every memory saver vidtune has.\nWhat to do: train at "
               "a smaller size (data.frames, data.height, data.width), with a smaller lora.rank, on a larger GPU, or "

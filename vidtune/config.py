@@ -695,6 +695,17 @@ def _path_kind(key: str) -> str | None:
     return next((kind for pattern, kind in PATH_KEYS.items() if fnmatch.fnmatchcase(key, pattern)), None)
 
 
+# A hub-kind value kept as a hub id because no folder of that name exists -> the folder it was looked for as, for
+# the message when the hub has no such model either.
+_FOLDERS_LOOKED_FOR: dict[str, str] = {}
+
+
+def folder_looked_for(value: str) -> str | None:
+    """The absolute folder a model.pretrained (or model.subfolders) value read as a hub id was first looked for as
+    (relative to the config file's folder, or on the command line to the current one); None if never."""
+    return _FOLDERS_LOOKED_FOR.get(value)
+
+
 def resolve_path(value: Any, kind: str, base: Path) -> Any:
     """`value` as an absolute path from `base` (see PATH_KEYS); anything else is returned as it is."""
     if not isinstance(value, str) or not value or (kind == "latest" and value == "latest"):
@@ -704,6 +715,7 @@ def resolve_path(value: Any, kind: str, base: Path) -> Any:
         return str(path)
     candidate = base / path
     if kind == "hub" and not value.startswith(".") and not candidate.exists():
+        _FOLDERS_LOOKED_FOR[value] = os.path.normpath(candidate.absolute())
         return value  # a hub id such as Lightricks/LTX-Video
     return os.path.normpath(candidate.absolute())
 

@@ -50,6 +50,7 @@ def resume_command(config: str | None, overrides: list[str], verbose: bool = Fal
 
 
 def command_train(args: argparse.Namespace) -> int:
+    config = _load(args.config)  # before torch and the trainers are imported: a config error exits at once
     from vidtune import parallel
     from vidtune.cpu import configure_cpu_threads
     from vidtune.parallel.launch import adopt_launcher_environment
@@ -57,7 +58,6 @@ def command_train(args: argparse.Namespace) -> int:
     from vidtune.trainers.stop import TrainingInterrupted
 
     adopt_launcher_environment()  # SLURM's srun without torchrun: its variables as torchrun's
-    config = _load(args.config)
     configure_cpu_threads(config)
     started = time.perf_counter()
     try:
@@ -94,10 +94,10 @@ def command_quickstart(args: argparse.Namespace) -> int:
 def command_data_check(args: argparse.Namespace) -> int:
     """Everything `vidtune train` checks about the data, without loading a model: exit 1 when training would
     fail on it, 0 otherwise (2: the config or the model folder itself is wrong)."""
+    config = _load(args.config)
     from vidtune.data.report import check_data, table, write_json, write_sheets
     from vidtune.models.registry import get_spec_class
 
-    config = _load(args.config)
     spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
     spec.check_source()
     check = check_data(config, spec, progress=config.logging.progress)
@@ -141,10 +141,10 @@ def _os_reason(error: OSError) -> str:
 
 
 def command_precompute(args: argparse.Namespace) -> int:
+    config = _load(args.config)
     from vidtune.cpu import configure_cpu_threads
     from vidtune.precompute import precompute
 
-    config = _load(args.config)
     configure_cpu_threads(config)
     summary = precompute(config)
     if summary.rank == 0:
@@ -156,12 +156,12 @@ def command_precompute(args: argparse.Namespace) -> int:
 
 
 def command_cache_info(args: argparse.Namespace) -> int:
-    from vidtune.precompute.info import cache_report
-
     config = _load(args.config) if args.config else None
     if config is None and not args.cache_dir:
         raise VidtuneError("vidtune cache info: no cache given.\nWhat to do: give a config (CONFIG [KEY=VALUE ...]) "
                            "or --cache-dir.")
+    from vidtune.precompute.info import cache_report
+
     if config is not None and args.cache_dir:
         config.precompute.cache_dir = args.cache_dir
     report = cache_report(config, root=args.cache_dir, verify=args.verify, progress=config is not None)
@@ -202,11 +202,33 @@ def command_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_plan_config(path: str | None, overrides: list[str]):
+    """A config as `vidtune train` reads it; the dataset is not needed for a plan (data.root may stay unset)."""
+    from vidtune.config import load_config
+    from vidtune.config_docs import NOT_SET
+    from vidtune.errors import ConfigError
+    from vidtune.models.registry import SPECS, get_spec_class
+
+    if path is None and not overrides:
+        raise ConfigError("No config given: vidtune plan needs a config file and/or section.key=value settings.\n"
+                          "What to do: run e.g. vidtune plan my.yaml, or vidtune plan model.name=ltx-video "
+                          "model.pretrained=Lightricks/LTX-Video.")
+    config = load_config(path, overrides, required_placeholder=NOT_SET)
+    for key, value in (("model.name", config.model.name), ("model.pretrained", config.model.pretrained)):
+        if value == NOT_SET:
+            raise ConfigError(f"{key}: required, but not set.\nWhat to do: set it in the config file or as "
+                              f"{key}=... on the command line.")
+    if config.model.name not in SPECS:
+        get_spec_class(config.model.name)  # an unknown family named plainly
+    return config
+
+
 def command_plan(args: argparse.Namespace) -> int:
+    path, overrides = _split_config_and_overrides(args.config)
+    config = load_plan_config(path, overrides)  # before torch is imported: a config error exits at once
     from vidtune.memory.report import run_plan
 
-    path, overrides = _split_config_and_overrides(args.config)
-    return run_plan(path, overrides, args.gpu_memory, args.json, args.gpus)
+    return run_plan(config, path, overrides, args.gpu_memory, args.json, args.gpus)
 
 
 def positive_int(text: str) -> int:

@@ -892,7 +892,7 @@ def _problems(error: ValidationError, origins: Origins) -> str:
 
 
 def build_config(data: dict[str, Any], source: str = "config", origins: Origins | None = None) -> Config:
-    from vidtune.models.defaults import apply_family_defaults  # the registry imports this module
+    from vidtune.models.defaults import apply_family_defaults  # it imports this module
 
     try:
         return apply_family_defaults(Config.model_validate(data))

@@ -52,3 +52,12 @@ def test_docs_models_md_holds_the_generated_table():
     text = (Path(vidtune.__file__).parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
     table = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
     assert table == defaults_table(), "run: python -m vidtune.models.defaults and paste it into docs/models.md"
+
+
+def test_every_registered_name_has_its_specs_defaults_without_importing_it():
+    from vidtune.models.defaults import FAMILY_DEFAULTS
+    from vidtune.models.registry import SPECS
+
+    assert set(FAMILY_DEFAULTS) == set(SPECS)
+    for name in SPECS:
+        assert get_spec_class(name).defaults is FAMILY_DEFAULTS[name], name

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import AutoTokenizer, CLIPTextModel, LlamaModel
 
 from vidtune.export.comfyui import Rule, fused
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import HUNYUAN_VIDEO
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -59,9 +59,7 @@ PIPELINE_SIDE_MULTIPLE = 16  # HunyuanVideoPipeline.check_inputs rejects other s
 
 class HunyuanVideoSpec(ModelSpec):
     name = "hunyuan-video"
-    defaults = FamilyDefaults(frames=129, height=720, width=1280, fps=24.0, sigma_shift=7.0, source=(
-        "HunyuanVideoPipeline's defaults (129 frames of 720x1280), 24 fps; shift 7: the published scheduler's; "
-        "validation: true CFG off, the embedded guidance is model.guidance_scale"))
+    defaults = HUNYUAN_VIDEO
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, C, F, H, W]
     # The dual-stream blocks, then the single-stream ones (the token refiner's two small blocks stay in place).
     block_lists = ("transformer_blocks", "single_transformer_blocks")

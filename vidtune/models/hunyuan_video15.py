@@ -39,7 +39,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcesso
 
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule, fused
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import HUNYUAN_VIDEO_15
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -99,9 +99,7 @@ class HunyuanVideo15Spec(ModelSpec):
     name = "hunyuan-video-1.5"
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, 2C + 1, F, H, W]
     validation_guidance_scale = 6.0  # the published guider's scale
-    defaults = FamilyDefaults(frames=121, height=480, width=848, fps=24.0, sigma_shift=5.0, source=(
-        "the 480p checkpoints: 121 frames (the pipelines' default) at 24 fps, 480x848 (the 16:9 bucket of "
-        "target_size 640), scheduler shift 5, guider scale 6"))
+    defaults = HUNYUAN_VIDEO_15
     pipeline_class = HunyuanVideo15LoraPipeline
     vae_class = AutoencoderKLHunyuanVideo15
     denoiser_class = HunyuanVideo15Transformer3DModel

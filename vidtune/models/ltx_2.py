@@ -47,7 +47,7 @@ from transformers import AutoTokenizer, Gemma3ForConditionalGeneration, Gemma4Un
 from vidtune.data.audio import AudioBatch, AudioFormat, log_mel_spectrogram
 from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import LTX_2
 from vidtune.models.ltx_video import vae_downsampling_steps
 from vidtune.models.spec import (
     Conditions,
@@ -115,9 +115,7 @@ class LTX2Spec(ModelSpec):
     name = "ltx-2"
     control_input_layer = "proj_in"  # the video stream's Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0  # LTX2Pipeline's default
-    defaults = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, source=(
-        "LTX2Pipeline's defaults (512x768 at 24 fps, guidance 3); 121 frames: 5 s at 24 fps (the pipeline sets no "
-        "frame count)"))
+    defaults = LTX_2
     text_encoder_class = Gemma3ForConditionalGeneration
     vae_class = AutoencoderKLLTX2Video
     denoiser_class = LTX2VideoTransformer3DModel

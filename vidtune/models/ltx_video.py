@@ -23,7 +23,7 @@ from transformers import T5EncoderModel
 from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import LTX_VIDEO
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -53,8 +53,7 @@ class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
     control_input_layer = "proj_in"  # Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0
-    defaults = FamilyDefaults(frames=49, height=512, width=768, fps=25.0, source=(
-        "finetrainers' LTX-Video LoRA recipe (49x512x768, logit-normal); LTXPipeline's frame_rate and guidance"))
+    defaults = LTX_VIDEO
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property

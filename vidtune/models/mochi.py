@@ -32,7 +32,7 @@ from torch import nn
 from transformers import T5EncoderModel
 
 from vidtune.export.comfyui import Rule, fused
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import MOCHI
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -62,8 +62,7 @@ class MochiSpec(ModelSpec):
         ALL_LINEAR: (ALL_LINEAR,),
     }
     validation_guidance_scale = 4.5
-    defaults = FamilyDefaults(frames=19, height=480, width=848, fps=30.0, source=(
-        "MochiPipeline's defaults (480x848, 19 frames, guidance 4.5); Mochi 1 is a 30 fps model"))
+    defaults = MOCHI
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property

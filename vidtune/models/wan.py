@@ -40,7 +40,7 @@ from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError, SchedulerError
 from vidtune.export.comfyui import Rule
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import WAN
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -84,9 +84,7 @@ class WanSpec(ModelSpec):
     control_input_layer = "patch_embedding"  # Conv3d over [B, C, F, H, W]
     block_lists = ("blocks",)
     validation_guidance_scale = 5.0
-    defaults = FamilyDefaults(frames=81, height=480, width=832, fps=16.0, sigma_shift=3.0, source=(
-        "WanPipeline's defaults (81 frames of 480x832, guidance 5) and 16 fps; shift 3: the 480p checkpoints' "
-        "flow_shift"))
+    defaults = WAN
     pipeline_class = WanPipeline
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
         "attention": ATTENTION_TARGETS,

@@ -156,3 +156,16 @@ def test_for_a_family_that_trains_on_sound_each_sample_says_whether_it_has_a_tra
     # A family that does not read sound shows no such column or line.
     code, lines, report = check("ltx-video")
     assert code == 0 and not any("sound" in line for line in lines) and report["sound"] is None
+
+
+def test_a_shape_problem_keeps_every_line_under_its_item(tmp_path, tiny_model_dir, capsys):
+    datasets = render_mixed_dataset(tmp_path / "data")
+    config = write_config(tmp_path, tiny_model_dir("ltx-video"), datasets, buckets=None, frames=10, height=32,
+                          width=32)
+    assert main(["data", "check", str(config)]) == 1
+    errors = capsys.readouterr().err
+    item = next(number for number, line in enumerate(errors.splitlines()) if "The clip shape does not fit" in line)
+    lines = errors.splitlines()[item:item + 3]
+    assert lines[0].startswith("  - The clip shape does not fit the ltx-video model at")
+    assert lines[1].startswith("    - data.frames=10")
+    assert lines[2].startswith("    For comparison, the published LTX-Video checkpoints need"), lines

@@ -102,7 +102,10 @@ def check_data(config: Config, spec: Any, progress: bool = True) -> DataCheck:
     try:
         check_bucket_shapes(spec, shapes, single=not data.buckets)
     except ConfigError as error:
-        config_problems.append(str(error).rsplit("\nWhat to do:", 1)[0].replace("\n  - ", "\n    - "))
+        # Listed as "  - <first line>": every line after it is indented under it (its items one level deeper).
+        first, *rest = str(error).rsplit("\nWhat to do:", 1)[0].split("\n")
+        config_problems.append("\n".join([first, *(f"  {line}" if line.startswith("  ") else f"    {line}"
+                                                    for line in rest)]))
     check = DataCheck(shapes, inspect_dataset(data, progress=progress), config_problems, family=spec.name,
                       reads_sound=spec.audio_format() is not None)
     _count_tokens(check, spec)

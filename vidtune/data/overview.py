@@ -14,7 +14,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
 from vidtune.data.sources import Clip
-from vidtune.data.video import VideoInfo, format_fps, read_frames
+from vidtune.data.video import VideoInfo, describe_size, format_fps, read_frames
 from vidtune.errors import VidtuneError
 from vidtune.files import atomic_path
 
@@ -96,8 +96,8 @@ def clip_details(clip: Clip, info: VideoInfo, sound: bool = False) -> str:
     """A row's second line: frames, rate, size, length (`still` and size for a picture); with `sound`, whether the
     clip has an audio track (without one it trains video only)."""
     if clip.is_image:
-        return f"still, {info.width}x{info.height}"
-    details = f"{info.num_frames} frames, {format_fps(info.fps)} fps, {info.width}x{info.height}, {info.duration:.1f} s"
+        return f"still, {describe_size(info)}"
+    details = f"{info.num_frames} frames, {format_fps(info.fps)} fps, {describe_size(info)}, {info.duration:.1f} s"
     if sound:
         details += ", sound track" if info.has_audio else ", no sound track"
     return details

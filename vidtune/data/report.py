@@ -22,7 +22,7 @@ from vidtune.config import Config
 from vidtune.data.audio import sound_line
 from vidtune.data.buckets import Shape, check_bucket_shapes, describe_shape
 from vidtune.data.sources import Clip, DatasetReport, inspect_dataset
-from vidtune.data.video import VideoInfo, format_fps, frames_available
+from vidtune.data.video import VideoInfo, describe_size, format_fps, frames_available
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_write_text
 
@@ -75,7 +75,10 @@ class DataCheck:
                 "image": clip.is_image, "repeats": clip.repeats,
                 "bucket": list(self.shapes[clip.bucket]) if clip.bucket is not None else None,
                 "duration": round(info.duration, 3) if info else None, "fps": info.fps if info else None,
-                "size": [info.width, info.height] if info else None, "frames": info.num_frames if info else None,
+                # [height, width] as displayed (what is resized to the bucket), as the config orders them.
+                "size": [info.height, info.width] if info else None, "frames": info.num_frames if info else None,
+                "pixel_aspect": _pixel_aspect(info), "stored_size": list(info.stored_size) if info and
+                info.stored_size else None,
                 "audio_track": info.has_audio if info else None,
                 "tokens": self.tokens.get(number),
                 "problems": list(self.report.sample_problems.get(number, [])),
@@ -89,7 +92,14 @@ class DataCheck:
 
 def shape_key(shape: Shape) -> str:
     """'49x480x832': frames x height x width."""
-    return "x".join(str(value) for value in shape)
+    return describe_shape(shape)
+
+
+def _pixel_aspect(info: VideoInfo | None) -> str | None:
+    """'128:117' for a file whose pixels are not square; None for square ones (and an unread file)."""
+    if info is None or info.pixel_aspect == 1:
+        return None
+    return f"{info.pixel_aspect.numerator}:{info.pixel_aspect.denominator}"
 
 
 def check_data(config: Config, spec: Any, progress: bool = True) -> DataCheck:
@@ -170,14 +180,16 @@ def table(check: DataCheck, fps: float | None) -> str:
     """One row per sample: where it was named, its length, rate, size, the frames it yields, its bucket (or why it
     fits none), its caption tokens, for a family that reads sound whether it has an audio track; then the counts per
     bucket and of samples with sound."""
-    header = ("#", "sample", "length", "fps", "size", "frames", "bucket", "tokens", *_sound_header(check), "file")
+    header = ("#", "sample", "length", "fps", "size (HxW)", "frames", "bucket (FxHxW)", "tokens",
+              *_sound_header(check), "file")
     rows = [header]
     notes: list[str] = []
     for number, clip in enumerate(check.clips):
         info = clip.info
         problems = check.report.sample_problems.get(number, [])
         if clip.bucket is not None and not problems:
-            bucket = describe_shape(check.shapes[clip.bucket]) + (f" x{clip.repeats}" if clip.repeats > 1 else "")
+            bucket = describe_shape(check.shapes[clip.bucket]) + (f", repeats {clip.repeats}" if clip.repeats > 1
+                                                                  else "")
         else:
             bucket = f"NONE (see {len(notes) + 1})" if problems else "-"
             notes.extend(problems)
@@ -188,7 +200,7 @@ def table(check: DataCheck, fps: float | None) -> str:
         sound = (_sound(clip, info),) if check.reads_sound else ()
         rows.append((str(number + 1), clip.where, _length(clip, info), _rate(clip, info), _size(info),
                      _frames(clip, info, fps), bucket, tokens, *sound, clip.video.name))
-    widths = [min(40, max(len(row[column]) for row in rows)) for column in range(len(header))]
+    widths = [min(48, max(len(row[column]) for row in rows)) for column in range(len(header))]
     lines = ["  ".join(_cell(text, width) for text, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     lines.append("")
@@ -231,7 +243,7 @@ def _rate(clip: Clip, info: VideoInfo | None) -> str:
 
 
 def _size(info: VideoInfo | None) -> str:
-    return "?" if info is None else f"{info.width}x{info.height}"
+    return "?" if info is None else describe_size(info)
 
 
 def _frames(clip: Clip, info: VideoInfo | None, fps: float | None) -> str:

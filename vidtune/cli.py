@@ -105,7 +105,7 @@ def command_data_check(args: argparse.Namespace) -> int:
     overview = Path(args.overview) if args.overview else Path(config.output_dir) / outputs.DATASET_OVERVIEW
     written: list[tuple[str, list[Path]]] = []
     for option, target, write in (("--overview", overview,
-                                   lambda path: write_sheets(check.clips, path, sound=check.reads_sound)),
+                                   lambda path: write_sheets(check, path)),
                                   ("--report", Path(args.report) if args.report else None,
                                    lambda path: [write_json(check, path)])):
         if target is None:

@@ -101,12 +101,12 @@ def test_a_bucket_the_family_refuses_fails_the_check_with_the_nearest_values(tmp
 @pytest.mark.parametrize("pages", [1, 3])
 def test_the_contact_sheet_is_paged(tmp_path, pages):
     from vidtune.config import DataConfig
-    from vidtune.data.report import write_sheets
-    from vidtune.data.sources import load_dataset
+    from vidtune.data.report import DataCheck, write_sheets
+    from vidtune.data.sources import inspect_dataset
 
-    clips = load_dataset(DataConfig(datasets=render_mixed_dataset(tmp_path / "data"), buckets=BUCKETS),
-                         progress=False)
-    written = write_sheets(clips, tmp_path / "sheet.png", per_page=-(-len(clips) // pages))
+    data = DataConfig(datasets=render_mixed_dataset(tmp_path / "data"), buckets=BUCKETS)
+    check = DataCheck(data.bucket_shapes(), inspect_dataset(data, progress=False), data=data)
+    written = write_sheets(check, tmp_path / "sheet.png", per_page=-(-len(check.clips) // pages))
     assert [path.name for path in written] == ["sheet.png", *[f"sheet-{n}.png" for n in range(2, pages + 1)]]
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ class DataCheck:
     # The family trains on a clip's sound beside its frames (`spec.audio_format()`): its audio track is shown.
     family: str = ""
     reads_sound: bool = False
+    data: Any = None  # the config's data section: how samples are read (buckets, fps, resize, frame window)
 
     @property
     def clips(self) -> list[Clip]:
@@ -117,7 +117,7 @@ def check_data(config: Config, spec: Any, progress: bool = True) -> DataCheck:
         config_problems.append("\n".join([first, *(f"  {line}" if line.startswith("  ") else f"    {line}"
                                                     for line in rest)]))
     check = DataCheck(shapes, inspect_dataset(data, progress=progress), config_problems, family=spec.name,
-                      reads_sound=spec.audio_format() is not None)
+                      reads_sound=spec.audio_format() is not None, data=data)
     _count_tokens(check, spec)
     _find_duplicates(check)
     return check
@@ -261,15 +261,21 @@ def write_json(check: DataCheck, path: str | os.PathLike[str]) -> Path:
     return atomic_write_text(Path(path), json.dumps(check.to_json(), indent=2, ensure_ascii=False) + "\n")
 
 
-def write_sheets(clips: Sequence[Clip], path: Path, per_page: int = PAGE_ROWS, sound: bool = False) -> list[Path]:
-    """The contact sheet of every sample, `per_page` rows a page: path, then path-2.png, path-3.png, ... `sound`:
-    each row says whether the clip has an audio track (a family that trains on it)."""
-    from vidtune.data.overview import write_dataset_overview
+def write_sheets(check: DataCheck, path: Path, per_page: int = PAGE_ROWS) -> list[Path]:
+    """The contact sheet of every sample as it trains, `per_page` rows a page: path, then path-2.png, path-3.png,
+    ... Samples that will not train are on it, marked; the source lines that give no sample are listed on the last
+    page. For a family that trains on sound, each row says whether the clip has an audio track."""
+    from vidtune.data.overview import summary, write_dataset_overview
 
+    clips = check.clips
+    header = summary(clips, check.report.sample_problems, check.report.source_problems)
+    starts = range(0, max(len(clips), 1), per_page)
     pages = []
-    for page, first in enumerate(range(0, max(len(clips), 1), per_page), start=1):
-        chunk = list(clips[first : first + per_page])
-        infos = [clip.info or VideoInfo(clip.video, 0, 0.0, 0, 0) for clip in chunk]
+    for page, first in enumerate(starts, start=1):
         target = path if page == 1 else path.with_name(f"{path.stem}-{page}{path.suffix}")
-        pages.append(write_dataset_overview(chunk, infos, target, max_rows=per_page, sound=sound))
+        last = page == len(starts)
+        pages.append(write_dataset_overview(
+            clips[first : first + per_page], check.data, target, problems=check.report.sample_problems,
+            unused=check.report.source_problems if last else (), max_rows=per_page, sound=check.reads_sound,
+            header=header + (f" (page {page} of {len(starts)})" if len(starts) > 1 else "")))
     return pages

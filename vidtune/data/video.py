@@ -374,9 +374,13 @@ def _image_array(path: Path, height: int, width: int, resize: str) -> np.ndarray
     return np.array(image)[None]  # a writable copy for torch
 
 
-def read_frames(path: str | os.PathLike[str], indices: list[int]) -> list[np.ndarray]:
-    """Decode the given source frames (in the order given) as displayed, uint8 RGB arrays [H, W, 3]."""
+def read_frames(path: str | os.PathLike[str], indices: list[int], size: tuple[int, int] | None = None,
+                resize: str = "crop") -> list[np.ndarray]:
+    """Decode the given source frames (in the order given) as displayed, uint8 RGB arrays [H, W, 3]; with `size`
+    (height, width), resized to it as training resizes them (see `read_clip` for `resize`)."""
     path = Path(path)
+    if is_image_path(path) and size is not None:
+        return [_image_array(path, size[0], size[1], resize)[0] for _ in indices]
     if is_image_path(path):  # a still: its one frame, whatever is asked
         _check_file(path, "image")
         try:
@@ -389,7 +393,7 @@ def read_frames(path: str | os.PathLike[str], indices: list[int]) -> list[np.nda
     try:
         with av.open(str(path)) as container:
             stream = _video_stream(container, path)
-            images = _decode_indices(container, stream, indices, path, None)
+            images = _decode_indices(container, stream, indices, path, size, resize)
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
     return [images[index] for index in indices]

@@ -10,9 +10,13 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vidtune import outputs
 from vidtune.errors import VidtuneError
+
+if TYPE_CHECKING:
+    from vidtune.config import Config
 
 
 def _split_config_and_overrides(values: list[str]) -> tuple[str | None, list[str]]:
@@ -51,6 +55,9 @@ def resume_command(config: str | None, overrides: list[str], verbose: bool = Fal
 
 def command_train(args: argparse.Namespace) -> int:
     config = _load(args.config)  # before torch and the trainers are imported: a config error exits at once
+    from vidtune.models.folders import check_folder_exists
+
+    check_folder_exists(config.model.pretrained)  # so does a model folder that is not there
     from vidtune import parallel
     from vidtune.cpu import configure_cpu_threads
     from vidtune.parallel.launch import adopt_launcher_environment
@@ -95,6 +102,9 @@ def command_data_check(args: argparse.Namespace) -> int:
     """Everything `vidtune train` checks about the data, without loading a model: exit 1 when training would
     fail on it, 0 otherwise (2: the config or the model folder itself is wrong)."""
     config = _load(args.config)
+    from vidtune.models.folders import check_folder_exists
+
+    check_folder_exists(config.model.pretrained)  # before the family's code (and torch) is imported
     from vidtune.data.report import check_data, table, write_json, write_sheets
     from vidtune.models.registry import get_spec_class
 
@@ -202,7 +212,7 @@ def command_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_plan_config(path: str | None, overrides: list[str]):
+def load_plan_config(path: str | None, overrides: list[str]) -> Config:
     """A config as `vidtune train` reads it; the dataset is not needed for a plan (data.root may stay unset)."""
     from vidtune.config import load_config
     from vidtune.config_docs import NOT_SET

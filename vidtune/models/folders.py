@@ -9,12 +9,27 @@ from pathlib import Path
 
 import yaml
 
+from vidtune.errors import ModelError
+from vidtune.models.hub import looks_local
 from vidtune.outputs import CHECKPOINTS, LORA_WEIGHTS, METRICS, RESOLVED_CONFIG, TRANSFORMER_FOLDER
 
 # Folders looked into for a complete model folder below the one given (the quickstart's folder holds its tiny model
 # one level down; a hub-style download two: models--x/snapshots/<hash>).
 _SEARCH_DEPTH = 3
 _SEARCH_LIMIT = 2000  # folders looked at, at most: a home folder given by mistake must not be walked whole
+
+
+def check_folder_exists(pretrained: str) -> None:
+    """A local model.pretrained that is no folder is a ModelError saying so. It needs none of the family's code: the
+    commands check it before importing that (and torch)."""
+    folder = Path(pretrained).expanduser()
+    if looks_local(pretrained) and not folder.is_dir():
+        raise ModelError(
+            f"model.pretrained: the folder {folder.resolve()} does not exist.\n"
+            "What to do: point it at a model folder in the diffusers layout (with model_index.json; relative "
+            "paths in a config file are relative to the file's folder) or at a hub id such as "
+            "Lightricks/LTX-Video."
+        )
 
 
 def run_folder(folder: Path) -> Path | None:

@@ -289,17 +289,12 @@ class ModelSpec(ABC):
         if not looks_local(pretrained):
             check_hub_model(pretrained, self.config.revision, self.name, needed, folder_looked_for(pretrained))
             return
+        from vidtune.models.folders import check_folder_exists, describe_run, model_folders_inside, run_folder
+
+        check_folder_exists(pretrained)
         folder = Path(pretrained).expanduser()
-        if not folder.is_dir():
-            raise ModelError(
-                f"model.pretrained: the folder {folder.resolve()} does not exist.\n"
-                "What to do: point it at a model folder in the diffusers layout (with model_index.json; relative "
-                "paths in a config file are relative to the file's folder) or at a hub id such as "
-                "Lightricks/LTX-Video."
-            )
         missing = [name for name in needed if not (folder / name).is_dir()]
         if missing:
-            from vidtune.models.folders import describe_run, model_folders_inside, run_folder
 
             folder = folder.resolve()
             run = run_folder(folder)

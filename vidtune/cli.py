@@ -10,9 +10,13 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vidtune import outputs
 from vidtune.errors import VidtuneError
+
+if TYPE_CHECKING:
+    from vidtune.config import Config
 
 
 def _split_config_and_overrides(values: list[str]) -> tuple[str | None, list[str]]:
@@ -50,6 +54,10 @@ def resume_command(config: str | None, overrides: list[str], verbose: bool = Fal
 
 
 def command_train(args: argparse.Namespace) -> int:
+    config = _load(args.config)  # before torch and the trainers are imported: a config error exits at once
+    from vidtune.models.folders import check_folder_exists
+
+    check_folder_exists(config.model.pretrained)  # so does a model folder that is not there
     from vidtune import parallel
     from vidtune.cpu import configure_cpu_threads
     from vidtune.parallel.launch import adopt_launcher_environment
@@ -57,7 +65,6 @@ def command_train(args: argparse.Namespace) -> int:
     from vidtune.trainers.stop import TrainingInterrupted
 
     adopt_launcher_environment()  # SLURM's srun without torchrun: its variables as torchrun's
-    config = _load(args.config)
     configure_cpu_threads(config)
     started = time.perf_counter()
     try:
@@ -94,10 +101,13 @@ def command_quickstart(args: argparse.Namespace) -> int:
 def command_data_check(args: argparse.Namespace) -> int:
     """Everything `vidtune train` checks about the data, without loading a model: exit 1 when training would
     fail on it, 0 otherwise (2: the config or the model folder itself is wrong)."""
+    config = _load(args.config)
+    from vidtune.models.folders import check_folder_exists
+
+    check_folder_exists(config.model.pretrained)  # before the family's code (and torch) is imported
     from vidtune.data.report import check_data, table, write_json, write_sheets
     from vidtune.models.registry import get_spec_class
 
-    config = _load(args.config)
     spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
     spec.check_source()
     check = check_data(config, spec, progress=config.logging.progress)
@@ -105,7 +115,7 @@ def command_data_check(args: argparse.Namespace) -> int:
     overview = Path(args.overview) if args.overview else Path(config.output_dir) / outputs.DATASET_OVERVIEW
     written: list[tuple[str, list[Path]]] = []
     for option, target, write in (("--overview", overview,
-                                   lambda path: write_sheets(check.clips, path, sound=check.reads_sound)),
+                                   lambda path: write_sheets(check, path)),
                                   ("--report", Path(args.report) if args.report else None,
                                    lambda path: [write_json(check, path)])):
         if target is None:
@@ -141,10 +151,10 @@ def _os_reason(error: OSError) -> str:
 
 
 def command_precompute(args: argparse.Namespace) -> int:
+    config = _load(args.config)
     from vidtune.cpu import configure_cpu_threads
     from vidtune.precompute import precompute
 
-    config = _load(args.config)
     configure_cpu_threads(config)
     summary = precompute(config)
     if summary.rank == 0:
@@ -156,12 +166,12 @@ def command_precompute(args: argparse.Namespace) -> int:
 
 
 def command_cache_info(args: argparse.Namespace) -> int:
-    from vidtune.precompute.info import cache_report
-
     config = _load(args.config) if args.config else None
     if config is None and not args.cache_dir:
         raise VidtuneError("vidtune cache info: no cache given.\nWhat to do: give a config (CONFIG [KEY=VALUE ...]) "
                            "or --cache-dir.")
+    from vidtune.precompute.info import cache_report
+
     if config is not None and args.cache_dir:
         config.precompute.cache_dir = args.cache_dir
     report = cache_report(config, root=args.cache_dir, verify=args.verify, progress=config is not None)
@@ -202,11 +212,33 @@ def command_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_plan_config(path: str | None, overrides: list[str]) -> Config:
+    """A config as `vidtune train` reads it; the dataset is not needed for a plan (data.root may stay unset)."""
+    from vidtune.config import load_config
+    from vidtune.config_docs import NOT_SET
+    from vidtune.errors import ConfigError
+    from vidtune.models.registry import SPECS, get_spec_class
+
+    if path is None and not overrides:
+        raise ConfigError("No config given: vidtune plan needs a config file and/or section.key=value settings.\n"
+                          "What to do: run e.g. vidtune plan my.yaml, or vidtune plan model.name=ltx-video "
+                          "model.pretrained=Lightricks/LTX-Video.")
+    config = load_config(path, overrides, required_placeholder=NOT_SET)
+    for key, value in (("model.name", config.model.name), ("model.pretrained", config.model.pretrained)):
+        if value == NOT_SET:
+            raise ConfigError(f"{key}: required, but not set.\nWhat to do: set it in the config file or as "
+                              f"{key}=... on the command line.")
+    if config.model.name not in SPECS:
+        get_spec_class(config.model.name)  # an unknown family named plainly
+    return config
+
+
 def command_plan(args: argparse.Namespace) -> int:
+    path, overrides = _split_config_and_overrides(args.config)
+    config = load_plan_config(path, overrides)  # before torch is imported: a config error exits at once
     from vidtune.memory.report import run_plan
 
-    path, overrides = _split_config_and_overrides(args.config)
-    return run_plan(path, overrides, args.gpu_memory, args.json, args.gpus)
+    return run_plan(config, path, overrides, args.gpu_memory, args.json, args.gpus)
 
 
 def positive_int(text: str) -> int:

@@ -764,6 +764,17 @@ def _path_kind(key: str) -> str | None:
     return next((kind for pattern, kind in PATH_KEYS.items() if fnmatch.fnmatchcase(key, pattern)), None)
 
 
+# A hub-kind value kept as a hub id because no folder of that name exists -> the folder it was looked for as, for
+# the message when the hub has no such model either.
+_FOLDERS_LOOKED_FOR: dict[str, str] = {}
+
+
+def folder_looked_for(value: str) -> str | None:
+    """The absolute folder a model.pretrained (or model.subfolders) value read as a hub id was first looked for as
+    (relative to the config file's folder, or on the command line to the current one); None if never."""
+    return _FOLDERS_LOOKED_FOR.get(value)
+
+
 def resolve_path(value: Any, kind: str, base: Path) -> Any:
     """`value` as an absolute path from `base` (see PATH_KEYS); anything else is returned as it is."""
     if not isinstance(value, str) or not value or (kind == "latest" and value == "latest"):
@@ -773,6 +784,7 @@ def resolve_path(value: Any, kind: str, base: Path) -> Any:
         return str(path)
     candidate = base / path
     if kind == "hub" and not value.startswith(".") and not candidate.exists():
+        _FOLDERS_LOOKED_FOR[value] = os.path.normpath(candidate.absolute())
         return value  # a hub id such as Lightricks/LTX-Video
     return os.path.normpath(candidate.absolute())
 
@@ -830,6 +842,26 @@ def _section_model(location: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
+def _suggest_key(key: str, section: tuple[Any, ...], allowed: list[str]) -> list[str]:
+    """What an unknown `key` of `section` most likely meant: the same key in another section (`training.rank` ->
+    `lora.rank`, a top-level `steps` -> `training.steps`), else a near spelling here, else (at the top level) a
+    near spelling of a section's key (`learning_rat` -> `training.learning_rate`)."""
+    elsewhere: dict[str, str] = {}  # section.key -> key, of every section but this one
+    for name, field_info in Config.model_fields.items():
+        annotation = field_info.annotation
+        if (name,) != tuple(str(part) for part in section) and isinstance(annotation, type) \
+                and issubclass(annotation, BaseModel):
+            elsewhere.update({f"{name}.{sub}": sub for sub in annotation.model_fields})
+    exact = [full for full, sub in elsewhere.items() if sub == key]
+    if exact:
+        return exact
+    close = difflib.get_close_matches(key, allowed, n=1)
+    if close or section:
+        return close
+    near = difflib.get_close_matches(key, sorted(set(elsewhere.values())), n=1)
+    return [full for full, sub in elsewhere.items() if near and sub == near[0]]
+
+
 def _describe(error: dict[str, Any]) -> str:
     location = tuple(error["loc"])
     key = ".".join(str(part) for part in location) or "(top level)"
@@ -837,14 +869,15 @@ def _describe(error: dict[str, Any]) -> str:
     if kind == "extra_forbidden":
         section = _section_model(location)
         allowed = sorted(section.model_fields) if section else []
-        close = difflib.get_close_matches(str(location[-1]), allowed, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
+        close = _suggest_key(str(location[-1]), location[:-1], allowed)
+        hint = f" Did you mean {' or '.join(repr(name) for name in close)}?" if close else ""
         return f"{key}: unknown key.{hint} Allowed keys here: {', '.join(allowed)}"
     if kind == "missing":
         return f"{key}: required, but not set"
-    if kind == "value_error" and not location:
-        # A check across sections: its message names the keys; the whole input would only bury it.
-        return str(error["msg"]).removeprefix("Value error, ")
+    if kind == "value_error" and (not location or isinstance(error.get("input"), dict)):
+        # A check across sections or keys of a section: its message names the keys; the whole input would bury it.
+        message = str(error["msg"]).removeprefix("Value error, ")
+        return message if not location or message.startswith(key) else f"{key}: {message}"
     if kind == "literal_error":
         expected = error.get("ctx", {}).get("expected", "")
         return f"{key}: {error['input']!r} is not allowed; choose one of {expected}"
@@ -888,11 +921,6 @@ class Origins:
                 return override
         return None
 
-    def where(self, location: tuple[str, ...]) -> str:
-        if self.command_line(location) is not None or self.file is None:
-            return "on the command line"
-        return f"in {self.file}"
-
     def line(self, location: tuple[str, ...]) -> int | None:
         while location:
             if location in self.file_lines:
@@ -909,9 +937,14 @@ def _problems(error: ValidationError, origins: Origins) -> str:
         if not location:
             where = "between settings"
         else:
-            where = origins.where(location)
-            line = origins.line(location) if where.startswith("in ") else None
             override = origins.command_line(location)
+            key = override.partition("=")[0].strip() if override else ""
+            if override and len(key.split(".")) > len(location) and key not in text:
+                # A rule of the whole section (a key it lacks, two that clash) that does not name the key set
+                # inside it: that key is not the cause.
+                override = None
+            where = "on the command line" if override is not None or origins.file is None else f"in {origins.file}"
+            line = origins.line(location) if where.startswith("in ") else None
             if line is not None:
                 text = f"line {line}: {text}"
             elif override is not None and not override.startswith(".".join(location) + "="):
@@ -928,7 +961,7 @@ def _problems(error: ValidationError, origins: Origins) -> str:
 
 
 def build_config(data: dict[str, Any], source: str = "config", origins: Origins | None = None) -> Config:
-    from vidtune.models.defaults import apply_family_defaults  # the registry imports this module
+    from vidtune.models.defaults import apply_family_defaults  # it imports this module
 
     try:
         return apply_family_defaults(Config.model_validate(data))

@@ -4,6 +4,7 @@ exit 1 on every bad input (checked in-process, as the CLI runs it, to stay fast)
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,12 @@ def test_a_mixed_dataset_passes_with_its_table_buckets_report_and_sheet(tmp_path
     assert code == 0, out
     lines = out.splitlines()
     row = next(line for line in lines if "portrait.mp4" in line)
-    assert "folder/portrait.mp4" in row and "0.67 s" in row and "30" in row and "36x64" in row
-    assert "9 frames of 32x64 x2" in row  # its bucket, seen twice per epoch (repeats: 2)
+    assert "folder/portrait.mp4" in row and "0.67 s" in row and "30" in row and "64x36" in row  # height x width
+    assert "9x64x32, repeats 2" in row  # its bucket (frames x height x width), seen twice per epoch
     still = next(line for line in lines if "wide.png" in line)
-    assert "pairs/videos.txt line 2" in still and "still" in still and "1 frame of 64x32" in still
+    assert "pairs/videos.txt line 2" in still and "still" in still and "1x32x64" in still
+    header = next(line for line in lines if line.startswith("#"))
+    assert "size (HxW)" in header and "bucket (FxHxW)" in header
     assert "media.csv row 1 (line 2)" in out and "long.jsonl line 1" in out
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["ok"] is True and report["buckets"] == {"9x32x64": 2, "9x64x32": 1, "9x32x32": 1, "1x32x64": 1,
@@ -98,12 +101,12 @@ def test_a_bucket_the_family_refuses_fails_the_check_with_the_nearest_values(tmp
 @pytest.mark.parametrize("pages", [1, 3])
 def test_the_contact_sheet_is_paged(tmp_path, pages):
     from vidtune.config import DataConfig
-    from vidtune.data.report import write_sheets
-    from vidtune.data.sources import load_dataset
+    from vidtune.data.report import DataCheck, write_sheets
+    from vidtune.data.sources import inspect_dataset
 
-    clips = load_dataset(DataConfig(datasets=render_mixed_dataset(tmp_path / "data"), buckets=BUCKETS),
-                         progress=False)
-    written = write_sheets(clips, tmp_path / "sheet.png", per_page=-(-len(clips) // pages))
+    data = DataConfig(datasets=render_mixed_dataset(tmp_path / "data"), buckets=BUCKETS)
+    check = DataCheck(data.bucket_shapes(), inspect_dataset(data, progress=False), data=data)
+    written = write_sheets(check, tmp_path / "sheet.png", per_page=-(-len(check.clips) // pages))
     assert [path.name for path in written] == ["sheet.png", *[f"sheet-{n}.png" for n in range(2, pages + 1)]]
 
 
@@ -156,3 +159,39 @@ def test_for_a_family_that_trains_on_sound_each_sample_says_whether_it_has_a_tra
     # A family that does not read sound shows no such column or line.
     code, lines, report = check("ltx-video")
     assert code == 0 and not any("sound" in line for line in lines) and report["sound"] is None
+
+
+def test_a_shape_problem_keeps_every_line_under_its_item(tmp_path, tiny_model_dir, capsys):
+    datasets = render_mixed_dataset(tmp_path / "data")
+    config = write_config(tmp_path, tiny_model_dir("ltx-video"), datasets, buckets=None, frames=10, height=32,
+                          width=32)
+    assert main(["data", "check", str(config)]) == 1
+    errors = capsys.readouterr().err
+    item = next(number for number, line in enumerate(errors.splitlines()) if "The clip shape does not fit" in line)
+    lines = errors.splitlines()[item:item + 3]
+    assert lines[0].startswith("  - The clip shape does not fit the ltx-video model at")
+    assert lines[1].startswith("    - data.frames=10")
+    assert lines[2].startswith("    For comparison, the published LTX-Video checkpoints need"), lines
+
+
+def test_a_clip_with_non_square_pixels_gives_its_size_as_shown_and_as_stored(tmp_path, tiny_model_dir, capsys):
+    import av
+
+    root = tmp_path / "clips"
+    root.mkdir()
+    with av.open(str(root / "pal.mp4"), "w") as container:  # 176x144 stored, pixels 128:117 wide (PAL 4:3 CIF)
+        stream = container.add_stream("libx264", rate=25)
+        stream.width, stream.height, stream.pix_fmt = 176, 144, "yuv420p"
+        stream.codec_context.sample_aspect_ratio = Fraction(128, 117)
+        for _ in range(12):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.zeros((144, 176, 3), np.uint8), "rgb24")))
+        container.mux(stream.encode())
+    (root / "videos.txt").write_text("pal.mp4\n")
+    (root / "prompts.txt").write_text("a grey screen\n")
+    config = write_config(tmp_path, tiny_model_dir("ltx-video"), [{"type": "pairs", "root": str(root)}],
+                          buckets=[[9, 32, 32]])
+    assert main(["data", "check", str(config), "--report", str(tmp_path / "report.json")]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "pal.mp4" in line)
+    assert "144x193 (stored 144x176, pixel aspect 128:117)" in row and "9x32x32" in row
+    clip = json.loads((tmp_path / "report.json").read_text())["clips"][0]
+    assert (clip["size"], clip["stored_size"], clip["pixel_aspect"]) == ([144, 193], [144, 176], "128:117")

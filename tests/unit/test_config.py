@@ -37,6 +37,21 @@ def test_unknown_keys_are_errors_with_a_suggestion():
     assert "loras: unknown key. Did you mean 'lora'?" in message
 
 
+def test_a_key_in_the_wrong_section_names_the_section_it_belongs_to(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [*REQUIRED, "training.rank=8", "steps=300", "lerning_rate=1e-4"])
+    message = str(error.value)
+    assert "training.rank: unknown key. Did you mean 'lora.rank'?" in message
+    assert "steps: unknown key. Did you mean 'training.steps'?" in message
+    assert "lerning_rate: unknown key. Did you mean 'training.learning_rate'?" in message
+    # In a file: the line, and every section the key belongs to.
+    (tmp_path / "my.yaml").write_text("model: {name: ltx-video, pretrained: m}\ndata: {root: d}\nenabled: false\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(tmp_path / "my.yaml")
+    assert "line 3: enabled: unknown key. Did you mean " in str(error.value)
+    assert "'validation.enabled'" in str(error.value) and "'precompute.enabled'" in str(error.value)
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [

@@ -124,40 +124,79 @@ def test_shapes_dataset_is_deterministic(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------------------- overview
 
 
-def test_overview_png(shapes: Path, tmp_path: Path) -> None:
-    samples = load_text_pair_dataset(shapes)
-    infos = validate_clips(samples, 12, None, progress=False)
-    path = overview.write_dataset_overview(samples, infos, tmp_path / "overview.png")
+def _bucketed(shapes: Path, **data):
+    from vidtune.config import DataConfig
+    from vidtune.data.sources import inspect_dataset
+
+    config = DataConfig(root=str(shapes), **data)
+    return config, inspect_dataset(config, progress=False)
+
+
+def test_overview_png_shows_each_clip_cropped_to_its_bucket(shapes: Path, tmp_path: Path) -> None:
+    data, report = _bucketed(shapes, frames=8, height=32, width=32)
+    path = overview.write_dataset_overview(report.clips, data, tmp_path / "overview.png")
     with Image.open(path) as image:
         assert image.format == "PNG"
         size = image.size
         pixels = np.asarray(image.convert("RGB"))
     assert size == (overview.WIDTH, overview.HEADER_H + 3 * overview.ROW_H)
-    assert size == (3 * 168 + 8 + 460, 30 + 3 * 106)  # the layout itself, not just its own formula
-    # The first thumbnail is the 48x40 frame scaled to 108x90 and centered: black bars left and right,
-    # clip 1's background just inside its top-left corner.
+    assert size == (3 * 168 + 8 + 460, 50 + 3 * 106)  # the layout itself, not just its own formula
+    # The first thumbnail is the 40x48 clip cropped to its 32x32 bucket, scaled to 88x88 and centred: the clip's
+    # background just inside its corner, the sheet's (not a letterbox of the wider frame) just outside it.
     background = next(
-        rgb for name, rgb in BACKGROUNDS.items() if samples[0].caption.endswith(f"{name} background")
+        rgb for name, rgb in BACKGROUNDS.items() if report.clips[0].caption.endswith(f"{name} background")
     )
-    top = overview.HEADER_H + overview.PAD
-    left = overview.PAD + (overview.THUMB_W - 108) // 2
+    top = overview.HEADER_H + overview.PAD + 1
+    left = overview.PAD + (overview.THUMB_W - 88) // 2
     assert np.abs(pixels[top + 3, left + 3].astype(int) - background).max() < 20
-    assert pixels[top + 3, left - 3].max() == 0  # letterbox bar
+    assert pixels[top + 3, left - 4].tolist() == list(overview._BACKGROUND)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["overview.png"]  # no temp file left behind
 
 
 def test_overview_caps_rows_and_notes_the_rest(shapes: Path, tmp_path: Path) -> None:
-    samples = load_text_pair_dataset(shapes)
-    infos = validate_clips(samples, 12, None, progress=False)
-    path = overview.write_dataset_overview(samples, infos, tmp_path / "sheet.png", max_rows=2)
+    data, report = _bucketed(shapes, frames=8, height=32, width=32)
+    path = overview.write_dataset_overview(report.clips, data, tmp_path / "sheet.png", max_rows=2)
     with Image.open(path) as image:
         assert image.size == (overview.WIDTH, overview.HEADER_H + 2 * overview.ROW_H + overview.NOTE_H)
         note = np.asarray(image.convert("L"))[-overview.NOTE_H :]
-    assert note.max() > 100  # the "... and 1 more clip" note is drawn
+    assert note.max() > 100  # the "... and 1 more sample" note is drawn
 
 
-def test_overview_rejects_mismatched_infos(shapes: Path, tmp_path: Path) -> None:
-    samples = load_text_pair_dataset(shapes)
-    with pytest.raises(ValueError):
-        overview.write_dataset_overview(samples, [], tmp_path / "x.png")
-    assert not (tmp_path / "x.png").exists()
+def test_overview_shows_what_trains_and_marks_what_will_not(shapes: Path, tmp_path: Path) -> None:
+    from vidtune.data.video import decode_clip
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    clip = sorted((shapes / "clips").glob("*.mp4"))[0]
+    Image.fromarray(read_frames(clip, [0])[0]).save(folder / "still.png")
+    (folder / "broken.mp4").write_bytes(b"\x00" * 64)
+    (folder / "videos.txt").write_text(f"{clip}\nbroken.mp4\nmissing.mp4\nstill.png\n")
+    (folder / "prompts.txt").write_text("a clip\na broken file\na missing file\na still\n")
+    data, report = _bucketed(folder, frames=8, height=32, width=32, fps=16.0)  # no one-frame bucket
+    rows = overview.sheet_rows(report.clips, data, report.sample_problems)
+    assert [(row.clip.video.name, row.trains) for row in rows] == [(clip.name, True), ("broken.mp4", False),
+                                                                   ("still.png", False)]
+    trained, broken, still = rows
+    # What trains: the window read at 16 fps from a 24 fps clip (source frames 0, 2, 3, 5, ..., 11), first,
+    # middle and last, resized to the bucket as training resizes them.
+    assert trained.window == (0, 11) and trained.shape == (8, 32, 32)
+    expected = decode_clip(clip, 8, 32, 32, fps=16.0)
+    assert len(trained.frames) == 3 and all(frame.shape == (32, 32, 3) for frame in trained.frames)
+    assert np.array_equal(np.stack(trained.frames), expected[[0, 4, 7]])
+    # What does not: shown, each with its reason; the still once, at its own size; the broken file without frames.
+    assert len(still.frames) == 1 and still.frames[0].shape == (40, 48, 3)
+    assert any("no bucket has 1 frame" in problem for problem in still.problems)
+    assert broken.frames == () and "not a video file" in broken.problems[0]
+    assert overview.summary(report.clips, report.sample_problems, report.source_problems) == (
+        "3 samples: 1 clip and 0 stills train, 2 will not (in red); 1 line of the sources gives no sample (listed "
+        "at the end)")
+    path = overview.write_dataset_overview(report.clips, data, tmp_path / "sheet.png", report.sample_problems,
+                                           report.source_problems)
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB"))
+    assert pixels.shape[0] > overview.HEADER_H + 3 * overview.ROW_H  # and the line that gives no sample below
+    red = np.all(pixels == overview._MARK, axis=-1)
+    edge = overview.PAD // 2 + 1  # the left edge of a row's red frame
+    marked = [red[overview.HEADER_H + number * overview.ROW_H + overview.ROW_H // 2, edge] for number in range(3)]
+    assert marked == [False, True, True]
+    assert red[overview.HEADER_H + 3 * overview.ROW_H:].any()  # the missing file's line, in red

@@ -51,8 +51,8 @@ def frame_generator(seed: int, position: int) -> torch.Generator:
 
 # ----- assigning samples to buckets ---------------------------------------------------------------------------
 def describe_shape(shape: Shape) -> str:
-    frames, height, width = shape
-    return f"{frames} frame{'s' if frames != 1 else ''} of {width}x{height}"
+    """'17x64x96': frames x height x width, the order of the config's data.buckets."""
+    return "x".join(str(value) for value in shape)
 
 
 def assign_bucket(info: VideoInfo, is_image: bool, shapes: Sequence[Shape], fps: float | None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from vidtune.config import Config
 from vidtune.data.audio import sound_line
 from vidtune.data.buckets import Shape, check_bucket_shapes, describe_shape
 from vidtune.data.sources import Clip, DatasetReport, inspect_dataset
-from vidtune.data.video import VideoInfo, format_fps, frames_available
+from vidtune.data.video import VideoInfo, describe_size, format_fps, frames_available
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_write_text
 
@@ -42,6 +41,7 @@ class DataCheck:
     # The family trains on a clip's sound beside its frames (`spec.audio_format()`): its audio track is shown.
     family: str = ""
     reads_sound: bool = False
+    data: Any = None  # the config's data section: how samples are read (buckets, fps, resize, frame window)
 
     @property
     def clips(self) -> list[Clip]:
@@ -75,7 +75,10 @@ class DataCheck:
                 "image": clip.is_image, "repeats": clip.repeats,
                 "bucket": list(self.shapes[clip.bucket]) if clip.bucket is not None else None,
                 "duration": round(info.duration, 3) if info else None, "fps": info.fps if info else None,
-                "size": [info.width, info.height] if info else None, "frames": info.num_frames if info else None,
+                # [height, width] as displayed (what is resized to the bucket), as the config orders them.
+                "size": [info.height, info.width] if info else None, "frames": info.num_frames if info else None,
+                "pixel_aspect": _pixel_aspect(info), "stored_size": list(info.stored_size) if info and
+                info.stored_size else None,
                 "audio_track": info.has_audio if info else None,
                 "tokens": self.tokens.get(number),
                 "problems": list(self.report.sample_problems.get(number, [])),
@@ -89,7 +92,14 @@ class DataCheck:
 
 def shape_key(shape: Shape) -> str:
     """'49x480x832': frames x height x width."""
-    return "x".join(str(value) for value in shape)
+    return describe_shape(shape)
+
+
+def _pixel_aspect(info: VideoInfo | None) -> str | None:
+    """'128:117' for a file whose pixels are not square; None for square ones (and an unread file)."""
+    if info is None or info.pixel_aspect == 1:
+        return None
+    return f"{info.pixel_aspect.numerator}:{info.pixel_aspect.denominator}"
 
 
 def check_data(config: Config, spec: Any, progress: bool = True) -> DataCheck:
@@ -102,9 +112,12 @@ def check_data(config: Config, spec: Any, progress: bool = True) -> DataCheck:
     try:
         check_bucket_shapes(spec, shapes, single=not data.buckets)
     except ConfigError as error:
-        config_problems.append(str(error).rsplit("\nWhat to do:", 1)[0].replace("\n  - ", "\n    - "))
+        # Listed as "  - <first line>": every line after it is indented under it (its items one level deeper).
+        first, *rest = str(error).rsplit("\nWhat to do:", 1)[0].split("\n")
+        config_problems.append("\n".join([first, *(f"  {line}" if line.startswith("  ") else f"    {line}"
+                                                    for line in rest)]))
     check = DataCheck(shapes, inspect_dataset(data, progress=progress), config_problems, family=spec.name,
-                      reads_sound=spec.audio_format() is not None)
+                      reads_sound=spec.audio_format() is not None, data=data)
     _count_tokens(check, spec)
     _find_duplicates(check)
     return check
@@ -167,14 +180,16 @@ def table(check: DataCheck, fps: float | None) -> str:
     """One row per sample: where it was named, its length, rate, size, the frames it yields, its bucket (or why it
     fits none), its caption tokens, for a family that reads sound whether it has an audio track; then the counts per
     bucket and of samples with sound."""
-    header = ("#", "sample", "length", "fps", "size", "frames", "bucket", "tokens", *_sound_header(check), "file")
+    header = ("#", "sample", "length", "fps", "size (HxW)", "frames", "bucket (FxHxW)", "tokens",
+              *_sound_header(check), "file")
     rows = [header]
     notes: list[str] = []
     for number, clip in enumerate(check.clips):
         info = clip.info
         problems = check.report.sample_problems.get(number, [])
         if clip.bucket is not None and not problems:
-            bucket = describe_shape(check.shapes[clip.bucket]) + (f" x{clip.repeats}" if clip.repeats > 1 else "")
+            bucket = describe_shape(check.shapes[clip.bucket]) + (f", repeats {clip.repeats}" if clip.repeats > 1
+                                                                  else "")
         else:
             bucket = f"NONE (see {len(notes) + 1})" if problems else "-"
             notes.extend(problems)
@@ -185,7 +200,7 @@ def table(check: DataCheck, fps: float | None) -> str:
         sound = (_sound(clip, info),) if check.reads_sound else ()
         rows.append((str(number + 1), clip.where, _length(clip, info), _rate(clip, info), _size(info),
                      _frames(clip, info, fps), bucket, tokens, *sound, clip.video.name))
-    widths = [min(40, max(len(row[column]) for row in rows)) for column in range(len(header))]
+    widths = [min(48, max(len(row[column]) for row in rows)) for column in range(len(header))]
     lines = ["  ".join(_cell(text, width) for text, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     lines.append("")
@@ -228,7 +243,7 @@ def _rate(clip: Clip, info: VideoInfo | None) -> str:
 
 
 def _size(info: VideoInfo | None) -> str:
-    return "?" if info is None else f"{info.width}x{info.height}"
+    return "?" if info is None else describe_size(info)
 
 
 def _frames(clip: Clip, info: VideoInfo | None, fps: float | None) -> str:
@@ -246,15 +261,21 @@ def write_json(check: DataCheck, path: str | os.PathLike[str]) -> Path:
     return atomic_write_text(Path(path), json.dumps(check.to_json(), indent=2, ensure_ascii=False) + "\n")
 
 
-def write_sheets(clips: Sequence[Clip], path: Path, per_page: int = PAGE_ROWS, sound: bool = False) -> list[Path]:
-    """The contact sheet of every sample, `per_page` rows a page: path, then path-2.png, path-3.png, ... `sound`:
-    each row says whether the clip has an audio track (a family that trains on it)."""
-    from vidtune.data.overview import write_dataset_overview
+def write_sheets(check: DataCheck, path: Path, per_page: int = PAGE_ROWS) -> list[Path]:
+    """The contact sheet of every sample as it trains, `per_page` rows a page: path, then path-2.png, path-3.png,
+    ... Samples that will not train are on it, marked; the source lines that give no sample are listed on the last
+    page. For a family that trains on sound, each row says whether the clip has an audio track."""
+    from vidtune.data.overview import summary, write_dataset_overview
 
+    clips = check.clips
+    header = summary(clips, check.report.sample_problems, check.report.source_problems)
+    starts = range(0, max(len(clips), 1), per_page)
     pages = []
-    for page, first in enumerate(range(0, max(len(clips), 1), per_page), start=1):
-        chunk = list(clips[first : first + per_page])
-        infos = [clip.info or VideoInfo(clip.video, 0, 0.0, 0, 0) for clip in chunk]
+    for page, first in enumerate(starts, start=1):
         target = path if page == 1 else path.with_name(f"{path.stem}-{page}{path.suffix}")
-        pages.append(write_dataset_overview(chunk, infos, target, max_rows=per_page, sound=sound))
+        last = page == len(starts)
+        pages.append(write_dataset_overview(
+            clips[first : first + per_page], check.data, target, problems=check.report.sample_problems,
+            unused=check.report.source_problems if last else (), max_rows=per_page, sound=check.reads_sound,
+            header=header + (f" (page {page} of {len(starts)})" if len(starts) > 1 else "")))
     return pages

@@ -61,7 +61,10 @@ class ClipTooShortError(VidtuneError):
 
 @dataclass(frozen=True)
 class VideoInfo:
-    """What a probe learned about a clip. Width and height are as displayed (rotation applied)."""
+    """What a probe learned about a clip. Width and height are as displayed (rotation and the pixels' aspect
+    applied), which is what is resized to a bucket; `pixel_aspect` is the file's sample aspect ratio (a stored
+    pixel's width over its height; 1: square) and, when it is not 1, `stored_size` the (height, width) its frames
+    are stored at."""
 
     path: Path
     num_frames: int
@@ -69,11 +72,24 @@ class VideoInfo:
     width: int
     height: int
     has_audio: bool = False  # the file holds an audio track
+    pixel_aspect: Fraction = Fraction(1)
+    stored_size: tuple[int, int] | None = None
 
     @property
     def duration(self) -> float:
         """Length in seconds (0 when the frame rate is unknown)."""
         return self.num_frames / self.fps if self.fps > 0 else 0.0
+
+
+def describe_size(info: VideoInfo) -> str:
+    """The size as the config orders it, height x width ('144x176'); a file whose pixels are not square also says
+    how it is stored: '144x193 (stored 144x176, pixel aspect 128:117)'."""
+    size = f"{info.height}x{info.width}"
+    if info.pixel_aspect == 1:
+        return size
+    stored_height, stored_width = info.stored_size or (info.height, info.width)
+    return (f"{size} (stored {stored_height}x{stored_width}, pixel aspect "
+            f"{info.pixel_aspect.numerator}:{info.pixel_aspect.denominator})")
 
 
 def format_fps(fps: float) -> str:
@@ -108,6 +124,7 @@ def probe_video(path: str | os.PathLike[str]) -> VideoInfo:
             first, stored, shown = _first_frame_and_packet_count(container, stream, path)
             promised = stream.frames
             width, height = _display_size(first, stream)
+            pixel_aspect = _sample_aspect(stream)
             has_audio = bool(container.streams.audio)
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
@@ -117,7 +134,8 @@ def probe_video(path: str | os.PathLike[str]) -> VideoInfo:
             f"the file is incomplete (probably cut off while copying or downloading): it should hold "
             f"{promised} frames but only {stored} are there. Copy or export the clip again.",
         )
-    return VideoInfo(path=path, num_frames=shown, fps=fps, width=width, height=height, has_audio=has_audio)
+    return VideoInfo(path=path, num_frames=shown, fps=fps, width=width, height=height, has_audio=has_audio,
+                     pixel_aspect=pixel_aspect, stored_size=(first.height, first.width) if pixel_aspect != 1 else None)
 
 
 def probe_image(path: str | os.PathLike[str]) -> VideoInfo:
@@ -215,9 +233,9 @@ def _rotation_turns(frame: av.VideoFrame) -> int:
     return round(getattr(frame, "rotation", 0) / 90) % 4  # older PyAV has no rotation: assume upright
 
 
-def _sample_aspect(stream: av.video.stream.VideoStream) -> float:
+def _sample_aspect(stream: av.video.stream.VideoStream) -> Fraction:
     sar = stream.sample_aspect_ratio
-    return float(sar) if sar and sar > 0 else 1.0
+    return Fraction(sar) if sar and sar > 0 else Fraction(1)
 
 
 def _display_size(frame: av.VideoFrame, stream: av.video.stream.VideoStream) -> tuple[int, int]:
@@ -356,9 +374,13 @@ def _image_array(path: Path, height: int, width: int, resize: str) -> np.ndarray
     return np.array(image)[None]  # a writable copy for torch
 
 
-def read_frames(path: str | os.PathLike[str], indices: list[int]) -> list[np.ndarray]:
-    """Decode the given source frames (in the order given) as displayed, uint8 RGB arrays [H, W, 3]."""
+def read_frames(path: str | os.PathLike[str], indices: list[int], size: tuple[int, int] | None = None,
+                resize: str = "crop") -> list[np.ndarray]:
+    """Decode the given source frames (in the order given) as displayed, uint8 RGB arrays [H, W, 3]; with `size`
+    (height, width), resized to it as training resizes them (see `read_clip` for `resize`)."""
     path = Path(path)
+    if is_image_path(path) and size is not None:
+        return [_image_array(path, size[0], size[1], resize)[0] for _ in indices]
     if is_image_path(path):  # a still: its one frame, whatever is asked
         _check_file(path, "image")
         try:
@@ -371,7 +393,7 @@ def read_frames(path: str | os.PathLike[str], indices: list[int]) -> list[np.nda
     try:
         with av.open(str(path)) as container:
             stream = _video_stream(container, path)
-            images = _decode_indices(container, stream, indices, path, None)
+            images = _decode_indices(container, stream, indices, path, size, resize)
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
     return [images[index] for index in indices]

@@ -5,29 +5,13 @@ from __future__ import annotations
 import json
 import shlex
 
-from vidtune.config import Config, load_config
-from vidtune.errors import ConfigError
+from vidtune.config import Config
+from vidtune.config_docs import NOT_SET
 from vidtune.memory.plan import GIB, MemoryPlan, plan_memory
 from vidtune.memory.suggest import suggest
 
-UNSET = "(unset)"
-
-
-def load_plan_config(path: str | None, overrides: list[str]) -> Config:
-    """A config as `vidtune train` reads it; the dataset is not needed for a plan (data.root may stay unset)."""
-    if path is None and not overrides:
-        raise ConfigError("No config given: vidtune plan needs a config file and/or section.key=value settings.\n"
-                          "What to do: run e.g. vidtune plan my.yaml, or vidtune plan model.name=ltx-video "
-                          "model.pretrained=Lightricks/LTX-Video.")
-    config = load_config(path, overrides, required_placeholder=UNSET)
-    for key, value in (("model.name", config.model.name), ("model.pretrained", config.model.pretrained)):
-        if value == UNSET:
-            raise ConfigError(f"{key}: required, but not set.\nWhat to do: set it in the config file or as "
-                              f"{key}=... on the command line.")
-    from vidtune.models.registry import get_spec_class
-
-    get_spec_class(config.model.name)  # an unknown family named plainly
-    return config
+# Stands for the clips' folder in a printed command when the plan was made without one.
+DATA_ROOT_PLACEHOLDER = "/path/to/your/clips"
 
 
 def table(plan: MemoryPlan) -> str:
@@ -44,8 +28,21 @@ def table(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, as_json: bool, gpus: int) -> int:
-    config = load_plan_config(path, overrides)
+def train_example(config: Config, path: str | None, overrides: list[str], added: list[str]) -> str:
+    """"For example:" and the `vidtune train` command that runs the plan's config with `added`. A plan needs no
+    data, training does: without data.root / data.datasets the command holds a placeholder the text points at."""
+    words = ["vidtune", "train", *([path] if path else []), *overrides]
+    note = ""
+    if config.data.root == NOT_SET and not config.data.datasets:
+        words.append(f"data.root={DATA_ROOT_PLACEHOLDER}")
+        note = (f" (data.root is not set: replace {DATA_ROOT_PLACEHOLDER} with the folder holding your clips, "
+                "videos.txt and prompts.txt)")
+    return f"For example{note}:\n  {shlex.join([*words, *added])}"
+
+
+def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory: float | None, as_json: bool,
+             gpus: int) -> int:
+    """Print the plan of `config` (read from `path` and `overrides`, which the example command repeats)."""
     plan = plan_memory(config, gpus)
     result = plan.to_json()
     suggestion = None
@@ -68,10 +65,9 @@ def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, a
     if result["fits"]:
         print(f"\nFits in {gpu_memory:g} GiB.")
     elif suggestion is not None:
-        words = ["vidtune", "train", *([path] if path else []), *overrides, *suggestion.overrides]
         print(f"\nDoes not fit in {gpu_memory:g} GiB. It fits with these settings (the fastest combination found; "
               f"peak {suggestion.plan.peak / GIB:.2f} GiB):\n  {' '.join(suggestion.overrides)}\n"
-              f"For example:\n  {shlex.join(words)}")
+              f"{train_example(config, path, overrides, suggestion.overrides)}")
     else:
         print(f"\nDoes not fit in {gpu_memory:g} GiB, even with every memory saver vidtune has.\nWhat to do: train at "
               "a smaller size (data.frames, data.height, data.width), with a smaller lora.rank, on a larger GPU, or "

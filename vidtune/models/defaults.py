@@ -48,6 +48,65 @@ class FamilyDefaults:
         return words + f", shift {self.sigma_shift:g}"
 
 
+# Each family's published recipe. They live here rather than in the spec modules so that resolving a config (every
+# command does) does not import the families' modules, and torch and diffusers with them. A spec's `defaults` is its
+# entry of FAMILY_DEFAULTS (a test keeps them the same).
+LTX_VIDEO = FamilyDefaults(frames=49, height=512, width=768, fps=25.0, source=(
+    "finetrainers' LTX-Video LoRA recipe (49x512x768); LTXPipeline's frame_rate and guidance"),
+    sigma_sampling="token_shifted_logit_normal", noise_source=(
+        "Lightricks/LTX-Video-Trainer `configs/ltxv_2b_lora.yaml`: `flow_matching.timestep_sampling_mode: "
+        "shifted_logit_normal` (`src/ltxv_trainer/timestep_samplers.py`, std 1)"))
+
+LTX_2 = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, source=(
+    "LTX2Pipeline's defaults (512x768 at 24 fps, guidance 3); 121 frames: 5 s at 24 fps (the pipeline sets no "
+    "frame count)"), sigma_sampling="token_shifted_logit_normal", sigma_stretch=True, sigma_uniform_fraction=0.1,
+    noise_source=(
+        "Lightricks/LTX-2 `packages/ltx-trainer/src/ltx_trainer/config.py`: `FlowMatchingConfig."
+        "timestep_sampling_mode = shifted_logit_normal` (`timestep_samplers.py`: std 1, percentile stretching, "
+        "uniform_prob 0.1); the audio's drawn apart with its own token count (`training_strategies/flexible.py`)"))
+
+COGVIDEOX = FamilyDefaults(frames=49, height=480, width=720, fps=8.0, ddpm=True, source=(
+    "CogVideoX-5B: 49 frames of 480x720 at 8 fps (its model card and fine-tuning scripts); the pipeline's "
+    "guidance"), noise_source=(
+        "zai-org/CogVideo `finetune/models/cogvideox_t2v/lora_trainer.py`: `torch.randint(0, "
+        "num_train_timesteps)`, the scheduler's own alphas"))
+
+MOCHI = FamilyDefaults(frames=19, height=480, width=848, fps=30.0, source=(
+    "MochiPipeline's defaults (480x848, 19 frames, guidance 4.5); Mochi 1 is a 30 fps model"),
+    sigma_sampling="uniform", noise_source="genmoai/mochi `demos/fine_tuner/train.py`: `sigma = torch.rand(...)`")
+
+HUNYUAN_VIDEO = FamilyDefaults(frames=129, height=720, width=1280, fps=24.0, sigma_shift=7.0, source=(
+    "HunyuanVideoPipeline's defaults (129 frames of 720x1280), 24 fps; shift 7: the published scheduler's; "
+    "validation: true CFG off, the embedded guidance is model.guidance_scale"), noise_source=(
+        "kohya-ss/musubi-tuner `docs/hunyuan_video.md`: `--timestep_sampling shift --discrete_flow_shift 7.0` "
+        "(logit-normal, shift 7: the published scheduler's)"))
+
+HUNYUAN_VIDEO_15 = FamilyDefaults(frames=121, height=480, width=848, fps=24.0, sigma_shift=3.0, source=(
+    "the 480p checkpoints: 121 frames (the pipelines' default) at 24 fps, 480x848 (the 16:9 bucket of "
+    "target_size 640), guider scale 6"), noise_source=(
+        "Tencent-Hunyuan/HunyuanVideo-1.5 `train.py`: `snr_type: lognorm`, `train_timestep_shift: 3.0` (5 is its "
+        "`validation_timestep_shift`, the scheduler's)"))
+
+WAN = FamilyDefaults(frames=81, height=480, width=832, fps=16.0, sigma_shift=3.0, source=(
+    "WanPipeline's defaults (81 frames of 480x832, guidance 5) and 16 fps; shift 3: the 480p checkpoints' "
+    "flow_shift"), noise_source=(
+        "kohya-ss/musubi-tuner `docs/wan.md`: `--timestep_sampling shift --discrete_flow_shift 3.0` (logit-normal, "
+        "shift 3); DiffSynth-Studio's uniform shift-5 grid with a bell weight is reachable (below)"))
+
+WAN_22 = FamilyDefaults(frames=121, height=704, width=1280, fps=24.0, sigma_shift=5.0, source=(
+    "TI2V-5B's published recipe (121 frames of 704x1280 at 24 fps, shift 5, guidance 5); the A14B models "
+    "publish 81 frames of 720p at 16 fps, shift 12 (T2V) / 5 (I2V), guidance 4 (docs/wan22.md): set them"),
+    noise_source=(
+        "TI2V-5B's sampling shift 5 (docs/wan22.md), drawn as kohya-ss/musubi-tuner's `--timestep_sampling shift` "
+        "(`docs/wan.md`: logit-normal, then the shift)"))
+
+# model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
+FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
+    "ltx-video": LTX_VIDEO, "ltx-video-i2v": LTX_VIDEO, "ltx-2": LTX_2, "ltx-2-i2v": LTX_2, "cogvideox": COGVIDEOX,
+    "cogvideox-i2v": COGVIDEOX, "mochi": MOCHI, "hunyuan-video": HUNYUAN_VIDEO, "hunyuan-video-1.5": HUNYUAN_VIDEO_15,
+    "hunyuan-video-1.5-i2v": HUNYUAN_VIDEO_15, "wan": WAN, "wan-i2v": WAN, "wan2.2": WAN_22, "wan2.2-i2v": WAN_22,
+}
+
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.
 CONFIG_KEYS: dict[tuple[str, str], str] = {
     ("data", "frames"): "frames",
@@ -68,11 +127,9 @@ def apply_family_defaults(config: Config) -> Config:
     """`config` with the family's defaults in every key it leaves unset (see CONFIG_KEYS; `model.frame_rate` from
     `fps` when neither it nor `data.fps` is set). An unknown family is left alone: its name is reported where
     models are looked up."""
-    from vidtune.models.registry import SPECS, get_spec_class
-
-    if config.model.name not in SPECS:
+    defaults = FAMILY_DEFAULTS.get(config.model.name)
+    if defaults is None:
         return config
-    defaults = get_spec_class(config.model.name).defaults
     for (section_name, key), field in CONFIG_KEYS.items():
         section = getattr(config, section_name)
         if unset(section, key):

@@ -59,8 +59,10 @@ def _where(repo_id: str, revision: str | None) -> str:
 
 
 @functools.cache
-def check_hub_model(repo_id: str, revision: str | None, family: str, components: tuple[str, ...]) -> None:
-    """Raise a ModelError naming what to do when `repo_id` cannot give the family's `components`.
+def check_hub_model(repo_id: str, revision: str | None, family: str, components: tuple[str, ...],
+                    folder: str | None = None) -> None:
+    """Raise a ModelError naming what to do when `repo_id` cannot give the family's `components`. `folder`: the
+    folder `repo_id` was first looked for as (a relative path), named when the hub has no such model either.
 
     Asked once per process for the same arguments (the trainer, `vidtune data check` and the precompute stage
     all check before their long work; the answer does not change in between)."""
@@ -80,7 +82,7 @@ def check_hub_model(repo_id: str, revision: str | None, family: str, components:
         if snapshot is None:
             raise ModelError(
                 f"model.pretrained: {where} is not in this machine's hub cache ({constants.HF_HUB_CACHE}), and "
-                "HF_HUB_OFFLINE=1 forbids downloading it.\n"
+                f"HF_HUB_OFFLINE=1 forbids downloading it.{_no_folder(folder)}\n"
                 f"What to do: unset HF_HUB_OFFLINE to let vidtune download it, or {_download_hint(repo_id, revision)}."
             )
         present = {name for name in components if (snapshot / name).is_dir()}
@@ -91,7 +93,8 @@ def check_hub_model(repo_id: str, revision: str | None, family: str, components:
         info = HfApi().model_info(repo_id, revision=revision, timeout=PROBE_TIMEOUT_S)
     except HFValidationError:
         raise ModelError(
-            f"model.pretrained: '{repo_id}' is neither an existing folder nor a valid hub id (owner/name).\n"
+            f"model.pretrained: '{repo_id}' is neither an existing folder nor a valid hub id (owner/name)."
+            f"{_no_folder(folder)}\n"
             "What to do: point model.pretrained at a model folder in the diffusers layout (relative paths in a "
             "config file are relative to the file's folder), or give a hub id such as Lightricks/LTX-Video."
         ) from None
@@ -110,7 +113,7 @@ def check_hub_model(repo_id: str, revision: str | None, family: str, components:
     except RepositoryNotFoundError:
         raise ModelError(
             f"model.pretrained: there is no model {repo_id} on the hub (or it is private and this machine is not "
-            "logged in), nor a local folder of that name.\n"
+            f"logged in), nor a local folder of that name.{_no_folder(folder)}\n"
             "What to do: check the spelling of the hub id (e.g. Lightricks/LTX-Video); for a private model run "
             "`hf auth login`; for a local folder give its path (relative paths in a config file are relative to "
             "the file's folder)."
@@ -129,6 +132,13 @@ def check_hub_model(repo_id: str, revision: str | None, family: str, components:
     present = {name for name in components
                if any(sibling.rfilename.startswith(f"{name}/") for sibling in info.siblings or [])}
     _check_components(repo_id, revision, family, components, present, f"the hub repository {where}")
+
+
+def _no_folder(folder: str | None) -> str:
+    if folder is None:
+        return ""
+    return (f" As a folder it was looked for at {folder}, which does not exist (a relative path in a config file is "
+            "relative to the file's folder; on the command line, to the current folder).")
 
 
 def _unreachable_message(repo_id: str, revision: str | None, error: BaseException) -> str:

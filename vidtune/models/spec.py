@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer
 
-from vidtune.config import Config, DType, ModelConfig, TrainingConfig
+from vidtune.config import Config, DType, ModelConfig, TrainingConfig, folder_looked_for
 from vidtune.data.audio import AudioFormat
 from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError, ModelError
@@ -297,21 +297,28 @@ class ModelSpec(ABC):
         pretrained = self.config.pretrained
         needed = tuple(name for name in self.required_components() if name not in self.config.subfolders)
         if not looks_local(pretrained):
-            check_hub_model(pretrained, self.config.revision, self.name, needed)
+            check_hub_model(pretrained, self.config.revision, self.name, needed, folder_looked_for(pretrained))
             return
+        from vidtune.models.folders import check_folder_exists, describe_run, model_folders_inside, run_folder
+
+        check_folder_exists(pretrained)
         folder = Path(pretrained).expanduser()
-        if not folder.is_dir():
-            raise ModelError(
-                f"model.pretrained: the folder {folder.resolve()} does not exist.\n"
-                "What to do: point it at a model folder in the diffusers layout (with model_index.json; relative "
-                "paths in a config file are relative to the file's folder) or at a hub id such as "
-                "Lightricks/LTX-Video."
-            )
         missing = [name for name in needed if not (folder / name).is_dir()]
         if missing:
+
+            folder = folder.resolve()
+            run = run_folder(folder)
+            if run is not None:
+                raise ModelError(f"model.pretrained: {describe_run(folder, run)}")
+            problem = (f"model.pretrained: {folder} is not a complete {self.name} model folder; missing "
+                       f"subfolder(s): {', '.join(missing)}.")
+            inside = model_folders_inside(folder, needed)
+            if inside:
+                also = f" (or {', '.join(str(path) for path in inside[1:])})" if len(inside) > 1 else ""
+                raise ModelError(f"{problem} The model folder is inside it: {inside[0]}{also}.\n"
+                                 f"What to do: set model.pretrained={inside[0]}.")
             raise ModelError(
-                f"model.pretrained: {folder.resolve()} is not a complete {self.name} model folder; "
-                f"missing subfolder(s): {', '.join(missing)}.\n"
+                f"{problem}\n"
                 f"What to do: use a folder in the diffusers layout ({', '.join(self.required_components())}), "
                 "or give the missing parts with model.subfolders (e.g. {transformer: /path/to/transformer})."
             )

@@ -507,9 +507,9 @@ class Trainer(ABC):
     def prepare_output_dir(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_resolved_config(self.config, self.output_dir)
-        # What the run trains on, to look at: first / middle / last frame and caption of each clip (and whether it
-        # has sound, for a family that trains on it).
-        write_dataset_overview(self.clips, self.clip_infos, self.output_dir / outputs.DATASET_OVERVIEW,
+        # What the run trains on, to look at: each sample's frames at its bucket's size, and its caption (and
+        # whether it has sound, for a family that trains on it).
+        write_dataset_overview(self.clips, self.config.data, self.output_dir / outputs.DATASET_OVERVIEW,
                                sound=self.spec.audio_format() is not None)
 
     def load_models(self) -> list[nn.Parameter]:

@@ -19,6 +19,7 @@ METRICS = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
 DATASET_OVERVIEW = "dataset_overview.png"
 SAMPLES = "samples"
+SAMPLES_BY_STEP = "samples_by_step.png"  # every validation's samples side by side, one column per training step
 RESOLVED_CONFIG = "config.yaml"
 TENSORBOARD = "tensorboard"  # event files, when logging.tensorboard is on
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 
 from vidtune.config import Config, load_config
 from vidtune.errors import ConfigError
@@ -30,6 +31,10 @@ def load_plan_config(path: str | None, overrides: list[str]) -> Config:
     return config
 
 
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def table(plan: MemoryPlan) -> str:
     frames, height, width = plan.shape
     gpus = f", per GPU of {plan.world_size}" if plan.world_size > 1 else ""
@@ -46,10 +51,15 @@ def table(plan: MemoryPlan) -> str:
 
 def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, as_json: bool, gpus: int) -> int:
     config = load_plan_config(path, overrides)
+    # What each wait is doing, on stderr (stdout stays the table, or the JSON object).
+    say(f"Tracing one training step of {config.model.name} on the meta device (no weights loaded) ...")
     plan = plan_memory(config, gpus)
     result = plan.to_json()
     suggestion = None
     if gpu_memory is not None:
+        if plan.peak > gpu_memory * GIB:
+            say(f"Peak {plan.peak / GIB:.2f} GiB is over {gpu_memory:g} GiB: tracing combinations of memory savers "
+                "for the fastest one that fits ...")
         suggestion = suggest(config, gpu_memory, gpus) if plan.peak > gpu_memory * GIB else None
         result["gpu_memory_gib"] = gpu_memory
         result["fits"] = plan.peak <= gpu_memory * GIB

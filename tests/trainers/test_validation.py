@@ -17,6 +17,8 @@ import pytest
 import yaml
 from PIL import Image
 
+from vidtune.cli import print_summary
+from vidtune.sampling import SampleSettings, sheet_caption
 from vidtune.sheets import sample_files
 from vidtune.trainers import build_trainer
 
@@ -48,6 +50,11 @@ def test_with_buckets_validation_samples_the_first_video_bucket_and_says_so(make
     assert f"every validation side by side: {by_step}" in out
     with Image.open(by_step) as sheet:  # two columns of steps, each at least one 160 px cell wide
         assert sheet.width >= 2 * 160
+    print_summary(result, 1.0)
+    summary = capsys.readouterr().out
+    assert f"  by step      {by_step} (every validation side by side)" in summary
+    assert [line.split()[1] for line in summary.splitlines() if line.startswith("  sample ")] == \
+        [str(path) for path in result.every_sample]
     # validation.frames / height / width win over the buckets.
     shaped = make_config(data={"buckets": [[9, 32, 32]]}, training={"steps": 1},
                          validation={"enabled": True, "num_inference_steps": 1, "frames": 5, "height": 32,
@@ -69,6 +76,9 @@ def test_a_sample_contact_sheet_is_a_captioned_grid(tmp_path):
     assert captioned.width == plain.width and captioned.height >= plain.height + 3 * 16
     top = np.asarray(captioned)[: captioned.height - plain.height]
     assert top.std() > 0  # text is drawn there
+    settings = SampleSettings(("a red circle",), 17, 32, 48, 30, 3.0, 0, 24.0)
+    assert sheet_caption("a red circle", settings, 5, step=40) == [
+        "a red circle", "step 40, seed 5, 17x32x48 (frames x height x width), 30 denoising steps, guidance 3"]
 
 
 def _write_config(tmp_path: Path, tiny: Path, data: Path, **sections) -> Path:

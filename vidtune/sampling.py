@@ -433,6 +433,11 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     settings = SampleSettings.from_config(config, spec, default_prompt=prompt)
     settings = replace(settings, prompts=(prompt,), **{k: v for k, v in overrides.items() if v is not None})
     check_sample_shape(spec, settings)
+    if progress:
+        given = [f"--{key}" for key in ("frames", "height", "width") if overrides.get(key) is not None]
+        origin = validation_shape(config)[1] if not given else \
+            f"{' '.join(given)}" + ("" if len(given) == 3 else f"; the rest from {validation_shape(config)[1]}")
+        print(f"{describe_samples(settings, origin)}.", flush=True)
     reference = None
     if image is not None:
         if not spec.image_to_video:

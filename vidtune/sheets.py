@@ -10,6 +10,7 @@ Frames smaller than a readable cell are scaled up (nearest neighbour, so pixels 
 
 from __future__ import annotations
 
+import functools
 import re
 import textwrap
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ BACKGROUND, TEXT, DIM = (24, 24, 28), (235, 235, 235), (160, 160, 170)
 SAMPLE_NAME = re.compile(r"step-(\d+)-(\d+)\.mp4$")  # validation samples: step-00000040-0.mp4
 
 
+@functools.cache
 def _font() -> ImageFont.ImageFont:
     return ImageFont.load_default(size=13)
 

@@ -125,6 +125,8 @@ def test_vidtune_sample_writes_the_video_contact_sheet_and_latents(make_config, 
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Sample in" in result.stdout and str(out) in result.stdout and str(latents) in result.stdout
     assert "Loading the model ..." in result.stdout and "denoising: 100%" in result.stderr and "2/2" in result.stderr
+    assert ("1 sample at 17x32x64 (frames x height x width, from --frames --height --width), 2 denoising steps "
+            "each.") in result.stdout
     with av.open(str(out)) as container:
         decoded = list(container.decode(video=0))
     assert len(decoded) == frames and (decoded[0].height, decoded[0].width) == (height, width)

@@ -145,11 +145,11 @@ def write_samples_by_step(folder: Path, path: Path) -> Path | None:
     cell_h = max(cell.height for _, cells in blocks for cell in cells if cell is not None)
     width = max(len(steps) * (cell_w + PAD) + PAD, 480)
     heights = [PAD + len(_wrap(caption[0], width - 2 * PAD)) * LINE + LINE + cell_h + PAD for caption, _ in blocks]
-    title = ["Validation samples by training step: first, middle and last frame of each (columns: steps)"]
-    sheet = Image.new("RGB", (width, PAD + LINE + sum(heights) + PAD), BACKGROUND)
+    title = _wrap("Validation samples by training step: the first, middle and last frame of each", width - 2 * PAD)
+    sheet = Image.new("RGB", (width, PAD + len(title) * LINE + sum(heights) + PAD), BACKGROUND)
     draw = ImageDraw.Draw(sheet)
-    _draw_lines(draw, PAD, [(title[0], DIM)])
-    top = PAD + LINE
+    _draw_lines(draw, PAD, [(line, DIM) for line in title])
+    top = PAD + len(title) * LINE
     for (caption, cells), height in zip(blocks, heights, strict=True):
         lines = [(line, TEXT) for line in _wrap(caption[0], width - 2 * PAD)]
         _draw_lines(draw, top + PAD, lines)

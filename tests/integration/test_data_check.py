@@ -179,7 +179,7 @@ def test_following_the_still_advice_keeps_the_clips_moving(tmp_path, tiny_model_
     assert code == 1 and "set data.buckets to [[9, 32, 64], [1, 32, 64]] (the bucket list in full" in err, err
     code, out, err = check(buckets=[[1, 32, 64]])  # only the bucket the old advice named
     assert code == 1, out
-    assert "1 clip would train as stills: every bucket of data.buckets has 1 frame ([[1, 32, 64]])" in err, err
+    assert "1 clip would train as a still: every bucket of data.buckets has 1 frame ([[1, 32, 64]])" in err, err
     assert "e.g. data.buckets: [[9, 32, 64], [1, 32, 64]]" in err
     assert "The dataset is ready" not in out
     code, out, err = check(buckets=[[9, 32, 64], [1, 32, 64]])  # the advice followed

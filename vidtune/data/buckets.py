@@ -97,7 +97,8 @@ def clips_as_stills(shapes: Sequence[Shape], frames: int, infos: Sequence[tuple[
         return None
     sizes = list(dict.fromkeys((height, width) for _, height, width in shapes))
     suggested = [[frames, height, width] for height, width in sizes] + [list(shape) for shape in shapes]
-    return (f"{clips} clip{'s' if clips != 1 else ''} would train as stills: every bucket of data.buckets has 1 frame "
+    counted = f"{clips} clip would train as a still" if clips == 1 else f"{clips} clips would train as stills"
+    return (f"{counted}: every bucket of data.buckets has 1 frame "
             f"({[list(shape) for shape in shapes]}), so each video clip would train as a single frame. Give the clips "
             f"a bucket with more frames beside the one-frame ones, e.g. data.buckets: {suggested} (data.frames, "
             "height and width are not read when data.buckets is set), or list only images")

@@ -320,7 +320,8 @@ def test_vidtune_export_format_comfyui_from_a_checkpoint_and_from_a_finished_run
     assert [path.name for path in (tmp_path / "step1").iterdir()] == [COMFYUI_LORA_WEIGHTS]
     # Without --format, a LoRA export writes both files, as the end of a run does.
     assert cli_main(["export", str(run / "checkpoints" / "step-00000002"), "--output", str(tmp_path / "both")]) == 0
-    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS}
+    # With the checkpoint's config.yaml, which `vidtune sample` reads to sample the export.
+    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, COMFYUI_LORA_WEIGHTS, "config.yaml"}
     # A finished run's folder, even without checkpoints: its final adapter, the file the run wrote at its end.
     shutil.rmtree(run / "checkpoints")
     assert cli_main(["export", str(run), "--output", str(tmp_path / "final"), "--format", "comfyui"]) == 0

@@ -380,10 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sample = commands.add_parser(
         "sample", help="generate a video with what a run trained (adapter or transformer), in the family's pipeline",
-        description="Generate one video with the weights a finished run wrote (RUN_DIR: its output_dir), through "
-        "the model family's own diffusers pipeline and scheduler. Unset options take the run's validation "
-        "settings. Writes the mp4, a PNG contact sheet and the prompt beside it.")
-    sample.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir (holding config.yaml)")
+        description="Generate one video with the weights a run trained (RUN_DIR: its output_dir, one of its "
+        "checkpoints, or a vidtune export folder), through the model family's own diffusers pipeline and scheduler. "
+        "Unset options take the run's validation settings. Writes the mp4, a PNG contact sheet and the prompt "
+        "beside it.")
+    sample.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (a run that did not finish: its newest "
+                        "checkpoint), a checkpoints/step-XXXXXXXX folder, or a folder vidtune export wrote")
     sample.add_argument("--prompt", required=True, help="what to generate")
     sample.add_argument("--image", metavar="PNG", help="image-to-video models: the first frame (default: the "
                         "first frame of the run's first clip)")

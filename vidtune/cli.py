@@ -254,11 +254,9 @@ def positive_int(text: str) -> int:
 
 def command_sample(args: argparse.Namespace) -> int:
     from vidtune.data.video import probe_video
-    from vidtune.sampling import load_pipeline, next_sample_path, sample_run
+    from vidtune.sampling import load_pipeline, next_sample_path, sample_run, sample_source
 
-    run_dir = Path(args.run_dir)
-    output = Path(args.output) if args.output else next_sample_path(run_dir)
-    for flag, path, suffix in (("--output", output, ".mp4"), ("--latents", args.latents, ".safetensors")):
+    for flag, path, suffix in (("--output", args.output, ".mp4"), ("--latents", args.latents, ".safetensors")):
         if path is not None and Path(path).suffix.lower() != suffix:
             raise VidtuneError(f"{flag} {path}: the file name must end in {suffix}.\nWhat to do: name it e.g. "
                                f"sample{suffix}.")
@@ -267,16 +265,26 @@ def command_sample(args: argparse.Namespace) -> int:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    run = load_pipeline(run_dir, device=args.device, ema=False if args.no_ema else None,
-                        embedded_guidance=args.embedded_guidance)
-    averaged = " (the moving average of the weights, as validation used; --no-ema for the weights)" \
-        if run.weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER) else ""
-    print(f"Sampling {run.spec.name} with {run.weights}{averaged} on {run.device}.", flush=True)
-    written = sample_run(run, args.prompt, output, image=Path(args.image) if args.image else None,
-                         latents=Path(args.latents) if args.latents else None,
-                         control=Path(args.control) if args.control else None, num_inference_steps=args.steps,
-                         guidance_scale=args.guidance, seed=args.seed, frames=args.frames, height=args.height,
-                         width=args.width)
+    given = Path(args.run_dir)
+    with sample_source(given) as source:
+        if source.checkpoint is not None:
+            unfinished = "" if source.checkpoint == given or source.checkpoint.parent == given else \
+                f"{given} holds no final weights (the run did not finish): "
+            print(f"{unfinished}sampling the checkpoint {source.checkpoint} (its weights exported as `vidtune export` "
+                  "does, into a temporary folder).", flush=True)
+        output = Path(args.output) if args.output else next_sample_path(source.home)
+        print("Loading the model ...", flush=True)
+        run = load_pipeline(source.folder, device=args.device, ema=False if args.no_ema else None,
+                            embedded_guidance=args.embedded_guidance)
+        averaged = " (the moving average of the weights, as validation used; --no-ema for the weights)" \
+            if run.weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER) else ""
+        weights = run.weights if source.checkpoint is None else f"{run.weights.name} of {source.checkpoint.name}"
+        print(f"Sampling {run.spec.name} with {weights}{averaged} on {run.device}.", flush=True)
+        written = sample_run(run, args.prompt, output, image=Path(args.image) if args.image else None,
+                             latents=Path(args.latents) if args.latents else None,
+                             control=Path(args.control) if args.control else None, num_inference_steps=args.steps,
+                             guidance_scale=args.guidance, seed=args.seed, frames=args.frames, height=args.height,
+                             width=args.width, progress=True)
     sound = "with the sampled sound; " if probe_video(written).has_audio else ""  # LTX-2's
     print(f"Sample in {time.perf_counter() - started:.0f} s: {written.resolve()} ({sound}+ "
           f"{written.with_suffix('.png').name} contact sheet, {written.with_suffix('.txt').name} prompt)")
@@ -313,7 +321,11 @@ def print_summary(result, seconds: float) -> None:
     print(f"  loss curve   {result.output_dir / outputs.LOSS_PLOT}")
     if result.held_out:
         print(f"  eval curve   {result.output_dir / outputs.EVAL_PLOT}")
-    for path in result.sample_paths:
+    samples = result.every_sample or result.sample_paths
+    by_step = result.output_dir / outputs.SAMPLES_BY_STEP
+    if samples and by_step.is_file():
+        print(f"  by step      {by_step} (every validation side by side)")
+    for path in samples:
         print(f"  sample       {path} (+ {path.with_suffix('.png').name})")
     if result.held_out:
         print(result.held_out)
@@ -408,10 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sample = commands.add_parser(
         "sample", help="generate a video with what a run trained (adapter or transformer), in the family's pipeline",
-        description="Generate one video with the weights a finished run wrote (RUN_DIR: its output_dir), through "
-        "the model family's own diffusers pipeline and scheduler. Unset options take the run's validation "
-        "settings. Writes the mp4, a PNG contact sheet and the prompt beside it.")
-    sample.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir (holding config.yaml)")
+        description="Generate one video with the weights a run trained (RUN_DIR: its output_dir, one of its "
+        "checkpoints, or a vidtune export folder), through the model family's own diffusers pipeline and scheduler. "
+        "Unset options take the run's validation settings. Writes the mp4, a PNG contact sheet and the prompt "
+        "beside it.")
+    sample.add_argument("run_dir", metavar="RUN_DIR", help="a run's output_dir (a run that did not finish: its newest "
+                        "checkpoint), a checkpoints/step-XXXXXXXX folder, or a folder vidtune export wrote")
     sample.add_argument("--prompt", required=True, help="what to generate")
     sample.add_argument("--image", metavar="PNG", help="image-to-video models: the first frame (default: the "
                         "first frame of the run's first clip)")

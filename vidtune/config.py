@@ -446,9 +446,10 @@ class ValidationConfig(Section):
     )
     every: int = Field(0, ge=0, description="Also sample every N steps; 0: only at the end of the run.")
     seed: int = Field(0, ge=0, description="Seed of the validation samples' noise (and of the held-out score's).")
-    frames: int | None = Field(None, gt=0, description="Default: data.frames.")
-    height: int | None = Field(None, gt=0, description="Default: data.height.")
-    width: int | None = Field(None, gt=0, description="Default: data.width.")
+    frames: int | None = Field(None, gt=0, description="Default: a shape the run trains: with data.buckets the first "
+                               "bucket of more than one frame's, else data.frames.")
+    height: int | None = Field(None, gt=0, description="Default: as frames (that bucket's, else data.height).")
+    width: int | None = Field(None, gt=0, description="Default: as frames (that bucket's, else data.width).")
     eval_clips: int = Field(
         0, ge=0, description="Set aside this many samples of the training sources for the held-out score (spread "
         "evenly over the dataset, named when the run starts), no longer trained on; samples of a source marked "

@@ -18,6 +18,7 @@ LOSS_PLOT = "loss.png"
 EVAL_PLOT = "eval_loss.png"  # the held-out score over steps (validation.eval_clips)
 DATASET_OVERVIEW = "dataset_overview.png"
 SAMPLES = "samples"
+SAMPLES_BY_STEP = "samples_by_step.png"  # every validation's samples side by side, one column per training step
 RESOLVED_CONFIG = "config.yaml"
 TENSORBOARD = "tensorboard"  # event files, when logging.tensorboard is on
 

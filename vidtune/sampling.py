@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from vidtune.models.experts import TwoExperts
 from vidtune.models.spec import ModelSpec
 from vidtune.processors import configured_processor
 from vidtune.schedulers import student_scheduler
+from vidtune.sheets import write_contact_sheet
 
 
 @dataclass(frozen=True)
@@ -54,20 +55,59 @@ class SampleSettings:
 
     @classmethod
     def from_config(cls, config: Config, spec: ModelSpec, default_prompt: str) -> SampleSettings:
-        """The `validation` section, falling back to the training shape, the family's recommended guidance
-        and `default_prompt` (the first caption of the dataset)."""
+        """The `validation` section, falling back to a shape the run trains (`validation_shape`), the family's
+        recommended guidance and `default_prompt` (the first caption of the dataset)."""
         options = config.validation
+        frames, height, width = validation_shape(config)[0]
         return cls(
             prompts=tuple(options.prompts or [default_prompt]),
-            frames=options.frames or config.data.frames,
-            height=options.height or config.data.height,
-            width=options.width or config.data.width,
+            frames=frames,
+            height=height,
+            width=width,
             num_inference_steps=options.num_inference_steps,
             guidance_scale=(spec.validation_guidance_scale if options.guidance_scale is None
                             else options.guidance_scale),
             seed=options.seed,
             frame_rate=config.frame_rate,
         )
+
+
+def validation_shape(config: Config) -> tuple[tuple[int, int, int], str]:
+    """The (frames, height, width) samples take by default and where it comes from, in words: each of
+    `validation.frames / height / width` that is set, the rest from a shape the run trains: the first bucket of
+    `data.buckets` with more than one frame (else its first), or `data.frames / height / width`."""
+    options, data = config.validation, config.data
+    if data.buckets:
+        shapes = data.bucket_shapes()
+        trained = next((shape for shape in shapes if shape[0] > 1), shapes[0])
+        origin = ("the first bucket of data.buckets with more than one frame" if trained[0] > 1
+                  else "the first bucket of data.buckets")
+    else:
+        trained, origin = (data.frames, data.height, data.width), "data.frames / height / width"
+    given = {"frames": options.frames, "height": options.height, "width": options.width}
+    shape = tuple(value or trained[number] for number, value in enumerate(given.values()))
+    named = [f"validation.{key}" for key, value in given.items() if value]
+    if len(named) == 3:
+        origin = "validation.frames / height / width"
+    elif named:
+        origin = f"{', '.join(named)}; the rest from {origin}"
+    return shape, origin  # type: ignore[return-value]
+
+
+def describe_samples(settings: SampleSettings, origin: str) -> str:
+    """'2 samples at 17x64x96 (frames x height x width, from ...), 30 denoising steps each'."""
+    count = len(settings.prompts)
+    return (f"{count} sample{'s' if count != 1 else ''} at {settings.frames}x{settings.height}x{settings.width} "
+            f"(frames x height x width, from {origin}), {settings.num_inference_steps} denoising steps each")
+
+
+class SamplingStopped(VidtuneError):
+    """Sampling was asked to stop (Ctrl+C during validation): raised between two denoising steps. `written`: the
+    samples finished before it."""
+
+    def __init__(self, message: str, written: Sequence[Path] = ()) -> None:
+        super().__init__(message)
+        self.written = list(written)
 
 
 def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSettings,
@@ -98,12 +138,37 @@ def read_image(path: Path, height: int, width: int) -> torch.Tensor:
 
 
 # ----- rendering: validation and `vidtune sample` -------------------------------------------------------------
+@contextlib.contextmanager
+def stoppable(pipeline: Any, stop: Callable[[], bool] | None) -> Iterator[None]:
+    """While active, each call of the pipeline's denoisers first asks `stop` and raises SamplingStopped when it
+    says so: a sample stops within one denoising step, in every family's pipeline alike."""
+    if stop is None:
+        yield
+        return
+
+    def check(_module: Any, _inputs: Any) -> None:
+        if stop():
+            raise SamplingStopped("sampling stopped")
+
+    denoisers = [module for module in (getattr(pipeline, "transformer", None), getattr(pipeline, "transformer_2", None))
+                 if isinstance(module, torch.nn.Module)]
+    hooks = [module.register_forward_pre_hook(check) for module in denoisers]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 @torch.no_grad()
 def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleSettings, seed: int,
                   video_path: Path, *, reference: torch.Tensor | None = None, bf16: bool = False,
-                  latents_path: Path | None = None) -> Path:
-    """One sample with `pipeline`: `video_path` (mp4), its .png contact sheet and .txt prompt, and with
-    `latents_path` the final latents. The denoiser is put in eval mode for sampling and back in the mode it had."""
+                  latents_path: Path | None = None, stop: Callable[[], bool] | None = None,
+                  step: int | None = None) -> Path:
+    """One sample with `pipeline`: `video_path` (mp4), its .png contact sheet (captioned with the prompt and, for a
+    validation sample, the training `step`) and .txt prompt, and with `latents_path` the final latents. The denoiser
+    is put in eval mode for sampling and back in the mode it had. `stop`: asked before each denoising step
+    (SamplingStopped when it says so)."""
     denoiser = pipeline.transformer
     was_training = denoiser.training
     denoiser.eval()
@@ -115,7 +180,7 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
         return tensors
 
     try:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with stoppable(pipeline, stop), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             sample = spec.generate_sample(pipeline, prompt, frames=settings.frames, height=settings.height,
                                           width=settings.width, num_inference_steps=settings.num_inference_steps,
                                           guidance_scale=settings.guidance_scale,
@@ -128,7 +193,7 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
         write_video(video_path, pixels, fps=settings.frame_rate)
     else:  # a family that generates sound (LTX-2): its waveform is the mp4's sound track
         write_video(video_path, pixels, fps=settings.frame_rate, audio=sample.audio, sample_rate=sample.sample_rate)
-    write_contact_sheet(pixels, video_path.with_suffix(".png"))
+    write_contact_sheet(pixels, video_path.with_suffix(".png"), caption=sheet_caption(prompt, settings, seed, step))
     atomic_write_text(video_path.with_suffix(".txt"), prompt + "\n")
     if latents_path is not None:
         latents = spec.latents_from_pipeline(final["latents"], settings.frames, settings.height, settings.width)
@@ -139,29 +204,33 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
 
 
 def render_samples(spec: ModelSpec, pipeline: Any, settings: SampleSettings, folder: Path, name: str, *,
-                   reference: torch.Tensor | None = None, bf16: bool = False) -> list[Path]:
+                   reference: torch.Tensor | None = None, bf16: bool = False, progress: bool = False,
+                   stop: Callable[[], bool] | None = None, step: int | None = None) -> list[Path]:
     """One sample per prompt (seed `settings.seed + number`), written as `folder/{name}-{number}.mp4`
-    (+ .png contact sheet, + .txt prompt)."""
+    (+ .png contact sheet, + .txt prompt). `progress`: a bar of each sample's denoising steps; `stop`: asked
+    before each sample and each denoising step (SamplingStopped when it says so)."""
     folder.mkdir(parents=True, exist_ok=True)
-    pipeline.set_progress_bar_config(disable=True)
-    return [
-        render_sample(spec, pipeline, prompt, settings, settings.seed + number, folder / f"{name}-{number}.mp4",
-                      reference=reference, bf16=bf16)
-        for number, prompt in enumerate(settings.prompts)
-    ]
+    written = []
+    for number, prompt in enumerate(settings.prompts):
+        if stop is not None and stop():
+            raise SamplingStopped("sampling stopped", written)
+        pipeline.set_progress_bar_config(disable=not progress, leave=False, dynamic_ncols=True,
+                                         desc=f"sample {number + 1}/{len(settings.prompts)}")
+        try:
+            written.append(render_sample(spec, pipeline, prompt, settings, settings.seed + number,
+                                         folder / f"{name}-{number}.mp4", reference=reference, bf16=bf16, stop=stop,
+                                         step=step))
+        except SamplingStopped:
+            raise SamplingStopped("sampling stopped", written) from None
+    return written
 
 
-def write_contact_sheet(frames: np.ndarray, path: Path, columns: int = 8) -> Path:
-    """A PNG grid of up to `columns` evenly spaced frames, so a sample can be judged without a player."""
-    count = min(columns, len(frames))
-    picks = np.linspace(0, len(frames) - 1, count).round().astype(int)
-    height, width = frames.shape[1:3]
-    sheet = Image.new("RGB", (width * count, height))
-    for slot, index in enumerate(picks):
-        sheet.paste(Image.fromarray(frames[index]), (slot * width, 0))
-    with atomic_path(path) as temporary:
-        sheet.save(temporary, format="PNG")
-    return path
+def sheet_caption(prompt: str, settings: SampleSettings, seed: int, step: int | None = None) -> list[str]:
+    """The lines above a sample's contact sheet: its prompt, then what made it."""
+    made = [f"step {step}"] if step is not None else []
+    made += [f"seed {seed}", f"{settings.frames}x{settings.height}x{settings.width} (frames x height x width)",
+             f"{settings.num_inference_steps} denoising steps", f"guidance {settings.guidance_scale:g}"]
+    return [prompt, ", ".join(made)]
 
 
 def write_latents(latents: torch.Tensor, path: Path, metadata: dict[str, str]) -> Path:
@@ -216,6 +285,50 @@ def run_weights(run: Path, ema: bool | None = None) -> tuple[Path, bool]:
             else "give the output_dir of a run that finished.")
     raise VidtuneError(f"{run} holds no trained weights ({outputs.LORA_WEIGHTS} or {outputs.TRANSFORMER_FOLDER}/): "
                        f"the run did not finish.\nWhat to do: {hint}")
+
+
+@dataclass(frozen=True)
+class SampleSource:
+    """What `vidtune sample PATH` samples: `folder` holds config.yaml and the weights (a run's, an export's, or a
+    checkpoint's exported to a temporary folder); `home` is where its samples go; `checkpoint`: the checkpoint
+    folder, when one is sampled."""
+
+    folder: Path
+    home: Path
+    checkpoint: Path | None = None
+
+
+def has_final_weights(folder: Path) -> bool:
+    return any((folder / name).exists() for name in outputs.FINAL_OUTPUTS)
+
+
+@contextlib.contextmanager
+def sample_source(path: Path) -> Iterator[SampleSource]:
+    """A run folder (its final weights; a run that did not finish: its newest checkpoint), a checkpoint folder
+    (checkpoints/step-XXXXXXXX, of a finished run or not) or a `vidtune export` folder, as a folder
+    `load_pipeline` reads. A checkpoint's weights are exported (as `vidtune export` does) into a temporary folder,
+    removed afterwards."""
+    import tempfile
+
+    from vidtune import checkpoint as checkpoints
+    from vidtune.export import export_checkpoint
+    from vidtune.resume import find_checkpoint
+
+    path = path.expanduser()
+    if has_final_weights(path) or not path.is_dir():
+        yield SampleSource(path, path)
+        return
+    is_checkpoint = checkpoints.is_complete(path)
+    if not is_checkpoint and checkpoints.latest(path) is None and checkpoints.latest(outputs.checkpoints_root(path)) \
+            is None:
+        yield SampleSource(path, path)  # load_pipeline says what is missing
+        return
+    folder = find_checkpoint(path)
+    # Samples of a run's checkpoint go to the run's samples folder.
+    home = folder.parent.parent if folder.parent.name == outputs.CHECKPOINTS else path
+    with tempfile.TemporaryDirectory(prefix="vidtune-checkpoint-") as temporary:
+        export_checkpoint(folder, temporary)
+        yield SampleSource(Path(temporary), home, folder)
 
 
 def embedded_guidance_scale(config: Config, requested: float | None) -> float | None:
@@ -307,17 +420,24 @@ def check_sample_shape(spec: ModelSpec, settings: SampleSettings) -> None:
 
 
 def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | None = None,
-               latents: Path | None = None, control: Path | None = None, **overrides: Any) -> Path:
+               latents: Path | None = None, control: Path | None = None, progress: bool = False,
+               **overrides: Any) -> Path:
     """One sample of `run` into `output` (mp4, + .png, + .txt; + `latents`). `overrides`: SampleSettings fields
     (num_inference_steps, guidance_scale, seed, frames, height, width); the rest are the run's validation
     settings. An image-to-video family starts from `image`, else from the run's first clip (as validation); a
-    control run follows the control clip `control`, else the run's first clip's control clip (as validation)."""
+    control run follows the control clip `control`, else the run's first clip's control clip (as validation).
+    `progress`: a bar of the denoising steps."""
     from vidtune.data.sources import read_sources
 
     spec, config = run.spec, run.config
     settings = SampleSettings.from_config(config, spec, default_prompt=prompt)
     settings = replace(settings, prompts=(prompt,), **{k: v for k, v in overrides.items() if v is not None})
     check_sample_shape(spec, settings)
+    if progress:
+        given = [f"--{key}" for key in ("frames", "height", "width") if overrides.get(key) is not None]
+        origin = validation_shape(config)[1] if not given else \
+            f"{' '.join(given)}" + ("" if len(given) == 3 else f"; the rest from {validation_shape(config)[1]}")
+        print(f"{describe_samples(settings, origin)}.", flush=True)
     reference = None
     if image is not None:
         if not spec.image_to_video:
@@ -341,7 +461,7 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
                            "control-lora or control-full.")
     if run.control is not None:
         given = run.control.given(run_control_latents(run, settings, control))
-    run.pipeline.set_progress_bar_config(disable=True)
+    run.pipeline.set_progress_bar_config(disable=not progress, desc="denoising", dynamic_ncols=True)
     output.parent.mkdir(parents=True, exist_ok=True)
     with given:
         return render_sample(spec, run.pipeline, prompt, settings, settings.seed, output, reference=reference,

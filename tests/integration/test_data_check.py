@@ -195,3 +195,42 @@ def test_a_clip_with_non_square_pixels_gives_its_size_as_shown_and_as_stored(tmp
     assert "144x193 (stored 144x176, pixel aspect 128:117)" in row and "9x32x32" in row
     clip = json.loads((tmp_path / "report.json").read_text())["clips"][0]
     assert (clip["size"], clip["stored_size"], clip["pixel_aspect"]) == ([144, 193], [144, 176], "128:117")
+
+
+def test_following_the_still_advice_keeps_the_clips_moving(tmp_path, tiny_model_dir, capsys):
+    """A still beside clips trained at data.frames: the advice names the whole bucket list; a list of one-frame
+    buckets alone would train every clip as a still, which the check reports (and training refuses)."""
+    render_mixed_dataset(tmp_path / "data")
+    pairs = [{"type": "pairs", "root": str(tmp_path / "data/pairs")}]  # landscape.mp4 (20 frames) and wide.png
+
+    def check(**data) -> tuple[int, str, str]:
+        path = tmp_path / "check.yaml"
+        path.write_text(yaml.safe_dump({
+            "model": {"name": "ltx-video", "pretrained": str(tiny_model_dir("ltx-video"))},
+            "data": {"datasets": pairs, "frames": 9, **data}, "output_dir": str(tmp_path / "run"),
+            "logging": {"progress": False}}))
+        code = main(["data", "check", str(path), "--overview", str(tmp_path / "sheet.png"), "--report",
+                     str(tmp_path / "report.json")])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    code, _, err = check(height=32, width=64)
+    assert code == 1 and "set data.buckets to [[9, 32, 64], [1, 32, 64]] (the bucket list in full" in err, err
+    code, out, err = check(buckets=[[1, 32, 64]])  # only the bucket the old advice named
+    assert code == 1, out
+    assert "1 clip would train as a still: every bucket of data.buckets has 1 frame ([[1, 32, 64]])" in err, err
+    assert "e.g. data.buckets: [[9, 32, 64], [1, 32, 64]]" in err
+    assert "The dataset is ready" not in out
+    code, out, err = check(buckets=[[9, 32, 64], [1, 32, 64]])  # the advice followed
+    assert code == 0, err
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [clip["bucket"] for clip in report["clips"]] == [[9, 32, 64], [1, 32, 64]]
+
+
+def test_training_refuses_clips_that_would_train_as_stills(make_config):
+    from vidtune.data.sources import DataError
+    from vidtune.trainers import build_trainer
+
+    trainer = build_trainer(make_config(data={"buckets": [[1, 32, 32]]}))
+    with pytest.raises(DataError, match="4 clips would train as stills"):
+        trainer.check_inputs()

@@ -376,7 +376,8 @@ def test_vidtune_export_format_comfyui_from_a_checkpoint_and_from_a_finished_run
     capsys.readouterr()
     assert cli_main(["export", str(run / "checkpoints" / "step-00000002"), "--output", str(tmp_path / "both")]) == 0
     step2_name = comfyui_lora_weights(f"{RUN}_step-00000002")
-    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, step2_name}
+    # With the checkpoint's config.yaml, which `vidtune sample` reads to sample the export.
+    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, step2_name, "config.yaml"}
     assert f"Wrote the LoRA for ComfyUI: {tmp_path / 'both' / step2_name}" in capsys.readouterr().out
     # A finished run's folder, even without checkpoints: its final adapter, the file the run wrote at its end.
     shutil.rmtree(run / "checkpoints")

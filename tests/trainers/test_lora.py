@@ -88,8 +88,8 @@ def test_outputs_of_a_run(make_config, tmp_path):
         frames = list(container.decode(video=0))
     assert len(frames) == config.data.frames
     assert (frames[0].height, frames[0].width) == (config.data.height, config.data.width)
-    with Image.open(result.sample_paths[0].with_suffix(".png")) as sheet:
-        assert sheet.size[1] == config.data.height
+    with Image.open(result.sample_paths[0].with_suffix(".png")) as sheet:  # 8 frames grown to 160 px, 2 rows of 4
+        assert sheet.size[0] == 4 * 160 + 5 * 6 and sheet.size[1] > 2 * 160
 
 
 def test_unknown_target_module_is_a_clear_error(make_config):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,11 +124,14 @@ def test_vidtune_sample_writes_the_video_contact_sheet_and_latents(make_config, 
         capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Sample in" in result.stdout and str(out) in result.stdout and str(latents) in result.stdout
+    assert "Loading the model ..." in result.stdout and "denoising: 100%" in result.stderr and "2/2" in result.stderr
+    assert ("1 sample at 17x32x64 (frames x height x width, from --frames --height --width), 2 denoising steps "
+            "each.") in result.stdout
     with av.open(str(out)) as container:
         decoded = list(container.decode(video=0))
     assert len(decoded) == frames and (decoded[0].height, decoded[0].width) == (height, width)
-    with Image.open(out.with_suffix(".png")) as sheet:
-        assert sheet.size == (8 * width, height)
+    with Image.open(out.with_suffix(".png")) as sheet:  # 8 of the frames, in 2 rows of 4, under the prompt
+        assert sheet.width == 4 * 160 + 5 * 6 and sheet.height > 2 * 160 * height // width + 2 * 16
     assert out.with_suffix(".txt").read_text() == "a blue square\n"
     with safe_open(latents, "pt") as saved:
         assert list(saved.keys()) == ["latents"]
@@ -162,11 +166,14 @@ def test_sample_refusals_say_what_to_do(make_config, tmp_path, capsys):
         assert cli_main(["sample", *arguments, "--device", "cpu"]) == 2, message
         err = capsys.readouterr().err
         assert message in err and "What to do:" in err, err
-    # A run that did not finish: the command that makes its weights.
+    # A run that did not finish samples its newest checkpoint; without one, nothing was trained yet.
     (Path(run) / "pytorch_lora_weights.safetensors").unlink()
+    assert cli_main(["sample", run, "--prompt", "x", "--steps", "1"]) == 0
+    assert "sampling the checkpoint" in capsys.readouterr().out
+    shutil.rmtree(Path(run) / "checkpoints")
     assert cli_main(["sample", run, "--prompt", "x"]) == 2
     err = capsys.readouterr().err
-    assert f"vidtune export {Path(run) / 'checkpoints' / 'step-00000001'} --output {run}" in err
+    assert "holds no trained weights" in err and "What to do:" in err
 
 
 def test_a_run_with_a_weights_average_samples_with_it_unless_told(make_config, tmp_path):
@@ -186,3 +193,36 @@ def test_a_run_with_a_weights_average_samples_with_it_unless_told(make_config, t
     (out / "pytorch_lora_weights_ema.safetensors").unlink()
     with pytest.raises(VidtuneError, match="has no moving average of its weights"):
         run_weights(out, ema=True)
+
+
+def test_vidtune_sample_takes_a_checkpoint_an_unfinished_run_and_an_export(make_config, tmp_path, capsys):
+    from tests.interrupt import run_stopped_at
+    from vidtune.export import export_checkpoint
+
+    finished = make_config(training={"steps": 2}, checkpoint={"every": 1, "keep": 5})
+    build_trainer(finished).run()
+    run = Path(finished.output_dir)
+    assert cli_main(["sample", str(run / "checkpoints" / "step-00000001"), "--prompt", "x", "--steps", "1",
+                     "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"sampling the checkpoint {run / 'checkpoints' / 'step-00000001'}" in out
+    assert "with pytorch_lora_weights.safetensors of step-00000001" in out
+    assert (run / "samples" / "sample-001.mp4").is_file()  # the run's samples folder
+
+    stopped = make_config(training={"steps": 4}, checkpoint={"every": 1, "keep": 5},
+                          output_dir=str(tmp_path / "stopped"))
+    run_stopped_at(build_trainer(stopped), 2)
+    unfinished = Path(stopped.output_dir)
+    assert (unfinished / "loss.png").is_file()  # written with each checkpoint, also when the run stops
+    assert cli_main(["sample", str(unfinished), "--prompt", "x", "--steps", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert (f"{unfinished} holds no final weights (the run did not finish): sampling the checkpoint "
+            f"{unfinished / 'checkpoints' / 'step-00000002'}") in out
+
+    # What the interrupt message advises: export, then sample the export.
+    exported = tmp_path / "exported"
+    export_checkpoint(unfinished / "checkpoints" / "step-00000002", exported)
+    assert (exported / "config.yaml").is_file()
+    assert cli_main(["sample", str(exported), "--prompt", "x", "--steps", "1", "--device", "cpu"]) == 0
+    assert (exported / "samples" / "sample-001.mp4").is_file()
+    assert "Sample in" in capsys.readouterr().out

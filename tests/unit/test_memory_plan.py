@@ -236,6 +236,19 @@ def test_plan_command_prints_one_json_object(tiny_model_dir, capsys):
     assert result["fits"] is False and result["suggested_overrides"] == []
 
 
+def test_plan_says_what_it_is_doing_before_each_wait(tiny_model_dir, capsys):
+    frames, height, width = TINY_SHAPES["ltx-video"]
+    words = ["plan", "model.name=ltx-video", f"model.pretrained={tiny_model_dir('ltx-video')}",
+             f"data.frames={frames}", f"data.height={height}", f"data.width={width}", "training.device=cpu"]
+    assert main([*words, "--gpu-memory", "1e-9", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert "Tracing one training step of ltx-video on the meta device (no weights loaded) ..." in lines
+    assert any(line.endswith("is over 1e-09 GiB: tracing combinations of memory savers for the fastest one that "
+                             "fits ...") for line in lines), captured.err
+    json.loads(captured.out.splitlines()[-1])  # stdout stays the JSON object
+
+
 def test_plan_refuses_an_unknown_hub_id(capsys):
     assert main(["plan", "model.name=wan", "model.pretrained=someone/unknown-model"]) == 2
     error = capsys.readouterr().err

@@ -3,7 +3,8 @@
 A bucket is a shape `(frames, height, width)`. Each sample goes to one bucket, chosen once, up front: among the
 buckets whose frame count it can fill (at `data.fps`, or its own rate), the one of nearest aspect ratio (compared
 as log-ratios, so 2:1 and 1:2 are equally far from 1:1); ties go to the bucket with more frames, then the earlier
-one. Stills go to one-frame buckets; clips go to buckets of more than one frame unless every bucket has one frame.
+one. Stills go to one-frame buckets; clips go to buckets of more than one frame (with one-frame buckets alone, clips
+are a problem: they would train as stills).
 A sample that fits no bucket is reported with the reason; nothing is ever stretched in time.
 
 A batch holds samples of one bucket. The schedule is a pure function of (seed, batch number), so a run resumes
@@ -62,8 +63,8 @@ def assign_bucket(info: VideoInfo, is_image: bool, shapes: Sequence[Shape], fps:
         candidates = [i for i, shape in enumerate(shapes) if shape[0] == 1]
         if not candidates:
             return None, (f"it is a still image, and no bucket has 1 frame (the buckets hold "
-                          f"{_frame_counts(shapes)} frames): add a bucket such as [1, {shapes[0][1]}, {shapes[0][2]}] "
-                          "to data.buckets, or remove the image")
+                          f"{_frame_counts(shapes)} frames): set data.buckets to {with_still_buckets(shapes)} (the "
+                          "bucket list in full: it replaces data.frames / height / width), or remove the image")
     else:
         try:
             available = frames_available(info.num_frames, fps, info.fps)
@@ -76,6 +77,31 @@ def assign_bucket(info: VideoInfo, is_image: bool, shapes: Sequence[Shape], fps:
             return None, _too_short(info, available, fps, min(shapes[i][0] for i in usable), len(usable) == 1)
     aspect = math.log(info.width / info.height)
     return min(candidates, key=lambda i: (abs(math.log(shapes[i][2] / shapes[i][1]) - aspect), -shapes[i][0], i)), None
+
+
+def with_still_buckets(shapes: Sequence[Shape]) -> str:
+    """`shapes` and a one-frame bucket of each of their sizes, written as data.buckets takes them: the list that trains
+    the clips as before and the stills beside them."""
+    sizes = list(dict.fromkeys((height, width) for _, height, width in shapes))
+    return str([list(shape) for shape in shapes] + [[1, height, width] for height, width in sizes])
+
+
+def clips_as_stills(shapes: Sequence[Shape], frames: int, infos: Sequence[tuple[bool, int | None]]) -> str | None:
+    """The problem of a bucket list that has only one-frame buckets while the samples include video clips: each clip
+    would train as a single frame, which is never what a list of clips means. `infos`: (is_image, bucket) per sample
+    that fits a bucket; `frames`: data.frames, the frame count suggested for the clips."""
+    if any(shape[0] > 1 for shape in shapes):
+        return None
+    clips = sum(1 for is_image, bucket in infos if not is_image and bucket is not None)
+    if not clips:
+        return None
+    sizes = list(dict.fromkeys((height, width) for _, height, width in shapes))
+    suggested = [[frames, height, width] for height, width in sizes] + [list(shape) for shape in shapes]
+    counted = f"{clips} clip would train as a still" if clips == 1 else f"{clips} clips would train as stills"
+    return (f"{counted}: every bucket of data.buckets has 1 frame "
+            f"({[list(shape) for shape in shapes]}), so each video clip would train as a single frame. Give the clips "
+            f"a bucket with more frames beside the one-frame ones, e.g. data.buckets: {suggested} (data.frames, "
+            "height and width are not read when data.buckets is set), or list only images")
 
 
 def _frame_counts(shapes: Sequence[Shape]) -> str:

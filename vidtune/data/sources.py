@@ -377,7 +377,7 @@ def read_sources(data: Any) -> DatasetReport:
 
 def inspect_dataset(data: Any, progress: bool = True) -> DatasetReport:
     """`read_sources`, then every sample probed (headers and packets, no decoding) and given its bucket."""
-    from vidtune.data.buckets import assign_bucket
+    from vidtune.data.buckets import assign_bucket, clips_as_stills
 
     report = read_sources(data)
     shapes = data.bucket_shapes()
@@ -393,6 +393,9 @@ def inspect_dataset(data: Any, progress: bool = True) -> DatasetReport:
         report.clips[number] = replace(clip, info=info, bucket=bucket)
         if reason:
             report.sample_problems.setdefault(number, []).append(reason)
+    stills = clips_as_stills(shapes, data.frames, [(clip.is_image, clip.bucket) for clip in report.clips])
+    if stills:
+        report.source_problems.append(stills)
     return report
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 
 from vidtune.config import Config
 from vidtune.config_docs import NOT_SET
@@ -12,6 +13,10 @@ from vidtune.memory.suggest import suggest
 
 # Stands for the clips' folder in a printed command when the plan was made without one.
 DATA_ROOT_PLACEHOLDER = "/path/to/your/clips"
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def table(plan: MemoryPlan) -> str:
@@ -43,10 +48,15 @@ def train_example(config: Config, path: str | None, overrides: list[str], added:
 def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory: float | None, as_json: bool,
              gpus: int) -> int:
     """Print the plan of `config` (read from `path` and `overrides`, which the example command repeats)."""
+    # What each wait is doing, on stderr (stdout stays the table, or the JSON object).
+    say(f"Tracing one training step of {config.model.name} on the meta device (no weights loaded) ...")
     plan = plan_memory(config, gpus)
     result = plan.to_json()
     suggestion = None
     if gpu_memory is not None:
+        if plan.peak > gpu_memory * GIB:
+            say(f"Peak {plan.peak / GIB:.2f} GiB is over {gpu_memory:g} GiB: tracing combinations of memory savers "
+                "for the fastest one that fits ...")
         suggestion = suggest(config, gpu_memory, gpus) if plan.peak > gpu_memory * GIB else None
         result["gpu_memory_gib"] = gpu_memory
         result["fits"] = plan.peak <= gpu_memory * GIB

@@ -25,6 +25,7 @@ import logging
 import math
 import random
 import signal
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -84,7 +85,15 @@ from vidtune.parallel.deepspeed import process_group as deepspeed_process_group
 from vidtune.parallel.strategy import Strategy, choose_strategy
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
-from vidtune.sampling import SampleSettings, reference_clip, render_samples
+from vidtune.sampling import (
+    SampleSettings,
+    SamplingStopped,
+    describe_samples,
+    reference_clip,
+    render_samples,
+    validation_shape,
+)
+from vidtune.sheets import sample_files, write_samples_by_step
 from vidtune.state import SavedState, TrainingState, read_checkpoint, restore_rng, resume_stream
 from vidtune.trackers import check_trackers, open_trackers
 from vidtune.trainers.stop import SIGNAL_EXIT_CODES, StopSignals, TrainingInterrupted, agreed_stop, stop_votes
@@ -100,7 +109,9 @@ class TrainResult:
     final_step: int
     losses: list[float] = field(default_factory=list)  # the logged losses of the steps this process ran
     weights_path: Path | None = None
-    sample_paths: list[Path] = field(default_factory=list)
+    sample_paths: list[Path] = field(default_factory=list)  # the final validation's samples
+    # Every validation sample in the run's samples folder (earlier validations, and those of the run it resumed).
+    every_sample: list[Path] = field(default_factory=list)
     first_step: int = 0  # the step this process started from (> 0 after a resume)
     best_checkpoint: Path | None = None  # the checkpoint with the best held-out score (validation.eval_clips)
     held_out: str | None = None  # the closing line on the held-out score
@@ -144,6 +155,12 @@ def gathered_noise(noise: dict[str, list[float]]) -> dict[str, list[float]]:
         for key, values in rows.items():
             merged.setdefault(key, []).extend(values)
     return merged
+
+
+def say(line: str) -> None:
+    """A line on stdout that leaves a progress bar intact, written at once (also into a log file)."""
+    tqdm.write(line)
+    sys.stdout.flush()
 
 
 def seed_everything(seed: int) -> None:
@@ -194,6 +211,7 @@ class Trainer(ABC):
         self.eval_history = EvalHistory()
         # The current step's micro-batches: (their noise levels by metrics key, each sample's loss), for metrics.jsonl.
         self.step_noise: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
+        self.stop: StopSignals | None = None  # what SIGINT / SIGTERM asked, while they are caught
 
     # ----- what an algorithm decides ------------------------------------------------------------------
     @abstractmethod
@@ -240,6 +258,7 @@ class Trainer(ABC):
         with log:  # closes the trackers however the run ends
             # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
             with StopSignals() as stop:
+                self.stop = stop
                 stream = self.batch_stream(saved)
                 stopped_by = agreed_stop(stop)
                 while state.step < self.config.training.steps and stopped_by is None:
@@ -253,20 +272,25 @@ class Trainer(ABC):
                                    gathered_noise(outcome.noise))
                     log.advance()
                     self.between_steps()
+                    if stopped_by is None and self.validation_due():  # a signal during the samples stops the run
+                        stopped_by = agreed_stop(stop)
                 log.end_progress()
                 # The last step's score (a stop by signal saves at once, unscored); before its checkpoint is written,
                 # so the best one is kept by the pruning.
                 if stopped_by is None and self.held_out is not None and self.eval_history.last_step != state.step:
                     self.evaluate(checkpoint=True)
                 if state.saved_step != state.step:
-                    state.save(self.checkpoints_root)
+                    self.save_checkpoint()
                 stopped_by = agreed_stop(stop)
+                self.stop = None
                 if stopped_by is not None:
                     raise TrainingInterrupted(self.interrupted_message(stopped_by), SIGNAL_EXIT_CODES[stopped_by])
             # FSDP, ZeRO-3: every rank gathers the whole weights for rank 0 to save and sample.
             with self.strategy.gathered(self.denoiser, everything=True):
                 weights, samples = parallel.on_main(self.write_results)
-        result = TrainResult(self.output_dir, state.step, log.losses, weights, samples, first_step=self.first_step)
+        every = sample_files(self.output_dir / outputs.SAMPLES) if parallel.is_main() else []
+        result = TrainResult(self.output_dir, state.step, log.losses, weights, samples, every,
+                             first_step=self.first_step)
         if self.held_out is not None:
             result.held_out, result.best_checkpoint = best_line(self.eval_history, self.checkpoints_root)
         return result
@@ -421,11 +445,24 @@ class Trainer(ABC):
         if self.held_out is not None and (checkpoint_due or self.due(self.config.validation.every)):
             self.evaluate(checkpoint=checkpoint_due)  # before the checkpoint, so the pruning keeps the best one
         if checkpoint_due:
-            self.state.save(self.checkpoints_root)
-        if self.config.validation.enabled and self.due(self.config.validation.every):
+            self.save_checkpoint()
+        if self.validation_due():
+            stopping = (f"stopping the validation samples, then saving a checkpoint of step {self.state.step}. "
+                        "Send {key} again to quit at once without saving.")
             # FSDP, ZeRO-3: every rank gathers the trained weights for rank 0's samples.
-            with self.strategy.gathered(self.denoiser):
+            announced = self.stop.meanwhile(stopping) if self.stop is not None else contextlib.nullcontext()
+            with self.strategy.gathered(self.denoiser), announced:
                 parallel.on_main(self.validate_in_place)
+
+    def validation_due(self) -> bool:
+        """Whether validation samples are due after this step, within the loop."""
+        return self.config.validation.enabled and self.due(self.config.validation.every)
+
+    def save_checkpoint(self) -> None:
+        """A checkpoint of the current step, and loss.png as of it (rank 0), to look at while the run goes on."""
+        self.state.save(self.checkpoints_root)
+        if parallel.is_main():
+            plot_loss_curve(self.output_dir / outputs.METRICS, self.output_dir / outputs.LOSS_PLOT)
 
     def due(self, every: int | None, final: bool = False) -> bool:
         """Whether something done every `every` steps is due now (`final`: also after the last step)."""
@@ -620,7 +657,8 @@ class Trainer(ABC):
             f"{received.name} received: stopped after step {self.state.step} of {self.config.training.steps} and "
             f"saved the checkpoint {where}.\n"
             "To continue exactly where it stopped, run the same command again with checkpoint.resume=latest.\n"
-            f"To use what it learned so far: vidtune export {where} --output FOLDER"
+            f"To look at what it learned so far: vidtune sample {where} --prompt \"...\"; to use the weights "
+            f"elsewhere: vidtune export {where} --output FOLDER (vidtune sample FOLDER samples them too)"
         )
 
     # ----- the held-out score (vidtune/evaluation.py) ------------------------------------------------------
@@ -677,21 +715,35 @@ class Trainer(ABC):
     # ----- results ---------------------------------------------------------------------------------------
     def validate(self) -> list[Path]:
         """Sample the validation prompts with the weights as they are now, or their moving average when
-        `training.ema_decay` is set (rank 0). A run trained from the cache loads the text encoders and the VAE
-        for it, once, and says so."""
+        `training.ema_decay` is set (rank 0), saying at which shape, with a bar per sample; a stop signal ends the
+        samples within a denoising step. A run trained from the cache loads the text encoders and the VAE for it,
+        once, and says so. Also draws every validation so far side by side (samples_by_step.png)."""
         if self.text is None or self.vae is None:
             print("Loading the text encoders and the VAE for validation samples (training read the cache).",
                   flush=True)
             self.load_encoders()
         settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
+        step = self.state.step
+        say(f"Validation at step {step}: {describe_samples(settings, validation_shape(self.config)[1])}.")
         pipeline = self.sampling_pipeline()
         compiled = eager() if self.config.training.compile else contextlib.nullcontext()
-        with compiled, self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-            videos = render_samples(self.spec, pipeline, settings, self.output_dir / outputs.SAMPLES,
-                                    f"step-{self.state.step:08d}",
-                                    reference=reference_clip(self.spec, self.clips, settings, self.config.data.fps),
-                                    bf16=self.use_bf16)
-        self.log.samples(self.state.step, videos, settings.frame_rate)
+        folder = self.output_dir / outputs.SAMPLES
+        stop = self.stop
+        try:
+            with compiled, self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+                videos = render_samples(self.spec, pipeline, settings, folder, f"step-{step:08d}",
+                                        reference=reference_clip(self.spec, self.clips, settings,
+                                                                 self.config.data.fps),
+                                        bf16=self.use_bf16, progress=self.show_progress, step=step,
+                                        stop=(lambda: stop.received is not None) if stop is not None else None)
+        except SamplingStopped as stopped:
+            say(f"Validation at step {step} stopped: {len(stopped.written)} of {len(settings.prompts)} "
+                       "samples written.")
+            return stopped.written
+        by_step = write_samples_by_step(folder, self.output_dir / outputs.SAMPLES_BY_STEP)
+        say(f"Validation samples of step {step} in {folder}" + (f"; every validation side by side: {by_step}"
+                                                                      if by_step else ""))
+        self.log.samples(step, videos, settings.frame_rate)
         return videos
 
     def validate_in_place(self) -> list[Path]:
@@ -708,7 +760,20 @@ class Trainer(ABC):
         """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only)."""
         weights = self.save_final(self.output_dir)
         plot_loss_curve(self.output_dir / outputs.METRICS, self.output_dir / outputs.LOSS_PLOT)
-        samples = self.validate_in_place() if self.config.validation.enabled else []
+        if not self.config.validation.enabled:
+            return weights, []
+        with StopSignals("stopping the validation samples (the trained weights are saved). Send {key} again to "
+                         "quit at once.") as stop:
+            self.stop = stop
+            try:
+                samples = self.validate_in_place()
+            finally:
+                self.stop = None
+        if stop.received is not None:
+            raise TrainingInterrupted(
+                f"{stop.received.name} received: stopped the validation samples after the last step "
+                f"({self.state.step}); the trained weights are saved: {weights}.\nTo sample them: vidtune sample "
+                f"{self.output_dir} --prompt \"...\"", SIGNAL_EXIT_CODES[stop.received])
         return weights, samples
 
     def export_weights(self, weights: dict[str, torch.Tensor], output: Path,

@@ -1,4 +1,5 @@
-"""Stopping a run cleanly: SIGINT / SIGTERM end the loop after the current step, with a checkpoint.
+"""Stopping a run cleanly: SIGINT / SIGTERM end the loop after the current step, with a checkpoint; during validation
+samples, the sampling stops within a denoising step first.
 
 Under torchrun a signal reaches the ranks at different moments, so each step the ranks sum their votes
 (`stop_votes`) and all stop after the same step when any one was asked to (`agreed_stop`).
@@ -6,9 +7,11 @@ Under torchrun a signal reaches the ranks at different moments, so each step the
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from vidtune import parallel
@@ -34,8 +37,12 @@ class StopSignals:
     the stop, so a Ctrl+C in a terminal cannot kill a worker in the middle of the step being finished.
     """
 
-    def __init__(self) -> None:
+    TRAINING = ("stopping after the current step and saving a checkpoint. Send {key} again to quit at once without "
+                "saving.")
+
+    def __init__(self, stopping: str = TRAINING) -> None:
         self.received: signal.Signals | None = None
+        self.stopping = stopping  # what a first signal does, in words ({key}: how to send a second)
         self._previous: dict[signal.Signals, Any] = {}
         self._pid = os.getpid()
 
@@ -66,8 +73,16 @@ class StopSignals:
         self.received = signal.Signals(number)
         key = "Ctrl+C" if number == signal.SIGINT else "the signal"
         # os.write, not print: a handler can run while print holds stderr's lock.
-        os.write(2, f"\n{self.received.name}: stopping after the current step and saving a checkpoint. "
-                    f"Send {key} again to quit at once without saving.\n".encode())
+        os.write(2, f"\n{self.received.name}: {self.stopping.format(key=key)}\n".encode())
+
+    @contextlib.contextmanager
+    def meanwhile(self, stopping: str) -> Iterator[None]:
+        """While active, a first signal is announced as `stopping` (e.g. during validation samples)."""
+        previous, self.stopping = self.stopping, stopping
+        try:
+            yield
+        finally:
+            self.stopping = previous
 
 
 def stop_votes(stop: StopSignals) -> list[float]:

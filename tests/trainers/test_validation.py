@@ -129,6 +129,21 @@ def _start(config: Path, slow: bool = False) -> tuple[subprocess.Popen, queue.Qu
     return process, lines
 
 
+def _read_until(stream, text: str, process: subprocess.Popen, seconds: float = 60) -> str:
+    """What `stream` printed up to and including the line holding `text`."""
+    seen: list[str] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return "".join(seen)
+    process.kill()
+    pytest.fail(f"never printed {text!r}: {''.join(seen)[-2000:]}")
+
+
 def _wait_for(lines: queue.Queue, text: str, process: subprocess.Popen, seconds: float = 180) -> list[str]:
     seen: list[str] = []
     deadline = time.monotonic() + seconds
@@ -176,10 +191,12 @@ def test_a_second_ctrl_c_during_the_final_validation_quits_at_once(tmp_path, tin
     _wait_for(lines, "Validation at step 1", process)
     time.sleep(2.0)
     process.send_signal(signal.SIGINT)
-    time.sleep(0.1)
+    # The second Ctrl-C once the first is handled (two signals before the handler runs are one to Python).
+    first_said: list[str] = []
+    first_said.append(_read_until(process.stderr, "Send Ctrl+C again", process))
     process.send_signal(signal.SIGINT)
     code = process.wait(timeout=60)
-    stderr = process.stderr.read()
+    stderr = first_said[0] + process.stderr.read()
     assert code == 130, stderr[-3000:]
     assert "SIGINT: stopping the validation samples (the trained weights are saved). Send Ctrl+C again" in stderr
     assert "Interrupted at once" in stderr

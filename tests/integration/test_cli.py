@@ -127,7 +127,7 @@ def test_hub_id_without_network_fails_within_seconds_saying_what_to_do(tmp_path,
 
 
 def test_cached_hub_model_offline_runs_without_library_warnings(tmp_path, tiny_model_dir, shapes_dataset):
-    from tests.models.test_hub import fake_hub_cache
+    from tests.helpers.hub import fake_hub_cache
 
     fake_hub_cache(tmp_path / "hub-cache", "someone/tiny-ltx", tiny_model_dir("ltx-video"))
     path = _write_config(tmp_path, "someone/tiny-ltx", shapes_dataset)

@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,9 @@ import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
-from tests.integration.test_distributed_training import _free_port, _train
-from tests.trainers.test_control import control_dataset
-from vidtune import checkpoint, parallel
+from tests.helpers.datasets import control_dataset
+from tests.helpers.distributed import deepspeed_rank_main, free_port
+from vidtune import checkpoint
 from vidtune.config import build_config
 from vidtune.data.video import read_clip
 from vidtune.models.tiny import TINY_SHAPES
@@ -38,16 +37,6 @@ STEPS = 3
 # Two ranks reduce the gradients in another order than one process sums them: float32 rounding, amplified a little
 # by Adam's division by the root of the second moment.
 RTOL, ATOL = 1e-3, 1e-4
-
-
-def _rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], ports: list[int], out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
-    torch.set_num_threads(1)
-    # A broken collective fails the test instead of hanging for an hour; a loaded CI machine still gets minutes.
-    parallel.TIMEOUT = timedelta(seconds=300)
-    results = {name: _train(config, port, **options) for (name, config, options), port in zip(runs, ports, strict=True)}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def _metrics(folder: Path) -> list[dict]:
@@ -88,7 +77,7 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(deepspeed_rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for result in ranks:
         for name, outcome in result.items():
@@ -184,7 +173,7 @@ def test_the_deepspeed_launcher_runs_the_vidtune_command(make_config, tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config.to_dict()))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()),
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
                 "--module", "vidtune", "train", str(path)]
     result = subprocess.run(launcher, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -226,7 +215,7 @@ def test_control_and_distillation_on_two_ranks_train_what_one_process_trains_wit
         **settings[name]).to_dict(), {}) for name, stage in (("control", 3), ("distillation", 2), ("distillation", 3))]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(deepspeed_rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     single = {name: build_trainer(make_config(output_dir=str(tmp_path / name), **{
         **values, "training": {**values["training"], "batch_size": 2}})).run() for name, values in settings.items()}

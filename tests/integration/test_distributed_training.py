@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -22,67 +19,21 @@ import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
-from tests.models.test_wan22 import record_routing
-from tests.trainers.test_control import control_dataset
-from vidtune import checkpoint, parallel
-from vidtune.config import build_config
-from vidtune.errors import VidtuneError
+from tests.helpers.datasets import control_dataset
+from tests.helpers.distributed import (
+    LORA_FILE,
+    LORA_FILE_2,
+    free_port,
+    rank_main,
+    two_ranks_against_one_process,
+)
+from tests.helpers.wan22 import record_routing
+from vidtune import checkpoint
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
-from vidtune.outputs import LORA_WEIGHTS_2, comfyui_lora_weights
+from vidtune.outputs import comfyui_lora_weights
 from vidtune.trainers import build_trainer
-from vidtune.trainers.stop import TrainingInterrupted
 
-LORA_FILE = "pytorch_lora_weights.safetensors"
-LORA_FILE_2 = LORA_WEIGHTS_2  # the low-noise expert's adapter
 STEPS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as handle:
-        handle.bind(("127.0.0.1", 0))
-        return handle.getsockname()[1]
-
-
-def _train(config: dict, port: int, stop_on: tuple[int, int] | None = None, unused: bool = False) -> dict:
-    """One run of this rank under a fresh process group (set up by the trainer from the environment, as under
-    torchrun); `stop_on=(rank, micro_batch)` sends that rank SIGTERM during that micro-batch; `unused` adds a
-    trainable parameter the denoiser never uses."""
-    os.environ["MASTER_PORT"] = str(port)
-    trainer = build_trainer(build_config(config))
-    if unused:
-        configure = trainer.configure_trainable
-
-        def with_unused(denoiser):
-            denoiser.register_parameter("never_used", torch.nn.Parameter(torch.zeros(3)))
-            return [*configure(denoiser), denoiser.never_used]
-
-        trainer.configure_trainable = with_unused
-    positions: list[int] = []
-    original = trainer.compute_loss
-
-    def recording(batch):
-        positions.extend(int(p) for p in batch.positions)
-        if stop_on is not None and stop_on == (int(os.environ["RANK"]), len(positions)):
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(batch)
-
-    trainer.compute_loss = recording
-    try:
-        result = trainer.run()
-    except TrainingInterrupted as stopped:
-        return {"positions": positions, "exit_code": stopped.exit_code, "message": str(stopped)}
-    except VidtuneError as error:  # TrainingError, and the refusals of a strategy's settings
-        return {"positions": positions, "error": str(error)}
-    return {"positions": positions, "losses": result.losses, "weights": str(result.weights_path)}
-
-
-def _rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], ports: list[int], out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    parallel.TIMEOUT = timedelta(seconds=120)  # a broken collective fails the test instead of hanging for an hour
-    results = {name: _train(config, port, **options) for (name, config, options), port in zip(runs, ports, strict=True)}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def _adapter(folder: Path) -> dict[str, torch.Tensor]:
@@ -112,7 +63,7 @@ def test_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_confi
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
     # One process, batch 2: the same samples, the same noise, the same steps.
@@ -215,29 +166,6 @@ def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
     assert again.stderr.count(f"output_dir {out} already holds a run") == 2, again.stderr[-3000:]
 
 
-def _two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, atol: float = 1e-4,
-                                  files: tuple[str, ...] = (LORA_FILE,)) -> None:
-    """Train `settings` on two spawned ranks x batch 1 and in this process with batch 2: the same adapter files
-    `files` (within rtol 1e-3 / `atol`), each trained, and on both ranks the same logged losses (rel 1e-4)."""
-    runs = [("ddp", make_config(output_dir=str(tmp_path / "ddp"), **settings).to_dict(), {})]
-    out = tmp_path / "results"
-    out.mkdir()
-    mp.spawn(_rank_main, args=(2, runs, [_free_port()], str(out)), nprocs=2, join=True)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    single = make_config(output_dir=str(tmp_path / "single"), **{
-        **settings, "training": {**settings["training"], "batch_size": 2}})
-    single_result = build_trainer(single).run()
-    for name in files:
-        expected, trained = (load_file(tmp_path / run / name) for run in ("single", "ddp"))
-        assert expected.keys() == trained.keys()
-        assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k), name
-        for key in expected:
-            torch.testing.assert_close(trained[key], expected[key], rtol=1e-3, atol=atol)
-    for result in ranks:
-        assert "error" not in result["ddp"], result["ddp"]
-        assert result["ddp"]["losses"] == pytest.approx(single_result.losses, rel=1e-4)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["guidance-distillation", "step-distillation", "control-lora"])
 def test_two_ranks_train_each_algorithm_like_one_process_with_twice_the_batch(make_config, shapes_dataset,
@@ -250,7 +178,7 @@ def test_two_ranks_train_each_algorithm_like_one_process_with_twice_the_batch(ma
                 "distillation": {"student_steps": 2, "teacher_steps": 4}}
     if algorithm == "control-lora":
         settings["data_root"], _, _ = control_dataset(shapes_dataset, tmp_path / "data")
-    _two_ranks_against_one_process(make_config, tmp_path, settings)
+    two_ranks_against_one_process(make_config, tmp_path, settings)
     if algorithm == "control-lora":
         expected, trained = (load_file(tmp_path / run / "control_input.safetensors") for run in ("single", "ddp"))
         torch.testing.assert_close(trained["weight"], expected["weight"], rtol=1e-3, atol=1e-4)
@@ -262,7 +190,7 @@ def test_two_ranks_with_an_int8_base_train_what_one_process_trains_with_twice_th
     way from the same file), the fp32 adapter is averaged as usual."""
     settings = {"training": {"steps": 2, "learning_rate": 1e-2}, "memory": {"base_weights": "int8"}}
     # The int8 kernel rounds a batch of two a little otherwise than two of one: measured up to 1.1e-4.
-    _two_ranks_against_one_process(make_config, tmp_path, settings, atol=3e-4)
+    two_ranks_against_one_process(make_config, tmp_path, settings, atol=3e-4)
 
 
 @pytest.mark.slow
@@ -281,7 +209,7 @@ def test_two_ranks_train_two_experts_like_one_process_with_twice_the_batch(make_
                 "lora": {"rank": 4, "alpha": 4}}
     # Which expert each sample of the one process's forwards ran on: every kind of step must be among them.
     routed = record_routing(monkeypatch)
-    _two_ranks_against_one_process(make_config, tmp_path, settings, files=(LORA_FILE, LORA_FILE_2))
+    two_ranks_against_one_process(make_config, tmp_path, settings, files=(LORA_FILE, LORA_FILE_2))
     # Seed 8's noise levels: one step split between the experts, one all high-noise, one all low-noise.
     assert routed == [(True, False), (True, True), (False, False)], routed
 
@@ -294,7 +222,7 @@ def test_two_ranks_with_an_fp8_base_train_what_one_process_trains_with_twice_the
     only the batch's arithmetic differs."""
     settings = {"training": {"steps": 2, "learning_rate": 1e-2}, "memory": {"base_weights": "fp8"}}
     # Measured: the adapters differ by at most 1.5e-5 (the helper's bound: rtol 1e-3, atol 1e-4).
-    _two_ranks_against_one_process(make_config, tmp_path, settings)
+    two_ranks_against_one_process(make_config, tmp_path, settings)
 
 
 @pytest.mark.gpu
@@ -306,4 +234,4 @@ def test_two_gpus_with_an_nf4_base_train_what_one_gpu_trains_with_twice_the_batc
     than two of one; the tolerance is a bound chosen above int8's CPU measurement, not a measured CUDA figure."""
     settings = {"training": {"steps": 2, "learning_rate": 1e-2, "device": "cuda"},
                 "memory": {"base_weights": "nf4"}}
-    _two_ranks_against_one_process(make_config, tmp_path, settings, atol=1e-3)
+    two_ranks_against_one_process(make_config, tmp_path, settings, atol=1e-3)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from tests.integration.test_distributed_training import _free_port, _rank_main
+from tests.helpers.distributed import free_port, rank_main
 from vidtune.config import build_config
 from vidtune.trainers import build_trainer
 
@@ -35,7 +35,7 @@ def test_two_ranks_score_what_one_process_scores_with_twice_the_batch(make_confi
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
     for rank in range(2):
         results = json.loads((out / f"rank{rank}.json").read_text())
         assert all("losses" in result for result in results.values()), results
@@ -56,7 +56,7 @@ def test_two_ranks_score_what_one_process_scores_with_twice_the_batch(make_confi
 def test_zero_2_and_3_on_two_ranks_score_what_one_process_scores(make_config, tmp_path):
     """DeepSpeed: ZeRO-2 shares the pairs out like DDP; ZeRO-3 (whose forwards gather the weights) scores every pair
     on every rank."""
-    from tests.integration.test_deepspeed import _rank_main as deepspeed_rank_main
+    from tests.helpers.distributed import deepspeed_rank_main
 
     def settings(name: str, batch_size: int, **sections) -> dict:
         return make_config(output_dir=str(tmp_path / name), training={"steps": 2, "learning_rate": 1e-2,
@@ -67,7 +67,7 @@ def test_zero_2_and_3_on_two_ranks_score_what_one_process_scores(make_config, tm
             for stage in (2, 3)]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(deepspeed_rank_main, args=(2, runs, [_free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(deepspeed_rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
     for rank in range(2):
         results = json.loads((out / f"rank{rank}.json").read_text())
         assert all("losses" in result for result in results.values()), results

@@ -16,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.trainers.test_control import control_dataset
+from tests.helpers.datasets import control_dataset
 from vidtune import checkpoint
 from vidtune.models.tiny import TINY_SHAPES
 

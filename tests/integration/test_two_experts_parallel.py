@@ -13,16 +13,16 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from tests.integration import test_deepspeed
-from tests.integration.test_distributed_training import (
+from tests.helpers.datasets import control_dataset
+from tests.helpers.distributed import (
     LORA_FILE,
     LORA_FILE_2,
-    _free_port,
-    _rank_main,
-    _two_ranks_against_one_process,
+    deepspeed_rank_main,
+    free_port,
+    rank_main,
+    two_ranks_against_one_process,
 )
-from tests.models.test_wan22 import record_routing
-from tests.trainers.test_control import control_dataset
+from tests.helpers.wan22 import record_routing
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
 from vidtune.trainers import build_trainer
 
@@ -72,7 +72,7 @@ def test_two_fsdp_ranks_train_two_experts_like_one_process_routed_per_step(make_
         folder, parallel={"strategy": "fsdp"}, validation=validation, checkpoint={"every": 2})).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, runs, [_free_port()], str(out)), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, runs, [free_port()], str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     losses = _one_process_with_step_routing(make_config, tmp_path, folder, monkeypatch)
     for result in ranks:
@@ -104,7 +104,7 @@ def test_deepspeed_zero_2_trains_two_experts_routed_per_step(make_config, tmp_pa
         folder, parallel={"strategy": "deepspeed", "zero_stage": 2})).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(test_deepspeed._rank_main, args=(2, runs, [_free_port()], str(out)), nprocs=2, join=True)
+    mp.spawn(deepspeed_rank_main, args=(2, runs, [free_port()], str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     losses = _one_process_with_step_routing(make_config, tmp_path, folder, monkeypatch)
     for result in ranks:
@@ -128,7 +128,7 @@ def test_two_ddp_ranks_train_two_experts_control_like_one_process(make_config, s
     folder = write_tiny_wan22(tmp_path / "a14b", two_experts=True, boundary_ratio=0.5)
     settings = _settings(folder, data_root=control_dataset(shapes_dataset, tmp_path / "data")[0])
     settings["training"].update(algorithm="control-lora", seed=1, steps=2)
-    _two_ranks_against_one_process(make_config, tmp_path, settings, files=(LORA_FILE, LORA_FILE_2))
+    two_ranks_against_one_process(make_config, tmp_path, settings, files=(LORA_FILE, LORA_FILE_2))
     for name in ("control_input.safetensors", "control_input_transformer_2.safetensors"):
         expected, trained = (load_file(tmp_path / run / name) for run in ("single", "ddp"))
         torch.testing.assert_close(trained["weight"], expected["weight"], rtol=RTOL, atol=ATOL)

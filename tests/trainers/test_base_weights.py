@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.interrupt import run_stopped_at
+from tests.helpers.runs import run_stopped_at
 from vidtune.errors import ConfigError
 from vidtune.trainers import build_trainer
 

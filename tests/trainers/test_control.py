@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.interrupt import run_stopped_at
+from tests.helpers.datasets import CONTROL_CAPTION, control_dataset
+from tests.helpers.runs import run_stopped_at
 from vidtune.control import ControlInput
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
@@ -19,25 +20,13 @@ from vidtune.sampling import load_pipeline
 from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
-CAPTION = "a shape moving"
+CAPTION = CONTROL_CAPTION  # both samples of control_dataset
 
 
 # What each control algorithm writes beside control_input(_ema).safetensors, with training.ema_decay.
 WEIGHTS = {"control-lora": ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors"],
            "control-full": ["transformer/diffusion_pytorch_model.safetensors",
                             "transformer_ema/diffusion_pytorch_model.safetensors"]}
-
-def control_dataset(shapes_dataset: Path, root: Path) -> tuple[Path, list[Path], list[Path]]:
-    """Two samples with one caption: targets clips 0 and 1, controls clips 2 and 3 (so only the control tells
-    them apart). Returns (root, targets, controls)."""
-    clips = [clip.video for clip in load_text_pair_dataset(shapes_dataset)]
-    root.mkdir(parents=True, exist_ok=True)
-    targets, controls = clips[:2], clips[2:4]
-    (root / "videos.txt").write_text("".join(f"{path}\n" for path in targets))
-    (root / "prompts.txt").write_text(f"{CAPTION}\n{CAPTION}\n")
-    (root / "controls.txt").write_text("".join(f"{path}\n" for path in controls))
-    return root, targets, controls
-
 
 # (family, algorithm): (steps, learning rate, LoRA rank); each step visits both samples twice.
 SETTINGS = {

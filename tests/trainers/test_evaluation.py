@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.interrupt import run_stopped_at
-from tests.trainers.test_control import control_dataset
+from tests.helpers.datasets import control_dataset
+from tests.helpers.runs import run_stopped_at
 from vidtune import checkpoint
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.errors import ConfigError

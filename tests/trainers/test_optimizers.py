@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.interrupt import run_stopped_at
+from tests.helpers.runs import run_stopped_at
 from vidtune import checkpoint
 from vidtune.errors import ConfigError
 from vidtune.optim import OPTIMIZERS, check_optimizer

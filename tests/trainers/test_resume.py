@@ -20,6 +20,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from tests.helpers.runs import run_stopped_at
 from vidtune import checkpoint
 from vidtune.cli import main as cli_main
 from vidtune.errors import ConfigError, TrainingError
@@ -100,15 +101,7 @@ def test_the_weights_average_resumes_bit_for_bit(make_config, tmp_path, algorith
                 "lora": {"dropout": 0.1}}
     build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference"))).run()
     out = tmp_path / "stopped"
-    trainer = build_trainer(make_config(**settings, output_dir=str(out)))
-
-    def interrupt(loss):
-        os.kill(os.getpid(), signal.SIGINT)
-        return loss
-
-    _on_call(trainer, 3, interrupt)
-    with pytest.raises(TrainingInterrupted):
-        trainer.run()
+    run_stopped_at(build_trainer(make_config(**settings, output_dir=str(out))), 3)
     assert checkpoint.load_ema(out / "checkpoints" / "step-00000003") is not None
     settings["checkpoint"] = {"every": 2, "resume": "latest"}
     build_trainer(make_config(**settings, output_dir=str(out))).run()
@@ -396,15 +389,7 @@ def test_distillation_resumes_bit_for_bit(make_config, tmp_path, algorithm, dist
                 "lora": {"dropout": 0.1}, "distillation": distillation, "data": {"caption_dropout": 0.3}}
     build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference"))).run()
     out = tmp_path / "stopped"
-    trainer = build_trainer(make_config(**settings, output_dir=str(out)))
-
-    def interrupt(loss):
-        os.kill(os.getpid(), signal.SIGINT)
-        return loss
-
-    _on_call(trainer, 3, interrupt)
-    with pytest.raises(TrainingInterrupted):
-        trainer.run()
+    run_stopped_at(build_trainer(make_config(**settings, output_dir=str(out))), 3)
     settings["checkpoint"] = {"every": 2, "resume": "latest"}
     build_trainer(make_config(**settings, output_dir=str(out))).run()
     _assert_same(load_file(out / weights), load_file(tmp_path / "reference" / weights))

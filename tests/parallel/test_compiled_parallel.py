@@ -14,7 +14,7 @@ from tests.helpers.distributed import LORA_FILE, free_port, rank_main
 from vidtune.trainers import build_trainer
 
 # The eager two-rank tests' bounds: ranks change the order of float additions (gradient averaging, sharding);
-# compiled blocks add inductor's reordering (1e-7 relative in fp32, tests/trainers/test_compile.py).
+# compiled blocks add inductor's reordering (1e-7 relative in fp32, tests/training/test_compile.py).
 RTOL, ATOL = 1e-3, 1e-4
 STEPS = 3
 

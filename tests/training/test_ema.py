@@ -1,6 +1,6 @@
 """`training.ema_decay` in a run: saved beside the weights, used for validation, exported from checkpoints.
 
-Its bitwise resume is checked in tests/trainers/test_resume.py and tests/integration/test_kill_resume.py."""
+Its bitwise resume is checked in tests/resume/test_resume.py and tests/resume/test_kill_resume.py."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ On the CPU the trainer leaves both off with a notice. The swap's hooks are devic
 CPU -> CPU swap (host copies and compute copies are separate tensors) into the trainer: each swapped block must
 compute with a freshly brought copy in its forward, its backward and checkpointing's recomputation, never with the
 host copy, and training must give bit for bit the losses and adapter of the run without it. The CUDA tests
-(identical results, lower peak memory) are in tests/integration/test_gpu.py.
+(identical results, lower peak memory) are in tests/training/test_gpu.py.
 """
 
 from __future__ import annotations

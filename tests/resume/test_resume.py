@@ -1,6 +1,6 @@
 """Checkpoints, resume and faults, in-process: what a resumed run accepts, signals, NaNs and a full disk.
 
-The SIGKILL-and-resume checks with real processes are in tests/integration/test_kill_resume.py.
+The SIGKILL-and-resume checks with real processes are in tests/resume/test_kill_resume.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 TORCHELASTIC_RESTART_COUNT 0) rank RANK kills itself with SIGKILL when a micro-batch holds stream position
 POSITION, as a crashed machine would.
 
-    torchrun ... tests/integration/fsdp_kill_worker.py CONFIG RANK POSITION
+    torchrun ... tests/parallel/fsdp_kill_worker.py CONFIG RANK POSITION
 """
 
 from __future__ import annotations

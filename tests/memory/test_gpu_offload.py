@@ -1,5 +1,5 @@
 """Block swap and activation offload on CUDA: the same results as without them, and less peak memory.
-Skipped where no CUDA device exists (the CPU tests of the same hooks are in tests/trainers/test_block_swap.py)."""
+Skipped where no CUDA device exists (the CPU tests of the same hooks are in tests/memory/test_block_swap.py)."""
 
 from __future__ import annotations
 

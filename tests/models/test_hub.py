@@ -7,7 +7,6 @@ folder written here (the layout `hf download` leaves: refs/main -> snapshots/<co
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx2
@@ -15,30 +14,18 @@ import pytest
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
+from tests.helpers.hub import fake_hub_cache
 from vidtune.config import ModelConfig
 from vidtune.errors import ModelError
 from vidtune.models import hub
 from vidtune.models.ltx_video import LTXVideoSpec
 
 REPO = "someone/tiny-ltx"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
 @pytest.fixture(autouse=True)
 def fresh_probe():
     hub.check_hub_model.cache_clear()
     yield
     hub.check_hub_model.cache_clear()
-
-
-def fake_hub_cache(cache: Path, repo_id: str, model: Path, without: tuple[str, ...] = ()) -> Path:
-    """Put `model` into a hub cache folder as `repo_id` at main, leaving out the subfolders `without`."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    snapshot = repo / "snapshots" / COMMIT
-    shutil.copytree(model, snapshot, ignore=shutil.ignore_patterns(*without))
-    return snapshot
 
 
 def spec_for(pretrained: str, **settings) -> LTXVideoSpec:

@@ -159,7 +159,8 @@ def test_a_trained_model_samples_the_sound_it_learnt_beside_the_video(tiny_model
     """The audio stream is taught the clip's own sound: after a short full fine-tune on the clip with a tone,
     LTX2Pipeline samples audio latents near the tone's, and the video near the clip (the family's overfit test holds
     the 0.15 bound)."""
-    from tests.models.test_overfit import one_clip_dataset, overfit_config
+    from tests.helpers.datasets import one_clip_dataset
+    from tests.helpers.runs import overfit_config
     from vidtune.config import ModelConfig
     from vidtune.data.video import read_clip
     from vidtune.models.ltx_2 import LTX2Spec

@@ -15,7 +15,7 @@ from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from safetensors.torch import load_file
 from transformers import Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
 
-from tests.trainers.test_sample_sound import assert_sound_track, read_sound, record_samples
+from tests.helpers.sound import assert_sound_track, read_sound, record_samples
 from vidtune.cli import main as cli_main
 from vidtune.config import ModelConfig
 from vidtune.errors import ModelError

@@ -9,50 +9,20 @@ bound) live beside each family's tiny model (`OverfitSettings` in vidtune/models
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from vidtune.config import ModelConfig, build_config
+from tests.helpers.datasets import one_clip_dataset
+from tests.helpers.runs import FRAME_RATE, overfit_config
+from vidtune.config import ModelConfig
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
 from vidtune.models.registry import available_models, get_spec_class, tiny_family
 from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
-FRAME_RATE = 24.0
-
-
-def one_clip_dataset(video: Path, caption: str, root: Path) -> Path:
-    root.mkdir(parents=True)
-    shutil.copy(video, root / video.name)
-    (root / "videos.txt").write_text(video.name + "\n")
-    (root / "prompts.txt").write_text(caption + "\n")
-    return root
-
-
-def overfit_config(family: str, pretrained: Path, data_root: Path, output_dir: Path, frames: int | None = None):
-    """A full fine-tune on one clip from the cache: each step sees the clip `batch_size` times, each visit with
-    its own noise level, noise and latent drawn from the cached posterior; warm-up, then cosine decay."""
-    tiny = tiny_family(family)
-    settings = tiny.overfit
-    tiny_frames, height, width = tiny.shape
-    frames = frames or tiny_frames
-    return build_config({
-        "model": {"name": family, "pretrained": str(pretrained), "frame_rate": FRAME_RATE},
-        "data": {"root": str(data_root), "frames": frames, "height": height, "width": width, "num_workers": 0},
-        "training": {"algorithm": "full", "steps": settings.steps, "batch_size": settings.batch_size,
-                     "learning_rate": settings.learning_rate, "seed": 0, "precision": "fp32", "device": "cpu",
-                     "max_grad_norm": None, "sigma_sampling": "uniform", "sigma_shift": 1.0},
-        "optimizer": {"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": settings.steps // 10},
-        "precompute": {"enabled": True, "cache_dir": str(output_dir.parent / "cache")},
-        "checkpoint": {"every": 0, "keep": 1},
-        "validation": {"enabled": False},
-        "logging": {"progress": False, "log_every": 100},
-        "output_dir": str(output_dir),
-    })
 
 
 def sample_with_pipeline(family: str, pretrained: Path, transformer: Path | None, video: Path, caption: str,

@@ -11,16 +11,16 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from tests.interrupt import run_stopped_at
-from tests.models.test_overfit import one_clip_dataset, overfit_config
+from tests.helpers.datasets import one_clip_dataset
+from tests.helpers.runs import overfit_config, run_stopped_at
+from tests.helpers.wan22 import BOUNDARY, spec_of, two_expert_config
 from vidtune import checkpoint
-from vidtune.config import ModelConfig, TrainingConfig
+from vidtune.config import TrainingConfig
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError
 from vidtune.export import export_checkpoint
 from vidtune.models.experts import TwoExperts
-from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
 from vidtune.outputs import LORA_WEIGHTS, LORA_WEIGHTS_2, comfyui_lora_weights
@@ -28,7 +28,6 @@ from vidtune.sampling import load_pipeline
 from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
-BOUNDARY = 0.5  # the tests' two-expert model: both sides of the boundary alike
 TWO_EXPERT_OVERFIT_STEPS = 2000
 I2V_TWO_EXPERT_OVERFIT = (500, 1e-2)  # steps, learning rate: measured 0.096 against the bound 0.15
 
@@ -52,38 +51,9 @@ def pipeline_experts_compute_the_trained_ones(out: Path, trainer) -> dict[str, t
     return outputs
 
 
-def record_routing(monkeypatch) -> list[tuple[bool, ...]]:
-    """Which expert each sample of every forward ran on (True: the high-noise one), filled as the run goes."""
-    routed: list[tuple[bool, ...]] = []
-    route = TwoExperts.is_high_noise
-
-    def recording(self, timestep):
-        high = route(self, timestep)
-        routed.append(tuple(bool(h) for h in high))
-        return high
-
-    monkeypatch.setattr(TwoExperts, "is_high_noise", recording)
-    return routed
-
-
 @pytest.fixture(scope="module")
 def two_expert_dir(tmp_path_factory) -> Path:
     return write_tiny_wan22(tmp_path_factory.mktemp("wan22-a14b"), two_experts=True, boundary_ratio=BOUNDARY)
-
-
-def two_expert_config(make_config, **sections):
-    frames, height, width = TWO_EXPERT_SHAPE
-    model = {"pretrained": None, **sections.pop("model", {})}
-    # The noise levels these tests were tuned with (shift 1, not the family's published default).
-    training = {"sigma_shift": 1.0, **sections.pop("training", {"sigma_sampling": "uniform", "batch_size": 2})}
-    return lambda pretrained: make_config(
-        "wan2.2", model={**model, "pretrained": str(pretrained)},
-        data={"frames": frames, "height": height, "width": width},
-        **{"training": training, "lora": {"rank": 4, "alpha": 4}, **sections})
-
-
-def spec_of(family: str, pretrained: Path, **model) -> object:
-    return get_spec_class(family)(ModelConfig(name=family, pretrained=str(pretrained), **model))
 
 
 # ----- TI2V-5B -----------------------------------------------------------------------------------------------------

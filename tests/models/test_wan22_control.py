@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.interrupt import run_stopped_at
-from tests.models.test_wan22 import BOUNDARY, spec_of, two_expert_config
-from tests.trainers.test_control import control_dataset
+from tests.helpers.datasets import control_dataset
+from tests.helpers.runs import run_stopped_at
+from tests.helpers.wan22 import BOUNDARY, spec_of, two_expert_config
 from vidtune.control import ExpertsControlInput, attach_control
 from vidtune.errors import ConfigError
 from vidtune.models.tiny.wan22 import write_tiny_wan22

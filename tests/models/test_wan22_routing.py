@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_wan22 import BOUNDARY, spec_of, two_expert_config
+from tests.helpers.wan22 import BOUNDARY, spec_of, two_expert_config
 from vidtune.data.buckets import visit_generator
 from vidtune.errors import ConfigError
 from vidtune.models.experts import NoiseRange, StepRouted

@@ -1,0 +1,54 @@
+"""Runs set up or driven the way the tests need: stopped like a user stops them (Ctrl-C) at a chosen micro-batch,
+and the one-clip full fine-tune of the overfit tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from vidtune.config import build_config
+from vidtune.models.registry import tiny_family
+from vidtune.trainers.stop import TrainingInterrupted
+
+FRAME_RATE = 24.0
+
+
+def run_stopped_at(trainer, number: int) -> None:
+    """Run `trainer` with a SIGINT during its `number`-th micro-batch: the run saves a checkpoint at that step and
+    stops with TrainingInterrupted."""
+    original, calls = trainer.compute_loss, [0]
+
+    def interrupting(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == number:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    trainer.compute_loss = interrupting
+    with pytest.raises(TrainingInterrupted):
+        trainer.run()
+
+
+def overfit_config(family: str, pretrained: Path, data_root: Path, output_dir: Path, frames: int | None = None):
+    """A full fine-tune on one clip from the cache: each step sees the clip `batch_size` times, each visit with
+    its own noise level, noise and latent drawn from the cached posterior; warm-up, then cosine decay."""
+    tiny = tiny_family(family)
+    settings = tiny.overfit
+    tiny_frames, height, width = tiny.shape
+    frames = frames or tiny_frames
+    return build_config({
+        "model": {"name": family, "pretrained": str(pretrained), "frame_rate": FRAME_RATE},
+        "data": {"root": str(data_root), "frames": frames, "height": height, "width": width, "num_workers": 0},
+        "training": {"algorithm": "full", "steps": settings.steps, "batch_size": settings.batch_size,
+                     "learning_rate": settings.learning_rate, "seed": 0, "precision": "fp32", "device": "cpu",
+                     "max_grad_norm": None, "sigma_sampling": "uniform", "sigma_shift": 1.0},
+        "optimizer": {"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": settings.steps // 10},
+        "precompute": {"enabled": True, "cache_dir": str(output_dir.parent / "cache")},
+        "checkpoint": {"every": 0, "keep": 1},
+        "validation": {"enabled": False},
+        "logging": {"progress": False, "log_every": 100},
+        "output_dir": str(output_dir),
+    })

@@ -80,7 +80,8 @@ def fp8_layers(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> tuple[list[tu
     others: list[tuple[str, nn.Module]] = []
 
     def visit(module: nn.Module, name: str) -> None:
-        if any(re.search(pattern, name) for pattern in patterns):
+        # An adapter's own layers (the planner looks at a denoiser that has one) are never stored in float8.
+        if any(re.search(pattern, name) for pattern in patterns) or name.rpartition(".")[2] in ADAPTER_LAYERS:
             return
         if type(module) is nn.Linear:
             linears.append((name, module))

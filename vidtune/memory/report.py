@@ -8,7 +8,7 @@ import shlex
 from vidtune.config import Config, load_config
 from vidtune.errors import ConfigError
 from vidtune.memory.plan import GIB, MemoryPlan, plan_memory
-from vidtune.memory.suggest import suggest
+from vidtune.memory.suggest import HOST_RESERVE_GIB, fits, suggest
 
 UNSET = "(unset)"
 
@@ -41,22 +41,42 @@ def table(plan: MemoryPlan) -> str:
     lines += [f"  {name.removeprefix('precompute: '):<22}{value / GIB:>9.2f} GiB"
               for name, value in plan.precompute.items()]
     lines += ["", f"peak: {plan.peak / GIB:.2f} GiB", *plan.notes]
+    if plan.host or plan.host_loading:
+        lines += ["", "host memory (the memory savers' share)"]
+        lines += [f"  {name:<22}{value / GIB:>9.2f} GiB" for name, value in plan.host.items()]
+        if plan.host_loading:
+            lines.append(f"  {'loading (a moment)':<22}{plan.host_loading / GIB:>9.2f} GiB")
     return "\n".join(lines)
 
 
-def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, as_json: bool, gpus: int) -> int:
+def machine_memory_gib() -> float:
+    """This machine's RAM."""
+    import psutil
+
+    return psutil.virtual_memory().total / GIB
+
+
+def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, as_json: bool, gpus: int,
+             host_memory: float | None = None) -> int:
     config = load_plan_config(path, overrides)
+    if host_memory is not None and host_memory <= HOST_RESERVE_GIB:
+        raise ConfigError(f"--host-memory {host_memory:g}: too little; the system itself takes about "
+                          f"{HOST_RESERVE_GIB:g} GiB.\nWhat to do: give the host's RAM in GiB, e.g. --host-memory 64.")
+    host = machine_memory_gib() if host_memory is None else host_memory
     plan = plan_memory(config, gpus)
     result = plan.to_json()
     suggestion = None
     if gpu_memory is not None:
-        suggestion = suggest(config, gpu_memory, gpus) if plan.peak > gpu_memory * GIB else None
+        fitting = fits(plan, gpu_memory, host)
+        suggestion = suggest(config, gpu_memory, gpus, host) if not fitting else None
         result["gpu_memory_gib"] = gpu_memory
-        result["fits"] = plan.peak <= gpu_memory * GIB
+        result["host_memory_gib"] = round(host, 3)
+        result["fits"] = fitting
         result["suggested_overrides"] = suggestion.overrides if suggestion else []
         if suggestion:
             result["suggested_peak_gib"] = round(suggestion.plan.peak / GIB, 3)
             result["suggested_training_gib"] = suggestion.plan.to_json()["training_gib"]
+            result["suggested_host_gib"] = round(suggestion.plan.host_peak / GIB, 3)
         elif not result["fits"]:
             result["suggestion"] = None
     if as_json:
@@ -66,14 +86,16 @@ def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, a
     if gpu_memory is None:
         return 0
     if result["fits"]:
-        print(f"\nFits in {gpu_memory:g} GiB.")
+        print(f"\nFits in {gpu_memory:g} GiB (host memory: {plan.host_peak / GIB:.2f} of {host:.1f} GiB).")
     elif suggestion is not None:
         words = ["vidtune", "train", *([path] if path else []), *overrides, *suggestion.overrides]
-        print(f"\nDoes not fit in {gpu_memory:g} GiB. It fits with these settings (the fastest combination found; "
-              f"peak {suggestion.plan.peak / GIB:.2f} GiB):\n  {' '.join(suggestion.overrides)}\n"
+        print(f"\nDoes not fit in {gpu_memory:g} GiB (with {host:.1f} GiB of host memory). It fits with these settings "
+              f"(the fastest combination found; peak {suggestion.plan.peak / GIB:.2f} GiB, host memory "
+              f"{suggestion.plan.host_peak / GIB:.2f} GiB):\n  {' '.join(suggestion.overrides)}\n"
               f"For example:\n  {shlex.join(words)}")
     else:
-        print(f"\nDoes not fit in {gpu_memory:g} GiB, even with every memory saver vidtune has.\nWhat to do: train at "
+        print(f"\nDoes not fit in {gpu_memory:g} GiB (with {host:.1f} GiB of host memory), even with every memory "
+              "saver vidtune has.\nWhat to do: train at "
               "a smaller size (data.frames, data.height, data.width), with a smaller lora.rank, on a larger GPU, or "
               "on several (parallel.strategy=fsdp, then plan with --gpus N).")
     return 0

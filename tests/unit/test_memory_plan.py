@@ -222,7 +222,8 @@ def test_suggestion_fits_the_budget(plan_config):
     assert suggest(config, 1e-6) is None
 
 
-def test_plan_command_prints_one_json_object(tiny_model_dir, capsys):
+def test_plan_command_prints_one_json_object(tiny_model_dir, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
     folder = tiny_model_dir("ltx-video")
     frames, height, width = TINY_SHAPES["ltx-video"]
     words = ["plan", "model.name=ltx-video", f"model.pretrained={folder}", f"data.frames={frames}",
@@ -399,7 +400,8 @@ def test_suggestions_fit_the_stated_host(fresh_traces):
     assert fresh_traces["builds"] == 1 and fresh_traces["steps"] == 2
 
 
-def test_plan_command_reads_the_host_memory(tiny_model_dir, capsys):
+def test_plan_command_reads_the_host_memory(tiny_model_dir, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
     folder = tiny_model_dir("ltx-video")
     frames, height, width = TINY_SHAPES["ltx-video"]
     words = ["plan", "model.name=ltx-video", f"model.pretrained={folder}", f"data.frames={frames}",
@@ -414,3 +416,37 @@ def test_plan_command_reads_the_host_memory(tiny_model_dir, capsys):
     assert result["host_memory_gib"] == pytest.approx(psutil.virtual_memory().total / GIB, abs=1e-2)
     assert main([*words, "--host-memory", "2"]) == 2
     assert "--host-memory 2: too little" in capsys.readouterr().err
+
+
+def test_vidtune_plan_keeps_its_traces_for_the_next_run(plan_config, fresh_traces, monkeypatch, tmp_path):
+    """A second run of the same question reads the traces from disk (nothing traced) and plans the same bytes; a
+    damaged file is traced again and replaced; the library alone keeps nothing on disk."""
+    import vidtune.memory.plan as planner
+
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
+    traced_encoders = []
+    original = planner.trace_encoders
+    monkeypatch.setattr(planner, "trace_encoders", lambda *a: traced_encoders.append(1) or original(*a))
+    config = plan_config(memory={"activation_offload": True})
+    plan_memory(config)
+    assert not (tmp_path / "traces").exists()
+
+    def fresh_run():
+        for cache in ("_ENCODERS", "_MODELS", "_STEPS", "_ACCOUNTED"):
+            monkeypatch.setattr(planner, cache, {})
+        with planner.traces_kept_on_disk():
+            return plan_memory(config)
+
+    first = fresh_run()
+    files = sorted((tmp_path / "traces").glob("*.json"))
+    assert len(files) == 2 and fresh_traces["steps"] == 2 and len(traced_encoders) == 2
+    second = fresh_run()
+    assert fresh_traces["steps"] == 2 and len(traced_encoders) == 2  # nothing traced again
+    assert second.training == first.training and second.precompute == first.precompute
+    assert second.host == first.host
+    for file in files:
+        file.write_text("{not json")
+    third = fresh_run()
+    assert fresh_traces["steps"] == 3 and len(traced_encoders) == 3
+    assert third.training == first.training
+    assert all(json.loads(file.read_text())["format"] == 1 for file in files)

@@ -197,10 +197,12 @@ def swapped_weight_bytes(denoiser: nn.Module, sizes: dict[str, int], blocks_to_s
              if not p.requires_grad} for prefix, block in swapped]
 
 
-def weight_bytes(denoiser: nn.Module, base_weights: str, blocks_to_swap: int) -> int:
+def weight_bytes(denoiser: nn.Module, base_weights: str, blocks_to_swap: int,
+                 sizes: dict[str, int] | None = None) -> int:
     """The denoiser's weights on the training device: all parameters and buffers, quantized layers at their stored
-    size; with block swap only the blocks that stay plus two in flight (the one computing, the one being copied)."""
-    sizes = _weight_sizes(denoiser, base_weights)
+    size; with block swap only the blocks that stay plus two in flight (the one computing, the one being copied).
+    `sizes`: `_weight_sizes(denoiser, base_weights)` when already at hand."""
+    sizes = dict(_weight_sizes(denoiser, base_weights) if sizes is None else sizes)
     if not blocks_to_swap:
         return sum(sizes.values())
     swapped = swapped_weight_bytes(denoiser, sizes, blocks_to_swap)
@@ -455,8 +457,9 @@ def account_step(trace: StepTrace, config: Config, device: torch.device) -> dict
     # Traced gradients were the bf16 copies' where training keeps fp32 ones: the difference is added.
     step_peak = max(live_peak + gradients - trace.traced_grad_bytes,
                     gradients + optimizer_step_temporaries(parameters, options.name, device))
-    weights = _cached(trace, ("weights", config.memory.base_weights, config.memory.blocks_to_swap),
-                      lambda: weight_bytes(trace.denoiser, config.memory.base_weights, config.memory.blocks_to_swap))
+    base, blocks = config.memory.base_weights, config.memory.blocks_to_swap
+    weights = _cached(trace, ("weights", base, blocks),
+                      lambda: weight_bytes(trace.denoiser, base, blocks, _sizes(trace, base)))
     if isinstance(trace.denoiser, TwoExperts) and device.type == "cuda" and config.training.batch_size == 1:
         # Wan 2.2 A14B on a GPU: a batch of one clip runs one expert; the idle one's frozen weights wait in host
         # memory (a larger batch may hold clips of both experts, and keeps both on the device).
@@ -475,10 +478,14 @@ def _idle_expert_bytes(trace: StepTrace, base_weights: str) -> int:
         _frozen_bytes(expert, base_weights) for expert in trace.denoiser.experts()))
 
 
-_ACCOUNTED: dict[tuple, int] = {}
+_ACCOUNTED: dict[tuple, object] = {}
 
 
-def _cached(trace: StepTrace, key: object, compute) -> int:
+def _sizes(trace: StepTrace, base_weights: str) -> dict[str, int]:
+    return _cached(trace, ("sizes", base_weights), lambda: _weight_sizes(trace.denoiser, base_weights))
+
+
+def _cached(trace: StepTrace, key: object, compute):
     """Sums over the denoiser's tensors, computed once per traced denoiser (the suggestion search asks often)."""
     full = (id(trace.denoiser), key)
     if full not in _ACCOUNTED:
@@ -508,7 +515,7 @@ def account_host(trace: StepTrace, config: Config, device: torch.device) -> dict
 
 
 def _swapped_host_bytes(trace: StepTrace, base_weights: str, blocks_to_swap: int) -> int:
-    swapped = swapped_weight_bytes(trace.denoiser, _weight_sizes(trace.denoiser, base_weights), blocks_to_swap)
+    swapped = swapped_weight_bytes(trace.denoiser, _sizes(trace, base_weights), blocks_to_swap)
     # int8 / nf4 tensors are not plain tensors: copied to pageable host memory at their size.
     pinned = base_weights in ("auto", "fp8")
     return sum(pinned_size(size) if pinned else size for block in swapped for size in block.values())
@@ -519,7 +526,8 @@ def loading_host(trace: StepTrace, config: Config, device: torch.device) -> int:
     unquantized weights are there for a moment."""
     if config.memory.base_weights == "auto" or device.type != "cuda":
         return 0
-    return _cached(trace, ("weights", "auto", 0), lambda: weight_bytes(trace.denoiser, "auto", 0))
+    return _cached(trace, ("weights", "auto", 0),
+                   lambda: weight_bytes(trace.denoiser, "auto", 0, _sizes(trace, "auto")))
 
 
 def _leaves(value: object) -> list[torch.Tensor]:
@@ -680,13 +688,50 @@ def _model_key(config: Config, device: torch.device) -> tuple:
 _ENCODERS: dict[tuple, EncoderTrace] = {}
 _MODELS: dict[tuple, TracedModel] = {}
 _STEPS: dict[tuple, StepTrace] = {}
+# `vidtune plan` keeps the traces on disk between runs (vidtune/memory/stored.py); the library does not by default.
+STORED_TRACES = False
+
+
+@contextlib.contextmanager
+def traces_kept_on_disk() -> Iterator[None]:
+    """While inside: traces are read from and written to disk (vidtune/memory/stored.py)."""
+    global STORED_TRACES
+    before, STORED_TRACES = STORED_TRACES, True
+    try:
+        yield
+    finally:
+        STORED_TRACES = before
+
+
+def _stored_key(kind: str, config: Config, key: tuple) -> str:
+    """The trace's digest: its key with the model folder's path replaced by its settings files' contents."""
+    from vidtune.memory import stored
+
+    model = config.model.model_copy(update={"pretrained": stored.folder_digest(config.model.pretrained)})
+    return stored.trace_digest(kind, (model.model_dump_json(), *key[1:]))
 
 
 def _encoders(config: Config, device: torch.device) -> EncoderTrace:
     key = _encoder_key(config, device)
     if key not in _ENCODERS:
-        _ENCODERS[key] = trace_encoders(config, device)
+        _ENCODERS[key] = _stored_encoders(config, device, key) if STORED_TRACES else trace_encoders(config, device)
     return _ENCODERS[key]
+
+
+def _stored_encoders(config: Config, device: torch.device, key: tuple) -> EncoderTrace:
+    from vidtune.memory import stored
+
+    digest = _stored_key("encoders", config, key)
+    found = stored.load(digest)
+    if found is not None:
+        return EncoderTrace(stored.tensors_from_json(found["conditions"]), stored.tensors_from_json(found["latents"]),
+                            *found["bytes"])
+    trace = trace_encoders(config, device)
+    conditions, latents = stored.tensors_to_json(trace.conditions), stored.tensors_to_json(trace.latents)
+    if conditions is not None and latents is not None:
+        stored.store(digest, {"conditions": conditions, "latents": latents, "bytes": [
+            trace.text_bytes, trace.text_weights, trace.vae_bytes, trace.vae_weights]})
+    return trace
 
 
 def _traced_model(config: Config, device: torch.device, encoders: EncoderTrace) -> TracedModel:
@@ -700,8 +745,22 @@ def _traced_model(config: Config, device: torch.device, encoders: EncoderTrace) 
 
 
 def _step(config: Config, device: torch.device, encoders: EncoderTrace) -> StepTrace:
-    key = (*_model_key(config, device), config.training.gradient_checkpointing)
+    checkpointing = config.training.gradient_checkpointing
+    key = (*_model_key(config, device), checkpointing)
     if key not in _STEPS:
         model = _traced_model(config, device, encoders)
-        _STEPS[key] = trace_step(model, config, device, config.training.gradient_checkpointing)
+        if not STORED_TRACES:
+            _STEPS[key] = trace_step(model, config, device, checkpointing)
+            return _STEPS[key]
+        from vidtune.memory import stored
+
+        digest = _stored_key("step", config, key)
+        found = stored.load(digest)
+        if found is None:
+            trace = trace_step(model, config, device, checkpointing)
+            stored.store(digest, {"counts": [trace.live_peak, trace.traced_grad_bytes, trace.offload_peak,
+                                             trace.host_activations]})
+        else:
+            trace = StepTrace(model.denoiser, model.parameters, *found["counts"])
+        _STEPS[key] = trace
     return _STEPS[key]

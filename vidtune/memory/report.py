@@ -7,7 +7,7 @@ import shlex
 
 from vidtune.config import Config, load_config
 from vidtune.errors import ConfigError
-from vidtune.memory.plan import GIB, MemoryPlan, plan_memory
+from vidtune.memory.plan import GIB, MemoryPlan, plan_memory, traces_kept_on_disk
 from vidtune.memory.suggest import HOST_RESERVE_GIB, fits, suggest
 
 UNSET = "(unset)"
@@ -63,12 +63,12 @@ def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, a
         raise ConfigError(f"--host-memory {host_memory:g}: too little; the system itself takes about "
                           f"{HOST_RESERVE_GIB:g} GiB.\nWhat to do: give the host's RAM in GiB, e.g. --host-memory 64.")
     host = machine_memory_gib() if host_memory is None else host_memory
-    plan = plan_memory(config, gpus)
+    with traces_kept_on_disk():  # the same question comes again while settings are chosen
+        plan = plan_memory(config, gpus)
+        fitting = gpu_memory is not None and fits(plan, gpu_memory, host)
+        suggestion = suggest(config, gpu_memory, gpus, host) if gpu_memory is not None and not fitting else None
     result = plan.to_json()
-    suggestion = None
     if gpu_memory is not None:
-        fitting = fits(plan, gpu_memory, host)
-        suggestion = suggest(config, gpu_memory, gpus, host) if not fitting else None
         result["gpu_memory_gib"] = gpu_memory
         result["host_memory_gib"] = round(host, 3)
         result["fits"] = fitting

@@ -383,7 +383,7 @@ def test_activation_offload_and_block_swap_take_host_memory(plan_config):
 
 
 @pytest.mark.slow
-def test_suggestions_fit_the_stated_host(fresh_traces):
+def test_suggestions_fit_the_stated_host(fresh_traces, monkeypatch, tmp_path, capsys):
     """Wan 2.1 14B at 81x480x832 on a 24 GiB GPU: offloading every activation of the step (288 GiB) is no answer
     on a 64 GiB host; gradient checkpointing comes first, and what remains in host memory fits it."""
     config = _planned("Wan-AI/Wan2.1-T2V-14B-Diffusers", (81, 480, 832))
@@ -395,9 +395,16 @@ def test_suggestions_fit_the_stated_host(fresh_traces):
     offloaded = plan_memory(with_overrides(config, ["precompute.enabled=true", "memory.base_weights=int8",
                                                     "memory.activation_offload=true"]))
     assert offloaded.peak <= 24 * GIB and offloaded.host_peak > 64 * GIB
-    # A host too small for the unquantized weights a quantized base is loaded from: nothing fits.
+    # A host too small for the unquantized weights a quantized base is loaded from: nothing fits, and the command
+    # says what a larger host would allow.
     assert suggest(config, 24, host_gib=16) is None
     assert fresh_traces["builds"] == 1 and fresh_traces["steps"] == 2
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
+    assert main(["plan", "model.name=wan", "model.pretrained=Wan-AI/Wan2.1-T2V-14B-Diffusers", "data.frames=81",
+                 "data.height=480", "data.width=832", "--gpu-memory", "24", "--host-memory", "16"]) == 0
+    said = capsys.readouterr().out
+    assert "Does not fit in 24 GiB with 16.0 GiB of host memory. With more host memory it fits" in said
+    assert "--host-memory GIB" in said
 
 
 def test_plan_command_reads_the_host_memory(tiny_model_dir, capsys, monkeypatch, tmp_path):

@@ -67,6 +67,9 @@ def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, a
         plan = plan_memory(config, gpus)
         fitting = gpu_memory is not None and fits(plan, gpu_memory, host)
         suggestion = suggest(config, gpu_memory, gpus, host) if gpu_memory is not None and not fitting else None
+        # Nothing fits this host: what a larger host would allow (the traces are at hand, so it costs little).
+        larger_host = suggest(config, gpu_memory, gpus) if gpu_memory is not None and not fitting and \
+            suggestion is None else None
     result = plan.to_json()
     if gpu_memory is not None:
         result["gpu_memory_gib"] = gpu_memory
@@ -93,6 +96,12 @@ def run_plan(path: str | None, overrides: list[str], gpu_memory: float | None, a
               f"(the fastest combination found; peak {suggestion.plan.peak / GIB:.2f} GiB, host memory "
               f"{suggestion.plan.host_peak / GIB:.2f} GiB):\n  {' '.join(suggestion.overrides)}\n"
               f"For example:\n  {shlex.join(words)}")
+    elif larger_host is not None:
+        print(f"\nDoes not fit in {gpu_memory:g} GiB with {host:.1f} GiB of host memory. With more host memory it "
+              f"fits with these settings (peak {larger_host.plan.peak / GIB:.2f} GiB), which need "
+              f"{larger_host.plan.host_peak / GIB:.2f} GiB of host memory (plus about {HOST_RESERVE_GIB:g} GiB for "
+              f"the system):\n  {' '.join(larger_host.overrides)}\nWhat to do: train on a machine with more RAM "
+              "(plan for it with --host-memory GIB), or at a smaller size (data.frames, data.height, data.width).")
     else:
         print(f"\nDoes not fit in {gpu_memory:g} GiB (with {host:.1f} GiB of host memory), even with every memory "
               "saver vidtune has.\nWhat to do: train at "

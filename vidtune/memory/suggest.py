@@ -154,6 +154,8 @@ def _fewest_blocks(config: Config, budget: float, world_size: int) -> tuple[int,
     resolved, _ = resolve_architecture(config)
     device = _planned_device(resolved)
     total = len(transformer_blocks(_step(resolved, device, _encoders(resolved, device)).denoiser))
+    if total == 0:  # no block lists block swap knows (Wan 2.2 A14B's two experts)
+        return None
     plan = plan_memory(with_overrides(config, [f"memory.blocks_to_swap={total}"]), world_size)
     if plan.peak > budget:
         return None

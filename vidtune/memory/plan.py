@@ -183,29 +183,35 @@ def upcast_bytes(denoiser: nn.Module) -> int:
     return largest
 
 
-def swapped_weight_bytes(denoiser: nn.Module, sizes: dict[str, int], blocks_to_swap: int) -> list[dict[str, int]]:
+def frozen_block_tensors(denoiser: nn.Module) -> list[list[str]]:
+    """The names of each transformer block's frozen parameters, in the order the blocks run."""
+    return [[f"{prefix}.{name}" for name, p in block.named_parameters() if not p.requires_grad]
+            for prefix, block in transformer_blocks(denoiser)]
+
+
+def swapped_weight_bytes(denoiser: nn.Module, sizes: dict[str, int], blocks_to_swap: int,
+                         blocks: list[list[str]] | None = None) -> list[dict[str, int]]:
     """The frozen tensors' bytes of each of the `blocks_to_swap` swapped blocks (the last ones, as block swap
-    picks them)."""
-    blocks = transformer_blocks(denoiser)
+    picks them). `blocks`: `frozen_block_tensors(denoiser)` when already at hand."""
+    blocks = frozen_block_tensors(denoiser) if blocks is None else blocks
     if blocks_to_swap > len(blocks):
         raise ConfigError(
             f"memory.blocks_to_swap={blocks_to_swap}, but this denoiser has {len(blocks)} transformer blocks.\n"
             f"What to do: set memory.blocks_to_swap to at most {len(blocks)}."
         )
     swapped = blocks[len(blocks) - blocks_to_swap:] if blocks_to_swap else []
-    return [{f"{prefix}.{name}": sizes.get(f"{prefix}.{name}", 0) for name, p in block.named_parameters()
-             if not p.requires_grad} for prefix, block in swapped]
+    return [{name: sizes.get(name, 0) for name in block} for block in swapped]
 
 
 def weight_bytes(denoiser: nn.Module, base_weights: str, blocks_to_swap: int,
-                 sizes: dict[str, int] | None = None) -> int:
+                 sizes: dict[str, int] | None = None, blocks: list[list[str]] | None = None) -> int:
     """The denoiser's weights on the training device: all parameters and buffers, quantized layers at their stored
     size; with block swap only the blocks that stay plus two in flight (the one computing, the one being copied).
-    `sizes`: `_weight_sizes(denoiser, base_weights)` when already at hand."""
+    `sizes`, `blocks`: `_weight_sizes(denoiser, base_weights)`, `frozen_block_tensors(denoiser)` when at hand."""
     sizes = dict(_weight_sizes(denoiser, base_weights) if sizes is None else sizes)
     if not blocks_to_swap:
         return sum(sizes.values())
-    swapped = swapped_weight_bytes(denoiser, sizes, blocks_to_swap)
+    swapped = swapped_weight_bytes(denoiser, sizes, blocks_to_swap, blocks)
     for block in swapped:
         for name in block:
             sizes[name] = 0
@@ -459,7 +465,7 @@ def account_step(trace: StepTrace, config: Config, device: torch.device) -> dict
                     gradients + optimizer_step_temporaries(parameters, options.name, device))
     base, blocks = config.memory.base_weights, config.memory.blocks_to_swap
     weights = _cached(trace, ("weights", base, blocks),
-                      lambda: weight_bytes(trace.denoiser, base, blocks, _sizes(trace, base)))
+                      lambda: weight_bytes(trace.denoiser, base, blocks, _sizes(trace, base), _blocks(trace)))
     if isinstance(trace.denoiser, TwoExperts) and device.type == "cuda" and config.training.batch_size == 1:
         # Wan 2.2 A14B on a GPU: a batch of one clip runs one expert; the idle one's frozen weights wait in host
         # memory (a larger batch may hold clips of both experts, and keeps both on the device).
@@ -483,6 +489,10 @@ _ACCOUNTED: dict[tuple, object] = {}
 
 def _sizes(trace: StepTrace, base_weights: str) -> dict[str, int]:
     return _cached(trace, ("sizes", base_weights), lambda: _weight_sizes(trace.denoiser, base_weights))
+
+
+def _blocks(trace: StepTrace) -> list[list[str]]:
+    return _cached(trace, "blocks", lambda: frozen_block_tensors(trace.denoiser))
 
 
 def _cached(trace: StepTrace, key: object, compute):
@@ -515,7 +525,7 @@ def account_host(trace: StepTrace, config: Config, device: torch.device) -> dict
 
 
 def _swapped_host_bytes(trace: StepTrace, base_weights: str, blocks_to_swap: int) -> int:
-    swapped = swapped_weight_bytes(trace.denoiser, _sizes(trace, base_weights), blocks_to_swap)
+    swapped = swapped_weight_bytes(trace.denoiser, _sizes(trace, base_weights), blocks_to_swap, _blocks(trace))
     # int8 / nf4 tensors are not plain tensors: copied to pageable host memory at their size.
     pinned = base_weights in ("auto", "fp8")
     return sum(pinned_size(size) if pinned else size for block in swapped for size in block.values())

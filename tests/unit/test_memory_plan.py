@@ -3,6 +3,7 @@ accounting of the memory savers, the suggestion search and the command's JSON.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -337,6 +338,22 @@ def test_a_step_traced_with_a_few_blocks_counts_as_the_whole_model(hub_id, fresh
         # block's gradients added to it, never below the whole model's, above it by less than the gradients.
         assert whole.offload_peak <= partial.offload_peak <= whole.offload_peak + whole.traced_grad_bytes
         assert partial.live_peak > 0 and partial.host_activations > 0
+    # A model that cannot run with fewer blocks (it reads one by index) is traced whole.
+    original = planner._first_blocks
+
+    @contextlib.contextmanager
+    def by_index(lists, counts):
+        with original(lists, counts):
+            if counts[0] > 2:
+                raise IndexError("index 2 is out of range")
+            yield
+
+    monkeypatch.setattr(planner, "_first_blocks", by_index)
+    fresh_traces["passes"] = 0
+    fallback = planner.trace_step(model, config, device, False)
+    assert fresh_traces["passes"] == 2  # the two-block step, then the whole model
+    monkeypatch.setattr(planner, "TRACED_BLOCKS", 1000)
+    assert fallback.live_peak == planner.trace_step(model, config, device, False).live_peak
 
 
 def _planned(hub_id: str, shape: tuple[int, int, int], *settings: str):

@@ -394,6 +394,8 @@ def _partial_counts(model: TracedModel, config: Config, device: torch.device,
                                 per_block.host_activations, per_block.grad_bytes)
             total = total.plus(per_block, len(blocks) - TRACED_BLOCKS)
     except (IndexError, KeyError, ValueError):  # the model reads blocks beyond those left (e.g. by index)
+        for parameter in model.parameters:  # the whole model is traced next, from no gradients
+            parameter.grad = None
         return None
     return total
 

@@ -25,6 +25,12 @@ from vidtune.models.tiny import TINY_SHAPES
 BAND = (0.85, 1.15)
 
 
+@pytest.fixture(autouse=True)
+def traces_stored_in_a_temporary_folder(monkeypatch, tmp_path):
+    """`vidtune plan` keeps its traces on disk: here in the test's own folder, never the user's cache."""
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "stored-traces"))
+
+
 @pytest.fixture
 def plan_config(tiny_model_dir):
     """plan_config(family, **sections) -> a CPU config of the family's tiny model, trained from the cache."""

@@ -1,5 +1,6 @@
 """README's "Will it fit?" table: `vidtune plan` for a LoRA of every family at one clip size, on cards of
-16 / 24 / 48 / 80 GiB (the settings `--gpu-memory` suggests, or "-" when nothing vidtune has makes it fit).
+16 / 24 / 48 / 80 GiB (the settings `--gpu-memory` suggests, or "-" when nothing vidtune has makes it fit), on a
+host of 64 GiB of RAM (`--host-memory`).
 
     python bench/fit_table.py                         # 49x512x768, rank 128, precomputed (several minutes)
     python bench/fit_table.py --models Lightricks/LTX-Video --frames 49 --height 512 --width 768
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--rank", type=int, default=128)
     parser.add_argument("--cards", type=float, nargs="*", default=[16, 24, 48, 80])
+    parser.add_argument("--host-memory", type=float, default=64.0, help="the host's RAM in GiB")
     args = parser.parse_args()
     header = " | ".join(f"{card:g} GiB" for card in args.cards)
     print(f"| model | plain LoRA (bf16) | {header} |\n|---|---:|{'---|' * len(args.cards)}", flush=True)
@@ -62,7 +64,7 @@ def main() -> None:
         plain = plan_memory(config)
         cells = []
         for card in args.cards:
-            found = suggest(config, card)
+            found = suggest(config, card, host_gib=args.host_memory)
             cells.append(f"{short(found.overrides)} ({found.plan.peak / GIB:.1f})" if found else "-")
         seconds = time.perf_counter() - started
         print(f"| {hub_id} | {plain.peak / GIB:.1f} GiB | {' | '.join(cells)} |  <!-- {seconds:.0f} s -->", flush=True)

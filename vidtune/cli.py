@@ -238,7 +238,7 @@ def command_plan(args: argparse.Namespace) -> int:
     config = load_plan_config(path, overrides)  # before torch is imported: a config error exits at once
     from vidtune.memory.report import run_plan
 
-    return run_plan(config, path, overrides, args.gpu_memory, args.json, args.gpus)
+    return run_plan(config, path, overrides, args.gpu_memory, args.json, args.gpus, args.host_memory)
 
 
 def positive_int(text: str) -> int:
@@ -459,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "else the fastest settings that make it fit")
     plan.add_argument("--gpus", type=positive_int, default=1, metavar="N", help="GPUs training together "
                       "(parallel.strategy fsdp / deepspeed shard over them)")
+    plan.add_argument("--host-memory", type=float, metavar="GIB", help="the host's memory (RAM) the suggestions "
+                      "must fit too (default: this machine's)")
     plan.add_argument("--json", action="store_true", help="print one JSON object (peak_gib; with --gpu-memory also "
                       "fits and suggested_overrides)")
     plan.set_defaults(handler=command_plan)

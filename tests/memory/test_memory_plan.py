@@ -3,6 +3,7 @@ accounting of the memory savers, the suggestion search and the command's JSON.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -22,6 +23,12 @@ from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.tiny import TINY_SHAPES
 
 BAND = (0.85, 1.15)
+
+
+@pytest.fixture(autouse=True)
+def traces_stored_in_a_temporary_folder(monkeypatch, tmp_path):
+    """`vidtune plan` keeps its traces on disk: here in the test's own folder, never the user's cache."""
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "stored-traces"))
 
 
 @pytest.fixture
@@ -222,7 +229,8 @@ def test_suggestion_fits_the_budget(plan_config):
     assert suggest(config, 1e-6) is None
 
 
-def test_plan_command_prints_one_json_object(tiny_model_dir, capsys):
+def test_plan_command_prints_one_json_object(tiny_model_dir, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
     folder = tiny_model_dir("ltx-video")
     frames, height, width = TINY_SHAPES["ltx-video"]
     words = ["plan", "model.name=ltx-video", f"model.pretrained={folder}", f"data.frames={frames}",
@@ -272,3 +280,216 @@ def test_known_values_let_the_trace_branch_and_copy_to_the_host():
         assert bool(torch.all(embeds == 0)) is False
         with pytest.raises(UnknownValue, match=r"\(\) torch.float32 tensor"):
             float((embeds @ torch.empty(8, 8, device=META)).sum(-1)[0, 0])
+
+
+@pytest.fixture
+def fresh_traces(monkeypatch):
+    """The planner's caches emptied for one test, and its traces counted: builds of the denoiser, traced steps
+    (one per kind: with / without gradient checkpointing) and the forward-backward passes run."""
+    import vidtune.memory.plan as planner
+
+    for cache in ("_ENCODERS", "_MODELS", "_STEPS", "_ACCOUNTED"):
+        monkeypatch.setattr(planner, cache, {})
+    counts = {"builds": 0, "steps": 0, "passes": 0}
+
+    def counted(name, key):
+        original = getattr(planner, name)
+
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(planner, name, wrapper)
+
+    counted("build_traced_model", "builds")
+    counted("trace_step", "steps")
+    counted("_count_step", "passes")
+    return counts
+
+
+def test_the_suggestion_search_traces_the_denoiser_once(plan_config, fresh_traces, monkeypatch):
+    """Every combination of savers is derived from one build of the denoiser and one traced step per kind (with
+    and without gradient checkpointing): fp8 / int8 / nf4 weights, activation offload, the optimizers and block
+    swap are accounted, not traced again."""
+    import vidtune.memory.suggest as suggestion
+
+    planned = []
+    original = suggestion.plan_memory
+    monkeypatch.setattr(suggestion, "plan_memory", lambda *a, **k: planned.append(a[0]) or original(*a, **k))
+    monkeypatch.setattr(suggestion, "_precompute_overrides", lambda *_: [])  # the precompute stage is not the subject
+    config = plan_config()
+    found = suggest(config, 1e-6)  # nothing fits: every combination is planned, and block swap over each
+    assert found is None
+    assert len(planned) > 50
+    assert {c.memory.base_weights for c in planned} == {"auto", "fp8", "int8", "nf4"}
+    assert {c.memory.activation_offload for c in planned} == {False, True}
+    assert {c.memory.blocks_to_swap for c in planned} >= {0, 2}
+    assert fresh_traces["builds"] == 1 and fresh_traces["steps"] == 2  # ... from one build, two traced steps
+    assert fresh_traces["passes"] == 2  # the tiny model's two blocks are traced whole
+
+
+@pytest.mark.parametrize("hub_id", ["Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                                    pytest.param("hunyuanvideo-community/HunyuanVideo", marks=pytest.mark.slow)])
+def test_a_step_traced_with_a_few_blocks_counts_as_the_whole_model(hub_id, fresh_traces, monkeypatch):
+    """Each list of blocks traced with 2, 3 and 4 of them and carried on to all gives the whole model's counts
+    (HunyuanVideo: two lists of blocks), with and without gradient checkpointing."""
+    import vidtune.memory.plan as planner
+
+    family = families(hub_id)[0]
+    config = build_config({"model": {"name": family, "pretrained": hub_id},
+                           "data": {"root": ".", "frames": 9, "height": 64, "width": 64},
+                           "precompute": {"enabled": True}})
+    config, _ = planner.resolve_architecture(config)
+    device = torch.device("cuda")
+    model = planner._traced_model(config, device, planner._encoders(config, device))
+    lists = [len(blocks) for blocks in planner._block_lists(model.denoiser) if len(blocks) > 4]
+    assert len(lists) == (2 if "Hunyuan" in hub_id else 1)
+    for checkpointing in (False, True):
+        fresh_traces["passes"] = 0
+        partial = planner.trace_step(model, config, device, checkpointing)
+        assert fresh_traces["passes"] == 1 + 2 * len(lists)
+        monkeypatch.setattr(planner, "TRACED_BLOCKS", 1000)  # no list is long enough: the whole model
+        whole = planner.trace_step(model, config, device, checkpointing)
+        monkeypatch.setattr(planner, "TRACED_BLOCKS", 2)
+        for field in ("live_peak", "host_activations", "traced_grad_bytes"):
+            assert getattr(partial, field) == getattr(whole, field), (checkpointing, field)
+        # Under activation offload the device's peak may be one block's working memory: carried on as if each
+        # block's gradients added to it, never below the whole model's, above it by less than the gradients.
+        assert whole.offload_peak <= partial.offload_peak <= whole.offload_peak + whole.traced_grad_bytes
+        assert partial.live_peak > 0 and partial.host_activations > 0
+    # A model that cannot run with fewer blocks (it reads one by index) is traced whole.
+    original = planner._first_blocks
+
+    @contextlib.contextmanager
+    def by_index(lists, counts):
+        with original(lists, counts):
+            if counts[0] > 2:
+                raise IndexError("index 2 is out of range")
+            yield
+
+    monkeypatch.setattr(planner, "_first_blocks", by_index)
+    fresh_traces["passes"] = 0
+    fallback = planner.trace_step(model, config, device, False)
+    assert fresh_traces["passes"] == 2  # the two-block step, then the whole model
+    monkeypatch.setattr(planner, "TRACED_BLOCKS", 1000)
+    assert fallback.live_peak == planner.trace_step(model, config, device, False).live_peak
+
+
+def _planned(hub_id: str, shape: tuple[int, int, int], *settings: str):
+    from vidtune.config import load_config
+
+    frames, height, width = shape
+    family = families(hub_id)[0]
+    return load_config(None, [f"model.name={family}", f"model.pretrained={hub_id}", f"data.frames={frames}",
+                              f"data.height={height}", f"data.width={width}", "precompute.enabled=true", *settings],
+                       required_placeholder="(unset)")
+
+
+@pytest.mark.parametrize(("hub_id", "rank", "checkpointing"), [
+    ("Lightricks/LTX-Video", 128, False),
+    ("Lightricks/LTX-Video", 128, True),
+    pytest.param("hunyuanvideo-community/HunyuanVideo", 32, True, marks=pytest.mark.slow),
+])
+def test_fp8_base_weights_plan_below_bf16(hub_id, rank, checkpointing):
+    """fp8 about halves the frozen weights and adds at most one layer's upcast copy to the activations (the backward
+    pass keeps the float8 weight: vidtune/memory/float8.py)."""
+    shape = (49, 512, 768) if "LTX" in hub_id else (33, 544, 960)
+    settings = [f"lora.rank={rank}", f"lora.alpha={rank}", f"training.gradient_checkpointing={checkpointing}"]
+    bf16 = plan_memory(_planned(hub_id, shape, *settings))
+    fp8 = plan_memory(_planned(hub_id, shape, *settings, "memory.base_weights=fp8"))
+    assert fp8.training_peak < bf16.training_peak
+    assert fp8.training["weights"] < 0.7 * bf16.training["weights"]  # (norms, embedders stay bf16)
+    extra = fp8.training["activations"] - bf16.training["activations"]
+    assert 0 <= extra <= 0.05 * bf16.training["activations"] + 256 * 1024**2, extra / GIB
+
+
+def test_activation_offload_and_block_swap_take_host_memory(plan_config):
+    from vidtune.memory.tracking import pinned_size
+
+    assert [pinned_size(n) for n in (0, 1, 3, 4096, 4097)] == [0, 1, 4, 4096, 8192]
+    plain = plan_memory(plan_config())
+    assert plain.host == {} and plain.host_peak == 0
+    offloaded = plan_memory(plan_config(memory={"activation_offload": True}))
+    assert offloaded.host["activation offload (pinned)"] > 0
+    assert offloaded.training["activations"] < plain.training["activations"]
+    plain = plan_memory(plan_config(training={"gradient_checkpointing": True}))
+    swapped = plan_memory(plan_config(training={"gradient_checkpointing": True}, memory={"blocks_to_swap": 1}))
+    left = plain.training["weights"] - swapped.training["weights"]
+    assert swapped.host["block swap (pinned)"] >= left >= 0
+
+
+@pytest.mark.slow
+def test_suggestions_fit_the_stated_host(fresh_traces, monkeypatch, tmp_path, capsys):
+    """Wan 2.1 14B at 81x480x832 on a 24 GiB GPU: offloading every activation of the step (288 GiB) is no answer
+    on a 64 GiB host; gradient checkpointing comes first, and what remains in host memory fits it."""
+    config = _planned("Wan-AI/Wan2.1-T2V-14B-Diffusers", (81, 480, 832))
+    found = suggest(config, 24, host_gib=64)
+    assert found is not None and found.plan.peak <= 24 * GIB
+    assert found.plan.host_peak <= (64 - 4) * GIB
+    assert "training.gradient_checkpointing=true" in found.overrides
+    # Without checkpointing, offload keeps the whole step's activations in host memory.
+    offloaded = plan_memory(with_overrides(config, ["precompute.enabled=true", "memory.base_weights=int8",
+                                                    "memory.activation_offload=true"]))
+    assert offloaded.peak <= 24 * GIB and offloaded.host_peak > 64 * GIB
+    # A host too small for the unquantized weights a quantized base is loaded from: nothing fits, and the command
+    # says what a larger host would allow.
+    assert suggest(config, 24, host_gib=16) is None
+    assert fresh_traces["builds"] == 1 and fresh_traces["steps"] == 2
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
+    assert main(["plan", "model.name=wan", "model.pretrained=Wan-AI/Wan2.1-T2V-14B-Diffusers", "data.frames=81",
+                 "data.height=480", "data.width=832", "--gpu-memory", "24", "--host-memory", "16"]) == 0
+    said = capsys.readouterr().out
+    assert "Does not fit in 24 GiB with 16.0 GiB of host memory. With more host memory it fits" in said
+    assert "--host-memory GIB" in said
+
+
+def test_plan_command_reads_the_host_memory(tiny_model_dir, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
+    folder = tiny_model_dir("ltx-video")
+    frames, height, width = TINY_SHAPES["ltx-video"]
+    words = ["plan", "model.name=ltx-video", f"model.pretrained={folder}", f"data.frames={frames}",
+             f"data.height={height}", f"data.width={width}", "training.device=cpu", "--json", "--gpu-memory", "80"]
+    assert main([*words, "--host-memory", "48"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["host_memory_gib"] == 48 and result["fits"] is True and result["host_peak_gib"] == 0
+    assert main([*words]) == 0  # this machine's RAM
+    import psutil
+
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["host_memory_gib"] == pytest.approx(psutil.virtual_memory().total / GIB, abs=1e-2)
+    assert main([*words, "--host-memory", "2"]) == 2
+    assert "--host-memory 2: too little" in capsys.readouterr().err
+
+
+def test_vidtune_plan_keeps_its_traces_for_the_next_run(plan_config, fresh_traces, monkeypatch, tmp_path):
+    """A second run of the same question reads the traces from disk (nothing traced) and plans the same bytes; a
+    damaged file is traced again and replaced; the library alone keeps nothing on disk."""
+    import vidtune.memory.plan as planner
+
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
+    traced_encoders = []
+    original = planner.trace_encoders
+    monkeypatch.setattr(planner, "trace_encoders", lambda *a: traced_encoders.append(1) or original(*a))
+    config = plan_config(memory={"activation_offload": True})
+    plan_memory(config)
+    assert not (tmp_path / "traces").exists()
+
+    def fresh_run():
+        for cache in ("_ENCODERS", "_MODELS", "_STEPS", "_ACCOUNTED"):
+            monkeypatch.setattr(planner, cache, {})
+        with planner.traces_kept_on_disk():
+            return plan_memory(config)
+
+    first = fresh_run()
+    files = sorted((tmp_path / "traces").glob("*.json"))
+    assert len(files) == 2 and fresh_traces["steps"] == 2 and len(traced_encoders) == 2
+    second = fresh_run()
+    assert fresh_traces["steps"] == 2 and len(traced_encoders) == 2  # nothing traced again
+    assert second.training == first.training and second.precompute == first.precompute
+    assert second.host == first.host
+    for file in files:
+        file.write_text("{not json")
+    third = fresh_run()
+    assert fresh_traces["steps"] == 3 and len(traced_encoders) == 3
+    assert third.training == first.training
+    assert all(json.loads(file.read_text())["format"] == 1 for file in files)

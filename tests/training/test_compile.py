@@ -113,8 +113,8 @@ def test_compiled_lora_over_fp8_weights_and_two_buckets_matches_eager_compiling_
         make_config, tmp_path, capsys):
     """One run covers fp8 storage and buckets (each compilation costs tens of seconds on a CPU).
 
-    fp8 inside compiled blocks: each linear layer upcasts in its own forward (traced with the block), the layers
-    outside keep diffusers' layerwise casting; the same float8 values as the eager run's. Buckets: landscape and
+    fp8 inside compiled blocks: each linear layer upcasts in its own forward (traced with the block), as in the
+    eager run; the same float8 values as the eager run's. Buckets: landscape and
     square (the portrait clips go to the square one) take turns: each shape compiled on its first batch and never
     again. The log names the step, the bucket shape and the time; the losses are eager's."""
     datasets = render_mixed_dataset(tmp_path / "data", stills=False)
@@ -133,7 +133,7 @@ def test_compiled_lora_over_fp8_weights_and_two_buckets_matches_eager_compiling_
     assert eager_weights.keys() == compiled_weights.keys()
     assert any(".to_q.base_layer." in name for name in compiled_weights)
     assert all(torch.equal(compiled_weights[n].float(), eager_weights[n].float()) for n in eager_weights)
-    # Inside the blocks, the traced float8 layer; outside, diffusers' hooks (which also keep `dtype` the compute one).
+    # Inside the blocks, the traced float8 layer (no diffusers hook); `dtype` stays the compute one.
     inside = blocks[0].get_submodule("attn1.to_q.base_layer")
     assert isinstance(inside, Float8StorageLinear) and not hasattr(inside, "_diffusers_hook")
     assert trainer.denoiser.dtype == torch.float32

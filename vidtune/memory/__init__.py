@@ -1,8 +1,9 @@
 """Memory savers that change how weights are stored, not what is trained.
 
 `memory.base_weights` stores the frozen denoiser of an adapter run in less memory:
-- `fp8`: float8 (e4m3) storage, each layer upcast to the compute dtype as it runs (diffusers' layerwise casting;
-  inside compiled blocks, an upcast within the layer's forward: vidtune/memory/float8.py);
+- `fp8`: float8 (e4m3) storage, each layer upcast to the compute dtype as it runs (linear layers by their own
+  forward, whose backward pass keeps the float8 weight: vidtune/memory/float8.py; any other layer by diffusers'
+  layerwise casting);
 - `int8`: torchao's int8 weight-only quantization of the frozen linear layers (CPU and CUDA);
 - `nf4`: bitsandbytes' 4-bit NormalFloat linear layers (QLoRA), computing in the denoiser's dtype.
 The layers diffusers keeps in full precision for layerwise casting (norms, patch / position embeddings, the input
@@ -26,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from vidtune.errors import ConfigError
-from vidtune.memory.float8 import store_block_linears_in_float8
+from vidtune.errors import ConfigError, ModelError
+from vidtune.memory.float8 import store_linear_in_float8
 
 if TYPE_CHECKING:
     from vidtune.models.spec import TextComponents
@@ -35,14 +36,15 @@ if TYPE_CHECKING:
 ADAPTER_LAYERS = ("lora_A", "lora_B", "lora_embedding", "lora_magnitude_vector")
 
 
-def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = (), compiled: bool = False) -> None:
+def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> None:
     """Keep the denoiser's weights in float8 (e4m3) and upcast each layer to the compute dtype as it runs.
 
     Done before adapters are added, so only the frozen base layers are affected; norms, embeddings and other
-    precision-sensitive layers are skipped by diffusers' default patterns. The compute dtype is the one the
-    denoiser was loaded in (bf16 on GPU, fp32 on CPU by default). `compiled` (training.compile): the layers inside
-    the transformer blocks upcast inside their own forward (vidtune/memory/float8.py), which torch.compile traces;
-    the rest keep diffusers' layerwise casting, as in an eager run.
+    precision-sensitive layers are skipped by the model's (or diffusers' default) layerwise casting patterns. The
+    compute dtype is the one the denoiser was loaded in (bf16 on GPU, fp32 on CPU by default). The linear layers
+    become `Float8StorageLinear`s (vidtune/memory/float8.py: the backward pass keeps the float8 weight, not an
+    upcast copy; torch.compile traces the upcast); any other layer layerwise casting would cast gets diffusers'
+    hook.
     """
     experts = getattr(denoiser, "experts", None)
     if callable(experts):  # Wan 2.2 A14B's two experts (vidtune.models.experts): each casts its own layers
@@ -50,24 +52,47 @@ def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = (),
             store_frozen_weights_in_fp8(expert, tuple(k.removeprefix(f"{name}.") for k in keep
                                                       if k.startswith(f"{name}.")))
         return
+    from diffusers.hooks.layerwise_casting import apply_layerwise_casting_hook
+
     compute_dtype = denoiser.dtype
-    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+    linears, others = fp8_layers(denoiser, keep)
+    for _, linear in linears:
+        store_linear_in_float8(linear, compute_dtype)
+    for _, layer in others:
+        apply_layerwise_casting_hook(layer, torch.float8_e4m3fn, compute_dtype, non_blocking=False)
+    if denoiser.dtype != compute_dtype:  # its first weight is float8 (every family's is a layer kept as it is)
+        raise ModelError(f"memory.base_weights=fp8: {type(denoiser).__name__}'s first weight is stored in float8, "
+                         "which would make it compute in float8.\nWhat to do: set memory.base_weights=int8 (or "
+                         "auto) for this model.")
 
-    # The model's own patterns (as diffusers would take them), and the modules that train fully.
+
+def fp8_layers(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> tuple[list[tuple[str, nn.Linear]],
+                                                                          list[tuple[str, nn.Module]]]:
+    """The layers `memory.base_weights=fp8` stores in float8: (linear layers, other layers diffusers' layerwise
+    casting casts), found as layerwise casting finds them: a module whose full name matches one of the model's
+    patterns (else diffusers' defaults), its fp32 modules or `keep` is skipped with everything under it."""
+    from diffusers.hooks.layerwise_casting import _GO_LC_SUPPORTED_PYTORCH_LAYERS, DEFAULT_SKIP_MODULES_PATTERN
+
     own = tuple(getattr(denoiser, "_skip_layerwise_casting_patterns", None) or DEFAULT_SKIP_MODULES_PATTERN)
-    patterns = own + tuple(rf"^{re.escape(name)}$" for name in keep)
-    blocks: list[tuple[str, nn.Module]] = []
-    if compiled:
-        from vidtune.compile import repeated_blocks
+    fp32 = tuple(getattr(denoiser, "_keep_in_fp32_modules", None) or ())
+    patterns = own + fp32 + tuple(rf"^{re.escape(name)}$" for name in keep)
+    linears: list[tuple[str, nn.Linear]] = []
+    others: list[tuple[str, nn.Module]] = []
 
-        chosen = {id(block) for block in repeated_blocks(denoiser)}
-        blocks = [(name, module) for name, module in denoiser.named_modules() if id(module) in chosen]
-    for name, block in blocks:
-        store_block_linears_in_float8(block, name, patterns, compute_dtype)
-    # Layerwise casting skips a module whose name matches, with everything under it: here the blocks done above.
-    done = tuple(rf"^{re.escape(name)}$" for name, _ in blocks)
-    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute_dtype,
-                                      skip_modules_pattern=patterns + done)
+    def visit(module: nn.Module, name: str) -> None:
+        # An adapter's own layers (the planner looks at a denoiser that has one) are never stored in float8.
+        if any(re.search(pattern, name) for pattern in patterns) or name.rpartition(".")[2] in ADAPTER_LAYERS:
+            return
+        if type(module) is nn.Linear:
+            linears.append((name, module))
+        elif isinstance(module, _GO_LC_SUPPORTED_PYTORCH_LAYERS):
+            others.append((name, module))
+        else:
+            for child_name, child in module.named_children():
+                visit(child, f"{name}.{child_name}" if name else child_name)
+
+    visit(denoiser, "")
+    return linears, others
 
 
 def _skip_patterns(model: nn.Module) -> tuple[str, ...]:
@@ -107,13 +132,11 @@ def check_base_weights(option: str, key: str = "memory.base_weights") -> None:
         ) from None
 
 
-def prepare_base_weights(denoiser: nn.Module, option: str, keep: tuple[str, ...] = (),
-                         compiled: bool = False) -> None:
+def prepare_base_weights(denoiser: nn.Module, option: str, keep: tuple[str, ...] = ()) -> None:
     """`fp8` and `nf4`: before the adapter is added (the denoiser frozen already). `keep`: names of modules
-    that train fully (a control run's widened input layer) and so stay as they are; `compiled`: the blocks will
-    be compiled (training.compile)."""
+    that train fully (a control run's widened input layer) and so stay as they are."""
     if option == "fp8":
-        store_frozen_weights_in_fp8(denoiser, keep, compiled)
+        store_frozen_weights_in_fp8(denoiser, keep)
     elif option == "nf4":
         _linears_to_nf4(denoiser, keep)
 

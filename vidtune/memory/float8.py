@@ -1,23 +1,44 @@
-"""float8 storage that torch.compile can trace: the upcast is part of the layer's forward.
+"""float8 storage of frozen linear layers that costs no activation memory, eager and compiled alike.
 
-diffusers' layerwise casting (what `memory.base_weights=fp8` uses in eager runs) casts a layer's weight to the
-compute dtype in a hook before the layer runs and back to float8 in a hook after it, replacing the parameter's
-data in place. Eager autograd keeps the upcast copy it saved for the backward pass; a compiled block's backward
-reads the parameter itself, which is float8 again by then. Inside compiled blocks the frozen linear layers are
-therefore `Float8StorageLinear`s instead: the weight stays float8, `forward` upcasts it into a new tensor, and
-that compute-dtype tensor is what autograd saves. Both ways store the same float8 values (weight and bias) and
-compute with the same upcast values, so eager and compiled runs train the same model.
+diffusers' layerwise casting casts a layer's weight to the compute dtype in a hook before the layer runs and back
+to float8 after it. The matmul's backward needs that weight (for the input's gradient), so autograd keeps the
+compute-dtype copy until the backward pass: with every layer's copy alive at once, float8 weights took more
+memory than unquantized ones. The frozen linear layers are therefore `Float8StorageLinear`s: the weight stays
+float8 and `Float8Linear` (a custom autograd function) saves that float8 weight, upcasting it again in the
+backward pass. Only one layer's upcast copy exists at a time. The upcast is part of the layer's own forward, so
+torch.compile traces it with the block. Weights and values are those of layerwise casting (the same float8
+rounding, the same upcast values), so the numerics are unchanged.
 """
 
 from __future__ import annotations
-
-import re
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 STORAGE_DTYPE = torch.float8_e4m3fn
+
+
+class Float8Linear(torch.autograd.Function):
+    """`F.linear(input, weight, bias)` with a frozen float8 `weight` (and `bias`) upcast to `compute_dtype`: the
+    backward pass computes only the input's gradient, from the float8 weight upcast again."""
+
+    @staticmethod
+    def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                compute_dtype: torch.dtype) -> torch.Tensor:
+        return F.linear(input, weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype))
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        _, weight, _, compute_dtype = inputs
+        ctx.save_for_backward(weight)  # the float8 storage itself: nothing new is kept
+        ctx.compute_dtype = compute_dtype
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight.to(ctx.compute_dtype)) if ctx.needs_input_grad[0] else None
+        return grad_input, None, None, None
 
 
 class Float8StorageLinear(nn.Linear):
@@ -29,8 +50,9 @@ class Float8StorageLinear(nn.Linear):
     compute_dtype: torch.dtype
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        return F.linear(input, self.weight.to(self.compute_dtype), bias)
+        if self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad):
+            raise RuntimeError("a float8-stored linear layer is frozen: its weight and bias cannot train")
+        return Float8Linear.apply(input, self.weight, self.bias, self.compute_dtype)
 
 
 def store_linear_in_float8(linear: nn.Linear, compute_dtype: torch.dtype) -> None:
@@ -41,20 +63,3 @@ def store_linear_in_float8(linear: nn.Linear, compute_dtype: torch.dtype) -> Non
             linear.bias.data = linear.bias.data.to(STORAGE_DTYPE)
     linear.__class__ = Float8StorageLinear
     linear.compute_dtype = compute_dtype
-
-
-def store_block_linears_in_float8(block: nn.Module, prefix: str, skip_patterns: tuple[str, ...],
-                                  compute_dtype: torch.dtype) -> int:
-    """Every linear layer of `block` (named `prefix` in the denoiser) stored as `Float8StorageLinear`, except those
-    under a module whose full name matches one of `skip_patterns` (searched as diffusers' layerwise casting
-    searches them, so the same layers stay in full precision). Returns how many were stored.
-
-    Only linear layers are stored in float8 here: the blocks of every supported family hold no other layer
-    layerwise casting would cast (convolutions and embeddings sit outside them)."""
-    if any(re.search(pattern, prefix) for pattern in skip_patterns):
-        return 0
-    if isinstance(block, nn.Linear):
-        store_linear_in_float8(block, compute_dtype)
-        return 1
-    return sum(store_block_linears_in_float8(child, f"{prefix}.{name}", skip_patterns, compute_dtype)
-               for name, child in block.named_children())

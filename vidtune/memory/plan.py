@@ -31,7 +31,7 @@ from vidtune.errors import ConfigError, ModelError
 from vidtune.memory import _frozen_linears
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
-from vidtune.memory.tracking import LiveMemory, fused_attention
+from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
 from vidtune.memory.values import KnownValues, UnknownValue
 from vidtune.models.experts import TwoExperts
 
@@ -56,6 +56,10 @@ class MemoryPlan:
     on_the_fly: bool  # the text encoders and the VAE stay on the training device while it trains
     world_size: int = 1
     notes: list[str] = field(default_factory=list)
+    # Host memory vidtune's savers take while training (pinned offload buffers, swapped blocks, the optimizer's
+    # CPU state, an idle expert), and while a quantized base is loaded (the unquantized weights, for a moment).
+    host: dict[str, int] = field(default_factory=dict)
+    host_loading: int = 0
 
     @property
     def training_peak(self) -> int:
@@ -66,6 +70,11 @@ class MemoryPlan:
         """The largest of the stages (training, or each encoder alone during precompute)."""
         return max([self.training_peak, *self.precompute.values()])
 
+    @property
+    def host_peak(self) -> int:
+        """The most host memory the savers take (training), or loading a quantized base takes."""
+        return max(sum(self.host.values()), self.host_loading)
+
     def to_json(self) -> dict:
         gib = {key: round(value / GIB, 3) for key, value in self.training.items()}
         return {
@@ -75,6 +84,8 @@ class MemoryPlan:
             "training_peak_gib": round(self.training_peak / GIB, 3),
             "precompute_gib": {key: round(value / GIB, 3) for key, value in self.precompute.items()},
             "encoders_on_training_device": self.on_the_fly, "notes": self.notes,
+            "host_gib": {key: round(value / GIB, 3) for key, value in self.host.items()},
+            "host_loading_gib": round(self.host_loading / GIB, 3), "host_peak_gib": round(self.host_peak / GIB, 3),
         }
 
 
@@ -82,12 +93,16 @@ class MemoryPlan:
 @dataclass
 class StepTrace:
     """One traced training step: the denoiser as training configured it (on meta), the trained tensors, and the
-    largest live count of the forward and backward passes (activations, temporaries and gradients)."""
+    largest live count of the forward and backward passes (activations, temporaries and gradients), with every
+    tensor on the device and as `memory.activation_offload` holds them (`offload_peak`, with `host_activations`
+    bytes of pinned host memory at most)."""
 
     denoiser: nn.Module
     parameters: list[nn.Parameter]
     live_peak: int
     traced_grad_bytes: int
+    offload_peak: int
+    host_activations: int
 
 
 def _planned_device(config: Config) -> torch.device:
@@ -125,30 +140,82 @@ def quantized_linear_bytes(linear: nn.Linear, option: str) -> int:
     return values * linear.weight.element_size()
 
 
-def weight_bytes(denoiser: nn.Module, base_weights: str, blocks_to_swap: int) -> int:
-    """Resident bytes of the denoiser's parameters and buffers: quantized layers at their stored size, and with
-    block swap only the blocks that stay plus two in flight (the one computing, the one being copied)."""
+def _weight_sizes(denoiser: nn.Module, base_weights: str) -> dict[str, int]:
+    """Each parameter's and buffer's stored bytes under `base_weights` (traced unquantized: the quantized layers'
+    stored size replaces the dense one)."""
     sizes = {name: p.untyped_storage().nbytes() for name, p in denoiser.named_parameters()}
     sizes.update({f"buffer:{name}": b.untyped_storage().nbytes() for name, b in denoiser.named_buffers()})
-    if base_weights in ("int8", "nf4"):  # traced unquantized; their stored size replaces the dense one
+    if base_weights in ("int8", "nf4"):
         for name, linear in _frozen_linears(denoiser):
             sizes[f"{name}.weight"] = quantized_linear_bytes(linear, base_weights)
-    if blocks_to_swap:
-        blocks = transformer_blocks(denoiser)
-        if blocks_to_swap > len(blocks):
-            raise ConfigError(
-                f"memory.blocks_to_swap={blocks_to_swap}, but this denoiser has {len(blocks)} transformer blocks.\n"
-                f"What to do: set memory.blocks_to_swap to at most {len(blocks)}."
-            )
-        swapped = blocks[:blocks_to_swap]
-        block_bytes = [sum(sizes.get(f"{prefix}.{name}", 0) for name, p in block.named_parameters()
-                           if not p.requires_grad) for prefix, block in swapped]
-        for (prefix, block), _ in zip(swapped, block_bytes, strict=True):
-            for name, parameter in block.named_parameters():
-                if not parameter.requires_grad:
-                    sizes[f"{prefix}.{name}"] = 0
-        sizes["blocks in flight"] = sum(sorted(block_bytes)[-2:])
-    return sum(sizes.values())
+    elif base_weights == "fp8":  # one byte a value, the layers `store_frozen_weights_in_fp8` casts
+        for prefix, layers in _fp8_modules(denoiser):
+            for name, layer in layers:
+                full = f"{prefix}.{name}" if prefix else name
+                for parameter_name, parameter in layer.named_parameters(recurse=False):
+                    if not parameter.requires_grad:
+                        sizes[f"{full}.{parameter_name}"] = parameter.numel()
+    return sizes
+
+
+def _fp8_modules(denoiser: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+    """(prefix, the layers stored in float8) of the denoiser, or of each of its experts."""
+    from vidtune.memory import fp8_layers
+
+    experts = getattr(denoiser, "experts", None)
+    parts = list(zip(("transformer", "transformer_2"), experts(), strict=True)) if callable(experts) \
+        else [("", denoiser)]
+    found = []
+    for prefix, part in parts:
+        linears, others = fp8_layers(part)
+        found.append((prefix, [*linears, *others]))
+    return found
+
+
+def upcast_bytes(denoiser: nn.Module) -> int:
+    """fp8: the largest frozen linear layer's weight and bias in the compute dtype, the copy that exists while it
+    computes (one layer at a time, forward and backward: vidtune/memory/float8.py)."""
+    largest = 0
+    for _, layers in _fp8_modules(denoiser):
+        for _, layer in layers:
+            values = sum(p.numel() for p in layer.parameters(recurse=False))
+            largest = max(largest, values * next(layer.parameters()).element_size())
+    return largest
+
+
+def frozen_block_tensors(denoiser: nn.Module) -> list[list[str]]:
+    """The names of each transformer block's frozen parameters, in the order the blocks run."""
+    return [[f"{prefix}.{name}" for name, p in block.named_parameters() if not p.requires_grad]
+            for prefix, block in transformer_blocks(denoiser)]
+
+
+def swapped_weight_bytes(denoiser: nn.Module, sizes: dict[str, int], blocks_to_swap: int,
+                         blocks: list[list[str]] | None = None) -> list[dict[str, int]]:
+    """The frozen tensors' bytes of each of the `blocks_to_swap` swapped blocks (the last ones, as block swap
+    picks them). `blocks`: `frozen_block_tensors(denoiser)` when already at hand."""
+    blocks = frozen_block_tensors(denoiser) if blocks is None else blocks
+    if blocks_to_swap > len(blocks):
+        raise ConfigError(
+            f"memory.blocks_to_swap={blocks_to_swap}, but this denoiser has {len(blocks)} transformer blocks.\n"
+            f"What to do: set memory.blocks_to_swap to at most {len(blocks)}."
+        )
+    swapped = blocks[len(blocks) - blocks_to_swap:] if blocks_to_swap else []
+    return [{name: sizes.get(name, 0) for name in block} for block in swapped]
+
+
+def weight_bytes(denoiser: nn.Module, base_weights: str, blocks_to_swap: int,
+                 sizes: dict[str, int] | None = None, blocks: list[list[str]] | None = None) -> int:
+    """The denoiser's weights on the training device: all parameters and buffers, quantized layers at their stored
+    size; with block swap only the blocks that stay plus two in flight (the one computing, the one being copied).
+    `sizes`, `blocks`: `_weight_sizes(denoiser, base_weights)`, `frozen_block_tensors(denoiser)` when at hand."""
+    sizes = dict(_weight_sizes(denoiser, base_weights) if sizes is None else sizes)
+    if not blocks_to_swap:
+        return sum(sizes.values())
+    swapped = swapped_weight_bytes(denoiser, sizes, blocks_to_swap, blocks)
+    for block in swapped:
+        for name in block:
+            sizes[name] = 0
+    return sum(sizes.values()) + sum(sorted(sum(block.values()) for block in swapped)[-2:])
 
 
 def _frozen_bytes(module: nn.Module, base_weights: str) -> int:
@@ -202,11 +269,9 @@ def optimizer_step_temporaries(parameters: list[nn.Parameter], name: str, device
 
 
 @contextlib.contextmanager
-def _offloading_saved_tensors(live: LiveMemory, enabled: bool) -> Iterator[None]:
-    """`memory.activation_offload`: tensors saved for the backward pass leave the device until it reads them."""
-    if not enabled:
-        yield
-        return
+def _saved_tensors_counted(live: LiveMemory) -> Iterator[None]:
+    """Tensors saved for the backward pass are counted as `memory.activation_offload` would hold them (in host
+    memory until the backward pass reads them), beside the plain count."""
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         live.offload(tensor)
@@ -220,38 +285,132 @@ def _offloading_saved_tensors(live: LiveMemory, enabled: bool) -> Iterator[None]
         yield
 
 
-def trace_step(config: Config, conditions: dict, latent_shape: tuple[int, ...], device: torch.device) -> StepTrace:
-    """Load the denoiser as training does (on meta), configure what trains, then run one training step's forward
-    and backward passes, counting what they keep alive."""
+@dataclass
+class TracedModel:
+    """The denoiser loaded and configured as training does (on meta), ready for traced steps."""
+
+    spec: object
+    denoiser: nn.Module
+    parameters: list[nn.Parameter]
+    trained_dtypes: list[torch.dtype]
+    conditions: dict
+    latent_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """What one traced step gives: the device's peak with and without activation offload, the most saved bytes in
+    host memory at once, and the gradients' bytes."""
+
+    live_peak: int
+    offload_peak: int
+    host_activations: int
+    grad_bytes: int
+
+    def __sub__(self, other: _Counts) -> _Counts:
+        return _Counts(*(a - b for a, b in zip(self.values(), other.values(), strict=True)))
+
+    def values(self) -> tuple[int, ...]:
+        return (self.live_peak, self.offload_peak, self.host_activations, self.grad_bytes)
+
+    def plus(self, other: _Counts, times: int) -> _Counts:
+        return _Counts(*(a + times * b for a, b in zip(self.values(), other.values(), strict=True)))
+
+
+# Lists of blocks are traced with this many blocks and one and two more (see `trace_step`): the first block is
+# unlike the others (its input carries no gradient), so the counts grow evenly from the second on.
+TRACED_BLOCKS = 2
+
+
+def build_traced_model(config: Config, conditions: dict, latent_shape: tuple[int, ...],
+                       device: torch.device) -> TracedModel:
+    """Load the denoiser as training does (on meta) and configure what trains. Storage options (`fp8`, `int8`,
+    `nf4`, block swap) and the activation savers are accounted from the trace, so it is built with none of them."""
     from vidtune.trainers import build_trainer
 
-    traced_config = config
-    if config.memory.base_weights in ("int8", "nf4"):  # quantized storage does not run on meta: traced unquantized
-        traced_config = config.model_copy(update={"memory": config.memory.model_copy(
-            update={"base_weights": "auto"})})
-    trainer = build_trainer(traced_config)
+    memory = config.memory.model_copy(update={"base_weights": "auto", "blocks_to_swap": 0,
+                                              "activation_offload": False})
+    training = config.training.model_copy(update={"gradient_checkpointing": False})
+    trainer = build_trainer(config.model_copy(update={"memory": memory, "training": training}))
     spec = trainer.spec
     with components_on_meta(spec, device):
         denoiser = spec.load_denoiser(META)
     if isinstance(denoiser, TwoExperts):  # its expert offloading moves weights to the host: accounted instead
         denoiser.offload = False
-    if config.training.gradient_checkpointing:
-        denoiser.enable_gradient_checkpointing()
-    parameters = trainer.configure_trainable(denoiser)
-    trained_dtypes = [p.dtype for p in parameters]
+    with torch.device(META):  # the adapter's new weights are made on meta too (nothing to initialise)
+        parameters = trainer.configure_trainable(denoiser)
+    return TracedModel(spec, denoiser, parameters, [p.dtype for p in parameters], conditions, latent_shape)
+
+
+def trace_step(model: TracedModel, config: Config, device: torch.device, checkpointing: bool) -> StepTrace:
+    """One training step's forward and backward passes on meta, counting what they keep alive.
+
+    Transformer blocks repeat: each block after the first keeps what the one before it kept, so the counts grow
+    by the same amount with each block. Each long list of blocks is traced with 2, 3 and 4 of its blocks (the
+    others left out), and the growth is carried on to all N; when the three do not lie on a line (or the model
+    cannot run with fewer blocks), the whole model is traced instead. Where the peak of a few blocks is one
+    block's working memory rather than what piles up, the device's peaks are carried on by the blocks' gradients
+    (an upper bound, by at most the gradients' bytes: tests/unit/test_memory_plan.py)."""
+    denoiser = model.denoiser
+    _set_checkpointing(denoiser, checkpointing)
     if _uses_bf16(config, device):  # autocast computes the adapters in bf16: traced with bf16 copies of them
-        for parameter in parameters:
+        for parameter in model.parameters:
             parameter.data = parameter.data.to(torch.bfloat16)
+    try:
+        lists = [blocks for blocks in _block_lists(denoiser) if len(blocks) > TRACED_BLOCKS + 2]
+        counts = _partial_counts(model, config, device, lists) if lists else None
+        if counts is None:
+            counts = _count_step(model, config, device)
+    finally:
+        for parameter, dtype in zip(model.parameters, model.trained_dtypes, strict=True):  # as they train
+            parameter.data = parameter.data.to(dtype)
+            parameter.grad = None
+    return StepTrace(denoiser, model.parameters, counts.live_peak, counts.grad_bytes, counts.offload_peak,
+                     counts.host_activations)
+
+
+def _partial_counts(model: TracedModel, config: Config, device: torch.device,
+                    lists: list[nn.ModuleList]) -> _Counts | None:
+    """The counts of the whole model from steps with 2 to 4 blocks of each list (None: they are not linear in the
+    number of blocks, or the model does not run with fewer blocks)."""
+    base = [TRACED_BLOCKS] * len(lists)
+    try:
+        with _first_blocks(lists, base):
+            first = _count_step(model, config, device)
+        total = first
+        for index, blocks in enumerate(lists):
+            steps = []
+            for more in (1, 2):
+                with _first_blocks(lists, [count + more if i == index else count for i, count in enumerate(base)]):
+                    steps.append(_count_step(model, config, device))
+            per_block = steps[0] - first
+            if steps[1] - steps[0] != per_block:
+                return None
+            # A peak of a few blocks may be one block's working memory (the same for any number of blocks) where
+            # many blocks' gradients, which pile up in the backward pass, would exceed it: the device's peaks grow
+            # at least by a block's gradients (at most the gradients' bytes over the true peak).
+            grown = max(per_block.grad_bytes, 0)
+            per_block = _Counts(max(per_block.live_peak, grown), max(per_block.offload_peak, grown),
+                                per_block.host_activations, per_block.grad_bytes)
+            total = total.plus(per_block, len(blocks) - TRACED_BLOCKS)
+    except (IndexError, KeyError, ValueError):  # the model reads blocks beyond those left (e.g. by index)
+        for parameter in model.parameters:  # the whole model is traced next, from no gradients
+            parameter.grad = None
+        return None
+    return total
+
+
+def _count_step(model: TracedModel, config: Config, device: torch.device) -> _Counts:
+    denoiser, spec = model.denoiser, model.spec
     live = LiveMemory()
-    live.known([*denoiser.parameters(), *denoiser.buffers(), *_leaves(conditions)])
+    live.known([*denoiser.parameters(), *denoiser.buffers(), *_leaves(model.conditions)])
     denoiser.train()
     batch = config.training.batch_size
     values = KnownValues()
-    with fused_attention(device.type), autocast_on_meta(), live, \
-            _offloading_saved_tensors(live, config.memory.activation_offload), values:
-        noisy = torch.zeros((batch, *latent_shape[1:]), dtype=denoiser.dtype, device=META)
+    with fused_attention(device.type), autocast_on_meta(), live, _saved_tensors_counted(live), values:
+        noisy = torch.zeros((batch, *model.latent_shape[1:]), dtype=denoiser.dtype, device=META)
         timesteps = torch.full((batch,), 500.0, device=META)
-        batch_conditions = {key: _batched(value, batch) for key, value in conditions.items()}
+        batch_conditions = {key: _batched(value, batch) for key, value in model.conditions.items()}
         # What branches may read, as the measurement feeds it: masks of ones (every token real, the longest
         # caption), encoder outputs that are not all zeros (HunyuanVideo 1.5 tells image-to-video by that).
         for value in batch_conditions.values():
@@ -261,25 +420,58 @@ def trace_step(config: Config, conditions: dict, latent_shape: tuple[int, ...], 
         loss = (prediction.float() - noisy.float()).pow(2).flatten(1).mean(dim=1).sum()
         loss.backward()
         del prediction, loss, noisy, batch_conditions
-    traced_grad_bytes = _unique_storage_bytes([p.grad for p in parameters if p.grad is not None])
-    for parameter, dtype in zip(parameters, trained_dtypes, strict=True):  # as they train, for the accounting
-        parameter.data = parameter.data.to(dtype)
+    grad_bytes = _unique_storage_bytes([p.grad for p in model.parameters if p.grad is not None])
+    for parameter in model.parameters:
         parameter.grad = None
-    return StepTrace(denoiser, parameters, live.peak, traced_grad_bytes)
+    return _Counts(live.peak, live.offload_peak, live.host_peak, grad_bytes)
+
+
+def _block_lists(denoiser: nn.Module) -> list[nn.ModuleList]:
+    """Every list of repeated transformer blocks (`...blocks` ModuleLists, an expert's included)."""
+    return [module for name, module in denoiser.named_modules()
+            if isinstance(module, nn.ModuleList) and name.rpartition(".")[2].endswith("blocks")]
+
+
+@contextlib.contextmanager
+def _first_blocks(lists: list[nn.ModuleList], counts: list[int]) -> Iterator[None]:
+    """While inside: each list holds only its first `count` blocks."""
+    saved = [blocks._modules for blocks in lists]
+    for blocks, count in zip(lists, counts, strict=True):
+        blocks._modules = dict(list(blocks._modules.items())[:count])
+    try:
+        yield
+    finally:
+        for blocks, modules in zip(lists, saved, strict=True):
+            blocks._modules = modules
+
+
+def _set_checkpointing(denoiser: nn.Module, enabled: bool) -> None:
+    if enabled:
+        denoiser.enable_gradient_checkpointing()
+        return
+    for module in denoiser.modules():
+        if hasattr(module, "disable_gradient_checkpointing") and hasattr(module, "_gradient_checkpointing_func"):
+            module.disable_gradient_checkpointing()
 
 
 def account_step(trace: StepTrace, config: Config, device: torch.device) -> dict[str, int]:
     """Weights, gradients, optimizer state and activations of the traced step under `config`'s storage options."""
     parameters, options = trace.parameters, config.optimizer
     gradients = sum(p.numel() * p.element_size() for p in parameters)
+    offloaded = config.memory.activation_offload
+    live_peak = trace.offload_peak if offloaded else trace.live_peak
+    if config.memory.base_weights == "fp8":  # one layer's upcast copy at a time (traced unquantized)
+        live_peak += _cached(trace, "upcast", lambda: upcast_bytes(trace.denoiser))
     # Traced gradients were the bf16 copies' where training keeps fp32 ones: the difference is added.
-    step_peak = max(trace.live_peak + gradients - trace.traced_grad_bytes,
+    step_peak = max(live_peak + gradients - trace.traced_grad_bytes,
                     gradients + optimizer_step_temporaries(parameters, options.name, device))
-    weights = weight_bytes(trace.denoiser, config.memory.base_weights, config.memory.blocks_to_swap)
+    base, blocks = config.memory.base_weights, config.memory.blocks_to_swap
+    weights = _cached(trace, ("weights", base, blocks),
+                      lambda: weight_bytes(trace.denoiser, base, blocks, _sizes(trace, base), _blocks(trace)))
     if isinstance(trace.denoiser, TwoExperts) and device.type == "cuda" and config.training.batch_size == 1:
         # Wan 2.2 A14B on a GPU: a batch of one clip runs one expert; the idle one's frozen weights wait in host
         # memory (a larger batch may hold clips of both experts, and keeps both on the device).
-        weights -= min(_frozen_bytes(expert, config.memory.base_weights) for expert in trace.denoiser.experts())
+        weights -= _idle_expert_bytes(trace, config.memory.base_weights)
     return {
         "weights": weights,
         "gradients": gradients,
@@ -287,6 +479,67 @@ def account_step(trace: StepTrace, config: Config, device: torch.device) -> dict
                                                  options.cpu_offload and device.type == "cuda"),
         "activations": step_peak - gradients,
     }
+
+
+def _idle_expert_bytes(trace: StepTrace, base_weights: str) -> int:
+    return _cached(trace, ("idle", base_weights), lambda: min(
+        _frozen_bytes(expert, base_weights) for expert in trace.denoiser.experts()))
+
+
+_ACCOUNTED: dict[tuple, object] = {}
+
+
+def _sizes(trace: StepTrace, base_weights: str) -> dict[str, int]:
+    return _cached(trace, ("sizes", base_weights), lambda: _weight_sizes(trace.denoiser, base_weights))
+
+
+def _blocks(trace: StepTrace) -> list[list[str]]:
+    return _cached(trace, "blocks", lambda: frozen_block_tensors(trace.denoiser))
+
+
+def _cached(trace: StepTrace, key: object, compute):
+    """Sums over the denoiser's tensors, computed once per traced denoiser (the suggestion search asks often)."""
+    full = (id(trace.denoiser), key)
+    if full not in _ACCOUNTED:
+        _ACCOUNTED[full] = compute()
+    return _ACCOUNTED[full]
+
+
+def account_host(trace: StepTrace, config: Config, device: torch.device) -> dict[str, int]:
+    """What the memory savers keep in host memory while training: activation offload's pinned copies of the saved
+    activations (the most held at once), block swap's pinned copies of the swapped blocks' frozen weights, torchao's
+    CPU-offload optimizer (a pinned copy of each large trained tensor and of its gradient, and the optimizer's state),
+    and Wan 2.2 A14B's idle expert. Pinned blocks are rounded up to a power of two, as torch's host allocator does."""
+    memory, host = config.memory, {}
+    if memory.activation_offload:
+        host["activation offload (pinned)"] = trace.host_activations
+    if memory.blocks_to_swap:
+        host["block swap (pinned)"] = _cached(trace, ("swapped", memory.base_weights, memory.blocks_to_swap),
+                                              lambda: _swapped_host_bytes(trace, memory.base_weights,
+                                                                          memory.blocks_to_swap))
+    if config.optimizer.cpu_offload and device.type == "cuda":
+        large = [p for p in trace.parameters if p.numel() >= SMALL_TENSOR]
+        host["optimizer (CPU offload)"] = sum(2 * pinned_size(p.numel() * p.element_size()) for p in large) + \
+            optimizer_state_bytes(large, config.optimizer.name, cpu_offload=False)
+    if isinstance(trace.denoiser, TwoExperts) and device.type == "cuda" and config.training.batch_size == 1:
+        host["idle expert"] = _idle_expert_bytes(trace, memory.base_weights)
+    return host
+
+
+def _swapped_host_bytes(trace: StepTrace, base_weights: str, blocks_to_swap: int) -> int:
+    swapped = swapped_weight_bytes(trace.denoiser, _sizes(trace, base_weights), blocks_to_swap, _blocks(trace))
+    # int8 / nf4 tensors are not plain tensors: copied to pageable host memory at their size.
+    pinned = base_weights in ("auto", "fp8")
+    return sum(pinned_size(size) if pinned else size for block in swapped for size in block.values())
+
+
+def loading_host(trace: StepTrace, config: Config, device: torch.device) -> int:
+    """A quantized base for a GPU is loaded and quantized in host memory (vidtune/offload.py `loading_device`): the
+    unquantized weights are there for a moment."""
+    if config.memory.base_weights == "auto" or device.type != "cuda":
+        return 0
+    return _cached(trace, ("weights", "auto", 0),
+                   lambda: weight_bytes(trace.denoiser, "auto", 0, _sizes(trace, "auto")))
 
 
 def _leaves(value: object) -> list[torch.Tensor]:
@@ -397,7 +650,8 @@ def _plan(config: Config, world_size: int) -> MemoryPlan:
         raise ConfigError("memory.blocks_to_swap works with adapter training only: full fine-tuning updates the "
                           "swapped weights.\nWhat to do: set memory.blocks_to_swap=0, or train a LoRA.")
     encoders = _encoders(config, device)
-    training = shard(account_step(_step(config, device, encoders), config, device), config, world_size)
+    step = _step(config, device, encoders)
+    training = shard(account_step(step, config, device), config, world_size)
     on_the_fly = not config.precompute.enabled
     if on_the_fly:  # the encoders stay loaded beside the denoiser; the step's peak is after they ran
         training["text encoders + VAE"] = encoders.text_weights + encoders.vae_weights
@@ -410,7 +664,8 @@ def _plan(config: Config, world_size: int) -> MemoryPlan:
                      "as CUDA would.")
     return MemoryPlan(config.model.name, label, device.type, shape, training,
                       {"precompute: text encoders": encoders.text_bytes, "precompute: VAE": encoders.vae_bytes},
-                      on_the_fly, world_size, notes)
+                      on_the_fly, world_size, notes, account_host(step, config, device),
+                      loading_host(step, config, device))
 
 
 def shard(training: dict[str, int], config: Config, world_size: int) -> dict[str, int]:
@@ -434,29 +689,90 @@ def _encoder_key(config: Config, device: torch.device) -> tuple:
             config.memory.vae_tiling, config.precompute.batch_size, tuple(config.data.bucket_shapes()))
 
 
-def _step_key(config: Config, device: torch.device) -> tuple:
-    """What the traced step depends on (weights' storage and the optimizer are accounted after it)."""
+def _model_key(config: Config, device: torch.device) -> tuple:
+    """What the traced denoiser and its steps depend on: the weights' storage, block swap, activation offload and
+    the optimizer are accounted from the trace; gradient checkpointing is one of its two kinds of step."""
     training = config.training
     return (config.model.model_dump_json(), device.type, tuple(config.data.bucket_shapes()), training.algorithm,
-            training.batch_size, training.gradient_checkpointing, training.precision, config.lora.model_dump_json(),
-            config.full.model_dump_json(), config.memory.base_weights == "fp8", config.memory.activation_offload)
+            training.batch_size, training.precision, config.lora.model_dump_json(), config.full.model_dump_json())
 
 
 _ENCODERS: dict[tuple, EncoderTrace] = {}
+_MODELS: dict[tuple, TracedModel] = {}
 _STEPS: dict[tuple, StepTrace] = {}
+# `vidtune plan` keeps the traces on disk between runs (vidtune/memory/stored.py); the library does not by default.
+STORED_TRACES = False
+
+
+@contextlib.contextmanager
+def traces_kept_on_disk() -> Iterator[None]:
+    """While inside: traces are read from and written to disk (vidtune/memory/stored.py)."""
+    global STORED_TRACES
+    before, STORED_TRACES = STORED_TRACES, True
+    try:
+        yield
+    finally:
+        STORED_TRACES = before
+
+
+def _stored_key(kind: str, config: Config, key: tuple) -> str:
+    """The trace's digest: its key with the model folder's path replaced by its settings files' contents."""
+    from vidtune.memory import stored
+
+    model = config.model.model_copy(update={"pretrained": stored.folder_digest(config.model.pretrained)})
+    return stored.trace_digest(kind, (model.model_dump_json(), *key[1:]))
 
 
 def _encoders(config: Config, device: torch.device) -> EncoderTrace:
     key = _encoder_key(config, device)
     if key not in _ENCODERS:
-        _ENCODERS[key] = trace_encoders(config, device)
+        _ENCODERS[key] = _stored_encoders(config, device, key) if STORED_TRACES else trace_encoders(config, device)
     return _ENCODERS[key]
 
 
-def _step(config: Config, device: torch.device, encoders: EncoderTrace) -> StepTrace:
-    key = _step_key(config, device)
-    if key not in _STEPS:
+def _stored_encoders(config: Config, device: torch.device, key: tuple) -> EncoderTrace:
+    from vidtune.memory import stored
+
+    digest = _stored_key("encoders", config, key)
+    found = stored.load(digest)
+    if found is not None:
+        return EncoderTrace(stored.tensors_from_json(found["conditions"]), stored.tensors_from_json(found["latents"]),
+                            *found["bytes"])
+    trace = trace_encoders(config, device)
+    conditions, latents = stored.tensors_to_json(trace.conditions), stored.tensors_to_json(trace.latents)
+    if conditions is not None and latents is not None:
+        stored.store(digest, {"conditions": conditions, "latents": latents, "bytes": [
+            trace.text_bytes, trace.text_weights, trace.vae_bytes, trace.vae_weights]})
+    return trace
+
+
+def _traced_model(config: Config, device: torch.device, encoders: EncoderTrace) -> TracedModel:
+    key = _model_key(config, device)
+    if key not in _MODELS:
         latent = encoders.latents["latents_mean"]
         video_conditions = {k: v for k, v in encoders.latents.items() if k not in ("latents_mean", "latents_std")}
-        _STEPS[key] = trace_step(config, {**encoders.conditions, **video_conditions}, tuple(latent.shape), device)
+        _MODELS[key] = build_traced_model(config, {**encoders.conditions, **video_conditions}, tuple(latent.shape),
+                                          device)
+    return _MODELS[key]
+
+
+def _step(config: Config, device: torch.device, encoders: EncoderTrace) -> StepTrace:
+    checkpointing = config.training.gradient_checkpointing
+    key = (*_model_key(config, device), checkpointing)
+    if key not in _STEPS:
+        model = _traced_model(config, device, encoders)
+        if not STORED_TRACES:
+            _STEPS[key] = trace_step(model, config, device, checkpointing)
+            return _STEPS[key]
+        from vidtune.memory import stored
+
+        digest = _stored_key("step", config, key)
+        found = stored.load(digest)
+        if found is None:
+            trace = trace_step(model, config, device, checkpointing)
+            stored.store(digest, {"counts": [trace.live_peak, trace.traced_grad_bytes, trace.offload_peak,
+                                             trace.host_activations]})
+        else:
+            trace = StepTrace(model.denoiser, model.parameters, *found["counts"])
+        _STEPS[key] = trace
     return _STEPS[key]

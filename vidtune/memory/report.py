@@ -8,8 +8,9 @@ import sys
 
 from vidtune.config import Config
 from vidtune.config_docs import NOT_SET
-from vidtune.memory.plan import GIB, MemoryPlan, plan_memory
-from vidtune.memory.suggest import suggest
+from vidtune.errors import ConfigError
+from vidtune.memory.plan import GIB, MemoryPlan, plan_memory, traces_kept_on_disk
+from vidtune.memory.suggest import HOST_RESERVE_GIB, fits, suggest
 
 # Stands for the clips' folder in a printed command when the plan was made without one.
 DATA_ROOT_PLACEHOLDER = "/path/to/your/clips"
@@ -30,6 +31,11 @@ def table(plan: MemoryPlan) -> str:
     lines += [f"  {name.removeprefix('precompute: '):<22}{value / GIB:>9.2f} GiB"
               for name, value in plan.precompute.items()]
     lines += ["", f"peak: {plan.peak / GIB:.2f} GiB", *plan.notes]
+    if plan.host or plan.host_loading:
+        lines += ["", "host memory (the memory savers' share)"]
+        lines += [f"  {name:<22}{value / GIB:>9.2f} GiB" for name, value in plan.host.items()]
+        if plan.host_loading:
+            lines.append(f"  {'loading (a moment)':<22}{plan.host_loading / GIB:>9.2f} GiB")
     return "\n".join(lines)
 
 
@@ -45,25 +51,42 @@ def train_example(config: Config, path: str | None, overrides: list[str], added:
     return f"For example{note}:\n  {shlex.join([*words, *added])}"
 
 
+def machine_memory_gib() -> float:
+    """This machine's RAM."""
+    import psutil
+
+    return psutil.virtual_memory().total / GIB
+
+
 def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory: float | None, as_json: bool,
-             gpus: int) -> int:
+             gpus: int, host_memory: float | None = None) -> int:
     """Print the plan of `config` (read from `path` and `overrides`, which the example command repeats)."""
+    if host_memory is not None and host_memory <= HOST_RESERVE_GIB:
+        raise ConfigError(f"--host-memory {host_memory:g}: too little; the system itself takes about "
+                          f"{HOST_RESERVE_GIB:g} GiB.\nWhat to do: give the host's RAM in GiB, e.g. --host-memory 64.")
+    host = machine_memory_gib() if host_memory is None else host_memory
     # What each wait is doing, on stderr (stdout stays the table, or the JSON object).
     say(f"Tracing one training step of {config.model.name} on the meta device (no weights loaded) ...")
-    plan = plan_memory(config, gpus)
+    with traces_kept_on_disk():  # the same question comes again while settings are chosen
+        plan = plan_memory(config, gpus)
+        fitting = gpu_memory is not None and fits(plan, gpu_memory, host)
+        if gpu_memory is not None and not fitting:
+            say(f"Peak {plan.peak / GIB:.2f} GiB (host memory {plan.host_peak / GIB:.2f} of {host:.1f} GiB) is over "
+                f"{gpu_memory:g} GiB: tracing combinations of memory savers for the fastest one that fits ...")
+        suggestion = suggest(config, gpu_memory, gpus, host) if gpu_memory is not None and not fitting else None
+        # Nothing fits this host: what a larger host would allow (the traces are at hand, so it costs little).
+        larger_host = suggest(config, gpu_memory, gpus) if gpu_memory is not None and not fitting and \
+            suggestion is None else None
     result = plan.to_json()
-    suggestion = None
     if gpu_memory is not None:
-        if plan.peak > gpu_memory * GIB:
-            say(f"Peak {plan.peak / GIB:.2f} GiB is over {gpu_memory:g} GiB: tracing combinations of memory savers "
-                "for the fastest one that fits ...")
-        suggestion = suggest(config, gpu_memory, gpus) if plan.peak > gpu_memory * GIB else None
         result["gpu_memory_gib"] = gpu_memory
-        result["fits"] = plan.peak <= gpu_memory * GIB
+        result["host_memory_gib"] = round(host, 3)
+        result["fits"] = fitting
         result["suggested_overrides"] = suggestion.overrides if suggestion else []
         if suggestion:
             result["suggested_peak_gib"] = round(suggestion.plan.peak / GIB, 3)
             result["suggested_training_gib"] = suggestion.plan.to_json()["training_gib"]
+            result["suggested_host_gib"] = round(suggestion.plan.host_peak / GIB, 3)
         elif not result["fits"]:
             result["suggestion"] = None
     if as_json:
@@ -73,13 +96,21 @@ def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory:
     if gpu_memory is None:
         return 0
     if result["fits"]:
-        print(f"\nFits in {gpu_memory:g} GiB.")
+        print(f"\nFits in {gpu_memory:g} GiB (host memory: {plan.host_peak / GIB:.2f} of {host:.1f} GiB).")
     elif suggestion is not None:
-        print(f"\nDoes not fit in {gpu_memory:g} GiB. It fits with these settings (the fastest combination found; "
-              f"peak {suggestion.plan.peak / GIB:.2f} GiB):\n  {' '.join(suggestion.overrides)}\n"
+        print(f"\nDoes not fit in {gpu_memory:g} GiB (with {host:.1f} GiB of host memory). It fits with these settings "
+              f"(the fastest combination found; peak {suggestion.plan.peak / GIB:.2f} GiB, host memory "
+              f"{suggestion.plan.host_peak / GIB:.2f} GiB):\n  {' '.join(suggestion.overrides)}\n"
               f"{train_example(config, path, overrides, suggestion.overrides)}")
+    elif larger_host is not None:
+        print(f"\nDoes not fit in {gpu_memory:g} GiB with {host:.1f} GiB of host memory. With more host memory it "
+              f"fits with these settings (peak {larger_host.plan.peak / GIB:.2f} GiB), which need "
+              f"{larger_host.plan.host_peak / GIB:.2f} GiB of host memory (plus about {HOST_RESERVE_GIB:g} GiB for "
+              f"the system):\n  {' '.join(larger_host.overrides)}\nWhat to do: train on a machine with more RAM "
+              "(plan for it with --host-memory GIB), or at a smaller size (data.frames, data.height, data.width).")
     else:
-        print(f"\nDoes not fit in {gpu_memory:g} GiB, even with every memory saver vidtune has.\nWhat to do: train at "
+        print(f"\nDoes not fit in {gpu_memory:g} GiB (with {host:.1f} GiB of host memory), even with every memory "
+              "saver vidtune has.\nWhat to do: train at "
               "a smaller size (data.frames, data.height, data.width), with a smaller lora.rank, on a larger GPU, or "
               "on several (parallel.strategy=fsdp, then plan with --gpus N).")
     return 0

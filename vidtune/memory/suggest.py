@@ -6,11 +6,19 @@ VAE tiling) are chosen for it alone, and training from the cache (`precompute.en
 the training device. For training, every combination of the savers is planned (the traced steps are re-used, so
 each costs only the accounting) and the cheapest that fits wins; block swap, the slowest, comes last, with the
 fewest blocks that fit.
+
+A suggestion must fit the host as well (`host_gib`): what the savers keep in host memory (activation offload's
+pinned copies, swapped blocks, the CPU-offload optimizer's state, loading a quantized base) stays within it, less
+`HOST_RESERVE_GIB` for the system, Python and the CUDA libraries. Activation offload without gradient
+checkpointing moves every saved activation of the step to the host and back (hundreds of GiB for a large clip);
+with checkpointing only the blocks' inputs move, so offload is ranked cheap beside checkpointing and dear alone,
+and checkpointing comes first whenever memory is the limit.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from vidtune.config import Config
@@ -28,6 +36,10 @@ COST = {
     "optimizer.cpu_offload=true": 1.15,
     "memory.activation_offload=true": 1.6,
 }
+# Activation offload beside gradient checkpointing: only each block's input is copied, overlapped with compute.
+OFFLOAD_WITH_CHECKPOINTING = 1.1
+# Host memory the planner does not count: the system, the Python process, torch's and CUDA's libraries.
+HOST_RESERVE_GIB = 4.0
 SWAP_COST_PER_BLOCK_SHARE = 0.5  # block swap: + this x the share of blocks swapped
 ADAPTER_ALGORITHMS = ("lora", "guidance-distillation", "step-distillation")
 
@@ -46,11 +58,23 @@ def with_overrides(config: Config, overrides: list[str]) -> Config:
     return build_config(apply_overrides(config.to_dict(), overrides))
 
 
-def suggest(config: Config, budget_gib: float, world_size: int = 1) -> Suggestion | None:
-    """The cheapest overrides whose plan fits `budget_gib` (None when nothing vidtune offers does)."""
+def host_budget(host_gib: float | None) -> float:
+    """The bytes of host memory the savers may take on a host of `host_gib` (no limit when None)."""
+    return math.inf if host_gib is None else max(host_gib - HOST_RESERVE_GIB, 0.0) * GIB
+
+
+def fits(plan: MemoryPlan, budget_gib: float, host_gib: float | None = None) -> bool:
+    """The plan fits a device of `budget_gib` and a host of `host_gib` (see `host_budget`)."""
+    return plan.peak <= budget_gib * GIB and plan.host_peak <= host_budget(host_gib)
+
+
+def suggest(config: Config, budget_gib: float, world_size: int = 1,
+            host_gib: float | None = None) -> Suggestion | None:
+    """The cheapest overrides whose plan fits `budget_gib` of device memory and `host_gib` of host memory (None:
+    the host is not checked); None when nothing vidtune offers does."""
     budget = budget_gib * GIB
     plan = plan_memory(config, world_size)
-    if plan.peak <= budget:
+    if fits(plan, budget_gib, host_gib):
         return Suggestion([], plan, 1.0)
     precompute = _precompute_overrides(config, budget, world_size)
     if precompute is None:
@@ -58,16 +82,18 @@ def suggest(config: Config, budget_gib: float, world_size: int = 1) -> Suggestio
     best: Suggestion | None = None
     for changes in _training_changes(config):
         overrides = [*precompute, *changes]
-        cost = _cost(changes)
+        cost = _cost(changes, config)
         if best is not None and cost >= best.cost:
             continue
         candidate = with_overrides(config, overrides)
         plan = plan_memory(candidate, world_size)
-        if plan.peak <= budget:
+        if fits(plan, budget_gib, host_gib):
             best = Suggestion(overrides, plan, cost)
             continue
+        if plan.host_peak > host_budget(host_gib):
+            continue  # block swap only adds to the host's share
         swap = _fewest_blocks(candidate, budget, world_size)
-        if swap is not None:
+        if swap is not None and swap[1].host_peak <= host_budget(host_gib):
             blocks, swapped, share = swap
             cost *= 1 + SWAP_COST_PER_BLOCK_SHARE * share
             if best is None or cost < best.cost:
@@ -75,10 +101,14 @@ def suggest(config: Config, budget_gib: float, world_size: int = 1) -> Suggestio
     return best
 
 
-def _cost(changes: list[str]) -> float:
+def _cost(changes: list[str], config: Config) -> float:
+    checkpointing = config.training.gradient_checkpointing or "training.gradient_checkpointing=true" in changes
     cost = 1.0
     for change in changes:
-        cost *= COST.get(change, 1.0)
+        if change == "memory.activation_offload=true" and checkpointing:
+            cost *= OFFLOAD_WITH_CHECKPOINTING
+        else:
+            cost *= COST.get(change, 1.0)
     return cost
 
 
@@ -112,7 +142,7 @@ def _training_changes(config: Config) -> list[list[str]]:
     if not config.memory.activation_offload:
         options.append(["", "memory.activation_offload=true"])
     combos = [[change for change in combo if change] for combo in itertools.product(*options)]
-    return sorted(combos, key=lambda changes: (_cost(changes), len(changes)))
+    return sorted(combos, key=lambda changes: (_cost(changes, config), len(changes)))
 
 
 def _fewest_blocks(config: Config, budget: float, world_size: int) -> tuple[int, MemoryPlan, float] | None:
@@ -124,6 +154,8 @@ def _fewest_blocks(config: Config, budget: float, world_size: int) -> tuple[int,
     resolved, _ = resolve_architecture(config)
     device = _planned_device(resolved)
     total = len(transformer_blocks(_step(resolved, device, _encoders(resolved, device)).denoiser))
+    if total == 0:  # no block lists block swap knows (Wan 2.2 A14B's two experts)
+        return None
     plan = plan_memory(with_overrides(config, [f"memory.blocks_to_swap={total}"]), world_size)
     if plan.peak > budget:
         return None

@@ -7,8 +7,9 @@ no arithmetic is done, and reads the peak it would have had.
 
 Storages that existed before (the weights) are registered with `known` and never counted: the planner adds the
 weights' bytes itself, since how they are stored (fp8, int8, nf4, swapped to the CPU) is its own decision.
-`offloaded` storages (activations saved for the backward pass under `memory.activation_offload`) leave the count
-while saved and come back when the backward pass reads them.
+Activations saved for the backward pass are counted a second way at the same time: as `memory.activation_offload`
+would hold them (in host memory while saved, back on the device when the backward pass reads them), so one run
+gives the peak with and without it.
 """
 
 from __future__ import annotations
@@ -24,31 +25,40 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 
+def pinned_size(nbytes: int) -> int:
+    """The pinned host memory a tensor of `nbytes` takes: torch's caching host allocator (what `pin_memory` and
+    `save_on_cpu(pin_memory=True)` use) rounds each block up to a power of two."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 class _Record:
-    __slots__ = ("counted", "known")
+    __slots__ = ("counted", "known", "offloaded")
 
     def __init__(self, counted: int, known: bool = False) -> None:
         self.counted = counted  # the bytes this storage adds to the live count now
         self.known = known  # existed before: never counted
+        self.offloaded = False  # saved for the backward pass and held in pinned host memory (activation offload)
 
 
 class LiveMemory(TorchDispatchMode):
-    """Counts the bytes of tensor storages created inside it that are alive; `peak` is the largest count seen."""
+    """Counts the bytes of tensor storages created inside it that are alive; `peak` is the largest count seen.
+
+    One run counts two ways at once: `current` / `peak` with every tensor on the device, `offload_current` /
+    `offload_peak` with the tensors saved for the backward pass in host memory while saved (`offload`, `reload`:
+    `memory.activation_offload`); `host_peak` is the most pinned host memory they take at once."""
 
     def __init__(self) -> None:
         super().__init__()
         self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._finalizers: list[weakref.ref] = []
-        self.current = 0
-        self.peak = 0
+        self.current = self.peak = 0
+        self.offload_current = self.offload_peak = 0
+        self.host_current = self.host_peak = 0
 
     def known(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages that are never counted (they existed before, e.g. the model's weights)."""
         for tensor in tensors:
             self._records.setdefault(tensor.untyped_storage(), _Record(0, known=True))
-
-    def reset_peak(self) -> None:
-        self.peak = self.current
 
     def _add(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -57,28 +67,36 @@ class LiveMemory(TorchDispatchMode):
         record = _Record(storage.nbytes())
         self._records[storage] = record
         self.current += record.counted
+        self.offload_current += record.counted
         # The storage's Python object lives as long as the storage: its end is where the bytes are freed.
         self._finalizers.append(weakref.ref(storage, lambda _, record=record: self._free(record)))
 
     def _free(self, record: _Record) -> None:
         self.current -= record.counted
+        if record.offloaded:
+            self.host_current -= pinned_size(record.counted)
+        else:
+            self.offload_current -= record.counted
         record.counted = 0
 
     def offload(self, tensor: torch.Tensor) -> None:
-        """`tensor` was moved off the device (a saved activation): its bytes leave the count until `reload`."""
+        """`tensor` was saved for the backward pass: under activation offload its bytes leave the device for host
+        memory until `reload`."""
         record = self._records.get(tensor.untyped_storage())
-        if record is not None and record.counted:
-            self.current -= record.counted
-            record.counted = 0
+        if record is not None and record.counted and not record.offloaded:
+            record.offloaded = True
+            self.offload_current -= record.counted
+            self.host_current += pinned_size(record.counted)
+            self.host_peak = max(self.host_peak, self.host_current)
 
     def reload(self, tensor: torch.Tensor) -> None:
         """`tensor` is on the device again (the backward pass reads it)."""
-        storage = tensor.untyped_storage()
-        record = self._records.get(storage)
-        if record is not None and not record.known and record.counted == 0:
-            record.counted = storage.nbytes()
-            self.current += record.counted
-            self.peak = max(self.peak, self.current)
+        record = self._records.get(tensor.untyped_storage())
+        if record is not None and record.offloaded:
+            record.offloaded = False
+            self.offload_current += record.counted
+            self.host_current -= pinned_size(record.counted)
+            self.offload_peak = max(self.offload_peak, self.offload_current)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
@@ -86,6 +104,7 @@ class LiveMemory(TorchDispatchMode):
             if isinstance(leaf, torch.Tensor):
                 self._add(leaf)
         self.peak = max(self.peak, self.current)
+        self.offload_peak = max(self.offload_peak, self.offload_current)
         return result
 
 

@@ -107,8 +107,7 @@ class LoRATrainer(Trainer):
     def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
         denoiser.requires_grad_(False)
         # fp8, nf4: before the adapter wraps the layers; int8 (below): under the adapter's wrapped layers.
-        prepare_base_weights(denoiser, self.config.memory.base_weights, self.trained_fully,
-                             compiled=self.config.training.compile)
+        prepare_base_weights(denoiser, self.config.memory.base_weights, self.trained_fully)
         self.targets = self.resolve_targets(linear_module_names(denoiser))
         try:
             denoiser.add_adapter(self.lora_config())

@@ -74,7 +74,7 @@ def test_a_clip_without_sound_gets_the_audio_latents_of_silence_of_its_duration(
     assert length == round(FRAMES / 24.0 * 16000 / 160 / 4)  # LTX2Pipeline's audio_num_frames
     assert audio.shape == (2, length, 8)
     assert torch.equal(audio[0], audio[1])  # silence does not depend on the picture
-    assert torch.equal(latents[AUDIO_PRESENT], torch.zeros(2, 1))  # and is not taught (video only)
+    assert torch.equal(latents[AUDIO_PRESENT], torch.zeros(2, 1, dtype=torch.bool))  # and is not taught (video only)
     config = vae.audio_vae.config
     # 4 L log-mel frames: what the causal audio VAE encodes into L latent frames.
     silence = torch.full((1, config.in_channels, 4 * length, config.mel_bins), SILENT_LOG_MEL)

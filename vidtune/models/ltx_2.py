@@ -257,11 +257,11 @@ class LTX2Spec(ModelSpec):
         batch, frames = videos.shape[:2]
         rate = audio.frame_rate if audio is not None else None
         audio_latents = self.silent_audio_latents(vae.audio_vae, frames, rate).expand(batch, -1, -1).clone()
-        present = torch.zeros(batch, 1)
+        present = torch.zeros(batch, 1, dtype=torch.bool)  # a flag: read as one by the planner and its measurement
         if audio is not None and bool(audio.present.any()):
             heard = audio.present.nonzero().flatten().tolist()  # silence is encoded once per length, not per clip
             audio_latents[heard] = self.sound_latents(vae.audio_vae, audio.waveforms[heard], frames, rate)
-            present[heard] = 1.0
+            present[heard] = True
         return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale,
                 AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device)}
 
@@ -336,7 +336,7 @@ class LTX2Spec(ModelSpec):
         """[B] bool: which clips have sound (all of them where the conditions do not say: the pipeline's case)."""
         if AUDIO_PRESENT not in conditions:
             return torch.ones(batch, dtype=torch.bool)
-        return conditions[AUDIO_PRESENT].flatten() > 0.5
+        return conditions[AUDIO_PRESENT].flatten().float() > 0.5  # bool, or 0.0 / 1.0 in caches written before
 
     def joint_forward(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                       timesteps: torch.Tensor, isolated: bool = False

@@ -28,8 +28,8 @@ from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint, parallel
 from vidtune.config import build_config
 from vidtune.data.video import read_clip
+from vidtune.errors import CheckpointError
 from vidtune.models.tiny import TINY_SHAPES
-from vidtune.resume import CheckpointError
 from vidtune.trainers import build_trainer
 
 LORA_FILE = "pytorch_lora_weights.safetensors"

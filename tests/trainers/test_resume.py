@@ -22,9 +22,8 @@ from safetensors.torch import load_file
 
 from vidtune import checkpoint
 from vidtune.cli import main as cli_main
-from vidtune.errors import ConfigError, TrainingError
+from vidtune.errors import CheckpointError, ConfigError, TrainingError
 from vidtune.metrics import truncate_metrics
-from vidtune.resume import CheckpointError
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import StopSignals, TrainingInterrupted
 

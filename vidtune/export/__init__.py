@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from vidtune import checkpoint as checkpoints
 from vidtune.config import load_config
+from vidtune.errors import CheckpointError
 from vidtune.outputs import (
     CHECKPOINTS,
     FINAL_OUTPUTS,
@@ -25,7 +26,7 @@ from vidtune.outputs import (
     RESOLVED_CONFIG,
     comfyui_lora_weights,
 )
-from vidtune.resume import CheckpointError, find_checkpoint
+from vidtune.resume import find_checkpoint
 
 Format = Literal["diffusers", "comfyui"]
 FORMATS: tuple[Format, ...] = ("diffusers", "comfyui")

@@ -79,9 +79,10 @@ from vidtune.offload import (
     loading_device,
 )
 from vidtune.optim import check_optimizer
+from vidtune.parallel.choose import choose_strategy
 from vidtune.parallel.deepspeed import check_deepspeed
 from vidtune.parallel.deepspeed import process_group as deepspeed_process_group
-from vidtune.parallel.strategy import Strategy, choose_strategy
+from vidtune.parallel.strategy import Strategy
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
 from vidtune.sampling import SampleSettings, reference_clip, render_samples

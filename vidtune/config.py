@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vidtune.errors import ConfigError
+from vidtune.models.defaults import apply_family_defaults
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -928,8 +929,6 @@ def _problems(error: ValidationError, origins: Origins) -> str:
 
 
 def build_config(data: dict[str, Any], source: str = "config", origins: Origins | None = None) -> Config:
-    from vidtune.models.defaults import apply_family_defaults  # the registry imports this module
-
     try:
         return apply_family_defaults(Config.model_validate(data))
     except ValidationError as error:

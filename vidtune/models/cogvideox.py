@@ -34,7 +34,7 @@ from torch import nn
 from transformers import T5EncoderModel
 
 from vidtune.errors import ConfigError, ModelError
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import FAMILY_DEFAULTS
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -55,11 +55,7 @@ class CogVideoXSpec(ModelSpec):
     # Conv2d over each frame's [C, H, W] (CogVideoX 1.5: a Linear over patches, channels most significant).
     control_input_layer = "patch_embed.proj"
     validation_guidance_scale = 6.0
-    defaults = FamilyDefaults(frames=49, height=480, width=720, fps=8.0, ddpm=True, source=(
-        "CogVideoX-5B: 49 frames of 480x720 at 8 fps (its model card and fine-tuning scripts); the pipeline's "
-        "guidance"), noise_source=(
-            "zai-org/CogVideo `finetune/models/cogvideox_t2v/lora_trainer.py`: `torch.randint(0, "
-            "num_train_timesteps)`, the scheduler's own alphas"))
+    defaults = FAMILY_DEFAULTS["cogvideox"]
     pipeline_class = CogVideoXPipeline
     # CogVideoX 1.5 (a temporal patch): a latent frame count that is not a multiple of the patch is padded at the
     # front with copies of the first latent frame. CogVideoXPipeline generates those `additional_frames` too and

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, CLIPTextModel, LlamaModel
 
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import FAMILY_DEFAULTS
 from vidtune.models.hunyuan_comfyui import embedder, shared_rules
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -61,11 +61,7 @@ PIPELINE_SIDE_MULTIPLE = 16  # HunyuanVideoPipeline.check_inputs rejects other s
 
 class HunyuanVideoSpec(ModelSpec):
     name = "hunyuan-video"
-    defaults = FamilyDefaults(frames=129, height=720, width=1280, fps=24.0, sigma_shift=7.0, source=(
-        "HunyuanVideoPipeline's defaults (129 frames of 720x1280), 24 fps; shift 7: the published scheduler's; "
-        "validation: true CFG off, the embedded guidance is model.guidance_scale"), noise_source=(
-            "kohya-ss/musubi-tuner `docs/hunyuan_video.md`: `--timestep_sampling shift --discrete_flow_shift 7.0` "
-            "(logit-normal, shift 7: the published scheduler's)"))
+    defaults = FAMILY_DEFAULTS["hunyuan-video"]
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, C, F, H, W]
     # The dual-stream blocks, then the single-stream ones (the token refiner's two small blocks stay in place).
     block_lists = ("transformer_blocks", "single_transformer_blocks")

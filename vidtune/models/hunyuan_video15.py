@@ -40,7 +40,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcesso
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import FAMILY_DEFAULTS
 from vidtune.models.hunyuan_comfyui import shared_rules
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -101,11 +101,7 @@ class HunyuanVideo15Spec(ModelSpec):
     name = "hunyuan-video-1.5"
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, 2C + 1, F, H, W]
     validation_guidance_scale = 6.0  # the published guider's scale
-    defaults = FamilyDefaults(frames=121, height=480, width=848, fps=24.0, sigma_shift=3.0, source=(
-        "the 480p checkpoints: 121 frames (the pipelines' default) at 24 fps, 480x848 (the 16:9 bucket of "
-        "target_size 640), guider scale 6"), noise_source=(
-            "Tencent-Hunyuan/HunyuanVideo-1.5 `train.py`: `snr_type: lognorm`, `train_timestep_shift: 3.0` (5 is its "
-            "`validation_timestep_shift`, the scheduler's)"))
+    defaults = FAMILY_DEFAULTS["hunyuan-video-1.5"]
     pipeline_class = HunyuanVideo15LoraPipeline
     vae_class = AutoencoderKLHunyuanVideo15
     denoiser_class = HunyuanVideo15Transformer3DModel

@@ -54,7 +54,7 @@ from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
 from vidtune.models import first_frame
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import FAMILY_DEFAULTS
 from vidtune.models.ltx_video import frame_to_pil, vae_downsampling_steps
 from vidtune.models.spec import (
     Conditions,
@@ -128,13 +128,7 @@ class LTX2Spec(ModelSpec):
     frame_rate_conditioned = True
     # ltx-trainer's text-to-video strategy: `first_frame_conditioning_p` defaults to 0.1 (text_to_video.py).
     first_frame_conditioning = 0.1
-    defaults = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, source=(
-        "LTX2Pipeline's defaults (512x768 at 24 fps, guidance 3); 121 frames: 5 s at 24 fps (the pipeline sets no "
-        "frame count)"), sigma_sampling="token_shifted_logit_normal", sigma_stretch=True, sigma_uniform_fraction=0.1,
-        noise_source=(
-            "Lightricks/LTX-2 `packages/ltx-trainer/src/ltx_trainer/config.py`: `FlowMatchingConfig."
-            "timestep_sampling_mode = shifted_logit_normal` (`timestep_samplers.py`: std 1, percentile stretching, "
-            "uniform_prob 0.1); the audio's drawn apart with its own token count (`training_strategies/flexible.py`)"))
+    defaults = FAMILY_DEFAULTS["ltx-2"]
     text_encoder_class = Gemma3ForConditionalGeneration
     vae_class = AutoencoderKLLTX2Video
     denoiser_class = LTX2VideoTransformer3DModel

@@ -25,7 +25,7 @@ from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
 from vidtune.models import first_frame
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import FAMILY_DEFAULTS
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -57,11 +57,7 @@ class LTXVideoSpec(ModelSpec):
     validation_guidance_scale = 3.0
     frame_rate_conditioned = True
     first_frame_conditioning = 0.1  # LTX-Video-Trainer configs/ltxv_2b_lora.yaml: first_frame_conditioning_p
-    defaults = FamilyDefaults(frames=49, height=512, width=768, fps=25.0, source=(
-        "finetrainers' LTX-Video LoRA recipe (49x512x768); LTXPipeline's frame_rate and guidance"),
-        sigma_sampling="token_shifted_logit_normal", noise_source=(
-            "Lightricks/LTX-Video-Trainer `configs/ltxv_2b_lora.yaml`: `flow_matching.timestep_sampling_mode: "
-            "shifted_logit_normal` (`src/ltxv_trainer/timestep_samplers.py`, std 1)"))
+    defaults = FAMILY_DEFAULTS["ltx-video"]
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property

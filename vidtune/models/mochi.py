@@ -33,7 +33,7 @@ from transformers import T5EncoderModel
 
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, mochi
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import FAMILY_DEFAULTS
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -63,9 +63,7 @@ class MochiSpec(ModelSpec):
         ALL_LINEAR: (ALL_LINEAR,),
     }
     validation_guidance_scale = 4.5
-    defaults = FamilyDefaults(frames=19, height=480, width=848, fps=30.0, source=(
-        "MochiPipeline's defaults (480x848, 19 frames, guidance 4.5); Mochi 1 is a 30 fps model"),
-        sigma_sampling="uniform", noise_source="genmoai/mochi `demos/fine_tuner/train.py`: `sigma = torch.rand(...)`")
+    defaults = FAMILY_DEFAULTS["mochi"]
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property

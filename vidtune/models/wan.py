@@ -41,7 +41,7 @@ from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError, SchedulerError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, wan21
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import FAMILY_DEFAULTS
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -85,11 +85,7 @@ class WanSpec(ModelSpec):
     control_input_layer = "patch_embedding"  # Conv3d over [B, C, F, H, W]
     block_lists = ("blocks",)
     validation_guidance_scale = 5.0
-    defaults = FamilyDefaults(frames=81, height=480, width=832, fps=16.0, sigma_shift=3.0, source=(
-        "WanPipeline's defaults (81 frames of 480x832, guidance 5) and 16 fps; shift 3: the 480p checkpoints' "
-        "flow_shift"), noise_source=(
-            "kohya-ss/musubi-tuner `docs/wan.md`: `--timestep_sampling shift --discrete_flow_shift 3.0` (logit-normal, "
-            "shift 3); DiffSynth-Studio's uniform shift-5 grid with a bell weight is reachable (below)"))
+    defaults = FAMILY_DEFAULTS["wan"]
     pipeline_class = WanPipeline
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
         "attention": ATTENTION_TARGETS,

@@ -35,7 +35,7 @@ from torch import nn
 from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import INCOMPLETE, follow_umask
-from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.defaults import FAMILY_DEFAULTS
 from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
 from vidtune.models.wan import WanImageToVideoSpec, WanSpec, frames_to_pil
@@ -65,12 +65,7 @@ class Wan22Spec(WanSpec):
     published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 4.0}
     # `model.expert_routing` resolved for the run (`check_training`): one expert per step (`StepRouted`).
     step_routing = False
-    defaults = FamilyDefaults(frames=121, height=704, width=1280, fps=24.0, sigma_shift=5.0, source=(
-        "TI2V-5B's published recipe (121 frames of 704x1280 at 24 fps, shift 5, guidance 5); the A14B models "
-        "publish 81 frames of 720p at 16 fps, shift 12 (T2V) / 5 (I2V), guidance 4 (docs/wan22.md): set them"),
-        noise_source=(
-            "TI2V-5B's sampling shift 5 (docs/wan22.md), drawn as kohya-ss/musubi-tuner's `--timestep_sampling shift` "
-            "(`docs/wan.md`: logit-normal, then the shift)"))
+    defaults = FAMILY_DEFAULTS["wan2.2"]
 
     # ----- what the model folder is ---------------------------------------------------------------------------
     @functools.cached_property

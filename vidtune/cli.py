@@ -195,7 +195,7 @@ def sections_help() -> str:
 
 
 def command_export(args: argparse.Namespace) -> int:
-    from vidtune.export import export_checkpoint
+    from vidtune.export.command import export_checkpoint
 
     written = export_checkpoint(args.checkpoint, args.output, overwrite=args.overwrite, format=args.format)
     print(f"Exported {args.checkpoint} -> {written}")

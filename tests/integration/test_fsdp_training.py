@@ -27,7 +27,7 @@ from tests.integration.test_distributed_training import LORA_FILE, _free_port, _
 from tests.trainers.test_control import control_dataset
 from vidtune import checkpoint
 from vidtune.control import CONTROL_WEIGHTS
-from vidtune.export import export_checkpoint
+from vidtune.export.command import export_checkpoint
 from vidtune.outputs import LORA_EMA_WEIGHTS
 from vidtune.parallel.fsdp import FullyShardedStrategy
 from vidtune.trainers import build_trainer

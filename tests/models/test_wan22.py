@@ -18,7 +18,7 @@ from vidtune.config import ModelConfig, TrainingConfig
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError
-from vidtune.export import export_checkpoint
+from vidtune.export.command import export_checkpoint
 from vidtune.models.experts import TwoExperts
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shapes_dataset
 from vidtune.errors import CheckpointError, ConfigError
-from vidtune.export import export_checkpoint
+from vidtune.export.command import export_checkpoint
 from vidtune.models.registry import available_models
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer

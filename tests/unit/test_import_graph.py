@@ -45,9 +45,15 @@ def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
     return sorted(found, key=lambda node: node.lineno)
 
 
+def _parents(module: str) -> list[str]:
+    """The packages above a module, but the top one (`vidtune.a.b` -> [`vidtune.a`])."""
+    parts = module.split(".")
+    return [".".join(parts[:end]) for end in range(2, len(parts))]
+
+
 def import_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
     """Module -> {module it imports: the line of the first such import}. `from a import b` points at `a.b` when
-    that is a module, else at `a`."""
+    that is a module, else at `a`; a module inside a package also points at the package (importing it runs it)."""
     graph: dict[str, dict[str, int]] = {}
     for name, path in modules.items():
         edges: dict[str, int] = {}
@@ -65,6 +71,10 @@ def import_graph(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
             for target in targets:
                 while target and target not in modules:  # `import vidtune.a.b` names a module; trim attributes
                     target = target.rpartition(".")[0]
+                # Importing `a.b.c` first runs the package `a.b`: an edge to it too (but to the importer's own).
+                for parent in _parents(target):
+                    if parent in modules and not f"{name}.".startswith(f"{parent}."):
+                        edges.setdefault(parent, node.lineno)
                 if target and target != name:
                     edges.setdefault(target, node.lineno)
         graph[name] = edges

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from vidtune.compile import repeated_blocks
 from vidtune.errors import ConfigError
 from vidtune.memory.float8 import store_block_linears_in_float8
 
@@ -58,8 +59,6 @@ def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = (),
     patterns = own + tuple(rf"^{re.escape(name)}$" for name in keep)
     blocks: list[tuple[str, nn.Module]] = []
     if compiled:
-        from vidtune.compile import repeated_blocks
-
         chosen = {id(block) for block in repeated_blocks(denoiser)}
         blocks = [(name, module) for name, module in denoiser.named_modules() if id(module) in chosen]
     for name, block in blocks:

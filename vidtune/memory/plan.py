@@ -28,12 +28,14 @@ from torch import nn
 
 from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
-from vidtune.memory import _frozen_linears
+from vidtune.memory import _frozen_linears, _skip_patterns
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention
 from vidtune.memory.values import KnownValues, UnknownValue
 from vidtune.models.experts import TwoExperts
+from vidtune.models.registry import get_spec_class
+from vidtune.trainers import build_trainer
 
 GIB = 1024**3
 # Tensors smaller than this keep fp32 optimizer state in the low-bit optimizers (bitsandbytes and torchao alike),
@@ -223,8 +225,6 @@ def _offloading_saved_tensors(live: LiveMemory, enabled: bool) -> Iterator[None]
 def trace_step(config: Config, conditions: dict, latent_shape: tuple[int, ...], device: torch.device) -> StepTrace:
     """Load the denoiser as training does (on meta), configure what trains, then run one training step's forward
     and backward passes, counting what they keep alive."""
-    from vidtune.trainers import build_trainer
-
     traced_config = config
     if config.memory.base_weights in ("int8", "nf4"):  # quantized storage does not run on meta: traced unquantized
         traced_config = config.model_copy(update={"memory": config.memory.model_copy(
@@ -328,9 +328,6 @@ def _module_bytes(modules: list[nn.Module], option: str = "auto") -> int:
 def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
     """The text encoders over a batch of captions and the VAE over a batch of clips, on meta: their outputs'
     shapes, and each stage's weights and peak working memory."""
-    from vidtune.memory import _skip_patterns
-    from vidtune.models.registry import get_spec_class
-
     spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
     option = config.memory.text_encoder_weights
     frames, height, width = max(config.data.bucket_shapes(), key=lambda shape: shape[0] * shape[1] * shape[2])

@@ -7,9 +7,9 @@ import importlib
 from typing import TYPE_CHECKING
 
 from vidtune.errors import ConfigError
-from vidtune.models.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from vidtune.models.spec import ModelSpec
     from vidtune.models.tiny.common import TinyFamily
 
 # name -> "module:class", imported lazily so one family's imports never slow down another's.

@@ -177,3 +177,16 @@ def test_the_graph_sees_circles_through_function_level_and_relative_imports(tmp_
     assert graph["pkg.sub.b"] == {"pkg.c": 2}
     assert "pkg.a" not in graph["pkg.d"]  # annotations only
     assert circles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+def test_importing_a_module_of_a_package_counts_as_importing_the_package(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "inner").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "inner" / "__init__.py").write_text("from pkg import x\n")  # the package runs x ...
+    (package / "inner" / "y.py").write_text("VALUE = 1\n")
+    (package / "x.py").write_text("from pkg.inner.y import VALUE\n")  # ... and x needs the package run first
+    graph = import_graph(module_files(package))
+    assert graph["pkg.x"] == {"pkg.inner": 1, "pkg.inner.y": 1}
+    assert graph["pkg.inner.y"] == {}  # a module's own package is not counted
+    assert circles(graph) == [["pkg.inner", "pkg.x", "pkg.inner"]]

@@ -61,3 +61,12 @@ def test_docs_models_md_holds_the_noise_table_with_a_source_for_every_family():
     table = text.split(NOISE_START, 1)[1].split(NOISE_END, 1)[0]
     assert table == noise_table(), "run: python -m vidtune.models.tables and paste it into docs/models.md"
     assert all(get_spec_class(family).defaults.noise_source for family in available_models())
+
+
+def test_every_registered_name_has_its_specs_defaults_without_importing_it():
+    from vidtune.models.defaults import FAMILY_DEFAULTS
+    from vidtune.models.registry import SPECS
+
+    assert set(FAMILY_DEFAULTS) == set(SPECS)
+    for name in SPECS:
+        assert get_spec_class(name).defaults is FAMILY_DEFAULTS[name], name

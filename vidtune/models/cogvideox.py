@@ -34,7 +34,7 @@ from torch import nn
 from transformers import T5EncoderModel
 
 from vidtune.errors import ConfigError, ModelError
-from vidtune.models.defaults import FAMILY_DEFAULTS
+from vidtune.models.defaults import COGVIDEOX
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -55,7 +55,7 @@ class CogVideoXSpec(ModelSpec):
     # Conv2d over each frame's [C, H, W] (CogVideoX 1.5: a Linear over patches, channels most significant).
     control_input_layer = "patch_embed.proj"
     validation_guidance_scale = 6.0
-    defaults = FAMILY_DEFAULTS["cogvideox"]
+    defaults = COGVIDEOX
     pipeline_class = CogVideoXPipeline
     # CogVideoX 1.5 (a temporal patch): a latent frame count that is not a multiple of the patch is padded at the
     # front with copies of the first latent frame. CogVideoXPipeline generates those `additional_frames` too and

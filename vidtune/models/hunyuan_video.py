@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, CLIPTextModel, LlamaModel
 
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
-from vidtune.models.defaults import FAMILY_DEFAULTS
+from vidtune.models.defaults import HUNYUAN_VIDEO
 from vidtune.models.hunyuan_comfyui import embedder, shared_rules
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -61,7 +61,7 @@ PIPELINE_SIDE_MULTIPLE = 16  # HunyuanVideoPipeline.check_inputs rejects other s
 
 class HunyuanVideoSpec(ModelSpec):
     name = "hunyuan-video"
-    defaults = FAMILY_DEFAULTS["hunyuan-video"]
+    defaults = HUNYUAN_VIDEO
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, C, F, H, W]
     # The dual-stream blocks, then the single-stream ones (the token refiner's two small blocks stay in place).
     block_lists = ("transformer_blocks", "single_transformer_blocks")

@@ -40,7 +40,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcesso
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
-from vidtune.models.defaults import FAMILY_DEFAULTS
+from vidtune.models.defaults import HUNYUAN_VIDEO_15
 from vidtune.models.hunyuan_comfyui import shared_rules
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -101,7 +101,7 @@ class HunyuanVideo15Spec(ModelSpec):
     name = "hunyuan-video-1.5"
     control_input_layer = "x_embedder.proj"  # Conv3d over [B, 2C + 1, F, H, W]
     validation_guidance_scale = 6.0  # the published guider's scale
-    defaults = FAMILY_DEFAULTS["hunyuan-video-1.5"]
+    defaults = HUNYUAN_VIDEO_15
     pipeline_class = HunyuanVideo15LoraPipeline
     vae_class = AutoencoderKLHunyuanVideo15
     denoiser_class = HunyuanVideo15Transformer3DModel

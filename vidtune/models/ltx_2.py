@@ -54,7 +54,7 @@ from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
 from vidtune.models import first_frame
-from vidtune.models.defaults import FAMILY_DEFAULTS
+from vidtune.models.defaults import LTX_2
 from vidtune.models.ltx_video import frame_to_pil, vae_downsampling_steps
 from vidtune.models.spec import (
     Conditions,
@@ -128,7 +128,7 @@ class LTX2Spec(ModelSpec):
     frame_rate_conditioned = True
     # ltx-trainer's text-to-video strategy: `first_frame_conditioning_p` defaults to 0.1 (text_to_video.py).
     first_frame_conditioning = 0.1
-    defaults = FAMILY_DEFAULTS["ltx-2"]
+    defaults = LTX_2
     text_encoder_class = Gemma3ForConditionalGeneration
     vae_class = AutoencoderKLLTX2Video
     denoiser_class = LTX2VideoTransformer3DModel

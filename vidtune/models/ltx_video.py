@@ -25,7 +25,7 @@ from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
 from vidtune.models import first_frame
-from vidtune.models.defaults import FAMILY_DEFAULTS
+from vidtune.models.defaults import LTX_VIDEO
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -57,7 +57,7 @@ class LTXVideoSpec(ModelSpec):
     validation_guidance_scale = 3.0
     frame_rate_conditioned = True
     first_frame_conditioning = 0.1  # LTX-Video-Trainer configs/ltxv_2b_lora.yaml: first_frame_conditioning_p
-    defaults = FAMILY_DEFAULTS["ltx-video"]
+    defaults = LTX_VIDEO
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property

@@ -33,7 +33,7 @@ from transformers import T5EncoderModel
 
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, mochi
-from vidtune.models.defaults import FAMILY_DEFAULTS
+from vidtune.models.defaults import MOCHI
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -63,7 +63,7 @@ class MochiSpec(ModelSpec):
         ALL_LINEAR: (ALL_LINEAR,),
     }
     validation_guidance_scale = 4.5
-    defaults = FAMILY_DEFAULTS["mochi"]
+    defaults = MOCHI
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from vidtune.errors import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the registry itself imports no family (nor torch): a name is checked without them
     from vidtune.models.spec import ModelSpec
     from vidtune.models.tiny.common import TinyFamily
 

@@ -41,7 +41,7 @@ from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError, SchedulerError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, wan21
-from vidtune.models.defaults import FAMILY_DEFAULTS
+from vidtune.models.defaults import WAN
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -85,7 +85,7 @@ class WanSpec(ModelSpec):
     control_input_layer = "patch_embedding"  # Conv3d over [B, C, F, H, W]
     block_lists = ("blocks",)
     validation_guidance_scale = 5.0
-    defaults = FAMILY_DEFAULTS["wan"]
+    defaults = WAN
     pipeline_class = WanPipeline
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
         "attention": ATTENTION_TARGETS,

@@ -36,7 +36,7 @@ from vidtune import parallel
 from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import INCOMPLETE, follow_umask
-from vidtune.models.defaults import FAMILY_DEFAULTS
+from vidtune.models.defaults import WAN_22
 from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
 from vidtune.models.wan import WanImageToVideoSpec, WanSpec, frames_to_pil
@@ -66,7 +66,7 @@ class Wan22Spec(WanSpec):
     published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 4.0}
     # `model.expert_routing` resolved for the run (`check_training`): one expert per step (`StepRouted`).
     step_routing = False
-    defaults = FAMILY_DEFAULTS["wan2.2"]
+    defaults = WAN_22
 
     # ----- what the model folder is ---------------------------------------------------------------------------
     @functools.cached_property

@@ -2,7 +2,8 @@
 `training.ema_decay` the weights' moving average beside it), or a LoRA into the ComfyUI format (`comfyui.py`).
 
 A run stopped early (Ctrl+C, a preempted node, a crash) is then still usable: the result is the same file
-or folder `save_final` writes at the end of a run, from the checkpoint's own config.
+or folder `save_final` writes at the end of a run, from the checkpoint's own config, which is written beside it
+(`config.yaml`, unless the folder holds one) so that `vidtune sample FOLDER` samples it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import yaml
 from safetensors.torch import load_file
 
 from vidtune import checkpoint as checkpoints
-from vidtune.config import load_config
+from vidtune.config import load_config, write_resolved_config
 from vidtune.errors import CheckpointError
 from vidtune.export.comfyui import save_comfyui_lora
 from vidtune.outputs import (
@@ -80,7 +81,10 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
         return save_comfyui_lora(trainer.spec, output, weights, config.lora.alpha, name)
     if isinstance(trainer, LoRATrainer):
         trainer.export_name = name
-    return trainer.export_weights(weights, output, ema)
+    written = trainer.export_weights(weights, output, ema)
+    if not (output / RESOLVED_CONFIG).is_file():  # what `vidtune sample` reads to sample them; a run's own is kept
+        write_resolved_config(config, output)
+    return written
 
 
 def run_name(checkpoint: Path) -> str:

@@ -9,7 +9,6 @@ from vidtune.config import Config, load_config
 from vidtune.errors import ConfigError
 from vidtune.memory.plan import GIB, MemoryPlan, plan_memory
 from vidtune.memory.suggest import suggest
-from vidtune.models.registry import get_spec_class
 
 UNSET = "(unset)"
 
@@ -25,6 +24,8 @@ def load_plan_config(path: str | None, overrides: list[str]) -> Config:
         if value == UNSET:
             raise ConfigError(f"{key}: required, but not set.\nWhat to do: set it in the config file or as "
                               f"{key}=... on the command line.")
+    from vidtune.models.registry import get_spec_class
+
     get_spec_class(config.model.name)  # an unknown family named plainly
     return config
 

@@ -26,18 +26,15 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from safetensors.torch import save_file
 
-from vidtune import checkpoint as checkpoints
 from vidtune import outputs
 from vidtune.config import Config, load_config
 from vidtune.control import encode_control, has_control, load_control
-from vidtune.data.sources import Clip, read_sources
+from vidtune.data.sources import Clip
 from vidtune.data.video import frames_to_uint8, read_clip, write_video
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.models.experts import TwoExperts
-from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import ModelSpec
-from vidtune.parallel import parse_device
 from vidtune.processors import configured_processor
 from vidtune.schedulers import student_scheduler
 
@@ -212,6 +209,8 @@ def run_weights(run: Path, ema: bool | None = None) -> tuple[Path, bool]:
             raise VidtuneError(f"{run} has no moving average of its weights ({averaged.name}): it was trained "
                                "without training.ema_decay.\nWhat to do: leave out --ema.")
         return averaged, adapter
+    from vidtune import checkpoint as checkpoints
+
     newest = checkpoints.latest(outputs.checkpoints_root(run))
     hint = (f"export its newest checkpoint into it first: vidtune export {newest} --output {run}" if newest
             else "give the output_dir of a run that finished.")
@@ -251,6 +250,9 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
         run = load_pipeline("outputs/my-lora")
         video = run.pipeline(prompt="a dog running on a beach", num_frames=49, height=512, width=768).frames[0]
     """
+    from vidtune.models.registry import get_spec_class
+    from vidtune.parallel import parse_device
+
     run = Path(run_dir)
     config_path = run / outputs.RESOLVED_CONFIG
     if not config_path.is_file():
@@ -310,6 +312,8 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     (num_inference_steps, guidance_scale, seed, frames, height, width); the rest are the run's validation
     settings. An image-to-video family starts from `image`, else from the run's first clip (as validation); a
     control run follows the control clip `control`, else the run's first clip's control clip (as validation)."""
+    from vidtune.data.sources import read_sources
+
     spec, config = run.spec, run.config
     settings = SampleSettings.from_config(config, spec, default_prompt=prompt)
     settings = replace(settings, prompts=(prompt,), **{k: v for k, v in overrides.items() if v is not None})
@@ -346,6 +350,8 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
 
 def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:
     """The latents of the control clip a control run samples from: `control`, or the run's first clip's."""
+    from vidtune.data.sources import read_sources
+
     data = run.config.data
     processor = configured_processor(run.config)  # the run computed its controls: --control is their source
     if control is None:

@@ -21,7 +21,6 @@ from typing import Any
 from vidtune.config import Config
 from vidtune.data.audio import sound_line
 from vidtune.data.buckets import Shape, check_bucket_shapes, describe_shape
-from vidtune.data.overview import write_dataset_overview
 from vidtune.data.sources import Clip, DatasetReport, inspect_dataset
 from vidtune.data.video import VideoInfo, format_fps, frames_available
 from vidtune.errors import ConfigError, VidtuneError
@@ -250,6 +249,8 @@ def write_json(check: DataCheck, path: str | os.PathLike[str]) -> Path:
 def write_sheets(clips: Sequence[Clip], path: Path, per_page: int = PAGE_ROWS, sound: bool = False) -> list[Path]:
     """The contact sheet of every sample, `per_page` rows a page: path, then path-2.png, path-3.png, ... `sound`:
     each row says whether the clip has an audio track (a family that trains on it)."""
+    from vidtune.data.overview import write_dataset_overview
+
     pages = []
     for page, first in enumerate(range(0, max(len(clips), 1), per_page), start=1):
         chunk = list(clips[first : first + per_page])

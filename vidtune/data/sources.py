@@ -26,7 +26,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from vidtune.data.buckets import assign_bucket
 from vidtune.data.video import (
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
@@ -378,6 +377,8 @@ def read_sources(data: Any) -> DatasetReport:
 
 def inspect_dataset(data: Any, progress: bool = True) -> DatasetReport:
     """`read_sources`, then every sample probed (headers and packets, no decoding) and given its bucket."""
+    from vidtune.data.buckets import assign_bucket
+
     report = read_sources(data)
     shapes = data.bucket_shapes()
     probed: dict[Path, VideoInfo | VideoDecodeError] = {}  # a file may be listed twice, with two captions

@@ -33,8 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from vidtune.batches import Batch
 from vidtune.config import build_config
-from vidtune.data.stream import Batch
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.models.tiny import write_tiny_model
 from vidtune.state import SavedState

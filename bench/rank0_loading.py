@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from vidtune import parallel
 from vidtune.config import load_config
 from vidtune.models.registry import get_spec_class
-from vidtune.parallel.strategy import choose_strategy
+from vidtune.parallel.choose import choose_strategy
 
 CPU = torch.device("cpu")
 HEAD_DIM = 64

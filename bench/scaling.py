@@ -41,7 +41,7 @@ from vidtune import parallel
 from vidtune.config import build_config
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.models.tiny import TINY_SHAPES, write_tiny_model
-from vidtune.parallel.strategy import DataParallelStrategy
+from vidtune.parallel.ddp import DataParallelStrategy
 from vidtune.trainers import build_trainer
 
 # The step whose collectives are counted: past the first (which also checks every parameter gets a gradient).

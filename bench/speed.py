@@ -41,9 +41,9 @@ import torch
 from peft import LoraConfig
 
 from vidtune.attention import CPU_BACKENDS, available_backend_names, resolve_attention_backend
+from vidtune.batches import Batch, BatchSource
 from vidtune.compile import compile_blocks
 from vidtune.config import build_config
-from vidtune.data.stream import Batch, BatchSource
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.errors import ConfigError
 from vidtune.models.tiny import write_tiny_ltx_video

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from vidtune.config import Config, write_resolved_config
 from vidtune.files import atomic_folder, follow_umask, fsync_tree, incomplete_folder, recover_folders, replace_folder
+from vidtune.parallel.dcp import EMA_KEY, has_entry, read_weights
 
 WEIGHTS = "weights.safetensors"
 EMA_WEIGHTS = "ema_weights.safetensors"  # with training.ema_decay: the moving average, in the format of WEIGHTS
@@ -181,8 +182,6 @@ def load(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict[s
                                 f"{SHARDS}/, {STATE} and {CONFIG})")
     state = torch.load(folder / STATE, map_location=map_location, weights_only=True)
     if is_sharded(folder):
-        from vidtune.parallel.fsdp import read_weights
-
         return {key: value.to(map_location) for key, value in read_weights(folder / SHARDS).items()}, state
     return load_file(folder / WEIGHTS, device=str(map_location)), state
 
@@ -191,8 +190,6 @@ def load_ema(folder: Path, map_location: str | torch.device = "cpu") -> dict[str
     """The moving average of the trained weights a checkpoint holds (a run with training.ema_decay), or None; a
     sharded one's is read whole, in this process."""
     if is_sharded(folder):
-        from vidtune.parallel.fsdp import EMA_KEY, has_entry, read_weights
-
         if not has_entry(folder / SHARDS, EMA_KEY):
             return None
         return {key: value.to(map_location) for key, value in read_weights(folder / SHARDS, EMA_KEY).items()}

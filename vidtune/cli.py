@@ -205,7 +205,7 @@ def sections_help() -> str:
 
 
 def command_export(args: argparse.Namespace) -> int:
-    from vidtune.export import export_checkpoint
+    from vidtune.export.command import export_checkpoint
 
     written = export_checkpoint(args.checkpoint, args.output, overwrite=args.overwrite, format=args.format)
     print(f"Exported {args.checkpoint} -> {written}")
@@ -254,7 +254,8 @@ def positive_int(text: str) -> int:
 
 def command_sample(args: argparse.Namespace) -> int:
     from vidtune.data.video import probe_video
-    from vidtune.sampling import load_pipeline, next_sample_path, sample_run, sample_source
+    from vidtune.sample_source import sample_source
+    from vidtune.sampling import load_pipeline, next_sample_path, sample_run
 
     for flag, path, suffix in (("--output", args.output, ".mp4"), ("--latents", args.latents, ".safetensors")):
         if path is not None and Path(path).suffix.lower() != suffix:

@@ -21,6 +21,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vidtune.errors import ConfigError
+from vidtune.files import atomic_write_text
+from vidtune.models.defaults import apply_family_defaults
+from vidtune.outputs import RESOLVED_CONFIG
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -962,8 +965,6 @@ def _problems(error: ValidationError, origins: Origins) -> str:
 
 
 def build_config(data: dict[str, Any], source: str = "config", origins: Origins | None = None) -> Config:
-    from vidtune.models.defaults import apply_family_defaults  # it imports this module
-
     try:
         return apply_family_defaults(Config.model_validate(data))
     except ValidationError as error:
@@ -1018,9 +1019,6 @@ def required_keys() -> dict[str, list[str]]:
 
 def write_resolved_config(config: Config, folder: str | os.PathLike[str]) -> Path:
     """Write the resolved config next to the run's outputs (atomically), in YAML."""
-    from vidtune.files import atomic_write_text
-    from vidtune.outputs import RESOLVED_CONFIG
-
     return atomic_write_text(Path(folder) / RESOLVED_CONFIG, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 

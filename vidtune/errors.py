@@ -48,3 +48,7 @@ class CacheError(VidtuneError):
 
 class SchedulerError(ModelError):
     """A model's scheduler config names a scheduler (or prediction type) vidtune has no training objective for."""
+
+
+class CheckpointError(VidtuneError):
+    """A checkpoint to resume from or export is missing, incomplete or does not fit the config."""

@@ -29,10 +29,10 @@ import torch
 from tqdm.auto import tqdm
 
 from vidtune import parallel
+from vidtune.batches import CachedBatches, EncodedBatches
 from vidtune.checkpoint import PREFIX
 from vidtune.config import Config
 from vidtune.data.sources import Clip
-from vidtune.data.stream import CachedBatches, EncodedBatches
 from vidtune.errors import ConfigError, DataError
 from vidtune.files import atomic_path
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, Latents, ModelSpec, TextComponents, draw_latent

@@ -16,7 +16,7 @@ import yaml
 
 from vidtune import checkpoint as checkpoints
 from vidtune.config import Config, build_config
-from vidtune.errors import ConfigError, VidtuneError
+from vidtune.errors import CheckpointError, ConfigError
 from vidtune.files import INCOMPLETE, recover_folders
 from vidtune.outputs import FINAL_OUTPUTS, checkpoints_root
 
@@ -33,10 +33,6 @@ FIXED_KEYS = (
 # Changes that leave the continued run identical to an uninterrupted one (anything else is allowed but stated
 # with a note that the run from here on differs from an uninterrupted one).
 NEUTRAL_PREFIXES = ("checkpoint.", "logging.", "validation.", "output_dir", "data.num_workers")
-
-
-class CheckpointError(VidtuneError):
-    """A checkpoint to resume from or export is missing, incomplete or does not fit the config."""
 
 
 def existing_run(output_dir: Path) -> list[str]:

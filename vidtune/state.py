@@ -28,10 +28,10 @@ from vidtune import checkpoint as checkpoints
 from vidtune import parallel
 from vidtune.config import Config
 from vidtune.ema import EMA
-from vidtune.errors import ConfigError, TrainingError
+from vidtune.errors import CheckpointError, ConfigError, TrainingError
 from vidtune.optim import build_lr_scheduler, build_optimizer, group_settings
 from vidtune.parallel.strategy import Strategy
-from vidtune.resume import FIXED_KEYS, CheckpointError, compare_configs, saved_config
+from vidtune.resume import FIXED_KEYS, compare_configs, saved_config
 
 T = TypeVar("T")
 Weights = dict[str, torch.Tensor]

@@ -8,8 +8,9 @@ import pytest
 
 import vidtune
 from vidtune.config import build_config
-from vidtune.models.defaults import CONFIG_KEYS, defaults_table, noise_table
+from vidtune.models.defaults import CONFIG_KEYS
 from vidtune.models.registry import available_models, get_spec_class
+from vidtune.models.tables import defaults_table, noise_table
 
 TABLE_START, TABLE_END = "<!-- defaults table: start -->\n", "<!-- defaults table: end -->\n"
 NOISE_START, NOISE_END = "<!-- noise table: start -->\n", "<!-- noise table: end -->\n"
@@ -52,13 +53,13 @@ def test_the_families_differ_where_their_recipes_do():
 def test_docs_models_md_holds_the_generated_table():
     text = (Path(vidtune.__file__).parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
     table = text.split(TABLE_START, 1)[1].split(TABLE_END, 1)[0]
-    assert table == defaults_table(), "run: python -m vidtune.models.defaults and paste it into docs/models.md"
+    assert table == defaults_table(), "run: python -m vidtune.models.tables and paste it into docs/models.md"
 
 
 def test_docs_models_md_holds_the_noise_table_with_a_source_for_every_family():
     text = (Path(vidtune.__file__).parent.parent / "docs" / "models.md").read_text(encoding="utf-8")
     table = text.split(NOISE_START, 1)[1].split(NOISE_END, 1)[0]
-    assert table == noise_table(), "run: python -m vidtune.models.defaults and paste it into docs/models.md"
+    assert table == noise_table(), "run: python -m vidtune.models.tables and paste it into docs/models.md"
     assert all(get_spec_class(family).defaults.noise_source for family in available_models())
 
 

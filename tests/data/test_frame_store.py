@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from vidtune.batches import read_ahead
 from vidtune.config import DataConfig
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import load_dataset
-from vidtune.data.stream import read_ahead
 
 SHAPE = (9, 32, 32)
 

@@ -19,7 +19,7 @@ from vidtune.config import TrainingConfig
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
 from vidtune.errors import ConfigError
-from vidtune.export import export_checkpoint
+from vidtune.export.command import export_checkpoint
 from vidtune.models.experts import TwoExperts
 from vidtune.models.spec import POSTERIOR_KEYS
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22

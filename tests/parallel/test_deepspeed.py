@@ -27,8 +27,8 @@ from tests.helpers.distributed import deepspeed_rank_main, free_port
 from vidtune import checkpoint
 from vidtune.config import build_config
 from vidtune.data.video import read_clip
+from vidtune.errors import CheckpointError
 from vidtune.models.tiny import TINY_SHAPES
-from vidtune.resume import CheckpointError
 from vidtune.trainers import build_trainer
 
 LORA_FILE = "pytorch_lora_weights.safetensors"

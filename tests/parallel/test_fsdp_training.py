@@ -27,7 +27,7 @@ from tests.helpers.datasets import control_dataset
 from tests.helpers.distributed import LORA_FILE, free_port, rank_main
 from vidtune import checkpoint
 from vidtune.control import CONTROL_WEIGHTS
-from vidtune.export import export_checkpoint
+from vidtune.export.command import export_checkpoint
 from vidtune.outputs import LORA_EMA_WEIGHTS
 from vidtune.parallel.fsdp import FullyShardedStrategy
 from vidtune.trainers import build_trainer

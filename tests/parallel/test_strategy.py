@@ -9,8 +9,10 @@ from torch import nn
 from vidtune.config import load_config
 from vidtune.errors import ConfigError
 from vidtune.models.registry import get_spec_class
+from vidtune.parallel.choose import choose_strategy
+from vidtune.parallel.ddp import DataParallelStrategy
 from vidtune.parallel.fsdp import FullyShardedStrategy, quantized_parameters, transformer_blocks, weights_not_read
-from vidtune.parallel.strategy import DataParallelStrategy, Strategy, choose_strategy
+from vidtune.parallel.strategy import Strategy
 
 REQUIRED = ["model.name=ltx-video", "model.pretrained=some/model", "data.root=clips"]
 CPU = torch.device("cpu")

@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
+from vidtune.batches import CachedBatches, EncodedBatches
 from vidtune.config import TrainingConfig
-from vidtune.data.stream import CachedBatches, EncodedBatches
 from vidtune.models.ltx_video import LTXVideoSpec
 from vidtune.trainers import build_trainer
 from vidtune.trainers.base import Trainer

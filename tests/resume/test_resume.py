@@ -23,9 +23,8 @@ from safetensors.torch import load_file
 from tests.helpers.runs import run_stopped_at
 from vidtune import checkpoint
 from vidtune.cli import main as cli_main
-from vidtune.errors import ConfigError, TrainingError
+from vidtune.errors import CheckpointError, ConfigError, TrainingError
 from vidtune.metrics import truncate_metrics
-from vidtune.resume import CheckpointError
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import StopSignals, TrainingInterrupted
 

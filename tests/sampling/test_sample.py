@@ -197,7 +197,7 @@ def test_a_run_with_a_weights_average_samples_with_it_unless_told(make_config, t
 
 def test_vidtune_sample_takes_a_checkpoint_an_unfinished_run_and_an_export(make_config, tmp_path, capsys):
     from tests.helpers.runs import run_stopped_at
-    from vidtune.export import export_checkpoint
+    from vidtune.export.command import export_checkpoint
 
     finished = make_config(training={"steps": 2}, checkpoint={"every": 1, "keep": 5})
     build_trainer(finished).run()

@@ -274,7 +274,7 @@ def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_conf
 def test_a_checkpoint_exports_what_the_run_writes(algorithm, make_config, shapes_dataset, tmp_path):
     from safetensors.torch import load_file
 
-    from vidtune.export import export_checkpoint
+    from vidtune.export.command import export_checkpoint
 
     root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
     config = make_config(data_root=root, checkpoint={"every": 1},

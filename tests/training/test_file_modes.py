@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vidtune.export import export_checkpoint
+from vidtune.export.command import export_checkpoint
 from vidtune.trainers import build_trainer
 
 

@@ -12,11 +12,10 @@ import yaml
 from safetensors.torch import load_file
 
 from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shapes_dataset
-from vidtune.errors import ConfigError
-from vidtune.export import export_checkpoint
+from vidtune.errors import CheckpointError, ConfigError
+from vidtune.export.command import export_checkpoint
 from vidtune.models.registry import available_models
 from vidtune.models.tiny import TINY_SHAPES
-from vidtune.resume import CheckpointError
 from vidtune.trainers import build_trainer
 from vidtune.trainers.guidance_distillation import (
     FullGuidanceDistillationTrainer,

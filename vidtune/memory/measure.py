@@ -20,6 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 from vidtune.config import Config
 from vidtune.memory.meta import components_on_meta
 from vidtune.memory.plan import resolve_architecture, trace_encoders
+from vidtune.optim import build_optimizer
+from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
 
@@ -50,9 +52,6 @@ class AllocationLog:
 
 def measure_training(config: Config, steps: int = 2) -> Measured:
     """Peak allocated bytes of `steps` training steps of `config` on the CPU (see the module's docstring)."""
-    from vidtune.optim import build_optimizer
-    from vidtune.trainers import build_trainer
-
     config, _ = resolve_architecture(config)
     encoders = trace_encoders(config, CPU)  # the shapes of the conditions and latents (meta, nothing allocated)
     log = AllocationLog()

@@ -28,12 +28,14 @@ from torch import nn
 
 from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
-from vidtune.memory import _frozen_linears
+from vidtune.memory import _frozen_linears, _skip_patterns
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
 from vidtune.memory.values import KnownValues, UnknownValue
 from vidtune.models.experts import TwoExperts
+from vidtune.models.registry import get_spec_class
+from vidtune.trainers import build_trainer
 
 GIB = 1024**3
 # Tensors smaller than this keep fp32 optimizer state in the low-bit optimizers (bitsandbytes and torchao alike),
@@ -326,8 +328,6 @@ def build_traced_model(config: Config, conditions: dict, latent_shape: tuple[int
                        device: torch.device) -> TracedModel:
     """Load the denoiser as training does (on meta) and configure what trains. Storage options (`fp8`, `int8`,
     `nf4`, block swap) and the activation savers are accounted from the trace, so it is built with none of them."""
-    from vidtune.trainers import build_trainer
-
     memory = config.memory.model_copy(update={"base_weights": "auto", "blocks_to_swap": 0,
                                               "activation_offload": False})
     training = config.training.model_copy(update={"gradient_checkpointing": False})
@@ -581,9 +581,6 @@ def _module_bytes(modules: list[nn.Module], option: str = "auto") -> int:
 def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
     """The text encoders over a batch of captions and the VAE over a batch of clips, on meta: their outputs'
     shapes, and each stage's weights and peak working memory."""
-    from vidtune.memory import _skip_patterns
-    from vidtune.models.registry import get_spec_class
-
     spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
     option = config.memory.text_encoder_weights
     frames, height, width = max(config.data.bucket_shapes(), key=lambda shape: shape[0] * shape[1] * shape[2])

@@ -21,8 +21,17 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from vidtune.config import Config
-from vidtune.memory.plan import GIB, MemoryPlan, plan_memory
+from vidtune.config import Config, apply_overrides, build_config
+from vidtune.memory.plan import (
+    GIB,
+    MemoryPlan,
+    _encoders,
+    _planned_device,
+    _step,
+    plan_memory,
+    resolve_architecture,
+    transformer_blocks,
+)
 
 # Estimated step time relative to the plain run (1.0): used only to rank the changes.
 # Activation offload copies every saved activation to the host and back each step: without checkpointing that is
@@ -53,8 +62,6 @@ class Suggestion:
 
 def with_overrides(config: Config, overrides: list[str]) -> Config:
     """`config` with `section.key=value` settings applied (validated like the command line's)."""
-    from vidtune.config import apply_overrides, build_config
-
     return build_config(apply_overrides(config.to_dict(), overrides))
 
 
@@ -149,8 +156,6 @@ def _fewest_blocks(config: Config, budget: float, world_size: int) -> tuple[int,
     """The fewest `memory.blocks_to_swap` with which `config` fits (bisection: weights fall as blocks leave)."""
     if config.training.algorithm not in ADAPTER_ALGORITHMS or config.memory.blocks_to_swap:
         return None
-    from vidtune.memory.plan import _encoders, _planned_device, _step, resolve_architecture, transformer_blocks
-
     resolved, _ = resolve_architecture(config)
     device = _planned_device(resolved)
     total = len(transformer_blocks(_step(resolved, device, _encoders(resolved, device)).denoiser))

@@ -10,9 +10,12 @@ first frame alone gives.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from vidtune.models.spec import Conditions
+if TYPE_CHECKING:
+    from vidtune.models.spec import Conditions
 
 # Keys of the conditions `draw` adds: which samples are given their first frame ([B] float, 1.0: given) and the clean
 # first latent frames [B, C, 1, H, W].

@@ -35,10 +35,15 @@ from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel
 from vidtune.files import INCOMPLETE, follow_umask
+from vidtune.memory import store_text_encoder_weights
+from vidtune.models import first_frame
 from vidtune.models.defaults import FamilyDefaults
 from vidtune.models.hub import check_hub_model, looks_local
+from vidtune.models.registry import SPECS, get_spec_class
 from vidtune.objectives import Objective, objective_from_scheduler
+from vidtune.offload import loading_device
 from vidtune.outputs import LORA_WEIGHTS, TRANSFORMER_FOLDER
+from vidtune.vae_tiling import enable_vae_tiling
 
 Conditions = dict[str, torch.Tensor]
 # A diffusers pipeline's `callback_on_step_end`: (pipeline, step, timestep, {"latents": ...}) -> that dict.
@@ -359,8 +364,6 @@ class ModelSpec(ABC):
         found = config.get("_class_name")
         if component == "scheduler" or not found or found == cls.__name__:
             return
-        from vidtune.models.registry import SPECS, get_spec_class  # the registry imports this module
-
         def classes(name: str) -> set[str]:
             return {getattr(get_spec_class(name), attr, type).__name__ for attr in ("vae_class", "denoiser_class")}
 
@@ -453,9 +456,6 @@ class ModelSpec(ABC):
 
     def load_text(self, device: torch.device) -> TextComponents:
         """The text components, their encoders stored as `memory.text_encoder_weights` says."""
-        from vidtune.memory import store_text_encoder_weights
-        from vidtune.offload import loading_device
-
         # Quantized encoders for a GPU are quantized in host memory, then moved (as the denoiser's base weights).
         load_on = loading_device(self.text_encoder_weights, device)
         if load_on == device:
@@ -479,8 +479,6 @@ class ModelSpec(ABC):
         """The frozen VAE; opaque to trainers (image-to-video families may return a container with more)."""
         vae = self.load_component(self.vae_class, "vae", torch_dtype=self.component_dtype("vae", device))
         if self.vae_tiling:
-            from vidtune.vae_tiling import enable_vae_tiling
-
             enable_vae_tiling(vae)
         return vae.requires_grad_(False).eval().to(device)
 
@@ -682,8 +680,6 @@ class ModelSpec(ABC):
         batch's): by default, first-frame conditioning when the family takes it and its probability is above 0."""
         if self.first_frame_conditioning is None or self.first_frame_probability <= 0:
             return {}
-        from vidtune.models import first_frame  # the module imports this one
-
         return first_frame.draw(self.first_frame_probability, x0, positions, seed)
 
     def check_frame_settings(self, config: Config, clips: list[Clip]) -> None:

@@ -32,6 +32,7 @@ import torch
 from diffusers import WanImageToVideoPipeline, WanPipeline
 from torch import nn
 
+from vidtune import parallel
 from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import INCOMPLETE, follow_umask
@@ -157,8 +158,6 @@ class Wan22Spec(WanSpec):
     def expert_routing(self, config: Config) -> str:
         """`model.expert_routing`, checked, or its default: `step` when both experts train under FSDP or DeepSpeed
         on several processes, else `sample`."""
-        from vidtune import parallel
-
         strategy, routing = config.parallel.strategy, self.config.expert_routing
         sharded = parallel.world_size() > 1 and strategy in ("fsdp", "deepspeed")
         both = len(self.trained_experts) == 2

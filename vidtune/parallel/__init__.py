@@ -211,10 +211,3 @@ def on_main(function: Callable[[], T]) -> T:
     if not ok:
         raise value
     return value
-
-
-# The strategies that wrap the denoiser for training live beside this module (ddp.py); `wrap` and `accumulating`
-# are re-exported so that the trainer asks one place.
-from vidtune.parallel.ddp import DataParallel, accumulating, wrap  # noqa: E402
-
-__all__ = ["DataParallel", "accumulating", "wrap"]

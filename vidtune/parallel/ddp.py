@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from vidtune.parallel import is_distributed
+from vidtune.parallel.strategy import Strategy
 
 
 class DataParallel(DistributedDataParallel):
@@ -56,3 +57,15 @@ def accumulating(module: nn.Module, sync: bool) -> contextlib.AbstractContextMan
     if sync or not isinstance(module, DistributedDataParallel):
         return contextlib.nullcontext()
     return module.no_sync()
+
+
+class DataParallelStrategy(Strategy):
+    """DistributedDataParallel: today's behaviour and checkpoint format."""
+
+    name = "ddp"
+
+    def wrap(self, module: nn.Module, parameters: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> nn.Module:
+        return wrap(module, self.device)
+
+    def accumulating(self, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        return accumulating(module, sync)

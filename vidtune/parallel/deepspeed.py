@@ -36,6 +36,7 @@ from vidtune.config import Config
 from vidtune.errors import ConfigError, TrainingError
 from vidtune.outputs import checkpoints_root
 from vidtune.parallel.strategy import Strategy
+from vidtune.parallel.zero_reshard import load_resharded
 
 # The tag DeepSpeed's files are saved under inside the checkpoint's `zero/` (checkpoint.ZERO_SHARDS).
 ZERO_TAG = "state"
@@ -355,8 +356,6 @@ class DeepSpeedStrategy(Strategy):
             loaded, _ = self.engine.load_checkpoint(str(shards), tag=ZERO_TAG, load_module_strict=False,
                                                     load_optimizer_states=True, load_lr_scheduler_states=False)
         else:
-            from vidtune.parallel.zero_reshard import load_resharded
-
             loaded = load_resharded(self.engine, shards / ZERO_TAG, checkpoints_root(Path(self.config.output_dir)))
         if loaded is None:
             raise TrainingError(f"DeepSpeed could not load the checkpoint {shards}. What to do: check that the "

@@ -1,6 +1,6 @@
 """How the processes of a run share the training work: the one interface the trainer and the training state use.
 
-`choose_strategy(config, device)` reads `parallel.strategy`:
+`choose_strategy(config, device)` (vidtune/parallel/choose.py) reads `parallel.strategy`:
 - one process (no torchrun, `auto`): `Strategy` itself, which changes nothing;
 - `ddp` (and `auto` with several processes): every rank holds the whole model, DistributedDataParallel averages
   the gradients (`vidtune.parallel.ddp`);
@@ -28,8 +28,7 @@ from vidtune import parallel
 from vidtune.config import Config
 from vidtune.ema import EMA
 from vidtune.models.spec import ModelSpec
-
-Weights = dict[str, torch.Tensor]
+from vidtune.parallel.dcp import Weights, read_shards
 
 
 class Strategy:
@@ -109,8 +108,6 @@ class Strategy:
         model and the optimizer (`weights`: the current trainable weights, whose keys say what to read). Every
         strategy reads them: a run sharded over many GPUs continues in one process too. `ema_weights`: tensors
         laid out as `weights`, filled with the checkpoint's average and returned (None: it has none)."""
-        from vidtune.parallel.fsdp import read_shards
-
         return read_shards(folder, self.module, weights, set_weights, optimizer, ema_weights)
 
     @contextlib.contextmanager
@@ -132,42 +129,7 @@ class Strategy:
             return {key: value.detach().cpu().clone() for key, value in get_weights().items()}
 
 
-class DataParallelStrategy(Strategy):
-    """DistributedDataParallel: today's behaviour and checkpoint format."""
-
-    name = "ddp"
-
-    def wrap(self, module: nn.Module, parameters: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> nn.Module:
-        from vidtune.parallel.ddp import wrap
-
-        return wrap(module, self.device)
-
-    def accumulating(self, module: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-        from vidtune.parallel.ddp import accumulating
-
-        return accumulating(module, sync)
-
-
 def _whole(norm: torch.Tensor) -> torch.Tensor:
     """A norm as a plain tensor; a DTensor norm (sharded gradients) is whole already (replicated) on every rank."""
     full = getattr(norm, "full_tensor", None)
     return full() if full is not None else norm
-
-
-def choose_strategy(config: Config, device: torch.device) -> Strategy:
-    """The strategy `parallel.strategy` names for this process (see the module's docstring)."""
-    name = config.parallel.strategy
-    if name == "fsdp":
-        from vidtune.parallel.fsdp import FullyShardedStrategy
-
-        strategy: Strategy = FullyShardedStrategy(config, device)
-    elif name == "ddp" or (name == "auto" and parallel.world_size() > 1):
-        strategy = DataParallelStrategy(config, device)
-    elif name == "deepspeed":
-        from vidtune.parallel.deepspeed import DeepSpeedStrategy
-
-        strategy = DeepSpeedStrategy(config, device)
-    else:
-        strategy = Strategy(config, device)
-    strategy.check()
-    return strategy

@@ -1,7 +1,7 @@
 """The training loop every algorithm shares: `run` -> `train` -> `train_step` -> `forward_backward` -> `compute_loss`.
 
 Read it top to bottom. `train` checks everything the user gave, loads the model, opens the batch source
-(`vidtune.data.stream`: the cache or on-the-fly encoding) and loops over optimizer steps; the whole training
+(`vidtune.batches`: the cache or on-the-fly encoding) and loops over optimizer steps; the whole training
 state (optimizer, schedule, data position, RNGs, checkpoints) lives in `vidtune.state.TrainingState`.
 
 An algorithm (LoRA, full fine-tune, ...) subclasses `Trainer` and decides what is trainable
@@ -41,13 +41,13 @@ from tqdm.auto import tqdm
 from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
 from vidtune.attention import resolve_attention_backend, set_attention_backend
+from vidtune.batches import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.compile import compile_blocks, compile_note, compile_seconds, eager
 from vidtune.config import Config, write_resolved_config
 from vidtune.data.audio import has_sound, sound_line
 from vidtune.data.buckets import check_bucket_shapes, visit_generator
 from vidtune.data.overview import write_dataset_overview
 from vidtune.data.sources import Clip, load_dataset
-from vidtune.data.stream import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.data.video import VideoInfo
 from vidtune.ema import EMA
 from vidtune.errors import ConfigError, TrainingError
@@ -80,9 +80,10 @@ from vidtune.offload import (
     loading_device,
 )
 from vidtune.optim import check_optimizer
+from vidtune.parallel.choose import choose_strategy
 from vidtune.parallel.deepspeed import check_deepspeed
 from vidtune.parallel.deepspeed import process_group as deepspeed_process_group
-from vidtune.parallel.strategy import Strategy, choose_strategy
+from vidtune.parallel.strategy import Strategy
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
 from vidtune.sampling import (

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vidtune.batches import Batch
 from vidtune.config import Config
 from vidtune.data.buckets import visit_generator
-from vidtune.data.stream import Batch
 from vidtune.errors import ConfigError
 from vidtune.models.spec import Conditions
 from vidtune.state import SavedState

@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 from vidtune import parallel
+from vidtune.batches import Batch
 from vidtune.config import Config
 from vidtune.data.buckets import visit_generator
-from vidtune.data.stream import Batch
 from vidtune.errors import ConfigError
 from vidtune.models.spec import Conditions, ModelSpec
 from vidtune.objectives import FlowMatching

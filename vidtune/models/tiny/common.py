@@ -18,6 +18,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
 
+from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shape_frames
+
 
 @dataclass(frozen=True)
 class OverfitSettings:
@@ -107,8 +109,6 @@ def build_tiny_t5(hidden: int = 32, seed: int = 0) -> T5EncoderModel:
 
 def reference_videos(frames: int = 9, size: int = 32) -> torch.Tensor:
     """A few synthetic clips [B, F, 3, H, W] in [-1, 1] to measure a tiny VAE's latent statistics on."""
-    from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shape_frames
-
     clips = [
         ShapeClip(shape, color, background, direction)
         for shape, color, background, direction in zip(SHAPES, COLORS, BACKGROUNDS, DIRECTIONS, strict=False)

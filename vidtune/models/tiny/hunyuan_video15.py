@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from vidtune.models.hunyuan_video15 import CROP_START, SYSTEM_MESSAGE
 from vidtune.models.tiny.common import (
     CORPUS,
     OverfitSettings,
@@ -34,8 +35,6 @@ def build_tiny_qwen_tokenizer(vocab_size: int = 768) -> PreTrainedTokenizerFast:
     the template from the left and reads the mask as a prefix). Trained on the pipeline's system message too, so the
     template before the caption is exactly the `crop_start` (108) tokens the pipeline crops, as with Qwen2.5-VL's
     tokenizer: the kept tokens start at the caption."""
-    from vidtune.models.hunyuan_video15 import CROP_START, SYSTEM_MESSAGE
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=_QWEN_SPECIALS, show_progress=False,

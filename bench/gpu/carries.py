@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     core_bytes = sum(size[name] for name in core)
     if core_bytes > room:
         raise SystemExit(f"the wheels every call needs ({core_bytes / MIB:.1f} MiB) and the working tree "
-                         f"({tree / MIB:.1f} MiB) exceed {args.limit_mib} MiB")
+                         f"({tree / MIB:.1f} MiB) exceed {args.limit_mib:g} MiB")
 
     calls: list[tuple[set[str], list[str]]] = []
     for feature, names in groups:

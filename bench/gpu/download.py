@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", type=Path, required=True, help="the packages the image has (not downloaded)")
     parser.add_argument("-r", "--requirements", type=Path, required=True)
     parser.add_argument("-c", "--constraints", type=Path)
+    parser.add_argument("--image-needs", type=Path,
+                        help="write here what the downloaded wheels need from the image (one requirement a line)")
     args = parser.parse_args(argv)
     args.dest.mkdir(parents=True, exist_ok=True)
     image = listed(args.image)
@@ -74,13 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     while specs:
         download(specs, args.dest, args.python_version, args.constraints)
         have = {normalise(path.name.split("-")[0]): path for path in args.dest.glob("*.whl")}
-        wanted = {}
+        wanted, from_image = {}, set()
         for path in have.values():
             for requirement in wheel_requirements(path, environment):
                 name = normalise(requirement.name)
-                if name not in image and name not in have:
+                if name in image:
+                    from_image.add(name)
+                elif name not in have:
                     wanted[name] = f"{name}{requirement.specifier}"
         specs = sorted(wanted.values())
+    if args.image_needs:
+        args.image_needs.write_text("".join(f"{name}\n" for name in sorted(from_image)))
     return 0
 
 

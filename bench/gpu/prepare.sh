@@ -46,7 +46,7 @@ fi
 { echo "torch==$IMAGE_TORCH"; "$PY" bench/gpu/minimums.py --only-in bench/gpu/image_packages.txt | grep -v '^torch=='; } \
     > "$DEST/$TAG/image-constraints.txt"
 "$PY" bench/gpu/download.py "$ALL" --python-version "$PYTHON_VERSION" --image bench/gpu/image_packages.txt \
-    -r "$DEST/$TAG/binary.txt" -c "$DEST/$TAG/image-constraints.txt"
+    -r "$DEST/$TAG/binary.txt" -c "$DEST/$TAG/image-constraints.txt" --image-needs "$DEST/$TAG/image-needs.txt"
 
 # Split into carries: the working tree travels with every call; each carry is one folder of wheels.
 "$PY" bench/gpu/carries.py "$ALL" --limit-mib "$LIMIT_MIB"

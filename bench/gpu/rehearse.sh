@@ -36,8 +36,11 @@ if [ "$(ls -d .gpu-wheels/"$TAG"/call* | wc -l)" != 1 ]; then
     echo "rehearse.sh: the wheels need more than one call; the rehearsal installs them all" >&2
 fi
 
+# The image's tools that the rehearsal uses: pytest for the tests, setuptools and wheel to build vidtune offline.
+# python-dateutil 2.9.0.post0: the image has no tzdata, which later releases need.
+IMAGE_TOOLS="pytest setuptools wheel python-dateutil==2.9.0.post0"
 STAMP="$VENV/.image-stamp"
-WANT=$(cat bench/gpu/image_packages.txt .gpu-wheels/"$TAG"/image-constraints.txt .gpu-wheels/"$TAG"/image-needs.txt \
+WANT=$(echo "$IMAGE_TOOLS" | cat - bench/gpu/image_packages.txt .gpu-wheels/"$TAG"/image-constraints.txt .gpu-wheels/"$TAG"/image-needs.txt \
        | sha256sum)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "+ the image's packages in $VENV"
@@ -45,7 +48,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     "$BASE_PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
     "$VENV/bin/python" -m pip install --quiet -c .gpu-wheels/"$TAG"/image-constraints.txt \
-        -r .gpu-wheels/"$TAG"/image-constraints.txt -r .gpu-wheels/"$TAG"/image-needs.txt pytest
+        -r .gpu-wheels/"$TAG"/image-constraints.txt -r .gpu-wheels/"$TAG"/image-needs.txt $IMAGE_TOOLS
     # What pip brought in that the image does not have goes again, so a missing carry shows here as it would there.
     "$VENV/bin/python" - bench/gpu/image_packages.txt > .gpu-wheels/"$TAG"/not-in-image.txt <<'EOF'
 import re, sys
@@ -63,8 +66,8 @@ fi
     | grep -iE '^(torch|transformers|huggingface.hub|accelerate|peft|safetensors|tokenizers|numpy)==' | tr '\n' ' '
 echo
 
-echo "+ offline: pip install -e . resolves from the image and the carried wheels alone"
-"$VENV/bin/python" -m pip install --quiet --dry-run --no-index --find-links "$CALL" -e .
+echo "+ offline: pip install -e . resolves from the image and the carried wheels alone (setuptools: the image's)"
+"$VENV/bin/python" -m pip install --quiet --dry-run --no-index --no-build-isolation --find-links "$CALL" -e .
 
 if [ "$RUN" = 1 ]; then
     echo "+ offline: bench/gpu/run.sh --cpu"

@@ -15,7 +15,7 @@ a row that fails records the error and the run goes on. Sections, in order:
 6. `attention`: each attention backend that imports there.
 7. `precompute`: clips per second of `precompute` (tiny LTX-Video; decoding and writing included).
 
-    python bench/gpu/run.py --out results [--cpu] [--budget 480] [--only lora,options]
+    python bench/gpu/run.py --out results [--cpu] [--budget 480] [--only lora,options] [--families ltx-video,wan]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from minimums import lower_bounds  # noqa: E402
 
 SECTIONS = ("env", "tests", "lora", "options", "compile", "attention", "precompute")
-GIB = 1024**3
+MIB = 1024**2
 # Real architectures (random weights) and the clip shape each is measured at: frames, height, width.
 REAL = [("ltx-video", "Lightricks/LTX-Video", "LTX-Video 2B", (49, 512, 768)),
         ("wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan 2.1 1.3B", (33, 480, 832)),
@@ -93,8 +93,8 @@ class Results:
         (self.out / "gpu_results.md").write_text(markdown(document))
 
 
-def _gib(value: object) -> str:
-    return f"{value / GIB:.2f}" if isinstance(value, int | float) else ""
+def _mib(value: object) -> str:
+    return f"{value / MIB:,.1f}" if isinstance(value, int | float) else ""
 
 
 def markdown(document: dict) -> str:
@@ -105,16 +105,17 @@ def markdown(document: dict) -> str:
         if row["section"] != section:
             section = row["section"]
             lines += ["", f"### {section}", "",
-                      "| what | status | s/step | x baseline | peak GiB | planned GiB | planned/peak | note |",
-                      "|---|---|---:|---:|---:|---:|---:|---|"]
+                      "| what | status | s/step | x baseline | peak MiB | x baseline | planned MiB | planned/peak "
+                      "| note |",
+                      "|---|---|---:|---:|---:|---:|---:|---:|---|"]
         step = row.get("seconds_per_step")
         peak, planned = row.get("peak_bytes"), row.get("planned_bytes")
         ratio = f"{planned / peak:.3f}" if isinstance(peak, int) and isinstance(planned, int) and peak else ""
-        relative = row.get("time_vs_baseline")
+        relative, memory = row.get("time_vs_baseline"), row.get("memory_vs_baseline")
         note = row.get("note") or row.get("error") or ""
         lines.append(f"| {row['name']} | {row['status']} | {f'{step:.3f}' if step else ''} | "
-                     f"{f'{relative:.3f}' if relative else ''} | {_gib(peak)} | {_gib(planned)} | {ratio} | "
-                     f"{str(note).replace('|', '/')[:200]} |")
+                     f"{f'{relative:.3f}' if relative else ''} | {_mib(peak)} | {f'{memory:.3f}' if memory else ''} | "
+                     f"{_mib(planned)} | {ratio} | {str(note).replace('|', '/')[:200]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -152,7 +153,7 @@ def attempt(results: Results, section: str, name: str, estimate: float, measure:
 
         release_memory()
         return None
-    results.add(section, name, "measured", **values, seconds=round(time.perf_counter() - started, 1))
+    results.add(section, name, "measured", **{**values, "seconds": round(time.perf_counter() - started, 1)})
     return values
 
 
@@ -238,12 +239,15 @@ def step_row(models: Models, family: str, shape: tuple, options: list[str], devi
     return measure
 
 
-def section_lora(results: Results, models: Models, cpu: bool, device: str) -> None:
+def section_lora(results: Results, models: Models, cpu: bool, device: str, families: list[str] | None) -> None:
     from vidtune.models.registry import available_models
     from vidtune.models.tiny import TINY_SHAPES
 
     precision = [] if cpu else BF16
-    for family in available_models():
+    unknown = sorted(set(families or []) - set(available_models()))
+    if unknown:
+        raise SystemExit(f"--families: unknown {unknown}; choose from {', '.join(available_models())}")
+    for family in families or available_models():
         shape = TINY_SHAPES[family]
         attempt(results, "lora", f"tiny {family} {'x'.join(map(str, shape))}", 20,
                 step_row(models, family, shape, precision, device, None, 4))
@@ -343,7 +347,7 @@ def section_precompute(results: Results, models: Models, device: str) -> None:
             config = bench_precompute.make_config(model, root, work, "gpu", settings,
                                                   training={"device": device})
             seconds = bench_precompute.timed_precompute(config)
-        return {"clips_per_second": round(clips / seconds, 2), "seconds": round(seconds, 2),
+        return {"clips_per_second": round(clips / seconds, 2), "precompute_seconds": round(seconds, 2),
                 "note": f"{clips} clips of {frames}x{size}x{size}, tiny LTX-Video, {clips / seconds:.1f} clips/s"}
 
     attempt(results, "precompute", "precompute clips/s", 40, measure)
@@ -355,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="a rehearsal without CUDA: CUDA-only rows say so")
     parser.add_argument("--budget", type=float, default=480.0, help="wall-clock seconds for the whole run")
     parser.add_argument("--only", help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    parser.add_argument("--families", help="comma-separated families of the tiny `lora` rows (default: all)")
     args = parser.parse_args(argv)
     only = args.only.split(",") if args.only else list(SECTIONS)
     unknown = sorted(set(only) - set(SECTIONS))
@@ -377,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             elif section == "tests":
                 section_tests(results, args.cpu)
             elif section == "lora":
-                section_lora(results, models, args.cpu, device)
+                section_lora(results, models, args.cpu, device,
+                             args.families.split(",") if args.families else None)
             elif section == "options":
                 section_options(results, models, args.cpu, device)
             elif section == "compile":

@@ -5,7 +5,8 @@
 #
 #     bash bench/gpu/run.sh --wheels .gpu-wheels/cp312/call1            # there (prepare.sh prints the call)
 #     bash bench/gpu/run.sh --cpu --wheels .gpu-wheels/cp311/call1      # a rehearsal on the CPU
-# Options: --budget SECONDS (default 480: the whole run, install included), --only SECTIONS (run.py's),
+# Options: --budget SECONDS (default 480: the whole run, install included), --only SECTIONS and --families F,G
+# (run.py's),
 # --python PATH (default python3, which holds torch there), --out DIR (default $OUT, else gpu-results/).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -22,6 +23,7 @@ while [ $# -gt 0 ]; do
         --out) OUT="$2"; shift 2 ;;
         --cpu) PASS+=(--cpu); shift ;;
         --only) PASS+=(--only "$2"); shift 2 ;;
+        --families) PASS+=(--families "$2"); shift 2 ;;
         *) echo "run.sh: unknown argument $1 (see the comment at the top of bench/gpu/run.sh)" >&2; exit 2 ;;
     esac
 done

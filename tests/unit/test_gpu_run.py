@@ -117,7 +117,8 @@ def test_results_are_written_after_every_row(tmp_path):
     assert [row["name"] for row in document["rows"]] == ["tiny wan"]
     results.add("options", "nf4", "needs CUDA")
     table = (tmp_path / "gpu_results.md").read_text()
-    assert "| tiny wan | measured | 0.500 |  | 2.00 | 3.00 | 1.500 |" in table and "| nf4 | needs CUDA |" in table
+    assert "| tiny wan | measured | 0.500 |  | 2,048.0 |  | 3,072.0 | 1.500 |" in table
+    assert "| nf4 | needs CUDA |" in table
     assert len(json.loads((tmp_path / "gpu_results.json").read_text())["rows"]) == 2
 
 
@@ -134,9 +135,12 @@ def test_a_row_that_cannot_run_here_says_why_and_a_failure_is_recorded(tmp_path,
 
     assert run.attempt(results, "options", "broken", 1, broken) is None
     assert run.attempt(results, "options", "fine", 1, lambda: {"seconds_per_step": 1.0}) == {"seconds_per_step": 1.0}
+    # A measurement's own `seconds` does not clash with the row's wall time.
+    assert run.attempt(results, "options", "own seconds", 1, lambda: {"seconds": -1.0})["seconds"] == -1.0
     statuses = [(row["name"], row["status"]) for row in results.rows]
     assert statuses == [("nf4", "needs CUDA"), ("x", "not installed: no-such-package-here"),
-                        ("slow", "not reached (time)"), ("broken", "failed"), ("fine", "measured")]
+                        ("slow", "not reached (time)"), ("broken", "failed"), ("fine", "measured"),
+                        ("own seconds", "measured")]
     assert "RuntimeError: out of memory" in results.rows[3]["error"]
 
 

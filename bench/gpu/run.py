@@ -276,9 +276,7 @@ def section_options(results: Results, models: Models, cpu: bool, device: str) ->
     base = [] if cpu else BF16
     baseline = None
     for name, options, needs_cuda, package in OPTIONS:
-        measure = step_row(models, family, shape, [*base, *options], device, hub_id, 4 if cpu else 6)
-
-        def with_half(measure=measure, options=options):
+        def with_half(options: list[str] = options) -> dict:  # memory.blocks_to_swap=HALF: half the model's blocks
             resolved = _half_the_blocks(options, family, hub_id, models.tiny(family))
             return step_row(models, family, shape, [*base, *resolved], device, hub_id, 4 if cpu else 6)()
 

@@ -24,12 +24,13 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
-import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -177,41 +178,58 @@ def section_env(results: Results) -> None:
                     note=f"{version} (minimum {minimum})")
 
 
+TESTS_SHARE = 240.0  # seconds of the budget the `gpu` tests may take; the rest say so (rerun: --only tests)
+OUTCOME = re.compile(r"^(?P<test>\S+::.+?) (?P<outcome>PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)(?: \((?P<why>.*)\))?"
+                     r"\s*(?:\[\s*\d+%\])?$")
+SUMMARY = re.compile(r"^(?P<outcome>FAILED|ERROR) (?P<test>\S+::\S+)(?: - (?P<message>.*))?$")
+
+
 def section_tests(results: Results, cpu: bool) -> None:
-    timeout = max(30.0, min(results.remaining() - 60, 240.0))
-    with tempfile.TemporaryDirectory() as folder:
-        report = Path(folder) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                   f"--junitxml={report}", "tests"]
-        started = time.perf_counter()
-        try:
-            run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            results.add("tests", "pytest -m gpu", "failed", error=f"timed out after {timeout:.0f} s")
-            return
-        seconds = round(time.perf_counter() - started, 1)
-        if not report.is_file():
-            results.add("tests", "pytest -m gpu", "failed", error=(run.stdout + run.stderr)[-300:])
-            return
-        cases = ElementTree.parse(report).getroot().iter("testcase")
-        counts = {"passed": 0, "failed": 0, "skipped": 0}
-        for case in cases:
-            name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-            failure = case.find("failure") if case.find("failure") is not None else case.find("error")
-            skipped = case.find("skipped")
-            if failure is not None:
-                counts["failed"] += 1
-                results.add("tests", name, "failed", error=(failure.get("message") or "")[:300])
-            elif skipped is not None:
-                counts["skipped"] += 1
-                reason = skipped.get("message") or ""
-                results.add("tests", name, "needs CUDA" if cpu else "skipped", note=reason[:200])
-            else:
-                counts["passed"] += 1
-                results.add("tests", name, "passed", seconds=float(case.get("time", 0)))
-        summary = "passed" if run.returncode in (0, 5) and not counts["failed"] else "failed"
-        results.add("tests", "pytest -m gpu (all)", summary, **counts, seconds=seconds,
-                    note=run.stdout.strip().splitlines()[-1] if run.stdout.strip() else "")
+    """Every test marked `gpu`, in one pytest process whose verbose lines become rows as they come: a run cut short
+    by the time keeps the outcomes so far."""
+    deadline = time.perf_counter() + min(TESTS_SHARE, results.remaining())
+    command = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", "-m", "gpu", "tests"]
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    started, tail, reasons = time.perf_counter(), [], set()
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(max(1.0, deadline - time.perf_counter()), process.kill)
+    timer.start()
+    try:
+        for line in process.stdout:
+            line = line.rstrip()
+            tail = [*tail[-20:], line]
+            match = OUTCOME.match(line)
+            if match:
+                name, outcome = match["test"], match["outcome"]
+                if outcome in ("PASSED", "XFAIL", "XPASS"):
+                    counts["passed"] += 1
+                    results.add("tests", name, "passed")
+                elif outcome == "SKIPPED":
+                    counts["skipped"] += 1
+                    results.add("tests", name, "needs CUDA" if cpu else "skipped", note=match["why"] or "")
+                else:
+                    counts["failed"] += 1
+                    results.add("tests", name, "failed")
+                continue
+            if line.startswith("SKIPPED ["):  # "SKIPPED [3] tests/x.py:12: needs a CUDA device"
+                reasons.add(line.split(": ", 1)[-1])
+                continue
+            summary = SUMMARY.match(line)
+            if summary:  # the failure's message, from the short summary at the end
+                for row in reversed(results.rows):
+                    if row["name"] == summary["test"] and row["status"] == "failed":
+                        row["error"] = (summary["message"] or "")[:300]
+                        break
+                results.write()
+        process.wait()
+    finally:
+        timer.cancel()
+    cut = process.returncode < 0  # killed at the deadline
+    status = "failed" if counts["failed"] or process.returncode not in (0, 5) else "passed"
+    results.add("tests", "pytest -m gpu (all)", "not finished (time)" if cut else status, **counts,
+                seconds=round(time.perf_counter() - started, 1),
+                note="the rest: rerun with --only tests" if cut else (tail[-1] if tail else ""),
+                skip_reasons=sorted(reasons))
 
 
 class Models:

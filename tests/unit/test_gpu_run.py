@@ -199,3 +199,13 @@ def test_the_minimum_version_tests_import_every_module():
     missing = sorted(name for name in modules if name.startswith("vidtune") and name not in seen
                      and name != "vidtune.__main__")
     assert not missing, f"no test in bench/gpu/minimum_tests.txt imports {missing}"
+
+
+def test_pytest_lines_become_rows():
+    run = load("run")
+    line = "tests/trainers/test_compile.py::test_compiled_on_cuda[int8] SKIPPED [ 66%]"
+    assert run.OUTCOME.match(line)["test"] == "tests/trainers/test_compile.py::test_compiled_on_cuda[int8]"
+    assert run.OUTCOME.match("tests/a.py::test_b[x y] PASSED").group("outcome") == "PASSED"
+    summary = run.SUMMARY.match("FAILED tests/a.py::test_b - AssertionError: 3 != 4")
+    assert summary["test"] == "tests/a.py::test_b" and summary["message"] == "AssertionError: 3 != 4"
+    assert run.OUTCOME.match("tests/a.py::test_b") is None

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         call[1].append(feature)
     calls = calls or [(set(), [])]
 
-    print(f"Working tree: {tree / MIB:.1f} MiB; limit per call {args.limit_mib:g} MiB (the tool's hard limit is 64).")
+    print(f"Working tree: {tree / MIB:.1f} MiB; limit per call {args.limit_mib:g} MiB (64 MiB in all is the most one "
+          "call can take).")
     for index, (names, features) in enumerate(calls, 1):
         folder = base / f"call{index}"
         folder.mkdir()

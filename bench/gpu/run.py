@@ -1,4 +1,4 @@
-"""Everything a short GPU session can measure, in order of value, within a wall-clock budget.
+"""Everything a short stay on a GPU machine can measure, in order of value, within a wall-clock budget.
 
 Each finished row is written at once to gpu_results.json and gpu_results.md in `--out`, so a run cut short keeps
 what it measured. Rows that cannot run on this device say why ("needs CUDA", "not installed: bitsandbytes");

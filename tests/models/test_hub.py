@@ -6,10 +6,11 @@ folder written here (the layout `hf download` leaves: refs/main -> snapshots/<co
 
 from __future__ import annotations
 
+import importlib
 import shutil
 from types import SimpleNamespace
 
-import httpx2
+import huggingface_hub
 import pytest
 from huggingface_hub import HfApi, constants
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
@@ -20,6 +21,8 @@ from vidtune.errors import ModelError
 from vidtune.models import hub
 from vidtune.models.ltx_video import LTXVideoSpec
 
+# The HTTP client whose responses the hub's errors carry: httpx2 from huggingface_hub 2, httpx before.
+http = importlib.import_module("httpx2" if int(huggingface_hub.__version__.split(".")[0]) >= 2 else "httpx")
 REPO = "someone/tiny-ltx"
 @pytest.fixture(autouse=True)
 def fresh_probe():
@@ -35,8 +38,8 @@ def spec_for(pretrained: str, **settings) -> LTXVideoSpec:
 def answer(error_class, status: int):
     """A stand-in for HfApi.model_info that raises `error_class` as the hub's answer with `status`."""
     def model_info(self, repo_id, **kwargs):
-        request = httpx2.Request("GET", f"https://huggingface.co/api/models/{repo_id}")
-        raise error_class(f"{status} Client Error", response=httpx2.Response(status, request=request))
+        request = http.Request("GET", f"https://huggingface.co/api/models/{repo_id}")
+        raise error_class(f"{status} Client Error", response=http.Response(status, request=request))
     return model_info
 
 

@@ -41,9 +41,10 @@ def imported_modules() -> set[str]:
 
 
 def distributions_of(modules: set[str]) -> dict[str, set[str]]:
-    """module -> the installed distributions that provide it (PIL -> pillow, yaml -> pyyaml)."""
+    """module -> the installed distributions that provide it (PIL -> pillow, yaml -> pyyaml); an optional package that
+    is not installed here (wandb where the environment lacks it) is taken to be its module's namesake."""
     provided = importlib.metadata.packages_distributions()
-    return {module: {normalise(dist) for dist in provided.get(module, [])} for module in modules}
+    return {module: {normalise(dist) for dist in provided.get(module, [module])} for module in modules}
 
 
 def test_every_imported_package_is_declared():

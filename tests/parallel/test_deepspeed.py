@@ -173,8 +173,9 @@ def test_the_deepspeed_launcher_runs_the_vidtune_command(make_config, tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config.to_dict()))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-                "--module", "vidtune", "train", str(path)]
+    # The `deepspeed` command's own module, wherever pip put its console scripts.
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+                str(free_port()), "--module", "vidtune", "train", str(path)]
     result = subprocess.run(launcher, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (tmp_path / "run" / LORA_FILE).is_file()

@@ -350,7 +350,7 @@ def trace_step(model: TracedModel, config: Config, device: torch.device, checkpo
     others left out), and the growth is carried on to all N; when the three do not lie on a line (or the model
     cannot run with fewer blocks), the whole model is traced instead. Where the peak of a few blocks is one
     block's working memory rather than what piles up, the device's peaks are carried on by the blocks' gradients
-    (an upper bound, by at most the gradients' bytes: tests/unit/test_memory_plan.py)."""
+    (an upper bound, by at most the gradients' bytes: tests/memory/test_memory_plan.py)."""
     denoiser = model.denoiser
     _set_checkpointing(denoiser, checkpointing)
     if _uses_bf16(config, device):  # autocast computes the adapters in bf16: traced with bf16 copies of them

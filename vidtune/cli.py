@@ -204,7 +204,19 @@ def sections_help() -> str:
             "Reference with limits: docs/configuration.md. Example: vidtune train my.yaml training.steps=500")
 
 
+def require_folder(path: str, what: str) -> None:
+    """A folder a command reads is there, checked before the command imports torch (a typo answers at once)."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        raise VidtuneError(f"{folder} does not exist (looked for at {folder.resolve()}).\nWhat to do: give {what}.")
+
+
+RUN_FOLDERS = ("a run's output_dir, one of its checkpoints (.../checkpoints/step-XXXXXXXX) or a folder "
+               "`vidtune export` wrote")
+
+
 def command_export(args: argparse.Namespace) -> int:
+    require_folder(args.checkpoint, "a checkpoint folder (.../checkpoints/step-XXXXXXXX) or a run's output_dir")
     from vidtune.export.command import export_checkpoint
 
     written = export_checkpoint(args.checkpoint, args.output, overwrite=args.overwrite, format=args.format)
@@ -253,6 +265,7 @@ def positive_int(text: str) -> int:
 
 
 def command_sample(args: argparse.Namespace) -> int:
+    require_folder(args.run_dir, RUN_FOLDERS)
     from vidtune.data.video import probe_video
     from vidtune.sample_source import sample_source
     from vidtune.sampling import load_pipeline, next_sample_path, sample_run

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from vidtune.batches import Batch, BatchSource
 from vidtune.config import Config, load_config
-from vidtune.data.stream import Batch, BatchSource
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.memory.meta import build_from_config
 from vidtune.memory.plan import plan_memory, resolve_architecture, trace_encoders

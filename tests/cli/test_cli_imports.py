@@ -22,7 +22,9 @@ def test_help_config_show_and_early_errors_import_no_heavy_library(tmp_path):
     runs = [["--help"], ["train", "--help"], ["config", "show"], ["config", "show", str(config), "lora.rank=8"],
             ["train", *typo], ["data", "check", *typo], ["precompute", *typo], ["cache", "info", *typo],
             ["plan", *typo], ["plan", "model.name=nonexistent", "model.pretrained=x"],
-            ["train", str(config)], ["data", "check", str(config)]]  # a model folder that does not exist
+            ["train", str(config)], ["data", "check", str(config)],  # a model folder that does not exist
+            ["sample", str(tmp_path / "no-run"), "--prompt", "x"],  # a run or checkpoint that is not there
+            ["export", str(tmp_path / "no-run"), "--output", str(tmp_path / "out")]]
     script = textwrap.dedent(f"""
         import contextlib, io, json, sys
         from vidtune.cli import main
@@ -39,6 +41,6 @@ def test_help_config_show_and_early_errors_import_no_heavy_library(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     found = json.loads(result.stdout.splitlines()[-1])
-    assert [code for _, code, _ in found] == [0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2]
+    assert [code for _, code, _ in found] == [0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]
     for argv, _, heavy in found:
         assert heavy == [], f"vidtune {' '.join(argv)} imported {heavy}"

@@ -60,3 +60,13 @@ def assert_sound_track(path: Path, generated: GeneratedSample, frames: int, fps:
     if highest_hz is not None:
         heard, audio = below(heard, rate, highest_hz), below(audio, rate, highest_hz)
     assert np.sqrt(np.mean((heard - audio) ** 2)) < 0.25 * np.sqrt(np.mean(audio**2))
+
+
+def add_tone(path: Path, hz: float = 1000.0, rate: int = 48000) -> None:
+    """Rewrite the clip at `path` with a stereo tone of `hz` as its sound track, as long as its frames."""
+    from vidtune.data.video import probe_video, read_frames, write_video
+
+    info = probe_video(path)
+    frames = np.stack(read_frames(path, list(range(info.num_frames))))
+    wave = 0.5 * np.sin(2 * np.pi * hz * np.arange(round(info.num_frames / info.fps * rate)) / rate)
+    write_video(path, frames, info.fps, audio=np.stack([wave, 0.7 * wave]).astype(np.float32), sample_rate=rate)

@@ -81,9 +81,11 @@ def test_block_swap_trains_exactly_as_without_it(make_config, tmp_path, monkeypa
     expected, trained = _adapter(plain), _adapter(swapped)
     assert expected.keys() == trained.keys() and expected
     for name in expected:
-        # Bit for bit for most families; CogVideoX image-to-video's adapter differs by up to 1.3e-7 (the CPU's
-        # matrix kernels may round differently on the separately allocated copies of the weights).
-        torch.testing.assert_close(trained[name], expected[name], rtol=1e-5, atol=1e-6)
+        # Bit for bit for most families; CogVideoX image-to-video's adapter differs by up to 1.3e-7 and
+        # HunyuanVideo 1.5's (trained at shift 3) in one element of 384 by 1.6e-6 (the CPU's matrix kernels may
+        # round differently on the separately allocated copies of the weights; AdamW's first step scales an
+        # element's rounding by its gradient's own size, so a near-zero gradient's shows most).
+        torch.testing.assert_close(trained[name], expected[name], rtol=1e-5, atol=5e-6)
     # Both swapped blocks brought for the forward, then at least the first again for its backward and
     # recomputation (joint-attention blocks, whose two outputs' gradients arrive at different times, move more
     # often); each linear layer used in both, never with the host copy; one block on the device at rest.

@@ -9,7 +9,7 @@ from torch import nn
 
 from vidtune.errors import ConfigError
 from vidtune.models.registry import available_models, get_spec_class
-from vidtune.models.spec import ALL_LINEAR
+from vidtune.models.spec import ALL_LINEAR, ModelSpec
 from vidtune.trainers import build_trainer
 from vidtune.trainers.lora import LoRATrainer, linear_module_names
 
@@ -80,8 +80,14 @@ def test_linear_module_names_are_the_linear_layers():
 def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family, tmp_path):
     """Training on several GPUs (DDP) needs every trainable parameter in the graph: no preset may adapt a layer
     whose output the loss never sees."""
+    # LTX-2's clips here have no sound: by default they train with the audio stream cut off, which leaves the
+    # audio-video cross-attention out of the step, and the denoiser says so to DDP (checked below). With the audio
+    # stream present (`silence`), every adapter of every preset must take part.
+    sound = {"clips_without_sound": "silence"} if get_spec_class(family).audio_format is not ModelSpec.audio_format \
+        else {}
     for preset in ("attention", "attention+ffn", ALL_LINEAR):
-        trainer = build_trainer(make_config(family, training={"steps": 1}, lora={"target_modules": preset, "rank": 2},
+        trainer = build_trainer(make_config(family, model=sound, training={"steps": 1},
+                                            lora={"target_modules": preset, "rank": 2},
                                             output_dir=str(tmp_path / preset)))
         unused: list[str] = []
         clip = trainer.clip_gradients
@@ -94,3 +100,25 @@ def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family,
         trainer.clip_gradients = record
         trainer.run()
         assert not unused, f"{family} {preset}: {unused[:5]}"
+
+
+def test_ltx_2_clips_without_sound_tell_ddp_of_the_cross_attention_they_leave_out(make_config, tmp_path):
+    """A micro-batch of clips without sound trains with the audio stream cut off: its audio-video cross-attention
+    adapters get no gradient, so the denoiser declares it and DDP looks for unused parameters."""
+    trainer = build_trainer(make_config("ltx-2", training={"steps": 1}, lora={"target_modules": "attention",
+                                                                              "rank": 2}))
+    unused: list[str] = []
+    clip = trainer.clip_gradients
+
+    def record(parameters):
+        names = {id(p): name for name, p in trainer.denoiser.named_parameters()}
+        unused.extend(names[id(p)] for p in parameters if p.grad is None)
+        return clip(parameters)
+
+    trainer.clip_gradients = record
+    trainer.run()
+    assert unused and all("audio_to_video_attn" in name or "video_to_audio_attn" in name for name in unused), unused
+    assert trainer.denoiser.leaves_parameters_unused
+    silence = build_trainer(make_config("ltx-2", model={"clips_without_sound": "silence"},
+                                        output_dir=str(tmp_path / "silence")))
+    assert not silence.spec.load_denoiser(torch.device("cpu")).leaves_parameters_unused

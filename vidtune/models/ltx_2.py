@@ -140,6 +140,14 @@ class LTX2Spec(ModelSpec):
         tokenizer = self.load_component(AutoTokenizer, "tokenizer")
         return min(DEFAULT_MAX_SEQUENCE_LENGTH, int(tokenizer.model_max_length))
 
+    def load_denoiser(self, device: torch.device, load_on: torch.device | None = None) -> nn.Module:
+        """A clip without sound trains with the audio stream cut off (`model.clips_without_sound: video-only`), which
+        leaves the audio-video cross-attention out of that step: DDP is told to look for such parameters
+        (vidtune/parallel/ddp.py), as a rank's micro-batch may be all silent while another's is not."""
+        denoiser = super().load_denoiser(device, load_on)
+        denoiser.leaves_parameters_unused = self.config.clips_without_sound == "video-only"
+        return denoiser
+
     @property
     def audio_loss_weight(self) -> float:
         return self.config.audio_loss_weight
@@ -397,6 +405,8 @@ class LTX2Spec(ModelSpec):
         """`joint_forward` with the clips with sound joint and those without isolated (one call each where a
         micro-batch holds both), in the batch's order."""
         heard = self.heard(conditions, noisy_latents.shape[0])
+        if self.config.clips_without_sound == "silence":  # every clip beside the audio stream (silence where none)
+            return self.joint_forward(denoiser, conditions, noisy_latents, timesteps)
         if bool(heard.all()) or not bool(heard.any()):
             return self.joint_forward(denoiser, conditions, noisy_latents, timesteps, isolated=not bool(heard.any()))
         parts = []

@@ -63,8 +63,8 @@ class FixedBatches(BatchSource):
 
     encode = loader
 
-    def empty_caption(self):
-        raise NotImplementedError("caption dropout is off in this benchmark")
+    def prompt(self, caption: str):
+        raise NotImplementedError("caption dropout is off in this benchmark, and no negative prompt is encoded")
 
 
 def step_config(family: str, pretrained: str, shape: tuple[int, int, int], options: list[str], device: str,

@@ -35,6 +35,7 @@ from vidtune.config import Config
 from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError, DataError
 from vidtune.files import atomic_path
+from vidtune.metrics import metrics_lines
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, Latents, ModelSpec, TextComponents, draw_latent
 from vidtune.precompute import CachedClips, precompute
 
@@ -262,17 +263,7 @@ class EvalHistory:
 
 def read_eval_rows(metrics: Path) -> list[dict[str, Any]]:
     """The held-out score rows of metrics.jsonl, in step order."""
-    if not metrics.is_file():
-        return []
-    rows = []
-    for text in metrics.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kill
-        if isinstance(row, dict) and EVAL_ROW_KEY in row:
-            rows.append(row)
-    return sorted(rows, key=lambda row: row["step"])
+    return sorted((row for _, row in metrics_lines(metrics) if EVAL_ROW_KEY in row), key=lambda row: row["step"])
 
 
 def append_row(metrics: Path, row: dict[str, Any]) -> None:

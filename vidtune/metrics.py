@@ -70,18 +70,26 @@ class StepLog:
             tracker.close()
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the rows of metrics.jsonl up to `step` (rows a killed run wrote after its checkpoint go)."""
+def metrics_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """metrics.jsonl's rows with their text, in file order; a line a kill cut short (or none at all) is skipped."""
     if not path.is_file():
-        return
-    kept = []
+        return []
+    lines = []
     for text in path.read_text(encoding="utf-8").splitlines():
         try:
             row = json.loads(text)
         except json.JSONDecodeError:
             continue  # a line cut short by a kill
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(text)
+        if isinstance(row, dict):
+            lines.append((text, row))
+    return lines
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the rows of metrics.jsonl up to `step` (rows a killed run wrote after its checkpoint go)."""
+    if not path.is_file():
+        return
+    kept = [text for text, row in metrics_lines(path) if isinstance(row.get("step"), int) and row["step"] <= step]
     atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
@@ -160,8 +168,8 @@ def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
     """loss.png from metrics.jsonl (see `loss_figure`)."""
     if not metrics_path.is_file():
         return None
-    rows = [json.loads(line) for line in metrics_path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    rows = [row for row in rows if "loss" in row]  # a held-out score's rows have their own picture (eval_loss.png)
+    # A held-out score's rows have their own picture (eval_loss.png).
+    rows = [row for _, row in metrics_lines(metrics_path) if "loss" in row]
     if not rows:
         return None
     figure = loss_figure(rows)  # selects the Agg backend before pyplot is imported here

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,17 @@ def overfit_config(family: str, pretrained: Path, data_root: Path, output_dir: P
         "logging": {"progress": False, "log_every": 100},
         "output_dir": str(output_dir),
     })
+
+
+def record_references(trainer) -> tuple[list[int], Callable]:
+    """Note the frame count of each reference clip the spec's pipeline inputs are built from (validation samples of an
+    image-to-video family): (the list, filled as samples are made; the spec's own `pipeline_inputs`)."""
+    seen: list[int] = []
+    original = trainer.spec.pipeline_inputs
+
+    def record(reference=None):
+        seen.append(reference.shape[0])
+        return original(reference)
+
+    trainer.spec.pipeline_inputs = record
+    return seen, original

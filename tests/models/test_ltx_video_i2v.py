@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.runs import record_references
 from vidtune.config import ModelConfig
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import read_clip
@@ -151,14 +152,7 @@ def test_a_keyframe_run_trains_and_validates_from_its_keyframes(make_config, tmp
                          training={"steps": 2, "learning_rate": 5e-2}, lora={"rank": 4, "alpha": 4},
                          validation={"enabled": True, "every": 2, "num_inference_steps": 2})
     trainer = build_trainer(config)
-    seen: list[int] = []
-    original = trainer.spec.pipeline_inputs
-
-    def record(reference=None):
-        seen.append(reference.shape[0])
-        return original(reference)
-
-    trainer.spec.pipeline_inputs = record
+    seen, original = record_references(trainer)
     result = trainer.run()
     assert result.weights_path.is_file() and result.sample_paths
     assert seen and all(frames == 9 for frames in seen)  # the reference reaches frame 8

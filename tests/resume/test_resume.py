@@ -24,7 +24,7 @@ from tests.helpers.runs import run_stopped_at
 from vidtune import checkpoint
 from vidtune.cli import main as cli_main
 from vidtune.errors import CheckpointError, ConfigError, TrainingError
-from vidtune.metrics import truncate_metrics
+from vidtune.metrics import plot_loss_curve, truncate_metrics
 from vidtune.trainers import build_trainer
 from vidtune.trainers.stop import StopSignals, TrainingInterrupted
 
@@ -395,3 +395,12 @@ def test_distillation_resumes_bit_for_bit(make_config, tmp_path, algorithm, dist
     losses = [[json.loads(r)["loss"] for r in (run / "metrics.jsonl").read_text().splitlines()]
               for run in (out, tmp_path / "reference")]
     assert losses[0] == losses[1] and len(losses[0]) == 5
+
+
+def test_loss_png_is_drawn_from_a_metrics_file_a_kill_cut_short(tmp_path):
+    """loss.png is written with every checkpoint: a last line cut short by a kill is skipped, not an error."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": step, "loss": 1.0 / step, "sigmas": [0.5], "sample_losses": [1.0 / step]} for step in (1, 2, 3)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 4, "lo')
+    assert plot_loss_curve(path, tmp_path / "loss.png") == tmp_path / "loss.png"
+    assert (tmp_path / "loss.png").stat().st_size > 0

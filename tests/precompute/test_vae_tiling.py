@@ -158,7 +158,7 @@ def test_tiles_join_into_the_untiled_result_where_the_vae_is_local(tiny_model_di
 
     untiled, tiled = encode(tiled=False), encode(tiled=True)
     for key in untiled:
-        if untiled[key].norm() > 0:
+        if untiled[key].is_floating_point() and untiled[key].norm() > 0:
             assert _relative(tiled[key], untiled[key]) < 1e-6, key
         else:
             assert torch.equal(tiled[key], untiled[key]), key

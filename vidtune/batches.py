@@ -228,3 +228,5 @@ def read_ahead(items: Iterable[T], depth: int) -> Iterator[T]:
             yield value
     finally:
         finished.set()
+        # No thread outlives the stream: one still reading at interpreter exit can abort the process.
+        thread.join()

@@ -129,9 +129,15 @@ def process_group(device: torch.device | None = None, backend: str | None = None
                                 timeout=TIMEOUT, store=_restart_store(world))
     try:
         yield True
-    finally:
+    except BaseException:
         if created:
             dist.destroy_process_group()
+        raise
+    if created:
+        # Every rank reaches the end before any closes its connections: gloo aborts a process whose peer is gone
+        # while its own group still runs.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _restart_store(world: int) -> Any:

@@ -89,10 +89,16 @@ def process_group(device: torch.device) -> Iterator[bool]:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     try:
         yield world > 1
-    finally:
+    except BaseException:
         _restore_linear()
         if created:
             deepspeed.comm.destroy_process_group()
+        raise
+    _restore_linear()
+    if created:
+        if world > 1:  # every rank reaches the end before any closes its connections (see parallel.process_group)
+            dist.barrier()
+        deepspeed.comm.destroy_process_group()
 
 
 def _restore_linear() -> None:

@@ -92,8 +92,8 @@ class FixedBatches(BatchSource):
 
     encode = loader
 
-    def empty_caption(self):
-        raise NotImplementedError("caption dropout is off in this benchmark")
+    def prompt(self, caption: str):
+        raise NotImplementedError("caption dropout is off in this benchmark: no prompt is encoded")
 
 
 class PrecomputedLoRATrainer(LoRATrainer):

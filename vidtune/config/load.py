@@ -1,6 +1,6 @@
 """Loading a config: a YAML or TOML file plus `section.key=value` overrides from the command line, relative paths
-made absolute, the family's defaults filled in, validated against the schema (`vidtune.config.schema`) into a
-frozen `Config`; and writing the resolved config into a run's output folder.
+made absolute, validated against the schema (`vidtune.config.schema`), the family's defaults filled into the
+frozen `Config` made from it; and writing the resolved config into a run's output folder.
 """
 
 from __future__ import annotations

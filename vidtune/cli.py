@@ -173,7 +173,8 @@ def command_cache_info(args: argparse.Namespace) -> int:
     from vidtune.precompute.info import cache_report
 
     if config is not None and args.cache_dir:
-        config.precompute.cache_dir = args.cache_dir
+        config = config.model_copy(update={"precompute": config.precompute.model_copy(
+            update={"cache_dir": args.cache_dir})})
     report = cache_report(config, root=args.cache_dir, verify=args.verify, progress=config is not None)
     print("\n".join(report.lines()))
     return 0

@@ -17,7 +17,7 @@ from vidtune.config import PATH_KEYS, SOURCE_TYPES, Config
 
 HEADER = """# Configuration reference
 
-Generated from `vidtune/config.py` by `python -m vidtune.config_docs > docs/configuration.md`;
+Generated from `vidtune/config/schema.py` by `python -m vidtune.config_docs > docs/configuration.md`;
 a test fails when this file and the code disagree.
 
 A config is a YAML or TOML file; any key can be overridden on the command line as `section.key=value`

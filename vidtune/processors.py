@@ -3,7 +3,7 @@
 A processor maps a clip [F, 3, H, W] in [-1, 1] to its control clip of the same shape and range. It runs where
 the target is decoded (the data loader's workers, or the precompute stage), so its output is keyed in the cache
 by the target clip's content, the preprocessing and the processor's identity (`processor_identity`). Adding one
-is a function here, its name in `PROCESSORS` and in the `control.processor` choices of vidtune/config.py.
+is a function here, its name in `PROCESSORS` and in the `control.processor` choices of vidtune/config/schema.py.
 """
 
 from __future__ import annotations

@@ -33,14 +33,16 @@ def run_stopped_at(trainer, number: int) -> None:
         trainer.run()
 
 
-def overfit_config(family: str, pretrained: Path, data_root: Path, output_dir: Path, frames: int | None = None):
+def overfit_config(family: str, pretrained: Path, data_root: Path, output_dir: Path, frames: int | None = None,
+                   **sections: dict):
     """A full fine-tune on one clip from the cache: each step sees the clip `batch_size` times, each visit with
-    its own noise level, noise and latent drawn from the cached posterior; warm-up, then cosine decay."""
+    its own noise level, noise and latent drawn from the cached posterior; warm-up, then cosine decay. `sections`:
+    keys that replace these, by section (e.g. training={"steps": 300})."""
     tiny = tiny_family(family)
     settings = tiny.overfit
     tiny_frames, height, width = tiny.shape
     frames = frames or tiny_frames
-    return build_config({
+    data = {
         "model": {"name": family, "pretrained": str(pretrained), "frame_rate": FRAME_RATE},
         "data": {"root": str(data_root), "frames": frames, "height": height, "width": width, "num_workers": 0},
         "training": {"algorithm": "full", "steps": settings.steps, "batch_size": settings.batch_size,
@@ -52,7 +54,10 @@ def overfit_config(family: str, pretrained: Path, data_root: Path, output_dir: P
         "validation": {"enabled": False},
         "logging": {"progress": False, "log_every": 100},
         "output_dir": str(output_dir),
-    })
+    }
+    for section, values in sections.items():
+        data[section] = {**data.get(section, {}), **values}
+    return build_config(data)
 
 
 def record_references(trainer) -> tuple[list[int], Callable]:

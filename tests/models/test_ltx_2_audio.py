@@ -168,8 +168,8 @@ def test_a_trained_model_samples_the_sound_it_learnt_beside_the_video(tiny_model
     folder = tiny_model_dir("ltx-2")
     clip, caption = sound_dataset / "clips" / "clip_000.mp4", "a tone"
     frames, height, width = 9, 32, 32
-    config = overfit_config("ltx-2", folder, one_clip_dataset(clip, caption, tmp_path / "data"), tmp_path / "run")
-    config.training.steps, config.optimizer.warmup_steps = 300, 30
+    config = overfit_config("ltx-2", folder, one_clip_dataset(clip, caption, tmp_path / "data"), tmp_path / "run",
+                            training={"steps": 300}, optimizer={"warmup_steps": 30})
     weights = build_trainer(config).run().weights_path
 
     def errors(transformer) -> tuple[float, float]:

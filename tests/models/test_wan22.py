@@ -396,10 +396,10 @@ def overfit_two_experts(family: str, folder: Path, shapes_dataset: Path, tmp_pat
     frames, height, width = TWO_EXPERT_SHAPE
     clip = load_text_pair_dataset(shapes_dataset)[0]
     data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
-    config = overfit_config(family, folder, data_root, tmp_path / "run", frames)
-    config.data.height, config.data.width = height, width
-    config.training.steps, config.training.learning_rate = steps, learning_rate
-    config.optimizer.warmup_steps = steps // 10
+    config = overfit_config(family, folder, data_root, tmp_path / "run", frames,
+                            data={"height": height, "width": width},
+                            training={"steps": steps, "learning_rate": learning_rate},
+                            optimizer={"warmup_steps": steps // 10})
     build_trainer(config).run()
     assert (tmp_path / "run" / "transformer_2").is_dir()
 

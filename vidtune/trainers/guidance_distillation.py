@@ -48,8 +48,8 @@ def student_validation_config(config: Config) -> Config:
     """The student is sampled without guidance: validation at scale 1 unless `validation.guidance_scale` is set
     (the resolved config the run writes says so, and `vidtune sample` reads it)."""
     if config.validation.guidance_scale is None:
-        config = config.model_copy(deep=True)
-        config.validation.guidance_scale = 1.0
+        validation = config.validation.model_copy(update={"guidance_scale": 1.0})
+        config = config.model_copy(update={"validation": validation})
     return config
 
 

@@ -80,8 +80,8 @@ def step_distillation_config(config: Config) -> Config:
     """Validation samples as the student is meant to be used: no guidance and, unless set, K steps."""
     config = student_validation_config(config)
     if "num_inference_steps" not in config.validation.model_fields_set:
-        config = config.model_copy(deep=True)
-        config.validation.num_inference_steps = config.distillation.student_steps
+        validation = config.validation.model_copy(update={"num_inference_steps": config.distillation.student_steps})
+        config = config.model_copy(update={"validation": validation})
     return config
 
 

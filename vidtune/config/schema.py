@@ -1,37 +1,27 @@
-"""The one typed configuration of a vidtune run.
+"""The schema of a vidtune config: its sections, every key's type, default, range and allowed values, and the
+checks across keys.
 
-A config is a YAML or TOML file plus `section.key=value` overrides from the command line. Every key
-has a type and, where it makes sense, a range or a set of allowed values; unknown keys are errors.
-The resolved config (defaults filled in) is written into the output folder of each run.
+A config is immutable (`frozen`): it is made once, by `vidtune.config.load.build_config`, and a changed copy is
+made with `config.model_copy(update=...)`, so no part of a run sees a value another part changed. Reading files,
+overrides and reporting problems live in `vidtune.config.load`.
 """
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
-import json
-import os
 import sys
-import tomllib
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vidtune.errors import ConfigError
-from vidtune.files import atomic_write_text
-from vidtune.models.defaults import apply_family_defaults
-from vidtune.outputs import RESOLVED_CONFIG
+from vidtune.algorithms import ALGORITHM_NAMES, algorithm_traits
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class Section(BaseModel):
-    """Base of every section: unknown keys are errors, values are checked on assignment too."""
+    """Base of every section: unknown keys are errors, and a made section is never changed (assigning raises)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
 
 class ModelConfig(Section):
@@ -685,19 +675,21 @@ class Config(Section):
                 f"({self.training.steps})"
             )
         base_weights = self.memory.base_weights
-        if base_weights != "auto" and self.training.algorithm in ("full", "control-full"):
+        algorithm = self.training.algorithm
+        traits = algorithm_traits(algorithm, self.distillation.student)
+        if base_weights != "auto" and traits.trains_base_weights and not traits.chooses_student:
             raise ValueError(
                 f"memory.base_weights={base_weights} works with adapter algorithms (lora, control-lora, a LoRA "
-                f"student) only: {self.training.algorithm} trains the base weights, which cannot be stored "
+                f"student) only: {algorithm} trains the base weights, which cannot be stored "
                 "quantized; set memory.base_weights=auto"
             )
-        if self.training.algorithm == "step-distillation" and self.distillation.student == "full":
+        if traits.distils and not traits.chooses_student and self.distillation.student == "full":
+            choosers = " or ".join(name for name in ALGORITHM_NAMES if algorithm_traits(name).chooses_student)
             raise ValueError(
-                "distillation.student=full works with training.algorithm=guidance-distillation only: "
-                "step-distillation trains a LoRA student; remove distillation.student"
+                f"distillation.student=full works with training.algorithm={choosers} only: "
+                f"{algorithm} trains a LoRA student; remove distillation.student"
             )
-        if base_weights != "auto" and self.training.algorithm == "guidance-distillation" \
-                and self.distillation.student == "full":
+        if base_weights != "auto" and traits.trains_base_weights and traits.chooses_student:
             raise ValueError(
                 f"memory.base_weights={base_weights} works with a LoRA student only: a full student trains those "
                 "weights; set memory.base_weights=auto or remove distillation.student"
@@ -719,295 +711,6 @@ class Config(Section):
         return self.model_dump(mode="json")
 
 
-def _read_file(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"Config file not found: {path.absolute()}\n"
-                          "What to do: check the path (relative to the current folder), or write a config: "
-                          "`vidtune quickstart` leaves a complete example, `vidtune config show` lists every key.")
-    text = path.read_text(encoding="utf-8-sig")
-    try:
-        if path.suffix.lower() == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix.lower() in (".yaml", ".yml", ".json"):
-            data = yaml.safe_load(text)
-        else:
-            raise ConfigError(f"{path}: config files must end in .yaml, .yml, .toml or .json.\n"
-                              "What to do: rename the file (its content decides nothing about its format).")
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as error:
-        raise ConfigError(f"{path} is not valid {path.suffix.lstrip('.').upper()}:\n{error}\n"
-                          "What to do: fix the line shown above (indentation, a missing ':' or quote).") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...).\n"
-                          "What to do: start from the config `vidtune quickstart` writes.")
-    return data
-
-
-# Keys that hold paths. A relative path is resolved against the folder of the config file it is written in, or
-# against the current folder when it comes from the command line (or is a default). `hub`: a local folder or a
-# hub id, which is left as it is unless it starts with `.` or names an existing folder. `latest`: that word or a path.
-PATH_KEYS: dict[str, str] = {
-    "model.pretrained": "hub",
-    "model.subfolders.*": "hub",
-    "data.root": "path",
-    "data.datasets.root": "path",
-    "data.datasets.path": "path",
-    "lora.init_from": "path",
-    "precompute.cache_dir": "path",
-    "parallel.deepspeed_config": "path",
-    "checkpoint.resume": "latest",
-    "output_dir": "path",
-}
-
-
-# Lists whose items hold paths: an item's keys are named as if the list were a section (data.datasets.root).
-LIST_SECTIONS = ("data.datasets",)
-
-
-def _path_kind(key: str) -> str | None:
-    return next((kind for pattern, kind in PATH_KEYS.items() if fnmatch.fnmatchcase(key, pattern)), None)
-
-
-# A hub-kind value kept as a hub id because no folder of that name exists -> the folder it was looked for as, for
-# the message when the hub has no such model either.
-_FOLDERS_LOOKED_FOR: dict[str, str] = {}
-
-
-def folder_looked_for(value: str) -> str | None:
-    """The absolute folder a model.pretrained (or model.subfolders) value read as a hub id was first looked for as
-    (relative to the config file's folder, or on the command line to the current one); None if never."""
-    return _FOLDERS_LOOKED_FOR.get(value)
-
-
-def resolve_path(value: Any, kind: str, base: Path) -> Any:
-    """`value` as an absolute path from `base` (see PATH_KEYS); anything else is returned as it is."""
-    if not isinstance(value, str) or not value or (kind == "latest" and value == "latest"):
-        return value
-    path = Path(value).expanduser()
-    if path.is_absolute():
-        return str(path)
-    candidate = base / path
-    if kind == "hub" and not value.startswith(".") and not candidate.exists():
-        _FOLDERS_LOOKED_FOR[value] = os.path.normpath(candidate.absolute())
-        return value  # a hub id such as Lightricks/LTX-Video
-    return os.path.normpath(candidate.absolute())
-
-
-def resolve_paths(data: Any, base: Path, prefix: str = "") -> Any:
-    """Every path of `data` (nested sections, keys as in PATH_KEYS under `prefix`) made absolute from `base`."""
-    if isinstance(data, dict):
-        return {key: resolve_paths(value, base, f"{prefix}{key}.") for key, value in data.items()}
-    if isinstance(data, list) and prefix.rstrip(".") in LIST_SECTIONS:
-        return [resolve_paths(item, base, prefix) for item in data]
-    kind = _path_kind(prefix.rstrip("."))
-    return resolve_path(data, kind, base) if kind else data
-
-
-def parse_override(override: str) -> tuple[list[str], Any]:
-    """`training.steps=500` -> (["training", "steps"], 500). Values are read as YAML scalars/lists."""
-    key, sep, raw = override.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"Override '{override}' (command line) must look like section.key=value, e.g. "
-                          "training.steps=500.\nWhat to do: write it as section.key=value; `vidtune config show` "
-                          "lists every key.")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str], base: Path | None = None) -> dict[str, Any]:
-    """Set each `section.key=value` in `data`; with `base`, relative paths among them are resolved from it."""
-    for override in overrides:
-        path, value = parse_override(override)
-        if base is not None:
-            value = resolve_paths(value, base, ".".join(path) + ".")
-        node = data
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"Override '{override}' (command line): '{part}' is a value, not a section.\n"
-                                  "What to do: set a key inside a section, e.g. training.steps=500.")
-            node = child
-        node[path[-1]] = value
-    return data
-
-
-def _section_model(location: tuple[Any, ...]) -> type[BaseModel] | None:
-    model: type[BaseModel] = Config
-    for part in location:
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
-        else:
-            return model if part == location[-1] else None
-    return model
-
-
-def _suggest_key(key: str, section: tuple[Any, ...], allowed: list[str]) -> list[str]:
-    """What an unknown `key` of `section` most likely meant: the same key in another section (`training.rank` ->
-    `lora.rank`, a top-level `steps` -> `training.steps`), else a near spelling here, else (at the top level) a
-    near spelling of a section's key (`learning_rat` -> `training.learning_rate`)."""
-    elsewhere: dict[str, str] = {}  # section.key -> key, of every section but this one
-    for name, field_info in Config.model_fields.items():
-        annotation = field_info.annotation
-        if (name,) != tuple(str(part) for part in section) and isinstance(annotation, type) \
-                and issubclass(annotation, BaseModel):
-            elsewhere.update({f"{name}.{sub}": sub for sub in annotation.model_fields})
-    exact = [full for full, sub in elsewhere.items() if sub == key]
-    if exact:
-        return exact
-    close = difflib.get_close_matches(key, allowed, n=1)
-    if close or section:
-        return close
-    near = difflib.get_close_matches(key, sorted(set(elsewhere.values())), n=1)
-    return [full for full, sub in elsewhere.items() if near and sub == near[0]]
-
-
-def _describe(error: dict[str, Any]) -> str:
-    location = tuple(error["loc"])
-    key = ".".join(str(part) for part in location) or "(top level)"
-    kind = error["type"]
-    if kind == "extra_forbidden":
-        section = _section_model(location)
-        allowed = sorted(section.model_fields) if section else []
-        close = _suggest_key(str(location[-1]), location[:-1], allowed)
-        hint = f" Did you mean {' or '.join(repr(name) for name in close)}?" if close else ""
-        return f"{key}: unknown key.{hint} Allowed keys here: {', '.join(allowed)}"
-    if kind == "missing":
-        return f"{key}: required, but not set"
-    if kind == "value_error" and (not location or isinstance(error.get("input"), dict)):
-        # A check across sections or keys of a section: its message names the keys; the whole input would bury it.
-        message = str(error["msg"]).removeprefix("Value error, ")
-        return message if not location or message.startswith(key) else f"{key}: {message}"
-    if kind == "literal_error":
-        expected = error.get("ctx", {}).get("expected", "")
-        return f"{key}: {error['input']!r} is not allowed; choose one of {expected}"
-    return f"{key}: {error['msg']} (got {error.get('input')!r})"
-
-
-def yaml_key_lines(text: str) -> dict[tuple[str, ...], int]:
-    """The line (1-based) of every key of a YAML mapping, by its path of keys: where to point at a bad one."""
-    lines: dict[tuple[str, ...], int] = {}
-
-    def walk(node: yaml.Node, path: tuple[str, ...]) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                here = (*path, str(key.value))
-                lines[here] = key.start_mark.line + 1
-                walk(value, here)
-
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return lines
-    if root is not None:
-        walk(root, ())
-    return lines
-
-
-@dataclass
-class Origins:
-    """Where the settings came from, to blame each invalid one on the right place: a file (and its line) or the
-    command line."""
-
-    file: Path | None = None
-    file_lines: dict[tuple[str, ...], int] = field(default_factory=dict)
-    overrides: dict[tuple[str, ...], str] = field(default_factory=dict)
-
-    def command_line(self, location: tuple[str, ...]) -> str | None:
-        """The override that set `location` (or a section holding it, or a key inside it), if any."""
-        for path, override in reversed(list(self.overrides.items())):
-            common = min(len(path), len(location))
-            if common and path[:common] == location[:common]:
-                return override
-        return None
-
-    def line(self, location: tuple[str, ...]) -> int | None:
-        while location:
-            if location in self.file_lines:
-                return self.file_lines[location]
-            location = location[:-1]
-        return None
-
-
-def _problems(error: ValidationError, origins: Origins) -> str:
-    groups: dict[str, list[str]] = {}
-    for item in error.errors():
-        location = tuple(str(part) for part in item["loc"])
-        text = _describe(item)
-        if not location:
-            where = "between settings"
-        else:
-            override = origins.command_line(location)
-            key = override.partition("=")[0].strip() if override else ""
-            if override and len(key.split(".")) > len(location) and key not in text:
-                # A rule of the whole section (a key it lacks, two that clash) that does not name the key set
-                # inside it: that key is not the cause.
-                override = None
-            where = "on the command line" if override is not None or origins.file is None else f"in {origins.file}"
-            line = origins.line(location) if where.startswith("in ") else None
-            if line is not None:
-                text = f"line {line}: {text}"
-            elif override is not None and not override.startswith(".".join(location) + "="):
-                text = f"{text} (from {override})"
-        groups.setdefault(where, []).append(text)
-    count = sum(len(items) for items in groups.values())
-    lines = [f"The config has {count} invalid setting{'s' if count != 1 else ''}; nothing was started."]
-    for where, items in groups.items():
-        lines.append(f"{where[0].upper()}{where[1:]}:")
-        lines.extend(f"  - {text}" for text in items)
-    lines.append("What to do: correct (or add) these keys (a key given on the command line replaces the file's); "
-                 "`vidtune config show` lists every key with its default and meaning.")
-    return "\n".join(lines)
-
-
-def build_config(data: dict[str, Any], source: str = "config", origins: Origins | None = None) -> Config:
-    try:
-        return apply_family_defaults(Config.model_validate(data))
-    except ValidationError as error:
-        if origins is None:
-            origins = Origins(file=Path(source)) if source not in ("config", "the command line") else Origins()
-        raise ConfigError(_problems(error, origins)) from None
-
-
-def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None = None,
-                required_placeholder: str | None = None) -> Config:
-    """Read a config file (or start empty), apply `section.key=value` overrides and validate.
-
-    Relative paths (PATH_KEYS) written in the file are relative to the file's folder; those given as overrides,
-    and the default output_dir, are relative to the current folder. The config holds them as absolute paths.
-    With `required_placeholder`, required keys left unset hold that text instead of being errors (to show a
-    config that is not complete yet)."""
-    overrides = list(overrides or [])
-    origins = Origins()
-    data: dict[str, Any] = {}
-    if path is not None:
-        file = Path(path)
-        data = resolve_paths(_read_file(file), file.absolute().parent)
-        origins.file = file
-        if file.suffix.lower() in (".yaml", ".yml", ".json"):
-            origins.file_lines = yaml_key_lines(file.read_text(encoding="utf-8-sig"))
-    for override in overrides:
-        origins.overrides[tuple(parse_override(override)[0])] = override
-    data = apply_overrides(data, overrides, base=Path.cwd())
-    if required_placeholder is not None:
-        for section, keys in required_keys().items():
-            if isinstance(data.setdefault(section, {}), dict):
-                for key in keys:
-                    data[section].setdefault(key, required_placeholder)
-        # The data needs one of two keys: show the one-dataset shorthand as the one to set.
-        if isinstance(data.setdefault("data", {}), dict) and not data["data"].get("datasets"):
-            data["data"].setdefault("root", required_placeholder)
-    config = build_config(data, origins=origins)
-    if not Path(config.output_dir).is_absolute():  # the default: where the command runs
-        config.output_dir = os.path.normpath(Path(config.output_dir).absolute())
-    return config
-
-
 def required_keys() -> dict[str, list[str]]:
     """Section -> its keys without a default (all of them text: model.name, model.pretrained, data.root)."""
     found: dict[str, list[str]] = {}
@@ -1016,12 +719,3 @@ def required_keys() -> dict[str, list[str]]:
         if isinstance(annotation, type) and issubclass(annotation, BaseModel) and field_info.is_required():
             found[name] = [key for key, sub in annotation.model_fields.items() if sub.is_required()]
     return found
-
-
-def write_resolved_config(config: Config, folder: str | os.PathLike[str]) -> Path:
-    """Write the resolved config next to the run's outputs (atomically), in YAML."""
-    return atomic_write_text(Path(folder) / RESOLVED_CONFIG, yaml.safe_dump(config.to_dict(), sort_keys=False))
-
-
-def config_fingerprint(config: Config) -> str:
-    return json.dumps(config.to_dict(), sort_keys=True)

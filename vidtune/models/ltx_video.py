@@ -51,6 +51,27 @@ def vae_downsampling_steps(vae: dict[str, Any]) -> tuple[int, int]:
     return spatial, temporal
 
 
+
+def predict_video(denoiser: nn.Module, conditions: Conditions, inputs: torch.Tensor, timesteps: torch.Tensor,
+                  video_tokens: int, frames: int, height: int, width: int, **position: Any) -> torch.Tensor:
+    """The LTX transformer on packed `inputs` (any condition tokens first, then the clip's `video_tokens`), told
+    where tokens sit by `position` (a rotary scale or coordinates): the clip's prediction unpacked to the latents'
+    layout [B, C, F, H, W] of `frames` x `height` x `width`."""
+    patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
+    prediction = denoiser(
+        hidden_states=inputs,
+        encoder_hidden_states=conditions["prompt_embeds"],
+        timestep=timesteps,
+        encoder_attention_mask=conditions["prompt_attention_mask"],
+        num_frames=frames // patch_t,
+        height=height // patch,
+        width=width // patch,
+        **position,
+        return_dict=False,
+    )[0]
+    prediction = prediction[:, inputs.shape[1] - video_tokens:]
+    return LTXPipeline._unpack_latents(prediction, frames // patch_t, height // patch, width // patch, patch, patch_t)
+
 class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
     control_input_layer = "proj_in"  # Linear over packed patches [B, F*H*W, C*pt*p*p]
@@ -139,20 +160,9 @@ class LTXVideoSpec(ModelSpec):
         if bool(given.any()):  # timestep 0 on the given first frame's tokens (tokens run frame by frame)
             timesteps = first_frame.token_timesteps(timesteps, given, (height // patch) * (width // patch),
                                                     packed.shape[1])
-        prediction = denoiser(
-            hidden_states=packed,
-            encoder_hidden_states=conditions["prompt_embeds"],
-            timestep=timesteps,
-            encoder_attention_mask=conditions["prompt_attention_mask"],
-            num_frames=frames // patch_t,
-            height=height // patch,
-            width=width // patch,
-            rope_interpolation_scale=self.rope_interpolation_scale(self.frame_rates(conditions, batch)),
-            return_dict=False,
-        )[0]
-        return LTXPipeline._unpack_latents(
-            prediction, frames // patch_t, height // patch, width // patch, patch, patch_t
-        )
+        scale = self.rope_interpolation_scale(self.frame_rates(conditions, batch))
+        return predict_video(denoiser, conditions, packed, timesteps, packed.shape[1], frames, height, width,
+                             rope_interpolation_scale=scale)
 
     def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """A first frame given clean (first-frame conditioning) is not predicted: it stays out of the loss."""
@@ -331,21 +341,8 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         per_token = torch.minimum(timesteps.to(mask)[:, None], (1.0 - mask) * 1000.0)
         position = self.rotary_inputs(batch, frames, height, width, patch, patch_t, inputs.device,
                                       self.frame_rates(conditions, batch))
-        prediction = denoiser(
-            hidden_states=inputs,
-            encoder_hidden_states=conditions["prompt_embeds"],
-            timestep=per_token,
-            encoder_attention_mask=conditions["prompt_attention_mask"],
-            num_frames=frames // patch_t,
-            height=height // patch,
-            width=width // patch,
-            **position,
-            return_dict=False,
-        )[0]
-        prediction = prediction[:, inputs.shape[1] - tokens.shape[1]:]
-        return LTXPipeline._unpack_latents(
-            prediction, frames // patch_t, height // patch, width // patch, patch, patch_t
-        )
+        return predict_video(denoiser, conditions, inputs, per_token, tokens.shape[1], frames, height, width,
+                             **position)
 
     def rotary_inputs(self, batch: int, frames: int, height: int, width: int, patch: int, patch_t: int,
                       device: torch.device, frame_rates: torch.Tensor) -> dict[str, Any]:

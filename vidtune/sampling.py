@@ -182,11 +182,10 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
 
     try:
         with stoppable(pipeline, stop), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            sample = spec.generate_sample(pipeline, prompt, frames=settings.frames, height=settings.height,
-                                          width=settings.width, num_inference_steps=settings.num_inference_steps,
-                                          guidance_scale=settings.guidance_scale,
-                                          generator=torch.Generator().manual_seed(seed), reference=reference,
-                                          callback=keep_latents if latents_path is not None else None)
+            sample = spec.sample(pipeline, prompt, frames=settings.frames, height=settings.height,
+                                 width=settings.width, num_inference_steps=settings.num_inference_steps,
+                                 guidance_scale=settings.guidance_scale, generator=torch.Generator().manual_seed(seed),
+                                 reference=reference, callback=keep_latents if latents_path is not None else None)
     finally:
         denoiser.train(was_training)
     pixels = frames_to_uint8(sample.frames)

@@ -252,7 +252,7 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     (like CogVideoX's scripts with precomputed latents), rather than a new one per visit.
 
     Sampling: the pipeline needs the first frame as its `image`: that of the `reference` clip handed to
-    `generate` / `generate_latents` (validation gives the first dataset clip).
+    `sample` (validation gives the first dataset clip).
     """
 
     name = "cogvideox-i2v"

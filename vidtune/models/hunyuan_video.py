@@ -231,9 +231,9 @@ class HunyuanVideoSpec(ModelSpec):
             tokenizer_2=text["tokenizer_2"],
         )
 
-    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
         """The embedded guidance is the trained `model.guidance_scale`; `guidance_scale` here (validation's) is
         HunyuanVideo's true classifier-free guidance against an empty prompt, off at 1.0."""
         return pipeline(
@@ -250,4 +250,4 @@ class HunyuanVideoSpec(ModelSpec):
             generator=generator,
             output_type=output_type,
             **step_callback(callback),
-        ).frames
+        )

@@ -15,7 +15,7 @@ and a dual-stream DiT that reads the text, the glyph text and (image-to-video) S
     guidance: true classifier-free guidance through the pipeline's `guider` (no guidance embedding).
 The pipelines have no `load_lora_weights` in diffusers 0.42: `pipeline_class` adds diffusers' plain transformer
 LoRA loader (the file is the standard `transformer.`-prefixed peft format, which `transformer.load_lora_adapter`
-also reads), and they take no step callback: `run_pipeline` hands the final latents to a callback once.
+also reads), and they take no step callback: `call_pipeline` hands the final latents to a callback once.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from diffusers import (
     HunyuanVideo15Transformer3DModel,
 )
 from diffusers.loaders.lora_pipeline import CogVideoXLoraLoaderMixin
+from diffusers.pipelines.hunyuan_video1_5.pipeline_output import HunyuanVideo15PipelineOutput
 from torch import nn
 from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcessor, SiglipVisionModel, T5EncoderModel
 
@@ -285,13 +286,13 @@ class HunyuanVideo15Spec(ModelSpec):
         """The size arguments of the pipeline call (text-to-video takes them as they are)."""
         return {"height": height, "width": width}
 
-    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
         """One call with the guider at `guidance_scale`. The pipeline has no step callback: with `callback`, it
         returns its final latents, the callback gets them once, and they are decoded as the pipeline decodes."""
         pipeline.register_modules(guider=self.guider(guidance_scale))
-        latents = pipeline(
+        result = pipeline(
             **self.prompt_inputs(pipeline, prompt, guidance_scale),
             num_frames=frames,
             num_inference_steps=num_inference_steps,
@@ -299,15 +300,16 @@ class HunyuanVideo15Spec(ModelSpec):
             output_type="latent" if callback is not None else output_type,
             **self.pipeline_size(height, width),
             **self.pipeline_inputs(reference),
-        ).frames
+        )
         if callback is None or output_type == "latent":
             if callback is not None:
-                callback(pipeline, num_inference_steps - 1, None, {"latents": latents})
-            return latents
-        latents = callback(pipeline, num_inference_steps - 1, None, {"latents": latents})["latents"]
+                callback(pipeline, num_inference_steps - 1, None, {"latents": result.frames})
+            return result
+        latents = callback(pipeline, num_inference_steps - 1, None, {"latents": result.frames})["latents"]
         video = pipeline.vae.decode(latents.to(pipeline.vae.dtype) / pipeline.vae.config.scaling_factor,
                                     return_dict=False)[0]
-        return pipeline.video_processor.postprocess_video(video, output_type=output_type)
+        return HunyuanVideo15PipelineOutput(frames=pipeline.video_processor.postprocess_video(video,
+                                                                                              output_type=output_type))
 
 
 class HunyuanVideo15ImageEncoders(VAEWithExtras):

@@ -61,7 +61,6 @@ from vidtune.models.spec import (
     GeneratedSample,
     Latents,
     ModelSpec,
-    StepCallback,
     TextComponents,
     VAEWithExtras,
     frame_count_problem,
@@ -485,44 +484,29 @@ class LTX2Spec(ModelSpec):
             width // spatial // patch, patch, patch_t,
         )
 
-    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                         num_inference_steps: int, generator: torch.Generator,
-                         reference: torch.Tensor | None = None) -> torch.Tensor:
-        return self.generate_joint_latents(pipeline, prompt, frames, height, width, num_inference_steps,
-                                           generator, reference)[0]
-
-    def generate_joint_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                               num_inference_steps: int, generator: torch.Generator,
-                               reference: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unguided sampling: (video latents [B, C, F, H, W], audio latents [B, L, C * mel]), normalised as training
-        normalises them (LTX2Pipeline's `output_type="latent"` gives them denormalised)."""
-        output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator,
-                                    "latent", reference)
+    def sampled_latents(self, pipeline: Any, result: Any, frames: int, height: int, width: int) -> GeneratedSample:
+        """The video latents [B, C, F, H, W] and the audio latents [B, L, C * mel], normalised as training normalises
+        them (LTX2Pipeline's `output_type="latent"` gives them denormalised)."""
         vae, audio_vae = pipeline.vae, pipeline.audio_vae
-        video = output.frames.float()
+        video = result.frames.float()
         shift = vae.latents_mean.view(1, -1, 1, 1, 1).to(video)
         video = (video - shift) * (vae.config.scaling_factor / vae.latents_std.view(1, -1, 1, 1, 1).to(video))
-        audio = LTX2Pipeline._pack_audio_latents(output.audio.float())
+        audio = LTX2Pipeline._pack_audio_latents(result.audio.float())
         audio = LTX2Pipeline._normalize_audio_latents(audio, audio_vae.latents_mean.float(),
                                                       audio_vae.latents_std.float())
-        return video, audio
+        return GeneratedSample(latents=video, audio_latents=audio)
 
-    def generate_sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                        num_inference_steps: int, guidance_scale: float, generator: torch.Generator,
-                        reference: torch.Tensor | None = None, callback: StepCallback | None = None
-                        ) -> GeneratedSample:
+    def sampled_video(self, pipeline: Any, result: Any) -> GeneratedSample:
         """The video and its sound: LTX2Pipeline decodes the audio latents with the audio VAE and the vocoder, which
         gives the waveform [channels, samples] at its `output_sampling_rate` (LTX2Vocoder's one rate; the
         bandwidth-extended rate of LTX2VocoderWithBWE, whose `input_sampling_rate` is its first stage's), clamped to
         [-1, 1], the range a sound track holds: a vocoder configured without its final tanh can leave it."""
-        output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
-                                    generator, "pt", reference, callback)
-        return GeneratedSample(output.frames[0].float() * 2.0 - 1.0, output.audio[0].float().clamp(-1.0, 1.0),
+        return GeneratedSample(result.frames[0].float() * 2.0 - 1.0, result.audio[0].float().clamp(-1.0, 1.0),
                                int(pipeline.vocoder.config.output_sampling_rate))
 
     def guidance_inputs(self, guidance_scale: float) -> dict[str, Any]:
         """Without guidance (scale 1) LTX2Pipeline's other guidances (spatio-temporal, modality, rescale, the
-        audio's) are off too, so a step is one plain forward: what `generate_latents` compares with training."""
+        audio's) are off too, so a step is one plain forward: what `sample(output="latents")` compares with training."""
         return UNGUIDED if guidance_scale <= 1.0 else {}
 
 

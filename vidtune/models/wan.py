@@ -235,8 +235,8 @@ class WanImageEncoders(VAEWithExtras):
 
 
 class WanImageToVideoSpec(WanSpec):
-    """Wan 2.1 image-to-video. The conditioning image of `generate` / `generate_latents` is the first frame of
-    their `reference` clip (validation gives the first dataset clip)."""
+    """Wan 2.1 image-to-video. The conditioning image of `sample` is the first frame of its `reference` clip
+    (validation gives the first dataset clip)."""
 
     name = "wan-i2v"
     image_to_video = True

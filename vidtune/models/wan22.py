@@ -403,15 +403,15 @@ class Wan22ImageToVideoSpec(Wan22Spec):
         # As Wan 2.1 image-to-video: embeddings, so that ftfy stays optional.
         return WanImageToVideoSpec.prompt_inputs(self, pipeline, prompt, guidance_scale)
 
-    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
         """TI2V: the pipeline puts the image's latent into the first frame only after its loop, so a step callback
         is shown the latents with that frame already in place (what the pipeline returns after the last step);
         the pipeline's own latents are left as they are."""
         if callback is None or not self.expand_timesteps:
-            return super().run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
-                                        guidance_scale, generator, output_type, reference, callback)
+            return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
+                                         guidance_scale, generator, output_type, reference, callback)
         first = self.pipeline_first_frame(pipeline, reference, frames, height, width)
 
         def with_image(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -422,8 +422,8 @@ class Wan22ImageToVideoSpec(Wan22Spec):
                 result["latents"] = latents
             return result
 
-        return super().run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
-                                    generator, output_type, reference, with_image)
+        return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                     generator, output_type, reference, with_image)
 
     @torch.no_grad()
     def pipeline_first_frame(self, pipeline: Any, reference: torch.Tensor | None, frames: int, height: int,

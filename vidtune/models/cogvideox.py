@@ -162,12 +162,9 @@ class CogVideoXSpec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout (and the shared training layout).
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
-        scale = vae.config.scaling_factor  # the pipeline decodes latents / scaling_factor
-        latents = {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
-        padding = self.latent_padding(posterior.mean.shape[2])
+        # The VAE's layout is the shared training layout; the pipeline decodes latents / scaling_factor.
+        latents = self.normalised_posterior(self.vae_posterior(vae, videos), vae.config.scaling_factor)
+        padding = self.latent_padding(latents["latents_mean"].shape[2])
         if padding:
             latents = {key: torch.cat([value[:, :, :1].expand(-1, -1, padding, -1, -1), value], dim=2)
                        for key, value in latents.items()}

@@ -168,11 +168,8 @@ class HunyuanVideoSpec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
-        scale = vae.config.scaling_factor  # the pipeline decodes latents / scaling_factor
-        return {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
+        # The pipeline decodes latents / scaling_factor.
+        return self.normalised_posterior(self.vae_posterior(vae, videos), vae.config.scaling_factor)
 
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor,

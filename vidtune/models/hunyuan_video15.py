@@ -202,11 +202,8 @@ class HunyuanVideo15Spec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
-        scale = vae.config.scaling_factor  # the pipelines decode latents / scaling_factor
-        return {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
+        # The pipelines decode latents / scaling_factor.
+        return self.normalised_posterior(self.vae_posterior(vae, videos), vae.config.scaling_factor)
 
     def condition_input(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
         """The condition latents and mask concatenated to the noisy latents: zeros for text-to-video, as

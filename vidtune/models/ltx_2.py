@@ -257,8 +257,7 @@ class LTX2Spec(ModelSpec):
         window's sound (`audio_format`) and the rate its frames play at, which sets the sound's length; without it, or
         for a clip without a track, the latents of silence of the clip's duration, marked absent."""
         video_vae = vae.vae
-        pixels = videos.to(device=video_vae.device, dtype=video_vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = video_vae.encode(pixels).latent_dist
+        posterior = self.vae_posterior(video_vae, videos)
         mean_shift = video_vae.latents_mean.view(1, -1, 1, 1, 1).to(posterior.mean)
         scale = (video_vae.config.scaling_factor / video_vae.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
         batch, frames = videos.shape[:2]
@@ -269,8 +268,8 @@ class LTX2Spec(ModelSpec):
             heard = audio.present.nonzero().flatten().tolist()  # silence is encoded once per length, not per clip
             audio_latents[heard] = self.sound_latents(vae.audio_vae, audio.waveforms[heard], frames, rate)
             present[heard] = True
-        return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale,
-                AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device)}
+        return {**self.normalised_posterior(posterior, scale, mean_shift), AUDIO_LATENTS: audio_latents,
+                AUDIO_PRESENT: present.to(audio_latents.device)}
 
     def log_mel(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int,
                 frame_rate: float | None = None) -> torch.Tensor:

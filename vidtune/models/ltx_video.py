@@ -124,13 +124,11 @@ class LTXVideoSpec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
+        posterior = self.vae_posterior(vae, videos)
         mean_shift = vae.latents_mean.view(1, -1, 1, 1, 1).to(posterior.mean)
         scale = (vae.config.scaling_factor / vae.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
         # The pipeline decodes latents * std / scaling + mean; normalise so that inverts it.
-        return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale}
+        return self.normalised_posterior(posterior, scale, mean_shift)
 
     def rope_interpolation_scale(self, frame_rates: torch.Tensor | None = None) -> tuple[Any, float, float]:
         """The scale LTXPipeline passes at inference (VAE temporal ratio / frame rate, spatial ratio twice); training

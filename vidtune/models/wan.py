@@ -166,9 +166,7 @@ class WanSpec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
+        posterior = self.vae_posterior(vae, videos)
         return {
             "latents_mean": self.normalise(vae, posterior.mean),
             "latents_std": self.normalise(vae, posterior.std, shift=False),

@@ -37,6 +37,20 @@ class Encoding(SpecBase):
         """videos: [B, F, 3, H, W] in [-1, 1] -> normalised posterior {"latents_mean", "latents_std"}. A family
         with an `audio_format` also takes `audio=` (an `AudioBatch`: each window's sound, or None)."""
 
+    @staticmethod
+    def vae_posterior(vae: nn.Module, videos: torch.Tensor) -> Any:
+        """The VAE's posterior of clips [B, F, 3, H, W] in [-1, 1], encoded in the VAE's layout [B, C, F, H, W] on its
+        device and in its dtype: where every family's `prepare_latents` starts."""
+        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
+        return vae.encode(pixels).latent_dist
+
+    @staticmethod
+    def normalised_posterior(posterior: Any, scale: float | torch.Tensor, shift: torch.Tensor | None = None) -> Latents:
+        """{"latents_mean", "latents_std"}: the posterior normalised as `(x - shift) * scale`, the inverse of the
+        pipeline's decode (`latents / scale + shift`)."""
+        mean = posterior.mean if shift is None else posterior.mean - shift
+        return {"latents_mean": mean * scale, "latents_std": posterior.std * scale}
+
     def audio_format(self) -> AudioFormat | None:
         """The sound a family trains on beside the frames (sample rate, channels), which the data path then decodes
         for each window and hands to `prepare_latents` as `audio=`; None (the default): no sound is decoded."""

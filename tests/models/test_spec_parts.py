@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 
 import pytest
 import torch
 
 from vidtune.config import ModelConfig
+from vidtune.errors import ModelError
 from vidtune.models.ltx_video import LTXVideoSpec
+from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.spec import Denoising, Encoding, Formats, Loading, ModelSpec, Sampling, SpecBase
 
 CPU = torch.device("cpu")
@@ -89,3 +92,11 @@ def test_sample_refuses_an_output_it_does_not_know(sampled):
     with pytest.raises(ValueError, match="output is one of video, latents"):
         spec.sample(pipeline, "a", frames=9, height=32, width=32, num_inference_steps=1,
                     generator=torch.Generator().manual_seed(0), output="pt")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", [name for name in available_models() if get_spec_class(name).image_to_video])
+def test_every_image_to_video_family_refuses_to_sample_without_its_reference(name, tmp_path):
+    """One message for every family (the sampling part's), naming the family and what to do."""
+    spec = get_spec_class(name)(ModelConfig(name=name, pretrained=str(tmp_path)))
+    with pytest.raises(ModelError, match=rf"^{re.escape(name)} samples from a clip's first frame .*\nWhat to do: give"):
+        spec.pipeline_inputs(None)

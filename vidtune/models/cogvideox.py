@@ -289,9 +289,6 @@ class CogVideoXI2VSpec(CogVideoXSpec):
         return latents
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError("cogvideox-i2v samples from a first frame: pass the clip to start from as `reference` "
-                             "(validation uses the first dataset clip).")
         # The pipeline takes images in [0, 1] (it resizes them if needed) and normalises them to [-1, 1] itself.
-        first_frame = reference[0].detach().float().cpu()
+        first_frame = self.given_reference(reference)[0].detach().float().cpu()
         return {"image": ((first_frame + 1.0) / 2.0).clamp(0.0, 1.0).unsqueeze(0)}

@@ -38,7 +38,7 @@ from diffusers.pipelines.hunyuan_video1_5.pipeline_output import HunyuanVideo15P
 from torch import nn
 from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcessor, SiglipVisionModel, T5EncoderModel
 
-from vidtune.errors import ConfigError, ModelError
+from vidtune.errors import ConfigError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
 from vidtune.models.defaults import HUNYUAN_VIDEO_15
@@ -55,11 +55,11 @@ from vidtune.models.spec import (
     TextComponents,
     VAEWithExtras,
     frame_count_problem,
+    frames_to_pil,
     raise_shape_problems,
     shape_rule,
     side_problems,
 )
-from vidtune.models.wan import frames_to_pil
 
 
 def _pipeline_default(function: Any, name: str) -> Any:
@@ -392,8 +392,5 @@ class HunyuanVideo15ImageToVideoSpec(HunyuanVideo15Spec):
         return {}
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError(f"{self.name} samples from an image: pass the clip whose first frame to start from as "
-                             "`reference` (validation uses the first dataset clip).")
-        return {"image": frames_to_pil(reference[:1])[0]}
+        return {"image": self.first_frame_image(reference)}
 

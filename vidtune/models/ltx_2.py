@@ -55,7 +55,7 @@ from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
 from vidtune.models import first_frame
 from vidtune.models.defaults import LTX_2
-from vidtune.models.ltx_video import frame_to_pil, vae_downsampling_steps
+from vidtune.models.ltx_video import vae_downsampling_steps
 from vidtune.models.spec import (
     Conditions,
     GeneratedSample,
@@ -525,8 +525,4 @@ class LTX2ImageToVideoSpec(LTX2Spec):
     first_frame_conditioning = 0.5  # ltx-trainer configs/i2v_lora.yaml: first_frame `probability: 0.5`
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError(f"{self.name} samples from a clip's first frame: pass the clip as `reference` (validation "
-                             "uses the first dataset clip; `vidtune sample` takes --image).\nWhat to do: give the "
-                             "reference clip or image.")
-        return {"image": frame_to_pil(reference[0]), "frame_rate": self.frame_rate}
+        return {"image": self.first_frame_image(reference), "frame_rate": self.frame_rate}

@@ -16,11 +16,9 @@ from diffusers import (
     LTXVideoTransformer3DModel,
 )
 from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition
-from PIL import Image
 from torch import nn
 from transformers import T5EncoderModel
 
-from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
@@ -32,6 +30,7 @@ from vidtune.models.spec import (
     ModelSpec,
     TextComponents,
     frame_count_problem,
+    frames_to_pil,
     raise_shape_problems,
     shape_rule,
     side_problems,
@@ -202,11 +201,6 @@ class LTXVideoSpec(ModelSpec):
             latents, ((frames - 1) // temporal + 1) // patch_t, height // spatial // patch, width // spatial // patch,
             patch, patch_t,
         )
-
-
-def frame_to_pil(frame: torch.Tensor) -> Image.Image:
-    """One frame [3, H, W] in [-1, 1] as the RGB picture a user hands the pipeline."""
-    return Image.fromarray(frames_to_uint8(frame[None])[0])
 
 
 class LTXVideoImageToVideoSpec(LTXVideoSpec):
@@ -391,12 +385,9 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         return max(self.condition_frames) + 1
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError(f"{self.name} samples from frames of a clip: pass the clip as `reference` (validation "
-                             "uses the first dataset clip; `vidtune sample` takes --image).\nWhat to do: give the "
-                             "reference clip or image.")
+        reference = self.given_reference(reference)
         if not self.uses_condition_pipeline:
-            return {"image": frame_to_pil(reference[0]), "frame_rate": self.frame_rate}
+            return {"image": self.first_frame_image(reference), "frame_rate": self.frame_rate}
         given = [frame for frame in self.condition_frames if frame < reference.shape[0]]
         if given != self.condition_frames:
             logger.warning("Sampling from frame(s) %s of the %d given; the model was trained on frames %s.",
@@ -405,7 +396,8 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
             raise ModelError(f"{self.name}: the reference has {reference.shape[0]} frame(s), fewer than any condition "
                              f"frame {self.condition_frames}.\nWhat to do: give a clip with frame "
                              f"{min(self.condition_frames)}.")
-        conditions = [LTXVideoCondition(image=frame_to_pil(reference[frame]), frame_index=frame) for frame in given]
+        conditions = [LTXVideoCondition(image=frames_to_pil(reference[frame:frame + 1])[0], frame_index=frame)
+                      for frame in given]
         return {"conditions": conditions, "frame_rate": self.frame_rate}
 
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.defaults import WAN_22
 from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
-from vidtune.models.wan import WanImageToVideoSpec, WanSpec, frames_to_pil
+from vidtune.models.wan import WanImageToVideoSpec, WanSpec
 from vidtune.objectives import Objective
 from vidtune.outputs import LORA_WEIGHTS
 
@@ -438,10 +438,7 @@ class Wan22ImageToVideoSpec(Wan22Spec):
         return condition
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError(f"{self.name} samples from an image: pass the clip whose first frame to start from as "
-                             "`reference` (validation uses the first dataset clip).")
-        return {"image": frames_to_pil(reference[:1])[0]}
+        return {"image": self.first_frame_image(reference)}
 
 
 class _VaeOnly:

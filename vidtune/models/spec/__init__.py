@@ -24,6 +24,7 @@ from vidtune.models.spec.base import (
     Latents,
     SpecBase,
     draw_latent,
+    frames_to_pil,
 )
 from vidtune.models.spec.denoising import Denoising
 from vidtune.models.spec.encoding import Encoding
@@ -82,6 +83,7 @@ __all__ = [
     "VAEWithExtras",
     "draw_latent",
     "frame_count_problem",
+    "frames_to_pil",
     "nearest_multiple",
     "raise_shape_problems",
     "resolve_dtype",

@@ -16,8 +16,10 @@ from abc import ABC
 from typing import Any, ClassVar
 
 import torch
+from PIL import Image
 
 from vidtune.config import Config, ModelConfig
+from vidtune.data.video import frames_to_uint8
 from vidtune.models.defaults import FamilyDefaults
 
 Conditions = dict[str, torch.Tensor]
@@ -38,6 +40,11 @@ def draw_latent(latents: Latents, generator: torch.Generator | None = None) -> t
     mean, std = latents["latents_mean"], latents["latents_std"]
     eps = torch.randn(mean.shape, generator=generator, dtype=torch.float32, device="cpu")
     return mean + std * eps.to(device=mean.device, dtype=mean.dtype)
+
+
+def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
+    """[B, 3, H, W] in [-1, 1] -> RGB images, as a user would hand them to a pipeline or an image encoder."""
+    return [Image.fromarray(array) for array in frames_to_uint8(frames)]
 
 
 class SpecBase(ABC):

@@ -10,8 +10,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
+from PIL import Image
 from torch import nn
 
+from vidtune.errors import ModelError
+from vidtune.models.spec.base import frames_to_pil
 from vidtune.models.spec.encoding import Encoding
 from vidtune.models.spec.loading import TextComponents
 
@@ -125,6 +128,18 @@ class Sampling(Encoding):
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
         """The pipeline's `output_type="latent"` result in the training layout [B, C, F, H, W]."""
         return latents
+
+    def given_reference(self, reference: torch.Tensor | None) -> torch.Tensor:
+        """The clip ([F, 3, H, W] in [-1, 1]) an image-to-video family samples from; a ModelError without one."""
+        if reference is None:
+            raise ModelError(f"{self.name} samples from a clip's first frame (or its keyframes): pass the clip as "
+                             "`reference` (validation uses the first dataset clip; `vidtune sample` takes --image).\n"
+                             "What to do: give the reference clip or image.")
+        return reference
+
+    def first_frame_image(self, reference: torch.Tensor | None) -> Image.Image:
+        """The reference clip's first frame as the RGB picture a user hands an image-to-video pipeline."""
+        return frames_to_pil(self.given_reference(reference)[:1])[0]
 
     def reference_frame_count(self, frames: int) -> int:
         """Frames of the reference clip an image-to-video family samples from (the first, unless keyframes)."""

@@ -13,7 +13,16 @@ from vidtune.config import ModelConfig
 from vidtune.errors import ModelError
 from vidtune.models.ltx_video import LTXVideoSpec
 from vidtune.models.registry import available_models, get_spec_class
-from vidtune.models.spec import Denoising, Encoding, Formats, Loading, ModelSpec, Sampling, SpecBase
+from vidtune.models.spec import (
+    Denoising,
+    Encoding,
+    Formats,
+    GeneratedSample,
+    Loading,
+    ModelSpec,
+    Sampling,
+    SpecBase,
+)
 
 CPU = torch.device("cpu")
 PARTS = {"loading": Loading, "encoding": Encoding, "denoising": Denoising, "sampling": Sampling, "formats": Formats}
@@ -100,3 +109,9 @@ def test_every_image_to_video_family_refuses_to_sample_without_its_reference(nam
     spec = get_spec_class(name)(ModelConfig(name=name, pretrained=str(tmp_path)))
     with pytest.raises(ModelError, match=rf"^{re.escape(name)} samples from a clip's first frame .*\nWhat to do: give"):
         spec.pipeline_inputs(None)
+
+
+def test_a_generated_sample_holds_frames_or_latents():
+    with pytest.raises(ValueError, match="holds its frames"):
+        GeneratedSample()
+    assert GeneratedSample(latents=torch.zeros(1, 4, 3, 8, 8)).frames is None

@@ -38,6 +38,8 @@ class GeneratedSample:
     audio_latents: torch.Tensor | None = None  # [B, L, C * mel], normalised as training normalises them (LTX-2)
 
     def __post_init__(self) -> None:
+        if self.frames is None and self.latents is None:
+            raise ValueError("a sample holds its frames (output=\"video\") or its latents (output=\"latents\")")
         if self.audio is not None and (self.sample_rate is None or self.sample_rate <= 0):
             raise ValueError(f"a sample's audio needs its sample rate in Hz (positive), not {self.sample_rate}")
 

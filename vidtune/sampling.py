@@ -27,6 +27,7 @@ from PIL import Image, UnidentifiedImageError
 from safetensors.torch import save_file
 
 from vidtune import outputs
+from vidtune.algorithms import traits_of
 from vidtune.config import Config, load_config
 from vidtune.control import encode_control, has_control, load_control
 from vidtune.data.sources import Clip
@@ -181,11 +182,10 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
 
     try:
         with stoppable(pipeline, stop), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            sample = spec.generate_sample(pipeline, prompt, frames=settings.frames, height=settings.height,
-                                          width=settings.width, num_inference_steps=settings.num_inference_steps,
-                                          guidance_scale=settings.guidance_scale,
-                                          generator=torch.Generator().manual_seed(seed), reference=reference,
-                                          callback=keep_latents if latents_path is not None else None)
+            sample = spec.sample(pipeline, prompt, frames=settings.frames, height=settings.height,
+                                 width=settings.width, num_inference_steps=settings.num_inference_steps,
+                                 guidance_scale=settings.guidance_scale, generator=torch.Generator().manual_seed(seed),
+                                 reference=reference, callback=keep_latents if latents_path is not None else None)
     finally:
         denoiser.train(was_training)
     pixels = frames_to_uint8(sample.frames)
@@ -292,7 +292,7 @@ def embedded_guidance_scale(config: Config, requested: float | None) -> float | 
     of a range of scales `distillation.guidance_scale` (as its validation samples), else None (the model's own,
     `model.guidance_scale`)."""
     options = config.distillation
-    learned = options.guidance_range if config.training.algorithm == "guidance-distillation" else None
+    learned = options.guidance_range if traits_of(config).teacher_guidance else None
     if requested is None:
         return options.guidance_scale if learned is not None else None
     if learned is not None and not learned[0] <= requested <= learned[1]:
@@ -353,7 +353,7 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
                            "--guidance sets the classifier-free guidance scale.")
     vae = spec.load_vae(device)
     pipeline = spec.pipeline(spec.load_text(device), vae, denoiser)
-    if config.training.algorithm == "step-distillation":  # the sigmas the student learnt (vidtune/schedulers.py)
+    if traits_of(config).learns_sampling_steps:  # the sigmas the student learnt (vidtune/schedulers.py)
         pipeline.scheduler = student_scheduler(pipeline.scheduler, config.distillation.sigma_shift)
     if adapter:
         spec.load_lora(pipeline, run, weights.name)

@@ -158,8 +158,8 @@ def test_the_comfyui_file_loads_through_diffusers_converter_and_samples_like_the
         pipeline.set_progress_bar_config(disable=True)
         if weight_name is not None:
             pipeline.load_lora_weights(output_dir, weight_name=weight_name)
-        return spec.generate(pipeline, "a red circle", frames, height, width, 2, 1.0,
-                             torch.Generator().manual_seed(0), reference=reference)
+        return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
+                           generator=torch.Generator().manual_seed(0), reference=reference).frames
 
     plain = sample(None)
     with_diffusers_file = sample(LORA_WEIGHTS)

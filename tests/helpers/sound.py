@@ -13,15 +13,15 @@ AAC_FRAME = 1024  # samples per AAC frame: the last one is padded with silence
 
 
 def record_samples(spec) -> list[GeneratedSample]:
-    """Every sample `spec.generate_sample` returns from now on (what validation and `vidtune sample` write)."""
+    """Every sample `spec.sample` returns from now on (what validation and `vidtune sample` write)."""
     made: list[GeneratedSample] = []
-    original = spec.generate_sample
+    original = spec.sample
 
-    def generate_sample(*args, **kwargs):
+    def sample(*args, **kwargs):
         made.append(original(*args, **kwargs))
         return made[-1]
 
-    spec.generate_sample = generate_sample
+    spec.sample = sample
     return made
 
 

@@ -65,7 +65,8 @@ def test_quantized_base_weights_train_close_to_the_plain_run_and_load_in_a_plain
     pipeline.load_lora_weights(config.output_dir)
     loaded = {name: p for name, p in pipeline.transformer.named_parameters() if "lora_B" in name}
     assert loaded and any(p.abs().sum() > 0 for p in loaded.values())  # the trained adapter, not a fresh one
-    video = trainer.spec.generate(pipeline, "a red circle", 9, 32, 32, 2, 1.0, torch.Generator().manual_seed(0))
+    video = trainer.spec.sample(pipeline, "a red circle", frames=9, height=32, width=32, num_inference_steps=2,
+                                generator=torch.Generator().manual_seed(0)).frames
     assert torch.isfinite(video).all()
 
 

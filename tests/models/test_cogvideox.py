@@ -159,10 +159,12 @@ def test_cogvideox_1_5_pads_an_odd_latent_frame_count_like_its_pipeline(t2v_fold
     pipeline = spec.pipeline(text, vae, denoiser)
     pipeline.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        sampled = spec.generate_latents(pipeline, "a", 9, 32, 32, 2, torch.Generator().manual_seed(0))
+        sampled = spec.sample(pipeline, "a", frames=9, height=32, width=32, num_inference_steps=2,
+                              generator=torch.Generator().manual_seed(0), output="latents").latents
         prediction = spec.forward(denoiser, spec.prepare_conditions(text, ["a"]), latents["latents_mean"],
                                   torch.tensor([500]))
-        video = spec.generate(pipeline, "a", 9, 32, 32, 2, 1.0, torch.Generator().manual_seed(0))
+        video = spec.sample(pipeline, "a", frames=9, height=32, width=32, num_inference_steps=2,
+                            generator=torch.Generator().manual_seed(0)).frames
     assert sampled.shape == prediction.shape == latents["latents_mean"].shape
     assert video.shape == (9, 3, 32, 32)  # the pipeline drops the padding before decoding
 
@@ -207,8 +209,8 @@ def test_sampling_starts_from_the_reference_video(i2v_folder):
     videos = _videos("cogvideox-i2v")
 
     def sample(reference=None):
-        return spec.generate_latents(pipeline, "a", frames, size, size, 2, torch.Generator().manual_seed(0),
-                                     reference=reference)
+        return spec.sample(pipeline, "a", frames=frames, height=size, width=size, num_inference_steps=2,
+                           generator=torch.Generator().manual_seed(0), reference=reference, output="latents").latents
 
     with pytest.raises(Exception, match="reference"):
         sample()
@@ -246,8 +248,9 @@ def test_cogvideox_1_5_image_to_video_pads_an_odd_latent_frame_count_like_its_pi
     with torch.no_grad():
         prediction = spec.forward(denoiser, {**spec.prepare_conditions(text, ["a"]), "image_latents": image_latents},
                                   latents["latents_mean"], torch.tensor([500]))
-        sampled = spec.generate_latents(pipeline, "a", 9, 32, 32, 2, torch.Generator().manual_seed(0),
-                                        reference=videos[0])
-        video = spec.generate(pipeline, "a", 9, 32, 32, 2, 1.0, torch.Generator().manual_seed(0), reference=videos[0])
+        sampled = spec.sample(pipeline, "a", frames=9, height=32, width=32, num_inference_steps=2,
+                              generator=torch.Generator().manual_seed(0), reference=videos[0], output="latents").latents
+        video = spec.sample(pipeline, "a", frames=9, height=32, width=32, num_inference_steps=2,
+                            generator=torch.Generator().manual_seed(0), reference=videos[0]).frames
     assert sampled.shape == prediction.shape == latents["latents_mean"].shape
     assert video.shape == (9, 3, 32, 32)  # the padding frame is dropped before decoding

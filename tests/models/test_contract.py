@@ -116,8 +116,8 @@ def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_confi
     reference = read_clip(trainer.clips[0].video, 1, height, width) if spec.image_to_video else None
 
     def sample():
-        return spec.generate(pipeline, "a red circle", frames, height, width, 2, 1.0,
-                             torch.Generator().manual_seed(0), reference=reference)
+        return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
+                           generator=torch.Generator().manual_seed(0), reference=reference).frames
 
     plain = sample()
     pipeline.load_lora_weights(config.output_dir)

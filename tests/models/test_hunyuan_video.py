@@ -94,5 +94,6 @@ def test_guidance_embedding_gets_the_configured_value(folder, configured, expect
     pipeline = spec.pipeline(text, spec.load_vae(CPU), denoiser)
     pipeline.set_progress_bar_config(disable=True)
     frames, height, width = TINY_SHAPES["hunyuan-video"]
-    spec.generate_latents(pipeline, "a red circle", frames, height, width, 1, torch.Generator().manual_seed(0))
+    spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=1,
+                generator=torch.Generator().manual_seed(0), output="latents")
     torch.testing.assert_close(seen["guidance"], torch.tensor([expected * 1000.0]))

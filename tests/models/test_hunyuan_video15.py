@@ -114,13 +114,13 @@ def test_the_validation_scale_is_the_guiders(t2v, scale):
         return tensors
 
     try:
-        video = spec.run_pipeline(pipeline, "a red circle", frames, height, width, 2, scale,
-                                  torch.Generator().manual_seed(0), "pt", callback=keep)
+        video = spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
+                            guidance_scale=scale, generator=torch.Generator().manual_seed(0), callback=keep).frames
     finally:
         handle.remove()
     assert pipeline.guider.guidance_scale == scale
     assert len(calls) == 2 * (2 if scale > 1 else 1)
-    assert video.shape == (1, frames, 3, height, width) and kept["latents"].shape == (1, 4, 3, 2, 2)
+    assert video.shape == (frames, 3, height, width) and kept["latents"].shape == (1, 4, 3, 2, 2)
 
 
 def test_a_meanflow_transformer_is_refused_before_loading(tiny_model_dir, tmp_path):

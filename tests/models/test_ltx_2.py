@@ -36,7 +36,8 @@ def test_forward_gives_both_streams_what_the_pipeline_gives_them(parts):
     try:
         pipeline = spec.pipeline(text, vae, denoiser)
         pipeline.set_progress_bar_config(disable=True)
-        spec.generate_latents(pipeline, "a red circle", FRAMES, HEIGHT, WIDTH, 2, torch.Generator().manual_seed(0))
+        spec.sample(pipeline, "a red circle", frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=2,
+                    generator=torch.Generator().manual_seed(0), output="latents")
         assert len(seen) == 2  # unguided: one plain forward a step
         from_pipeline = seen[0]
 

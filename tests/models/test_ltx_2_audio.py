@@ -181,8 +181,9 @@ def test_a_trained_model_samples_the_sound_it_learnt_beside_the_video(tiny_model
         pipeline = spec.pipeline(text, vae, denoiser.eval())
         pipeline.set_progress_bar_config(disable=True)
         with torch.no_grad():
-            video, audio = spec.generate_joint_latents(pipeline, caption, frames, height, width, 30,
-                                                       torch.Generator().manual_seed(1))
+            sampled = spec.sample(pipeline, caption, frames=frames, height=height, width=width,
+                                  num_inference_steps=30, generator=torch.Generator().manual_seed(1), output="latents")
+            video, audio = sampled.latents, sampled.audio_latents
         x0, tone = latents["latents_mean"], latents[AUDIO_LATENTS]
         # Root mean square errors, in the normalised latents' units (the pipeline starts both from unit noise).
         return float((video - x0).pow(2).mean().sqrt()), float((audio - tone).pow(2).mean().sqrt())

@@ -24,7 +24,8 @@ def test_forward_gives_the_denoiser_exactly_what_the_pipeline_gives_it(spec):
     pipeline = spec.pipeline(text, vae, denoiser)
     pipeline.set_progress_bar_config(disable=True)
     frames, height, width = 9, 32, 32
-    spec.generate(pipeline, "a red circle", frames, height, width, 1, 1.0, torch.Generator().manual_seed(0))
+    spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=1,
+                generator=torch.Generator().manual_seed(0))
     from_pipeline = seen.pop()
 
     conditions = spec.prepare_conditions(text, ["a red circle"])

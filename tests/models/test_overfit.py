@@ -43,8 +43,8 @@ def sample_with_pipeline(family: str, pretrained: Path, transformer: Path | None
     pipeline.set_progress_bar_config(disable=True)
     with torch.no_grad():
         # Image-to-video families sample from the clip's first frame.
-        sampled = spec.generate_latents(pipeline, caption, frames, height, width, 30, torch.Generator().manual_seed(1),
-                                        reference=clip[0])
+        sampled = spec.sample(pipeline, caption, frames=frames, height=height, width=width, num_inference_steps=30,
+                              generator=torch.Generator().manual_seed(1), reference=clip[0], output="latents").latents
     return x0, sampled
 
 

@@ -302,8 +302,8 @@ def test_each_experts_adapter_loads_into_its_transformer_and_changes_only_its_no
             steps.append(tensors["latents"].clone())
             return tensors
 
-        spec.run_pipeline(pipeline, "a red circle", frames, height, width, 8, 1.0, torch.Generator().manual_seed(0),
-                          "latent", callback=keep)
+        spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=8,
+                    generator=torch.Generator().manual_seed(0), callback=keep, output="latents")
         return timesteps, steps
 
     timesteps, base = step_latents()
@@ -411,8 +411,9 @@ def overfit_two_experts(family: str, folder: Path, shapes_dataset: Path, tmp_pat
 
     def relative_error(pipeline) -> float:
         with torch.no_grad():
-            sampled = spec.generate_latents(pipeline, clip.caption, frames, height, width, 30,
-                                            torch.Generator().manual_seed(1), reference=video[0])
+            sampled = spec.sample(pipeline, clip.caption, frames=frames, height=height, width=width,
+                                  num_inference_steps=30, generator=torch.Generator().manual_seed(1),
+                                  reference=video[0], output="latents").latents
         return float((sampled - x0).norm() / x0.norm())
 
     base = spec_of(family, folder)

@@ -27,17 +27,17 @@ FAMILIES = available_models()
 
 
 def _record_generate(spec) -> list[torch.Tensor]:
-    """The frames of every sample `spec.generate_sample` returns from now on (what validation and `vidtune sample`
+    """The frames of every sample `spec.sample` returns from now on (what validation and `vidtune sample`
     render)."""
     made: list[torch.Tensor] = []
-    original = spec.generate_sample
+    original = spec.sample
 
-    def generate_sample(*args, **kwargs):
-        sample = original(*args, **kwargs)
-        made.append(sample.frames)
-        return sample
+    def sample(*args, **kwargs):
+        sampled = original(*args, **kwargs)
+        made.append(sampled.frames)
+        return sampled
 
-    spec.generate_sample = generate_sample
+    spec.sample = sample
     return made
 
 
@@ -105,8 +105,8 @@ def test_the_saved_latents_are_the_pipelines_final_latents(make_config, family, 
     with safe_open(tmp_path / "s.safetensors", "pt") as saved:
         latents = saved.get_tensor("latents")
         assert saved.metadata()["prompt"] == "a red circle" and saved.metadata()["seed"] == "3"
-    expected = spec.generate_latents(pipeline, "a red circle", frames, height, width, 2,
-                                     torch.Generator().manual_seed(3), reference=reference)
+    expected = spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
+                           generator=torch.Generator().manual_seed(3), reference=reference, output="latents").latents
     assert latents.shape == expected.shape and latents.dtype == torch.float32
     torch.testing.assert_close(latents, expected.float(), rtol=1e-5, atol=1e-6)
 

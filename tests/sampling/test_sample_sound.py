@@ -31,13 +31,13 @@ def test_ltx_2_validation_and_vidtune_sample_write_the_generated_sound(make_conf
 
     # `vidtune sample`, in-process: the run's pipeline (its adapter loaded, the vocoder beside it), at another length.
     sampled: list[GeneratedSample] = []
-    original = LTX2Spec.generate_sample
+    original = LTX2Spec.sample
 
-    def generate_sample(self, *args, **kwargs):
+    def sample(self, *args, **kwargs):
         sampled.append(original(self, *args, **kwargs))
         return sampled[-1]
 
-    monkeypatch.setattr(LTX2Spec, "generate_sample", generate_sample)
+    monkeypatch.setattr(LTX2Spec, "sample", sample)
     out, longer = tmp_path / "sample.mp4", frames + 8
     assert cli_main(["sample", config.output_dir, "--prompt", "a tone", "--steps", "2", "--frames", str(longer),
                      "--output", str(out), "--device", "cpu"]) == 0

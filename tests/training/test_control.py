@@ -51,8 +51,8 @@ def sampled_latents(spec, pipeline, control: ControlInput, vae, target: Path, co
     controls = spec.prepare_latents(vae, read_clip(control_clip, frames, height, width)[None])["latents_mean"]
     with torch.no_grad(), control.given(controls):
         # Image-to-video families also start from the target's first frame, as they trained.
-        sampled = spec.generate_latents(pipeline, CAPTION, frames, height, width, steps,
-                                        torch.Generator().manual_seed(1), reference=clip)
+        sampled = spec.sample(pipeline, CAPTION, frames=frames, height=height, width=width, num_inference_steps=steps,
+                              generator=torch.Generator().manual_seed(1), reference=clip, output="latents").latents
     return x0, sampled
 
 

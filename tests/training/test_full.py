@@ -37,9 +37,9 @@ def test_frozen_patterns_stay_put_and_the_result_loads_into_the_pipeline(make_co
     # The family's pipeline samples with it, and `model.subfolders.transformer` points a spec at it.
     pipeline = trainer.spec.pipeline(trainer.text, trainer.vae, loaded)
     pipeline.set_progress_bar_config(disable=True)
-    frames = trainer.spec.generate(pipeline, "a red circle", frames=config.data.frames, height=config.data.height,
-                                   width=config.data.width, num_inference_steps=2, guidance_scale=1.0,
-                                   generator=torch.Generator().manual_seed(0))
+    frames = trainer.spec.sample(pipeline, "a red circle", frames=config.data.frames, height=config.data.height,
+                                 width=config.data.width, num_inference_steps=2, guidance_scale=1.0,
+                                 generator=torch.Generator().manual_seed(0)).frames
     assert frames.shape == (config.data.frames, 3, config.data.height, config.data.width)
     assert torch.isfinite(frames).all()
     respec = build_trainer(make_config(model={"subfolders": {"transformer": str(out)}})).spec

@@ -87,8 +87,9 @@ def _pipeline_distances(trainer, prompt: str) -> tuple[float, float]:
     pipeline = trainer.spec.pipeline(trainer.text, trainer.vae, trainer.denoiser)
 
     def sample(scale: float) -> torch.Tensor:
-        return trainer.spec.run_pipeline(pipeline, prompt, frames, height, width, 4, scale,
-                                         torch.Generator().manual_seed(5), "latent").float()
+        return trainer.spec.sample(pipeline, prompt, frames=frames, height=height, width=width, num_inference_steps=4,
+                                   guidance_scale=scale, generator=torch.Generator().manual_seed(5),
+                                   output="latents").latents.float()
 
     with torch.no_grad():
         student = sample(1.0)
@@ -213,13 +214,13 @@ def test_a_student_of_a_range_is_validated_at_the_distillation_scale(make_config
                          validation={"enabled": True, "num_inference_steps": 1})
     trainer = build_trainer(config)
     seen = []
-    original = trainer.spec.run_pipeline
+    original = trainer.spec.sample
 
     def recording(*args, **kwargs):
-        seen.append((trainer.spec.guidance_scale, kwargs.get("guidance_scale", args[6] if len(args) > 6 else None)))
+        seen.append((trainer.spec.guidance_scale, kwargs.get("guidance_scale")))
         return original(*args, **kwargs)
 
-    trainer.spec.run_pipeline = recording
+    trainer.spec.sample = recording
     trainer.run()
     assert seen == [(3.5, 1.0)] and trainer.spec.guidance_scale == 1.0
     with pytest.raises(ConfigError, match=r"must lie in distillation.guidance_range \[2.0, 6.0\]"):

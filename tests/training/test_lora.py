@@ -141,7 +141,8 @@ def test_fp8_base_weights_train_an_adapter_that_loads_in_a_plain_pipeline(make_c
     pipeline = LTXPipeline.from_pretrained(tiny_model_dir("ltx-video"))
     pipeline.set_progress_bar_config(disable=True)
     pipeline.load_lora_weights(config.output_dir)
-    video = trainer.spec.generate(pipeline, "a red circle", 9, 32, 32, 2, 1.0, torch.Generator().manual_seed(0))
+    video = trainer.spec.sample(pipeline, "a red circle", frames=9, height=32, width=32, num_inference_steps=2,
+                                generator=torch.Generator().manual_seed(0)).frames
     assert torch.isfinite(video).all()
 
 

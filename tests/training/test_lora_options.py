@@ -54,8 +54,8 @@ def test_dora_trains_magnitudes_and_its_adapter_loads_in_the_family_pipeline(mak
     reference = read_clip(trainer.clips[0].video, 1, height, width) if spec.image_to_video else None
 
     def sample(pipe):
-        return spec.generate(pipe, "a red circle", frames, height, width, 2, 1.0, torch.Generator().manual_seed(0),
-                             reference=reference)
+        return spec.sample(pipe, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
+                           generator=torch.Generator().manual_seed(0), reference=reference).frames
 
     trained_pipeline = spec.pipeline(trainer.text, trainer.vae, trainer.denoiser.eval())
     trained_pipeline.set_progress_bar_config(disable=True)

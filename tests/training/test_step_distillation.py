@@ -148,8 +148,8 @@ def test_the_pipeline_queries_the_student_where_euler_sampling_does(make_config,
     frames, height, width = TINY_SHAPES[family]
     pipeline = trainer.sampling_pipeline()
     with torch.no_grad():
-        trainer.spec.generate_latents(pipeline, "a red circle", frames, height, width, K,
-                                      torch.Generator().manual_seed(0))
+        trainer.spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=K,
+                            generator=torch.Generator().manual_seed(0), output="latents")
         through_pipeline, told[:] = list(told), []
         batch = next(iter(trainer.source.batches(0)))
         conditions = trainer.spec.prepare_conditions(trainer.text, ["a red circle"])

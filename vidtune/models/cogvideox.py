@@ -162,12 +162,9 @@ class CogVideoXSpec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout (and the shared training layout).
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
-        scale = vae.config.scaling_factor  # the pipeline decodes latents / scaling_factor
-        latents = {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
-        padding = self.latent_padding(posterior.mean.shape[2])
+        # The VAE's layout is the shared training layout; the pipeline decodes latents / scaling_factor.
+        latents = self.normalised_posterior(self.vae_posterior(vae, videos), vae.config.scaling_factor)
+        padding = self.latent_padding(latents["latents_mean"].shape[2])
         if padding:
             latents = {key: torch.cat([value[:, :, :1].expand(-1, -1, padding, -1, -1), value], dim=2)
                        for key, value in latents.items()}
@@ -252,7 +249,7 @@ class CogVideoXI2VSpec(CogVideoXSpec):
     (like CogVideoX's scripts with precomputed latents), rather than a new one per visit.
 
     Sampling: the pipeline needs the first frame as its `image`: that of the `reference` clip handed to
-    `generate` / `generate_latents` (validation gives the first dataset clip).
+    `sample` (validation gives the first dataset clip).
     """
 
     name = "cogvideox-i2v"
@@ -292,9 +289,6 @@ class CogVideoXI2VSpec(CogVideoXSpec):
         return latents
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError("cogvideox-i2v samples from a first frame: pass the clip to start from as `reference` "
-                             "(validation uses the first dataset clip).")
         # The pipeline takes images in [0, 1] (it resizes them if needed) and normalises them to [-1, 1] itself.
-        first_frame = reference[0].detach().float().cpu()
+        first_frame = self.given_reference(reference)[0].detach().float().cpu()
         return {"image": ((first_frame + 1.0) / 2.0).clamp(0.0, 1.0).unsqueeze(0)}

@@ -168,11 +168,8 @@ class HunyuanVideoSpec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
-        scale = vae.config.scaling_factor  # the pipeline decodes latents / scaling_factor
-        return {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
+        # The pipeline decodes latents / scaling_factor.
+        return self.normalised_posterior(self.vae_posterior(vae, videos), vae.config.scaling_factor)
 
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor,
@@ -231,9 +228,9 @@ class HunyuanVideoSpec(ModelSpec):
             tokenizer_2=text["tokenizer_2"],
         )
 
-    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
         """The embedded guidance is the trained `model.guidance_scale`; `guidance_scale` here (validation's) is
         HunyuanVideo's true classifier-free guidance against an empty prompt, off at 1.0."""
         return pipeline(
@@ -250,4 +247,4 @@ class HunyuanVideoSpec(ModelSpec):
             generator=generator,
             output_type=output_type,
             **step_callback(callback),
-        ).frames
+        )

@@ -15,7 +15,7 @@ and a dual-stream DiT that reads the text, the glyph text and (image-to-video) S
     guidance: true classifier-free guidance through the pipeline's `guider` (no guidance embedding).
 The pipelines have no `load_lora_weights` in diffusers 0.42: `pipeline_class` adds diffusers' plain transformer
 LoRA loader (the file is the standard `transformer.`-prefixed peft format, which `transformer.load_lora_adapter`
-also reads), and they take no step callback: `run_pipeline` hands the final latents to a callback once.
+also reads), and they take no step callback: `call_pipeline` hands the final latents to a callback once.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ from diffusers import (
     HunyuanVideo15Transformer3DModel,
 )
 from diffusers.loaders.lora_pipeline import CogVideoXLoraLoaderMixin
+from diffusers.pipelines.hunyuan_video1_5.pipeline_output import HunyuanVideo15PipelineOutput
 from torch import nn
 from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcessor, SiglipVisionModel, T5EncoderModel
 
-from vidtune.errors import ConfigError, ModelError
+from vidtune.errors import ConfigError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
 from vidtune.models.defaults import HUNYUAN_VIDEO_15
@@ -54,11 +55,11 @@ from vidtune.models.spec import (
     TextComponents,
     VAEWithExtras,
     frame_count_problem,
+    frames_to_pil,
     raise_shape_problems,
     shape_rule,
     side_problems,
 )
-from vidtune.models.wan import frames_to_pil
 
 
 def _pipeline_default(function: Any, name: str) -> Any:
@@ -201,11 +202,8 @@ class HunyuanVideo15Spec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
-        scale = vae.config.scaling_factor  # the pipelines decode latents / scaling_factor
-        return {"latents_mean": posterior.mean * scale, "latents_std": posterior.std * scale}
+        # The pipelines decode latents / scaling_factor.
+        return self.normalised_posterior(self.vae_posterior(vae, videos), vae.config.scaling_factor)
 
     def condition_input(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
         """The condition latents and mask concatenated to the noisy latents: zeros for text-to-video, as
@@ -285,13 +283,13 @@ class HunyuanVideo15Spec(ModelSpec):
         """The size arguments of the pipeline call (text-to-video takes them as they are)."""
         return {"height": height, "width": width}
 
-    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
         """One call with the guider at `guidance_scale`. The pipeline has no step callback: with `callback`, it
         returns its final latents, the callback gets them once, and they are decoded as the pipeline decodes."""
         pipeline.register_modules(guider=self.guider(guidance_scale))
-        latents = pipeline(
+        result = pipeline(
             **self.prompt_inputs(pipeline, prompt, guidance_scale),
             num_frames=frames,
             num_inference_steps=num_inference_steps,
@@ -299,15 +297,16 @@ class HunyuanVideo15Spec(ModelSpec):
             output_type="latent" if callback is not None else output_type,
             **self.pipeline_size(height, width),
             **self.pipeline_inputs(reference),
-        ).frames
+        )
         if callback is None or output_type == "latent":
             if callback is not None:
-                callback(pipeline, num_inference_steps - 1, None, {"latents": latents})
-            return latents
-        latents = callback(pipeline, num_inference_steps - 1, None, {"latents": latents})["latents"]
+                callback(pipeline, num_inference_steps - 1, None, {"latents": result.frames})
+            return result
+        latents = callback(pipeline, num_inference_steps - 1, None, {"latents": result.frames})["latents"]
         video = pipeline.vae.decode(latents.to(pipeline.vae.dtype) / pipeline.vae.config.scaling_factor,
                                     return_dict=False)[0]
-        return pipeline.video_processor.postprocess_video(video, output_type=output_type)
+        return HunyuanVideo15PipelineOutput(frames=pipeline.video_processor.postprocess_video(video,
+                                                                                              output_type=output_type))
 
 
 class HunyuanVideo15ImageEncoders(VAEWithExtras):
@@ -393,8 +392,5 @@ class HunyuanVideo15ImageToVideoSpec(HunyuanVideo15Spec):
         return {}
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError(f"{self.name} samples from an image: pass the clip whose first frame to start from as "
-                             "`reference` (validation uses the first dataset clip).")
-        return {"image": frames_to_pil(reference[:1])[0]}
+        return {"image": self.first_frame_image(reference)}
 

@@ -55,13 +55,12 @@ from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
 from vidtune.models import first_frame
 from vidtune.models.defaults import LTX_2
-from vidtune.models.ltx_video import frame_to_pil, vae_downsampling_steps
+from vidtune.models.ltx_video import vae_downsampling_steps
 from vidtune.models.spec import (
     Conditions,
     GeneratedSample,
     Latents,
     ModelSpec,
-    StepCallback,
     TextComponents,
     VAEWithExtras,
     frame_count_problem,
@@ -258,8 +257,7 @@ class LTX2Spec(ModelSpec):
         window's sound (`audio_format`) and the rate its frames play at, which sets the sound's length; without it, or
         for a clip without a track, the latents of silence of the clip's duration, marked absent."""
         video_vae = vae.vae
-        pixels = videos.to(device=video_vae.device, dtype=video_vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = video_vae.encode(pixels).latent_dist
+        posterior = self.vae_posterior(video_vae, videos)
         mean_shift = video_vae.latents_mean.view(1, -1, 1, 1, 1).to(posterior.mean)
         scale = (video_vae.config.scaling_factor / video_vae.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
         batch, frames = videos.shape[:2]
@@ -270,8 +268,8 @@ class LTX2Spec(ModelSpec):
             heard = audio.present.nonzero().flatten().tolist()  # silence is encoded once per length, not per clip
             audio_latents[heard] = self.sound_latents(vae.audio_vae, audio.waveforms[heard], frames, rate)
             present[heard] = True
-        return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale,
-                AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device)}
+        return {**self.normalised_posterior(posterior, scale, mean_shift), AUDIO_LATENTS: audio_latents,
+                AUDIO_PRESENT: present.to(audio_latents.device)}
 
     def log_mel(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int,
                 frame_rate: float | None = None) -> torch.Tensor:
@@ -485,44 +483,29 @@ class LTX2Spec(ModelSpec):
             width // spatial // patch, patch, patch_t,
         )
 
-    def generate_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                         num_inference_steps: int, generator: torch.Generator,
-                         reference: torch.Tensor | None = None) -> torch.Tensor:
-        return self.generate_joint_latents(pipeline, prompt, frames, height, width, num_inference_steps,
-                                           generator, reference)[0]
-
-    def generate_joint_latents(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                               num_inference_steps: int, generator: torch.Generator,
-                               reference: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Unguided sampling: (video latents [B, C, F, H, W], audio latents [B, L, C * mel]), normalised as training
-        normalises them (LTX2Pipeline's `output_type="latent"` gives them denormalised)."""
-        output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, 1.0, generator,
-                                    "latent", reference)
+    def sampled_latents(self, pipeline: Any, result: Any, frames: int, height: int, width: int) -> GeneratedSample:
+        """The video latents [B, C, F, H, W] and the audio latents [B, L, C * mel], normalised as training normalises
+        them (LTX2Pipeline's `output_type="latent"` gives them denormalised)."""
         vae, audio_vae = pipeline.vae, pipeline.audio_vae
-        video = output.frames.float()
+        video = result.frames.float()
         shift = vae.latents_mean.view(1, -1, 1, 1, 1).to(video)
         video = (video - shift) * (vae.config.scaling_factor / vae.latents_std.view(1, -1, 1, 1, 1).to(video))
-        audio = LTX2Pipeline._pack_audio_latents(output.audio.float())
+        audio = LTX2Pipeline._pack_audio_latents(result.audio.float())
         audio = LTX2Pipeline._normalize_audio_latents(audio, audio_vae.latents_mean.float(),
                                                       audio_vae.latents_std.float())
-        return video, audio
+        return GeneratedSample(latents=video, audio_latents=audio)
 
-    def generate_sample(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                        num_inference_steps: int, guidance_scale: float, generator: torch.Generator,
-                        reference: torch.Tensor | None = None, callback: StepCallback | None = None
-                        ) -> GeneratedSample:
+    def sampled_video(self, pipeline: Any, result: Any) -> GeneratedSample:
         """The video and its sound: LTX2Pipeline decodes the audio latents with the audio VAE and the vocoder, which
         gives the waveform [channels, samples] at its `output_sampling_rate` (LTX2Vocoder's one rate; the
         bandwidth-extended rate of LTX2VocoderWithBWE, whose `input_sampling_rate` is its first stage's), clamped to
         [-1, 1], the range a sound track holds: a vocoder configured without its final tanh can leave it."""
-        output = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
-                                    generator, "pt", reference, callback)
-        return GeneratedSample(output.frames[0].float() * 2.0 - 1.0, output.audio[0].float().clamp(-1.0, 1.0),
+        return GeneratedSample(result.frames[0].float() * 2.0 - 1.0, result.audio[0].float().clamp(-1.0, 1.0),
                                int(pipeline.vocoder.config.output_sampling_rate))
 
     def guidance_inputs(self, guidance_scale: float) -> dict[str, Any]:
         """Without guidance (scale 1) LTX2Pipeline's other guidances (spatio-temporal, modality, rescale, the
-        audio's) are off too, so a step is one plain forward: what `generate_latents` compares with training."""
+        audio's) are off too, so a step is one plain forward: what `sample(output="latents")` compares with training."""
         return UNGUIDED if guidance_scale <= 1.0 else {}
 
 
@@ -542,8 +525,4 @@ class LTX2ImageToVideoSpec(LTX2Spec):
     first_frame_conditioning = 0.5  # ltx-trainer configs/i2v_lora.yaml: first_frame `probability: 0.5`
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError(f"{self.name} samples from a clip's first frame: pass the clip as `reference` (validation "
-                             "uses the first dataset clip; `vidtune sample` takes --image).\nWhat to do: give the "
-                             "reference clip or image.")
-        return {"image": frame_to_pil(reference[0]), "frame_rate": self.frame_rate}
+        return {"image": self.first_frame_image(reference), "frame_rate": self.frame_rate}

@@ -16,11 +16,9 @@ from diffusers import (
     LTXVideoTransformer3DModel,
 )
 from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition
-from PIL import Image
 from torch import nn
 from transformers import T5EncoderModel
 
-from vidtune.data.video import frames_to_uint8
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
@@ -32,6 +30,7 @@ from vidtune.models.spec import (
     ModelSpec,
     TextComponents,
     frame_count_problem,
+    frames_to_pil,
     raise_shape_problems,
     shape_rule,
     side_problems,
@@ -50,6 +49,27 @@ def vae_downsampling_steps(vae: dict[str, Any]) -> tuple[int, int]:
     temporal = sum(kind in ("conv", "temporal", "spatiotemporal") for kind in used)
     return spatial, temporal
 
+
+
+def predict_video(denoiser: nn.Module, conditions: Conditions, inputs: torch.Tensor, timesteps: torch.Tensor,
+                  video_tokens: int, frames: int, height: int, width: int, **position: Any) -> torch.Tensor:
+    """The LTX transformer on packed `inputs` (any condition tokens first, then the clip's `video_tokens`), told
+    where tokens sit by `position` (a rotary scale or coordinates): the clip's prediction unpacked to the latents'
+    layout [B, C, F, H, W] of `frames` x `height` x `width`."""
+    patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
+    prediction = denoiser(
+        hidden_states=inputs,
+        encoder_hidden_states=conditions["prompt_embeds"],
+        timestep=timesteps,
+        encoder_attention_mask=conditions["prompt_attention_mask"],
+        num_frames=frames // patch_t,
+        height=height // patch,
+        width=width // patch,
+        **position,
+        return_dict=False,
+    )[0]
+    prediction = prediction[:, inputs.shape[1] - video_tokens:]
+    return LTXPipeline._unpack_latents(prediction, frames // patch_t, height // patch, width // patch, patch, patch_t)
 
 class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
@@ -103,13 +123,11 @@ class LTXVideoSpec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
+        posterior = self.vae_posterior(vae, videos)
         mean_shift = vae.latents_mean.view(1, -1, 1, 1, 1).to(posterior.mean)
         scale = (vae.config.scaling_factor / vae.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
         # The pipeline decodes latents * std / scaling + mean; normalise so that inverts it.
-        return {"latents_mean": (posterior.mean - mean_shift) * scale, "latents_std": posterior.std * scale}
+        return self.normalised_posterior(posterior, scale, mean_shift)
 
     def rope_interpolation_scale(self, frame_rates: torch.Tensor | None = None) -> tuple[Any, float, float]:
         """The scale LTXPipeline passes at inference (VAE temporal ratio / frame rate, spatial ratio twice); training
@@ -139,20 +157,9 @@ class LTXVideoSpec(ModelSpec):
         if bool(given.any()):  # timestep 0 on the given first frame's tokens (tokens run frame by frame)
             timesteps = first_frame.token_timesteps(timesteps, given, (height // patch) * (width // patch),
                                                     packed.shape[1])
-        prediction = denoiser(
-            hidden_states=packed,
-            encoder_hidden_states=conditions["prompt_embeds"],
-            timestep=timesteps,
-            encoder_attention_mask=conditions["prompt_attention_mask"],
-            num_frames=frames // patch_t,
-            height=height // patch,
-            width=width // patch,
-            rope_interpolation_scale=self.rope_interpolation_scale(self.frame_rates(conditions, batch)),
-            return_dict=False,
-        )[0]
-        return LTXPipeline._unpack_latents(
-            prediction, frames // patch_t, height // patch, width // patch, patch, patch_t
-        )
+        scale = self.rope_interpolation_scale(self.frame_rates(conditions, batch))
+        return predict_video(denoiser, conditions, packed, timesteps, packed.shape[1], frames, height, width,
+                             rope_interpolation_scale=scale)
 
     def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """A first frame given clean (first-frame conditioning) is not predicted: it stays out of the loss."""
@@ -194,11 +201,6 @@ class LTXVideoSpec(ModelSpec):
             latents, ((frames - 1) // temporal + 1) // patch_t, height // spatial // patch, width // spatial // patch,
             patch, patch_t,
         )
-
-
-def frame_to_pil(frame: torch.Tensor) -> Image.Image:
-    """One frame [3, H, W] in [-1, 1] as the RGB picture a user hands the pipeline."""
-    return Image.fromarray(frames_to_uint8(frame[None])[0])
 
 
 class LTXVideoImageToVideoSpec(LTXVideoSpec):
@@ -331,21 +333,8 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         per_token = torch.minimum(timesteps.to(mask)[:, None], (1.0 - mask) * 1000.0)
         position = self.rotary_inputs(batch, frames, height, width, patch, patch_t, inputs.device,
                                       self.frame_rates(conditions, batch))
-        prediction = denoiser(
-            hidden_states=inputs,
-            encoder_hidden_states=conditions["prompt_embeds"],
-            timestep=per_token,
-            encoder_attention_mask=conditions["prompt_attention_mask"],
-            num_frames=frames // patch_t,
-            height=height // patch,
-            width=width // patch,
-            **position,
-            return_dict=False,
-        )[0]
-        prediction = prediction[:, inputs.shape[1] - tokens.shape[1]:]
-        return LTXPipeline._unpack_latents(
-            prediction, frames // patch_t, height // patch, width // patch, patch, patch_t
-        )
+        return predict_video(denoiser, conditions, inputs, per_token, tokens.shape[1], frames, height, width,
+                             **position)
 
     def rotary_inputs(self, batch: int, frames: int, height: int, width: int, patch: int, patch_t: int,
                       device: torch.device, frame_rates: torch.Tensor) -> dict[str, Any]:
@@ -396,12 +385,9 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         return max(self.condition_frames) + 1
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError(f"{self.name} samples from frames of a clip: pass the clip as `reference` (validation "
-                             "uses the first dataset clip; `vidtune sample` takes --image).\nWhat to do: give the "
-                             "reference clip or image.")
+        reference = self.given_reference(reference)
         if not self.uses_condition_pipeline:
-            return {"image": frame_to_pil(reference[0]), "frame_rate": self.frame_rate}
+            return {"image": self.first_frame_image(reference), "frame_rate": self.frame_rate}
         given = [frame for frame in self.condition_frames if frame < reference.shape[0]]
         if given != self.condition_frames:
             logger.warning("Sampling from frame(s) %s of the %d given; the model was trained on frames %s.",
@@ -410,7 +396,8 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
             raise ModelError(f"{self.name}: the reference has {reference.shape[0]} frame(s), fewer than any condition "
                              f"frame {self.condition_frames}.\nWhat to do: give a clip with frame "
                              f"{min(self.condition_frames)}.")
-        conditions = [LTXVideoCondition(image=frame_to_pil(reference[frame]), frame_index=frame) for frame in given]
+        conditions = [LTXVideoCondition(image=frames_to_pil(reference[frame:frame + 1])[0], frame_index=frame)
+                      for frame in given]
         return {"conditions": conditions, "frame_rate": self.frame_rate}
 
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:

@@ -146,11 +146,9 @@ class MochiSpec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout (and the transformer's).
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
+        posterior = self.vae_posterior(vae, videos)  # the VAE's layout is the transformer's
         shift, scale = self.latent_normalisation(vae, posterior.mean)
-        return {"latents_mean": (posterior.mean - shift) * scale, "latents_std": posterior.std * scale}
+        return self.normalised_posterior(posterior, scale, shift)
 
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor

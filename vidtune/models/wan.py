@@ -33,12 +33,10 @@ from diffusers import (
 )
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from diffusers.utils import is_ftfy_available
-from PIL import Image
 from torch import nn
 from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 
-from vidtune.data.video import frames_to_uint8
-from vidtune.errors import ConfigError, ModelError, SchedulerError
+from vidtune.errors import ConfigError, SchedulerError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, wan21
 from vidtune.models.defaults import WAN
@@ -51,6 +49,7 @@ from vidtune.models.spec import (
     TextComponents,
     VAEWithExtras,
     frame_count_problem,
+    frames_to_pil,
     raise_shape_problems,
     shape_rule,
     side_problems,
@@ -70,11 +69,6 @@ def _ftfy_version() -> str | None:
         return importlib.metadata.version("ftfy")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def frames_to_pil(frames: torch.Tensor) -> list[Image.Image]:
-    """[B, 3, H, W] in [-1, 1] -> RGB images, as a user would hand them to the pipeline."""
-    return [Image.fromarray(array) for array in frames_to_uint8(frames)]
 
 
 WAN_FEED_FORWARD_TARGETS = ("ffn.net.0.proj", "ffn.net.2")  # Wan names its blocks' feed-forward `ffn`
@@ -166,9 +160,7 @@ class WanSpec(ModelSpec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        # [B, F, C, H, W] -> [B, C, F, H, W], the VAE's layout.
-        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
-        posterior = vae.encode(pixels).latent_dist
+        posterior = self.vae_posterior(vae, videos)
         return {
             "latents_mean": self.normalise(vae, posterior.mean),
             "latents_std": self.normalise(vae, posterior.std, shift=False),
@@ -235,8 +227,8 @@ class WanImageEncoders(VAEWithExtras):
 
 
 class WanImageToVideoSpec(WanSpec):
-    """Wan 2.1 image-to-video. The conditioning image of `generate` / `generate_latents` is the first frame of
-    their `reference` clip (validation gives the first dataset clip)."""
+    """Wan 2.1 image-to-video. The conditioning image of `sample` is the first frame of its `reference` clip
+    (validation gives the first dataset clip)."""
 
     name = "wan-i2v"
     image_to_video = True
@@ -340,8 +332,5 @@ class WanImageToVideoSpec(WanSpec):
         return inputs
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError("wan-i2v samples from an image: pass the clip whose first frame to start from as "
-                             "`reference` (validation uses the first dataset clip).")
-        return {"image": frames_to_pil(reference[:1])[0]}
+        return {"image": self.first_frame_image(reference)}
 

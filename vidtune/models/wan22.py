@@ -39,7 +39,7 @@ from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.defaults import WAN_22
 from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
-from vidtune.models.wan import WanImageToVideoSpec, WanSpec, frames_to_pil
+from vidtune.models.wan import WanImageToVideoSpec, WanSpec
 from vidtune.objectives import Objective
 from vidtune.outputs import LORA_WEIGHTS
 
@@ -403,15 +403,15 @@ class Wan22ImageToVideoSpec(Wan22Spec):
         # As Wan 2.1 image-to-video: embeddings, so that ftfy stays optional.
         return WanImageToVideoSpec.prompt_inputs(self, pipeline, prompt, guidance_scale)
 
-    def run_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
-                     num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                     reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> torch.Tensor:
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
         """TI2V: the pipeline puts the image's latent into the first frame only after its loop, so a step callback
         is shown the latents with that frame already in place (what the pipeline returns after the last step);
         the pipeline's own latents are left as they are."""
         if callback is None or not self.expand_timesteps:
-            return super().run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
-                                        guidance_scale, generator, output_type, reference, callback)
+            return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
+                                         guidance_scale, generator, output_type, reference, callback)
         first = self.pipeline_first_frame(pipeline, reference, frames, height, width)
 
         def with_image(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -422,8 +422,8 @@ class Wan22ImageToVideoSpec(Wan22Spec):
                 result["latents"] = latents
             return result
 
-        return super().run_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
-                                    generator, output_type, reference, with_image)
+        return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                     generator, output_type, reference, with_image)
 
     @torch.no_grad()
     def pipeline_first_frame(self, pipeline: Any, reference: torch.Tensor | None, frames: int, height: int,
@@ -438,10 +438,7 @@ class Wan22ImageToVideoSpec(Wan22Spec):
         return condition
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
-        if reference is None:
-            raise ModelError(f"{self.name} samples from an image: pass the clip whose first frame to start from as "
-                             "`reference` (validation uses the first dataset clip).")
-        return {"image": frames_to_pil(reference[:1])[0]}
+        return {"image": self.first_frame_image(reference)}
 
 
 class _VaeOnly:

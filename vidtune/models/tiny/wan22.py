@@ -4,19 +4,12 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from vidtune.models.tiny.common import (
-    TINY_VOCAB_SIZE,
-    OverfitSettings,
-    TinyFamily,
-    build_tiny_tokenizer,
-    calm_moments_posterior,
-    latent_statistics,
-    reference_latents,
-    save_tiny,
-)
+from vidtune.models.tiny.common import OverfitSettings, TinyFamily, build_tiny_tokenizer, save_tiny
+from vidtune.models.tiny.wan import tiny_umt5, tiny_wan_scheduler, tiny_wan_transformer, tiny_wan_vae
 
 SHAPE = (9, 64, 64)  # TI2V-5B: sides multiples of 32 (VAE 16x, patch 2)
 TWO_EXPERT_SHAPE = (9, 32, 32)  # A14B: Wan 2.1's VAE, sides multiples of 16
@@ -49,46 +42,24 @@ def write_tiny_wan22(
     I2V-A14B.
     The scheduler is Wan 2.2's: UniPC with flow prediction and flow sigmas, shift 5 (TI2V-5B's and I2V-A14B's
     published sampling shift; T2V-A14B uses 12)."""
-    from diffusers import (
-        AutoencoderKLWan,
-        UniPCMultistepScheduler,
-        WanImageToVideoPipeline,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
-    from transformers import UMT5Config, UMT5EncoderModel
+    from diffusers import WanImageToVideoPipeline, WanPipeline
 
     frames, size, _ = TWO_EXPERT_SHAPE if two_experts else SHAPE
-    torch.manual_seed(seed)
-    if two_experts:
-        vae = AutoencoderKLWan(base_dim=3, z_dim=latent_channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                               temperal_downsample=[False, True, True])
+    if two_experts:  # Wan 2.1's VAE
+        vae = tiny_wan_vae(latent_channels, frames, size, seed, base_dim=3)
     else:
-        vae = AutoencoderKLWan(base_dim=4, z_dim=latent_channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                               temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
-                               out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4)
-    calm_moments_posterior(vae.quant_conv, latent_channels)
-    mean, std = latent_statistics(reference_latents(vae, frames, size))
-    vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
-    torch.manual_seed(seed)
-    text_encoder = UMT5EncoderModel(UMT5Config(
-        vocab_size=TINY_VOCAB_SIZE, d_model=text_hidden, d_kv=8, d_ff=text_hidden * 2, num_layers=2, num_heads=4,
-        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-    )).eval()
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0, num_train_timesteps=1000,
-        solver_order=2, solver_type="bh2", final_sigmas_type="zero", timestep_spacing="linspace",
-    )
+        vae = tiny_wan_vae(latent_channels, frames, size, seed, base_dim=4, is_residual=True, in_channels=12,
+                           out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4)
+    text_encoder = tiny_umt5(text_hidden, seed)
+    scheduler = tiny_wan_scheduler(flow_shift=5.0)
     # Only the A14B image-to-video experts take the condition channels; TI2V puts the image in the first frame.
     condition_channels = latent_channels + 4 if image_to_video and two_experts else 0
 
-    def transformer(offset: int) -> WanTransformer3DModel:
+    def transformer(offset: int) -> Any:
         torch.manual_seed(seed + offset)
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim,
-            in_channels=latent_channels + condition_channels, out_channels=latent_channels, text_dim=text_hidden,
-            freq_dim=256, ffn_dim=32, num_layers=num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
+        return tiny_wan_transformer(
+            in_channels=latent_channels + condition_channels, latent_channels=latent_channels, text_hidden=text_hidden,
+            num_layers=num_layers, num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim,
         )
 
     parts = {"tokenizer": build_tiny_tokenizer(max_length=512), "text_encoder": text_encoder, "vae": vae,

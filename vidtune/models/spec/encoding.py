@@ -1,0 +1,131 @@
+"""Encoding a family's inputs: captions into conditions, clips (and their sound) into latents, the clip shapes it
+takes, and what a precomputed entry depends on (its cache identity)."""
+
+from __future__ import annotations
+
+import functools
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from vidtune.config import Config
+from vidtune.data.audio import AudioFormat
+from vidtune.data.sources import Clip
+from vidtune.errors import ConfigError
+from vidtune.models.spec.base import Conditions, Latents, SpecBase
+from vidtune.models.spec.loading import TextComponents
+
+
+class Encoding(SpecBase):
+    """Captions and clips into the tensors the denoiser takes (see the latent conventions in spec/base.py)."""
+
+    # Bump when the family's prepare_conditions / prepare_latents code changes what it computes, so that
+    # precomputed entries made by the old code are not reused (see `condition_identity`).
+    cache_version: ClassVar[int] = 1
+
+    @abstractmethod
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        """Raise a ConfigError naming the nearest valid values when the shape breaks the model's rules."""
+
+    @abstractmethod
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions: ...
+
+    @abstractmethod
+    def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
+        """videos: [B, F, 3, H, W] in [-1, 1] -> normalised posterior {"latents_mean", "latents_std"}. A family
+        with an `audio_format` also takes `audio=` (an `AudioBatch`: each window's sound, or None)."""
+
+    @staticmethod
+    def vae_posterior(vae: nn.Module, videos: torch.Tensor) -> Any:
+        """The VAE's posterior of clips [B, F, 3, H, W] in [-1, 1], encoded in the VAE's layout [B, C, F, H, W] on its
+        device and in its dtype: where every family's `prepare_latents` starts."""
+        pixels = videos.to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)
+        return vae.encode(pixels).latent_dist
+
+    @staticmethod
+    def normalised_posterior(posterior: Any, scale: float | torch.Tensor, shift: torch.Tensor | None = None) -> Latents:
+        """{"latents_mean", "latents_std"}: the posterior normalised as `(x - shift) * scale`, the inverse of the
+        pipeline's decode (`latents / scale + shift`)."""
+        mean = posterior.mean if shift is None else posterior.mean - shift
+        return {"latents_mean": mean * scale, "latents_std": posterior.std * scale}
+
+    def audio_format(self) -> AudioFormat | None:
+        """The sound a family trains on beside the frames (sample rate, channels), which the data path then decodes
+        for each window and hands to `prepare_latents` as `audio=`; None (the default): no sound is decoded."""
+        return None
+
+    def empty_conditions(self, conditions: Conditions) -> Conditions:
+        """The `zero` caption-dropout technique: same shapes, zero embedding (masks kept)."""
+        return {k: (torch.zeros_like(v) if v.is_floating_point() else v) for k, v in conditions.items()}
+
+    def native_max_sequence_length(self) -> int:
+        """Caption tokens the family's pipeline uses by default."""
+        return 128
+
+    @functools.cached_property
+    def max_sequence_length(self) -> int:
+        """Caption tokens: `model.max_sequence_length` when set, else the family's own."""
+        return self.config.max_sequence_length or self.native_max_sequence_length()
+
+    # ----- what a precomputed entry depends on ----------------------------------------------------------
+    def condition_identity(self) -> dict[str, Any]:
+        """Everything `prepare_conditions` depends on besides the text components' weights, their dtype and the
+        caption (the cache adds those): part of every precomputed condition's key, and nothing else is.
+
+        A family adds the constants its `prepare_conditions` reads (a prompt template, a hidden layer, a
+        setting read from the model folder outside the text components). JSON values only. Settings that do
+        not change the tensors (validation, LoRA targets, the denoiser's inputs) stay out, so that changing
+        them keeps the cache."""
+        return {"family": self.name, "version": self.cache_version, "max_sequence_length": self.max_sequence_length}
+
+    def latent_identity(self) -> dict[str, Any]:
+        """Everything `prepare_latents` depends on besides the VAE's (and image encoder's) weights, their dtype,
+        the preprocessing and the clip (the cache adds those); a family adds the constants its
+        `prepare_latents` reads (e.g. the noise augmentation of an image-to-video first frame). JSON values."""
+        return {"family": self.name, "version": self.cache_version}
+
+    # ----- each clip's frame rate -------------------------------------------------------------------------
+    def clip_frame_rate(self, clip: Clip, data_fps: float | None) -> float | None:
+        """The frame rate the denoiser is told for `clip` (None: the family takes none): `data.fps` when clips are
+        resampled to it, else the clip's own rate as its file says; `model.frame_rate` for stills, clips that do
+        not say their rate, and every clip when `model.clip_frame_rate` is off."""
+        if not self.frame_rate_conditioned:
+            return None
+        if not self.config.clip_frame_rate:
+            return self.frame_rate
+        if data_fps:
+            return float(data_fps)
+        if clip.info is not None and not clip.is_image and clip.info.fps > 0:
+            return float(clip.info.fps)
+        return self.frame_rate
+
+    def check_frame_settings(self, config: Config, clips: list[Clip]) -> None:
+        """Before any long work: `model.first_frame_conditioning` only for a family that takes it; and for a family
+        whose sound lasts frames / rate (LTX-2), the clips a batch can hold (one bucket) must share a frame rate when
+        batches hold several clips, as their sound is stacked."""
+        if self.first_frame_conditioning is None and config.model.first_frame_conditioning is not None:
+            raise ConfigError(
+                f"model.first_frame_conditioning={config.model.first_frame_conditioning}: {self.name} takes no "
+                "first-frame conditioning (the LTX families do).\nWhat to do: remove model.first_frame_conditioning."
+            )
+        if self.audio_format() is None or config.training.batch_size == 1:
+            return
+        by_bucket: dict[int, dict[float, Clip]] = {}
+        for clip in clips:
+            rate = self.clip_frame_rate(clip, config.data.fps)
+            if rate is not None:
+                by_bucket.setdefault(clip.bucket or 0, {}).setdefault(rate, clip)
+        mixed = {bucket: rates for bucket, rates in by_bucket.items() if len(rates) > 1}
+        if mixed:
+            lines = [f"  - bucket {bucket}: " + "; ".join(f"{rate:g} fps ({clip.where})"
+                                                          for rate, clip in rates.items())
+                     for bucket, rates in sorted(mixed.items())]
+            raise ConfigError(
+                f"training.batch_size={config.training.batch_size}: {self.name} trains each clip with the sound of its "
+                "frames at its own frame rate, so a batch's clips must share a rate, but clips of one bucket "
+                "differ:\n" + "\n".join(lines) + "\nWhat to do: set data.fps to resample every clip to one rate, "
+                "or training.batch_size=1 (training.gradient_accumulation gives the same clips per step), or set "
+                "model.clip_frame_rate=false to tell every clip model.frame_rate."
+            )

@@ -34,7 +34,7 @@ import torch
 from vidtune.config import build_config, load_config
 from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.synthetic import render_shapes_dataset
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.tiny import write_tiny_ltx_video
 from vidtune.precompute import CachedClips, CacheStore, precompute
 from vidtune.precompute.encode import build_spec, split_items
@@ -72,7 +72,7 @@ def sequential_loop(config_dict: dict, batch_size: int) -> float:
     data = config.data
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
-        videos = torch.stack([read_clip(s.video, data.frames, data.height, data.width) for s in chunk])
+        videos = torch.stack([read_clip(s.video, ClipWindow(data.frames, data.height, data.width)) for s in chunk])
         conditions = split_items(spec.prepare_conditions(text, [s.caption for s in chunk]), len(chunk))
         latents = split_items(spec.prepare_latents(vae, videos), len(chunk))
         for number, sample in enumerate(chunk):

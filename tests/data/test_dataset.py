@@ -163,7 +163,7 @@ def test_overview_caps_rows_and_notes_the_rest(shapes: Path, tmp_path: Path) -> 
 
 
 def test_overview_shows_what_trains_and_marks_what_will_not(shapes: Path, tmp_path: Path) -> None:
-    from vidtune.data.video import decode_clip
+    from vidtune.data.video import ClipWindow, decode_clip
 
     folder = tmp_path / "data"
     folder.mkdir()
@@ -180,7 +180,7 @@ def test_overview_shows_what_trains_and_marks_what_will_not(shapes: Path, tmp_pa
     # What trains: the window read at 16 fps from a 24 fps clip (source frames 0, 2, 3, 5, ..., 11), first,
     # middle and last, resized to the bucket as training resizes them.
     assert trained.window == (0, 11) and trained.shape == (8, 32, 32)
-    expected = decode_clip(clip, 8, 32, 32, fps=16.0)
+    expected = decode_clip(clip, ClipWindow(8, 32, 32, fps=16.0))
     assert len(trained.frames) == 3 and all(frame.shape == (32, 32, 3) for frame in trained.frames)
     assert np.array_equal(np.stack(trained.frames), expected[[0, 4, 7]])
     # What does not: shown, each with its reason; the still once, at its own size; the broken file without frames.

@@ -19,7 +19,7 @@ from tests.helpers.runs import FRAME_RATE, overfit_config
 from tests.helpers.sound import add_tone
 from vidtune.config import ModelConfig
 from vidtune.data.sources import load_text_pair_dataset
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.registry import available_models, get_spec_class, tiny_family
 from vidtune.models.spec import ModelSpec
 from vidtune.trainers import build_trainer
@@ -37,7 +37,7 @@ def sample_with_pipeline(family: str, pretrained: Path, transformer: Path | None
     model = ModelConfig(name=family, pretrained=str(pretrained), subfolders=subfolders)
     spec = get_spec_class(family)(model, FRAME_RATE)
     text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
-    clip = read_clip(video, frames, height, width)[None]
+    clip = read_clip(video, ClipWindow(frames, height, width))[None]
     x0 = spec.prepare_latents(vae, clip)["latents_mean"]
     pipeline = spec.pipeline(text, vae, denoiser.eval())
     pipeline.set_progress_bar_config(disable=True)

@@ -17,7 +17,7 @@ from tests.helpers.wan22 import BOUNDARY, spec_of, two_expert_config
 from vidtune import checkpoint
 from vidtune.config import TrainingConfig
 from vidtune.data.sources import load_text_pair_dataset
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
 from vidtune.export.command import export_checkpoint
 from vidtune.models.experts import TwoExperts
@@ -405,7 +405,7 @@ def overfit_two_experts(family: str, folder: Path, shapes_dataset: Path, tmp_pat
 
     run = load_pipeline(tmp_path / "run", device="cpu")
     spec = run.spec
-    video = read_clip(clip.video, frames, height, width)[None]
+    video = read_clip(clip.video, ClipWindow(frames, height, width))[None]
     x0 = spec.prepare_latents(spec.load_vae(CPU), video)["latents_mean"]
     run.pipeline.set_progress_bar_config(disable=True)
 

@@ -32,7 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from vidtune.config import build_config, load_config
-from vidtune.data.sources import load_text_pair_dataset
+from vidtune.data.sources import load_dataset
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.tiny import write_tiny_ltx_video
@@ -66,7 +66,7 @@ def sequential_loop(config_dict: dict, batch_size: int) -> float:
     config = build_config(config_dict)
     started = time.perf_counter()
     spec = build_spec(config)
-    samples = load_text_pair_dataset(Path(config.data.root))
+    samples = load_dataset(config.data, progress=False)
     store = CacheStore(config.precompute.cache_dir)
     text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
     data = config.data
@@ -99,7 +99,7 @@ def step_times(config_dict: dict) -> list[float]:
 def read_time_per_sample(config_dict: dict, rounds: int = 5) -> float:
     config = build_config(config_dict)
     summary = precompute(config, progress=False)
-    samples = load_text_pair_dataset(Path(config.data.root))
+    samples = load_dataset(config.data, progress=False)
     dataset = CachedClips(config, build_spec(config), summary.plan, samples)
     times = []
     for _ in range(rounds):

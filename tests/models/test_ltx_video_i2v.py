@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.datasets import pair_samples
 from tests.helpers.runs import record_references
 from vidtune.config import ModelConfig
-from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.ltx_video import LTXVideoImageToVideoSpec, vae_downsampling_steps
@@ -26,7 +26,7 @@ def i2v_spec(folder, condition_frames=(0,)) -> LTXVideoImageToVideoSpec:
 
 @pytest.fixture
 def clip(shapes_dataset):
-    return read_clip(load_text_pair_dataset(shapes_dataset)[0].video, ClipWindow(FRAMES, HEIGHT, WIDTH))
+    return read_clip(pair_samples(shapes_dataset)[0].video, ClipWindow(FRAMES, HEIGHT, WIDTH))
 
 
 def pipeline_and_training_inputs(spec: LTXVideoImageToVideoSpec, clip: torch.Tensor, **call: object):

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.datasets import CONTROL_CAPTION, control_dataset
+from tests.helpers.datasets import CONTROL_CAPTION, control_dataset, pair_samples
 from tests.helpers.runs import run_stopped_at
 from vidtune.control import ControlInput
-from vidtune.data.sources import load_text_pair_dataset
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import ModelSpec
@@ -237,7 +236,7 @@ def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_conf
     cache keys them by the clip, the preprocessing and the processor, and gives what the data loader computes."""
     from vidtune.processors import canny
 
-    clip = load_text_pair_dataset(shapes_dataset)[0].video
+    clip = pair_samples(shapes_dataset)[0].video
     frames, height, width = TINY_SHAPES["ltx-video"]
     video = read_clip(clip, ClipWindow(frames, height, width))
     edges = canny(video, {"canny_low": 100, "canny_high": 200})
@@ -262,7 +261,7 @@ def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_conf
     spec = get_spec_class("ltx-video")(config.model, frame_rate=config.frame_rate)
     vae = spec.load_vae(CPU)
     first = int(batches[False].indices[0])
-    clip = load_text_pair_dataset(shapes_dataset)[first].video
+    clip = pair_samples(shapes_dataset)[first].video
     expected = spec.prepare_latents(vae, canny(read_clip(clip, ClipWindow(frames, height, width)),
                                                {"canny_low": 100, "canny_high": 200})[None])["latents_mean"]
     assert torch.allclose(on_the_fly[:1], expected, atol=1e-5)

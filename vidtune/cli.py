@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,24 +115,15 @@ def command_data_check(args: argparse.Namespace) -> int:
     check = check_data(config, spec, progress=config.logging.progress)
     print(table(check, config.data.fps))
     overview = Path(args.overview) if args.overview else Path(config.output_dir) / outputs.DATASET_OVERVIEW
-    written: list[tuple[str, list[Path]]] = []
-    for option, target, write in (("--overview", overview,
-                                   lambda path: write_sheets(check, path)),
-                                  ("--report", Path(args.report) if args.report else None,
-                                   lambda path: [write_json(check, path)])):
-        if target is None:
-            continue
-        label = "Overview" if option == "--overview" else "Report"
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            written.append((option, write(target)))
-        except OSError as error:  # a file in the way, no permission, a full disk
-            where = option if option != "--overview" or args.overview else "output_dir"
-            raise VidtuneError(f"{where}: cannot write the {label.lower()} {target} ({_os_reason(error)}).\n"
-                               "What to do: choose a path in a folder you can write to.") from None
-    for option, paths in written:
-        label = "Overview" if option == "--overview" else "Report"
-        print(f"{label}: {', '.join(str(path.resolve()) for path in paths)}")
+    with _writing("--overview" if args.overview else "output_dir", "overview", overview):
+        sheets = write_sheets(check, overview)
+    report = Path(args.report) if args.report else None
+    if report is not None:
+        with _writing("--report", "report", report):
+            write_json(check, report)
+    print(f"Overview: {', '.join(str(path.resolve()) for path in sheets)}")
+    if report is not None:
+        print(f"Report: {report.resolve()}")
     warnings, problems = check.warnings(), check.problems()
     if warnings:
         print(f"\n{len(warnings)} warning{'s' if len(warnings) != 1 else ''} (training would go on):")
@@ -143,6 +136,18 @@ def command_data_check(args: argparse.Namespace) -> int:
         return 1
     print(f"\nThe dataset is ready: {len(check.clips)} samples, every one in a bucket.")
     return 0
+
+
+@contextlib.contextmanager
+def _writing(where: str, what: str, target: Path) -> Iterator[None]:
+    """Around writing `target`: its folder made first; an OSError (a file in the way, no permission, a full disk)
+    becomes a message naming the setting `where` to change."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        yield
+    except OSError as error:
+        raise VidtuneError(f"{where}: cannot write the {what} {target} ({_os_reason(error)}).\n"
+                           "What to do: choose a path in a folder you can write to.") from None
 
 
 def _os_reason(error: OSError) -> str:

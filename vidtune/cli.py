@@ -15,10 +15,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vidtune import outputs
-from vidtune.errors import VidtuneError
+from vidtune.errors import ConfigError, VidtuneError
+from vidtune.models.folders import check_folder_exists
+from vidtune.models.registry import SPECS, get_spec_class
 
 if TYPE_CHECKING:
     from vidtune.config import Config
+
+# Imports inside the functions below are kept out of `import vidtune.cli` on purpose: the config's schema (pydantic
+# builds it in about half a second) loads when a command or its help needs it, and each command's own modules (torch,
+# the families, the trainers) load when it runs, after its config and folders are checked, so a wrong setting
+# answers at once.
 
 
 def _split_config_and_overrides(values: list[str]) -> tuple[str | None, list[str]]:
@@ -27,9 +34,8 @@ def _split_config_and_overrides(values: list[str]) -> tuple[str | None, list[str
     return None, values
 
 
-def _load(values: list[str]):
+def _load(values: list[str]) -> Config:
     from vidtune.config import load_config
-    from vidtune.errors import ConfigError
 
     if not values:
         raise ConfigError(
@@ -57,8 +63,6 @@ def resume_command(config: str | None, overrides: list[str], verbose: bool = Fal
 
 def command_train(args: argparse.Namespace) -> int:
     config = _load(args.config)  # before torch and the trainers are imported: a config error exits at once
-    from vidtune.models.folders import check_folder_exists
-
     check_folder_exists(config.model.pretrained)  # so does a model folder that is not there
     from vidtune import parallel
     from vidtune.cpu import configure_cpu_threads
@@ -104,11 +108,8 @@ def command_data_check(args: argparse.Namespace) -> int:
     """Everything `vidtune train` checks about the data, without loading a model: exit 1 when training would
     fail on it, 0 otherwise (2: the config or the model folder itself is wrong)."""
     config = _load(args.config)
-    from vidtune.models.folders import check_folder_exists
-
     check_folder_exists(config.model.pretrained)  # before the family's code (and torch) is imported
     from vidtune.data.report import check_data, table, write_json, write_sheets
-    from vidtune.models.registry import get_spec_class
 
     spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
     spec.check_source()
@@ -233,8 +234,6 @@ def load_plan_config(path: str | None, overrides: list[str]) -> Config:
     """A config as `vidtune train` reads it; the dataset is not needed for a plan (data.root may stay unset)."""
     from vidtune.config import load_config
     from vidtune.config_docs import NOT_SET
-    from vidtune.errors import ConfigError
-    from vidtune.models.registry import SPECS, get_spec_class
 
     if path is None and not overrides:
         raise ConfigError("No config given: vidtune plan needs a config file and/or section.key=value settings.\n"

@@ -20,6 +20,7 @@ from typing import Any
 from vidtune.config import Config
 from vidtune.data.audio import sound_line
 from vidtune.data.buckets import Shape, check_bucket_shapes, describe_shape
+from vidtune.data.overview import summary, write_dataset_overview
 from vidtune.data.sources import Clip, DatasetReport, inspect_dataset
 from vidtune.data.video import VideoInfo, describe_size, format_fps, frames_available
 from vidtune.errors import ConfigError, VidtuneError
@@ -265,8 +266,6 @@ def write_sheets(check: DataCheck, path: Path, per_page: int = PAGE_ROWS) -> lis
     """The contact sheet of every sample as it trains, `per_page` rows a page: path, then path-2.png, path-3.png,
     ... Samples that will not train are on it, marked; the source lines that give no sample are listed on the last
     page. For a family that trains on sound, each row says whether the clip has an audio track."""
-    from vidtune.data.overview import summary, write_dataset_overview
-
     clips = check.clips
     header = summary(clips, check.report.sample_problems, check.report.source_problems)
     starts = range(0, max(len(clips), 1), per_page)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from tqdm import tqdm
 
+from vidtune.data.buckets import assign_bucket, clips_as_stills
 from vidtune.data.video import (
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
@@ -319,8 +320,6 @@ def read_sources(data: DataConfig) -> DatasetReport:
 
 def inspect_dataset(data: DataConfig, progress: bool = True) -> DatasetReport:
     """`read_sources`, then every sample probed (headers and packets, no decoding) and given its bucket."""
-    from vidtune.data.buckets import assign_bucket, clips_as_stills
-
     report = read_sources(data)
     shapes = data.bucket_shapes()
     probed: dict[Path, VideoInfo | VideoDecodeError] = {}  # a file may be listed twice, with two captions

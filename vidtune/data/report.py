@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vidtune.config import Config
+from vidtune.config import Config, DataConfig
 from vidtune.data.audio import sound_line
 from vidtune.data.buckets import Shape, check_bucket_shapes, describe_shape
 from vidtune.data.overview import summary, write_dataset_overview
@@ -42,7 +42,8 @@ class DataCheck:
     # The family trains on a clip's sound beside its frames (`spec.audio_format()`): its audio track is shown.
     family: str = ""
     reads_sound: bool = False
-    data: Any = None  # the config's data section: how samples are read (buckets, fps, resize, frame window)
+    # The config's data section: how samples are read (buckets, fps, resize, frame window).
+    data: DataConfig | None = None
 
     @property
     def clips(self) -> list[Clip]:

@@ -244,10 +244,6 @@ def _preview(text: str) -> str:
     return repr(short)
 
 
-def _hint(root: Path) -> str:
-    return f"fix the lines above (in the dataset folder {root}) and run again."
-
-
 def probe(clip: Clip) -> VideoInfo | VideoDecodeError:
     """The probe of a sample (a still or a clip), or the error saying why it cannot be read."""
     try:

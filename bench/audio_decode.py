@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from vidtune.data.audio import AudioFormat, decode_audio, log_mel_spectrogram
-from vidtune.data.video import decode_clip, write_video
+from vidtune.data.video import ClipWindow, decode_clip, write_video
 
 
 def write_clip(path: Path, frames: int, height: int, width: int, fps: float, seconds_before: float) -> Path:
@@ -63,7 +63,7 @@ def main() -> None:
             return log_mel_spectrogram(waveform, 16000, 1024, 160, 64)
 
         work = {
-            "frames": lambda: decode_clip(clip, args.frames, args.height, args.width, start=start),
+            "frames": lambda: decode_clip(clip, ClipWindow(args.frames, args.height, args.width, start=start)),
             "sound": lambda: decode_audio(clip, args.frames, start, audio),
             "sound + log-mel": sound_and_mel,
         }

@@ -32,9 +32,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch
 
 from vidtune.config import build_config, load_config
-from vidtune.data.sources import load_text_pair_dataset
+from vidtune.data.sources import load_dataset
 from vidtune.data.synthetic import render_shapes_dataset
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.tiny import write_tiny_ltx_video
 from vidtune.precompute import CachedClips, CacheStore, precompute
 from vidtune.precompute.encode import build_spec, split_items
@@ -66,13 +66,13 @@ def sequential_loop(config_dict: dict, batch_size: int) -> float:
     config = build_config(config_dict)
     started = time.perf_counter()
     spec = build_spec(config)
-    samples = load_text_pair_dataset(Path(config.data.root))
+    samples = load_dataset(config.data, progress=False)
     store = CacheStore(config.precompute.cache_dir)
     text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
     data = config.data
     for start in range(0, len(samples), batch_size):
         chunk = samples[start : start + batch_size]
-        videos = torch.stack([read_clip(s.video, data.frames, data.height, data.width) for s in chunk])
+        videos = torch.stack([read_clip(s.video, ClipWindow(data.frames, data.height, data.width)) for s in chunk])
         conditions = split_items(spec.prepare_conditions(text, [s.caption for s in chunk]), len(chunk))
         latents = split_items(spec.prepare_latents(vae, videos), len(chunk))
         for number, sample in enumerate(chunk):
@@ -99,7 +99,7 @@ def step_times(config_dict: dict) -> list[float]:
 def read_time_per_sample(config_dict: dict, rounds: int = 5) -> float:
     config = build_config(config_dict)
     summary = precompute(config, progress=False)
-    samples = load_text_pair_dataset(Path(config.data.root))
+    samples = load_dataset(config.data, progress=False)
     dataset = CachedClips(config, build_spec(config), summary.plan, samples)
     times = []
     for _ in range(rounds):

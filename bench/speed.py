@@ -156,10 +156,10 @@ def fixed_tensors(probe: PrecomputedLoRATrainer, size: Size, index: int = 0) -> 
         generator = torch.Generator().manual_seed(0)
         mean = torch.randn((1, *size.latent_shape), generator=generator).to(probe.device)
         return conditions, {"latents_mean": mean, "latents_std": torch.full_like(mean, 0.05)}
-    from vidtune.data.video import read_clip
+    from vidtune.data.video import ClipWindow, read_clip
 
     vae = probe.spec.load_vae(probe.device)
-    video = read_clip(probe.clips[index].video, size.frames, size.height, size.width)[None].to(probe.device)
+    video = read_clip(probe.clips[index].video, ClipWindow(size.frames, size.height, size.width))[None].to(probe.device)
     return conditions, probe.spec.prepare_latents(vae, video)
 
 

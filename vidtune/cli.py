@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vidtune import outputs
-from vidtune.errors import VidtuneError
+from vidtune.errors import ConfigError, VidtuneError
+from vidtune.models.folders import check_folder_exists
+from vidtune.models.registry import SPECS, get_spec_class
 
 if TYPE_CHECKING:
     from vidtune.config import Config
+
+# Imports inside the functions below are kept out of `import vidtune.cli` on purpose: the config's schema (pydantic
+# builds it in about half a second) loads when a command or its help needs it, and each command's own modules (torch,
+# the families, the trainers) load when it runs, after its config and folders are checked, so a wrong setting
+# answers at once.
 
 
 def _split_config_and_overrides(values: list[str]) -> tuple[str | None, list[str]]:
@@ -25,9 +34,8 @@ def _split_config_and_overrides(values: list[str]) -> tuple[str | None, list[str
     return None, values
 
 
-def _load(values: list[str]):
+def _load(values: list[str]) -> Config:
     from vidtune.config import load_config
-    from vidtune.errors import ConfigError
 
     if not values:
         raise ConfigError(
@@ -55,8 +63,6 @@ def resume_command(config: str | None, overrides: list[str], verbose: bool = Fal
 
 def command_train(args: argparse.Namespace) -> int:
     config = _load(args.config)  # before torch and the trainers are imported: a config error exits at once
-    from vidtune.models.folders import check_folder_exists
-
     check_folder_exists(config.model.pretrained)  # so does a model folder that is not there
     from vidtune import parallel
     from vidtune.cpu import configure_cpu_threads
@@ -102,35 +108,23 @@ def command_data_check(args: argparse.Namespace) -> int:
     """Everything `vidtune train` checks about the data, without loading a model: exit 1 when training would
     fail on it, 0 otherwise (2: the config or the model folder itself is wrong)."""
     config = _load(args.config)
-    from vidtune.models.folders import check_folder_exists
-
     check_folder_exists(config.model.pretrained)  # before the family's code (and torch) is imported
     from vidtune.data.report import check_data, table, write_json, write_sheets
-    from vidtune.models.registry import get_spec_class
 
     spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
     spec.check_source()
     check = check_data(config, spec, progress=config.logging.progress)
     print(table(check, config.data.fps))
     overview = Path(args.overview) if args.overview else Path(config.output_dir) / outputs.DATASET_OVERVIEW
-    written: list[tuple[str, list[Path]]] = []
-    for option, target, write in (("--overview", overview,
-                                   lambda path: write_sheets(check, path)),
-                                  ("--report", Path(args.report) if args.report else None,
-                                   lambda path: [write_json(check, path)])):
-        if target is None:
-            continue
-        label = "Overview" if option == "--overview" else "Report"
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            written.append((option, write(target)))
-        except OSError as error:  # a file in the way, no permission, a full disk
-            where = option if option != "--overview" or args.overview else "output_dir"
-            raise VidtuneError(f"{where}: cannot write the {label.lower()} {target} ({_os_reason(error)}).\n"
-                               "What to do: choose a path in a folder you can write to.") from None
-    for option, paths in written:
-        label = "Overview" if option == "--overview" else "Report"
-        print(f"{label}: {', '.join(str(path.resolve()) for path in paths)}")
+    with _writing("--overview" if args.overview else "output_dir", "overview", overview):
+        sheets = write_sheets(check, overview)
+    report = Path(args.report) if args.report else None
+    if report is not None:
+        with _writing("--report", "report", report):
+            write_json(check, report)
+    print(f"Overview: {', '.join(str(path.resolve()) for path in sheets)}")
+    if report is not None:
+        print(f"Report: {report.resolve()}")
     warnings, problems = check.warnings(), check.problems()
     if warnings:
         print(f"\n{len(warnings)} warning{'s' if len(warnings) != 1 else ''} (training would go on):")
@@ -143,6 +137,18 @@ def command_data_check(args: argparse.Namespace) -> int:
         return 1
     print(f"\nThe dataset is ready: {len(check.clips)} samples, every one in a bucket.")
     return 0
+
+
+@contextlib.contextmanager
+def _writing(where: str, what: str, target: Path) -> Iterator[None]:
+    """Around writing `target`: its folder made first; an OSError (a file in the way, no permission, a full disk)
+    becomes a message naming the setting `where` to change."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        yield
+    except OSError as error:
+        raise VidtuneError(f"{where}: cannot write the {what} {target} ({_os_reason(error)}).\n"
+                           "What to do: choose a path in a folder you can write to.") from None
 
 
 def _os_reason(error: OSError) -> str:
@@ -229,8 +235,6 @@ def load_plan_config(path: str | None, overrides: list[str]) -> Config:
     """A config as `vidtune train` reads it; the dataset is not needed for a plan (data.root may stay unset)."""
     from vidtune.config import load_config
     from vidtune.config_docs import NOT_SET
-    from vidtune.errors import ConfigError
-    from vidtune.models.registry import SPECS, get_spec_class
 
     if path is None and not overrides:
         raise ConfigError("No config given: vidtune plan needs a config file and/or section.key=value settings.\n"

@@ -34,7 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.models.experts import TwoExperts, expert_file
@@ -301,7 +301,7 @@ def encode_control(spec: Any, vae: nn.Module, path: str | Path, frames: int, hei
                    processor: ProcessorChoice | None = None) -> torch.Tensor:
     """A control clip's latents [1, C, F, H, W] (its posterior mean, as training takes it), read like a training
     clip from its start; with `processor`, the clip is a source the control is computed from."""
-    video = read_clip(Path(path), frames, height, width, fps=fps, resize=resize)
+    video = read_clip(Path(path), ClipWindow(frames, height, width, fps=fps, resize=resize))
     if processor is not None:
         video = apply_processor(processor[0], dict(processor[1]), video)
     return spec.prepare_latents(vae, video[None])["latents_mean"]

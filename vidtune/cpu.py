@@ -76,6 +76,7 @@ def pick_cpu_threads(config: Config, cores: int | None = None) -> tuple[int, str
 
 def configure_cpu_threads(config: Config) -> int:
     """Set torch's intra-op thread count for this process (said once, by the main process)."""
+    # Here, not at the top: the `vidtune` command imports this module before it knows it needs torch.
     import torch
 
     from vidtune import parallel

@@ -31,7 +31,7 @@ from vidtune.algorithms import traits_of
 from vidtune.config import Config, load_config
 from vidtune.control import encode_control, has_control, load_control
 from vidtune.data.sources import Clip
-from vidtune.data.video import frames_to_uint8, read_clip, write_video
+from vidtune.data.video import ClipWindow, frames_to_uint8, read_clip, write_video
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.models.experts import TwoExperts
@@ -117,8 +117,8 @@ def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSetti
     ([K, 3, H, W], read at `fps` like training clips)."""
     if not spec.image_to_video:
         return None
-    return read_clip(clips[0].video, spec.reference_frame_count(settings.frames), settings.height, settings.width,
-                     fps=fps)
+    window = ClipWindow(spec.reference_frame_count(settings.frames), settings.height, settings.width, fps=fps)
+    return read_clip(clips[0].video, window)
 
 
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:

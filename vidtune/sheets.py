@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from vidtune.data.video import probe_video, read_frames
 from vidtune.files import atomic_path
 
 COLUMNS = 4  # frames per grid row
@@ -116,8 +117,6 @@ def sample_files(folder: Path) -> list[Path]:
 def write_samples_by_step(folder: Path, path: Path) -> Path | None:
     """Every validation sample in `folder`, one row per prompt (its text above it) and one column per training step
     (the first, middle and last frame, stacked), as a PNG at `path`; None when there is none."""
-    from vidtune.data.video import probe_video, read_frames
-
     samples = validation_samples(folder)
     if not samples:
         return None

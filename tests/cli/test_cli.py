@@ -168,9 +168,7 @@ def test_every_error_says_what_where_and_what_to_do(case, tmp_path, tiny_model_d
     from huggingface_hub import constants
 
     from vidtune.cli import main
-    from vidtune.models import hub
 
-    hub.check_hub_model.cache_clear()
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
     data = tmp_path / "data"
     data.mkdir()

@@ -111,11 +111,13 @@ def _config_file(tmp_path: Path, tiny: Path, root: Path, family: str = "ltx-vide
     (["cache", "info", "--cache-dir", "{tmp}/missing"], "The cache folder {tmp}/missing does not exist"),
     (["data", "check", "{config}", "--overview", "{file}/overview.png"], "--overview: cannot write the overview "
                                                                          "{file}/overview.png"),
+    (["data", "check", "{config}", "--overview", "{tmp}/sheet.png", "--report", "{file}/report.json"],
+     "--report: cannot write the report {file}/report.json"),
     (["quickstart", "--output", "{file}"], "--output: cannot create the folder {file}"),
     (["train", "{config}", "model.name=cogvideox"], "model.pretrained: {ltx}/vae/config.json names "
      "AutoencoderKLLTXVideo, but model.name=cogvideox needs AutoencoderKLCogVideoX; it fits model.name=ltx-video"),
 ], ids=["cache-dir-is-a-file", "no-such-device", "no-such-gpu", "training-device", "missing-cache", "overview",
-        "quickstart-output", "folder-of-another-family"])
+        "report", "quickstart-output", "folder-of-another-family"])
 def test_settings_that_cannot_work_exit_2_naming_the_key(argv, expected, tmp_path, tiny_model_dir, shapes_dataset,
                                                          capsys):
     from vidtune.cli import main

@@ -9,7 +9,6 @@ import yaml
 
 from vidtune.config import load_config
 from vidtune.errors import ModelError
-from vidtune.models import hub
 from vidtune.models.registry import get_spec_class
 
 
@@ -19,7 +18,6 @@ def _check(pretrained: str | Path, config_file: Path | None = None) -> str:
     else:
         config = load_config(config_file)
     spec = get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate)
-    hub.check_hub_model.cache_clear()
     with pytest.raises(ModelError) as error:
         spec.check_source()
     return str(error.value)

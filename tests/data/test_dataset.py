@@ -10,9 +10,10 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from tests.helpers.datasets import pair_samples
 from vidtune.data import overview
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
-from vidtune.data.sources import Clip, load_text_pair_dataset, read_lines, validate_clips
+from vidtune.data.sources import Clip, read_lines
 from vidtune.data.synthetic import BACKGROUNDS, COLORS, render_shapes_dataset
 from vidtune.data.video import VideoDecodeError, read_frames, write_video
 
@@ -25,7 +26,7 @@ def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_dataset_items(shapes: Path) -> None:
-    samples = load_text_pair_dataset(shapes)
+    samples = pair_samples(shapes)
     dataset = VideoCaptionDataset(samples, [(8, 32, 32)])
     assert len(dataset) == 3
     item = dataset[(5, 1, 0)]
@@ -38,14 +39,14 @@ def test_dataset_items(shapes: Path) -> None:
 
 
 def test_dataset_with_fps_takes_every_other_frame(shapes: Path) -> None:
-    samples = load_text_pair_dataset(shapes)
+    samples = pair_samples(shapes)
     full = VideoCaptionDataset(samples, [(12, 32, 32)])[(0, 0, 0)]["video"]
     half = VideoCaptionDataset(samples, [(6, 32, 32)], fps=12)[(0, 0, 0)]["video"]
     torch.testing.assert_close(half, full[::2])
 
 
 def test_collate_through_a_dataloader(shapes: Path) -> None:
-    samples = load_text_pair_dataset(shapes)
+    samples = pair_samples(shapes)
     loader = DataLoader(
         VideoCaptionDataset(samples, [(4, 16, 24)]),
         batch_sampler=[[(0, 0, 0), (1, 1, 0)]],
@@ -80,7 +81,7 @@ def test_shapes_dataset_files_and_captions(shapes: Path) -> None:
     captions = read_lines(shapes / "prompts.txt")
     assert [caption.split()[2] for caption in captions] == ["circle", "square", "triangle"]
     assert all(caption.startswith("a ") and caption.endswith(" background") for caption in captions)
-    infos = validate_clips(load_text_pair_dataset(shapes), 12, None, progress=False)
+    infos = [sample.info for sample in pair_samples(shapes, frames=12)]
     assert [(info.num_frames, info.width, info.height, info.fps) for info in infos] == [
         (12, 48, 40, 24.0)
     ] * 3
@@ -100,7 +101,7 @@ def test_shapes_move_as_their_captions_say(shapes: Path) -> None:
         "from top to bottom": (0, 1),
         "from bottom to top": (0, -1),
     }
-    for sample in load_text_pair_dataset(shapes):
+    for sample in pair_samples(shapes):
         background = next(name for name in BACKGROUNDS if sample.caption.endswith(f"on a {name} background"))
         color = sample.caption.split()[1]
         assert color in COLORS
@@ -163,7 +164,7 @@ def test_overview_caps_rows_and_notes_the_rest(shapes: Path, tmp_path: Path) -> 
 
 
 def test_overview_shows_what_trains_and_marks_what_will_not(shapes: Path, tmp_path: Path) -> None:
-    from vidtune.data.video import decode_clip
+    from vidtune.data.video import ClipWindow, decode_clip
 
     folder = tmp_path / "data"
     folder.mkdir()
@@ -180,7 +181,7 @@ def test_overview_shows_what_trains_and_marks_what_will_not(shapes: Path, tmp_pa
     # What trains: the window read at 16 fps from a 24 fps clip (source frames 0, 2, 3, 5, ..., 11), first,
     # middle and last, resized to the bucket as training resizes them.
     assert trained.window == (0, 11) and trained.shape == (8, 32, 32)
-    expected = decode_clip(clip, 8, 32, 32, fps=16.0)
+    expected = decode_clip(clip, ClipWindow(8, 32, 32, fps=16.0))
     assert len(trained.frames) == 3 and all(frame.shape == (32, 32, 3) for frame in trained.frames)
     assert np.array_equal(np.stack(trained.frames), expected[[0, 4, 7]])
     # What does not: shown, each with its reason; the still once, at its own size; the broken file without frames.

@@ -15,7 +15,7 @@ from vidtune.config import DataConfig
 from vidtune.data.dataset import VideoCaptionDataset
 from vidtune.data.sources import inspect_dataset, load_dataset
 from vidtune.data.synthetic import render_mixed_dataset
-from vidtune.data.video import read_clip, write_video
+from vidtune.data.video import ClipWindow, read_clip, write_video
 from vidtune.errors import DataError
 
 BUCKETS = [[9, 32, 64], [9, 64, 32], [9, 32, 32], [1, 32, 64], [1, 64, 32], [1, 32, 32]]
@@ -66,7 +66,7 @@ def test_random_frames_of_a_long_clip_differ_per_visit_and_repeat_per_position(m
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
     start = VideoCaptionDataset(clips, [tuple(b) for b in BUCKETS], frame_sampling="start")[(10, 6, long.bucket)]
-    torch.testing.assert_close(start["video"], read_clip(long.video, 9, 32, 64))
+    torch.testing.assert_close(start["video"], read_clip(long.video, ClipWindow(9, 32, 64)))
 
 
 def test_resize_modes(tmp_path: Path) -> None:
@@ -75,9 +75,9 @@ def test_resize_modes(tmp_path: Path) -> None:
     Image.fromarray(image).save(tmp_path / "red.png")
     write_video(tmp_path / "red.mp4", np.repeat(image[None], 3, axis=0), 24)
     for path in (tmp_path / "red.png", tmp_path / "red.mp4"):
-        crop = read_clip(path, 1, 16, 16, resize="crop")
-        fit = read_clip(path, 1, 16, 16, resize="fit")
-        stretch = read_clip(path, 1, 16, 16, resize="stretch")
+        crop = read_clip(path, ClipWindow(1, 16, 16, resize="crop"))
+        fit = read_clip(path, ClipWindow(1, 16, 16, resize="fit"))
+        stretch = read_clip(path, ClipWindow(1, 16, 16, resize="stretch"))
         assert crop.shape == fit.shape == stretch.shape == (1, 3, 16, 16)
         assert crop[0, 0].min() > 0.8 and stretch[0, 0].min() > 0.8  # red everywhere
         assert fit[0, 0, 0].max() < -0.9 and fit[0, 0, 8].min() > 0.8  # black bars above, red in the middle

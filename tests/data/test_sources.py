@@ -1,4 +1,5 @@
-"""Reading a user's videos.txt / prompts.txt and checking their clips; every problem reported at once."""
+"""Reading a user's videos.txt / prompts.txt and checking their clips (`load_dataset`, as training reads a `pairs`
+dataset); every problem reported at once."""
 
 from __future__ import annotations
 
@@ -7,26 +8,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vidtune.data.sources import Clip, load_text_pair_dataset, read_lines, validate_clips
+from tests.helpers.datasets import pair_samples
+from vidtune.data.sources import Clip, read_lines
 from vidtune.data.video import write_video
 from vidtune.errors import DataError
 
 
+def two_frame_clip(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_video(path, np.zeros((2, 16, 16, 3), np.uint8), 24)
+
+
 def make_dataset(root: Path, videos: str | bytes, prompts: str | bytes, clips: list[str] = ()) -> Path:
-    """A dataset folder with the given list files; `clips` are created as (empty) files."""
+    """A dataset folder with the given list files; `clips` are created as two-frame videos."""
     root.mkdir(parents=True, exist_ok=True)
     for name in clips:
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).touch()
+        two_frame_clip(root / name)
     for name, content in (("videos.txt", videos), ("prompts.txt", prompts)):
         data = content.encode("utf-8") if isinstance(content, str) else content
         (root / name).write_bytes(data)
     return root
 
 
-def problems_of(root: Path) -> list[str]:
+def problems_of(root: Path, **data) -> list[str]:
     with pytest.raises(DataError) as caught:
-        load_text_pair_dataset(root)
+        pair_samples(root, **data)
     return caught.value.problems
 
 
@@ -69,32 +75,30 @@ def test_encoding_problem_is_reported_with_the_other_file_problems(tmp_path: Pat
     assert len(problems) == 1 and problems[0].startswith("prompts.txt line 2 is not UTF-8 text: save")
 
 
-# ----------------------------------------------------------------------------------- load_text_pair_dataset
+# ------------------------------------------------------------------------------------------ the two lists
 
 
 def test_loads_relative_and_absolute_clip_paths(tmp_path: Path) -> None:
-    elsewhere = tmp_path / "elsewhere" / "b.mp4"
-    elsewhere.parent.mkdir()
-    elsewhere.touch()
+    elsewhere = two_frame_clip(tmp_path / "elsewhere" / "b.mp4")
     root = make_dataset(
         tmp_path / "data", f"clips/a.mp4\n{elsewhere}\n", "a red ball\na blue cube\n", clips=["clips/a.mp4"]
     )
-    samples = load_text_pair_dataset(root)
+    samples = pair_samples(root)
     assert samples == [
-        Clip(video=root / "clips/a.mp4", caption="a red ball", index=0, line=1),
-        Clip(video=elsewhere, caption="a blue cube", index=1, line=2),
+        Clip(video=root / "clips/a.mp4", caption="a red ball", index=0, line=1, bucket=0),
+        Clip(video=elsewhere, caption="a blue cube", index=1, line=2, bucket=0),
     ]
     assert all(sample.video.is_absolute() for sample in samples)
 
 
 def test_accepts_quoted_windows_style_paths(tmp_path: Path) -> None:
     root = make_dataset(tmp_path, '"clips\\a.mp4"\n', "a red ball\n", clips=["clips/a.mp4"])
-    assert load_text_pair_dataset(root)[0].video == tmp_path / "clips" / "a.mp4"
+    assert pair_samples(root)[0].video == tmp_path / "clips" / "a.mp4"
 
 
 def test_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(DataError) as caught:
-        load_text_pair_dataset(tmp_path / "nope")
+        pair_samples(tmp_path / "nope")
     assert caught.value.problems == [f"The dataset folder {tmp_path / 'nope'} does not exist."]
 
 
@@ -165,11 +169,11 @@ def test_one_error_lists_every_bad_line(tmp_path: Path) -> None:
     assert problems[2].startswith("videos.txt line 3: the clip 'missing.mp4' was not found")
     assert problems[3].startswith("prompts.txt line 4 is empty")
     with pytest.raises(DataError) as caught:
-        load_text_pair_dataset(root)
+        pair_samples(root)
     assert str(caught.value).startswith("The dataset has 4 problems")
 
 
-# ------------------------------------------------------------------------------------------ validate_clips
+# ------------------------------------------------------------------------------------------ the clips
 
 
 @pytest.fixture(scope="module")
@@ -186,49 +190,38 @@ def clip_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def samples_for(folder: Path, names: list[str]) -> list[Clip]:
-    return [Clip(folder / name, f"caption {i}", i, i + 1) for i, name in enumerate(names)]
+def listing(root: Path, folder: Path, names: list[str]) -> Path:
+    """A dataset folder whose videos.txt names `folder`'s clips `names` (absolute paths), one caption each."""
+    videos = "".join(f"{folder / name}\n" for name in names)
+    return make_dataset(root, videos, "".join(f"caption {i}\n" for i in range(len(names))))
 
 
-def test_validate_clips_returns_one_info_per_clip(clip_folder: Path) -> None:
+def test_every_clip_is_probed_once_per_sample(tmp_path: Path, clip_folder: Path) -> None:
     names = ["good.mp4", "short.mp4", "good.mp4"]  # the same clip twice, with two captions, is fine
-    infos = validate_clips(samples_for(clip_folder, names), 10, None, progress=False)
-    assert [(info.path.name, info.num_frames, info.fps) for info in infos] == [
+    samples = pair_samples(listing(tmp_path, clip_folder, names), frames=10)
+    assert [(s.info.path.name, s.info.num_frames, s.info.fps) for s in samples] == [
         ("good.mp4", 25, 24.0),
         ("short.mp4", 10, 24.0),
         ("good.mp4", 25, 24.0),
     ]
 
 
-def test_validate_clips_reports_every_bad_clip_at_once(clip_folder: Path) -> None:
+def test_every_bad_clip_is_reported_at_once(tmp_path: Path, clip_folder: Path) -> None:
     names = ["good.mp4", "random.mp4", "short.mp4", "good.mp4", "cut.mp4"]
-    with pytest.raises(DataError) as caught:
-        validate_clips(samples_for(clip_folder, names), 25, None, progress=False)
-    problems = caught.value.problems
+    problems = problems_of(listing(tmp_path, clip_folder, names), frames=25)
     assert len(problems) == 3, problems
     assert problems[0].startswith(f"videos.txt line 2 ({clip_folder / 'random.mp4'}): it is not a video file")
     assert problems[1] == (
-        f"videos.txt line 3 ({clip_folder / 'short.mp4'}): it has 10 frames (0.42 s at 24 fps); "
-        "25 are needed: use a longer clip or lower data.frames."
+        f"videos.txt line 3 ({clip_folder / 'short.mp4'}): it is too short: 0.42 s at its own 24 fps gives 10 "
+        "frames; the bucket needs 25. Use a longer clip, add a bucket with fewer frames; it is never stretched in time"
     )
     assert problems[2].startswith(f"videos.txt line 5 ({clip_folder / 'cut.mp4'}): the file is incomplete")
 
 
-def test_validate_clips_accounts_for_fps_resampling(clip_folder: Path) -> None:
-    # 40 frames at 30 fps: 20 frames at 15 fps need 39 source frames (fits), 25 frames need 49 (does not).
-    samples = samples_for(clip_folder, ["fast.mp4"])
-    assert validate_clips(samples, 20, 15, progress=False)[0].num_frames == 40
-    with pytest.raises(DataError) as caught:
-        validate_clips(samples, 25, 15, progress=False)
-    [problem] = caught.value.problems
-    assert "it has 40 frames (1.33 s at 30 fps)" in problem
-    assert "reading 25 frames at 15 fps needs 1.63 s (49 source frames)" in problem
-
-
-def test_validate_clips_after_loading_names_the_list_file(tmp_path: Path, clip_folder: Path) -> None:
-    root = make_dataset(tmp_path, f"{clip_folder / 'good.mp4'}\n{clip_folder / 'short.mp4'}\n", "a\nb\n")
-    samples = load_text_pair_dataset(root)
-    with pytest.raises(DataError) as caught:
-        validate_clips(samples, 20, None, progress=False)
-    [problem] = caught.value.problems
-    assert problem.startswith(f"videos.txt line 2 ({clip_folder / 'short.mp4'}): it has 10 frames")
+def test_clip_length_accounts_for_fps_resampling(tmp_path: Path, clip_folder: Path) -> None:
+    # 40 frames at 30 fps: read at 15 fps they give 20 frames: enough for 20, not for 25.
+    root = listing(tmp_path, clip_folder, ["fast.mp4"])
+    assert pair_samples(root, frames=20, fps=15)[0].info.num_frames == 40
+    [problem] = problems_of(root, frames=25, fps=15)
+    assert "it is too short: 1.33 s at 15 fps gives 20 frames; the bucket needs 25" in problem
+    assert "raise data.fps" in problem

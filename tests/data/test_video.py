@@ -13,6 +13,7 @@ import torch
 from vidtune.data import video
 from vidtune.data.video import (
     ClipTooShortError,
+    ClipWindow,
     VideoDecodeError,
     VideoInfo,
     probe_video,
@@ -163,7 +164,7 @@ def test_too_short_clip_says_what_it_has_and_needs() -> None:
 
 def test_read_clip_shape_dtype_and_range(tmp_path: Path) -> None:
     frames = np.random.default_rng(2).integers(0, 256, (6, 40, 56, 3), dtype=np.uint8)
-    clip = read_clip(write_video(tmp_path / "a.mp4", frames, 24), 4, 24, 32)
+    clip = read_clip(write_video(tmp_path / "a.mp4", frames, 24), ClipWindow(4, 24, 32))
     assert clip.shape == (4, 3, 24, 32)
     assert clip.dtype == torch.float32
     assert clip.min() >= -1.0 and clip.max() <= 1.0
@@ -192,7 +193,7 @@ def test_read_clip_covers_then_center_crops(tmp_path: Path, vertical: bool) -> N
     height, width = (256, 128) if vertical else (128, 256)
     image = banded_frame([RED, BLACK, WHITE, GREEN], height, width, vertical)
     path = write_video(tmp_path / "a.mp4", np.stack([image] * 3), 24)
-    clip = read_clip(path, 1, 32, 32)[0]  # [3, 32, 32]
+    clip = read_clip(path, ClipWindow(1, 32, 32))[0]  # [3, 32, 32]
     if vertical:
         clip = clip.transpose(1, 2)  # compare columns as if it were the horizontal case
     assert clip.shape == (3, 32, 32)
@@ -203,20 +204,20 @@ def test_read_clip_covers_then_center_crops(tmp_path: Path, vertical: bool) -> N
 
 def test_read_clip_resamples_fps_by_timestamp(tmp_path: Path) -> None:
     path = gray_clip(tmp_path / "a.mp4", 60, fps=30)
-    assert frame_numbers(read_clip(path, 10, 16, 16, fps=15)) == list(range(0, 20, 2))
-    assert frame_numbers(read_clip(path, 4, 16, 16, fps=10, start=20)) == [20, 23, 26, 29]
+    assert frame_numbers(read_clip(path, ClipWindow(10, 16, 16, fps=15))) == list(range(0, 20, 2))
+    assert frame_numbers(read_clip(path, ClipWindow(4, 16, 16, fps=10, start=20))) == [20, 23, 26, 29]
 
 
 def test_read_clip_with_start_seeks_to_the_right_frames(tmp_path: Path) -> None:
     path = gray_clip(tmp_path / "a.mp4", 60, fps=30, keyframe_interval=10)
-    assert frame_numbers(read_clip(path, 5, 16, 16, start=37)) == [37, 38, 39, 40, 41]
-    assert frame_numbers(read_clip(path, 3, 16, 16, start=57)) == [57, 58, 59]
+    assert frame_numbers(read_clip(path, ClipWindow(5, 16, 16, start=37))) == [37, 38, 39, 40, 41]
+    assert frame_numbers(read_clip(path, ClipWindow(3, 16, 16, start=57))) == [57, 58, 59]
 
 
 def test_read_clip_past_the_end_is_too_short(tmp_path: Path) -> None:
     path = gray_clip(tmp_path / "a.mp4", 20)
     with pytest.raises(ClipTooShortError) as caught:
-        read_clip(path, 5, 16, 16, start=18)
+        read_clip(path, ClipWindow(5, 16, 16, start=18))
     assert (caught.value.available, caught.value.needed) == (20, 23)
 
 
@@ -256,11 +257,11 @@ def test_read_clip_decodes_only_what_it_needs(tmp_path: Path, monkeypatch: pytes
     assert probe_video(path).num_frames == 300
     assert counts[-1] == 300  # the wrapper sees every packet when the whole file is read
 
-    assert frame_numbers(read_clip(path, 9, 16, 16)) == list(range(9))
+    assert frame_numbers(read_clip(path, ClipWindow(9, 16, 16))) == list(range(9))
     assert 9 <= counts[-1] <= 20
 
     # Keyframes at least every 30 frames: decoding starts at the one before frame 200, not at frame 0.
-    clip = read_clip(path, 9, 16, 16, start=200)
+    clip = read_clip(path, ClipWindow(9, 16, 16, start=200))
     assert frame_numbers(clip) == [index % 64 for index in range(200, 209)]
     assert 9 <= counts[-1] <= 45
 
@@ -285,7 +286,7 @@ def test_read_clip_starts_over_when_a_seek_overshoots(
     seeks: list[int] = []
     real_open = av.open
     monkeypatch.setattr(video.av, "open", lambda *a, **k: LateSeekContainer(real_open(*a, **k), seeks))
-    assert frame_numbers(read_clip(path, 3, 16, 16, start=20)) == [20, 21, 22]
+    assert frame_numbers(read_clip(path, ClipWindow(3, 16, 16, start=20))) == [20, 21, 22]
     assert len(seeks) == 2 and seeks[1] == 0  # the late seek, then back to the start
 
 
@@ -314,7 +315,7 @@ def test_write_video_float_frames_round_trip(tmp_path: Path) -> None:
     frames[:, :, :, :12] = -0.5
     path = write_video(tmp_path / "a.mp4", frames, 12)
     assert probe_video(path).num_frames == 5
-    clip = read_clip(path, 5, 16, 24)
+    clip = read_clip(path, ClipWindow(5, 16, 24))
     assert clip[:, :, :, :10].mean().item() == pytest.approx(-0.5, abs=0.05)
     assert clip[:, :, :, 14:].mean().item() == pytest.approx(0.5, abs=0.05)
 

@@ -25,7 +25,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.export.comfyui import ComfyUIExportError, Rule, comfyui_lora, fuse, fused, save_comfyui_lora
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.tiny import TINY_SHAPES
@@ -151,7 +151,7 @@ def test_the_comfyui_file_loads_through_diffusers_converter_and_samples_like_the
     spec = trainer.spec
     text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
     frames, height, width = TINY_SHAPES[family]
-    reference = read_clip(trainer.clips[0].video, 1, height, width) if spec.image_to_video else None
+    reference = read_clip(trainer.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
 
     def sample(weight_name: str | None) -> torch.Tensor:
         pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))

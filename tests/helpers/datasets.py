@@ -5,15 +5,22 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from vidtune.data.sources import load_text_pair_dataset
+from vidtune.config import DataConfig
+from vidtune.data.sources import Clip, load_dataset
 
 CONTROL_CAPTION = "a shape moving"
+
+
+def pair_samples(root: Path, frames: int = 2, **data) -> list[Clip]:
+    """The samples of a `pairs` dataset folder (videos.txt, prompts.txt) as training reads them: `load_dataset`,
+    each probed and in the one bucket of `frames` frames."""
+    return load_dataset(DataConfig(root=str(root), frames=frames, num_workers=0, **data), progress=False)
 
 
 def control_dataset(shapes_dataset: Path, root: Path) -> tuple[Path, list[Path], list[Path]]:
     """Two samples with one caption: targets clips 0 and 1, controls clips 2 and 3 (so only the control tells
     them apart). Returns (root, targets, controls)."""
-    clips = [clip.video for clip in load_text_pair_dataset(shapes_dataset)]
+    clips = [clip.video for clip in pair_samples(shapes_dataset)]
     root.mkdir(parents=True, exist_ok=True)
     targets, controls = clips[:2], clips[2:4]
     (root / "videos.txt").write_text("".join(f"{path}\n" for path in targets))

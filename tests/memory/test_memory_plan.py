@@ -117,11 +117,12 @@ DENOISER_PARAMETERS = {
 @pytest.mark.parametrize("hub_id", sorted(shipped_architectures()))
 def test_shipped_architectures_build_the_released_denoisers(hub_id):
     spec_class = get_spec_class(families(hub_id)[0])
-    from vidtune.memory.architectures import _written
+    from vidtune.memory.architectures import architecture_folder
 
-    experts = [folder for folder in ("transformer", "transformer_2") if (_written(hub_id) / folder).is_dir()]
+    folder, _ = architecture_folder(hub_id, spec_class.name)
+    experts = [name for name in ("transformer", "transformer_2") if (folder / name).is_dir()]
     for expert in experts:  # Wan 2.2 A14B: two of the same size
-        denoiser = build_from_config(spec_class.denoiser_class, _written(hub_id) / expert, None)
+        denoiser = build_from_config(spec_class.denoiser_class, folder / expert, None)
         count = sum(p.numel() for p in denoiser.parameters())
         assert all(p.device == META for p in denoiser.parameters())
         assert abs(count / DENOISER_PARAMETERS[hub_id] - 1) < 0.08, count
@@ -288,8 +289,7 @@ def fresh_traces(monkeypatch):
     (one per kind: with / without gradient checkpointing) and the forward-backward passes run."""
     import vidtune.memory.plan as planner
 
-    for cache in ("_ENCODERS", "_MODELS", "_STEPS", "_ACCOUNTED"):
-        monkeypatch.setattr(planner, cache, {})
+    monkeypatch.setattr(planner, "TRACES", planner.Traces())
     counts = {"builds": 0, "steps": 0, "passes": 0}
 
     def counted(name, key):
@@ -475,8 +475,7 @@ def test_vidtune_plan_keeps_its_traces_for_the_next_run(plan_config, fresh_trace
     assert not (tmp_path / "traces").exists()
 
     def fresh_run():
-        for cache in ("_ENCODERS", "_MODELS", "_STEPS", "_ACCOUNTED"):
-            monkeypatch.setattr(planner, cache, {})
+        monkeypatch.setattr(planner, "TRACES", planner.Traces())
         with planner.traces_kept_on_disk():
             return plan_memory(config)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models import registry
 from vidtune.models.registry import available_models, get_spec_class, tiny_family
 from vidtune.models.spec import POSTERIOR_KEYS, draw_latent
@@ -113,7 +113,7 @@ def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_confi
     pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
     pipeline.set_progress_bar_config(disable=True)
     frames, height, width = TINY_SHAPES[family]
-    reference = read_clip(trainer.clips[0].video, 1, height, width) if spec.image_to_video else None
+    reference = read_clip(trainer.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
 
     def sample():
         return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.datasets import pair_samples
 from tests.helpers.runs import record_references
 from vidtune.config import ModelConfig
-from vidtune.data.sources import load_text_pair_dataset
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
 from vidtune.models import first_frame
 from vidtune.models.ltx_2 import AUDIO_LATENTS, UNGUIDED
@@ -114,7 +114,7 @@ def test_ltx2_i2v_training_gives_the_denoiser_what_its_pipeline_gives(tiny_model
     in the first frame's tokens at timestep 0, the rest at the step's timestep, the same rotary rate and sound."""
     spec = spec_of("ltx-2-i2v", tiny_model_dir("ltx-2-i2v"))
     text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
-    clip = read_clip(load_text_pair_dataset(shapes_dataset)[0].video, FRAMES, HEIGHT, WIDTH)
+    clip = read_clip(pair_samples(shapes_dataset)[0].video, ClipWindow(FRAMES, HEIGHT, WIDTH))
     seen: list[dict] = []
     denoiser.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True)
     pipeline = spec.pipeline(text, vae, denoiser)

@@ -18,19 +18,11 @@ from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, Revi
 from tests.helpers.hub import fake_hub_cache
 from vidtune.config import ModelConfig
 from vidtune.errors import ModelError
-from vidtune.models import hub
 from vidtune.models.ltx_video import LTXVideoSpec
 
 # The HTTP client whose responses the hub's errors carry: httpx2 from huggingface_hub 2, httpx before.
 http = importlib.import_module("httpx2" if int(huggingface_hub.__version__.split(".")[0]) >= 2 else "httpx")
 REPO = "someone/tiny-ltx"
-@pytest.fixture(autouse=True)
-def fresh_probe():
-    hub.check_hub_model.cache_clear()
-    yield
-    hub.check_hub_model.cache_clear()
-
-
 def spec_for(pretrained: str, **settings) -> LTXVideoSpec:
     return LTXVideoSpec(ModelConfig(name="ltx-video", pretrained=pretrained, **settings))
 
@@ -90,7 +82,6 @@ def test_unreachable_hub_fails_at_once_and_says_what_to_do(monkeypatch, tmp_path
     assert f"hf download {REPO} --local-dir tiny-ltx" in message and "does not appear to have" not in message
 
     # The same, with the model in the hub cache: use it offline.
-    hub.check_hub_model.cache_clear()
     snapshot = fake_hub_cache(tmp_path / "cache", REPO, tiny_model_dir("ltx-video"))
     with pytest.raises(ModelError, match="run again with HF_HUB_OFFLINE=1") as error:
         spec_for(REPO).check_source()
@@ -119,7 +110,6 @@ def test_a_hub_repository_without_a_subfolder_names_it(monkeypatch):
     with pytest.raises(ModelError, match=rf"the hub repository {REPO} has no transformer subfolder"):
         spec_for(REPO).check_source()
     # A transformer given elsewhere is not needed from the repository.
-    hub.check_hub_model.cache_clear()
     spec_for(REPO, subfolders={"transformer": "/elsewhere/transformer"}).check_source()
 
 
@@ -137,3 +127,24 @@ def test_the_hub_is_asked_once(monkeypatch):
     spec.check_source()
     spec.check_source()
     assert calls == [REPO]
+    # The answer is the spec's, for its run: another spec (another run) asks again; nothing outlives the spec.
+    LTXVideoSpec(spec.config).check_source()
+    assert calls == [REPO, REPO]
+
+
+def test_a_failed_check_is_asked_again(monkeypatch):
+    answers = iter([http.ConnectError("refused"), SimpleNamespace(siblings=[])])
+
+    def model_info(self, repo_id, **kwargs):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(HfApi, "model_info", model_info)
+    spec = LTXVideoSpec(ModelConfig(name="ltx-video", pretrained=REPO, subfolders={
+        name: f"/x/{name}" for name in ("text_encoder", "tokenizer", "vae", "transformer", "scheduler")}))
+    with pytest.raises(ModelError, match="cannot reach the Hugging Face hub"):
+        spec.check_source()
+    spec.check_source()  # the hub answers now: the earlier failure was not kept

@@ -162,7 +162,7 @@ def test_a_trained_model_samples_the_sound_it_learnt_beside_the_video(tiny_model
     from tests.helpers.datasets import one_clip_dataset
     from tests.helpers.runs import overfit_config
     from vidtune.config import ModelConfig
-    from vidtune.data.video import read_clip
+    from vidtune.data.video import ClipWindow, read_clip
     from vidtune.models.ltx_2 import LTX2Spec
 
     folder = tiny_model_dir("ltx-2")
@@ -177,7 +177,7 @@ def test_a_trained_model_samples_the_sound_it_learnt_beside_the_video(tiny_model
         spec = LTX2Spec(ModelConfig(name="ltx-2", pretrained=str(folder), subfolders=subfolders), frame_rate=24.0)
         text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
         sound = AudioBatch.stack([read_audio(clip, frames, 0, spec.audio_format())])
-        latents = spec.prepare_latents(vae, read_clip(clip, frames, height, width)[None], audio=sound)
+        latents = spec.prepare_latents(vae, read_clip(clip, ClipWindow(frames, height, width))[None], audio=sound)
         pipeline = spec.pipeline(text, vae, denoiser.eval())
         pipeline.set_progress_bar_config(disable=True)
         with torch.no_grad():

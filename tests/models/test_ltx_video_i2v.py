@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.datasets import pair_samples
 from tests.helpers.runs import record_references
 from vidtune.config import ModelConfig
-from vidtune.data.sources import load_text_pair_dataset
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.ltx_video import LTXVideoImageToVideoSpec, vae_downsampling_steps
 from vidtune.trainers import build_trainer
@@ -26,7 +26,7 @@ def i2v_spec(folder, condition_frames=(0,)) -> LTXVideoImageToVideoSpec:
 
 @pytest.fixture
 def clip(shapes_dataset):
-    return read_clip(load_text_pair_dataset(shapes_dataset)[0].video, FRAMES, HEIGHT, WIDTH)
+    return read_clip(pair_samples(shapes_dataset)[0].video, ClipWindow(FRAMES, HEIGHT, WIDTH))
 
 
 def pipeline_and_training_inputs(spec: LTXVideoImageToVideoSpec, clip: torch.Tensor, **call: object):
@@ -156,5 +156,5 @@ def test_a_keyframe_run_trains_and_validates_from_its_keyframes(make_config, tmp
     result = trainer.run()
     assert result.weights_path.is_file() and result.sample_paths
     assert seen and all(frames == 9 for frames in seen)  # the reference reaches frame 8
-    inputs = original(read_clip(trainer.clips[0].video, 9, HEIGHT, WIDTH))
+    inputs = original(read_clip(trainer.clips[0].video, ClipWindow(9, HEIGHT, WIDTH)))
     assert [condition.frame_index for condition in inputs["conditions"]] == [0, 8]

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.datasets import one_clip_dataset
+from tests.helpers.datasets import one_clip_dataset, pair_samples
 from tests.helpers.runs import FRAME_RATE, overfit_config
 from tests.helpers.sound import add_tone
 from vidtune.config import ModelConfig
-from vidtune.data.sources import load_text_pair_dataset
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.registry import available_models, get_spec_class, tiny_family
 from vidtune.models.spec import ModelSpec
 from vidtune.trainers import build_trainer
@@ -37,7 +36,7 @@ def sample_with_pipeline(family: str, pretrained: Path, transformer: Path | None
     model = ModelConfig(name=family, pretrained=str(pretrained), subfolders=subfolders)
     spec = get_spec_class(family)(model, FRAME_RATE)
     text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
-    clip = read_clip(video, frames, height, width)[None]
+    clip = read_clip(video, ClipWindow(frames, height, width))[None]
     x0 = spec.prepare_latents(vae, clip)["latents_mean"]
     pipeline = spec.pipeline(text, vae, denoiser.eval())
     pipeline.set_progress_bar_config(disable=True)
@@ -51,7 +50,7 @@ def sample_with_pipeline(family: str, pretrained: Path, transformer: Path | None
 @pytest.mark.slow
 @pytest.mark.parametrize("family", available_models())
 def test_overfit_one_clip_then_sample_with_pipeline(family, tiny_model_dir, shapes_dataset, tmp_path):
-    clip = load_text_pair_dataset(shapes_dataset)[0]
+    clip = pair_samples(shapes_dataset)[0]
     data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
     video = data_root / clip.video.name
     if get_spec_class(family).audio_format is not ModelSpec.audio_format:  # a family that trains on sound
@@ -84,7 +83,7 @@ def overfit_odd_latent_count(family: str, pretrained: Path, shapes_dataset: Path
                              frames: int) -> tuple[torch.Tensor, float, float]:
     """Overfit `frames` frames of one clip with `pretrained` (a CogVideoX 1.5 layout: temporal patch 2) and sample
     them with the family's pipeline: the clip's latents and the relative errors, trained and untrained."""
-    clip = load_text_pair_dataset(shapes_dataset)[0]
+    clip = pair_samples(shapes_dataset)[0]
     data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
     result = build_trainer(overfit_config(family, pretrained, data_root, tmp_path / "run", frames)).run()
     torch.manual_seed(0)

@@ -11,13 +11,12 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from tests.helpers.datasets import one_clip_dataset
+from tests.helpers.datasets import one_clip_dataset, pair_samples
 from tests.helpers.runs import overfit_config, run_stopped_at
 from tests.helpers.wan22 import BOUNDARY, spec_of, two_expert_config
 from vidtune import checkpoint
 from vidtune.config import TrainingConfig
-from vidtune.data.sources import load_text_pair_dataset
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
 from vidtune.export.command import export_checkpoint
 from vidtune.models.experts import TwoExperts
@@ -394,7 +393,7 @@ def overfit_two_experts(family: str, folder: Path, shapes_dataset: Path, tmp_pat
     through `vidtune sample`'s loading path (image-to-video from the clip's first frame). Returns the relative
     error of the sampled latents, trained and with the untrained experts."""
     frames, height, width = TWO_EXPERT_SHAPE
-    clip = load_text_pair_dataset(shapes_dataset)[0]
+    clip = pair_samples(shapes_dataset)[0]
     data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
     config = overfit_config(family, folder, data_root, tmp_path / "run", frames,
                             data={"height": height, "width": width},
@@ -405,7 +404,7 @@ def overfit_two_experts(family: str, folder: Path, shapes_dataset: Path, tmp_pat
 
     run = load_pipeline(tmp_path / "run", device="cpu")
     spec = run.spec
-    video = read_clip(clip.video, frames, height, width)[None]
+    video = read_clip(clip.video, ClipWindow(frames, height, width))[None]
     x0 = spec.prepare_latents(spec.load_vae(CPU), video)["latents_mean"]
     run.pipeline.set_progress_bar_config(disable=True)
 

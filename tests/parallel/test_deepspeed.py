@@ -26,7 +26,7 @@ from tests.helpers.datasets import control_dataset
 from tests.helpers.distributed import deepspeed_rank_main, free_port
 from vidtune import checkpoint
 from vidtune.config import build_config
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import CheckpointError
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
@@ -108,7 +108,8 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
     # Validation samples under ZeRO-3 (from a plain copy given the gathered weights) are those of ZeRO-2 (the
     # trained module itself), after step 2 (between steps) and at the end.
     frames, height, width = TINY_SHAPES["ltx-video"]
-    videos = {(run, step): read_clip(tmp_path / run / "samples" / f"step-0000000{step}-0.mp4", frames, height, width)
+    window = ClipWindow(frames, height, width)
+    videos = {(run, step): read_clip(tmp_path / run / "samples" / f"step-0000000{step}-0.mp4", window)
               for run in ("zero2", "zero3") for step in (2, 3)}
     for step in (2, 3):
         apart = (videos["zero3", step] - videos["zero2", step]).abs().mean()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vidtune.config import ModelConfig
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.ltx_video import LTXVideoSpec
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.precompute import Preprocess, encode_captions, encode_videos, shard, stack_items
@@ -44,7 +44,7 @@ def test_videos_from_tensors_paths_or_samples(tiny, shapes_dataset):
     spec, _, vae = tiny
     clips = sorted((shapes_dataset / "clips").glob("*.mp4"))[:3]
     preprocess = Preprocess(FRAMES, HEIGHT, WIDTH)
-    videos = torch.stack([read_clip(c, FRAMES, HEIGHT, WIDTH) for c in clips])
+    videos = torch.stack([read_clip(c, ClipWindow(FRAMES, HEIGHT, WIDTH)) for c in clips])
 
     from_tensor = encode_videos(spec, vae, videos, batch_size=3)
     from_paths = encode_videos(spec, vae, clips, batch_size=3, preprocess=preprocess, decode_workers=2)

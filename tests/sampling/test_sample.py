@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors import safe_open
 
 from vidtune.cli import main as cli_main
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.registry import available_models
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.sampling import SampleSettings, load_pipeline, render_sample, sample_run
@@ -98,7 +98,7 @@ def test_the_saved_latents_are_the_pipelines_final_latents(make_config, family, 
     pipeline.set_progress_bar_config(disable=True)
     frames, height, width = TINY_SHAPES[family]
     clip = next((Path(config.data.root) / "clips").glob("*.mp4"))
-    reference = read_clip(clip, 1, height, width) if spec.image_to_video else None
+    reference = read_clip(clip, ClipWindow(1, height, width)) if spec.image_to_video else None
     settings = SampleSettings(("a red circle",), frames, height, width, 2, 1.0, 3, 24.0)
     render_sample(spec, pipeline, "a red circle", settings, 3, tmp_path / "s.mp4", reference=reference,
                   latents_path=tmp_path / "s.safetensors")

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.datasets import CONTROL_CAPTION, control_dataset
+from tests.helpers.datasets import CONTROL_CAPTION, control_dataset, pair_samples
 from tests.helpers.runs import run_stopped_at
 from vidtune.control import ControlInput
-from vidtune.data.sources import load_text_pair_dataset
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import ModelSpec
 from vidtune.models.tiny import TINY_SHAPES
@@ -46,9 +45,10 @@ SETTINGS = {
 def sampled_latents(spec, pipeline, control: ControlInput, vae, target: Path, control_clip: Path, steps: int = 20):
     """(the target clip's latents, what the pipeline samples following `control_clip`)."""
     frames, height, width = TINY_SHAPES[spec.name]
-    clip = read_clip(target, frames, height, width)
+    clip = read_clip(target, ClipWindow(frames, height, width))
     x0 = spec.prepare_latents(vae, clip[None])["latents_mean"]
-    controls = spec.prepare_latents(vae, read_clip(control_clip, frames, height, width)[None])["latents_mean"]
+    control_video = read_clip(control_clip, ClipWindow(frames, height, width))
+    controls = spec.prepare_latents(vae, control_video[None])["latents_mean"]
     with torch.no_grad(), control.given(controls):
         # Image-to-video families also start from the target's first frame, as they trained.
         sampled = spec.sample(pipeline, CAPTION, frames=frames, height=height, width=width, num_inference_steps=steps,
@@ -236,9 +236,9 @@ def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_conf
     cache keys them by the clip, the preprocessing and the processor, and gives what the data loader computes."""
     from vidtune.processors import canny
 
-    clip = load_text_pair_dataset(shapes_dataset)[0].video
+    clip = pair_samples(shapes_dataset)[0].video
     frames, height, width = TINY_SHAPES["ltx-video"]
-    video = read_clip(clip, frames, height, width)
+    video = read_clip(clip, ClipWindow(frames, height, width))
     edges = canny(video, {"canny_low": 100, "canny_high": 200})
     assert edges.shape == video.shape and set(edges.unique().tolist()) == {-1.0, 1.0}
     assert not torch.equal(canny(video, {"canny_low": 5, "canny_high": 10}), edges)  # the thresholds act
@@ -261,8 +261,8 @@ def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_conf
     spec = get_spec_class("ltx-video")(config.model, frame_rate=config.frame_rate)
     vae = spec.load_vae(CPU)
     first = int(batches[False].indices[0])
-    clip = load_text_pair_dataset(shapes_dataset)[first].video
-    expected = spec.prepare_latents(vae, canny(read_clip(clip, frames, height, width),
+    clip = pair_samples(shapes_dataset)[first].video
+    expected = spec.prepare_latents(vae, canny(read_clip(clip, ClipWindow(frames, height, width)),
                                                {"canny_low": 100, "canny_high": 200})[None])["latents_mean"]
     assert torch.allclose(on_the_fly[:1], expected, atol=1e-5)
     # Another threshold is another cache entry.

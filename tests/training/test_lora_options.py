@@ -9,7 +9,7 @@ import torch
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.registry import available_models
 from vidtune.models.tiny import TINY_SHAPES
@@ -51,7 +51,7 @@ def test_dora_trains_magnitudes_and_its_adapter_loads_in_the_family_pipeline(mak
     assert loaded.keys() == trained.keys()
     assert all(torch.equal(loaded[key], trained[key]) for key in trained)
     frames, height, width = TINY_SHAPES[family]
-    reference = read_clip(trainer.clips[0].video, 1, height, width) if spec.image_to_video else None
+    reference = read_clip(trainer.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
 
     def sample(pipe):
         return spec.sample(pipe, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,

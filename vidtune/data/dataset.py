@@ -15,7 +15,7 @@ from vidtune.data.audio import AudioFormat, ClipAudio, as_clip_audio, decode_aud
 from vidtune.data.buckets import Shape, visit_start
 from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import Clip
-from vidtune.data.video import ClipTooShortError, VideoDecodeError, decode_clip, frames_to_tensor
+from vidtune.data.video import ClipTooShortError, ClipWindow, VideoDecodeError, decode_clip, frames_to_tensor
 from vidtune.processors import ProcessorChoice, apply_processor
 
 Key = tuple[int, int, int]  # (stream position, sample index, bucket): see vidtune.data.buckets.ScheduleSampler
@@ -74,14 +74,15 @@ class VideoCaptionDataset(Dataset):
         return item
 
     def read(self, clip: Clip, path: Path, frames: int, height: int, width: int, start: int) -> torch.Tensor:
+        window = ClipWindow(frames, height, width, self.fps, start, self.resize)
+
         def decode() -> np.ndarray:
-            return decode_clip(path, frames, height, width, fps=self.fps, start=start, resize=self.resize)
+            return decode_clip(path, window)
 
         try:
             if self.store is None:
                 return frames_to_tensor(decode())
-            key = (str(path), frames, height, width, start, self.fps, self.resize)
-            return frames_to_tensor(self.store.frames(key, decode))
+            return frames_to_tensor(self.store.frames((str(path), window), decode))
         except (VideoDecodeError, ClipTooShortError) as error:
             # Raised in a worker mid-training: say which line, since the user only knows their own files.
             raise VideoDecodeError(path, error.reason, where=clip.where) from error

@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
@@ -25,6 +25,9 @@ from vidtune.data.sources import Clip, probe
 from vidtune.data.video import VideoDecodeError, VideoInfo, describe_size, format_fps, read_frames, select_frame_indices
 from vidtune.errors import VidtuneError
 from vidtune.files import atomic_path
+
+if TYPE_CHECKING:  # the config's data section, named for annotations only (vidtune.config sits above data/)
+    from vidtune.config import DataConfig
 
 THUMB_W, THUMB_H = 160, 90
 PAD = 8
@@ -64,7 +67,7 @@ class SheetRow:
         return self.shape is not None and not self.problems
 
 
-def sheet_rows(clips: Sequence[Clip], data: Any, problems: dict[int, list[str]] | None = None) -> list[SheetRow]:
+def sheet_rows(clips: Sequence[Clip], data: DataConfig, problems: dict[int, list[str]] | None = None) -> list[SheetRow]:
     """What the sheet shows of each sample of `clips` (their `index` keys `problems`; a clip without `info` is
     probed here). `data`: the config's data section (buckets, fps, resize, frame_sampling), read as training does."""
     shapes = data.bucket_shapes()
@@ -92,7 +95,7 @@ def sheet_rows(clips: Sequence[Clip], data: Any, problems: dict[int, list[str]] 
     return rows
 
 
-def _frames(clip: Clip, info: VideoInfo, shape: Shape | None, data: Any
+def _frames(clip: Clip, info: VideoInfo, shape: Shape | None, data: DataConfig
             ) -> tuple[tuple[np.ndarray, ...], tuple[int, int] | None]:
     """The frames shown and, for a clip that trains, its window's first and last source frame. With `shape`, the
     window training reads (its first, middle and last frame) at the bucket's size; without, the source's frames."""
@@ -137,7 +140,7 @@ def overview_size(num_rows: int, max_rows: int = MAX_ROWS, unused: Sequence[str]
 
 def write_dataset_overview(
     clips: Sequence[Clip],
-    data: Any,
+    data: DataConfig,
     path: str | os.PathLike[str],
     problems: dict[int, list[str]] | None = None,
     unused: Sequence[str] = (),

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vidtune.config import Config
+from vidtune.config import Config, DataConfig
 from vidtune.data.audio import sound_line
 from vidtune.data.buckets import Shape, check_bucket_shapes, describe_shape
+from vidtune.data.overview import summary, write_dataset_overview
 from vidtune.data.sources import Clip, DatasetReport, inspect_dataset
 from vidtune.data.video import VideoInfo, describe_size, format_fps, frames_available
 from vidtune.errors import ConfigError, VidtuneError
@@ -41,7 +42,8 @@ class DataCheck:
     # The family trains on a clip's sound beside its frames (`spec.audio_format()`): its audio track is shown.
     family: str = ""
     reads_sound: bool = False
-    data: Any = None  # the config's data section: how samples are read (buckets, fps, resize, frame window)
+    # The config's data section: how samples are read (buckets, fps, resize, frame window).
+    data: DataConfig | None = None
 
     @property
     def clips(self) -> list[Clip]:
@@ -265,8 +267,6 @@ def write_sheets(check: DataCheck, path: Path, per_page: int = PAGE_ROWS) -> lis
     """The contact sheet of every sample as it trains, `per_page` rows a page: path, then path-2.png, path-3.png,
     ... Samples that will not train are on it, marked; the source lines that give no sample are listed on the last
     page. For a family that trains on sound, each row says whether the clip has an audio track."""
-    from vidtune.data.overview import summary, write_dataset_overview
-
     clips = check.clips
     header = summary(clips, check.report.sample_problems, check.report.source_problems)
     starts = range(0, max(len(clips), 1), per_page)

@@ -19,26 +19,26 @@ import io
 import json
 import os
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from tqdm import tqdm
 
+from vidtune.data.buckets import assign_bucket, clips_as_stills
 from vidtune.data.video import (
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
     VideoDecodeError,
     VideoInfo,
-    describe_length,
-    format_fps,
     is_image_path,
     probe_image,
     probe_video,
-    required_source_frames,
 )
-from vidtune.errors import DataError, VidtuneError
+from vidtune.errors import DataError
+
+if TYPE_CHECKING:  # the config's data section, named for annotations only (vidtune.config sits above data/)
+    from vidtune.config import DataConfig
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 # Whitespace plus stray byte-order marks (e.g. from pasting two files together).
@@ -108,16 +108,6 @@ def read_lines(path: str | os.PathLike[str]) -> list[str]:
 def _line_of_offset(data: bytes, offset: int) -> int:
     head = data[:offset]
     return len(_LINE_BREAK.findall(head.decode("latin-1"))) + 1
-
-
-def load_text_pair_dataset(
-    root: str | os.PathLike[str], videos_file: str = "videos.txt", prompts_file: str = "prompts.txt"
-) -> list[Clip]:
-    """Read the two lists in `root` into clips, or raise one DataError listing every problem."""
-    clips, problems = _read_pairs(root, videos_file, prompts_file)
-    if problems:
-        raise DataError(problems, hint=_hint(Path(root).expanduser().absolute()))
-    return clips
 
 
 def _read_pairs(root: str | os.PathLike[str], videos_file: str, prompts_file: str) -> tuple[list[Clip], list[str]]:
@@ -254,63 +244,12 @@ def _preview(text: str) -> str:
     return repr(short)
 
 
-def _hint(root: Path) -> str:
-    return f"fix the lines above (in the dataset folder {root}) and run again."
-
-
-def validate_clips(
-    clips: Sequence[Clip], num_frames: int, fps: float | None, progress: bool = True
-) -> list[VideoInfo]:
-    """Probe every clip; raise one DataError naming every unreadable or too-short clip.
-
-    `num_frames` and `fps` are what training reads per clip (data.frames and data.fps).
-    """
-    problems: list[str] = []
-    infos: list[VideoInfo] = []
-    probed: dict[Path, VideoInfo | VideoDecodeError] = {}  # a clip may be listed twice with two captions
-    for clip in tqdm(clips, desc="Checking clips", unit="clip", disable=not progress):
-        where = f"{clip.where} ({clip.video})"
-        if clip.video not in probed:
-            probed[clip.video] = probe(clip)
-        info = probed[clip.video]
-        if isinstance(info, VideoDecodeError):
-            problems.append(f"{where}: {info.reason}")
-            continue
-        reason = _length_problem(info, num_frames, fps)
-        if reason:
-            problems.append(f"{where}: {reason}")
-        infos.append(info)
-    if problems:
-        raise DataError(
-            problems, hint="fix or replace these clips (keep the captions in prompts.txt in step)."
-        )
-    return infos
-
-
 def probe(clip: Clip) -> VideoInfo | VideoDecodeError:
     """The probe of a sample (a still or a clip), or the error saying why it cannot be read."""
     try:
         return probe_image(clip.video) if clip.is_image else probe_video(clip.video)
     except VideoDecodeError as error:
         return error
-
-
-def _length_problem(info: VideoInfo, num_frames: int, fps: float | None) -> str | None:
-    """Why a clip is too short for a sample, in words, or None."""
-    try:
-        needed = required_source_frames(num_frames, fps, info.fps)
-    except VidtuneError as error:
-        return str(error)
-    if info.num_frames >= needed:
-        return None
-    have = describe_length(info.num_frames, info.fps)
-    if fps is None:
-        return f"it has {have}; {num_frames} are needed: use a longer clip or lower data.frames."
-    return (
-        f"it has {have}; reading {num_frames} frames at {format_fps(fps)} fps needs "
-        f"{needed / info.fps:.2f} s ({needed} source frames): use a longer clip, lower data.frames "
-        "or raise data.fps."
-    )
 
 
 # ----- every source of a config ---------------------------------------------------------------------------------
@@ -340,10 +279,10 @@ class DatasetReport:
                             "and run again; `vidtune data check CONFIG` shows each sample with its bucket.")
 
 
-def read_sources(data: Any) -> DatasetReport:
+def read_sources(data: DataConfig) -> DatasetReport:
     """Every sample of `data.datasets` (or `data.root`), in order, each with its own caption; nothing probed yet.
 
-    `data` is the config's data section. A line that names no usable sample is a problem, never skipped silently."""
+    A line that names no usable sample is a problem, never skipped silently."""
     report = DatasetReport([])
     sources = data.sources()
     for source in sources:
@@ -375,10 +314,8 @@ def read_sources(data: Any) -> DatasetReport:
     return report
 
 
-def inspect_dataset(data: Any, progress: bool = True) -> DatasetReport:
+def inspect_dataset(data: DataConfig, progress: bool = True) -> DatasetReport:
     """`read_sources`, then every sample probed (headers and packets, no decoding) and given its bucket."""
-    from vidtune.data.buckets import assign_bucket, clips_as_stills
-
     report = read_sources(data)
     shapes = data.bucket_shapes()
     probed: dict[Path, VideoInfo | VideoDecodeError] = {}  # a file may be listed twice, with two captions
@@ -399,7 +336,7 @@ def inspect_dataset(data: Any, progress: bool = True) -> DatasetReport:
     return report
 
 
-def load_dataset(data: Any, progress: bool = True) -> list[Clip]:
+def load_dataset(data: DataConfig, progress: bool = True) -> list[Clip]:
     """The checked samples of a config's data section (each with `info` and `bucket`), or one DataError listing
     every problem of every source. Warnings (files a folder holds but no sample uses) are printed."""
     report = inspect_dataset(data, progress=progress)
@@ -504,7 +441,7 @@ def _read_metadata(path: Path, video_column: str, caption_column: str,
         _jsonl_rows(path, text, video_column, caption_column, control_column)
     problems: list[str] = []
     clips: list[Clip] = []
-    for line, row, video, caption, problem, *control_value in rows:
+    for line, row, video, caption, problem, control_text in rows:
         where = f"{path.name} row {row} (line {line})" if row else f"{path.name} line {line}"
         if problem:
             problems.append(f"{where}: {problem}")
@@ -523,7 +460,6 @@ def _read_metadata(path: Path, video_column: str, caption_column: str,
             continue
         control = None
         if control_column is not None:
-            control_text = control_value[0] if control_value else ""
             if not control_text:
                 problems.append(f"{where}: the {control_column!r} value is empty: write the path of the control clip "
                                 f"of {video!r}.")
@@ -541,8 +477,15 @@ def _read_metadata(path: Path, video_column: str, caption_column: str,
     return clips, problems
 
 
-# (line, CSV row or 0, video, caption, problem[, control clip when a control column is read])
-Row = tuple[int, int, str, str, str | None] | tuple[int, int, str, str, str | None, str]
+class Row(NamedTuple):
+    """One CSV row or JSONL line as read, before its paths are checked: its values, or the problem that it has."""
+
+    line: int  # where it starts in the file
+    row: int  # the CSV row (the header not counted); 0 in a JSONL file
+    video: str = ""
+    caption: str = ""
+    problem: str | None = None
+    control: str = ""  # the control clip, when a control column is read
 
 
 def _csv_rows(path: Path, text: str, video_column: str, caption_column: str,
@@ -568,11 +511,11 @@ def _csv_rows(path: Path, text: str, video_column: str, caption_column: str,
         if not any(cell.strip(_STRIP) for cell in cells):
             continue  # a blank line between rows
         if len(cells) <= max(at):
-            rows.append((start, number, "", "", f"it has {len(cells)} cells but the header has {len(header)}: "
-                         "check for a missing comma or a caption with a comma that is not in double quotes."))
+            rows.append(Row(start, number, problem=f"it has {len(cells)} cells but the header has {len(header)}: "
+                            "check for a missing comma or a caption with a comma that is not in double quotes."))
             continue
         video, caption, *control = (cells[i].strip(_STRIP) for i in at)
-        rows.append((start, number, video, caption, None, *control))
+        rows.append(Row(start, number, video, caption, control=control[0] if control else ""))
     return rows
 
 
@@ -586,23 +529,24 @@ def _jsonl_rows(path: Path, text: str, video_column: str, caption_column: str,
         try:
             item = json.loads(content)
         except json.JSONDecodeError as error:
-            rows.append((line, 0, "", "", f"this is not valid JSON ({error.msg} at character {error.colno}): write "
-                         f'one object per line, e.g. {{"{video_column}": "clip.mp4", "{caption_column}": "a cat"}}.'))
+            rows.append(Row(line, 0, problem=f"this is not valid JSON ({error.msg} at character {error.colno}): "
+                            f'write one object per line, e.g. {{"{video_column}": "clip.mp4", "{caption_column}": '
+                            '"a cat"}.'))
             continue
         if not isinstance(item, dict):
-            rows.append((line, 0, "", "", "this is not a JSON object ({...}): write one object per line."))
+            rows.append(Row(line, 0, problem="this is not a JSON object ({...}): write one object per line."))
             continue
         missing = [key for key in columns if key not in item]
         if missing:
-            rows.append((line, 0, "", "", f"no key {' and no key '.join(repr(k) for k in missing)}; its keys are: "
-                         f"{', '.join(repr(k) for k in item) or 'none'}. Rename the key, or set video_column / "
-                         "caption_column / control_column in the dataset entry."))
+            rows.append(Row(line, 0, problem=f"no key {' and no key '.join(repr(k) for k in missing)}; its keys are: "
+                            f"{', '.join(repr(k) for k in item) or 'none'}. Rename the key, or set video_column / "
+                            "caption_column / control_column in the dataset entry."))
             continue
         values = [item[column] for column in columns]
         if not all(isinstance(value, str) for value in values):
-            rows.append((line, 0, "", "", f"{' and '.join(repr(c) for c in columns)} must be text (in double "
-                         "quotes)."))
+            rows.append(Row(line, 0, problem=f"{' and '.join(repr(c) for c in columns)} must be text (in double "
+                            "quotes)."))
             continue
         video, caption, *control = (value.strip(_STRIP) for value in values)
-        rows.append((line, 0, video, caption, None, *control))
+        rows.append(Row(line, 0, video, caption, control=control[0] if control else ""))
     return rows

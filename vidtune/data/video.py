@@ -302,46 +302,41 @@ def select_frame_indices(info: VideoInfo, num_frames: int, fps: float | None, st
 # Reading
 
 
-def read_clip(
-    path: str | os.PathLike[str],
-    num_frames: int,
-    height: int,
-    width: int,
-    fps: float | None = None,
-    start: int = 0,
-    resize: str = "crop",
-) -> torch.Tensor:
-    """Decode the frames a sample needs as a float32 tensor [F, 3, H, W] in [-1, 1].
+@dataclass(frozen=True)
+class ClipWindow:
+    """Which frames of a clip a sample is, and the size they are read at: `frames` frames from source frame `start`,
+    consecutive (`fps` None) or resampled to `fps` by nearest timestamp, resized to `height` x `width` by `resize`:
+    `crop` covers H x W keeping the aspect ratio, then cuts the centre; `fit` fits inside and pads with black;
+    `stretch` scales to H x W exactly."""
 
-    `resize`: `crop` covers H x W keeping the aspect ratio, then cuts the centre; `fit` fits inside and pads
-    with black; `stretch` scales to H x W exactly.
-    """
-    return frames_to_tensor(decode_clip(path, num_frames, height, width, fps, start, resize))
+    frames: int
+    height: int
+    width: int
+    fps: float | None = None
+    start: int = 0
+    resize: str = "crop"
 
 
-def decode_clip(
-    path: str | os.PathLike[str],
-    num_frames: int,
-    height: int,
-    width: int,
-    fps: float | None = None,
-    start: int = 0,
-    resize: str = "crop",
-) -> np.ndarray:
+def read_clip(path: str | os.PathLike[str], window: ClipWindow) -> torch.Tensor:
+    """Decode the frames of `window` as a float32 tensor [F, 3, H, W] in [-1, 1]."""
+    return frames_to_tensor(decode_clip(path, window))
+
+
+def decode_clip(path: str | os.PathLike[str], window: ClipWindow) -> np.ndarray:
     """`read_clip`'s frames as decoded and resized, uint8 [F, H, W, 3] (a quarter of the float32 size, to keep)."""
     path = Path(path)
     if is_image_path(path):
-        if num_frames != 1:
-            raise ClipTooShortError(path, 1, num_frames, 0.0)
-        return _image_array(path, height, width, resize)
+        if window.frames != 1:
+            raise ClipTooShortError(path, 1, window.frames, 0.0)
+        return _image_array(path, window.height, window.width, window.resize)
     _check_file(path)
     try:
         with av.open(str(path)) as container:
             stream = _video_stream(container, path)
             stream.thread_type = "AUTO"
             source_fps = _stream_fps(stream)
-            indices = _resampled_indices(num_frames, fps, source_fps, start)
-            images = _decode_indices(container, stream, indices, path, (height, width), resize)
+            indices = _resampled_indices(window.frames, window.fps, source_fps, window.start)
+            images = _decode_indices(container, stream, indices, path, (window.height, window.width), window.resize)
     except av.FFmpegError as error:
         raise VideoDecodeError(path, _damaged_reason(error)) from error
     return np.stack([images[index] for index in indices])
@@ -377,7 +372,7 @@ def _image_array(path: Path, height: int, width: int, resize: str) -> np.ndarray
 def read_frames(path: str | os.PathLike[str], indices: list[int], size: tuple[int, int] | None = None,
                 resize: str = "crop") -> list[np.ndarray]:
     """Decode the given source frames (in the order given) as displayed, uint8 RGB arrays [H, W, 3]; with `size`
-    (height, width), resized to it as training resizes them (see `read_clip` for `resize`)."""
+    (height, width), resized to it as training resizes them (see `ClipWindow` for `resize`)."""
     path = Path(path)
     if is_image_path(path) and size is not None:
         return [_image_array(path, size[0], size[1], resize)[0] for _ in indices]
@@ -469,7 +464,7 @@ def _decoded_frames(
 def _to_rgb(
     frame: av.VideoFrame, stream: av.video.stream.VideoStream, size: tuple[int, int] | None, resize: str = "crop"
 ) -> np.ndarray:
-    """RGB uint8 [H, W, 3] as displayed; with `size`, resized to it (see `read_clip` for `resize`)."""
+    """RGB uint8 [H, W, 3] as displayed; with `size`, resized to it (see `ClipWindow` for `resize`)."""
     turns = _rotation_turns(frame)
     display_w, display_h = _display_size(frame, stream)
     if size is None:

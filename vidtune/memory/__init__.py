@@ -95,7 +95,7 @@ def fp8_layers(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> tuple[list[tu
     return linears, others
 
 
-def _skip_patterns(model: nn.Module) -> tuple[str, ...]:
+def skip_patterns(model: nn.Module) -> tuple[str, ...]:
     """The layers layerwise casting would skip (the model's own patterns, else diffusers' defaults), and those a
     transformers model keeps in fp32 (T5's `wo`: T5 casts its input to that layer's weight dtype)."""
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
@@ -106,11 +106,13 @@ def _skip_patterns(model: nn.Module) -> tuple[str, ...]:
 
 
 def _kept_in_full_precision(model: nn.Module) -> Callable[[str], bool]:
-    patterns = _skip_patterns(model)
+    patterns = skip_patterns(model)
     return lambda name: any(re.search(pattern, name) for pattern in patterns)
 
 
-def _frozen_linears(denoiser: nn.Module, keep_modules: tuple[str, ...] = ()) -> list[tuple[str, nn.Linear]]:
+def frozen_linears(denoiser: nn.Module, keep_modules: tuple[str, ...] = ()) -> list[tuple[str, nn.Linear]]:
+    """(name, layer) of the plain linear layers `memory.base_weights` stores in fewer bits: not those kept in full
+    precision (`skip_patterns`), not `keep_modules`, not an adapter's own layers."""
     keep = _kept_in_full_precision(denoiser)
     return [(name, module) for name, module in denoiser.named_modules()
             if type(module) is nn.Linear and not keep(name) and name not in keep_modules
@@ -150,7 +152,7 @@ def finish_base_weights(denoiser: nn.Module, option: str, keep: tuple[str, ...] 
 def _linears_to_int8(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> None:
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    chosen = {id(module) for _, module in _frozen_linears(denoiser, keep)}
+    chosen = {id(module) for _, module in frozen_linears(denoiser, keep)}
     quantize_(denoiser, Int8WeightOnlyConfig(), filter_fn=lambda module, _name: id(module) in chosen)
 
 
@@ -160,7 +162,7 @@ def _linears_to_nf4(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> None:
     import bitsandbytes as bnb
 
     compute_dtype = denoiser.dtype
-    for name, linear in _frozen_linears(denoiser, keep):
+    for name, linear in frozen_linears(denoiser, keep):
         device = linear.weight.device
         layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
                                   compute_dtype=compute_dtype, quant_type="nf4", device="meta")
@@ -186,7 +188,7 @@ def store_text_encoder_weights(text: TextComponents, option: str) -> None:
             from diffusers.hooks import apply_layerwise_casting
 
             apply_layerwise_casting(module, storage_dtype=torch.float8_e4m3fn, compute_dtype=module.dtype,
-                                    skip_modules_pattern=_skip_patterns(module))
+                                    skip_modules_pattern=skip_patterns(module))
         elif option == "int8":
             _linears_to_int8(module)
         elif option == "nf4":

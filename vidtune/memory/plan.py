@@ -28,7 +28,7 @@ from torch import nn
 
 from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
-from vidtune.memory import _frozen_linears, _skip_patterns
+from vidtune.memory import frozen_linears, skip_patterns
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
@@ -107,7 +107,7 @@ class StepTrace:
     host_activations: int
 
 
-def _planned_device(config: Config) -> torch.device:
+def planned_device(config: Config) -> torch.device:
     """The device the plan is for: training.device, CUDA when `auto` (the planner's question is about a GPU)."""
     device = config.training.device
     return torch.device("cuda" if device == "auto" else device.split(":")[0])
@@ -148,7 +148,7 @@ def _weight_sizes(denoiser: nn.Module, base_weights: str) -> dict[str, int]:
     sizes = {name: p.untyped_storage().nbytes() for name, p in denoiser.named_parameters()}
     sizes.update({f"buffer:{name}": b.untyped_storage().nbytes() for name, b in denoiser.named_buffers()})
     if base_weights in ("int8", "nf4"):
-        for name, linear in _frozen_linears(denoiser):
+        for name, linear in frozen_linears(denoiser):
             sizes[f"{name}.weight"] = quantized_linear_bytes(linear, base_weights)
     elif base_weights == "fp8":  # one byte a value, the layers `store_frozen_weights_in_fp8` casts
         for prefix, layers in _fp8_modules(denoiser):
@@ -486,9 +486,6 @@ def _idle_expert_bytes(trace: StepTrace, base_weights: str) -> int:
         _frozen_bytes(expert, base_weights) for expert in trace.denoiser.experts()))
 
 
-_ACCOUNTED: dict[tuple, object] = {}
-
-
 def _sizes(trace: StepTrace, base_weights: str) -> dict[str, int]:
     return _cached(trace, ("sizes", base_weights), lambda: _weight_sizes(trace.denoiser, base_weights))
 
@@ -500,9 +497,10 @@ def _blocks(trace: StepTrace) -> list[list[str]]:
 def _cached(trace: StepTrace, key: object, compute):
     """Sums over the denoiser's tensors, computed once per traced denoiser (the suggestion search asks often)."""
     full = (id(trace.denoiser), key)
-    if full not in _ACCOUNTED:
-        _ACCOUNTED[full] = compute()
-    return _ACCOUNTED[full]
+    accounted = TRACES.accounted
+    if full not in accounted:
+        accounted[full] = compute()
+    return accounted[full]
 
 
 def account_host(trace: StepTrace, config: Config, device: torch.device) -> dict[str, int]:
@@ -573,7 +571,7 @@ def _module_bytes(modules: list[nn.Module], option: str = "auto") -> int:
         tensors = [*module.parameters(), *module.buffers()]
         total += _unique_storage_bytes(tensors)
         if option in ("int8", "nf4"):
-            for _, linear in _frozen_linears(module):
+            for _, linear in frozen_linears(module):
                 total += quantized_linear_bytes(linear, option) - linear.weight.untyped_storage().nbytes()
     return total
 
@@ -594,7 +592,7 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
 
             for encoder in encoders:
                 apply_layerwise_casting(encoder, storage_dtype=torch.float8_e4m3fn, compute_dtype=encoder.dtype,
-                                        skip_modules_pattern=_skip_patterns(encoder))
+                                        skip_modules_pattern=skip_patterns(encoder))
         live = LiveMemory()
         live.known([t for encoder in encoders for t in (*encoder.parameters(), *encoder.buffers())])
         with fused_attention(device.type), live, KnownValues():
@@ -641,7 +639,7 @@ def plan_memory(config: Config, world_size: int = 1) -> MemoryPlan:
 
 def _plan(config: Config, world_size: int) -> MemoryPlan:
     config, label = resolve_architecture(config)
-    device = _planned_device(config)
+    device = planned_device(config)
     options = config.memory
     if options.blocks_to_swap and config.training.algorithm in ("full", "control-full"):
         raise ConfigError("memory.blocks_to_swap works with adapter training only: full fine-tuning updates the "
@@ -694,9 +692,20 @@ def _model_key(config: Config, device: torch.device) -> tuple:
             training.batch_size, training.precision, config.lora.model_dump_json(), config.full.model_dump_json())
 
 
-_ENCODERS: dict[tuple, EncoderTrace] = {}
-_MODELS: dict[tuple, TracedModel] = {}
-_STEPS: dict[tuple, StepTrace] = {}
+@dataclass
+class Traces:
+    """What the planner traced in this process, by the settings each depends on: the encoders' outputs, the traced
+    denoisers, their steps, and sums over a traced denoiser's tensors. The suggestion search plans many configs that
+    share them. `TRACES` is the process's; replace it with a new `Traces()` to plan from nothing (a test that counts
+    the traces)."""
+
+    encoders: dict[tuple, EncoderTrace] = field(default_factory=dict)
+    models: dict[tuple, TracedModel] = field(default_factory=dict)
+    steps: dict[tuple, StepTrace] = field(default_factory=dict)
+    accounted: dict[tuple, object] = field(default_factory=dict)
+
+
+TRACES = Traces()
 # `vidtune plan` keeps the traces on disk between runs (vidtune/memory/stored.py); the library does not by default.
 STORED_TRACES = False
 
@@ -722,9 +731,10 @@ def _stored_key(kind: str, config: Config, key: tuple) -> str:
 
 def _encoders(config: Config, device: torch.device) -> EncoderTrace:
     key = _encoder_key(config, device)
-    if key not in _ENCODERS:
-        _ENCODERS[key] = _stored_encoders(config, device, key) if STORED_TRACES else trace_encoders(config, device)
-    return _ENCODERS[key]
+    encoders = TRACES.encoders
+    if key not in encoders:
+        encoders[key] = _stored_encoders(config, device, key) if STORED_TRACES else trace_encoders(config, device)
+    return encoders[key]
 
 
 def _stored_encoders(config: Config, device: torch.device, key: tuple) -> EncoderTrace:
@@ -745,22 +755,24 @@ def _stored_encoders(config: Config, device: torch.device, key: tuple) -> Encode
 
 def _traced_model(config: Config, device: torch.device, encoders: EncoderTrace) -> TracedModel:
     key = _model_key(config, device)
-    if key not in _MODELS:
+    models = TRACES.models
+    if key not in models:
         latent = encoders.latents["latents_mean"]
         video_conditions = {k: v for k, v in encoders.latents.items() if k not in ("latents_mean", "latents_std")}
-        _MODELS[key] = build_traced_model(config, {**encoders.conditions, **video_conditions}, tuple(latent.shape),
-                                          device)
-    return _MODELS[key]
+        models[key] = build_traced_model(config, {**encoders.conditions, **video_conditions}, tuple(latent.shape),
+                                         device)
+    return models[key]
 
 
 def _step(config: Config, device: torch.device, encoders: EncoderTrace) -> StepTrace:
     checkpointing = config.training.gradient_checkpointing
     key = (*_model_key(config, device), checkpointing)
-    if key not in _STEPS:
+    steps = TRACES.steps
+    if key not in steps:
         model = _traced_model(config, device, encoders)
         if not STORED_TRACES:
-            _STEPS[key] = trace_step(model, config, device, checkpointing)
-            return _STEPS[key]
+            steps[key] = trace_step(model, config, device, checkpointing)
+            return steps[key]
         from vidtune.memory import stored
 
         digest = _stored_key("step", config, key)
@@ -771,5 +783,11 @@ def _step(config: Config, device: torch.device, encoders: EncoderTrace) -> StepT
                                              trace.host_activations]})
         else:
             trace = StepTrace(model.denoiser, model.parameters, *found["counts"])
-        _STEPS[key] = trace
-    return _STEPS[key]
+        steps[key] = trace
+    return steps[key]
+
+
+def traced_step(config: Config, device: torch.device) -> StepTrace:
+    """The traced training step of `config` (its architecture resolved: see `resolve_architecture`) on `device`,
+    traced once per process for the settings it depends on."""
+    return _step(config, device, _encoders(config, device))

@@ -25,11 +25,10 @@ from vidtune.config import Config, apply_overrides, build_config
 from vidtune.memory.plan import (
     GIB,
     MemoryPlan,
-    _encoders,
-    _planned_device,
-    _step,
     plan_memory,
+    planned_device,
     resolve_architecture,
+    traced_step,
     transformer_blocks,
 )
 
@@ -157,8 +156,8 @@ def _fewest_blocks(config: Config, budget: float, world_size: int) -> tuple[int,
     if config.training.algorithm not in ADAPTER_ALGORITHMS or config.memory.blocks_to_swap:
         return None
     resolved, _ = resolve_architecture(config)
-    device = _planned_device(resolved)
-    total = len(transformer_blocks(_step(resolved, device, _encoders(resolved, device)).denoiser))
+    device = planned_device(resolved)
+    total = len(transformer_blocks(traced_step(resolved, device).denoiser))
     if total == 0:  # no block lists block swap knows (Wan 2.2 A14B's two experts)
         return None
     plan = plan_memory(with_overrides(config, [f"memory.blocks_to_swap={total}"]), world_size)

@@ -14,7 +14,6 @@ each failure into a message that says what is wrong, where, and what to do:
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -58,14 +57,27 @@ def _where(repo_id: str, revision: str | None) -> str:
     return f"{repo_id}" + (f" at revision {revision}" if revision else "")
 
 
-@functools.cache
+class HubCheck:
+    """`check_hub_model` asked at most once per model by whoever holds this object: a spec holds one for its run,
+    so its early checks (the model's files, then each shape check reading a config) make one request, and nothing
+    is remembered beyond the run. A failure is not remembered: asking again asks the hub again."""
+
+    def __init__(self) -> None:
+        self._passed: set[tuple[str, str | None, str, tuple[str, ...], str | None]] = set()
+
+    def __call__(self, repo_id: str, revision: str | None, family: str, components: tuple[str, ...],
+                 folder: str | None = None) -> None:
+        key = (repo_id, revision, family, components, folder)
+        if key not in self._passed:
+            check_hub_model(repo_id, revision, family, components, folder)
+            self._passed.add(key)
+
+
 def check_hub_model(repo_id: str, revision: str | None, family: str, components: tuple[str, ...],
                     folder: str | None = None) -> None:
     """Raise a ModelError naming what to do when `repo_id` cannot give the family's `components`. `folder`: the
     folder `repo_id` was first looked for as (a relative path), named when the hub has no such model either.
-
-    Asked once per process for the same arguments (the trainer, `vidtune data check` and the precompute stage
-    all check before their long work; the answer does not change in between)."""
+    Asks every time it is called; `HubCheck` asks once."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import (
         DisabledRepoError,

@@ -31,7 +31,7 @@ from vidtune.config import Config
 from vidtune.data.audio import AudioFormat, ClipAudio, read_audio
 from vidtune.data.buckets import window_starts
 from vidtune.data.sources import Clip
-from vidtune.data.video import read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
 from vidtune.precompute.cache import CacheStore, Fingerprints, entry_key
@@ -118,9 +118,13 @@ class Preprocess:
         data = config.data
         return cls(data.frames, data.height, data.width, data.fps, data.resize)
 
+    @property
+    def window(self) -> ClipWindow:
+        """The frames and size `read` decodes."""
+        return ClipWindow(self.frames, self.height, self.width, self.fps, self.start, self.resize)
+
     def read(self, path: str | Path) -> torch.Tensor:
-        video = read_clip(path, self.frames, self.height, self.width, fps=self.fps, start=self.start,
-                          resize=self.resize)
+        video = read_clip(path, self.window)
         if self.processor is None:
             return video
         name, options = self.processor

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from vidtune.config import DType, folder_looked_for
 from vidtune.errors import ModelError
 from vidtune.memory import store_text_encoder_weights
-from vidtune.models.hub import check_hub_model, looks_local
+from vidtune.models.hub import HubCheck, looks_local
 from vidtune.models.registry import SPECS, get_spec_class
 from vidtune.models.spec.base import SpecBase
 from vidtune.offload import loading_device
@@ -89,13 +89,18 @@ class Loading(SpecBase):
             return f"{key}: {(local / relative).resolve()}"
         return f"{key}: {relative} of {source}"
 
+    @functools.cached_property
+    def _hub_check(self) -> HubCheck:
+        """This spec's hub check: the hub is asked once for its run, however many checks read the model."""
+        return HubCheck()
+
     def check_source(self) -> None:
         """Fail early and clearly when the model cannot be had: a local folder missing or incomplete, or a hub id
         the hub cannot give (unreachable, offline and not cached, gated, missing, a wrong revision)."""
         pretrained = self.config.pretrained
         needed = tuple(name for name in self.required_components() if name not in self.config.subfolders)
         if not looks_local(pretrained):
-            check_hub_model(pretrained, self.config.revision, self.name, needed, folder_looked_for(pretrained))
+            self._hub_check(pretrained, self.config.revision, self.name, needed, folder_looked_for(pretrained))
             return
         from vidtune.models.folders import check_folder_exists, describe_run, model_folders_inside, run_folder
 

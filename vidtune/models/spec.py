@@ -38,6 +38,7 @@ from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.memory import store_text_encoder_weights
 from vidtune.models import first_frame
 from vidtune.models.defaults import FamilyDefaults
+from vidtune.models.hooks import DenoiserHooks
 from vidtune.models.hub import check_hub_model, looks_local
 from vidtune.models.registry import SPECS, get_spec_class
 from vidtune.objectives import Objective, objective_from_scheduler
@@ -209,8 +210,9 @@ def raise_shape_problems(family: str, problems: list[str | None], spec: ModelSpe
     raise ConfigError("\n".join(lines))
 
 
-class ModelSpec(ABC):
-    """One model family. Subclasses set the class attributes and implement the abstract methods."""
+class ModelSpec(DenoiserHooks, ABC):
+    """One model family. Subclasses set the class attributes and implement the abstract methods; the hooks generic
+    code asks about the denoiser (`DenoiserHooks`, vidtune/models/hooks.py) have defaults for one denoiser."""
 
     name: ClassVar[str]
     # Named sets of LoRA targets (`lora.target_modules: attention+ffn`); `default_lora_preset` is used when unset.

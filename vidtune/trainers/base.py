@@ -402,8 +402,10 @@ class Trainer(ABC):
         seed, dropout = self.config.training.seed, self.config.data.caption_dropout
         generators = [visit_generator(seed, int(position)) for position in batch.positions]
         tokens = self.spec.token_count(batch.latents[POSTERIOR_KEYS[0]].shape[1:])  # one bucket shape a batch
-        # The step's noise levels: the family may narrow them per step, alike on every rank (vidtune/models/hooks.py).
-        objective = self.spec.step_objective(self.objective, self.config, self.state.step, tokens)
+        # The step's noise levels (a loss computed before training starts: the first step's): the family may narrow
+        # them per step, alike on every rank (vidtune/models/hooks.py).
+        step = self.state.step if self.state is not None else 0
+        objective = self.spec.step_objective(self.objective, self.config, step, tokens)
         levels = torch.cat([objective.sample_noise_levels(1, g, tokens) for g in generators])
         x0 = torch.cat([
             draw_latent({k: batch.latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)

@@ -23,7 +23,6 @@ def routed_steps(two_expert_dir, make_config, **training):
     spec = spec_of("wan2.2", two_expert_dir, expert_routing="step")
     config = two_expert_config(make_config, model={"expert_routing": "step"},
                                training={"sigma_sampling": "logit_normal", **training})(two_expert_dir)
-    spec.check_training(config)
     objective = spec.objective(config.training)
     return objective, lambda step: spec.step_objective(objective, config, step)
 

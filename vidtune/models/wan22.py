@@ -129,7 +129,7 @@ class Wan22Spec(WanSpec):
                 f"student's {config.distillation.student_steps} sampling steps run both experts, so both students "
                 "train.\nWhat to do: remove model.experts (both)."
             )
-        self.expert_routing(config)
+        self.expert_routing(config)  # its refusals, before any long work (`step_objective` resolves it again)
         if traits.trains_base_weights and len(self.trained_experts) == 1:
             full = ("distillation.student=full" if traits.chooses_student
                     else f"training.algorithm={config.training.algorithm}")

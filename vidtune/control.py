@@ -8,18 +8,19 @@ the base model computes until they train. A forward pre-hook on the denoiser (`C
 latents to `hidden_states` on every call, after anything the family itself concatenates (an image-to-video first
 frame), so training (`spec.forward`) and sampling (the family's pipeline) feed the widened layer alike.
 
-Two experts (Wan 2.2 A14B, vidtune/models/experts.py): each expert's input layer is widened and trained on its own
-(`ExpertsControlInput`). In training the router gets the whole batch's control latents as a keyword argument
-(`CONTROL_KWARG`), so a batch split between the experts hands each expert the control rows of its own samples; the
-pipeline calls the experts directly, and each takes the latents set with `given`.
+A denoiser module holding several denoisers (Wan 2.2 A14B's two experts; the spec's `control_parts` names them):
+each part's input layer is widened and trained on its own (`ExpertsControlInput`). In training the module that
+routes samples to its parts gets the whole batch's control latents as a keyword argument (`CONTROL_KWARG`), so a
+batch split between the parts hands each part the control rows of its own samples; the pipeline calls the parts
+directly, and each takes the latents set with `given`.
 
 On disk (a run's `output_dir`, beside its LoRA file or `transformer/` folder):
 - `control.json`: {"format": 1, "family", "layer": the widened module's name, "in_features": its input size
   before widening, "control_channels": latent channels of the control clip, "control_in_features": the inputs
-  added; two experts: "experts": ["transformer", "transformer_2"]};
-- `control_input.safetensors`: the widened layer's `weight` (and `bias`), all input channels; two experts: the
-  high-noise expert's, and `control_input_transformer_2.safetensors` the low-noise expert's (the adapter files'
-  naming).
+  added; several parts: "experts": the parts' names, e.g. ["transformer", "transformer_2"]};
+- `control_input.safetensors`: the widened layer's `weight` (and `bias`), all input channels; several parts: the
+  first part's, and a file per further part named after it (`control_input_transformer_2.safetensors` for Wan 2.2's
+  low-noise expert, the adapter files' naming).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch import nn
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError, ModelError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
-from vidtune.models.experts import TwoExperts, expert_file
+from vidtune.models.experts import expert_file
 from vidtune.processors import ProcessorChoice, apply_processor
 
 CONTROL_CONFIG = "control.json"
@@ -45,7 +46,7 @@ CONTROL_WEIGHTS = "control_input.safetensors"
 # With `training.ema_decay`: the widened layer's moving average, beside the averaged adapter / transformer.
 CONTROL_EMA_WEIGHTS = "control_input_ema.safetensors"
 CONTROL_FORMAT = 1
-# The keyword a router of several denoisers (TwoExperts) passes each one its samples' rows of the control latents by.
+# The keyword a module routing samples to several denoisers passes each one its samples' rows of the control latents by.
 CONTROL_KWARG = "control_latents"
 
 
@@ -215,11 +216,11 @@ def save_control(control: ControlInput | ExpertsControlInput, folder: Path, dtyp
 
 
 class ExpertsControlInput:
-    """Both experts of a `TwoExperts` denoiser widened, each with its own `ControlInput` (its own trained layer and
-    hook), behind `ControlInput`'s interface; state-dict keys and files name the expert (`transformer.weight`,
-    `control_input_transformer_2.safetensors`)."""
+    """Each part of a denoiser module holding several denoisers widened (`spec.control_parts`), each with its own
+    `ControlInput` (its own trained layer and hook), behind `ControlInput`'s interface; state-dict keys and files
+    name the part (`transformer.weight`, `control_input_transformer_2.safetensors`)."""
 
-    def __init__(self, spec: Any, router: TwoExperts, parts: dict[str, ControlInput]) -> None:
+    def __init__(self, spec: Any, router: nn.Module, parts: dict[str, ControlInput]) -> None:
         self.spec = spec
         self.router = router
         self.parts = parts
@@ -229,12 +230,12 @@ class ExpertsControlInput:
         self.control_channels = first.control_channels
         self.latents: torch.Tensor | None = None
         # The router's training calls: the batch's control latents go in as a keyword argument, which the router
-        # splits by rows with the samples (TwoExperts.forward), so each expert sees its own samples' controls.
+        # splits by rows with the samples (as every per-sample input), so each part sees its own samples' controls.
         self.handle = router.register_forward_pre_hook(self.route_control, with_kwargs=True)
 
     @classmethod
-    def attach(cls, spec: Any, router: TwoExperts, dtype: torch.dtype | None = None) -> ExpertsControlInput:
-        parts = {name: ControlInput.attach(spec, router.expert(name), dtype) for name in router.trained}
+    def attach(cls, spec: Any, router: nn.Module, dtype: torch.dtype | None = None) -> ExpertsControlInput:
+        parts = {name: ControlInput.attach(spec, part, dtype) for name, part in spec.control_parts(router).items()}
         return cls(spec, router, parts)
 
     def layers(self) -> dict[str, nn.Module]:
@@ -287,10 +288,15 @@ class ExpertsControlInput:
         return save_control(self, folder, dtype, name)
 
 
+def several_parts(spec: Any, denoiser: nn.Module) -> bool:
+    """Whether the control input widens parts of `denoiser` (keys and files named after them), not `denoiser`."""
+    return list(spec.control_parts(denoiser)) != [""]
+
+
 def attach_control(spec: Any, denoiser: nn.Module, dtype: torch.dtype | None = None
                    ) -> ControlInput | ExpertsControlInput:
-    """Widen the denoiser's input layer for control latents: each trained expert's, for two experts."""
-    if isinstance(denoiser, TwoExperts):
+    """Widen the denoiser's input layer for control latents: each part's, for a denoiser of several parts."""
+    if several_parts(spec, denoiser):
         return ExpertsControlInput.attach(spec, denoiser, dtype)
     return ControlInput.attach(spec, denoiser, dtype)
 
@@ -314,8 +320,8 @@ def has_control(folder: Path) -> bool:
 def load_control(spec: Any, denoiser: nn.Module, folder: Path, ema: bool = False
                  ) -> ControlInput | ExpertsControlInput:
     """Widen `denoiser` as `folder/control.json` says and load `folder/control_input.safetensors` into it (with
-    `ema`: the layer's moving average, `control_input_ema.safetensors`). Two experts (a `TwoExperts` denoiser):
-    both, the low-noise one from `control_input_transformer_2.safetensors`."""
+    `ema`: the layer's moving average, `control_input_ema.safetensors`). A denoiser of several parts: each part's,
+    from its own file (Wan 2.2's low-noise expert from `control_input_transformer_2.safetensors`)."""
     folder = Path(folder)
     name = CONTROL_EMA_WEIGHTS if ema else CONTROL_WEIGHTS
     try:
@@ -328,11 +334,12 @@ def load_control(spec: Any, denoiser: nn.Module, folder: Path, ema: bool = False
         raise ModelError(f"{folder / CONTROL_CONFIG}: made for {described.get('family')} (layer "
                          f"{described.get('layer')}), not {spec.name}.\nWhat to do: use the run's own model.")
     experts = described.get("experts")
-    if experts is not None and (not isinstance(denoiser, TwoExperts) or tuple(experts) != denoiser.trained):
+    several = several_parts(spec, denoiser)
+    if experts is not None and (not several or tuple(experts) != tuple(spec.control_parts(denoiser))):
         raise ModelError(f"{folder / CONTROL_CONFIG}: made for the experts {', '.join(experts)} of a two-expert "
                          "model, which this model does not match.\nWhat to do: use the run's own model and "
                          "model.experts (its config.yaml).")
-    if experts is None and isinstance(denoiser, TwoExperts):
+    if experts is None and several:
         raise ModelError(f"{folder / CONTROL_CONFIG}: made for one denoiser, but {spec.config.pretrained} has two "
                          "experts.\nWhat to do: use the run's own model (model.pretrained of its config.yaml).")
     control = attach_control(spec, denoiser)

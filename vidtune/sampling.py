@@ -34,7 +34,6 @@ from vidtune.data.sources import Clip
 from vidtune.data.video import ClipWindow, frames_to_uint8, read_clip, write_video
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
-from vidtune.models.experts import TwoExperts
 from vidtune.models.spec import ModelSpec
 from vidtune.processors import configured_processor
 from vidtune.schedulers import student_scheduler
@@ -358,8 +357,7 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
     if adapter:
         spec.load_lora(pipeline, run, weights.name)
     averaged = weights.name in (outputs.LORA_EMA_WEIGHTS, outputs.TRANSFORMER_EMA_FOLDER)
-    # Two experts: both are widened (the router knows them); one denoiser: the pipeline's transformer.
-    widened = denoiser if isinstance(denoiser, TwoExperts) else pipeline.transformer
+    widened = spec.control_target(denoiser, pipeline)  # what the pipeline calls (several parts: their holder)
     control = load_control(spec, widened, run, ema=averaged) if has_control(run) else None
     return RunPipeline(pipeline, spec, config, weights, device, control, vae)
 

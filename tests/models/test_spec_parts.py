@@ -14,6 +14,7 @@ from vidtune.errors import ModelError
 from vidtune.models.ltx_video import LTXVideoSpec
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.spec import (
+    DenoiserHooks,
     Denoising,
     Encoding,
     Formats,
@@ -25,12 +26,14 @@ from vidtune.models.spec import (
 )
 
 CPU = torch.device("cpu")
-PARTS = {"loading": Loading, "encoding": Encoding, "denoising": Denoising, "sampling": Sampling, "formats": Formats}
+PARTS = {"loading": Loading, "encoding": Encoding, "denoising": Denoising, "sampling": Sampling, "formats": Formats,
+         "hooks": DenoiserHooks}
 # The parts a part extends, as docs/architecture.md states: no other part reads another.
-EXTENDS = {Loading: SpecBase, Encoding: SpecBase, Denoising: Loading, Sampling: Encoding, Formats: SpecBase}
+EXTENDS = {Loading: SpecBase, Encoding: SpecBase, Denoising: Loading, Sampling: Encoding, Formats: SpecBase,
+           DenoiserHooks: SpecBase}
 
 
-def test_model_spec_is_the_five_parts_and_each_part_extends_only_what_it_reads():
+def test_model_spec_is_the_six_parts_and_each_part_extends_only_what_it_reads():
     assert all(issubclass(ModelSpec, part) for part in PARTS.values())
     for part, base in EXTENDS.items():
         assert part.__bases__ == (base,), part
@@ -49,7 +52,7 @@ def test_model_spec_is_the_five_parts_and_each_part_extends_only_what_it_reads()
 def test_the_parts_import_no_part_they_do_not_extend():
     """A part module imports the shared base and only the part(s) it extends (or their plain data types)."""
     allowed = {"loading": {"base"}, "encoding": {"base", "loading"}, "denoising": {"base", "loading"},
-               "sampling": {"base", "encoding", "loading"}, "formats": {"base"}}
+               "sampling": {"base", "encoding", "loading"}, "formats": {"base"}, "hooks": {"base"}}
     for name, part in PARTS.items():
         tree = ast.parse(inspect.getsource(inspect.getmodule(part)))
         imported = {node.module.rpartition(".")[2] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)

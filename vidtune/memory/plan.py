@@ -33,7 +33,6 @@ from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
 from vidtune.memory.values import KnownValues, UnknownValue
-from vidtune.models.experts import TwoExperts
 from vidtune.models.registry import get_spec_class
 from vidtune.trainers import build_trainer
 
@@ -335,8 +334,7 @@ def build_traced_model(config: Config, conditions: dict, latent_shape: tuple[int
     spec = trainer.spec
     with components_on_meta(spec, device):
         denoiser = spec.load_denoiser(META)
-    if isinstance(denoiser, TwoExperts):  # its expert offloading moves weights to the host: accounted instead
-        denoiser.offload = False
+    spec.keep_weights_placed(denoiser)  # a denoiser moving its own weights to the host: accounted instead
     with torch.device(META):  # the adapter's new weights are made on meta too (nothing to initialise)
         parameters = trainer.configure_trainable(denoiser)
     return TracedModel(spec, denoiser, parameters, [p.dtype for p in parameters], conditions, latent_shape)
@@ -468,10 +466,9 @@ def account_step(trace: StepTrace, config: Config, device: torch.device) -> dict
     base, blocks = config.memory.base_weights, config.memory.blocks_to_swap
     weights = _cached(trace, ("weights", base, blocks),
                       lambda: weight_bytes(trace.denoiser, base, blocks, _sizes(trace, base), _blocks(trace)))
-    if isinstance(trace.denoiser, TwoExperts) and device.type == "cuda" and config.training.batch_size == 1:
-        # Wan 2.2 A14B on a GPU: a batch of one clip runs one expert; the idle one's frozen weights wait in host
-        # memory (a larger batch may hold clips of both experts, and keeps both on the device).
-        weights -= _idle_expert_bytes(trace, config.memory.base_weights)
+    # Parts of the denoiser that take turns on the device (Wan 2.2 A14B's experts): the idle ones' frozen weights
+    # wait in host memory.
+    weights -= _idle_part_bytes(trace, config, device)
     return {
         "weights": weights,
         "gradients": gradients,
@@ -481,9 +478,17 @@ def account_step(trace: StepTrace, config: Config, device: torch.device) -> dict
     }
 
 
-def _idle_expert_bytes(trace: StepTrace, base_weights: str) -> int:
-    return _cached(trace, ("idle", base_weights), lambda: min(
-        _frozen_bytes(expert, base_weights) for expert in trace.denoiser.experts()))
+def _idle_part_bytes(trace: StepTrace, config: Config, device: torch.device) -> int:
+    """The frozen weights of the denoiser's parts that wait in host memory while another part holds the device
+    (`ModelSpec.parts_taking_turns`): all but the largest part's, whichever part a step runs."""
+    spec = get_spec_class(config.model.name)(config.model)
+    parts = spec.parts_taking_turns(trace.denoiser, device, config.training.batch_size)
+    if not parts:
+        return 0
+    base_weights = config.memory.base_weights
+    frozen = _cached(trace, ("idle", base_weights, *map(id, parts)),
+                     lambda: [_frozen_bytes(part, base_weights) for part in parts])
+    return sum(frozen) - max(frozen)
 
 
 def _sizes(trace: StepTrace, base_weights: str) -> dict[str, int]:
@@ -519,8 +524,9 @@ def account_host(trace: StepTrace, config: Config, device: torch.device) -> dict
         large = [p for p in trace.parameters if p.numel() >= SMALL_TENSOR]
         host["optimizer (CPU offload)"] = sum(2 * pinned_size(p.numel() * p.element_size()) for p in large) + \
             optimizer_state_bytes(large, config.optimizer.name, cpu_offload=False)
-    if isinstance(trace.denoiser, TwoExperts) and device.type == "cuda" and config.training.batch_size == 1:
-        host["idle expert"] = _idle_expert_bytes(trace, memory.base_weights)
+    idle = _idle_part_bytes(trace, config, device)
+    if idle:
+        host["idle expert"] = idle
     return host
 
 

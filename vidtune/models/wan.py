@@ -226,7 +226,38 @@ class WanImageEncoders(VAEWithExtras):
         self.image_processor = image_processor
 
 
-class WanImageToVideoSpec(WanSpec):
+class WanImageConditioning:
+    """What WanImageToVideoPipeline's families share (Wan 2.1 image-to-video, Wan 2.2 I2V-A14B), mixed into a
+    `WanSpec` subclass (it uses the spec's `normalise` and `prepare_conditions`): the first frame as mask channels +
+    latents concatenated to the input, and prompts handed to the pipeline as embeddings."""
+
+    @torch.no_grad()
+    def image_condition(self, vae: nn.Module, first_frames: torch.Tensor, frames: int) -> torch.Tensor:
+        """Mask channels + normalised latents of [first frame, zeros...], as WanImageToVideoPipeline.prepare_latents."""
+        batch, channels, height, width = first_frames.shape
+        pixels = first_frames.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
+        video = torch.cat([pixels, pixels.new_zeros(batch, channels, frames - 1, height, width)], dim=2)
+        latents = self.normalise(vae, vae.encode(video).latent_dist.mode())
+        temporal = vae.config.scale_factor_temporal
+        _, _, latent_frames, latent_height, latent_width = latents.shape
+        # One mask value per pixel frame, the first repeated `temporal` times, folded into `temporal` channels.
+        mask = torch.zeros(batch, 1, frames + temporal - 1, latent_height, latent_width, device=latents.device)
+        mask[:, :, :temporal] = 1
+        mask = mask.view(batch, latent_frames, temporal, latent_height, latent_width).transpose(1, 2)
+        return torch.cat([mask.to(latents.dtype), latents], dim=1)
+
+    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
+        """Embeddings computed like WanImageToVideoPipeline.encode_prompt: that pipeline cleans prompts with
+        `ftfy` unconditionally (WanPipeline only when it is installed), so handing it embeddings keeps ftfy
+        optional."""
+        text = TextComponents({"tokenizer": pipeline.tokenizer, "text_encoder": pipeline.text_encoder})
+        inputs = {"prompt_embeds": self.prepare_conditions(text, [prompt])["prompt_embeds"]}
+        if guidance_scale > 1.0:
+            inputs["negative_prompt_embeds"] = self.prepare_conditions(text, [""])["prompt_embeds"]
+        return inputs
+
+
+class WanImageToVideoSpec(WanImageConditioning, WanSpec):
     """Wan 2.1 image-to-video. The conditioning image of `sample` is the first frame of its `reference` clip
     (validation gives the first dataset clip)."""
 
@@ -274,27 +305,11 @@ class WanImageToVideoSpec(WanSpec):
         return encoders.image_encoder(pixel_values=pixel_values, output_hidden_states=True).hidden_states[-2]
 
     @torch.no_grad()
-    def image_condition(self, encoders: WanImageEncoders, first_frames: torch.Tensor, frames: int) -> torch.Tensor:
-        """Mask channels + normalised latents of [first frame, zeros...], as WanImageToVideoPipeline.prepare_latents."""
-        vae = encoders.vae
-        batch, channels, height, width = first_frames.shape
-        pixels = first_frames.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
-        video = torch.cat([pixels, pixels.new_zeros(batch, channels, frames - 1, height, width)], dim=2)
-        latents = self.normalise(vae, vae.encode(video).latent_dist.mode())
-        temporal = vae.config.scale_factor_temporal
-        _, _, latent_frames, latent_height, latent_width = latents.shape
-        # One mask value per pixel frame, the first repeated `temporal` times, folded into `temporal` channels.
-        mask = torch.zeros(batch, 1, frames + temporal - 1, latent_height, latent_width, device=latents.device)
-        mask[:, :, :temporal] = 1
-        mask = mask.view(batch, latent_frames, temporal, latent_height, latent_width).transpose(1, 2)
-        return torch.cat([mask.to(latents.dtype), latents], dim=1)
-
-    @torch.no_grad()
     def prepare_latents(self, vae: WanImageEncoders, videos: torch.Tensor) -> Latents:
         latents = super().prepare_latents(vae.vae, videos)
         first_frames = videos[:, 0]
         latents["image_embeds"] = self.encode_image(vae, first_frames).to(latents["latents_mean"].dtype)
-        latents["image_condition"] = self.image_condition(vae, first_frames, videos.shape[1])
+        latents["image_condition"] = self.image_condition(vae.vae, first_frames, videos.shape[1])
         return latents
 
     def forward(
@@ -320,16 +335,6 @@ class WanImageToVideoSpec(WanSpec):
             image_encoder=vae.image_encoder,
             transformer=denoiser,
         )
-
-    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
-        """Embeddings computed like WanImageToVideoPipeline.encode_prompt: that pipeline cleans prompts with
-        `ftfy` unconditionally (WanPipeline only when it is installed), so handing it embeddings keeps ftfy
-        optional."""
-        text = TextComponents({"tokenizer": pipeline.tokenizer, "text_encoder": pipeline.text_encoder})
-        inputs = {"prompt_embeds": self.prepare_conditions(text, [prompt])["prompt_embeds"]}
-        if guidance_scale > 1.0:
-            inputs["negative_prompt_embeds"] = self.prepare_conditions(text, [""])["prompt_embeds"]
-        return inputs
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
         return {"image": self.first_frame_image(reference)}

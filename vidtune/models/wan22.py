@@ -23,8 +23,6 @@ Text, latent normalisation and the objective are Wan 2.1's (see vidtune/models/w
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,24 +31,19 @@ from diffusers import WanImageToVideoPipeline, WanPipeline
 from torch import nn
 
 from vidtune import parallel
+from vidtune.algorithms import traits_of
 from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
-from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.defaults import WAN_22
 from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
-from vidtune.models.wan import WanImageToVideoSpec, WanSpec
+from vidtune.models.wan import WanImageConditioning, WanSpec
 from vidtune.objectives import Objective
 from vidtune.outputs import LORA_WEIGHTS
 
 NUM_TRAIN_TIMESTEPS = 1000  # Wan's schedulers; the pipelines' boundary is boundary_ratio times this
 # What `model.experts` names, and the expert each one trains.
 EXPERTS = {"both": EXPERT_NAMES, "high_noise": ("transformer",), "low_noise": ("transformer_2",)}
-# The algorithms that train and save two experts: a LoRA per expert, both experts in full, and the distillations,
-# whose teacher is the frozen `TwoExperts` (each expert teaching its own student at its own noise levels).
-# Control: each expert's input layer is widened and trained (vidtune/control.py, `ExpertsControlInput`).
-TWO_EXPERT_ALGORITHMS = ("lora", "full", "guidance-distillation", "step-distillation", "control-lora",
-                         "control-full")
 
 
 def second_expert_file(weight_name: str) -> str:
@@ -64,8 +57,6 @@ class Wan22Spec(WanSpec):
     pipeline_class = WanPipeline
     # Published sampling settings (Wan2.2's configs): TI2V-5B guidance 5, T2V-A14B 4 (high noise) / 3 (low noise).
     published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 4.0}
-    # `model.expert_routing` resolved for the run (`check_training`): one expert per step (`StepRouted`).
-    step_routing = False
     defaults = WAN_22
 
     # ----- what the model folder is ---------------------------------------------------------------------------
@@ -123,32 +114,25 @@ class Wan22Spec(WanSpec):
     def check_training(self, config: Config) -> None:
         if not self.two_experts:
             return
-        algorithm = config.training.algorithm
-        if algorithm not in TWO_EXPERT_ALGORITHMS:
-            raise ConfigError(
-                f"training.algorithm={algorithm}: {self.name} two-expert models ({self.config.pretrained}) are "
-                f"trained with {', '.join(TWO_EXPERT_ALGORITHMS)} here.\n"
-                "What to do: set training.algorithm=lora (model.experts picks the experts) or full (both experts)."
-            )
-        if algorithm.startswith("control-") and len(self.trained_experts) == 1:
+        traits = traits_of(config)
+        if traits.control and len(self.trained_experts) == 1:
             # The pipeline runs both experts on every control sample: an expert left as loaded would ignore it.
             raise ConfigError(
-                f"model.experts={self.config.experts} with training.algorithm={algorithm}: the pipeline samples "
-                "with both experts, and each takes the control clip through its own widened input layer, so both "
-                "train.\nWhat to do: remove model.experts (both)."
+                f"model.experts={self.config.experts} with training.algorithm={config.training.algorithm}: the "
+                "pipeline samples with both experts, and each takes the control clip through its own widened input "
+                "layer, so both train.\nWhat to do: remove model.experts (both)."
             )
-        if algorithm == "step-distillation" and len(self.trained_experts) == 1:
+        if traits.learns_sampling_steps and len(self.trained_experts) == 1:
             # The student's K sampling steps cross the boundary: every window needs a trained student.
             raise ConfigError(
-                f"model.experts={self.config.experts} with training.algorithm=step-distillation: the student's "
-                f"{config.distillation.student_steps} sampling steps run both experts, so both students train.\n"
-                "What to do: remove model.experts (both)."
+                f"model.experts={self.config.experts} with training.algorithm={config.training.algorithm}: the "
+                f"student's {config.distillation.student_steps} sampling steps run both experts, so both students "
+                "train.\nWhat to do: remove model.experts (both)."
             )
-        self.step_routing = self.expert_routing(config) == "step"
-        full = {"full": "training.algorithm=full"}.get(algorithm)
-        if algorithm == "guidance-distillation" and config.distillation.student == "full":
-            full = "distillation.student=full"
-        if full and len(self.trained_experts) == 1:
+        self.expert_routing(config)  # its refusals, before any long work (`step_objective` resolves it again)
+        if traits.trains_base_weights and len(self.trained_experts) == 1:
+            full = ("distillation.student=full" if traits.chooses_student
+                    else f"training.algorithm={config.training.algorithm}")
             raise ConfigError(
                 f"model.experts={self.config.experts} with {full}: a full fine-tune of "
                 f"{self.name} trains and saves both experts.\n"
@@ -174,11 +158,11 @@ class Wan22Spec(WanSpec):
                 "set parallel.strategy=ddp."
             )
         resolved = routing or ("step" if sharded and both else "sample")
-        if resolved == "step" and config.training.algorithm == "step-distillation":
+        if resolved == "step" and traits_of(config).learns_sampling_steps:
             where = f"parallel.strategy={strategy}" if routing is None else "model.expert_routing=step"
             raise ConfigError(
-                f"{where} with training.algorithm=step-distillation on two experts: each step would have to train "
-                "one expert, but the student's windows of sampling steps pick their experts by its schedule.\n"
+                f"{where} with training.algorithm={config.training.algorithm} on two experts: each step would have to "
+                "train one expert, but the student's windows of sampling steps pick their experts by its schedule.\n"
                 "What to do: set parallel.strategy=ddp (or train on one process) and remove model.expert_routing."
             )
         return resolved
@@ -238,15 +222,51 @@ class Wan22Spec(WanSpec):
 
     def objective(self, training: TrainingConfig) -> Objective:
         """One expert of two: only noise levels on its side of the boundary (the pipeline never asks it others).
-        Both, routed per step (`model.expert_routing`): each step's levels on the side of the step's expert."""
+        Both: the scheduler's objective (routed per step, where the run needs it, by `step_objective`)."""
         objective = super().objective(training)
-        if self.two_experts and len(self.trained_experts) == 2 and self.step_routing:
-            return StepRouted(objective, self.boundary_timestep, training.seed)
         if not self.two_experts or len(self.trained_experts) == 2:
             return objective
         if self.trained_experts == ("transformer",):
             return NoiseRange(objective, self.boundary_timestep, float("inf"))
         return NoiseRange(objective, float("-inf"), self.boundary_timestep)
+
+    def step_objective(self, objective: Objective, config: Config, step: int, tokens: int | None = None
+                       ) -> Objective:
+        """Both experts routed per step (`model.expert_routing` for this run: `step`): the noise levels of the
+        step's expert, drawn alike on every rank; else `objective` itself."""
+        if not self.two_experts or len(self.trained_experts) != 2 or self.expert_routing(config) != "step":
+            return objective
+        return StepRouted(objective, self.boundary_timestep, config.training.seed).for_step(step, tokens)
+
+    # ----- what generic code asks of the denoiser ------------------------------------------------------------
+    def denoiser_parts(self, denoiser: nn.Module) -> dict[str, nn.Module]:
+        """Two experts: each, by its pipeline component name (its keys' prefix)."""
+        if isinstance(denoiser, TwoExperts):
+            return {name: denoiser.expert(name) for name in EXPERT_NAMES}
+        return super().denoiser_parts(denoiser)
+
+    def control_parts(self, denoiser: nn.Module) -> dict[str, nn.Module]:
+        """Two experts: each trained one (`check_training` lets control runs train both)."""
+        if isinstance(denoiser, TwoExperts):
+            return {name: denoiser.expert(name) for name in denoiser.trained}
+        return super().control_parts(denoiser)
+
+    def control_target(self, denoiser: nn.Module, pipeline: Any) -> nn.Module:
+        """Two experts: the module holding both (the pipeline calls each expert, the router knows them)."""
+        return denoiser if isinstance(denoiser, TwoExperts) else super().control_target(denoiser, pipeline)
+
+    def keep_weights_placed(self, denoiser: nn.Module) -> None:
+        """Two experts: the idle expert's frozen weights stay where they are instead of moving to host memory."""
+        if isinstance(denoiser, TwoExperts):
+            denoiser.offload = False
+
+    def parts_taking_turns(self, denoiser: nn.Module, device: torch.device, batch_size: int) -> list[nn.Module]:
+        """Two experts on a GPU with one clip per micro-batch: one expert runs at a time, the idle one's frozen
+        weights wait in host memory (a larger batch may hold clips of both experts, and keeps both on the device;
+        on a CPU both stay where they are)."""
+        if isinstance(denoiser, TwoExperts) and device.type == "cuda" and batch_size == 1:
+            return denoiser.experts()
+        return super().parts_taking_turns(denoiser, device, batch_size)
 
     # ----- tensors ---------------------------------------------------------------------------------------------
     def token_timesteps(self, denoiser: nn.Module, timesteps: torch.Tensor, latents: torch.Tensor,
@@ -296,26 +316,9 @@ class Wan22Spec(WanSpec):
         for name, file_name in (("transformer", weight_name), ("transformer_2", second_expert_file(weight_name))):
             part = {key.removeprefix(f"{name}."): value for key, value in state_dict.items()
                     if key.startswith(f"{name}.")}
-            if part:
-                written.append(self.write_lora_file(Path(folder), part, metadata, file_name,
-                                                    into_second=name == "transformer_2"))
+            if part:  # the same format for both: `load_into_transformer_2=True` picks the expert when loading
+                written.append(super().save_lora(folder, part, metadata, file_name))
         return written[0]
-
-    def write_lora_file(self, folder: Path, state_dict: dict[str, torch.Tensor], metadata: dict | None,
-                        weight_name: str, into_second: bool) -> Path:
-        """The adapter of one expert with the pipeline's `save_lora_weights` (keys `transformer.`: diffusers loads
-        the second expert's file into `transformer_2` when told `load_into_transformer_2=True`)."""
-        del into_second  # both files have the same format; the loader's argument picks the expert
-        target = folder / weight_name
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder, prefix=INCOMPLETE) as scratch:
-            self.pipeline_class.save_lora_weights(scratch, transformer_lora_layers=state_dict,
-                                                  transformer_lora_adapter_metadata=metadata,
-                                                  weight_name=weight_name)
-            written = Path(scratch) / weight_name
-            follow_umask(written)
-            os.replace(written, target)
-        return target
 
     def load_lora(self, pipeline: Any, folder: Path, weight_name: str = LORA_WEIGHTS) -> None:
         """Both experts' adapters of a run folder into the pipeline: `weight_name` into `transformer`, its
@@ -334,7 +337,7 @@ class Wan22Spec(WanSpec):
             pipeline.load_lora_weights(str(folder), weight_name=low.name, load_into_transformer_2=True)
 
 
-class Wan22ImageToVideoSpec(Wan22Spec):
+class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
     """Wan 2.2 image-to-video: TI2V-5B from an image, or I2V-A14B. The image is the first frame of the `reference`
     clip (validation gives the first dataset clip)."""
 
@@ -356,9 +359,7 @@ class Wan22ImageToVideoSpec(Wan22Spec):
             pixels = first_frames.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
             latents["first_frame_latents"] = self.normalise(vae, vae.encode(pixels).latent_dist.mode())
         else:
-            encoders = _VaeOnly(vae)
-            latents["image_condition"] = WanImageToVideoSpec.image_condition(self, encoders, first_frames,
-                                                                             videos.shape[1])
+            latents["image_condition"] = self.image_condition(vae, first_frames, videos.shape[1])
         return latents
 
     def with_first_frame(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
@@ -399,10 +400,6 @@ class Wan22ImageToVideoSpec(Wan22Spec):
                                        scheduler=self.load_scheduler(), image_processor=None, image_encoder=None,
                                        **self.pipeline_experts(denoiser))
 
-    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
-        # As Wan 2.1 image-to-video: embeddings, so that ftfy stays optional.
-        return WanImageToVideoSpec.prompt_inputs(self, pipeline, prompt, guidance_scale)
-
     def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                       num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
                       reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
@@ -440,9 +437,3 @@ class Wan22ImageToVideoSpec(Wan22Spec):
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
         return {"image": self.first_frame_image(reference)}
 
-
-class _VaeOnly:
-    """Wan 2.1 image-to-video's condition builder reads `encoders.vae`: I2V-A14B has the VAE and no image encoder."""
-
-    def __init__(self, vae: nn.Module) -> None:
-        self.vae = vae

@@ -37,7 +37,6 @@ from torch import nn
 
 from vidtune import parallel
 from vidtune.errors import ConfigError, ModelError
-from vidtune.models.experts import TwoExperts
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel.dcp import write_shards
 from vidtune.parallel.strategy import Strategy, Weights
@@ -47,10 +46,7 @@ META = torch.device("meta")
 
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a diffusers video transformer: the items of its ModuleLists whose name ends in
-    `blocks` (`transformer_blocks`, HunyuanVideo's `single_transformer_blocks`, Wan's `blocks`); two experts
-    (vidtune/models/experts.py): each expert's."""
-    if isinstance(module, TwoExperts):
-        return [block for expert in module.experts() for block in transformer_blocks(expert)]
+    `blocks` (`transformer_blocks`, HunyuanVideo's `single_transformer_blocks`, Wan's `blocks`)."""
     return [block for name, child in module.named_children()
             if isinstance(child, nn.ModuleList) and name.endswith("blocks") for block in child]
 
@@ -77,11 +73,12 @@ def quantized_parameters(module: nn.Module) -> set[nn.Parameter]:
             if not p.requires_grad and (p.dtype in float8 or type(p) not in (torch.Tensor, nn.Parameter))}
 
 
-def shard(module: nn.Module, options: dict[str, Any]) -> None:
-    """`fully_shard` on every transformer block, then on the rest of `module`."""
+def shard(module: nn.Module, options: dict[str, Any], parts: Collection[nn.Module]) -> None:
+    """`fully_shard` on every transformer block of each of `parts` (the denoisers inside `module`, or `module`
+    itself: `ModelSpec.denoiser_parts`), then on the rest of `module`."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in transformer_blocks(module):
+    for block in [block for part in parts for block in transformer_blocks(part)]:
         fully_shard(block, **options)
     fully_shard(module, **options)
 
@@ -204,6 +201,7 @@ class FullyShardedStrategy(Strategy):
         device), the other ranks build the denoiser on the meta device."""
         if not self.loads_on_rank0:
             return super().load_denoiser(spec, load_on)
+        self.spec = spec
         if parallel.is_main():
             return spec.load_denoiser(self.device, torch.device("cpu"))
         with weights_not_read(spec):
@@ -215,8 +213,7 @@ class FullyShardedStrategy(Strategy):
         self.module = module
         if not parallel.is_distributed():
             return parameters  # one process: nothing to shard, checkpoints are still DCP folders
-        if isinstance(module, TwoExperts):
-            module.offload = False  # FSDP places the shards; the idle expert's weights must not move under it
+        self.family.keep_weights_placed(module)  # FSDP places the shards: no weight may move under it
         names = {id(p): name for name, p in module.named_parameters()}
         trained = [names[id(p)] for p in parameters]
         self.kept_whole = quantized_parameters(module)
@@ -237,12 +234,13 @@ class FullyShardedStrategy(Strategy):
         or, when every rank loaded them, made equal before (fresh adapters differ per rank). `kept_whole`: the
         quantized base weights, which every rank built alike and FSDP leaves unsharded."""
         options = {**self.shard_options(), "ignored_params": set(kept_whole)}
+        parts = self.family.denoiser_parts(module).values()
         if not self.loads_on_rank0:
             broadcast_from_main(module, skip=kept_whole)
-            shard(module, options)
+            shard(module, options, parts)
             return
         whole = match_main_layout(module)
-        shard(module, options)
+        shard(module, options, parts)
         shards_on = torch.device("cpu") if self.config.parallel.cpu_offload else self.device
         fill_from_main(module, whole, shards_on, self.device)
 

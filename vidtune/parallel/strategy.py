@@ -51,14 +51,26 @@ class Strategy:
         self.config = config
         self.device = device
         self.module: nn.Module | None = None  # the denoiser, once `prepare` has seen it
+        self.spec: ModelSpec | None = None  # its family, once `load_denoiser` has loaded it
         self.ema: EMA | None = None  # training.ema_decay: the weights' average, which `gathered` gathers with them
 
     def check(self) -> None:
         """Refuse settings this strategy cannot run, before any model is loaded."""
 
     def load_denoiser(self, spec: ModelSpec, load_on: torch.device) -> nn.Module:
-        """The denoiser as this rank starts from it, placed on `load_on` (see `ModelSpec.load_denoiser`)."""
+        """The denoiser as this rank starts from it, placed on `load_on` (see `ModelSpec.load_denoiser`). The
+        strategy keeps `spec`: how it treats the denoiser afterwards (`prepare`, `prepare_frozen`) is the family's
+        to say (vidtune/models/spec/hooks.py)."""
+        self.spec = spec
         return spec.load_denoiser(self.device, load_on)
+
+    @property
+    def family(self) -> ModelSpec:
+        """The spec `load_denoiser` was given."""
+        if self.spec is None:
+            raise RuntimeError(f"parallel.strategy={self.name}: the denoiser is prepared before `load_denoiser` "
+                               "loaded it, so its family is unknown.")
+        return self.spec
 
     def prepare_frozen(self, module: nn.Module) -> nn.Module:
         """A frozen model used for forwards only (the teacher of a fully trained student), after `prepare`."""

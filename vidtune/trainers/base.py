@@ -66,7 +66,6 @@ from vidtune.evaluation import (
 )
 from vidtune.memory import check_base_weights
 from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
-from vidtune.models.experts import StepRouted
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
 from vidtune.objectives import Objective
@@ -402,11 +401,11 @@ class Trainer(ABC):
         """Draw each clip's latent, noise level, noise and caption dropout from its visit's own generator."""
         seed, dropout = self.config.training.seed, self.config.data.caption_dropout
         generators = [visit_generator(seed, int(position)) for position in batch.positions]
-        # Two experts routed per step (vidtune/models/experts.py): the levels of this step's expert, on every rank.
-        objective = self.objective
         tokens = self.spec.token_count(batch.latents[POSTERIOR_KEYS[0]].shape[1:])  # one bucket shape a batch
-        if isinstance(objective, StepRouted):
-            objective = objective.for_step(self.state.step, tokens)
+        # The step's noise levels (a loss computed before training starts: the first step's): the family may narrow
+        # them per step, alike on every rank (vidtune/models/spec/hooks.py).
+        step = self.state.step if self.state is not None else 0
+        objective = self.spec.step_objective(self.objective, self.config, step, tokens)
         levels = torch.cat([objective.sample_noise_levels(1, g, tokens) for g in generators])
         x0 = torch.cat([
             draw_latent({k: batch.latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)

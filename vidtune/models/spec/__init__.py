@@ -35,6 +35,7 @@ from vidtune.models.spec.formats import (
     JOINT_ATTENTION_TARGETS,
     Formats,
 )
+from vidtune.models.spec.hooks import DenoiserHooks
 from vidtune.models.spec.loading import Loading, TextComponents, VAEWithExtras, resolve_dtype
 from vidtune.models.spec.sampling import GeneratedSample, SampleOutput, Sampling, StepCallback, step_callback
 from vidtune.models.spec.shapes import (
@@ -47,8 +48,9 @@ from vidtune.models.spec.shapes import (
 )
 
 
-class ModelSpec(Denoising, Sampling, Formats, Loading, Encoding):
-    """One model family: the five parts composed. A family subclasses it, sets the class attributes and implements
+class ModelSpec(Denoising, Sampling, Formats, Loading, Encoding, DenoiserHooks):
+    """One model family: the six parts composed (the sixth, `DenoiserHooks`: what generic code asks about the
+    denoiser module besides computing with it). A family subclasses it, sets the class attributes and implements
     the abstract methods (`check_video_shape`, `prepare_conditions`, `prepare_latents`, `forward`, `pipeline`),
     overriding any part's method its model needs.
 
@@ -68,6 +70,7 @@ __all__ = [
     "POSTERIOR_KEYS",
     "PUBLISHED_SHAPE_RULES",
     "Conditions",
+    "DenoiserHooks",
     "Denoising",
     "Encoding",
     "Formats",

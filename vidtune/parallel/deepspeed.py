@@ -347,10 +347,16 @@ class DeepSpeedCheckpointer(Checkpointer):
 
     def save(self, root: Path, record: Record, parts: TrainedParts) -> Path:
         # Every rank writes its shards and takes part in gathering the trained weights; rank 0 writes the folder.
-        shards = self.write_engine_state(root, record.step)
-        weights = self.strategy.full_trainable_state_dict(self.strategy.module, parts.get_weights)
-        # The optimizer state is in the shards.
-        return parallel.on_main(lambda: self.write_files(root, record, weights, {}, parts.ema_weights(), shards))
+        staging = root / f".zero-{record.step:08d}"
+        try:
+            self.write_engine_state(staging)
+            weights = self.strategy.full_trainable_state_dict(self.strategy.module, parts.get_weights)
+            # The optimizer state is in the shards.
+            return parallel.on_main(lambda: self.write_files(root, record, weights, {}, parts.ema_weights(), staging))
+        finally:
+            # Moved into the checkpoint when it was written; after a failure (a full disk), not left taking space.
+            if parallel.is_main():
+                shutil.rmtree(staging, ignore_errors=True)
 
     def restore(self, saved: SavedState, parts: TrainedParts, device: torch.device) -> Weights | None:
         """Every rank reads its shards of the weights and optimizer state into the engine (the trained weights of
@@ -358,19 +364,17 @@ class DeepSpeedCheckpointer(Checkpointer):
         self.read_engine_state(saved.folder, int(saved.state.get("world_size", 1)))
         return saved.ema_weights
 
-    def write_engine_state(self, root: Path, step: int) -> Path:
-        """Every rank writes its ZeRO shards (weights and optimizer state) into a staging folder under `root`;
-        returns it, for rank 0 to move into the checkpoint (`checkpoint.save(..., shards=)`)."""
-        staging = root / f".zero-{step:08d}"
+    def write_engine_state(self, staging: Path) -> None:
+        """Every rank writes its ZeRO shards (weights and optimizer state) into the folder `staging`, for rank 0 to
+        move into the checkpoint (`checkpoint.save(..., shards=)`)."""
         if parallel.is_main():
             shutil.rmtree(staging, ignore_errors=True)  # a run killed while saving this step left it
-            root.mkdir(parents=True, exist_ok=True)
+            staging.parent.mkdir(parents=True, exist_ok=True)
         parallel.barrier()
         # LoRA: the frozen base is the model folder's, no need to copy it into every checkpoint.
         self.strategy.engine.save_checkpoint(str(staging), tag=ZERO_TAG, save_latest=False,
                                              exclude_frozen_parameters=True)
         parallel.barrier()
-        return staging
 
     def read_engine_state(self, folder: Path, saved_world: int) -> None:
         """The weights and optimizer state of the checkpoint `folder`: every rank reads its own shards, or, when the

@@ -297,15 +297,6 @@ class DeepSpeedStrategy(Strategy):
         with self.deepspeed.zero.GatheredParameters(parameters, modifier_rank=None):
             yield
 
-    def full_trainable_state_dict(self, module: nn.Module | None,  # type: ignore[override]
-                                  get_weights: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
-        """The trained weights (`get_weights`, the algorithm's accessor) gathered, as CPU copies on rank 0 (None on
-        the others). Every rank must call it."""
-        with self.gathered():
-            if not parallel.is_main():
-                return None
-            return {name: tensor.detach().to("cpu", copy=True) for name, tensor in get_weights().items()}
-
     @contextlib.contextmanager
     def sampling(self, trainer: Any) -> Iterator[None]:
         """Rank 0, inside `gathered()`: for the block, `trainer.denoiser` is a plain copy that validation samples
@@ -350,7 +341,7 @@ class DeepSpeedCheckpointer(Checkpointer):
         staging = root / f".zero-{record.step:08d}"
         try:
             self.write_engine_state(staging)
-            weights = self.strategy.full_trainable_state_dict(self.strategy.module, parts.get_weights)
+            weights = self.gathered_weights(parts.get_weights)
             # The optimizer state is in the shards.
             return parallel.on_main(lambda: self.write_files(root, record, weights, {}, parts.ema_weights(), staging))
         finally:
@@ -363,6 +354,14 @@ class DeepSpeedCheckpointer(Checkpointer):
         `weights.safetensors` are not read: the shards hold them)."""
         self.read_engine_state(saved.folder, int(saved.state.get("world_size", 1)))
         return saved.ema_weights
+
+    def gathered_weights(self, get_weights: Callable[[], Weights]) -> Weights | None:
+        """The trained weights (`get_weights`, the algorithm's accessor) gathered, as CPU copies on rank 0 (None on
+        the others). Every rank must call it."""
+        with self.strategy.gathered():
+            if not parallel.is_main():
+                return None
+            return {name: tensor.detach().to("cpu", copy=True) for name, tensor in get_weights().items()}
 
     def write_engine_state(self, staging: Path) -> None:
         """Every rank writes its ZeRO shards (weights and optimizer state) into the folder `staging`, for rank 0 to

@@ -18,17 +18,15 @@ validation samples).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from vidtune import parallel
 from vidtune.config import Config
 from vidtune.ema import EMA
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel.checkpointers import Checkpointer
-from vidtune.parallel.dcp import Weights
 
 
 class Strategy:
@@ -107,13 +105,6 @@ class Strategy:
     def sampling(self, trainer: object) -> Iterator[None]:
         """Rank 0, inside `gathered`: what validation samples with is the trainer's denoiser as it is."""
         yield
-
-    def full_trainable_state_dict(self, module: nn.Module, get_weights: Callable[[], Weights]) -> Weights:
-        """The trained weights, whole, as CPU tensors on rank 0 (every rank must call it; others get {})."""
-        with self.gathered(module):
-            if not parallel.is_main():
-                return {}
-            return {key: value.detach().cpu().clone() for key, value in get_weights().items()}
 
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,10 @@
 - with `training.ema_decay`, the moving average of the trained weights (`vidtune.ema`), updated with each
   applied optimizer step.
 
-`save` writes it as a checkpoint (`vidtune.checkpoint` makes the folder atomic); `read_checkpoint` checks a
-saved one fits the config and loads it; `restore` puts it back. A run resumed this way continues bit for bit.
+`save` writes it as a checkpoint: the strategy's checkpointer (`vidtune.parallel.checkpointers`) writes the weights,
+optimizer state and average in its format, this state beside them (`vidtune.checkpoint` makes the folder atomic);
+`read_checkpoint` checks a saved one fits the config and loads it; `restore` puts it back through the same
+checkpointer. A run resumed this way continues bit for bit.
 """
 
 from __future__ import annotations

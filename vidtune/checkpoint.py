@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import shutil
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,26 @@ CONFIG = "config.yaml"
 PREFIX = "step-"
 FORMAT = 1
 ZERO_SHARDS = "zero"  # parallel.strategy=deepspeed: DeepSpeed's own files, each rank's shards
+
+
+@dataclass
+class SavedState:
+    """A checkpoint as read from disk (`vidtune.state.read_checkpoint`): its folder, trainable weights and the rest
+    of the state."""
+
+    folder: Path
+    weights: dict[str, torch.Tensor] | None  # None: a sharded checkpoint, whose weights are read into the model
+    state: dict[str, Any]
+    ema_weights: dict[str, torch.Tensor] | None = None
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the weights, optimizer state and average are DCP shards (`SHARDS`), read into the model."""
+        return self.weights is None
 
 
 def rng_state() -> dict[str, Any]:

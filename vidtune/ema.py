@@ -18,7 +18,7 @@ shard of it, and `whole` gathers it once for the final files and validation samp
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -65,6 +65,18 @@ class EMA:
         """Whether the parameters are shards (FSDP): `applied` then copies the average into them, so what is read
         inside must be cloned to outlive the block."""
         return any(isinstance(p, DTensor) for p in self.parameters.values())
+
+    def read(self, get_weights: Callable[[], dict[str, torch.Tensor]],
+             own: bool = False) -> dict[str, torch.Tensor]:
+        """The average in the format of `get_weights` (the trained weights' accessor), as tensors that outlive the
+        call: views of the average itself (plain parameters hold its storage inside `applied`), or with `own`
+        copies of it (to be written into without touching it). Shards are always copies: `applied` copies the
+        average into them and their own weights back afterwards."""
+        with self.applied():
+            weights = get_weights()
+            if self.holds_shards:
+                return {key: value.clone() for key, value in weights.items()}
+            return {key: value.detach().clone() for key, value in weights.items()} if own else weights
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:

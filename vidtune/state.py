@@ -8,15 +8,16 @@
 - with `training.ema_decay`, the moving average of the trained weights (`vidtune.ema`), updated with each
   applied optimizer step.
 
-`save` writes it as a checkpoint (`vidtune.checkpoint` makes the folder atomic); `read_checkpoint` checks a
-saved one fits the config and loads it; `restore` puts it back. A run resumed this way continues bit for bit.
+`save` writes it as a checkpoint: the strategy's checkpointer (`vidtune.parallel.checkpointers`) writes the weights,
+optimizer state and average in its format, this state beside them (`vidtune.checkpoint` makes the folder atomic);
+`read_checkpoint` checks a saved one fits the config and loads it; `restore` puts it back through the same
+checkpointer. A run resumed this way continues bit for bit.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,29 +27,17 @@ from torch import nn
 
 from vidtune import checkpoint as checkpoints
 from vidtune import parallel
+from vidtune.checkpoint import SavedState
 from vidtune.config import Config
 from vidtune.ema import EMA
 from vidtune.errors import CheckpointError, ConfigError, TrainingError
 from vidtune.optim import build_lr_scheduler, build_optimizer, group_settings
+from vidtune.parallel.checkpointers import Record, TrainedParts
 from vidtune.parallel.strategy import Strategy
 from vidtune.resume import FIXED_KEYS, compare_configs, saved_config
 
 T = TypeVar("T")
 Weights = dict[str, torch.Tensor]
-
-
-@dataclass
-class SavedState:
-    """A checkpoint as read from disk: its folder, trainable weights and the rest of the state."""
-
-    folder: Path
-    weights: Weights | None  # None: a sharded checkpoint, whose weights the strategy reads into the model
-    state: dict[str, Any]
-    ema_weights: Weights | None = None
-
-    @property
-    def step(self) -> int:
-        return int(self.state["step"])
 
 
 def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tuple[str, ...] = ()) -> SavedState:
@@ -99,6 +88,9 @@ class TrainingState:
         self.nonfinite_skipped = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint of this run
         self.keep_steps: set[int] = set()  # checkpoints the pruning keeps beyond the newest (the best held-out score)
+        # What writes the weights, optimizer state and average in the strategy's format, and reads them back.
+        self.checkpointer = self.strategy.checkpointer()
+        self.trained = TrainedParts(get_weights, set_weights, self.optimizer, ema)
 
     @property
     def learning_rate(self) -> float:
@@ -122,19 +114,19 @@ class TrainingState:
     # ----- checkpoints ----------------------------------------------------------------------------------------
     def save(self, root: Path) -> Path:
         """Write a checkpoint of this step under `root`. Under torchrun every rank calls it: each rank's RNG
-        states are gathered (a resumed rank restores its own) and rank 0 writes.
+        states are gathered (a resumed rank restores its own) and the strategy's checkpointer writes the weights,
+        optimizer state and average (rank 0 alone, or every rank its shards), with this state beside them.
 
         A failed write (full disk, ...) stops the run; the checkpoints already written stay whole."""
         rng = dict(enumerate(parallel.gather_objects(checkpoints.rng_state())))
-        if self.strategy.sharded_checkpoints:
-            folder = self._write_sharded(root, rng)
-        elif self.strategy.engine_checkpoints:
-            # DeepSpeed: every rank writes its shards and takes part in gathering the trained weights.
-            shards = self.strategy.save_engine_state(root, self.step)
-            weights = self.strategy.full_trainable_state_dict(self.strategy.module, self.get_weights)
-            folder = parallel.on_main(lambda: self._write(root, rng, shards, weights))
-        else:
-            folder = parallel.on_main(lambda: self._write(root, rng))
+        record = Record(step=self.step, extra=self._extra(len(rng)), config=self.config,
+                        keep=self.config.checkpoint.keep, protect=frozenset(self.keep_steps), rng=rng)
+        try:
+            folder = self.checkpointer.save(root, record, self.trained)
+        except (OSError, RuntimeError, SafetensorError) as error:
+            # A full disk reaches here as OSError (config), SafetensorError (weights), RuntimeError (torch.save) or
+            # DCP's CheckpointException (a RuntimeError).
+            raise self._write_failed(root, error) from error
         self.saved_step = self.step
         return folder
 
@@ -149,41 +141,6 @@ class TrainingState:
             **({"ema_updates": self.ema.updates} if self.ema is not None else {}),
         }
 
-    def _write_sharded(self, root: Path, rng: dict[int, Any]) -> Path:
-        """A sharded checkpoint: every rank writes its shard into one temporary folder (at once), then rank 0
-        adds the training state and renames the folder into place; a failure on any rank stops every rank with
-        the checkpoints already written intact."""
-        try:
-            temporary = parallel.on_main(lambda: checkpoints.begin_sharded(root, self.step))
-            self.strategy.save_state(temporary / checkpoints.SHARDS, self.get_weights(), self.optimizer,
-                                     self.ema_weights())
-            return parallel.on_main(lambda: checkpoints.finish_sharded(
-                root, temporary, step=self.step, extra=self._extra(len(rng)), config=self.config,
-                keep=self.config.checkpoint.keep, rng=rng, protect=self.keep_steps))
-        except (OSError, RuntimeError) as error:  # DCP reports a failed write as a CheckpointException
-            raise self._write_failed(root, error) from error
-
-    def _write(self, root: Path, rng: dict[int, Any], shards: Path | None = None,
-               weights: Weights | None = None) -> Path:
-        try:
-            return checkpoints.save(
-                root,
-                step=self.step,
-                weights=self.get_weights() if weights is None else weights,
-                # DeepSpeed's optimizer state is in its shards.
-                optimizer=self.optimizer.state_dict() if shards is None else {},
-                extra=self._extra(len(rng)),
-                config=self.config,
-                keep=self.config.checkpoint.keep,
-                protect=self.keep_steps,
-                rng=rng,
-                ema_weights=self.ema_weights(),
-                shards=shards,
-            )
-        except (OSError, RuntimeError, SafetensorError) as error:
-            # A full disk reaches here as OSError (config), SafetensorError (weights) or RuntimeError (torch.save).
-            raise self._write_failed(root, error) from error
-
     def _write_failed(self, root: Path, error: Exception) -> TrainingError:
         previous = checkpoints.latest(root)
         kept = (f"The previous checkpoint {previous} is intact; free some space (or fix the folder) and "
@@ -192,45 +149,15 @@ class TrainingState:
         return TrainingError(f"Could not write the checkpoint of step {self.step} under {root}: "
                              f"{error}\nIs the disk full? {kept}")
 
-    def ema_weights(self) -> Weights | None:
-        """The weights' average in the format of `get_weights` (what a checkpoint stores), or None."""
-        if self.ema is None:
-            return None
-        with self.ema.applied():
-            weights = self.get_weights()
-            # Sharded weights hold the average only inside the block: a copy outlives it.
-            return {key: value.clone() for key, value in weights.items()} if self.ema.holds_shards else weights
-
-    def ema_template(self) -> Weights | None:
-        """Tensors laid out as the weights' average (its own, not views of it), for a sharded checkpoint's average
-        to be read into; None without training.ema_decay."""
-        if self.ema is None:
-            return None
-        weights = self.ema_weights()  # copies already when sharded; else views of the average itself
-        return weights if self.ema.holds_shards else {key: value.detach().clone() for key, value in weights.items()}
-
     def restore(self, saved: SavedState, device: torch.device) -> None:
         """Weights, optimizer, schedule, data position and skip count of `saved`; the RNGs follow with the data
         stream (`resume_stream`). The config's learning rate, schedule and optimizer settings (betas, eps, weight
         decay, as the chosen optimizer takes them) apply from here on."""
         state = saved.state
         self._say_what_differs(state)
-        if saved.weights is None:
-            # The average (if the checkpoint has one) is read into tensors laid out as this run's.
-            saved.ema_weights = self.strategy.load_state(saved.folder / checkpoints.SHARDS, self.get_weights(),
-                                                         self.set_weights, self.optimizer, self.ema_template())
-        elif self.strategy.sharded_checkpoints and parallel.is_distributed():
-            raise CheckpointError(f"{saved.folder} was written with parallel.strategy=ddp (or by one process); "
-                                  f"parallel.strategy={self.strategy.name} resumes only its own sharded "
-                                  "checkpoints on several processes. What to do: resume it with "
-                                  "parallel.strategy=ddp (or in one process), or start anew.")
         try:
-            if self.strategy.engine_checkpoints:  # DeepSpeed: each rank reads its shards of weights and optimizer
-                self.strategy.load_engine_state(saved.folder, int(state.get("world_size", 1)))
-            elif saved.weights is not None:
-                self.set_weights({key: value.to(device) for key, value in saved.weights.items()})
-                self.optimizer.load_state_dict(state["optimizer"])
-            self._restore_ema(saved, device)
+            ema_weights = self.checkpointer.restore(saved, self.trained, device)
+            self._restore_ema(saved, ema_weights, device)
         except (KeyError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"The checkpoint {saved.folder} does not fit this model: {error}") from None
         # The loaded optimizer state would otherwise bring back the hyper-parameters it was saved with.
@@ -247,10 +174,11 @@ class TrainingState:
         self.nonfinite_skipped = int(state.get("nonfinite_skipped", 0))
         self.saved_step = self.step
 
-    def _restore_ema(self, saved: SavedState, device: torch.device) -> None:
+    def _restore_ema(self, saved: SavedState, ema_weights: Weights | None, device: torch.device) -> None:
+        """The weights' average of the checkpoint (`ema_weights`, as its checkpointer read it) into this run's."""
         if self.ema is None:
             return
-        if saved.ema_weights is None:
+        if ema_weights is None:
             # training.ema_decay was set on resuming: the average starts from the restored weights.
             self.ema.shadow = {name: p.detach().clone() for name, p in self.ema.parameters.items()}
             if parallel.is_main():
@@ -258,7 +186,7 @@ class TrainingState:
                       "starts from the restored weights.", flush=True)
             return
         with self.ema.applied():  # loading writes into the average
-            self.set_weights({key: value.to(device) for key, value in saved.ema_weights.items()})
+            self.set_weights({key: value.to(device) for key, value in ema_weights.items()})
         self.ema.updates = int(saved.state.get("ema_updates", 0))
 
     def _say_what_differs(self, state: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ the run on one number of processes ends, within float32 rounding.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from tests.helpers.distributed import deepspeed_rank_main, free_port
 from vidtune import checkpoint
 from vidtune.config import build_config
 from vidtune.data.video import ClipWindow, read_clip
-from vidtune.errors import CheckpointError
+from vidtune.errors import CheckpointError, TrainingError
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
 
@@ -331,3 +332,32 @@ def test_control_lora_under_zero_3_validates_between_steps_and_trains_what_it_tr
     assert zero3.losses == pytest.approx(plain.losses, rel=1e-5)
     assert [path.name for path in zero3.sample_paths] == ["step-00000002-0.mp4"]
     assert (tmp_path / "zero3" / "samples" / "step-00000001-0.mp4").is_file()
+
+
+def test_a_failed_write_of_the_engine_shards_keeps_the_previous_checkpoint(make_config, tmp_path, monkeypatch):
+    """One process: the disk fills while DeepSpeed writes its shards of the second checkpoint. The run stops with a
+    message saying so; the first checkpoint is intact, nothing half-written is left, and the run resumes from it."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    out = tmp_path / "full-disk"
+    settings = {"training": {"steps": 4, "learning_rate": 1e-2}, "parallel": {"strategy": "deepspeed", "zero_stage": 2},
+                "output_dir": str(out)}
+    real, calls = DeepSpeedEngine.save_checkpoint, [0]
+
+    def filling_the_disk(self, save_dir, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            (Path(save_dir) / "half-written").write_bytes(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, save_dir, *args, **kwargs)
+
+    monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", filling_the_disk)
+    with pytest.raises(TrainingError, match="Could not write the checkpoint of step 4") as error:
+        build_trainer(make_config(checkpoint={"every": 2}, **settings)).run()
+    monkeypatch.undo()
+    assert "No space left on device" in str(error.value) and "step-00000002 is intact" in str(error.value)
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]
+    resumed = build_trainer(make_config(checkpoint={"every": 2, "resume": "latest"}, **settings)).run()
+    assert resumed.first_step == 2 and resumed.final_step == 4

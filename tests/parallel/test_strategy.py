@@ -9,6 +9,7 @@ from torch import nn
 from vidtune.config import load_config
 from vidtune.errors import ConfigError
 from vidtune.models.registry import get_spec_class
+from vidtune.parallel.checkpointers import ShardedCheckpointer
 from vidtune.parallel.choose import choose_strategy
 from vidtune.parallel.ddp import DataParallelStrategy
 from vidtune.parallel.fsdp import FullyShardedStrategy, quantized_parameters, transformer_blocks, weights_not_read
@@ -32,7 +33,7 @@ def test_the_strategy_named_or_implied(monkeypatch, world, setting, expected):
     monkeypatch.setenv("WORLD_SIZE", world)
     strategy = choose(f"parallel.strategy={setting}")
     assert type(strategy) is expected
-    assert strategy.sharded_checkpoints == (expected is FullyShardedStrategy)
+    assert isinstance(strategy.checkpointer(), ShardedCheckpointer) == (expected is FullyShardedStrategy)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -38,3 +38,23 @@ def test_applied_swaps_the_average_in_and_the_weights_back_exactly():
             weight.copy_(torch.zeros(3))  # what is written inside lands in the average
     assert torch.equal(weight.detach(), moved)
     assert torch.equal(ema.shadow["w"], torch.zeros(3)) and not torch.equal(own, moved)
+
+
+def test_read_gives_the_average_as_views_of_it_or_as_copies_of_its_own():
+    weight = nn.Parameter(torch.zeros(3))
+    ema = EMA({"w": weight}, decay=0.5)
+    with torch.no_grad():
+        weight.fill_(2.0)
+    ema.update()  # the average moves to 2 * (1 - 1/10) = 1.8; the weight stays 2
+
+    def get_weights() -> dict[str, torch.Tensor]:
+        return {"w": weight.detach()}
+
+    views, copies = ema.read(get_weights), ema.read(get_weights, own=True)
+    assert torch.equal(weight.detach(), torch.full((3,), 2.0))  # the weight is its own again after reading
+    for read in (views, copies):
+        torch.testing.assert_close(read["w"], torch.full((3,), 1.8))
+    assert views["w"].data_ptr() == ema.shadow["w"].data_ptr()  # what a checkpoint writes: no copy made
+    assert copies["w"].data_ptr() != ema.shadow["w"].data_ptr()
+    copies["w"].zero_()  # a copy is written into (a sharded checkpoint's average read into it), the average is not
+    torch.testing.assert_close(ema.shadow["w"], torch.full((3,), 1.8))

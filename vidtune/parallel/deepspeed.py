@@ -31,10 +31,12 @@ import torch
 from torch import nn
 
 from vidtune import parallel
-from vidtune.checkpoint import ZERO_SHARDS
+from vidtune.checkpoint import ZERO_SHARDS, SavedState
 from vidtune.config import Config
 from vidtune.errors import ConfigError, TrainingError
 from vidtune.outputs import checkpoints_root
+from vidtune.parallel.checkpointers import Checkpointer, Record, TrainedParts
+from vidtune.parallel.dcp import Weights
 from vidtune.parallel.strategy import Strategy
 from vidtune.parallel.zero_reshard import load_resharded
 
@@ -202,7 +204,7 @@ def check_deepspeed(config: Config, device_type: str, resuming_from: Any = None)
 
 
 def check_resumable(folder: Path) -> None:
-    """A DeepSpeed checkpoint (on any number of processes: see `load_engine_state`)."""
+    """A DeepSpeed checkpoint (on any number of processes: see `DeepSpeedCheckpointer.read_engine_state`)."""
     if not (folder / ZERO_SHARDS).is_dir():
         raise TrainingError(f"The checkpoint {folder} has no DeepSpeed state ({ZERO_SHARDS}/): it was written by "
                             "another parallel.strategy. What to do: resume it with that strategy, or start from its "
@@ -231,7 +233,7 @@ class DeepSpeedStrategy(Strategy):
     name = "deepspeed"
     # The engine exists before a checkpoint is restored: each rank reads its own shards into it.
     wraps_before_restore = True
-    # Checkpoints hold DeepSpeed's own files (`zero/`) beside the gathered trained weights.
+    # The engine keeps the optimizer state and gradients: checkpoints hold its own files (`zero/`).
     engine_checkpoints = True
 
     def __init__(self, config: Config, device: torch.device) -> None:
@@ -301,15 +303,6 @@ class DeepSpeedStrategy(Strategy):
         with self.deepspeed.zero.GatheredParameters(parameters, modifier_rank=None):
             yield
 
-    def full_trainable_state_dict(self, module: nn.Module | None,  # type: ignore[override]
-                                  get_weights: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
-        """The trained weights (`get_weights`, the algorithm's accessor) gathered, as CPU copies on rank 0 (None on
-        the others). Every rank must call it."""
-        with self.gathered():
-            if not parallel.is_main():
-                return None
-            return {name: tensor.detach().to("cpu", copy=True) for name, tensor in get_weights().items()}
-
     @contextlib.contextmanager
     def sampling(self, trainer: Any) -> Iterator[None]:
         """Rank 0, inside `gathered()`: for the block, `trainer.denoiser` is a plain copy that validation samples
@@ -339,30 +332,66 @@ class DeepSpeedStrategy(Strategy):
                 setattr(trainer, name, value)
 
     # ----- checkpoints -----------------------------------------------------------------------------------
-    def save_engine_state(self, root: Path, step: int) -> Path:
-        """Every rank writes its ZeRO shards (weights and optimizer state) into a staging folder under `root`;
-        returns it, for rank 0 to move into the checkpoint (`checkpoint.save(..., shards=)`)."""
-        staging = root / f".zero-{step:08d}"
+    def checkpointer(self) -> DeepSpeedCheckpointer:
+        return DeepSpeedCheckpointer(self)
+
+
+class DeepSpeedCheckpointer(Checkpointer):
+    """DeepSpeed's own shards of the weights and optimizer state (`zero/`), every rank writing its own, beside the
+    gathered trained weights and their average (as one process writes them, for `vidtune export`)."""
+
+    strategy: DeepSpeedStrategy
+
+    def save(self, root: Path, record: Record, parts: TrainedParts) -> Path:
+        # Every rank writes its shards and takes part in gathering the trained weights; rank 0 writes the folder.
+        staging = root / f".zero-{record.step:08d}"
+        try:
+            self.write_engine_state(staging)
+            weights = self.gathered_weights(parts.get_weights)
+            # The optimizer state is in the shards.
+            return parallel.on_main(lambda: self.write_files(root, record, weights, {}, parts.ema_weights(), staging))
+        finally:
+            # Moved into the checkpoint when it was written; after a failure (a full disk), not left taking space.
+            if parallel.is_main():
+                shutil.rmtree(staging, ignore_errors=True)
+
+    def restore(self, saved: SavedState, parts: TrainedParts, device: torch.device) -> Weights | None:
+        """Every rank reads its shards of the weights and optimizer state into the engine (the trained weights of
+        `weights.safetensors` are not read: the shards hold them)."""
+        self.read_engine_state(saved.folder, int(saved.state.get("world_size", 1)))
+        return saved.ema_weights
+
+    def gathered_weights(self, get_weights: Callable[[], Weights]) -> Weights | None:
+        """The trained weights (`get_weights`, the algorithm's accessor) gathered, as CPU copies on rank 0 (None on
+        the others). Every rank must call it."""
+        with self.strategy.gathered():
+            if not parallel.is_main():
+                return None
+            return {name: tensor.detach().to("cpu", copy=True) for name, tensor in get_weights().items()}
+
+    def write_engine_state(self, staging: Path) -> None:
+        """Every rank writes its ZeRO shards (weights and optimizer state) into the folder `staging`, for rank 0 to
+        move into the checkpoint (`checkpoint.save(..., shards=)`)."""
         if parallel.is_main():
             shutil.rmtree(staging, ignore_errors=True)  # a run killed while saving this step left it
-            root.mkdir(parents=True, exist_ok=True)
+            staging.parent.mkdir(parents=True, exist_ok=True)
         parallel.barrier()
         # LoRA: the frozen base is the model folder's, no need to copy it into every checkpoint.
-        self.engine.save_checkpoint(str(staging), tag=ZERO_TAG, save_latest=False,
-                                    exclude_frozen_parameters=True)
+        self.strategy.engine.save_checkpoint(str(staging), tag=ZERO_TAG, save_latest=False,
+                                             exclude_frozen_parameters=True)
         parallel.barrier()
-        return staging
 
-    def load_engine_state(self, folder: Path, saved_world: int) -> None:
+    def read_engine_state(self, folder: Path, saved_world: int) -> None:
         """The weights and optimizer state of the checkpoint `folder`: every rank reads its own shards, or, when the
         checkpoint was written by another number of processes, cuts them from its universal form."""
         check_resumable(folder)
-        shards = folder / ZERO_SHARDS
+        shards, engine = folder / ZERO_SHARDS, self.strategy.engine
         if saved_world == parallel.world_size():
-            loaded, _ = self.engine.load_checkpoint(str(shards), tag=ZERO_TAG, load_module_strict=False,
-                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
+            loaded, _ = engine.load_checkpoint(str(shards), tag=ZERO_TAG, load_module_strict=False,
+                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         else:
-            loaded = load_resharded(self.engine, shards / ZERO_TAG, checkpoints_root(Path(self.config.output_dir)))
+            output_dir = Path(self.strategy.config.output_dir)
+            loaded = load_resharded(engine, shards / ZERO_TAG, checkpoints_root(output_dir))
         if loaded is None:
             raise TrainingError(f"DeepSpeed could not load the checkpoint {shards}. What to do: check that the "
                                 "folder is complete, or resume from an earlier checkpoint.")

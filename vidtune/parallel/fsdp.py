@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Collection, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,8 +37,8 @@ from torch import nn
 from vidtune import parallel
 from vidtune.errors import ConfigError, ModelError
 from vidtune.models.spec import ModelSpec
-from vidtune.parallel.dcp import write_shards
-from vidtune.parallel.strategy import Strategy, Weights
+from vidtune.parallel.checkpointers import ShardedCheckpointer
+from vidtune.parallel.strategy import Strategy
 
 META = torch.device("meta")
 
@@ -145,7 +144,6 @@ def fill_from_main(module: nn.Module, whole: dict[str, torch.Tensor] | None, sha
 
 class FullyShardedStrategy(Strategy):
     name = "fsdp"
-    sharded_checkpoints = True
     kept_whole: Collection[nn.Parameter] = ()  # quantized base weights: on every rank whole, never sharded
     forwards_gather_weights = True
 
@@ -248,9 +246,10 @@ class FullyShardedStrategy(Strategy):
         return _gradient_sync(module, sync)
 
     # ----- checkpoints --------------------------------------------------------------------------------------------
-    def save_state(self, folder: Path, weights: Weights, optimizer: torch.optim.Optimizer,
-                   ema_weights: Weights | None = None) -> None:
-        write_shards(folder, self.module, weights, optimizer, ema_weights)
+    def checkpointer(self) -> ShardedCheckpointer:
+        """Every rank writes its shard of the weights, optimizer state and average (one process too: the format
+        does not depend on the number of processes)."""
+        return ShardedCheckpointer(self)
 
     # ----- results ----------------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -9,37 +9,32 @@
 The trainer calls, in this order: `load_denoiser` (how each rank gets the weights), `prepare` (before the optimizer
 exists: a strategy that replaces the parameters, as FSDP does, returns the new ones), `wrap` (the module to call
 for forward), then every step `accumulating` / `backward` / `clip_gradients` / `optimizer_step` / `zero_grad`; a
-frozen model beside the trained one (a distillation teacher) goes through `prepare_frozen`. Checkpoints: a strategy with
-`sharded_checkpoints` writes its trainable weights and optimizer state with `save_state` (every rank its shard)
-and reads them with `load_state`; the others keep the single-file format of `vidtune.checkpoint`. `gathered`
-makes the whole trained model usable on rank 0 (final weights, validation samples).
+frozen model beside the trained one (a distillation teacher) goes through `prepare_frozen`. Checkpoints: `checkpointer`
+gives the object that writes and reads the trained weights, optimizer state and weights' average in this strategy's
+format (vidtune/parallel/checkpointers.py). `gathered` makes the whole trained model usable on rank 0 (final weights,
+validation samples).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from vidtune import parallel
 from vidtune.config import Config
 from vidtune.ema import EMA
 from vidtune.models.spec import ModelSpec
-from vidtune.parallel.dcp import Weights, read_shards
+from vidtune.parallel.checkpointers import Checkpointer
 
 
 class Strategy:
     """One process: the module as it is, gradients as backward leaves them."""
 
     name = "none"
-    # Whether `save_state` / `load_state` write / read the checkpoint's weights and optimizer state (every rank
-    # taking part) instead of the single-file format rank 0 writes.
-    sharded_checkpoints = False
-    # Whether the training engine keeps checkpoint files of its own beside the single-file format (DeepSpeed's
-    # `zero/`: `save_engine_state` / `load_engine_state`).
+    # Whether a training engine keeps the optimizer state and gradients to itself (DeepSpeed): its checkpointer
+    # writes the engine's own files, and the trainer cannot look at gradients on the parameters.
     engine_checkpoints = False
     # Whether `wrap` comes before a checkpoint is restored (an engine that restores into itself).
     wraps_before_restore = False
@@ -108,19 +103,9 @@ class Strategy:
         """After each step (`applied`: whether the update was, or the step was skipped as non-finite)."""
         optimizer.zero_grad(set_to_none=True)
 
-    def save_state(self, folder: Path, weights: Weights, optimizer: torch.optim.Optimizer,
-                   ema_weights: Weights | None = None) -> None:
-        """`sharded_checkpoints` only: write `weights`, the optimizer state and the weights' average (`ema_weights`)
-        into `folder` (every rank)."""
-        raise NotImplementedError(f"parallel.strategy={self.name} writes single-file checkpoints")
-
-    def load_state(self, folder: Path, weights: Weights, set_weights: Callable[[Weights], None],
-                   optimizer: torch.optim.Optimizer, ema_weights: Weights | None = None) -> Weights | None:
-        """Read the weights and optimizer state of a sharded checkpoint, written by any number of ranks, into the
-        model and the optimizer (`weights`: the current trainable weights, whose keys say what to read). Every
-        strategy reads them: a run sharded over many GPUs continues in one process too. `ema_weights`: tensors
-        laid out as `weights`, filled with the checkpoint's average and returned (None: it has none)."""
-        return read_shards(folder, self.module, weights, set_weights, optimizer, ema_weights)
+    def checkpointer(self) -> Checkpointer:
+        """What writes and reads this strategy's checkpoints: rank 0 the whole weights and optimizer state as files."""
+        return Checkpointer(self)
 
     @contextlib.contextmanager
     def gathered(self, module: nn.Module, everything: bool = False) -> Iterator[None]:
@@ -132,13 +117,6 @@ class Strategy:
     def sampling(self, trainer: object) -> Iterator[None]:
         """Rank 0, inside `gathered`: what validation samples with is the trainer's denoiser as it is."""
         yield
-
-    def full_trainable_state_dict(self, module: nn.Module, get_weights: Callable[[], Weights]) -> Weights:
-        """The trained weights, whole, as CPU tensors on rank 0 (every rank must call it; others get {})."""
-        with self.gathered(module):
-            if not parallel.is_main():
-                return {}
-            return {key: value.detach().cpu().clone() for key, value in get_weights().items()}
 
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:

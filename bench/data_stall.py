@@ -38,12 +38,12 @@ from vidtune.config import build_config
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.models.tiny import write_tiny_model
 from vidtune.state import SavedState
-from vidtune.trainers.lora import LoRATrainer
+from vidtune.trainers.base import Trainer
 
 FRAMES, SIZE = 9, 32
 
 
-class TimedLoRATrainer(LoRATrainer):
+class TimedLoRATrainer(Trainer):
     """The real LoRA trainer; the time each step waits for its batch is recorded."""
 
     def __init__(self, config, read_ahead: int | None = None) -> None:

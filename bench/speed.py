@@ -47,7 +47,7 @@ from vidtune.config import build_config
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.errors import ConfigError
 from vidtune.models.tiny import write_tiny_ltx_video
-from vidtune.trainers.lora import LoRATrainer
+from vidtune.trainers.base import Trainer
 
 WARMUP = 2  # steps left out of each run's median
 
@@ -95,8 +95,11 @@ class FixedBatches(BatchSource):
     def empty_caption(self):
         raise NotImplementedError("caption dropout is off in this benchmark")
 
+    def prompt(self, text: str):
+        raise NotImplementedError("no prompt beyond the captions is read in this benchmark")
 
-class PrecomputedLoRATrainer(LoRATrainer):
+
+class PrecomputedLoRATrainer(Trainer):
     """The real trainer, fed the same precomputed tensors as the bare loop (no decoding, no encoders)."""
 
     tensors: list[tuple[dict, dict]]

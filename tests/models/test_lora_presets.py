@@ -7,11 +7,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from vidtune.algorithms.build import build_part, build_spec
+from vidtune.algorithms.lora import LoRAPart, linear_module_names
 from vidtune.errors import ConfigError
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.spec import ALL_LINEAR, ModelSpec
 from vidtune.trainers import build_trainer
-from vidtune.trainers.lora import LoRATrainer, linear_module_names
 
 CPU = torch.device("cpu")
 
@@ -40,9 +41,10 @@ def test_every_preset_names_linear_layers_of_the_familys_denoiser(make_config, f
     assert added and all("ff" in target or "mlp" in target for target in added)
 
     # `all-linear` resolves to names that adapt every linear layer and nothing else.
-    trainer = build_trainer(make_config(family, lora={"target_modules": ALL_LINEAR}))
-    assert isinstance(trainer, LoRATrainer)
-    targets = trainer.resolve_targets(linear)
+    config = make_config(family, lora={"target_modules": ALL_LINEAR})
+    part = build_part(config, build_spec(config))
+    assert isinstance(part, LoRAPart)
+    targets = part.resolve_targets(linear)
     adapted = {name for name, module in denoiser.named_modules() if any(_matches(name, t) for t in targets)}
     assert adapted == set(linear)
 

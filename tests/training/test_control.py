@@ -177,7 +177,7 @@ def test_control_training_refuses_what_it_cannot_use(make_config, shapes_dataset
     trainer.check_inputs()
     trainer.load_models()
     assert isinstance(trainer.denoiser.proj_in, torch.nn.Linear) and trainer.denoiser.proj_in.weight.requires_grad
-    assert "proj_out" in trainer.targets and "proj_in" not in trainer.targets
+    assert "proj_out" in trainer.part.inner.targets and "proj_in" not in trainer.part.inner.targets
 
 
 @pytest.mark.parametrize("family", ["ltx-video", "wan-i2v"])
@@ -211,7 +211,7 @@ def test_sample_follows_the_control_clip_it_is_given(make_config, shapes_dataset
     config = make_config(data_root=root, training={"algorithm": "control-lora", "steps": 2, "learning_rate": 0.1})
     trainer = build_trainer(config)
     trainer.run()
-    trained_layer = trainer.control.state_dict()
+    trained_layer = trainer.part.control.state_dict()
     run = load_pipeline(config.output_dir, device="cpu")
     for key, value in run.control.state_dict().items():
         assert torch.equal(value, trained_layer[key]), key

@@ -8,9 +8,9 @@ import pytest
 import torch
 from diffusers import LTXVideoTransformer3DModel
 
+from vidtune.algorithms.full import select_trainable
 from vidtune.errors import ConfigError
 from vidtune.trainers import build_trainer
-from vidtune.trainers.full import select_trainable
 
 
 def test_frozen_patterns_stay_put_and_the_result_loads_into_the_pipeline(make_config, tiny_model_dir):

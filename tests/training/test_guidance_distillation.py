@@ -11,17 +11,16 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from vidtune.algorithms.distillation import GuidanceDistillationPart
+from vidtune.algorithms.full import FullPart
+from vidtune.algorithms.lora import LoRAPart
+from vidtune.algorithms.losses import guidance_scales, guided_prediction, predict, teacher_prediction
 from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shapes_dataset
 from vidtune.errors import CheckpointError, ConfigError
 from vidtune.export.command import export_checkpoint
 from vidtune.models.registry import available_models
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
-from vidtune.trainers.guidance_distillation import (
-    FullGuidanceDistillationTrainer,
-    GuidanceDistillationTrainer,
-    guided_prediction,
-)
 
 SCALE = 4.0
 
@@ -73,10 +72,10 @@ def _distances(trainer, scale: float = SCALE, embedded: bool = False) -> tuple[f
     scales = torch.full((noisy.shape[0],), scale)
     trainer.denoiser.eval()
     with torch.no_grad():
-        guided = trainer.teacher_prediction(conditions, noisy, timesteps, scales)
-        student = trainer.predict(trainer.denoiser, conditions, noisy, timesteps, scales if embedded else None)
-        with trainer.teacher() as teacher:
-            base = trainer.predict(teacher, conditions, noisy, timesteps, None)
+        guided = teacher_prediction(trainer, conditions, noisy, timesteps, scales)
+        student = predict(trainer, trainer.denoiser, conditions, noisy, timesteps, scales if embedded else None)
+        with trainer.part.teacher() as teacher:
+            base = predict(trainer, teacher, conditions, noisy, timesteps, None)
     return (student - guided).pow(2).mean().sqrt().item(), (base - guided).pow(2).mean().sqrt().item()
 
 
@@ -92,7 +91,7 @@ def _pipeline_distances(trainer, prompt: str) -> tuple[float, float]:
 
     with torch.no_grad():
         student = sample(1.0)
-        with trainer.teacher():
+        with trainer.part.teacher():
             teacher, base = sample(SCALE), sample(1.0)
     return (student - teacher).pow(2).mean().sqrt().item(), (base - teacher).pow(2).mean().sqrt().item()
 
@@ -109,7 +108,7 @@ def test_the_student_gives_the_guided_prediction_in_one_forward(make_config, man
                                                                  learning_rate):
     trainer, result = _distil(make_config, family, steps=steps, data_root=many_captions,
                               training={"learning_rate": learning_rate})
-    assert isinstance(trainer, GuidanceDistillationTrainer)
+    assert isinstance(trainer.part, GuidanceDistillationPart) and isinstance(trainer.part.inner, LoRAPart)
     student, base = _distances(trainer)
     print(f"{family}: student {student:.4g}, base {base:.4g}, ratio {base / student:.1f}")
     assert base / student >= 5.0, (student, base)
@@ -127,13 +126,14 @@ def test_the_student_gives_the_guided_prediction_in_one_forward(make_config, man
 def test_a_full_student_learns_against_a_frozen_copy(make_config, many_captions):
     trainer, _ = _distil(make_config, "ltx-video", steps=40, data_root=many_captions,
                          training={"learning_rate": 3e-4}, distillation={"student": "full"})
-    assert isinstance(trainer, FullGuidanceDistillationTrainer)
+    assert isinstance(trainer.part, GuidanceDistillationPart) and isinstance(trainer.part.inner, FullPart)
+    frozen_teacher = trainer.part.inner.frozen_teacher
     student, base = _distances(trainer)
     assert base / student >= 2.0, (student, base)
     # The teacher kept the original weights while the student's moved.
     moved = [n for n, p in trainer.denoiser.named_parameters()
-             if not torch.equal(p.detach(), trainer.frozen_teacher.get_parameter(n).to(p.dtype))]
-    assert moved and not any(p.requires_grad for p in trainer.frozen_teacher.parameters())
+             if not torch.equal(p.detach(), frozen_teacher.get_parameter(n).to(p.dtype))]
+    assert moved and not any(p.requires_grad for p in frozen_teacher.parameters())
 
 
 def test_a_guidance_range_needs_a_guidance_embedding(make_config):
@@ -151,8 +151,8 @@ def test_a_negative_prompt_is_the_teachers_unconditional_caption(make_config):
     expected = trainer.spec.prepare_conditions(trainer.text, ["blurry, static"])
     empty = trainer.source.empty_caption()
     for key, value in expected.items():
-        torch.testing.assert_close(trainer.negative[key], value)
-    assert any(not torch.equal(trainer.negative[k], empty[k]) for k in empty if empty[k].is_floating_point())
+        torch.testing.assert_close(trainer.part.negative[key], value)
+    assert any(not torch.equal(trainer.part.negative[k], empty[k]) for k in empty if empty[k].is_floating_point())
 
 
 def test_a_guidance_embedding_learns_a_range_of_scales(make_config, many_captions):
@@ -160,7 +160,7 @@ def test_a_guidance_embedding_learns_a_range_of_scales(make_config, many_caption
     the teacher's guided prediction at scales it was never given exactly."""
     trainer, _ = _distil(make_config, "hunyuan-video", steps=300, data_root=many_captions,
                          distillation={"guidance_range": [2.0, 6.0]})
-    drawn = trainer.guidance_scales(next(iter(trainer.source.batches(0))))
+    drawn = guidance_scales(trainer.config, next(iter(trainer.source.batches(0))))
     assert ((drawn >= 2.0) & (drawn <= 6.0)).all() and len(set(drawn.tolist())) == len(drawn)
     for scale in (2.7, 5.3):
         student, base = _distances(trainer, scale, embedded=True)
@@ -202,7 +202,7 @@ def test_from_the_cache_a_negative_prompt_is_encoded_with_encoders_loaded_for_it
     assert trainer.text is None and all(math.isfinite(loss) for loss in losses)  # training never held them
     text = trainer.spec.load_text_components(trainer.device)
     for key, value in trainer.spec.prepare_conditions(text, ["blurry, static"]).items():
-        torch.testing.assert_close(trainer.negative[key], value)
+        torch.testing.assert_close(trainer.part.negative[key], value)
 
 
 def test_a_student_of_a_range_is_validated_at_the_distillation_scale(make_config):

@@ -9,17 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vidtune.algorithms.distillation import StepDistillationPart
+from vidtune.algorithms.lora import LoRAPart
+from vidtune.algorithms.losses import sample_euler, window_target
 from vidtune.errors import ConfigError
 from vidtune.models.registry import available_models
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.objectives import FlowMatching
+from vidtune.schedulers import sampling_sigmas
 from vidtune.trainers import build_trainer
-from vidtune.trainers.step_distillation import (
-    StepDistillationTrainer,
-    sample_euler,
-    sampling_sigmas,
-    window_target,
-)
 
 K, N = 2, 16
 
@@ -48,7 +46,7 @@ def _samples(trainer, seed: int = 99, count: int = 2):
     trainer.denoiser.eval()
     with torch.no_grad():
         student = sample_euler(trainer.spec, trainer.objective, trainer.denoiser, conditions, noise, sampling_sigmas(K))
-        with trainer.teacher() as teacher:
+        with trainer.part.teacher() as teacher:
             few = sample_euler(trainer.spec, trainer.objective, teacher, conditions, noise, sampling_sigmas(K))
             many = sample_euler(trainer.spec, trainer.objective, teacher, conditions, noise, sampling_sigmas(N))
     return student, few, many
@@ -63,7 +61,7 @@ def test_sampling_sigmas_of_k_steps_are_every_n_over_kth_of_n_steps():
 @pytest.mark.parametrize(("family", "steps", "learning_rate"), [("ltx-video", 200, 3e-3), ("wan", 300, 3e-3)])
 def test_the_student_samples_in_k_steps_what_the_teacher_samples_in_n(make_config, family, steps, learning_rate):
     trainer, result = _distil(make_config, family, steps, learning_rate)
-    assert isinstance(trainer, StepDistillationTrainer)
+    assert isinstance(trainer.part, StepDistillationPart) and isinstance(trainer.part.inner, LoRAPart)
     student, few, many = _samples(trainer)
     ours, theirs = (student - many).pow(2).mean().sqrt().item(), (few - many).pow(2).mean().sqrt().item()
     print(f"{family}: student K-step {ours:.4g}, teacher K-step {theirs:.4g}, ratio {theirs / ours:.1f}")
@@ -146,8 +144,7 @@ def test_the_pipeline_queries_the_student_where_euler_sampling_does(make_config,
 
     trainer.denoiser.register_forward_pre_hook(record, with_kwargs=True)
     frames, height, width = TINY_SHAPES[family]
-    pipeline = trainer.sampling_pipeline()
-    with torch.no_grad():
+    with torch.no_grad(), trainer.part.sampling(trainer.sampling_pipeline(), trainer.vae, trainer.clips) as pipeline:
         trainer.spec.generate_latents(pipeline, "a red circle", frames, height, width, K,
                                       torch.Generator().manual_seed(0))
         through_pipeline, told[:] = list(told), []

@@ -22,10 +22,14 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from vidtune.algorithms import traits_of
+from vidtune.algorithms.build import build_part, build_spec
+from vidtune.algorithms.losses import NoisyInputs, clip_losses
 from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
 from vidtune.memory import _frozen_linears, _skip_patterns
@@ -35,7 +39,12 @@ from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
 from vidtune.memory.values import KnownValues, UnknownValue
 from vidtune.models.experts import TwoExperts
 from vidtune.models.registry import get_spec_class
-from vidtune.trainers import build_trainer
+from vidtune.models.spec import Conditions, ModelSpec
+from vidtune.offload import check_swapped_weights_frozen
+
+if TYPE_CHECKING:
+    from vidtune.algorithms.part import AlgorithmPart
+    from vidtune.parallel.strategy import Strategy
 
 GIB = 1024**3
 # Tensors smaller than this keep fp32 optimizer state in the low-bit optimizers (bitsandbytes and torchao alike),
@@ -291,7 +300,8 @@ def _saved_tensors_counted(live: LiveMemory) -> Iterator[None]:
 class TracedModel:
     """The denoiser loaded and configured as training does (on meta), ready for traced steps."""
 
-    spec: object
+    spec: ModelSpec
+    part: AlgorithmPart
     denoiser: nn.Module
     parameters: list[nn.Parameter]
     trained_dtypes: list[torch.dtype]
@@ -319,6 +329,53 @@ class _Counts:
         return _Counts(*(a + times * b for a, b in zip(self.values(), other.values(), strict=True)))
 
 
+class UnweightedLoss:
+    """The objective as the traced loss sees it: its loss weights multiply each clip's error (a value per clip, no
+    memory to count), so they are left at one; the shipped architectures hold no scheduler settings to read them."""
+
+    level_name = "sigmas"
+
+    def loss_weights(self, levels: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(levels)
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """What training's loss reads (`vidtune.algorithms.losses.LossContext`), for a traced step on meta: autocast is
+    the trace's own (`autocast_on_meta`), no data-parallel wrapper, no caption dropout."""
+
+    config: Config
+    model: TracedModel
+    planned: torch.device
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.model.spec
+
+    @property
+    def part(self) -> AlgorithmPart:
+        return self.model.part
+
+    objective = UnweightedLoss()
+
+    @property
+    def denoiser(self) -> nn.Module:
+        return self.model.denoiser
+
+    @property
+    def trained_denoiser(self) -> nn.Module:
+        return self.model.denoiser
+
+    device = torch.device(META)
+    bf16 = False
+    empty_caption: Conditions = field(default_factory=dict)
+    step = 0
+
+    @property
+    def strategy(self) -> Strategy:
+        raise NotImplementedError("a traced step has no parallel strategy")
+
+
 # Lists of blocks are traced with this many blocks and one and two more (see `trace_step`): the first block is
 # unlike the others (its input carries no gradient), so the counts grow evenly from the second on.
 TRACED_BLOCKS = 2
@@ -331,15 +388,16 @@ def build_traced_model(config: Config, conditions: dict, latent_shape: tuple[int
     memory = config.memory.model_copy(update={"base_weights": "auto", "blocks_to_swap": 0,
                                               "activation_offload": False})
     training = config.training.model_copy(update={"gradient_checkpointing": False})
-    trainer = build_trainer(config.model_copy(update={"memory": memory, "training": training}))
-    spec = trainer.spec
+    traced = config.model_copy(update={"memory": memory, "training": training})
+    spec = build_spec(traced)
+    part = build_part(traced, spec)
     with components_on_meta(spec, device):
         denoiser = spec.load_denoiser(META)
     if isinstance(denoiser, TwoExperts):  # its expert offloading moves weights to the host: accounted instead
         denoiser.offload = False
     with torch.device(META):  # the adapter's new weights are made on meta too (nothing to initialise)
-        parameters = trainer.configure_trainable(denoiser)
-    return TracedModel(spec, denoiser, parameters, [p.dtype for p in parameters], conditions, latent_shape)
+        parameters = part.configure(denoiser)
+    return TracedModel(spec, part, denoiser, parameters, [p.dtype for p in parameters], conditions, latent_shape)
 
 
 def trace_step(model: TracedModel, config: Config, device: torch.device, checkpointing: bool) -> StepTrace:
@@ -401,7 +459,7 @@ def _partial_counts(model: TracedModel, config: Config, device: torch.device,
 
 
 def _count_step(model: TracedModel, config: Config, device: torch.device) -> _Counts:
-    denoiser, spec = model.denoiser, model.spec
+    denoiser = model.denoiser
     live = LiveMemory()
     live.known([*denoiser.parameters(), *denoiser.buffers(), *_leaves(model.conditions)])
     denoiser.train()
@@ -416,10 +474,11 @@ def _count_step(model: TracedModel, config: Config, device: torch.device) -> _Co
         for value in batch_conditions.values():
             if isinstance(value, torch.Tensor):
                 values.mark(value, 1)
-        prediction = spec.forward(denoiser, batch_conditions, noisy, timesteps)
-        loss = (prediction.float() - noisy.float()).pow(2).flatten(1).mean(dim=1).sum()
+        # Training's own per-clip loss (vidtune/algorithms/losses.py), the noisy latents standing in for the target.
+        inputs = NoisyInputs(batch_conditions, noisy, timesteps, noisy.float(), torch.full((batch,), 0.5))
+        loss = clip_losses(TracedStep(config, model, device), inputs, denoiser).sum()
         loss.backward()
-        del prediction, loss, noisy, batch_conditions
+        del inputs, loss, noisy, batch_conditions
     grad_bytes = _unique_storage_bytes([p.grad for p in model.parameters if p.grad is not None])
     for parameter in model.parameters:
         parameter.grad = None
@@ -643,9 +702,7 @@ def _plan(config: Config, world_size: int) -> MemoryPlan:
     config, label = resolve_architecture(config)
     device = _planned_device(config)
     options = config.memory
-    if options.blocks_to_swap and config.training.algorithm in ("full", "control-full"):
-        raise ConfigError("memory.blocks_to_swap works with adapter training only: full fine-tuning updates the "
-                          "swapped weights.\nWhat to do: set memory.blocks_to_swap=0, or train a LoRA.")
+    check_swapped_weights_frozen(options.blocks_to_swap, traits_of(config))
     encoders = _encoders(config, device)
     step = _step(config, device, encoders)
     training = shard(account_step(step, config, device), config, world_size)

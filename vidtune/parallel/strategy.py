@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from vidtune.config import Config
 from vidtune.ema import EMA
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel.dcp import Weights, read_shards
+
+if TYPE_CHECKING:
+    from vidtune.algorithms.part import AlgorithmPart
 
 
 class Strategy:
@@ -117,9 +121,10 @@ class Strategy:
         yield
 
     @contextlib.contextmanager
-    def sampling(self, trainer: object) -> Iterator[None]:
-        """Rank 0, inside `gathered`: what validation samples with is the trainer's denoiser as it is."""
-        yield
+    def sampling(self, part: AlgorithmPart, fresh: Callable[[], AlgorithmPart]) -> Iterator[AlgorithmPart]:
+        """Rank 0, inside `gathered`: the algorithm part (and its denoiser) validation samples with; here the
+        trained one as it is (`fresh`: a new part of the same algorithm, for a strategy that needs a copy)."""
+        yield part
 
     def full_trainable_state_dict(self, module: nn.Module, get_weights: Callable[[], Weights]) -> Weights:
         """The trained weights, whole, as CPU tensors on rank 0 (every rank must call it; others get {})."""

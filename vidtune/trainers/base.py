@@ -27,7 +27,6 @@ import random
 import signal
 import sys
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,17 @@ from tqdm.auto import tqdm
 
 from vidtune import checkpoint as checkpoints
 from vidtune import outputs, parallel
+from vidtune.algorithms.build import build_part, build_spec
+from vidtune.algorithms.distillation import validation_config
+from vidtune.algorithms.losses import (
+    LossFunction,
+    NoisyInputs,
+    apply_caption_dropout,
+    clip_losses,
+    loss_function,
+    noisy_inputs,
+)
+from vidtune.algorithms.part import AlgorithmPart
 from vidtune.attention import resolve_attention_backend, set_attention_backend
 from vidtune.batches import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.compile import compile_blocks, compile_note, compile_seconds, eager
@@ -66,9 +76,7 @@ from vidtune.evaluation import (
 )
 from vidtune.memory import check_base_weights
 from vidtune.metrics import StepLog, plot_loss_curve, truncate_metrics
-from vidtune.models.experts import StepRouted
-from vidtune.models.registry import get_spec_class
-from vidtune.models.spec import POSTERIOR_KEYS, Conditions, ModelSpec, TextComponents, draw_latent
+from vidtune.models.spec import Conditions, ModelSpec, TextComponents
 from vidtune.objectives import Objective
 from vidtune.offload import (
     BlockSwap,
@@ -131,21 +139,6 @@ class StepOutcome:
     noise: dict[str, list[float]] = field(default_factory=dict)
 
 
-@dataclass
-class NoisyInputs:
-    """What the denoiser sees for one micro-batch, and what it should predict."""
-
-    conditions: Conditions
-    noisy: torch.Tensor
-    timesteps: torch.Tensor
-    target: torch.Tensor
-    levels: torch.Tensor  # the objective's noise levels (sigmas or DDPM timesteps), for the loss weights
-    x0: torch.Tensor | None = None  # the clean latents and the noise they were mixed with (for distillation)
-    noise: torch.Tensor | None = None
-    # Other streams' noise levels by metrics key (LTX-2's "audio_sigmas"), as `ModelSpec.stream_noise` drew them.
-    stream_levels: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
 def gathered_noise(noise: dict[str, list[float]]) -> dict[str, list[float]]:
     """A step's noise levels and sample losses of every rank, in rank order (one collective under torchrun: every
     rank logs the same steps)."""
@@ -170,23 +163,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class Trainer(ABC):
-    """The shared loop. Subclasses implement what differs per algorithm."""
-
-    algorithm: str
-    # Config keys whose change a checkpoint of this algorithm cannot follow (beyond model and algorithm).
-    resume_fixed_keys: tuple[str, ...] = ()
-    # Whether other streams (LTX-2's audio) get noise levels of their own (`ModelSpec.stream_noise`), or follow the
-    # video's as when sampling.
-    stream_noise_levels = True
+class Trainer:
+    """The shared loop; what an algorithm trains and saves is its part (`vidtune.algorithms`), its loss a function
+    of `vidtune.algorithms.losses`."""
 
     def __init__(self, config: Config) -> None:
-        self.config = config
+        self.config = config = validation_config(config)
         self.output_dir = Path(config.output_dir)
         self.device = parallel.resolve_device(config.training.device)
-        self.spec: ModelSpec = get_spec_class(config.model.name)(
-            config.model, frame_rate=config.frame_rate, text_encoder_weights=config.memory.text_encoder_weights,
-            vae_tiling=config.memory.vae_tiling)
+        self.spec: ModelSpec = build_spec(config)
+        self.part: AlgorithmPart = build_part(config, self.spec)
+        self.loss: LossFunction = loss_function(self.part.traits)
+        # The name of files named after the run (a LoRA's ComfyUI file): the run folder's, unless an export names it.
+        self.export_name: str | None = None
         self.clips: list[Clip] = []
         self.clip_infos: list[VideoInfo] = []
         # Text encoders and VAE: loaded for on-the-fly training, or (training from the cache) only for validation.
@@ -195,7 +184,7 @@ class Trainer(ABC):
         self.denoiser: nn.Module | None = None
         # What the loop calls: the denoiser, or under torchrun its DistributedDataParallel wrapper (or, sharded by
         # FSDP, the denoiser itself); `strategy` (parallel.strategy) does the backward, clipping, update, checkpoints.
-        self.trained_denoiser: nn.Module | None = None
+        self._trained_denoiser: nn.Module | None = None
         self.strategy: Strategy | None = None
         self.objective: Objective | None = None
         self.source: BatchSource | None = None
@@ -213,22 +202,44 @@ class Trainer(ABC):
         # The current step's micro-batches: (their noise levels by metrics key, each sample's loss), for metrics.jsonl.
         self.step_noise: list[tuple[dict[str, torch.Tensor], torch.Tensor]] = []
         self.stop: StopSignals | None = None  # what SIGINT / SIGTERM asked, while they are caught
+        self.sampling_part: AlgorithmPart = self.part  # what validation samples with (a copy's, under ZeRO-3)
 
-    # ----- what an algorithm decides ------------------------------------------------------------------
-    @abstractmethod
+    # ----- what the algorithm's part decides ---------------------------------------------------------------
+    @property
+    def algorithm(self) -> str:
+        return self.part.traits.name
+
+    @property
+    def resume_fixed_keys(self) -> tuple[str, ...]:
+        return self.part.resume_fixed_keys
+
+    @property
+    def trained_denoiser(self) -> nn.Module:
+        """What the loop calls: the denoiser, or under torchrun its data-parallel wrapper (once wrapped)."""
+        return self.denoiser if self._trained_denoiser is None else self._trained_denoiser
+
+    @property
+    def bf16(self) -> bool:
+        return self.use_bf16
+
+    @property
+    def step(self) -> int:
+        return self.state.step if self.state is not None else 0
+
     def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
         """Freeze / wrap the denoiser and return the parameters the optimizer updates."""
+        return self.part.configure(denoiser, resuming=self.resuming_from is not None)
 
-    @abstractmethod
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights a checkpoint stores (those that change)."""
+        return self.part.state_dict()
 
-    @abstractmethod
-    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.part.load_state_dict(state)
 
-    @abstractmethod
     def save_final(self, folder: Path) -> Path:
         """Write the run's result (adapter or full weights) in the family's diffusers format."""
+        return self.part.save_final(folder, self.ema, self.export_name)
 
     # ----- the run ---------------------------------------------------------------------------------------
     def run(self) -> TrainResult:
@@ -310,16 +321,17 @@ class Trainer(ABC):
         self.state = TrainingState(self.config, self.algorithm, parameters, len(self.clips),
                                    self.trainable_state_dict, self.load_trainable_state_dict, self.ema, self.strategy)
         if self.strategy.wraps_before_restore:  # DeepSpeed: each rank restores its own shards into the engine
-            self.trained_denoiser = self.strategy.wrap(self.denoiser, parameters, self.state.optimizer)
+            self._trained_denoiser = self.strategy.wrap(self.denoiser, parameters, self.state.optimizer)
         if saved is not None:
             self.state.restore(saved, self.device)
         self.first_step = self.state.step
         if not self.strategy.wraps_before_restore:
             # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
-            self.trained_denoiser = self.strategy.wrap(self.denoiser, parameters, self.state.optimizer)
+            self._trained_denoiser = self.strategy.wrap(self.denoiser, parameters, self.state.optimizer)
         # After the wrapper, which checks and broadcasts the weights on the training device.
         self.block_swap = apply_block_swap(self.denoiser, self.spec.block_lists, self.config.memory.blocks_to_swap,
                                            self.device)
+        self.part.prepare_frozen(self.strategy)  # FSDP shards a full student's teacher like the student
         return parameters
 
     def train_step(self, stream: Iterator[Batch], parameters: list[nn.Parameter], stop: StopSignals) -> StepOutcome:
@@ -365,27 +377,16 @@ class Trainer(ABC):
         return loss.detach()
 
     def compute_loss(self, batch: Batch) -> torch.Tensor:
-        """Sum over the micro-batch of each clip's weighted mean squared error (the method to override for
-        another loss)."""
-        inputs = self.noisy_inputs(batch)
-        losses = self.clip_losses(inputs)
-        self.note_noise(inputs, losses)
-        return losses.sum()
+        """The algorithm's loss of one micro-batch (summed over its samples); its samples' losses and noise levels
+        are kept for the step's row in metrics.jsonl."""
+        output = self.loss(self, batch)
+        if output.sample_losses is not None:
+            self.step_noise.append((output.levels, output.sample_losses))
+        return output.total
 
     def clip_losses(self, inputs: NoisyInputs, denoiser: nn.Module | None = None) -> torch.Tensor:
-        """Each clip's weighted error [B] for these inputs: what training sums, and what the held-out score
-        averages (`denoiser`: the module to call; default the one training calls)."""
-        if denoiser is None:
-            denoiser = self.denoiser if self.trained_denoiser is None else self.trained_denoiser
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.use_bf16):
-            per_clip = self.spec.training_error(denoiser, inputs.conditions, inputs.noisy.to(self.denoiser.dtype),
-                                                inputs.timesteps, inputs.target)
-        return per_clip * self.objective.loss_weights(inputs.levels).to(per_clip.device)
-
-    def note_noise(self, inputs: NoisyInputs, losses: torch.Tensor) -> None:
-        """Keep a micro-batch's noise levels and each sample's loss [B] for the step's row in metrics.jsonl (read
-        after the step, whose loss already waits for them: no synchronisation of its own)."""
-        self.step_noise.append(({self.objective.level_name: inputs.levels, **inputs.stream_levels}, losses.detach()))
+        """Each clip's weighted error [B] for these inputs (`vidtune.algorithms.losses.clip_losses`)."""
+        return clip_losses(self, inputs, denoiser)
 
     def noise_row(self) -> dict[str, list[float]]:
         """The step's noise levels by metrics key ("sigmas", or "timesteps" for DDPM; other streams' too) and each
@@ -399,45 +400,10 @@ class Trainer(ABC):
         return row
 
     def noisy_inputs(self, batch: Batch) -> NoisyInputs:
-        """Draw each clip's latent, noise level, noise and caption dropout from its visit's own generator."""
-        seed, dropout = self.config.training.seed, self.config.data.caption_dropout
-        generators = [visit_generator(seed, int(position)) for position in batch.positions]
-        # Two experts routed per step (vidtune/models/experts.py): the levels of this step's expert, on every rank.
-        objective = self.objective
-        tokens = self.spec.token_count(batch.latents[POSTERIOR_KEYS[0]].shape[1:])  # one bucket shape a batch
-        if isinstance(objective, StepRouted):
-            objective = objective.for_step(self.state.step, tokens)
-        levels = torch.cat([objective.sample_noise_levels(1, g, tokens) for g in generators])
-        x0 = torch.cat([
-            draw_latent({k: batch.latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
-        ]).float()
-        noise = torch.cat([torch.randn(x0.shape[1:], generator=g).unsqueeze(0) for g in generators]).to(x0.device)
-        conditions = batch.conditions
-        if dropout > 0:
-            drop = torch.tensor([float(torch.rand(1, generator=g)) < dropout for g in generators])
-            conditions = self.apply_caption_dropout(conditions, drop)
-        # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout, nor do the other
-        # streams' noise, drawn last from each visit's generator.
-        conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS},
-                      **self.spec.visit_conditions(x0, batch.positions, seed)}
-        stream_inputs, stream_levels = (self.spec.stream_noise(objective, batch.latents, generators)
-                                        if self.stream_noise_levels else ({}, {}))
-        return NoisyInputs({**conditions, **stream_inputs}, objective.noisy(x0, noise, levels),
-                           objective.timesteps(levels).to(x0.device), objective.target(x0, noise, levels),
-                           levels, x0, noise, stream_levels)
+        return noisy_inputs(self, batch)
 
     def apply_caption_dropout(self, conditions: Conditions, drop: torch.Tensor) -> Conditions:
-        if not bool(drop.any()):
-            return conditions
-        if self.config.data.caption_dropout_technique == "zero":
-            replacement = self.spec.empty_conditions(conditions)
-        else:
-            replacement = {k: v.expand_as(conditions[k]) for k, v in self.empty_caption.items()}
-        mask = drop.to(conditions[next(iter(conditions))].device)
-        return {
-            key: torch.where(mask.view(-1, *([1] * (value.ndim - 1))), replacement[key].to(value), value)
-            for key, value in conditions.items()
-        }
+        return apply_caption_dropout(self, conditions, drop)
 
     def between_steps(self) -> None:
         """Checkpoints, the held-out score and validation samples every N steps (the last step's come after the
@@ -513,8 +479,7 @@ class Trainer(ABC):
         check_base_weights(self.config.memory.base_weights)
         check_base_weights(self.config.memory.text_encoder_weights, "memory.text_encoder_weights")
         memory, training = self.config.memory, self.config.training
-        full_student = training.algorithm == "guidance-distillation" and self.config.distillation.student == "full"
-        check_block_swap(memory.blocks_to_swap, training.algorithm, full_student, training.gradient_checkpointing,
+        check_block_swap(memory.blocks_to_swap, self.part.traits, training.gradient_checkpointing,
                          memory.activation_offload, self.config.parallel.strategy, training.compile)
         if memory.blocks_to_swap:
             check_block_count(memory.blocks_to_swap, self.spec.block_lists,
@@ -526,6 +491,7 @@ class Trainer(ABC):
         self.spec.check_frame_settings(self.config, clips)
         self.clips, self.eval_clips = hold_out(clips, self.config)
         self.clip_infos = [clip.info for clip in self.clips]
+        self.part.check([*self.clips, *self.eval_clips], self.objective, resuming=self.resuming_from is not None)
 
     def leave_out_silent(self, clips: list[Clip]) -> list[Clip]:
         """The clips a run trains on: for a family that trains on sound with `model.clips_without_sound: leave-out`,
@@ -570,6 +536,7 @@ class Trainer(ABC):
             compile_blocks(self.denoiser, len(self.config.data.bucket_shapes()))
         if load_on != self.device:
             self.denoiser.to(self.device)
+        self.part.prepare_inputs(self.source)  # e.g. the teacher's negative prompt
         return parameters
 
     def make_ema(self, parameters: list[nn.Parameter]) -> EMA | None:
@@ -723,18 +690,19 @@ class Trainer(ABC):
             print("Loading the text encoders and the VAE for validation samples (training read the cache).",
                   flush=True)
             self.load_encoders()
-        settings = SampleSettings.from_config(self.config, self.spec, default_prompt=self.clips[0].caption)
+        part = self.sampling_part
+        spec = part.sampling_spec(self.spec)  # e.g. a student's embedded guidance scale
+        settings = SampleSettings.from_config(self.config, spec, default_prompt=self.clips[0].caption)
         step = self.state.step
         say(f"Validation at step {step}: {describe_samples(settings, validation_shape(self.config)[1])}.")
-        pipeline = self.sampling_pipeline()
         compiled = eager() if self.config.training.compile else contextlib.nullcontext()
         folder = self.output_dir / outputs.SAMPLES
         stop = self.stop
         try:
-            with compiled, self.ema.applied() if self.ema is not None else contextlib.nullcontext():
-                videos = render_samples(self.spec, pipeline, settings, folder, f"step-{step:08d}",
-                                        reference=reference_clip(self.spec, self.clips, settings,
-                                                                 self.config.data.fps),
+            with compiled, self.ema.applied() if self.ema is not None else contextlib.nullcontext(), \
+                    part.sampling(spec.pipeline(self.text, self.vae, part.denoiser), self.vae, self.clips) as pipeline:
+                videos = render_samples(spec, pipeline, settings, folder, f"step-{step:08d}",
+                                        reference=reference_clip(spec, self.clips, settings, self.config.data.fps),
                                         bf16=self.use_bf16, progress=self.show_progress, step=step,
                                         stop=(lambda: stop.received is not None) if stop is not None else None)
         except SamplingStopped as stopped:
@@ -748,13 +716,16 @@ class Trainer(ABC):
         return videos
 
     def validate_in_place(self) -> list[Path]:
-        """`validate`; under ZeRO-3 with a plain copy of the denoiser in place (`DeepSpeedStrategy.sampling`)."""
-        with self.strategy.sampling(self):
-            return self.validate()
+        """`validate`; under ZeRO-3 with a plain copy of the denoiser (`DeepSpeedStrategy.sampling`)."""
+        with self.strategy.sampling(self.part, lambda: build_part(self.config, self.spec)) as part:
+            self.sampling_part = part
+            try:
+                return self.validate()
+            finally:
+                self.sampling_part = self.part
 
     def sampling_pipeline(self) -> Any:
-        """The family's pipeline over the models being trained, for validation samples (an algorithm whose model
-        samples another way changes a part of it)."""
+        """The family's pipeline over the models being trained, as validation samples with it."""
         return self.spec.pipeline(self.text, self.vae, self.denoiser)
 
     def write_results(self) -> tuple[Path, list[Path]]:
@@ -780,14 +751,5 @@ class Trainer(ABC):
     def export_weights(self, weights: dict[str, torch.Tensor], output: Path,
                        ema: dict[str, torch.Tensor] | None = None) -> Path:
         """Write a checkpoint's weights (and their moving average, `ema`) as the run's final result into `output`
-        (see `vidtune export`).
-
-        By default the denoiser is loaded and set up as for training, given the weights and saved with
-        `save_final`; an algorithm whose result needs no base model (LoRA) overrides this."""
-        self.denoiser = self.spec.load_denoiser(torch.device("cpu"))
-        self.ema = self.make_ema(self.configure_trainable(self.denoiser)) if ema is not None else None
-        self.load_trainable_state_dict(weights)
-        if self.ema is not None:
-            with self.ema.applied():  # loading writes into the average
-                self.load_trainable_state_dict(ema)
-        return self.save_final(output)
+        (see `vidtune export`)."""
+        return self.part.export(weights, output, ema, self.export_name)

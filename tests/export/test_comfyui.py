@@ -152,7 +152,7 @@ def test_the_comfyui_file_loads_through_diffusers_converter_and_samples_like_the
     spec = trainer.spec
     text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
     frames, height, width = TINY_SHAPES[family]
-    reference = read_clip(trainer.clips[0].video, 1, height, width) if spec.image_to_video else None
+    reference = read_clip(trainer.context.clips[0].video, 1, height, width) if spec.image_to_video else None
 
     def sample(weight_name: str | None) -> torch.Tensor:
         pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from vidtune.algorithms import traits_of
-from vidtune.algorithms.part import Wrapping
+from vidtune.algorithms.part import AlgorithmPart, Wrapping
 from vidtune.errors import ConfigError
 from vidtune.objectives import FlowMatching
 from vidtune.schedulers import student_scheduler
@@ -54,7 +54,7 @@ class GuidanceDistillationPart(Wrapping):
 
     own_fixed_keys = ("distillation.student",)
 
-    def __init__(self, inner: Wrapping | Any) -> None:
+    def __init__(self, inner: AlgorithmPart) -> None:
         super().__init__(inner)
         self._negative: Conditions | None = None
 

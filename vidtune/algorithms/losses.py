@@ -46,7 +46,7 @@ WINDOW_SEED_OFFSET = 11
 
 
 class LossContext(Protocol):
-    """What a loss reads of the training set-up (`vidtune.training.setup.TrainingContext` has all of it)."""
+    """What a loss reads of the training set-up (`vidtune.training.context.TrainingContext` has all of it)."""
 
     @property
     def config(self) -> Config: ...

@@ -28,7 +28,7 @@ CPU = torch.device("cpu")
 
 @dataclass(frozen=True)
 class Measured:
-    setup: int  # bytes live once the weights, the trainer's set-up and the inputs are in place
+    setup: int  # bytes live once the weights, the algorithm part's set-up and the inputs are in place
     peak: int  # the largest live bytes during the training steps
 
 

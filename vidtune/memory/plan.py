@@ -1,9 +1,9 @@
 """`vidtune plan`: the peak memory of the training device for a config, before any weights are loaded.
 
 The numbers come from running the code, not from formulas about it. The family's components are built from their
-config.json files on the `meta` device (`vidtune.memory.meta`), through the spec's and the trainer's own code:
+config.json files on the `meta` device (`vidtune.memory.meta`), through the spec's and the algorithm part's own code:
 the denoiser is loaded, gradient checkpointing switched on and the adapter (or the full set of trained weights)
-configured exactly as training does; then one real-size training step (conditions, latents, the spec's forward,
+configured exactly as training does; then one real-size training step (conditions, latents, training's own loss,
 the loss, the backward pass) runs on meta tensors while `LiveMemory` counts every tensor it creates. The text
 encoders and the VAE run the same way over one batch of captions and clips (the precompute stage).
 

@@ -3,9 +3,10 @@
 The numbers come from running the code, not from formulas about it. The family's components are built from their
 config.json files on the `meta` device (`vidtune.memory.meta`), through the spec's and the algorithm part's own code:
 the denoiser is loaded, gradient checkpointing switched on and the adapter (or the full set of trained weights)
-configured exactly as training does; then one real-size training step (conditions, latents, training's own loss
-over the spec's forward, the backward pass) runs on meta tensors while `LiveMemory` counts every tensor it creates. The text
-encoders and the VAE run the same way over one batch of captions and clips (the precompute stage).
+configured exactly as training does; then one real-size training step (conditions, latents, training's own
+loss over the spec's forward, the backward pass) runs on meta tensors while `LiveMemory` counts every tensor it
+creates. The text encoders and the VAE run the same way over one batch of captions and clips (the precompute
+stage).
 
 What is added by hand, because it does not run on meta tensors or depends on where tensors live:
 - the weights, counted from the built modules: frozen linear layers stored as `int8` / `nf4` take their exact

@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -37,37 +38,34 @@ from vidtune.batches import Batch
 from vidtune.config import build_config
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.models.tiny import write_tiny_model
-from vidtune.state import SavedState
-from vidtune.trainers.lora import LoRATrainer
+from vidtune.trainers import build_trainer
+from vidtune.training import setup
 
 FRAMES, SIZE = 9, 32
 
 
-class TimedLoRATrainer(LoRATrainer):
-    """The real LoRA trainer; the time each step waits for its batch is recorded."""
+def timed_run(config, read_ahead: int | None = None) -> list[float]:
+    """The real LoRA trainer's run of `config`; returns the time each step waited for its batch."""
+    waits: list[float] = []
 
-    def __init__(self, config, read_ahead: int | None = None) -> None:
-        super().__init__(config)
-        self.waits: list[float] = []
-        self.read_ahead = read_ahead
-
-    def open_batch_source(self):
-        source = super().open_batch_source()
-        if self.read_ahead is not None:
-            source.read_ahead = self.read_ahead
+    def open_source(*args, **kwargs):
+        source = setup.open_batch_source(*args, **kwargs)
+        if read_ahead is not None:
+            source.read_ahead = read_ahead
         return source
 
-    def batch_stream(self, saved: SavedState | None) -> Iterator[Batch]:
-        stream = super().batch_stream(saved)
+    def batch_stream(*args, **kwargs) -> Iterator[Batch]:
+        stream = setup.batch_stream(*args, **kwargs)
+        while True:
+            started = time.perf_counter()
+            batch = next(stream)
+            waits.append(time.perf_counter() - started)
+            yield batch
 
-        def timed() -> Iterator[Batch]:
-            while True:
-                started = time.perf_counter()
-                batch = next(stream)
-                self.waits.append(time.perf_counter() - started)
-                yield batch
-
-        return timed()
+    with mock.patch.object(setup, "open_batch_source", open_source), \
+            mock.patch.object(setup, "batch_stream", batch_stream):
+        build_trainer(config).run()
+    return waits
 
 
 def run(model: Path, data: Path, output: Path, steps: int, workers: int, **data_options) -> tuple[list, list]:
@@ -84,10 +82,9 @@ def run(model: Path, data: Path, output: Path, steps: int, workers: int, **data_
         "logging": {"progress": False},
         "output_dir": str(output),
     })
-    trainer = TimedLoRATrainer(config, read_ahead)
-    trainer.run()
+    waits = timed_run(config, read_ahead)
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    return trainer.waits, [row["seconds_per_step"] for row in rows]
+    return waits, [row["seconds_per_step"] for row in rows]
 
 
 def main() -> None:

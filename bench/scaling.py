@@ -43,6 +43,7 @@ from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.models.tiny import TINY_SHAPES, write_tiny_model
 from vidtune.parallel.ddp import DataParallelStrategy
 from vidtune.trainers import build_trainer
+from vidtune.training import loop
 
 # The step whose collectives are counted: past the first (which also checks every parameter gets a gradient).
 COUNTED_STEP = 3
@@ -133,21 +134,21 @@ def run_rank(rank: int, world: int, config: dict, port: int, out: str) -> None:
     count_collectives(traffic)
     route_ddp_through_python()
     trainer = build_trainer(build_config(config))
-    step_outcome = trainer.train_step
+    step_outcome = loop.train_step
 
-    def counted_step(*args, **kwargs):
-        traffic.active = trainer.state.step + 1 == COUNTED_STEP
+    def counted_step(context, *args, **kwargs):
+        traffic.active = context.state.step + 1 == COUNTED_STEP
         try:
-            return step_outcome(*args, **kwargs)
+            return step_outcome(context, *args, **kwargs)
         finally:
             traffic.active = False
 
-    trainer.train_step = counted_step
+    loop.train_step = counted_step
     trainer.run()
     if rank == 0:
         rows = [json.loads(line) for line in (Path(config["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
         seconds = statistics.median(row["seconds_per_step"] for row in rows[2:])  # past the warm-up steps
-        parameters = list(trainer.denoiser.parameters())
+        parameters = list(trainer.context.denoiser.parameters())
         sizes = {"weights": sum(_numel(p) * p.element_size() for p in parameters),
                  "trainable": sum(_numel(p) * p.element_size() for p in parameters if p.requires_grad)}
         Path(out).write_text(json.dumps({"seconds_per_step": seconds, "bytes": dict(traffic.bytes), **sizes}))

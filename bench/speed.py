@@ -47,7 +47,7 @@ from vidtune.config import build_config
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.errors import ConfigError
 from vidtune.models.tiny import write_tiny_ltx_video
-from vidtune.trainers.lora import LoRATrainer
+from vidtune.trainers import Trainer, build_trainer
 
 WARMUP = 2  # steps left out of each run's median
 
@@ -92,17 +92,8 @@ class FixedBatches(BatchSource):
 
     encode = loader
 
-    def prompt(self, caption: str):
-        raise NotImplementedError("caption dropout is off in this benchmark: no prompt is encoded")
-
-
-class PrecomputedLoRATrainer(LoRATrainer):
-    """The real trainer, fed the same precomputed tensors as the bare loop (no decoding, no encoders)."""
-
-    tensors: list[tuple[dict, dict]]
-
-    def open_batch_source(self) -> BatchSource:
-        return FixedBatches(self.tensors)
+    def prompt(self, text: str):
+        raise NotImplementedError("no prompt beyond the captions is read in this benchmark")
 
 
 def write_model(folder: Path, size: str) -> Path:
@@ -147,11 +138,11 @@ def make_config(model: Path, data: list[Path], output: Path, steps: int, device:
     })
 
 
-def fixed_tensors(probe: PrecomputedLoRATrainer, size: Size, index: int = 0) -> tuple[dict, dict]:
+def fixed_tensors(probe: Trainer, clips: list, size: Size, index: int = 0) -> tuple[dict, dict]:
     """The conditions of clip `index`'s caption and a VAE posterior: encoded from that clip, or (a real-size
     latent shape) drawn at random in that shape."""
     text = probe.spec.load_text_components(probe.device)
-    conditions = probe.spec.prepare_conditions(text, [probe.clips[index].caption])
+    conditions = probe.spec.prepare_conditions(text, [clips[index].caption])
     if size.latent_shape is not None:
         generator = torch.Generator().manual_seed(0)
         mean = torch.randn((1, *size.latent_shape), generator=generator).to(probe.device)
@@ -159,18 +150,18 @@ def fixed_tensors(probe: PrecomputedLoRATrainer, size: Size, index: int = 0) -> 
     from vidtune.data.video import ClipWindow, read_clip
 
     vae = probe.spec.load_vae(probe.device)
-    video = read_clip(probe.clips[index].video, ClipWindow(size.frames, size.height, size.width))[None].to(probe.device)
+    video = read_clip(clips[index].video, ClipWindow(size.frames, size.height, size.width))[None].to(probe.device)
     return conditions, probe.spec.prepare_latents(vae, video)
 
 
 def trainer_run(config, tensors, dynamic: bool = False) -> tuple[list[float], list[float], float]:
     """(seconds per step after the warm-up, every logged loss, seconds spent compiling); `dynamic`: the blocks
     compiled once with dynamic shapes instead of once per shape."""
-    trainer = PrecomputedLoRATrainer(config)
-    trainer.tensors = tensors
     compiling = partial(compile_blocks, dynamic=True) if dynamic else compile_blocks
-    with mock.patch("vidtune.trainers.base.compile_blocks", compiling):
-        trainer.run()
+    # The real trainer, fed the same precomputed tensors as the bare loop (no decoding, no encoders).
+    with mock.patch("vidtune.training.setup.compile_blocks", compiling), \
+            mock.patch("vidtune.training.setup.open_batch_source", lambda *args, **kwargs: FixedBatches(tensors)):
+        build_trainer(config).run()
     rows = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
     # Each bucket's first step is a warm-up too (its first compiled kernels run there).
     warmup = max(WARMUP, len(tensors))
@@ -252,12 +243,12 @@ def main() -> None:
     data = [render_shapes_dataset(work / f"data-{index}", num_clips=1, num_frames=each.frames, height=each.height,
                                   width=each.width, seed=index) for index, each in enumerate(sizes)]
 
-    probe = PrecomputedLoRATrainer(make_config(model, data, work / "probe", 1, args.device, sizes))
-    probe.check_inputs()
-    if [clip.bucket or 0 for clip in probe.clips] != list(range(len(sizes))):
+    probe = build_trainer(make_config(model, data, work / "probe", 1, args.device, sizes))
+    clips = probe.check_inputs().clips
+    if [clip.bucket or 0 for clip in clips] != list(range(len(sizes))):
         raise SystemExit("--buckets: each shape needs its own aspect ratio (the clip of each shape must land in its "
-                         f"bucket; they landed in {[clip.bucket for clip in probe.clips]})")
-    tensors = [fixed_tensors(probe, each, index) for index, each in enumerate(sizes)]
+                         f"bucket; they landed in {[clip.bucket for clip in clips]})")
+    tensors = [fixed_tensors(probe, clips, each, index) for index, each in enumerate(sizes)]
     lora = LoraConfig(r=16, lora_alpha=16, target_modules=list(probe.spec.default_lora_targets))
     backends = args.backends if args.backends is not None else training_backends(device)
 

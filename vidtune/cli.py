@@ -68,7 +68,7 @@ def command_train(args: argparse.Namespace) -> int:
     from vidtune.cpu import configure_cpu_threads
     from vidtune.parallel.launch import adopt_launcher_environment
     from vidtune.trainers import build_trainer
-    from vidtune.trainers.stop import TrainingInterrupted
+    from vidtune.training.stop import TrainingInterrupted
 
     adopt_launcher_environment()  # SLURM's srun without torchrun: its variables as torchrun's
     configure_cpu_threads(config)

@@ -7,9 +7,9 @@ run's own encoders on the fly, through the same batch sources training reads), a
 What is measured: every clip at each of `validation.eval_noise_levels`, with latents drawn from its posterior and
 noise drawn from a generator of its own (seeded by `validation.seed`, the clip and the draw), so every evaluation
 sees exactly the same inputs and the score moves only when the weights do. One clip's draws are shared by all
-levels, so the levels differ only by how much noise they mix in. The error is the trainer's own (`Trainer.clip_losses`:
-the spec's training error and the objective's loss weights), computed without gradients and without touching the
-training RNGs, so a run resumes bit for bit whether or not it scores.
+levels, so the levels differ only by how much noise they mix in. The error is training's own
+(`vidtune.algorithms.losses.clip_losses`: the spec's training error and the objective's loss weights), computed
+without gradients and without touching the training RNGs, so a run resumes bit for bit whether or not it scores.
 
 Under torchrun: a strategy whose forwards gather weights (FSDP, ZeRO-3) needs every rank to run the same forwards,
 so every rank scores every clip (the same numbers everywhere); otherwise (DDP) the (clip, level) pairs are shared
@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vidtune import parallel
+from vidtune.algorithms import traits_of
 from vidtune.batches import CachedBatches, EncodedBatches
 from vidtune.checkpoint import PREFIX
 from vidtune.config import Config
@@ -42,9 +43,6 @@ from vidtune.precompute import CachedClips, precompute
 # (conditions, noisy latents, timesteps, target, noise levels) -> each sample's weighted error [B]
 LossFunction = Callable[[Conditions, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Algorithms whose loss is not the plain denoising loss on data (a distilled student learns the teacher's output):
-# the held-out score would measure something they do not train for.
-UNSCORED_ALGORITHMS = ("guidance-distillation", "step-distillation")
 EVAL_ROW_KEY = "eval_loss"
 
 
@@ -56,8 +54,9 @@ def evaluation_requested(config: Config) -> bool:
 
 def check_evaluation(config: Config) -> None:
     """Refuse, before any long work, a held-out score an algorithm cannot give."""
+    # A distilled student learns the teacher's output, not the denoising loss on data: the score would not measure it.
     algorithm = config.training.algorithm
-    if evaluation_requested(config) and algorithm in UNSCORED_ALGORITHMS:
+    if evaluation_requested(config) and not traits_of(config).scored_on_held_out:
         asked = "validation.eval_clips" if config.validation.eval_clips else "a data source marked eval: true"
         raise ConfigError(
             f"{asked}: the held-out score is the denoising loss on clips, which training.algorithm={algorithm} "

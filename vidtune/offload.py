@@ -33,11 +33,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from vidtune.errors import ConfigError
+
+if TYPE_CHECKING:
+    from vidtune.algorithms import AlgorithmTraits
 
 # How many swapped blocks may be on the compute device at once: the one computing and the one being prefetched.
 RESIDENT_BLOCKS = 2
@@ -249,9 +253,22 @@ def _set_parameter(owner: nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._parameters[name] = nn.Parameter(tensor, requires_grad=False)
 
 
-def check_block_swap(blocks_to_swap: int, algorithm: str, full_student: bool, gradient_checkpointing: bool,
+def check_swapped_weights_frozen(blocks_to_swap: int, traits: AlgorithmTraits) -> None:
+    """Block swap serves adapter training only: an algorithm that trains the base weights needs their gradients
+    and optimizer state beside them."""
+    if not blocks_to_swap or traits.trains_adapter:
+        return
+    what = "distillation.student=full" if traits.chooses_student else f"training.algorithm={traits.name}"
+    raise ConfigError(
+        f"memory.blocks_to_swap={blocks_to_swap} works with adapter algorithms only: {what} trains the "
+        "blocks' own weights, whose gradients and optimizer state must stay beside them.\n"
+        "What to do: set memory.blocks_to_swap=0, or train an adapter (training.algorithm=lora)."
+    )
+
+
+def check_block_swap(blocks_to_swap: int, traits: AlgorithmTraits, gradient_checkpointing: bool,
                      activation_offload: bool, parallel_strategy: str = "auto", compiled: bool = False) -> None:
-    """Before any long work: block swap with what it cannot serve."""
+    """Before any long work: block swap with what it cannot serve (`traits`: the training algorithm's)."""
     if blocks_to_swap == 0:
         return
     if compiled:
@@ -268,13 +285,7 @@ def check_block_swap(blocks_to_swap: int, algorithm: str, full_student: bool, gr
             "which places the weights itself.\nWhat to do: set memory.blocks_to_swap=0 (sharding already divides "
             "the weights over the GPUs), or use parallel.strategy=ddp."
         )
-    if algorithm in ("full", "control-full") or full_student:
-        what = "distillation.student=full" if full_student else f"training.algorithm={algorithm}"
-        raise ConfigError(
-            f"memory.blocks_to_swap={blocks_to_swap} works with adapter algorithms only: {what} trains the "
-            "blocks' own weights, whose gradients and optimizer state must stay beside them.\n"
-            "What to do: set memory.blocks_to_swap=0, or train an adapter (training.algorithm=lora)."
-        )
+    check_swapped_weights_frozen(blocks_to_swap, traits)
     if not (gradient_checkpointing or activation_offload):
         raise ConfigError(
             f"memory.blocks_to_swap={blocks_to_swap} needs training.gradient_checkpointing=true: without it the "

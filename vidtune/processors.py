@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vidtune.algorithms import traits_of
 from vidtune.errors import ConfigError
 
 Processor = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
@@ -54,7 +55,7 @@ ProcessorChoice = tuple[str, tuple[tuple[str, Any], ...]]  # (name, sorted optio
 
 def configured_processor(config: Any) -> ProcessorChoice | None:
     """The processor a control run computes its control clips with, or None (control clips are read)."""
-    if not config.training.algorithm.startswith("control") or config.control.processor is None:
+    if not traits_of(config).control or config.control.processor is None:
         return None
     return config.control.processor, tuple(sorted(processor_options(config.control).items()))
 

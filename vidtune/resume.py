@@ -20,7 +20,7 @@ from vidtune.errors import CheckpointError, ConfigError
 from vidtune.files import INCOMPLETE, recover_folders
 from vidtune.outputs import FINAL_OUTPUTS, checkpoints_root
 
-# Changes a checkpoint cannot follow, whatever the algorithm; trainers add their own (`Trainer.resume_fixed_keys`).
+# Changes a checkpoint cannot follow, whatever the algorithm; algorithm parts add their own (`resume_fixed_keys`).
 FIXED_KEYS = (
     "model.name",
     "model.pretrained",

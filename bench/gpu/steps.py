@@ -20,6 +20,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -114,12 +115,12 @@ def run_steps(family: str, tiny_folder: Path, shape: tuple[int, int, int], optio
                              data, work / "output")
         trainer = build_trainer(config)
         source = FixedBatches(*fixed_inputs(resolved, trainer.device))
-        trainer.open_batch_source = types.MethodType(lambda _self, batches=source: batches, trainer)
         on_cuda = trainer.device.type == "cuda"
         if on_cuda:  # the inputs are on the device already, as the cache's tensors are in a real run
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with random_denoiser(trainer.spec, trainer.device):
+        with random_denoiser(trainer.spec, trainer.device), \
+                mock.patch("vidtune.training.setup.open_batch_source", return_value=source):
             trainer.run()
         peak = torch.cuda.max_memory_allocated() if on_cuda else None
         rows = [json.loads(line) for line in (work / "output" / "metrics.jsonl").read_text().splitlines()]

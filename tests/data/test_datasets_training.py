@@ -58,19 +58,19 @@ def test_every_family_trains_a_lora_on_mixed_sources_with_buckets(make_config, t
                           lora={"rank": 4, "alpha": 4})
     trainer = build_trainer(config)
     shapes = []
-    original = trainer.compute_loss
+    original = trainer.loss
 
-    def record(batch):
+    def record(context, batch):
         shapes.append(tuple(batch.latents["latents_mean"].shape))
-        return original(batch)
+        return original(context, batch)
 
-    trainer.compute_loss = record
+    trainer.loss = record
     result = trainer.run()
     assert result.weights_path is not None and result.weights_path.exists()
     assert all(shape[0] == 2 for shape in shapes)  # batches of 2 from one bucket each
     trained = load_file(result.weights_path)
     assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k), "the adapter did not train"
-    used = {clip.bucket for clip in trainer.clips}
+    used = {clip.bucket for clip in trainer.context.clips}
     assert len(used) > 1 or len(config.data.buckets) == 1
 
 
@@ -80,10 +80,10 @@ def test_mixed_buckets_from_the_cache_train_and_the_cache_holds_each_bucket(make
     trainer = build_trainer(config)
     result = trainer.run()
     assert result.final_step == 3
-    plan = trainer.source.cached.plan
+    plan = trainer.context.source.cached.plan
     shapes = {(p.frames, p.height, p.width) for p in plan.latent_preprocess.values()}
-    assert shapes == {tuple(config.data.buckets[clip.bucket]) for clip in trainer.clips}
-    long = next(i for i, clip in enumerate(trainer.clips) if clip.video.name == "long.mp4")
+    assert shapes == {tuple(config.data.buckets[clip.bucket]) for clip in trainer.context.clips}
+    long = next(i for i, clip in enumerate(trainer.context.clips) if clip.video.name == "long.mp4")
     assert len(plan.latent_windows[long]) == 2  # two windows of the long clip, at its start and its end
     assert [plan.latent_preprocess[k].start for k in plan.latent_windows[long]] == [0, 120 - 9]
 

@@ -36,6 +36,7 @@ def test_later_epochs_encode_nothing_and_train_what_encoding_every_visit_trains(
     kept, kept_losses = run("kept")
     plain, plain_losses = run("plain", frame_store_mib=0, encoded_store_mib=0)
     assert kept_losses == plain_losses
-    windows = len(kept.clips)  # frame_sampling=start: one window a clip; 8 steps are two epochs of 4 clips
-    assert (kept.source.encoded.misses, kept.source.encoded.hits) == (2 * windows, 2 * windows)  # captions + windows
-    assert plain.source.store is None and plain.source.encoded.hits == 0
+    windows = len(kept.context.clips)  # frame_sampling=start: one window a clip; 8 steps are two epochs of 4 clips
+    encoded = kept.context.source.encoded
+    assert (encoded.misses, encoded.hits) == (2 * windows, 2 * windows)  # captions + windows
+    assert plain.context.source.store is None and plain.context.source.encoded.hits == 0

@@ -19,6 +19,7 @@ from vidtune.errors import ConfigError
 from vidtune.evaluation import HeldOutSet, Score
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
+from vidtune.training.held_out import held_out_losses
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 EVAL = {"eval_clips": 1, "eval_noise_levels": [0.2, 0.5, 0.8]}
@@ -37,7 +38,9 @@ def loss_rows(run: Path) -> list[dict]:
 def score_now(trainer) -> Score:
     """The held-out score of the trainer's weights as they are, as the run takes it."""
     with torch.no_grad():
-        return trainer.held_out.score(trainer.objective, trainer.held_out_losses, trainer.device, every_rank=False)
+        context = trainer.context
+        return context.held_out.set.score(context.objective, held_out_losses(context), context.device,
+                                          every_rank=False)
 
 
 @pytest.mark.parametrize("algorithm", ["lora", "full"])
@@ -57,7 +60,7 @@ def test_the_same_weights_score_the_same_and_other_weights_score_otherwise(algor
     assert {f"{k:g}": v for k, v in first.by_level.items()} == rows[-1]["eval_loss_by_noise"]
 
     # Other weights, another score.
-    trained = [p for p in trainer.denoiser.parameters() if p.requires_grad]
+    trained = [p for p in trainer.context.denoiser.parameters() if p.requires_grad]
     with torch.no_grad():
         trained[0].add_(0.05)
     assert score_now(trainer).total != first.total
@@ -66,8 +69,9 @@ def test_the_same_weights_score_the_same_and_other_weights_score_otherwise(algor
 def test_the_held_out_clip_is_not_trained_on(make_config, capsys):
     trainer = build_trainer(make_config(training={"steps": 1}, validation=EVAL))
     trainer.run()
-    assert [clip.index for clip in trainer.clips] == [0, 1, 2]
-    assert len(trainer.eval_clips) == 1 and trainer.eval_clips[0].video not in {c.video for c in trainer.clips}
+    assert [clip.index for clip in trainer.context.clips] == [0, 1, 2]
+    context = trainer.context
+    assert len(context.eval_clips) == 1 and context.eval_clips[0].video not in {c.video for c in context.clips}
     assert "Held-out score: 1 sample (videos.txt line 3), not trained on" in capsys.readouterr().out
 
 
@@ -157,9 +161,9 @@ def test_a_source_marked_eval_is_held_out_whole(make_config, shapes_dataset, tmp
                          training={"steps": 1})
     trainer = build_trainer(config)
     trainer.run()
-    assert len(trainer.clips) == 4 and len(trainer.eval_clips) == 2
-    assert all(held_out in clip.video.parents for clip in trainer.eval_clips)
-    assert len(eval_rows(trainer.output_dir)) == 2
+    assert len(trainer.context.clips) == 4 and len(trainer.context.eval_clips) == 2
+    assert all(held_out in clip.video.parents for clip in trainer.context.eval_clips)
+    assert len(eval_rows(trainer.context.output_dir)) == 2
 
 
 def test_control_training_scores_with_each_clip_s_control(make_config, shapes_dataset, tmp_path):
@@ -167,11 +171,11 @@ def test_control_training_scores_with_each_clip_s_control(make_config, shapes_da
     trainer = build_trainer(make_config(data_root=root, training={"steps": 2, "algorithm": "control-lora"},
                                         validation=EVAL))
     trainer.run()
-    assert trainer.eval_clips[0].control is not None
+    assert trainer.context.eval_clips[0].control is not None
     first = score_now(trainer)
-    assert first.total == eval_rows(trainer.output_dir)[-1]["eval_loss"]
+    assert first.total == eval_rows(trainer.context.output_dir)[-1]["eval_loss"]
     # The control latents reach the denoiser: another control clip gives another score.
-    _, latents = trainer.held_out.items[0]
+    _, latents = trainer.context.held_out.set.items[0]
     latents["control_latents"] = latents["control_latents"].flip(-1)
     assert score_now(trainer).total != first.total
 
@@ -191,7 +195,7 @@ def test_every_family_scores_the_same_weights_alike(family, make_config):
     trainer = build_trainer(make_config(family, training={"steps": 1},
                                         validation={"eval_clips": 1, "eval_noise_levels": [0.3, 0.8]}))
     trainer.run()
-    rows = eval_rows(trainer.output_dir)
+    rows = eval_rows(trainer.context.output_dir)
     assert [row["step"] for row in rows] == [0, 1]
     assert all(math.isfinite(value) for row in rows for value in row["eval_loss_by_noise"].values())
     assert score_now(trainer).total == rows[-1]["eval_loss"]

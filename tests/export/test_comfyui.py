@@ -25,13 +25,14 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
+from vidtune.algorithms.build import build_part, build_spec
+from vidtune.algorithms.lora import linear_module_names
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.export.comfyui import ComfyUIExportError, Rule, comfyui_lora, fuse, fused, save_comfyui_lora
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.outputs import LORA_WEIGHTS, comfyui_lora_weights
 from vidtune.trainers import build_trainer
-from vidtune.trainers.lora import linear_module_names
 
 RUN = "run"  # make_config's output_dir: the ComfyUI file is named after it
 COMFYUI_LORA_WEIGHTS = comfyui_lora_weights(RUN)
@@ -151,7 +152,7 @@ def test_the_comfyui_file_loads_through_diffusers_converter_and_samples_like_the
     spec = trainer.spec
     text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
     frames, height, width = TINY_SHAPES[family]
-    reference = read_clip(trainer.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
+    reference = read_clip(trainer.context.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
 
     def sample(weight_name: str | None) -> torch.Tensor:
         pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
@@ -272,12 +273,13 @@ def test_comfyuis_model_reads_every_tensor_of_the_file(make_config, tmp_path, fa
     targets and for `all-linear`: every key is one ComfyUI's model of the family reads; with `all-linear`, every
     linear layer of that model has its adapter, but those of the layers the family leaves out of training."""
     lora = {"rank": 2, "alpha": 3.0} | ({"target_modules": "all-linear"} if preset == "all-linear" else {})
-    trainer = build_trainer(make_config(family, lora=lora))
-    denoiser = trainer.spec.load_denoiser(CPU)
-    trainer.configure_trainable(denoiser)
+    config = make_config(family, lora=lora)
+    spec = build_spec(config)
+    denoiser = spec.load_denoiser(CPU)
+    build_part(config, spec).configure(denoiser)
     state = {key: torch.randn_like(value) for key, value in get_peft_model_state_dict(denoiser).items()}
-    model = trainer.spec.comfyui_model()
-    save_comfyui_lora(trainer.spec, tmp_path, state, 3.0, RUN)
+    model = spec.comfyui_model()
+    save_comfyui_lora(spec, tmp_path, state, 3.0, RUN)
     files = sorted(tmp_path.iterdir())
     assert [path.name for path in files] == [COMFYUI_LORA_WEIGHTS]
     exported = load_file(files[0])
@@ -287,8 +289,8 @@ def test_comfyuis_model_reads_every_tensor_of_the_file(make_config, tmp_path, fa
     assert len(exported) == 2 * len(modules)
     if preset == "all-linear":
         left_out = set()
-        for name in trainer.spec.lora_exclude_modules():
-            rule = next(rule for rule in trainer.spec.comfyui_lora_rules() if re.fullmatch(rule.source, name))
+        for name in spec.lora_exclude_modules():
+            rule = next(rule for rule in spec.comfyui_lora_rules() if re.fullmatch(rule.source, name))
             left_out.add(names[re.fullmatch(rule.source, name).expand(rule.target)])
         assert {names[module] for module in modules} == set(model.weights) - left_out
 
@@ -310,17 +312,19 @@ def test_a_key_comfyui_would_not_read_is_an_error_naming_it_and_nothing_is_writt
 
 @pytest.mark.parametrize("family", ["cogvideox", "cogvideox-i2v"])
 def test_cogvideox_writes_no_comfyui_file_and_says_what_loads_its_lora(make_config, tmp_path, capsys, family):
-    trainer = build_trainer(make_config(family, lora={"rank": 2}))
-    denoiser = trainer.spec.load_denoiser(CPU)
-    trainer.configure_trainable(denoiser)
+    config = make_config(family, lora={"rank": 2})
+    spec = build_spec(config)
+    part = build_part(config, spec)
+    denoiser = spec.load_denoiser(CPU)
+    part.configure(denoiser)
     state = get_peft_model_state_dict(denoiser)
-    assert trainer.save_comfyui(tmp_path, state) is None  # at the end of a run: said, not fatal
+    assert part.save_comfyui(tmp_path, state, RUN) is None  # at the end of a run: said, not fatal
     assert list(tmp_path.iterdir()) == []
     line = capsys.readouterr().out
     assert "No LoRA file for ComfyUI: ComfyUI's core has no CogVideoX model" in line
     assert "ComfyUI-CogVideoXWrapper" in line and LORA_WEIGHTS in line
     with pytest.raises(ComfyUIExportError, match="no CogVideoX model"):  # `vidtune export --format comfyui`
-        save_comfyui_lora(trainer.spec, tmp_path, state, 2.0, RUN)
+        save_comfyui_lora(spec, tmp_path, state, 2.0, RUN)
 
 
 def _delta(state: dict[str, torch.Tensor], module: str, scale: float) -> torch.Tensor:

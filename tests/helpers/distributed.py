@@ -20,7 +20,7 @@ from vidtune.config import build_config
 from vidtune.errors import VidtuneError
 from vidtune.outputs import LORA_WEIGHTS_2
 from vidtune.trainers import build_trainer
-from vidtune.trainers.stop import TrainingInterrupted
+from vidtune.training.stop import TrainingInterrupted
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LORA_FILE_2 = LORA_WEIGHTS_2  # the low-noise expert's adapter
@@ -40,23 +40,23 @@ def _train(config: dict, port: int, stop_on: tuple[int, int] | None = None, unus
     os.environ["MASTER_PORT"] = str(port)
     trainer = build_trainer(build_config(config))
     if unused:
-        configure = trainer.configure_trainable
+        configure = trainer.part.configure
 
-        def with_unused(denoiser):
+        def with_unused(denoiser, *args, **kwargs):
             denoiser.register_parameter("never_used", torch.nn.Parameter(torch.zeros(3)))
-            return [*configure(denoiser), denoiser.never_used]
+            return [*configure(denoiser, *args, **kwargs), denoiser.never_used]
 
-        trainer.configure_trainable = with_unused
+        trainer.part.configure = with_unused
     positions: list[int] = []
-    original = trainer.compute_loss
+    original = trainer.loss
 
-    def recording(batch):
+    def recording(context, batch):
         positions.extend(int(p) for p in batch.positions)
         if stop_on is not None and stop_on == (int(os.environ["RANK"]), len(positions)):
             os.kill(os.getpid(), signal.SIGTERM)
-        return original(batch)
+        return original(context, batch)
 
-    trainer.compute_loss = recording
+    trainer.loss = recording
     try:
         result = trainer.run()
     except TrainingInterrupted as stopped:

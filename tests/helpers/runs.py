@@ -12,7 +12,7 @@ import pytest
 
 from vidtune.config import build_config
 from vidtune.models.registry import tiny_family
-from vidtune.trainers.stop import TrainingInterrupted
+from vidtune.training.stop import TrainingInterrupted
 
 FRAME_RATE = 24.0
 
@@ -20,7 +20,7 @@ FRAME_RATE = 24.0
 def run_stopped_at(trainer, number: int) -> None:
     """Run `trainer` with a SIGINT during its `number`-th micro-batch: the run saves a checkpoint at that step and
     stops with TrainingInterrupted."""
-    original, calls = trainer.compute_loss, [0]
+    original, calls = trainer.loss, [0]
 
     def interrupting(*args, **kwargs):
         calls[0] += 1
@@ -28,7 +28,7 @@ def run_stopped_at(trainer, number: int) -> None:
             os.kill(os.getpid(), signal.SIGINT)
         return original(*args, **kwargs)
 
-    trainer.compute_loss = interrupting
+    trainer.loss = interrupting
     with pytest.raises(TrainingInterrupted):
         trainer.run()
 

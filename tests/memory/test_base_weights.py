@@ -50,8 +50,8 @@ def test_quantized_base_weights_train_close_to_the_plain_run_and_load_in_a_plain
     trainer = build_trainer(config)
     result = trainer.run()
 
-    assert _storage(trainer.denoiser) == EXPECTED_STORAGE[option]
-    adapter = [p for p in trainer.denoiser.parameters() if p.requires_grad]
+    assert _storage(trainer.context.denoiser) == EXPECTED_STORAGE[option]
+    adapter = [p for p in trainer.context.denoiser.parameters() if p.requires_grad]
     assert adapter and all(p.dtype == torch.float32 and type(p.data) is torch.Tensor for p in adapter)
     assert all(math.isfinite(loss) for loss in result.losses)
     differences = [abs(a - b) / abs(b) for a, b in zip(result.losses, plain.losses, strict=True)]
@@ -126,7 +126,7 @@ def test_quantized_base_weights_on_cuda_in_bf16(make_config, tmp_path, option):
                 "checkpoint": {"every": 2}, "memory": {"base_weights": option}}
     reference = build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference")))
     result = reference.run()
-    assert _storage(reference.denoiser) == EXPECTED_STORAGE[option]
+    assert _storage(reference.context.denoiser) == EXPECTED_STORAGE[option]
     assert all(math.isfinite(loss) for loss in result.losses)
     out = _stop_at_the_third_micro_batch_and_resume(make_config, settings, tmp_path / "stopped")
     reference_weights, resumed = load_file(tmp_path / "reference" / LORA_FILE), load_file(out / LORA_FILE)

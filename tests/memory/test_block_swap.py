@@ -27,7 +27,7 @@ class Recorder:
         self.swap: offload.BlockSwap | None = None
         self.uses = {"forward": 0, "backward": 0}
         self.host_uses = 0
-        monkeypatch.setattr("vidtune.trainers.base.apply_block_swap", self.apply)
+        monkeypatch.setattr("vidtune.training.setup.apply_block_swap", self.apply)
 
     def apply(self, denoiser, block_lists, blocks_to_swap, device):
         blocks = offload.swappable_blocks(denoiser, block_lists)
@@ -57,7 +57,7 @@ def _pointer(tensor: torch.Tensor) -> int:
 
 
 def _adapter(trainer) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in trainer.denoiser.named_parameters() if p.requires_grad}
+    return {name: p.detach().clone() for name, p in trainer.context.denoiser.named_parameters() if p.requires_grad}
 
 
 def _train_with_and_without_swap(make_config, tmp_path, monkeypatch, family, swap, **sections):
@@ -120,7 +120,7 @@ def test_block_swap_and_activation_offload_are_off_on_the_cpu_with_a_notice(make
     out = capsys.readouterr().out
     assert "memory.blocks_to_swap=1: block swap works on CUDA only; off on cpu." in out
     assert "memory.activation_offload: works on CUDA only; off on cpu." in out
-    assert trainer.block_swap is None
+    assert trainer.context.block_swaps == ()
 
 
 @pytest.mark.parametrize(("sections", "message"), [
@@ -137,7 +137,8 @@ def test_block_swap_and_activation_offload_are_off_on_the_cpu_with_a_notice(make
 ])
 def test_block_swap_refuses_what_it_cannot_serve_before_loading(make_config, sections, message, monkeypatch):
     trainer = build_trainer(make_config(memory={"blocks_to_swap": 1}, **sections))
-    monkeypatch.setattr(trainer, "set_up", lambda saved: pytest.fail("loaded models before refusing"))
+    monkeypatch.setattr("vidtune.training.setup.load_denoiser",
+                        lambda *args, **kwargs: pytest.fail("loaded models before refusing"))
     with pytest.raises(ConfigError, match=message) as error:
         trainer.run()
     assert "What to do:" in str(error.value)
@@ -147,7 +148,8 @@ def test_block_swap_refuses_what_it_cannot_serve_before_loading(make_config, sec
 def test_block_swap_names_the_number_of_blocks_before_loading(make_config, monkeypatch, family, blocks):
     trainer = build_trainer(make_config(family, training={"gradient_checkpointing": True},
                                         memory={"blocks_to_swap": 99}))
-    monkeypatch.setattr(trainer, "set_up", lambda saved: pytest.fail("loaded models before refusing"))
+    monkeypatch.setattr("vidtune.training.setup.load_denoiser",
+                        lambda *args, **kwargs: pytest.fail("loaded models before refusing"))
     with pytest.raises(ConfigError, match=f"blocks_to_swap=99, but the denoiser has {blocks} transformer blocks"):
         trainer.run()
 
@@ -173,3 +175,12 @@ def test_a_quantized_base_for_a_gpu_is_set_up_in_host_memory():
     assert all(offload.loading_device(option, cuda) == cpu for option in ("fp8", "int8", "nf4"))
     assert offload.loading_device("auto", cuda) == cuda
     assert offload.loading_device("int8", cpu) == cpu
+
+
+def test_the_planner_refuses_block_swap_for_full_fine_tuning_as_training_does(make_config):
+    from vidtune.memory.plan import plan_memory
+
+    config = make_config(training={"algorithm": "full", "gradient_checkpointing": True},
+                         memory={"blocks_to_swap": 1})
+    with pytest.raises(ConfigError, match=r"works with adapter algorithms only: training\.algorithm=full trains"):
+        plan_memory(config)

@@ -18,7 +18,7 @@ pytestmark = [
 
 
 def _adapter(trainer) -> dict[str, torch.Tensor]:
-    return {name: p.detach().cpu() for name, p in trainer.denoiser.named_parameters() if p.requires_grad}
+    return {name: p.detach().cpu() for name, p in trainer.context.denoiser.named_parameters() if p.requires_grad}
 
 
 @pytest.mark.parametrize("family", available_models())
@@ -30,12 +30,12 @@ def test_offload_trains_as_without_it_on_cuda(make_config, tmp_path, family, mem
     plain_result = plain.run()
     trainer = build_trainer(make_config(family, training=training, memory=memory, output_dir=str(tmp_path / "o")))
     result = trainer.run()
-    assert (trainer.block_swap is not None) == bool(memory.get("blocks_to_swap"))
+    assert bool(trainer.context.block_swaps) == bool(memory.get("blocks_to_swap"))
     assert result.losses == pytest.approx(plain_result.losses, rel=1e-5)
     expected, trained = _adapter(plain), _adapter(trainer)
     for name in expected:
         torch.testing.assert_close(trained[name], expected[name], rtol=1e-5, atol=1e-6)
-    assert all(p.device.type == "cuda" for p in trainer.denoiser.parameters() if p.requires_grad)
+    assert all(p.device.type == "cuda" for p in trainer.context.denoiser.parameters() if p.requires_grad)
 
 
 def _mid_size_ltx(layers: int = 8, heads: int = 16, head_dim: int = 64) -> torch.nn.Module:

@@ -46,9 +46,9 @@ def test_the_chosen_backend_reaches_the_attention_layers(make_config):
     trainer = build_trainer(make_config("ltx-video", model={"attention_backend": "_native_math"},
                                         training={"steps": 1}))
     trainer.run()
-    backends = {getattr(m.processor, "_attention_backend", None) for m in trainer.denoiser.modules()
+    backends = {getattr(m.processor, "_attention_backend", None) for m in trainer.context.denoiser.modules()
                 if hasattr(m, "processor")}
-    assert uses_dispatcher(trainer.denoiser)
+    assert uses_dispatcher(trainer.context.denoiser)
     assert backends == {"_native_math"}
     # Only this denoiser's layers: models built later in the process keep the dispatcher's default.
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry

@@ -94,7 +94,7 @@ def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_confi
     trainer = build_trainer(config)
     result = trainer.run()
     fresh = trainer.spec.load_denoiser(CPU).state_dict()
-    trained = trainer.denoiser.state_dict()
+    trained = trainer.context.denoiser.state_dict()
     adapter = {k for k in trained if "lora_" in k}
     assert adapter, "no adapter weights"
     for key, value in trained.items():
@@ -113,7 +113,7 @@ def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_confi
     pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
     pipeline.set_progress_bar_config(disable=True)
     frames, height, width = TINY_SHAPES[family]
-    reference = read_clip(trainer.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
+    reference = read_clip(trainer.context.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
 
     def sample():
         return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
@@ -131,7 +131,7 @@ def test_full_fine_tune_saves_a_transformer_the_family_class_loads(make_config, 
     trainer = build_trainer(config)
     result = trainer.run()
     fresh = trainer.spec.load_denoiser(CPU)
-    trained = dict(trainer.denoiser.named_parameters())
+    trained = dict(trainer.context.denoiser.named_parameters())
     assert any(not torch.equal(p, trained[n]) for n, p in fresh.named_parameters()), "nothing trained"
     loaded = type(fresh).from_pretrained(result.weights_path)
     for name, parameter in loaded.named_parameters():

@@ -7,11 +7,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from vidtune.algorithms.build import build_part, build_spec
+from vidtune.algorithms.lora import LoRAPart, linear_module_names
 from vidtune.errors import ConfigError
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.spec import ALL_LINEAR, ModelSpec
 from vidtune.trainers import build_trainer
-from vidtune.trainers.lora import LoRATrainer, linear_module_names
+from vidtune.training import loop
 
 CPU = torch.device("cpu")
 
@@ -40,9 +42,10 @@ def test_every_preset_names_linear_layers_of_the_familys_denoiser(make_config, f
     assert added and all("ff" in target or "mlp" in target for target in added)
 
     # `all-linear` resolves to names that adapt every linear layer and nothing else.
-    trainer = build_trainer(make_config(family, lora={"target_modules": ALL_LINEAR}))
-    assert isinstance(trainer, LoRATrainer)
-    targets = trainer.resolve_targets(linear)
+    config = make_config(family, lora={"target_modules": ALL_LINEAR})
+    part = build_part(config, build_spec(config))
+    assert isinstance(part, LoRAPart)
+    targets = part.resolve_targets(linear)
     adapted = {name for name, module in denoiser.named_modules() if any(_matches(name, t) for t in targets)}
     assert adapted == set(linear)
 
@@ -51,7 +54,8 @@ def test_a_preset_adapts_its_layers_and_the_adapter_says_which(make_config, tmp_
     config = make_config(training={"steps": 1}, lora={"target_modules": "attention+ffn", "rank": 4, "alpha": 4})
     trainer = build_trainer(config)
     result = trainer.run()
-    adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in trainer.denoiser.named_parameters() if ".lora_A." in name}
+    adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in trainer.context.denoiser.named_parameters()
+               if ".lora_A." in name}
     assert any(name.endswith("ff.net.2") for name in adapted) and any(name.endswith("attn2.to_k") for name in adapted)
     assert not any(name.endswith("proj_out") for name in adapted)
     with safe_open(result.weights_path, "pt") as saved:
@@ -61,7 +65,7 @@ def test_a_preset_adapts_its_layers_and_the_adapter_says_which(make_config, tmp_
     # The default is the family's `attention` preset.
     trainer = build_trainer(make_config(training={"steps": 1}, output_dir=str(tmp_path / "default")))
     trainer.run()
-    adapted = {n for n, p in trainer.denoiser.named_parameters() if p.requires_grad}
+    adapted = {n for n, p in trainer.context.denoiser.named_parameters() if p.requires_grad}
     assert adapted and not any(".ff." in name for name in adapted)
     assert any(".attn1.to_out.0." in name for name in adapted)
 
@@ -77,7 +81,7 @@ def test_linear_module_names_are_the_linear_layers():
 
 
 @pytest.mark.parametrize("family", available_models())
-def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family, tmp_path):
+def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family, tmp_path, monkeypatch):
     """Training on several GPUs (DDP) needs every trainable parameter in the graph: no preset may adapt a layer
     whose output the loss never sees."""
     # LTX-2's clips here have no sound: by default they train with the audio stream cut off, which leaves the
@@ -90,35 +94,38 @@ def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family,
                                             lora={"target_modules": preset, "rank": 2},
                                             output_dir=str(tmp_path / preset)))
         unused: list[str] = []
-        clip = trainer.clip_gradients
+        clip = loop.clip_gradients
 
-        def record(parameters, trainer=trainer, clip=clip, unused=unused):
-            names = {id(p): name for name, p in trainer.denoiser.named_parameters()}
-            unused.extend(names[id(p)] for p in parameters if p.grad is None)
-            return clip(parameters)
+        def record(context, clip=clip, unused=unused):
+            names = {id(p): name for name, p in context.denoiser.named_parameters()}
+            unused.extend(names[id(p)] for p in context.parameters if p.grad is None)
+            return clip(context)
 
-        trainer.clip_gradients = record
+        monkeypatch.setattr(loop, "clip_gradients", record)
         trainer.run()
+        monkeypatch.undo()
         assert not unused, f"{family} {preset}: {unused[:5]}"
 
 
-def test_ltx_2_clips_without_sound_tell_ddp_of_the_cross_attention_they_leave_out(make_config, tmp_path):
+def test_ltx_2_clips_without_sound_tell_ddp_of_the_cross_attention_they_leave_out(make_config, tmp_path,
+                                                                                  monkeypatch):
     """A micro-batch of clips without sound trains with the audio stream cut off: its audio-video cross-attention
     adapters get no gradient, so the denoiser declares it and DDP looks for unused parameters."""
     trainer = build_trainer(make_config("ltx-2", training={"steps": 1}, lora={"target_modules": "attention",
                                                                               "rank": 2}))
     unused: list[str] = []
-    clip = trainer.clip_gradients
+    clip = loop.clip_gradients
 
-    def record(parameters):
-        names = {id(p): name for name, p in trainer.denoiser.named_parameters()}
-        unused.extend(names[id(p)] for p in parameters if p.grad is None)
-        return clip(parameters)
+    def record(context):
+        names = {id(p): name for name, p in context.denoiser.named_parameters()}
+        unused.extend(names[id(p)] for p in context.parameters if p.grad is None)
+        return clip(context)
 
-    trainer.clip_gradients = record
+    monkeypatch.setattr(loop, "clip_gradients", record)
     trainer.run()
+    monkeypatch.undo()
     assert unused and all("audio_to_video_attn" in name or "video_to_audio_attn" in name for name in unused), unused
-    assert trainer.denoiser.leaves_parameters_unused
+    assert trainer.context.denoiser.leaves_parameters_unused
     silence = build_trainer(make_config("ltx-2", model={"clips_without_sound": "silence"},
                                         output_dir=str(tmp_path / "silence")))
     assert not silence.spec.load_denoiser(torch.device("cpu")).leaves_parameters_unused

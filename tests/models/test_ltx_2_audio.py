@@ -17,6 +17,7 @@ from vidtune.errors import ConfigError
 from vidtune.models.ltx_2 import AUDIO_LATENTS, AUDIO_PRESENT, AUDIO_SIGMAS, SILENT_LOG_MEL, encode_log_mel
 from vidtune.precompute import precompute
 from vidtune.trainers import build_trainer
+from vidtune.training.loop import noise_row
 
 CLIP_FRAMES, FPS = 17, 24
 
@@ -39,9 +40,8 @@ def sound_dataset(tmp_path_factory) -> Path:
 
 def first_batch(config):
     trainer = build_trainer(config)
-    trainer.check_inputs()
-    trainer.load_models()
-    return trainer, next(trainer.source.batches(0))
+    trainer.set_up()
+    return trainer, next(trainer.context.source.batches(0))
 
 
 def test_sound_latents_differ_from_silence_and_the_cache_gives_what_on_the_fly_computes(
@@ -62,11 +62,11 @@ def test_sound_latents_differ_from_silence_and_the_cache_gives_what_on_the_fly_c
     heard = live.indices.tolist().index(0)  # clip 0 has the tone, clip 1 no track
     assert live.latents[AUDIO_PRESENT][:, 0].tolist() == [float(i == heard) for i in range(2)]
     spec = live_trainer.spec
-    silence = spec.silent_audio_latents(live_trainer.vae.audio_vae, 9)[0]
+    silence = spec.silent_audio_latents(live_trainer.context.vae.audio_vae, 9)[0]
     assert torch.equal(live.latents[AUDIO_LATENTS][1 - heard], silence)
     assert (live.latents[AUDIO_LATENTS][heard] - silence).abs().max() > 0.2
     # The tone's latents are the audio VAE's of its log-mel spectrogram (4 L frames for L latent frames).
-    audio_vae = live_trainer.vae.audio_vae
+    audio_vae = live_trainer.context.vae.audio_vae
     sound = read_audio(sound_dataset / "clips" / "clip_000.mp4", 9, 0, spec.audio_format())
     assert sound.present and sound.waveform.shape == (2, 6000)  # 9 frames at 24 fps, 16 kHz
     log_mel = spec.log_mel(audio_vae, sound.waveform[None], 9)
@@ -76,7 +76,7 @@ def test_sound_latents_differ_from_silence_and_the_cache_gives_what_on_the_fly_c
     # A silent sound track gives exactly the latents of a clip without one (the log-mel floor in every bin).
     torch.testing.assert_close(spec.sound_latents(audio_vae, torch.zeros(1, 2, 6000), 9)[0], silence)
     # The cache key follows the sound: entries of the earlier silent tracks are never read as these.
-    plan = cached_trainer.source.cached.plan
+    plan = cached_trainer.context.source.cached.plan
     assert {info["audio"]["sample_rate"] for info in plan.latent_info.values()} == {16000}
     assert spec.latent_identity()["audio"]["source"] == "clip"
     # `vidtune precompute` (which loads the clips itself) says it too; every entry is reused.
@@ -104,13 +104,14 @@ def test_training_draws_the_audio_its_own_sigma_and_keeps_clips_without_sound_fr
                          output_dir=str(tmp_path / "run"))
     trainer, batch = first_batch(config)
     calls: list[dict] = []
-    hook = trainer.denoiser.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs),
+    context = trainer.context
+    hook = context.denoiser.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs),
                                                       with_kwargs=True)
     try:
-        trainer.compute_loss(batch)
+        output = context.loss(context, batch)
     finally:
         hook.remove()
-    noise = trainer.noise_row()
+    noise = noise_row([(output.levels, output.sample_losses)])
     heard = batch.indices.tolist().index(0)  # clip 0 has the tone
     video_sigmas, audio_sigmas = noise["sigmas"], noise[AUDIO_SIGMAS]
     assert audio_sigmas[1 - heard] != audio_sigmas[1 - heard]  # NaN: no sound, no audio sigma (null in the file)
@@ -135,8 +136,8 @@ def test_clips_without_sound_can_be_left_out(make_config, sound_dataset, tmp_pat
     config = make_config("ltx-2", data_root=sound_dataset, model={"clips_without_sound": "leave-out"},
                          output_dir=str(tmp_path / "run"))
     trainer = build_trainer(config)
-    trainer.check_inputs()
-    assert [clip.video.name for clip in trainer.clips] == ["clip_000.mp4"]  # the clip with the tone
+    inputs = trainer.check_inputs()
+    assert [clip.video.name for clip in inputs.clips] == ["clip_000.mp4"]  # the clip with the tone
     assert "ltx-2: 1 of 2 samples have no audio track and are left out" in capsys.readouterr().out
     # Nothing left to train: said before anything loads, naming the setting.
     silent = render_shapes_dataset(tmp_path / "silent", num_clips=1, num_frames=CLIP_FRAMES, height=32, width=32,

@@ -49,15 +49,15 @@ def mixed_rates(tmp_path_factory) -> Path:
 def first_step_inputs(config) -> tuple[object, object, dict]:
     """(trainer, first batch, the denoiser's keyword inputs at the first training step)."""
     trainer = build_trainer(config)
-    trainer.check_inputs()
-    trainer.load_models()
-    batch = next(trainer.source.batches(0))
+    trainer.set_up()
+    batch = next(trainer.context.source.batches(0))
     seen: list[dict] = []
-    hook = trainer.denoiser.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs),
+    context = trainer.context
+    hook = context.denoiser.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs),
                                                       with_kwargs=True)
     try:
         with torch.no_grad():
-            trainer.compute_loss(batch)
+            context.loss(context, batch)
     finally:
         hook.remove()
     return trainer, batch, seen[0]
@@ -90,7 +90,7 @@ def test_a_30_fps_clip_trains_ltx2_at_30_fps_with_a_30th_of_a_second_of_sound_a_
     assert inputs["audio_num_frames"] == inputs["audio_hidden_states"].shape[1] == spec.audio_latent_length(frames,
                                                                                                             30.0)
     if precompute:  # the rate is the entry's, and part of its key
-        plan = trainer.source.cached.plan
+        plan = trainer.context.source.cached.plan
         assert [info["frame_rate"] for info in plan.latent_info.values()] == [30.0]
         assert [info["audio"]["frame_rate"] for info in plan.latent_info.values()] == [30.0]
 
@@ -103,8 +103,7 @@ def test_the_clip_rate_is_part_of_the_cache_key(make_config, clip_30fps, tmp_pat
         config = make_config("ltx-video", data_root=clip_30fps, model={"clip_frame_rate": own},
                              precompute={"enabled": True, "cache_dir": str(tmp_path / "cache")})
         trainer = build_trainer(config)
-        trainer.check_inputs()
-        plan = build_plan(config, trainer.spec, trainer.clips)
+        plan = build_plan(config, trainer.spec, trainer.check_inputs().clips)
         keys[own] = plan.latent_keys[0]
         assert [info["frame_rate"] for info in plan.latent_info.values()] == [30.0 if own else 25.0]
     assert keys[True] != keys[False]

@@ -68,8 +68,8 @@ def test_gradient_checkpointing_gives_the_same_step(make_config, tmp_path):
                              output_dir=str(tmp_path / str(flag)))
         trainer = build_trainer(config)
         result = trainer.run()
-        assert trainer.denoiser.gradient_checkpointing is flag
-        results.append((result.losses, trainer.trainable_state_dict()))
+        assert trainer.context.denoiser.gradient_checkpointing is flag
+        results.append((result.losses, trainer.part.state_dict()))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     for key, value in results[0][1].items():
         torch.testing.assert_close(value, results[1][1][key], rtol=1e-4, atol=1e-6)

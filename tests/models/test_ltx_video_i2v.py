@@ -156,5 +156,5 @@ def test_a_keyframe_run_trains_and_validates_from_its_keyframes(make_config, tmp
     result = trainer.run()
     assert result.weights_path.is_file() and result.sample_paths
     assert seen and all(frames == 9 for frames in seen)  # the reference reaches frame 8
-    inputs = original(read_clip(trainer.clips[0].video, ClipWindow(9, HEIGHT, WIDTH)))
+    inputs = original(read_clip(trainer.context.clips[0].video, ClipWindow(9, HEIGHT, WIDTH)))
     assert [condition.frame_index for condition in inputs["conditions"]] == [0, 8]

@@ -45,7 +45,7 @@ def pipeline_experts_compute_the_trained_ones(out: Path, trainer) -> dict[str, t
     for name in ("transformer", "transformer_2"):
         with torch.no_grad():
             outputs[name] = getattr(run.pipeline, name)(**EXPERT_INPUTS)[0]
-            trained = trainer.denoiser.expert(name)(**EXPERT_INPUTS)[0]
+            trained = trainer.context.denoiser.expert(name)(**EXPERT_INPUTS)[0]
         torch.testing.assert_close(outputs[name], trained, rtol=1e-4, atol=1e-5)
     return outputs
 
@@ -154,18 +154,19 @@ def test_two_expert_models_refuse_what_cannot_train_two(make_config, two_expert_
 
 
 def _at_first_step(trainer, load: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The adapter as the first optimizer step finds it; with `load`, these weights put into it just before."""
+    """The adapter as the first optimizer step finds it (at its first micro-batch's loss); with `load`, these weights
+    put into it just before."""
     seen: dict[str, torch.Tensor] = {}
-    original = trainer.train_step
+    original = trainer.loss
 
-    def step(*args, **kwargs):
+    def loss(*args, **kwargs):
         if not seen:
             if load is not None:
-                trainer.load_trainable_state_dict(load)
-            seen.update({k: v.detach().clone() for k, v in trainer.trainable_state_dict().items()})
+                trainer.part.load_state_dict(load)
+            seen.update({k: v.detach().clone() for k, v in trainer.part.state_dict().items()})
         return original(*args, **kwargs)
 
-    trainer.train_step = step
+    trainer.loss = loss
     return seen
 
 
@@ -262,7 +263,7 @@ def test_an_fp8_base_stores_both_experts_in_fp8_and_trains(make_config, two_expe
     trainer = build_trainer(config)
     result = trainer.run()
     assert len(result.losses) == 2 and all(math.isfinite(loss) for loss in result.losses)
-    for expert in trainer.denoiser.experts():
+    for expert in trainer.context.denoiser.experts():
         stored = {module.base_layer.weight.dtype for name, module in expert.named_modules()
                   if name.endswith("attn1.to_q")}
         assert stored == {torch.float8_e4m3fn}
@@ -341,7 +342,7 @@ def test_one_low_noise_expert_writes_the_second_file_only(make_config, two_exper
     assert result.sample_paths and all(path.is_file() for path in result.sample_paths)  # validated with both
     export_checkpoint(out, tmp_path / "comfy", format="comfyui")
     assert sorted(path.name for path in (tmp_path / "comfy").iterdir()) == [comfyui_lora_weights(out.name, second=True)]
-    assert not any("lora_" in name for name, _ in trainer.denoiser.transformer.named_parameters())
+    assert not any("lora_" in name for name, _ in trainer.context.denoiser.transformer.named_parameters())
     run = load_pipeline(out, device="cpu")
     assert any("lora_" in name for name, _ in run.pipeline.transformer_2.named_parameters())
     assert not any("lora_" in name for name, _ in run.pipeline.transformer.named_parameters())

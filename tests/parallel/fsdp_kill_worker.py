@@ -12,16 +12,16 @@ import signal
 import sys
 
 from vidtune.cli import main
-from vidtune.trainers.base import Trainer
+from vidtune.training import loop
 
 config, victim, position = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and int(os.environ["RANK"]) == victim:
-    compute_loss = Trainer.compute_loss
+    forward_backward = loop.forward_backward
 
-    def killed_at_position(self: Trainer, batch):
+    def killed_at_position(context, batch, *args, **kwargs):
         if position in [int(p) for p in batch.positions]:
             os.kill(os.getpid(), signal.SIGKILL)
-        return compute_loss(self, batch)
+        return forward_backward(context, batch, *args, **kwargs)
 
-    Trainer.compute_loss = killed_at_position
+    loop.forward_backward = killed_at_position
 raise SystemExit(main(["train", config]))

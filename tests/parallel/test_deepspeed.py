@@ -9,6 +9,7 @@ the run on one number of processes ends, within float32 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -267,14 +268,14 @@ def test_a_nonfinite_step_is_discarded_in_one_process(make_config, tmp_path, mon
                                         checkpoint={"every": 1, "keep": 4},
                                         parallel={"strategy": "deepspeed", "zero_stage": stage},
                                         output_dir=str(out)))
-    original, calls = trainer.compute_loss, [0]
+    original, calls = trainer.loss, [0]
 
-    def infinite_third(batch):
+    def infinite_third(context, batch):
         calls[0] += 1
-        loss = original(batch)
-        return loss * float("inf") if calls[0] == 3 else loss
+        output = original(context, batch)
+        return dataclasses.replace(output, total=output.total * float("inf")) if calls[0] == 3 else output
 
-    trainer.compute_loss = infinite_third
+    trainer.loss = infinite_third
     linear = torch.nn.functional.linear
     result = trainer.run()
     # ZeRO-3's process-wide replacement of F.linear is undone after the run (later models compute as before).

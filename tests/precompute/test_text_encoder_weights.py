@@ -62,6 +62,6 @@ def test_training_validation_and_sample_use_the_quantized_encoders(make_config, 
     trainer = build_trainer(config)
     result = trainer.run()
     assert all(math.isfinite(loss) for loss in result.losses) and result.sample_paths
-    assert "Int8Tensor" in _linear_storage(trainer.text["text_encoder"])
+    assert "Int8Tensor" in _linear_storage(trainer.context.text["text_encoder"])
     run = load_pipeline(tmp_path / "run", device="cpu")
     assert "Int8Tensor" in _linear_storage(run.pipeline.text_encoder)

@@ -12,18 +12,18 @@ import pytest
 import torch
 from PIL import Image
 
+from vidtune.algorithms.losses import apply_caption_dropout
 from vidtune.batches import CachedBatches, EncodedBatches
 from vidtune.config import TrainingConfig
 from vidtune.models.ltx_video import LTXVideoSpec
 from vidtune.trainers import build_trainer
-from vidtune.trainers.base import Trainer
+from vidtune.training import loop
 
 
 def _batches(config, count):
     trainer = build_trainer(config)
-    trainer.check_inputs()
-    trainer.load_models()
-    stream = trainer.source.batches(0)
+    trainer.set_up()
+    stream = trainer.context.source.batches(0)
     out = []
     for _ in range(count):
         batch = next(stream)
@@ -43,7 +43,8 @@ def test_a_batch_read_from_the_cache_equals_the_batch_computed_on_the_fly(
 
     live_trainer, live = _batches(config(False, "live"), 5)
     cached_trainer, cached = _batches(config(True, "cached"), 5)
-    assert isinstance(live_trainer.source, EncodedBatches) and isinstance(cached_trainer.source, CachedBatches)
+    assert isinstance(live_trainer.context.source, EncodedBatches)
+    assert isinstance(cached_trainer.context.source, CachedBatches)
     for (positions, indices, conditions, latents), (c_positions, c_indices, c_conditions, c_latents) in zip(
         live, cached, strict=True
     ):
@@ -66,7 +67,7 @@ def test_random_frames_from_the_cache_pick_among_the_cached_windows(config_for, 
 
     config = config_for(training={"seed": 5}, precompute={"windows_per_clip": 3}, data={"frame_sampling": "random"})
     trainer, cached = _batches(config, 8)
-    plan = trainer.source.cached.plan
+    plan = trainer.context.source.cached.plan
     frames = config.data.frames
     assert [len(windows) for windows in plan.latent_windows] == [3] * 4  # 17-frame clips, 9 frames: starts 0, 4, 8
     assert {plan.latent_preprocess[key].start for windows in plan.latent_windows for key in windows} == {0, 4, 8}
@@ -75,7 +76,7 @@ def test_random_frames_from_the_cache_pick_among_the_cached_windows(config_for, 
     for positions, indices, _, latents in cached:
         window = visit_window(3, "random", 5, positions[0])
         chosen.add(window)
-        clip = trainer.clips[indices[0]]
+        clip = trainer.context.clips[indices[0]]
         start = window_starts(clip.info, frames, None, "random", 3)[window]
         preprocess = plan.latent_preprocess[plan.latent_windows[indices[0]][window]]
         assert preprocess.start == start
@@ -117,7 +118,7 @@ def test_training_from_the_cache_never_loads_the_encoders(config_for, tmp_path, 
     events: list[str] = []
     loaded: list[weakref.ref] = []
     real_text, real_vae = LTXVideoSpec.load_text_components, LTXVideoSpec.load_vae
-    real_loss = Trainer.compute_loss
+    real_step = loop.forward_backward
 
     def load_text(self, device):
         events.append("load text")
@@ -131,21 +132,20 @@ def test_training_from_the_cache_never_loads_the_encoders(config_for, tmp_path, 
         loaded.append(weakref.ref(vae))
         return vae
 
-    def compute_loss(self, *args):
+    def forward_backward(*args, **kwargs):
         events.append("step")
-        return real_loss(self, *args)
+        return real_step(*args, **kwargs)
 
     monkeypatch.setattr(LTXVideoSpec, "load_text_components", load_text)
     monkeypatch.setattr(LTXVideoSpec, "load_vae", load_vae)
-    monkeypatch.setattr(Trainer, "compute_loss", compute_loss)
+    monkeypatch.setattr(loop, "forward_backward", forward_backward)
 
     # A cold cache: precompute loads the encoders, and they are gone before training starts.
     trainer = build_trainer(config_for(output_dir=str(tmp_path / "cold")))
-    trainer.check_inputs()
-    trainer.load_models()
+    trainer.set_up()
     assert sorted(events) == ["load text", "load vae"]
     assert loaded and all(ref() is None for ref in loaded), "an encoder is still alive after precompute"
-    assert trainer.text is None and trainer.vae is None
+    assert not trainer.context.encoders.loaded
 
     # A warm cache: a whole run, validation included, loads them only for validation, after the last step.
     events.clear()
@@ -166,28 +166,26 @@ def test_training_from_the_cache_never_loads_the_encoders(config_for, tmp_path, 
 def test_caption_dropout_from_the_cache(config_for, tmp_path, technique):
     data = {"caption_dropout": 1.0, "caption_dropout_technique": technique}
     live = build_trainer(config_for(data=data, precompute={"enabled": False}, output_dir=str(tmp_path / "live")))
-    live.check_inputs()
-    live.load_models()
+    live.set_up()
     cached = build_trainer(config_for(data=data, training={"steps": 2}, output_dir=str(tmp_path / "cached")))
     cached.run()
-    conditions = next(cached.source.batches(0)).conditions
-    dropped = cached.apply_caption_dropout(conditions, torch.tensor([True]))
+    conditions = next(cached.context.source.batches(0)).conditions
+    dropped = apply_caption_dropout(cached.context, conditions, torch.tensor([True]))
     if technique == "empty":
-        assert cached.empty_caption.keys() == live.empty_caption.keys()
-        for key, value in live.empty_caption.items():
-            assert torch.equal(cached.empty_caption[key], value)
+        assert cached.context.empty_caption.keys() == live.context.empty_caption.keys()
+        for key, value in live.context.empty_caption.items():
+            assert torch.equal(cached.context.empty_caption[key], value)
             assert torch.equal(dropped[key], value)
     else:
-        assert cached.empty_caption is None
+        assert cached.context.empty_caption == {}
         assert torch.count_nonzero(dropped["prompt_embeds"]) == 0
         assert torch.equal(dropped["prompt_attention_mask"], conditions["prompt_attention_mask"])
 
 
 def test_an_entry_damaged_after_precompute_is_computed_again_when_read(config_for, tmp_path, caplog):
     trainer = build_trainer(config_for(output_dir=str(tmp_path / "run")))
-    trainer.check_inputs()
-    trainer.load_models()
-    plan = trainer.source.cached.plan
+    trainer.set_up()
+    plan = trainer.context.source.cached.plan
     key = plan.latent_keys[2]
     good = plan.cache.read("latents", key)
     path = plan.cache.path("latents", key)
@@ -195,7 +193,7 @@ def test_an_entry_damaged_after_precompute_is_computed_again_when_read(config_fo
     data[-1] ^= 0x40
     path.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING):
-        item = trainer.source.cached[2]
+        item = trainer.context.source.cached[2]
     assert any("checksum" in r.getMessage() and path.name in r.getMessage() for r in caplog.records)
     for name, value in good.items():
         torch.testing.assert_close(item["latents"][name], value, rtol=1e-4, atol=1e-5)
@@ -208,7 +206,7 @@ def test_stored_samples_train_with_the_stored_latent(config_for, tmp_path):
                                        output_dir=str(tmp_path / "run")))
     result = trainer.run()
     assert len(result.losses) == 2
-    cached = trainer.source.cached
+    cached = trainer.context.source.cached
     item = cached[0]
     assert torch.count_nonzero(item["latents"]["latents_std"]) == 0
     stored = cached.plan.cache.read("latents", cached.plan.latent_keys[0])["latents"]
@@ -261,8 +259,7 @@ def test_guidance_distillation_reads_its_negative_prompt_from_the_cache(config_f
     distillation = {"negative_prompt": "blurry, low quality"}
     live = build_trainer(config_for(training={"algorithm": "guidance-distillation"}, distillation=distillation,
                                     precompute={"enabled": False}, output_dir=str(tmp_path / "live")))
-    live.check_inputs()
-    live.load_models()
+    live.set_up()
     config = config_for(training={"algorithm": "guidance-distillation", "steps": 1}, distillation=distillation,
                         output_dir=str(tmp_path / "cold"))
     build_trainer(config).run()  # a cold cache: precompute encodes the negative prompt with the captions
@@ -274,6 +271,6 @@ def test_guidance_distillation_reads_its_negative_prompt_from_the_cache(config_f
     warm = build_trainer(config_for(training={"algorithm": "guidance-distillation", "steps": 1},
                                     distillation=distillation, output_dir=str(tmp_path / "warm")))
     warm.run()
-    assert warm.negative.keys() == live.negative.keys()
-    for key, value in live.negative.items():
-        assert torch.equal(warm.negative[key], value), key
+    assert warm.part.negative.keys() == live.part.negative.keys()
+    for key, value in live.part.negative.items():
+        assert torch.equal(warm.part.negative[key], value), key

@@ -5,6 +5,7 @@ The SIGKILL-and-resume checks with real processes are in tests/resume/test_kill_
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -26,7 +27,7 @@ from vidtune.cli import main as cli_main
 from vidtune.errors import CheckpointError, ConfigError, TrainingError
 from vidtune.metrics import plot_loss_curve, truncate_metrics
 from vidtune.trainers import build_trainer
-from vidtune.trainers.stop import StopSignals, TrainingInterrupted
+from vidtune.training.stop import StopSignals, TrainingInterrupted
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -47,14 +48,14 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 def _on_call(trainer, number: int, action) -> None:
     """Run `action(loss)` on the `number`-th micro-batch loss (1-based); it returns the loss to use."""
-    original, calls = trainer.compute_loss, [0]
+    original, calls = trainer.loss, [0]
 
     def wrapped(*args, **kwargs):
         calls[0] += 1
-        loss = original(*args, **kwargs)
-        return action(loss) if calls[0] == number else loss
+        output = original(*args, **kwargs)
+        return dataclasses.replace(output, total=action(output.total)) if calls[0] == number else output
 
-    trainer.compute_loss = wrapped
+    trainer.loss = wrapped
 
 
 def test_sigint_saves_at_the_step_and_resume_matches_an_uninterrupted_run(make_config, tmp_path, capsys):
@@ -332,21 +333,21 @@ def test_export_turns_a_checkpoint_into_the_final_weights(make_config, tmp_path,
 
 def test_the_cli_hint_repeats_the_users_command_and_the_resumed_summary_counts_this_run(make_config, tmp_path,
                                                                                         capsys, monkeypatch):
-    from vidtune.trainers.base import Trainer
+    from vidtune.training import loop
 
     config = make_config(training={"steps": 5}, checkpoint={"every": 2})
     path = tmp_path / "my config.yaml"
     path.write_text(yaml.safe_dump(config.to_dict()))
     out = tmp_path / "the run"
-    original, calls = Trainer.compute_loss, [0]
+    original, calls = loop.forward_backward, [0]
 
-    def interrupt_on_third(self, *args, **kwargs):
+    def interrupt_on_third(*args, **kwargs):
         calls[0] += 1
         if calls[0] == 3:
             os.kill(os.getpid(), signal.SIGINT)
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "compute_loss", interrupt_on_third)
+    monkeypatch.setattr(loop, "forward_backward", interrupt_on_third)
     code = cli_main(["train", str(path), "lora.rank=4", f"output_dir={out}", "checkpoint.resume=latest"])
     err = capsys.readouterr().err
     assert code == 130
@@ -356,7 +357,7 @@ def test_the_cli_hint_repeats_the_users_command_and_the_resumed_summary_counts_t
     assert "CONFIG" not in err
 
     # The hint's own command continues the run; the summary counts the steps this process ran.
-    monkeypatch.setattr(Trainer, "compute_loss", original)
+    monkeypatch.setattr(loop, "forward_backward", original)
     assert cli_main(shlex.split(expected)[1:]) == 0
     stdout = capsys.readouterr().out
     assert "Resumed from step 3: finished steps 4-5 (2 steps) in " in stdout

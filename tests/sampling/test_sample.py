@@ -67,7 +67,7 @@ def test_a_full_run_loads_its_trained_transformer(make_config, family):
     config = make_config(family, training={"algorithm": "full", "steps": 1, "learning_rate": 1e-3})
     trainer = build_trainer(config)
     trainer.run()
-    trained = dict(trainer.denoiser.named_parameters())
+    trained = dict(trainer.context.denoiser.named_parameters())
     base = dict(trainer.spec.load_denoiser(CPU).named_parameters())
     assert any(not torch.equal(base[name], trained[name]) for name in trained), "nothing trained"
 

@@ -28,13 +28,13 @@ def run_losses(make_config, tmp_path, name: str, memory: dict | None = None, dat
                          output_dir=str(tmp_path / name))
     trainer = build_trainer(config)
     if shapes is not None:
-        compute_loss = trainer.compute_loss
+        loss = trainer.loss
 
-        def recording(batch):
+        def recording(context, batch):
             shapes.append(tuple(batch.latents["latents_mean"].shape))
-            return compute_loss(batch)
+            return loss(context, batch)
 
-        trainer.compute_loss = recording
+        trainer.loss = recording
     result = trainer.run()
     rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
     return result.losses, rows, trainer
@@ -47,7 +47,7 @@ def test_compiled_lora_with_gradient_checkpointing_matches_eager(make_config, tm
     compiled, rows, trainer = run_losses(make_config, tmp_path, "compiled", gradient_checkpointing=True,
                                          compile=True)
     assert compiled == pytest.approx(eager, rel=LOSS_RTOL)
-    blocks = repeated_blocks(trainer.denoiser)
+    blocks = repeated_blocks(trainer.context.denoiser)
     assert blocks and all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks)
     # The compile time is reported on the step it happened in, and kept out of that step's time.
     assert rows[0]["compile_seconds"] > 0
@@ -67,7 +67,8 @@ def test_compiled_full_fine_tuning_and_lora_over_int8_weights_match_eager(make_c
     eager, _, _ = run_losses(make_config, tmp_path, "eager", memory=memory, **settings)
     compiled, rows, trainer = run_losses(make_config, tmp_path, "compiled", memory=memory, compile=True, **settings)
     assert compiled == pytest.approx(eager, rel=LOSS_RTOL)
-    assert all(getattr(block, "_compiled_call_impl", None) is not None for block in repeated_blocks(trainer.denoiser))
+    blocks = repeated_blocks(trainer.context.denoiser)
+    assert all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks)
     assert rows[0]["compile_seconds"] > 0
 
 
@@ -83,7 +84,7 @@ def test_compiled_bf16_training_on_cuda_matches_eager(make_config, tmp_path, bas
     # bf16 matmuls in another order: a looser tolerance than fp32's.
     assert compiled == pytest.approx(eager, rel=2e-2)
     assert rows[0]["compile_seconds"] > 0
-    assert trainer.attention_backend in ("_flash_3", "flash", "native")
+    assert trainer.context.inputs.attention_backend in ("_flash_3", "flash", "native")
 
 
 def compiled_over_buckets(make_config, tmp_path, capsys, name: str, data: dict, **settings):
@@ -126,17 +127,17 @@ def test_compiled_lora_over_fp8_weights_and_two_buckets_matches_eager_compiling_
                                                                                   "static", data, memory=fp8)
     assert losses[:3] == pytest.approx(eager[:3], rel=LOSS_RTOL)
     assert losses == pytest.approx(eager, rel=FP8_LOSS_RTOL)
-    blocks = repeated_blocks(trainer.denoiser)
+    blocks = repeated_blocks(trainer.context.denoiser)
     assert blocks and all(getattr(block, "_compiled_call_impl", None) is not None for block in blocks)
     # The same layers in float8, and the same values in them, as in the eager run.
-    eager_weights, compiled_weights = float8_weights(plain.denoiser), float8_weights(trainer.denoiser)
+    eager_weights, compiled_weights = float8_weights(plain.context.denoiser), float8_weights(trainer.context.denoiser)
     assert eager_weights.keys() == compiled_weights.keys()
     assert any(".to_q.base_layer." in name for name in compiled_weights)
     assert all(torch.equal(compiled_weights[n].float(), eager_weights[n].float()) for n in eager_weights)
     # Inside the blocks, the traced float8 layer (no diffusers hook); `dtype` stays the compute one.
     inside = blocks[0].get_submodule("attn1.to_q.base_layer")
     assert isinstance(inside, Float8StorageLinear) and not hasattr(inside, "_diffusers_hook")
-    assert trainer.denoiser.dtype == torch.float32
+    assert trainer.context.denoiser.dtype == torch.float32
 
     assert len(set(shapes)) == 2 and all(shapes.count(shape) >= 2 for shape in shapes), shapes
     # Per shape, two graphs shared by the blocks (all of one class): the first block's input carries no gradient,

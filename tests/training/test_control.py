@@ -174,10 +174,10 @@ def test_control_training_refuses_what_it_cannot_use(make_config, shapes_dataset
     # `all-linear` leaves the input layer to train fully.
     trainer = build_trainer(make_config(data_root=root, training={"algorithm": "control-lora"},
                                         lora={"target_modules": "all-linear"}))
-    trainer.check_inputs()
-    trainer.load_models()
-    assert isinstance(trainer.denoiser.proj_in, torch.nn.Linear) and trainer.denoiser.proj_in.weight.requires_grad
-    assert "proj_out" in trainer.targets and "proj_in" not in trainer.targets
+    trainer.set_up()
+    proj_in = trainer.context.denoiser.proj_in
+    assert isinstance(proj_in, torch.nn.Linear) and proj_in.weight.requires_grad
+    assert "proj_out" in trainer.part.inner.targets and "proj_in" not in trainer.part.inner.targets
 
 
 @pytest.mark.parametrize("family", ["ltx-video", "wan-i2v"])
@@ -191,8 +191,7 @@ def test_control_batches_from_the_cache_equal_those_encoded_on_the_fly(family, m
                              precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
                              output_dir=str(tmp_path / f"run-{cached}"))
         trainer = build_trainer(config)
-        trainer.check_inputs()
-        batches[cached] = next(trainer.open_batch_source().batches(0))
+        batches[cached] = next(trainer.set_up().source.batches(0))
     on_the_fly, from_cache = batches[False], batches[True]
     assert torch.equal(on_the_fly.indices, from_cache.indices)
     control = on_the_fly.latents["control_latents"]
@@ -211,7 +210,7 @@ def test_sample_follows_the_control_clip_it_is_given(make_config, shapes_dataset
     config = make_config(data_root=root, training={"algorithm": "control-lora", "steps": 2, "learning_rate": 0.1})
     trainer = build_trainer(config)
     trainer.run()
-    trained_layer = trainer.control.state_dict()
+    trained_layer = trainer.part.control.state_dict()
     run = load_pipeline(config.output_dir, device="cpu")
     for key, value in run.control.state_dict().items():
         assert torch.equal(value, trained_layer[key]), key
@@ -251,8 +250,7 @@ def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_conf
                              precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
                              output_dir=str(tmp_path / f"run-{cached}"))
         trainer = build_trainer(config)
-        trainer.check_inputs()
-        source = trainer.open_batch_source()
+        source = trainer.set_up().source
         batches[cached] = next(source.batches(0))
         if cached:
             keys = source.cached.plan.control_windows
@@ -271,8 +269,8 @@ def test_canny_controls_are_computed_on_the_fly_and_in_the_cache_alike(make_conf
     from vidtune.precompute.plan import build_plan
 
     trainer = build_trainer(other)
-    trainer.check_inputs()
-    assert build_plan(other, trainer.spec, trainer.clips).control_windows[0][0] != keys[0][0]
+    inputs = trainer.check_inputs()
+    assert build_plan(other, trainer.spec, inputs.clips).control_windows[0][0] != keys[0][0]
 
 
 @pytest.mark.parametrize("algorithm", ["control-lora", "control-full"])
@@ -303,12 +301,11 @@ def test_the_control_trainer_starts_from_the_base_model(algorithm, make_config, 
     for name in (algorithm, algorithm.removeprefix("control-")):
         trainer = build_trainer(make_config(data_root=root, training={"algorithm": name, "batch_size": 2},
                                             output_dir=str(tmp_path / name)))
-        trainer.check_inputs()
-        trainer.load_models()
+        trainer.set_up()
         if name == algorithm:
-            batch = next(trainer.source.batches(0))
+            batch = next(trainer.context.source.batches(0))
         with torch.no_grad():
-            losses.append(float(trainer.compute_loss(batch)))
+            losses.append(float(trainer.context.loss(trainer.context, batch).total))
     assert abs(losses[0] - losses[1]) <= 1e-6 * max(1.0, abs(losses[1]))
 
 
@@ -341,22 +338,21 @@ def test_control_lora_keeps_its_input_layer_unquantized_over_a_quantized_base(ba
     memory = {"base_weights": base_weights}
     control = build_trainer(make_config(data_root=root, training={"algorithm": "control-lora", "batch_size": 2},
                                         memory=memory, output_dir=str(tmp_path / "control")))
-    control.check_inputs()
-    control.load_models()
+    control.set_up()
 
     def stored_plainly(module: torch.nn.Module) -> bool:
         weight = module.weight
         return type(module) is torch.nn.Linear and type(weight.data) is torch.Tensor and weight.dtype == torch.float32
 
-    assert stored_plainly(control.denoiser.proj_in) and control.denoiser.proj_in.weight.requires_grad
-    frozen = [module for name, module in control.denoiser.named_modules() if name.endswith("to_q.base_layer")]
+    denoiser = control.context.denoiser
+    assert stored_plainly(denoiser.proj_in) and denoiser.proj_in.weight.requires_grad
+    frozen = [module for name, module in denoiser.named_modules() if name.endswith("to_q.base_layer")]
     assert frozen and not any(stored_plainly(module) for module in frozen), "the frozen base layers kept fp32"
     base = build_trainer(make_config(data_root=root, training={"algorithm": "lora", "batch_size": 2},
                                      memory=memory, output_dir=str(tmp_path / "lora")))
-    base.check_inputs()
-    base.trained_fully = ("proj_in",)  # the same storage as the control run, whose proj_in trains
-    base.load_models()
-    batch = next(control.source.batches(0))
+    base.part.trained_fully = ("proj_in",)  # the same storage as the control run, whose proj_in trains
+    base.set_up()
+    batch = next(control.context.source.batches(0))
     with torch.no_grad():
-        losses = [float(trainer.compute_loss(batch)) for trainer in (control, base)]
+        losses = [float(trainer.context.loss(trainer.context, batch).total) for trainer in (control, base)]
     assert abs(losses[0] - losses[1]) <= 1e-6 * max(1.0, abs(losses[1]))

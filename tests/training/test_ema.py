@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from vidtune import checkpoint
 from vidtune.cli import main as cli_main
-from vidtune.trainers import base, build_trainer
+from vidtune.trainers import build_trainer
+from vidtune.training import validation
 
 FINAL = {"lora": ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors"),
          "full": ("transformer/diffusion_pytorch_model.safetensors",
@@ -27,8 +28,8 @@ def test_the_average_is_saved_beside_the_weights_and_validation_samples_with_it(
     trainer = build_trainer(config)
     # What validation samples with: the trainable weights as they are while it renders.
     seen = []
-    monkeypatch.setattr(base, "render_samples", lambda *args, **kwargs: seen.append(
-        {k: v.detach().clone() for k, v in trainer.trainable_state_dict().items()}) or [])
+    monkeypatch.setattr(validation, "render_samples", lambda *args, **kwargs: seen.append(
+        {k: v.detach().clone() for k, v in trainer.part.state_dict().items()}) or [])
     result = trainer.run()
     out = Path(config.output_dir)
     plain, averaged = (load_file(out / name) for name in FINAL[algorithm])
@@ -47,7 +48,7 @@ def test_the_average_is_saved_beside_the_weights_and_validation_samples_with_it(
         torch.testing.assert_close(final_ema[key], expected[key], rtol=0, atol=1e-7)
     # Validation sampled with the average, and the weights were back afterwards (the final file is them).
     assert len(seen) == 1 and all(torch.equal(seen[0][k], final_ema[k].to(seen[0][k])) for k in final_ema)
-    assert all(torch.equal(trainer.trainable_state_dict()[k].cpu(), steps[-1][k]) for k in steps[-1])
+    assert all(torch.equal(trainer.part.state_dict()[k].cpu(), steps[-1][k]) for k in steps[-1])
     assert result.final_step == 3
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from diffusers import LTXVideoTransformer3DModel
 
+from vidtune.algorithms.full import select_trainable
 from vidtune.errors import ConfigError
 from vidtune.trainers import build_trainer
-from vidtune.trainers.full import select_trainable
 
 
 def test_frozen_patterns_stay_put_and_the_result_loads_into_the_pipeline(make_config, tiny_model_dir):
@@ -21,7 +21,7 @@ def test_frozen_patterns_stay_put_and_the_result_loads_into_the_pipeline(make_co
     result = trainer.run()
     base = LTXVideoTransformer3DModel.from_pretrained(tiny_model_dir("ltx-video") / "transformer")
     before = dict(base.named_parameters())
-    after = dict(trainer.denoiser.named_parameters())
+    after = dict(trainer.context.denoiser.named_parameters())
 
     frozen_names = [n for n in after if n.startswith(("transformer_blocks.0.", "proj_out."))]
     assert frozen_names and all(not after[n].requires_grad for n in frozen_names)
@@ -35,7 +35,7 @@ def test_frozen_patterns_stay_put_and_the_result_loads_into_the_pipeline(make_co
     loaded = LTXVideoTransformer3DModel.from_pretrained(out)
     assert all(torch.equal(p, after[n]) for n, p in loaded.named_parameters())
     # The family's pipeline samples with it, and `model.subfolders.transformer` points a spec at it.
-    pipeline = trainer.spec.pipeline(trainer.text, trainer.vae, loaded)
+    pipeline = trainer.spec.pipeline(trainer.context.text, trainer.context.vae, loaded)
     pipeline.set_progress_bar_config(disable=True)
     frames = trainer.spec.sample(pipeline, "a red circle", frames=config.data.frames, height=config.data.height,
                                  width=config.data.width, num_inference_steps=2, guidance_scale=1.0,

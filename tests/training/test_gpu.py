@@ -29,7 +29,7 @@ def test_bf16_training_on_cuda(make_config, family, algorithm):
     trainer = build_trainer(config)
     result = trainer.run()
     assert all(math.isfinite(loss) for loss in result.losses)
-    assert next(trainer.denoiser.parameters()).device.type == "cuda"
-    trainable = [p for p in trainer.denoiser.parameters() if p.requires_grad]
+    assert next(trainer.context.denoiser.parameters()).device.type == "cuda"
+    trainable = [p for p in trainer.context.denoiser.parameters() if p.requires_grad]
     assert trainable and all(p.dtype == torch.float32 for p in trainable)  # trained in fp32, base in bf16
     assert result.weights_path.exists() and result.sample_paths

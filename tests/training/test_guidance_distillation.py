@@ -11,17 +11,16 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from vidtune.algorithms.distillation import GuidanceDistillationPart
+from vidtune.algorithms.full import FullPart
+from vidtune.algorithms.lora import LoRAPart
+from vidtune.algorithms.losses import guidance_scales, guided_prediction, predict, teacher_prediction
 from vidtune.data.synthetic import BACKGROUNDS, COLORS, DIRECTIONS, SHAPES, ShapeClip, render_shapes_dataset
 from vidtune.errors import CheckpointError, ConfigError
 from vidtune.export.command import export_checkpoint
 from vidtune.models.registry import available_models
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
-from vidtune.trainers.guidance_distillation import (
-    FullGuidanceDistillationTrainer,
-    GuidanceDistillationTrainer,
-    guided_prediction,
-)
 
 SCALE = 4.0
 
@@ -53,16 +52,16 @@ def _distil(make_config, family: str, steps: int, data_root: Path | None = None,
 
 def _held_out(trainer, count: int = 4, seed: int = 1234):
     """Noisy latents (the clips' latents with fresh noise), timesteps and captions that training never saw."""
-    batch = next(iter(trainer.source.batches(0)))
+    batch = next(iter(trainer.context.source.batches(0)))
     g = torch.Generator().manual_seed(seed)
     x0 = batch.latents["latents_mean"][:1].expand(count, *batch.latents["latents_mean"].shape[1:]).float()
     noise = torch.randn(x0.shape, generator=g)
     levels = torch.rand(count, generator=g) * 0.9 + 0.05
     captions = held_out_captions(Path(trainer.config.data.root), count)
-    conditions = trainer.spec.prepare_conditions(trainer.text, captions)
+    conditions = trainer.spec.prepare_conditions(trainer.context.text, captions)
     extra = {k: v[:1].expand(count, *v.shape[1:]) for k, v in batch.latents.items() if k not in ("latents_mean",
                                                                                                 "latents_std")}
-    objective = trainer.objective
+    objective = trainer.context.objective
     return {**conditions, **extra}, objective.noisy(x0, noise, levels), objective.timesteps(levels)
 
 
@@ -71,12 +70,13 @@ def _distances(trainer, scale: float = SCALE, embedded: bool = False) -> tuple[f
     conditional forward) on held-out inputs; `embedded`: the student is given the scale by its embedding."""
     conditions, noisy, timesteps = _held_out(trainer)
     scales = torch.full((noisy.shape[0],), scale)
-    trainer.denoiser.eval()
+    trainer.context.denoiser.eval()
     with torch.no_grad():
-        guided = trainer.teacher_prediction(conditions, noisy, timesteps, scales)
-        student = trainer.predict(trainer.denoiser, conditions, noisy, timesteps, scales if embedded else None)
-        with trainer.teacher() as teacher:
-            base = trainer.predict(teacher, conditions, noisy, timesteps, None)
+        guided = teacher_prediction(trainer.context, conditions, noisy, timesteps, scales)
+        student = predict(trainer.context, trainer.context.denoiser, conditions, noisy, timesteps,
+                          scales if embedded else None)
+        with trainer.part.teacher() as teacher:
+            base = predict(trainer.context, teacher, conditions, noisy, timesteps, None)
     return (student - guided).pow(2).mean().sqrt().item(), (base - guided).pow(2).mean().sqrt().item()
 
 
@@ -84,7 +84,7 @@ def _pipeline_distances(trainer, prompt: str) -> tuple[float, float]:
     """Through the family's pipeline, from the same seed: (RMS distance of the student at guidance 1 to the
     teacher at guidance SCALE, that of the base at guidance 1)."""
     frames, height, width = TINY_SHAPES[trainer.spec.name]
-    pipeline = trainer.spec.pipeline(trainer.text, trainer.vae, trainer.denoiser)
+    pipeline = trainer.spec.pipeline(trainer.context.text, trainer.context.vae, trainer.context.denoiser)
 
     def sample(scale: float) -> torch.Tensor:
         return trainer.spec.sample(pipeline, prompt, frames=frames, height=height, width=width, num_inference_steps=4,
@@ -93,7 +93,7 @@ def _pipeline_distances(trainer, prompt: str) -> tuple[float, float]:
 
     with torch.no_grad():
         student = sample(1.0)
-        with trainer.teacher():
+        with trainer.part.teacher():
             teacher, base = sample(SCALE), sample(1.0)
     return (student - teacher).pow(2).mean().sqrt().item(), (base - teacher).pow(2).mean().sqrt().item()
 
@@ -110,13 +110,13 @@ def test_the_student_gives_the_guided_prediction_in_one_forward(make_config, man
                                                                  learning_rate):
     trainer, result = _distil(make_config, family, steps=steps, data_root=many_captions,
                               training={"learning_rate": learning_rate})
-    assert isinstance(trainer, GuidanceDistillationTrainer)
+    assert isinstance(trainer.part, GuidanceDistillationPart) and isinstance(trainer.part.inner, LoRAPart)
     student, base = _distances(trainer)
     print(f"{family}: student {student:.4g}, base {base:.4g}, ratio {base / student:.1f}")
     assert base / student >= 5.0, (student, base)
     # The teacher is the frozen base: the adapters are back on after each teacher call, and nothing else trained.
-    assert all(p.requires_grad for n, p in trainer.denoiser.named_parameters() if "lora_" in n)
-    assert not any(p.requires_grad for n, p in trainer.denoiser.named_parameters() if "lora_" not in n)
+    assert all(p.requires_grad for n, p in trainer.context.denoiser.named_parameters() if "lora_" in n)
+    assert not any(p.requires_grad for n, p in trainer.context.denoiser.named_parameters() if "lora_" not in n)
     assert (result.output_dir / "pytorch_lora_weights.safetensors").is_file()
     assert trainer.config.validation.guidance_scale == 1.0  # the student is sampled without guidance
     if family == "ltx-video":
@@ -128,13 +128,14 @@ def test_the_student_gives_the_guided_prediction_in_one_forward(make_config, man
 def test_a_full_student_learns_against_a_frozen_copy(make_config, many_captions):
     trainer, _ = _distil(make_config, "ltx-video", steps=40, data_root=many_captions,
                          training={"learning_rate": 3e-4}, distillation={"student": "full"})
-    assert isinstance(trainer, FullGuidanceDistillationTrainer)
+    assert isinstance(trainer.part, GuidanceDistillationPart) and isinstance(trainer.part.inner, FullPart)
+    frozen_teacher = trainer.part.inner.frozen_teacher
     student, base = _distances(trainer)
     assert base / student >= 2.0, (student, base)
     # The teacher kept the original weights while the student's moved.
-    moved = [n for n, p in trainer.denoiser.named_parameters()
-             if not torch.equal(p.detach(), trainer.frozen_teacher.get_parameter(n).to(p.dtype))]
-    assert moved and not any(p.requires_grad for p in trainer.frozen_teacher.parameters())
+    moved = [n for n, p in trainer.context.denoiser.named_parameters()
+             if not torch.equal(p.detach(), frozen_teacher.get_parameter(n).to(p.dtype))]
+    assert moved and not any(p.requires_grad for p in frozen_teacher.parameters())
 
 
 def test_a_guidance_range_needs_a_guidance_embedding(make_config):
@@ -142,18 +143,18 @@ def test_a_guidance_range_needs_a_guidance_embedding(make_config):
                                         distillation={"guidance_range": [2.0, 6.0]}))
     with pytest.raises(ConfigError, match=r"distillation.guidance_range: ltx-video has no guidance embedding"):
         trainer.run()
-    assert trainer.denoiser is None  # refused before the model loads
+    assert trainer.context is None  # refused before the model loads
 
 
 def test_a_negative_prompt_is_the_teachers_unconditional_caption(make_config):
     trainer = build_trainer(make_config(training={"algorithm": "guidance-distillation", "steps": 1},
                                         distillation={"negative_prompt": "blurry, static"}))
     trainer.run()
-    expected = trainer.spec.prepare_conditions(trainer.text, ["blurry, static"])
-    empty = trainer.source.empty_caption()
+    expected = trainer.spec.prepare_conditions(trainer.context.text, ["blurry, static"])
+    empty = trainer.context.source.empty_caption()
     for key, value in expected.items():
-        torch.testing.assert_close(trainer.negative[key], value)
-    assert any(not torch.equal(trainer.negative[k], empty[k]) for k in empty if empty[k].is_floating_point())
+        torch.testing.assert_close(trainer.part.negative[key], value)
+    assert any(not torch.equal(trainer.part.negative[k], empty[k]) for k in empty if empty[k].is_floating_point())
 
 
 def test_a_guidance_embedding_learns_a_range_of_scales(make_config, many_captions):
@@ -161,7 +162,7 @@ def test_a_guidance_embedding_learns_a_range_of_scales(make_config, many_caption
     the teacher's guided prediction at scales it was never given exactly."""
     trainer, _ = _distil(make_config, "hunyuan-video", steps=300, data_root=many_captions,
                          distillation={"guidance_range": [2.0, 6.0]})
-    drawn = trainer.guidance_scales(next(iter(trainer.source.batches(0))))
+    drawn = guidance_scales(trainer.config, next(iter(trainer.context.source.batches(0))))
     assert ((drawn >= 2.0) & (drawn <= 6.0)).all() and len(set(drawn.tolist())) == len(drawn)
     for scale in (2.7, 5.3):
         student, base = _distances(trainer, scale, embedded=True)
@@ -176,7 +177,7 @@ def test_every_family_takes_guidance_distillation_steps(make_config, family):
     trainer = build_trainer(make_config(family, training={"algorithm": "guidance-distillation", "steps": 2}))
     losses = trainer.run().losses
     assert all(math.isfinite(loss) for loss in losses) and losses[0] > 0
-    assert any(v.abs().max() > 0 for k, v in trainer.trainable_state_dict().items() if "lora_B" in k)
+    assert any(v.abs().max() > 0 for k, v in trainer.part.state_dict().items() if "lora_B" in k)
 
 
 def test_a_distilled_adapter_exports_for_comfyui_and_a_full_student_does_not(make_config, tmp_path):
@@ -200,27 +201,28 @@ def test_from_the_cache_a_negative_prompt_is_encoded_with_encoders_loaded_for_it
                          precompute={"enabled": True, "cache_dir": str(tmp_path / "cache")})
     trainer = build_trainer(config)
     losses = trainer.run().losses
-    assert trainer.text is None and all(math.isfinite(loss) for loss in losses)  # training never held them
+    # Training never held them.
+    assert not trainer.context.encoders.loaded and all(math.isfinite(loss) for loss in losses)
     text = trainer.spec.load_text_components(trainer.device)
     for key, value in trainer.spec.prepare_conditions(text, ["blurry, static"]).items():
-        torch.testing.assert_close(trainer.negative[key], value)
+        torch.testing.assert_close(trainer.part.negative[key], value)
 
 
-def test_a_student_of_a_range_is_validated_at_the_distillation_scale(make_config):
+def test_a_student_of_a_range_is_validated_at_the_distillation_scale(make_config, monkeypatch):
     """Validation tells the student's embedding `distillation.guidance_scale`; the teacher's embedding
-    (`model.guidance_scale`) is back for training after."""
+    (`model.guidance_scale`, what training's spec tells it) stays as it is."""
     config = make_config("hunyuan-video", training={"algorithm": "guidance-distillation", "steps": 1},
                          distillation={"guidance_range": [2.0, 6.0], "guidance_scale": 3.5},
                          validation={"enabled": True, "num_inference_steps": 1})
     trainer = build_trainer(config)
     seen = []
-    original = trainer.spec.sample
+    original = type(trainer.spec).sample
 
-    def recording(*args, **kwargs):
-        seen.append((trainer.spec.guidance_scale, kwargs.get("guidance_scale")))
-        return original(*args, **kwargs)
+    def recording(spec, *args, **kwargs):
+        seen.append((spec.guidance_scale, kwargs.get("guidance_scale")))
+        return original(spec, *args, **kwargs)
 
-    trainer.spec.sample = recording
+    monkeypatch.setattr(type(trainer.spec), "sample", recording)
     trainer.run()
     assert seen == [(3.5, 1.0)] and trainer.spec.guidance_scale == 1.0
     with pytest.raises(ConfigError, match=r"must lie in distillation.guidance_range \[2.0, 6.0\]"):

@@ -13,6 +13,7 @@ import yaml
 from PIL import Image
 
 from vidtune import checkpoint
+from vidtune.algorithms.losses import apply_caption_dropout
 from vidtune.config import load_config
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.errors import ConfigError
@@ -20,7 +21,7 @@ from vidtune.trainers import build_trainer
 
 
 def _final_adapter(trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.trainable_state_dict().items()}
+    return {k: v.detach().clone() for k, v in trainer.part.state_dict().items()}
 
 
 def test_batch_two_equals_two_accumulated_batches_of_one(make_config, tmp_path):
@@ -105,12 +106,12 @@ def test_caption_dropout_zero_and_empty_run(make_config, tmp_path):
         trainer = build_trainer(config)
         trainer.run()
         captions = ["a red circle"]
-        conditions = trainer.spec.prepare_conditions(trainer.text, captions)
-        dropped = trainer.apply_caption_dropout(conditions, torch.tensor([True]))
+        conditions = trainer.spec.prepare_conditions(trainer.context.text, captions)
+        dropped = apply_caption_dropout(trainer.context, conditions, torch.tensor([True]))
         if technique == "zero":
             assert torch.count_nonzero(dropped["prompt_embeds"]) == 0
         else:
-            empty = trainer.spec.prepare_conditions(trainer.text, [""])
+            empty = trainer.spec.prepare_conditions(trainer.context.text, [""])
             torch.testing.assert_close(dropped["prompt_embeds"], empty["prompt_embeds"])
 
 
@@ -129,12 +130,12 @@ def test_fp8_base_weights_train_an_adapter_that_loads_in_a_plain_pipeline(make_c
     config = make_config(training={"steps": 3, "learning_rate": 1e-2}, memory={"fp8_base_weights": True})
     trainer = build_trainer(config)
     result = trainer.run()
-    stored = {p.dtype for name, p in trainer.denoiser.named_parameters() if "to_q.base_layer.weight" in name}
+    stored = {p.dtype for name, p in trainer.context.denoiser.named_parameters() if "to_q.base_layer.weight" in name}
     assert stored == {torch.float8_e4m3fn}
-    adapter = [p for p in trainer.denoiser.parameters() if p.requires_grad]
+    adapter = [p for p in trainer.context.denoiser.parameters() if p.requires_grad]
     assert adapter and all(p.dtype == torch.float32 for p in adapter)
     assert all(math.isfinite(loss) for loss in result.losses)
-    fp8_bytes = sum(p.numel() * p.element_size() for p in trainer.denoiser.parameters() if not p.requires_grad)
+    fp8_bytes = sum(p.numel() * p.element_size() for p in trainer.context.denoiser.parameters() if not p.requires_grad)
     plain = trainer.spec.load_denoiser(torch.device("cpu"))
     assert fp8_bytes < 0.5 * sum(p.numel() * p.element_size() for p in plain.parameters())
 

@@ -25,16 +25,16 @@ def test_dora_trains_magnitudes_and_its_adapter_loads_in_the_family_pipeline(mak
                                                                                      "use_dora": True})
     trainer = build_trainer(config)
     fresh = {}
-    original = trainer.configure_trainable
+    original = trainer.part.configure
 
-    def remember(denoiser):
-        parameters = original(denoiser)
+    def remember(denoiser, *args, **kwargs):
+        parameters = original(denoiser, *args, **kwargs)
         fresh.update({k: v.clone() for k, v in get_peft_model_state_dict(denoiser).items()})
         return parameters
 
-    trainer.configure_trainable = remember
+    trainer.part.configure = remember
     result = trainer.run()
-    trained = get_peft_model_state_dict(trainer.denoiser)
+    trained = get_peft_model_state_dict(trainer.context.denoiser)
     magnitudes = [key for key in trained if "lora_magnitude_vector" in key]
     assert magnitudes, "no DoRA magnitudes"
     assert any(not torch.equal(trained[key], fresh[key]) for key in magnitudes), "the magnitudes did not train"
@@ -44,20 +44,20 @@ def test_dora_trains_magnitudes_and_its_adapter_loads_in_the_family_pipeline(mak
     saved = load_file(result.weights_path)
     assert any("lora_magnitude_vector" in key for key in saved)
     spec = trainer.spec
-    pipeline = spec.pipeline(trainer.text, trainer.vae, spec.load_denoiser(CPU))
+    pipeline = spec.pipeline(trainer.context.text, trainer.context.vae, spec.load_denoiser(CPU))
     pipeline.set_progress_bar_config(disable=True)
     pipeline.load_lora_weights(config.output_dir)
     loaded = get_peft_model_state_dict(pipeline.transformer, adapter_name="default_0")
     assert loaded.keys() == trained.keys()
     assert all(torch.equal(loaded[key], trained[key]) for key in trained)
     frames, height, width = TINY_SHAPES[family]
-    reference = read_clip(trainer.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
+    reference = read_clip(trainer.context.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
 
     def sample(pipe):
         return spec.sample(pipe, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
                            generator=torch.Generator().manual_seed(0), reference=reference).frames
 
-    trained_pipeline = spec.pipeline(trainer.text, trainer.vae, trainer.denoiser.eval())
+    trained_pipeline = spec.pipeline(trainer.context.text, trainer.context.vae, trainer.context.denoiser.eval())
     trained_pipeline.set_progress_bar_config(disable=True)
     torch.testing.assert_close(sample(pipeline), sample(trained_pipeline), rtol=1e-4, atol=1e-5)
 
@@ -68,16 +68,16 @@ def test_dora_and_fp8_base_weights_are_refused_together(make_config):
 
 
 def _first_step_weights(trainer) -> dict[str, torch.Tensor]:
-    """Record the adapter as it is when the first optimizer step starts."""
+    """Record the adapter as it is when the first optimizer step starts (at its first micro-batch's loss)."""
     seen: dict[str, torch.Tensor] = {}
-    original = trainer.train_step
+    original = trainer.loss
 
-    def step(*args, **kwargs):
+    def loss(*args, **kwargs):
         if not seen:
-            seen.update({k: v.detach().clone() for k, v in trainer.trainable_state_dict().items()})
+            seen.update({k: v.detach().clone() for k, v in trainer.part.state_dict().items()})
         return original(*args, **kwargs)
 
-    trainer.train_step = step
+    trainer.loss = loss
     return seen
 
 
@@ -136,6 +136,7 @@ def test_an_adapter_that_does_not_fit_is_refused_plainly(make_config, tmp_path, 
 
 def test_a_missing_init_from_file_fails_before_loading_anything(make_config, tmp_path, monkeypatch):
     trainer = build_trainer(make_config(lora={"init_from": str(tmp_path / "nope.safetensors")}))
-    monkeypatch.setattr(trainer, "load_models", lambda: pytest.fail("loaded the model first"))
+    monkeypatch.setattr("vidtune.training.setup.load_denoiser",
+                        lambda *args, **kwargs: pytest.fail("loaded the model first"))
     with pytest.raises(ConfigError, match=r"lora.init_from: .*nope.safetensors is not a file\.\nWhat to do"):
         trainer.run()

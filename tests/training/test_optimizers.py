@@ -41,10 +41,10 @@ def test_each_optimizer_trains_and_resumes_bit_for_bit(make_config, tmp_path, na
                 "checkpoint": {"every": 2}}
     reference = build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference")))
     result = reference.run()
-    assert type(reference.state.optimizer).__name__ == CLASS_NAMES[name]
+    assert type(reference.context.state.optimizer).__name__ == CLASS_NAMES[name]
     assert all(math.isfinite(loss) for loss in result.losses)
     if name in LOW_BIT:
-        assert any(_is_low_bit(value) for state in reference.state.optimizer.state.values()
+        assert any(_is_low_bit(value) for state in reference.context.state.optimizer.state.values()
                    for value in state.values()), "the optimizer state is quantized"
     # lora_B starts at zero: a trained adapter has moved it.
     trained = load_file(tmp_path / "reference" / LORA_FILE)
@@ -73,8 +73,8 @@ def test_a_resumed_optimizer_takes_the_configs_settings_and_only_those_it_knows(
     settings["checkpoint"] = {"every": 1, "resume": "latest"}
     trainer = build_trainer(make_config(**settings, output_dir=str(tmp_path)))
     trainer.run()
-    fresh = type(trainer.state.optimizer)([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0]
-    for group in trainer.state.optimizer.param_groups:
+    fresh = type(trainer.context.state.optimizer)([torch.nn.Parameter(torch.zeros(2, 2))]).param_groups[0]
+    for group in trainer.context.state.optimizer.param_groups:
         assert group["weight_decay"] == 0.25
         # Nothing added that this optimizer does not take (its own step count and the schedule's rate aside).
         assert group.keys() - fresh.keys() <= {"initial_lr", "step"}
@@ -113,7 +113,7 @@ def test_optimizers_on_cuda_resume_bit_for_bit(make_config, tmp_path, name, cpu_
     reference = build_trainer(make_config(**settings, output_dir=str(tmp_path / "reference")))
     reference.run()
     if cpu_offload:
-        assert "CPUOffloadOptimizer" in [cls.__name__ for cls in type(reference.state.optimizer).__mro__]
+        assert "CPUOffloadOptimizer" in [cls.__name__ for cls in type(reference.context.state.optimizer).__mro__]
     out = tmp_path / "stopped"
     trainer = build_trainer(make_config(**settings, output_dir=str(out)))
     run_stopped_at(trainer, 3)

@@ -9,17 +9,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vidtune.algorithms.distillation import StepDistillationPart
+from vidtune.algorithms.lora import LoRAPart
+from vidtune.algorithms.losses import sample_euler, window_target
 from vidtune.errors import ConfigError
 from vidtune.models.registry import available_models
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.objectives import FlowMatching
+from vidtune.schedulers import sampling_sigmas
 from vidtune.trainers import build_trainer
-from vidtune.trainers.step_distillation import (
-    StepDistillationTrainer,
-    sample_euler,
-    sampling_sigmas,
-    window_target,
-)
 
 K, N = 2, 16
 
@@ -39,18 +37,19 @@ def _distil(make_config, family: str, steps: int, learning_rate: float):
 def _samples(trainer, seed: int = 99, count: int = 2):
     """(student K-step, teacher K-step, teacher N-step) samples from the same held-out noise and the clips'
     captions."""
-    batch = next(iter(trainer.source.batches(0)))
+    batch = next(iter(trainer.context.source.batches(0)))
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn((count, *batch.latents["latents_mean"].shape[1:]), generator=g)
     conditions = {k: v[:1].expand(count, *v.shape[1:]) for k, v in batch.conditions.items()}
     conditions |= {k: v[:1].expand(count, *v.shape[1:]) for k, v in batch.latents.items()
                    if k not in ("latents_mean", "latents_std")}
-    trainer.denoiser.eval()
+    trainer.context.denoiser.eval()
     with torch.no_grad():
-        student = sample_euler(trainer.spec, trainer.objective, trainer.denoiser, conditions, noise, sampling_sigmas(K))
-        with trainer.teacher() as teacher:
-            few = sample_euler(trainer.spec, trainer.objective, teacher, conditions, noise, sampling_sigmas(K))
-            many = sample_euler(trainer.spec, trainer.objective, teacher, conditions, noise, sampling_sigmas(N))
+        student = sample_euler(trainer.spec, trainer.context.objective,
+                               trainer.context.denoiser, conditions, noise, sampling_sigmas(K))
+        with trainer.part.teacher() as teacher:
+            few = sample_euler(trainer.spec, trainer.context.objective, teacher, conditions, noise, sampling_sigmas(K))
+            many = sample_euler(trainer.spec, trainer.context.objective, teacher, conditions, noise, sampling_sigmas(N))
     return student, few, many
 
 
@@ -63,7 +62,7 @@ def test_sampling_sigmas_of_k_steps_are_every_n_over_kth_of_n_steps():
 @pytest.mark.parametrize(("family", "steps", "learning_rate"), [("ltx-video", 200, 3e-3), ("wan", 300, 3e-3)])
 def test_the_student_samples_in_k_steps_what_the_teacher_samples_in_n(make_config, family, steps, learning_rate):
     trainer, result = _distil(make_config, family, steps, learning_rate)
-    assert isinstance(trainer, StepDistillationTrainer)
+    assert isinstance(trainer.part, StepDistillationPart) and isinstance(trainer.part.inner, LoRAPart)
     student, few, many = _samples(trainer)
     ours, theirs = (student - many).pow(2).mean().sqrt().item(), (few - many).pow(2).mean().sqrt().item()
     print(f"{family}: student K-step {ours:.4g}, teacher K-step {theirs:.4g}, ratio {theirs / ours:.1f}")
@@ -90,7 +89,7 @@ def test_every_flow_matching_family_takes_step_distillation_steps(make_config, f
                                         distillation={"student_steps": 2, "teacher_steps": 4}))
     losses = trainer.run().losses
     assert all(math.isfinite(loss) for loss in losses) and losses[0] > 0
-    assert any(v.abs().max() > 0 for k, v in trainer.trainable_state_dict().items() if "lora_B" in k)
+    assert any(v.abs().max() > 0 for k, v in trainer.part.state_dict().items() if "lora_B" in k)
 
 
 class _Ideal:
@@ -137,28 +136,29 @@ def test_the_pipeline_queries_the_student_where_euler_sampling_does(make_config,
     shift = 3.0
     trainer = build_trainer(make_config(family, training={"algorithm": "step-distillation", "steps": 1},
                                         distillation={"student_steps": K, "teacher_steps": N, "sigma_shift": shift}))
-    trainer.check_inputs()
-    trainer.load_models()
+    trainer.set_up()
     told: list[float] = []
 
     def record(module, args, kwargs):
         told.append(float(kwargs["timestep"].flatten()[0]))
 
-    trainer.denoiser.register_forward_pre_hook(record, with_kwargs=True)
+    trainer.context.denoiser.register_forward_pre_hook(record, with_kwargs=True)
     frames, height, width = TINY_SHAPES[family]
-    pipeline = trainer.sampling_pipeline()
-    with torch.no_grad():
+    context = trainer.context
+    pipeline = trainer.spec.pipeline(context.text, context.vae, context.denoiser)
+    with torch.no_grad(), trainer.part.sampling(pipeline, context.vae, context.clips) as pipeline:
         trainer.spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=K,
                             generator=torch.Generator().manual_seed(0), output="latents")
         through_pipeline, told[:] = list(told), []
-        batch = next(iter(trainer.source.batches(0)))
-        conditions = trainer.spec.prepare_conditions(trainer.text, ["a red circle"])
+        batch = next(iter(trainer.context.source.batches(0)))
+        conditions = trainer.spec.prepare_conditions(trainer.context.text, ["a red circle"])
         noise = torch.randn_like(batch.latents["latents_mean"][:1])
-        sample_euler(trainer.spec, trainer.objective, trainer.denoiser, conditions, noise, sampling_sigmas(K, shift))
+        sample_euler(trainer.spec, trainer.context.objective,
+                               trainer.context.denoiser, conditions, noise, sampling_sigmas(K, shift))
     assert len(through_pipeline) == K
     assert through_pipeline == pytest.approx(told, rel=1e-5, abs=1e-3)
     expected = sampling_sigmas(K, shift)
-    if trainer.objective.invert_timesteps:  # Mochi: the scheduler steps over 1 - sigma
+    if trainer.context.objective.invert_timesteps:  # Mochi: the scheduler steps over 1 - sigma
         expected = 1 - expected
     torch.testing.assert_close(pipeline.scheduler.sigmas.cpu().float(), expected)
 

@@ -104,7 +104,7 @@ def test_a_missing_tracker_package_is_refused_before_any_work(make_config, tmp_p
     with pytest.raises(ConfigError, match=rf"(?s)needs the {extra} package.*pip install 'vidtune\[{extra}\]'") as error:
         trainer.run()
     assert "What to do:" in str(error.value)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists() and trainer.denoiser is None
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and trainer.context is None
 
 
 def test_wandb_without_a_login_says_what_to_do(make_config, tmp_path, monkeypatch):
@@ -114,4 +114,4 @@ def test_wandb_without_a_login_says_what_to_do(make_config, tmp_path, monkeypatc
     trainer = build_trainer(make_config(logging={"wandb": {"project": "p"}}, output_dir=str(tmp_path / "run")))
     with pytest.raises(ConfigError, match=r"logging.wandb: Weights & Biases did not start.*wandb login"):
         trainer.run()
-    assert trainer.denoiser is None, "the refusal came after the model was loaded"
+    assert trainer.context is None, "the refusal came after the model was loaded"

@@ -17,6 +17,8 @@ import yaml
 from safetensors.torch import load_file
 
 from vidtune import checkpoint as checkpoints
+from vidtune.algorithms import traits_of
+from vidtune.algorithms.build import build_part, build_spec
 from vidtune.config import load_config, write_resolved_config
 from vidtune.errors import CheckpointError
 from vidtune.export.comfyui import save_comfyui_lora
@@ -29,8 +31,6 @@ from vidtune.outputs import (
     comfyui_lora_weights,
 )
 from vidtune.resume import find_checkpoint
-from vidtune.trainers import build_trainer
-from vidtune.trainers.lora import LoRATrainer
 
 Format = Literal["diffusers", "comfyui"]
 FORMATS: tuple[Format, ...] = ("diffusers", "comfyui")
@@ -63,9 +63,9 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
         raise CheckpointError(f"{output} already holds {', '.join(existing)}; nothing was written. Choose another "
                               "--output, or add --overwrite to replace it.")
     config = load_config(config_file, [f"output_dir={output}"])
-    trainer = build_trainer(config)
+    traits = traits_of(config)
     # A LoRA run, or a distillation whose student is an adapter.
-    if format == "comfyui" and not isinstance(trainer, LoRATrainer):
+    if format == "comfyui" and not traits.trains_adapter:
         raise CheckpointError(
             f"{checkpoint} is a {config.training.algorithm} fine-tune; --format comfyui converts LoRA adapters.\n"
             "What to do: export it without --format (it writes transformer/), or export a LoRA run."
@@ -77,11 +77,10 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
         raise CheckpointError(f"Could not read {weights_file or folder}: {error}\n"
                               "What to do: export another checkpoint of the run, or the run's folder.") from None
     output.mkdir(parents=True, exist_ok=True)
+    spec = build_spec(config)
     if format == "comfyui":
-        return save_comfyui_lora(trainer.spec, output, weights, config.lora.alpha, name)
-    if isinstance(trainer, LoRATrainer):
-        trainer.export_name = name
-    written = trainer.export_weights(weights, output, ema)
+        return save_comfyui_lora(spec, output, weights, config.lora.alpha, name)
+    written = build_part(config, spec).export(weights, output, ema, name)
     if not (output / RESOLVED_CONFIG).is_file():  # what `vidtune sample` reads to sample them; a run's own is kept
         write_resolved_config(config, output)
     return written

@@ -3,7 +3,7 @@
 Measured by torch's profiler (`profile_memory=True`), which records every allocation and free of the CPU
 allocator with its size: the live bytes are their running sum, independent of the dispatcher-level counting the
 planner does. The model is built from its config.json files with random weights (so a real-size architecture
-needs no download), through the spec's and the trainer's own code (quantization, adapters, gradient
+needs no download), through the spec's and the algorithm part's own code (quantization, adapters, gradient
 checkpointing, the optimizer by name), and trained for two steps on random conditions and latents of the shapes
 the planner found (two, so the optimizer state exists during the second step's passes, as in any later step).
 """
@@ -17,18 +17,18 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from vidtune.algorithms.build import build_part, build_spec
 from vidtune.config import Config
 from vidtune.memory.meta import components_on_meta
 from vidtune.memory.plan import resolve_architecture, trace_encoders
 from vidtune.optim import build_optimizer
-from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
 class Measured:
-    setup: int  # bytes live once the weights, the trainer's set-up and the inputs are in place
+    setup: int  # bytes live once the weights, the algorithm part's set-up and the inputs are in place
     peak: int  # the largest live bytes during the training steps
 
 
@@ -56,13 +56,13 @@ def measure_training(config: Config, steps: int = 2) -> Measured:
     encoders = trace_encoders(config, CPU)  # the shapes of the conditions and latents (meta, nothing allocated)
     log = AllocationLog()
     with log.section():
-        trainer = build_trainer(config)
-        spec = trainer.spec
+        spec = build_spec(config)
+        part = build_part(config, spec)
         with components_on_meta(spec, CPU, where=CPU):
             denoiser = spec.load_denoiser(CPU)
         if config.training.gradient_checkpointing:
             denoiser.enable_gradient_checkpointing()
-        parameters = trainer.configure_trainable(denoiser)
+        parameters = part.configure(denoiser)
         optimizer = build_optimizer(parameters, config)
         generator = torch.Generator().manual_seed(0)
         batch = config.training.batch_size

@@ -1,11 +1,12 @@
 """`vidtune plan`: the peak memory of the training device for a config, before any weights are loaded.
 
 The numbers come from running the code, not from formulas about it. The family's components are built from their
-config.json files on the `meta` device (`vidtune.memory.meta`), through the spec's and the trainer's own code:
+config.json files on the `meta` device (`vidtune.memory.meta`), through the spec's and the algorithm part's own code:
 the denoiser is loaded, gradient checkpointing switched on and the adapter (or the full set of trained weights)
-configured exactly as training does; then one real-size training step (conditions, latents, the spec's forward,
-the loss, the backward pass) runs on meta tensors while `LiveMemory` counts every tensor it creates. The text
-encoders and the VAE run the same way over one batch of captions and clips (the precompute stage).
+configured exactly as training does; then one real-size training step (conditions, latents, training's own
+loss over the spec's forward, the backward pass) runs on meta tensors while `LiveMemory` counts every tensor it
+creates. The text encoders and the VAE run the same way over one batch of captions and clips (the precompute
+stage).
 
 What is added by hand, because it does not run on meta tensors or depends on where tensors live:
 - the weights, counted from the built modules: frozen linear layers stored as `int8` / `nf4` take their exact
@@ -22,10 +23,14 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from vidtune.algorithms import traits_of
+from vidtune.algorithms.build import build_part, build_spec
+from vidtune.algorithms.losses import NoisyInputs, clip_losses
 from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
 from vidtune.memory import frozen_linears, skip_patterns
@@ -34,7 +39,12 @@ from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
 from vidtune.memory.values import KnownValues, UnknownValue
 from vidtune.models.registry import get_spec_class
-from vidtune.trainers import build_trainer
+from vidtune.models.spec import Conditions, ModelSpec
+from vidtune.offload import check_swapped_weights_frozen
+
+if TYPE_CHECKING:
+    from vidtune.algorithms.part import AlgorithmPart
+    from vidtune.parallel.strategy import Strategy
 
 GIB = 1024**3
 # Tensors smaller than this keep fp32 optimizer state in the low-bit optimizers (bitsandbytes and torchao alike),
@@ -290,7 +300,8 @@ def _saved_tensors_counted(live: LiveMemory) -> Iterator[None]:
 class TracedModel:
     """The denoiser loaded and configured as training does (on meta), ready for traced steps."""
 
-    spec: object
+    spec: ModelSpec
+    part: AlgorithmPart
     denoiser: nn.Module
     parameters: list[nn.Parameter]
     trained_dtypes: list[torch.dtype]
@@ -318,6 +329,53 @@ class _Counts:
         return _Counts(*(a + times * b for a, b in zip(self.values(), other.values(), strict=True)))
 
 
+class UnweightedLoss:
+    """The objective as the traced loss sees it: its loss weights multiply each clip's error (a value per clip, no
+    memory to count), so they are left at one; the shipped architectures hold no scheduler settings to read them."""
+
+    level_name = "sigmas"
+
+    def loss_weights(self, levels: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(levels)
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """What training's loss reads (`vidtune.algorithms.losses.LossContext`), for a traced step on meta: autocast is
+    the trace's own (`autocast_on_meta`), no data-parallel wrapper, no caption dropout."""
+
+    config: Config
+    model: TracedModel
+    planned: torch.device
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.model.spec
+
+    @property
+    def part(self) -> AlgorithmPart:
+        return self.model.part
+
+    objective = UnweightedLoss()
+
+    @property
+    def denoiser(self) -> nn.Module:
+        return self.model.denoiser
+
+    @property
+    def trained_denoiser(self) -> nn.Module:
+        return self.model.denoiser
+
+    device = torch.device(META)
+    bf16 = False
+    empty_caption: Conditions = field(default_factory=dict)
+    step = 0
+
+    @property
+    def strategy(self) -> Strategy:
+        raise NotImplementedError("a traced step has no parallel strategy")
+
+
 # Lists of blocks are traced with this many blocks and one and two more (see `trace_step`): the first block is
 # unlike the others (its input carries no gradient), so the counts grow evenly from the second on.
 TRACED_BLOCKS = 2
@@ -330,14 +388,15 @@ def build_traced_model(config: Config, conditions: dict, latent_shape: tuple[int
     memory = config.memory.model_copy(update={"base_weights": "auto", "blocks_to_swap": 0,
                                               "activation_offload": False})
     training = config.training.model_copy(update={"gradient_checkpointing": False})
-    trainer = build_trainer(config.model_copy(update={"memory": memory, "training": training}))
-    spec = trainer.spec
+    traced = config.model_copy(update={"memory": memory, "training": training})
+    spec = build_spec(traced)
+    part = build_part(traced, spec)
     with components_on_meta(spec, device):
         denoiser = spec.load_denoiser(META)
     spec.keep_weights_placed(denoiser)  # a denoiser moving its own weights to the host: accounted instead
     with torch.device(META):  # the adapter's new weights are made on meta too (nothing to initialise)
-        parameters = trainer.configure_trainable(denoiser)
-    return TracedModel(spec, denoiser, parameters, [p.dtype for p in parameters], conditions, latent_shape)
+        parameters = part.configure(denoiser)
+    return TracedModel(spec, part, denoiser, parameters, [p.dtype for p in parameters], conditions, latent_shape)
 
 
 def trace_step(model: TracedModel, config: Config, device: torch.device, checkpointing: bool) -> StepTrace:
@@ -399,7 +458,7 @@ def _partial_counts(model: TracedModel, config: Config, device: torch.device,
 
 
 def _count_step(model: TracedModel, config: Config, device: torch.device) -> _Counts:
-    denoiser, spec = model.denoiser, model.spec
+    denoiser = model.denoiser
     live = LiveMemory()
     live.known([*denoiser.parameters(), *denoiser.buffers(), *_leaves(model.conditions)])
     denoiser.train()
@@ -414,10 +473,11 @@ def _count_step(model: TracedModel, config: Config, device: torch.device) -> _Co
         for value in batch_conditions.values():
             if isinstance(value, torch.Tensor):
                 values.mark(value, 1)
-        prediction = spec.forward(denoiser, batch_conditions, noisy, timesteps)
-        loss = (prediction.float() - noisy.float()).pow(2).flatten(1).mean(dim=1).sum()
+        # Training's own per-clip loss (vidtune/algorithms/losses.py), the noisy latents standing in for the target.
+        inputs = NoisyInputs(batch_conditions, noisy, timesteps, noisy.float(), torch.full((batch,), 0.5))
+        loss = clip_losses(TracedStep(config, model, device), inputs, denoiser).sum()
         loss.backward()
-        del prediction, loss, noisy, batch_conditions
+        del inputs, loss, noisy, batch_conditions
     grad_bytes = _unique_storage_bytes([p.grad for p in model.parameters if p.grad is not None])
     for parameter in model.parameters:
         parameter.grad = None
@@ -647,9 +707,7 @@ def _plan(config: Config, world_size: int) -> MemoryPlan:
     config, label = resolve_architecture(config)
     device = planned_device(config)
     options = config.memory
-    if options.blocks_to_swap and config.training.algorithm in ("full", "control-full"):
-        raise ConfigError("memory.blocks_to_swap works with adapter training only: full fine-tuning updates the "
-                          "swapped weights.\nWhat to do: set memory.blocks_to_swap=0, or train a LoRA.")
+    check_swapped_weights_frozen(options.blocks_to_swap, traits_of(config))
     encoders = _encoders(config, device)
     step = _step(config, device, encoders)
     training = shard(account_step(step, config, device), config, world_size)

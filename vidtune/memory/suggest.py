@@ -21,6 +21,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from vidtune.algorithms import traits_of
 from vidtune.config import Config, apply_overrides, build_config
 from vidtune.memory.plan import (
     GIB,
@@ -49,7 +50,6 @@ OFFLOAD_WITH_CHECKPOINTING = 1.1
 # Host memory the planner does not count: the system, the Python process, torch's and CUDA's libraries.
 HOST_RESERVE_GIB = 4.0
 SWAP_COST_PER_BLOCK_SHARE = 0.5  # block swap: + this x the share of blocks swapped
-ADAPTER_ALGORITHMS = ("lora", "guidance-distillation", "step-distillation")
 
 
 @dataclass(frozen=True)
@@ -133,13 +133,19 @@ def _precompute_overrides(config: Config, budget: float, world_size: int) -> lis
     return None
 
 
+def _adapter_only(config: Config) -> bool:
+    """Whether only an adapter trains, so the frozen base may be stored smaller or swapped (a control algorithm's
+    widened input layer trains fully beside its adapter: left to the user's settings)."""
+    traits = traits_of(config)
+    return traits.trains_adapter and not traits.control
+
+
 def _training_changes(config: Config) -> list[list[str]]:
     """Every combination of the training-stage savers that applies to `config`, cheapest first."""
     options: list[list[str]] = []
     if not config.training.gradient_checkpointing:
         options.append(["", "training.gradient_checkpointing=true"])
-    if config.training.algorithm in ADAPTER_ALGORITHMS and config.memory.base_weights == "auto" \
-            and not config.lora.use_dora and config.distillation.student != "full":
+    if _adapter_only(config) and config.memory.base_weights == "auto" and not config.lora.use_dora:
         options.append(["", "memory.base_weights=fp8", "memory.base_weights=int8", "memory.base_weights=nf4"])
     if config.optimizer.name == "adamw":
         options.append(["", "optimizer.name=adamw8bit"])
@@ -153,7 +159,7 @@ def _training_changes(config: Config) -> list[list[str]]:
 
 def _fewest_blocks(config: Config, budget: float, world_size: int) -> tuple[int, MemoryPlan, float] | None:
     """The fewest `memory.blocks_to_swap` with which `config` fits (bisection: weights fall as blocks leave)."""
-    if config.training.algorithm not in ADAPTER_ALGORITHMS or config.memory.blocks_to_swap:
+    if not _adapter_only(config) or config.memory.blocks_to_swap:
         return None
     resolved, _ = resolve_architecture(config)
     device = planned_device(resolved)

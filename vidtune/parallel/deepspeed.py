@@ -25,7 +25,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from vidtune.parallel.checkpointers import Checkpointer, Record, TrainedParts
 from vidtune.parallel.dcp import Weights
 from vidtune.parallel.strategy import Strategy
 from vidtune.parallel.zero_reshard import load_resharded
+
+if TYPE_CHECKING:
+    from vidtune.algorithms.part import AlgorithmPart
 
 # The tag DeepSpeed's files are saved under inside the checkpoint's `zero/` (checkpoint.ZERO_SHARDS).
 ZERO_TAG = "state"
@@ -304,32 +307,22 @@ class DeepSpeedStrategy(Strategy):
             yield
 
     @contextlib.contextmanager
-    def sampling(self, trainer: Any) -> Iterator[None]:
-        """Rank 0, inside `gathered()`: for the block, `trainer.denoiser` is a plain copy that validation samples
-        with. ZeRO-3's module gathers its weights for each layer's forward in a collective of all ranks, so one
-        rank cannot run it alone: the copy is loaded from the model folder (a second model in rank 0's memory for
-        the time of the samples), set up by the algorithm as for training and given the trained weights. What
-        that set-up replaces on the trainer (the denoiser, a control input's hook) is put back afterwards.
-        ZeRO 1 and 2: the trained module itself."""
+    def sampling(self, part: AlgorithmPart, fresh: Callable[[], AlgorithmPart]) -> Iterator[AlgorithmPart]:
+        """Rank 0, inside `gathered()`: the part validation samples with. ZeRO-3's module gathers its weights for
+        each layer's forward in a collective of all ranks, so one rank cannot run it alone: a `fresh` part sets up
+        a plain copy loaded from the model folder (a second model in rank 0's memory for the time of the samples)
+        as for training, given the trained weights; the trained part is left as it is. ZeRO 1 and 2: the trained
+        part itself."""
         if self.zero_stage != 3:
-            yield
+            yield part
             return
         # A CPU copy: the gathered weights may hold the whole model on the GPU already.
-        weights = {name: tensor.detach().to("cpu", copy=True)
-                   for name, tensor in trainer.trainable_state_dict().items()}
-        before = dict(vars(trainer))
-        replaced = {"denoiser": trainer.denoiser}
-        try:
-            trainer.denoiser = trainer.spec.load_denoiser(self.device)
-            trainer.configure_trainable(trainer.denoiser)
-            replaced.update({name: value for name, value in before.items() if vars(trainer).get(name) is not value
-                             and name != "denoiser"})
-            trainer.load_trainable_state_dict(weights)
-            del weights
-            yield
-        finally:
-            for name, value in replaced.items():
-                setattr(trainer, name, value)
+        weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in part.state_dict().items()}
+        copy = fresh()
+        copy.configure(copy.spec.load_denoiser(self.device), resuming=True)
+        copy.load_state_dict(weights)
+        del weights
+        yield copy
 
     # ----- checkpoints -----------------------------------------------------------------------------------
     def checkpointer(self) -> DeepSpeedCheckpointer:

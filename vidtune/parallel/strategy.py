@@ -18,7 +18,8 @@ validation samples).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +28,9 @@ from vidtune.config import Config
 from vidtune.ema import EMA
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel.checkpointers import Checkpointer
+
+if TYPE_CHECKING:
+    from vidtune.algorithms.part import AlgorithmPart
 
 
 class Strategy:
@@ -114,9 +118,10 @@ class Strategy:
         yield
 
     @contextlib.contextmanager
-    def sampling(self, trainer: object) -> Iterator[None]:
-        """Rank 0, inside `gathered`: what validation samples with is the trainer's denoiser as it is."""
-        yield
+    def sampling(self, part: AlgorithmPart, fresh: Callable[[], AlgorithmPart]) -> Iterator[AlgorithmPart]:
+        """Rank 0, inside `gathered`: the algorithm part (and its denoiser) validation samples with; here the
+        trained one as it is (`fresh`: a new part of the same algorithm, for a strategy that needs a copy)."""
+        yield part
 
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from vidtune import parallel
+from vidtune.algorithms import traits_of
 from vidtune.config import Config
 from vidtune.data.audio import AudioFormat, ClipAudio, read_audio
 from vidtune.data.buckets import window_starts
@@ -186,7 +187,7 @@ def extra_prompts(config: Config) -> list[str]:
     prompts = []
     if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
         prompts.append("")
-    if config.training.algorithm == "guidance-distillation":
+    if traits_of(config).teacher_guidance:
         prompts.append(config.distillation.negative_prompt)
     return list(dict.fromkeys(prompts))
 
@@ -249,7 +250,7 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         # Control training: the control clip's latents are keyed like any clip's, over the same windows.
         # With `control.processor`, the control is the clip itself through the processor.
         sources = [(clip.video, clip_hash, None)]
-        if config.training.algorithm.startswith("control"):
+        if traits_of(config).control:
             if processor is not None:
                 sources.append((clip.video, clip_hash, processor))
             elif clip.control is not None:

@@ -1,26 +1,14 @@
-"""Trainers, one per algorithm."""
+"""The trainer: one loop for every algorithm; what an algorithm trains and saves is its part (`vidtune.algorithms`)."""
 
 from __future__ import annotations
 
 from vidtune.config import Config
 from vidtune.trainers.base import Trainer, TrainResult
 
-# training.algorithm -> the trainer class (or a function of the config that picks one).
-ALGORITHMS = {
-    "lora": "vidtune.trainers.lora:LoRATrainer",
-    "full": "vidtune.trainers.full:FullTrainer",
-    "control-lora": "vidtune.trainers.control:ControlLoRATrainer",
-    "control-full": "vidtune.trainers.control:ControlFullTrainer",
-    "guidance-distillation": "vidtune.trainers.guidance_distillation:guidance_distillation_trainer",
-    "step-distillation": "vidtune.trainers.step_distillation:StepDistillationTrainer",
-}
-
 
 def build_trainer(config: Config) -> Trainer:
-    import importlib
-
-    module_name, class_name = ALGORITHMS[config.training.algorithm].split(":")
-    return getattr(importlib.import_module(module_name), class_name)(config)
+    """The trainer of a config: `build_trainer(config).run()` trains it and returns a `TrainResult`."""
+    return Trainer(config)
 
 
-__all__ = ["ALGORITHMS", "TrainResult", "Trainer", "build_trainer"]
+__all__ = ["TrainResult", "Trainer", "build_trainer"]

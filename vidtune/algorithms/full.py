@@ -6,16 +6,26 @@ with the family's transformer class `from_pretrained`, or point `model.subfolder
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Iterator
 from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from vidtune.algorithms.part import AlgorithmPart
+from vidtune.ema import EMA
 from vidtune.errors import ConfigError
 from vidtune.files import atomic_folder, follow_umask
 from vidtune.outputs import TRANSFORMER_EMA_FOLDER, TRANSFORMER_FOLDER
-from vidtune.trainers.base import Trainer
+
+if TYPE_CHECKING:
+    from vidtune.config import Config
+    from vidtune.models.spec import ModelSpec
+    from vidtune.parallel.strategy import Strategy
 
 
 def select_trainable(names: list[str], trainable: list[str], frozen: list[str]) -> set[str]:
@@ -44,13 +54,22 @@ def select_trainable(names: list[str], trainable: list[str], frozen: list[str]) 
     return selected
 
 
-class FullTrainer(Trainer):
-    algorithm = "full"
-    resume_fixed_keys = ("full.trainable_patterns", "full.frozen_patterns")
-    # The dtype the denoiser was loaded in: trainable weights train in fp32 and are saved back in it.
-    base_dtype: torch.dtype = torch.float32
+class FullPart(AlgorithmPart):
+    """The denoiser's own weights train (`full.*` patterns); a distilled student keeps a frozen copy as teacher."""
 
-    def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
+    resume_fixed_keys = ("full.trainable_patterns", "full.frozen_patterns")
+
+    def __init__(self, config: Config, spec: ModelSpec) -> None:
+        super().__init__(config, spec)
+        # The dtype the denoiser was loaded in: trainable weights train in fp32 and are saved back in it.
+        self.base_dtype: torch.dtype = torch.float32
+        self.frozen_teacher: nn.Module | None = None  # a distilled student's teacher, copied before training
+
+    def configure(self, denoiser: nn.Module, resuming: bool = False) -> list[nn.Parameter]:
+        self._denoiser = denoiser
+        if self.traits.distils:
+            # Copied before the trained weights change (and before they become fp32).
+            self.frozen_teacher = copy.deepcopy(denoiser).requires_grad_(False).eval()
         options = self.config.full
         named = dict(denoiser.named_parameters())
         selected = select_trainable(list(named), options.trainable_patterns, options.frozen_patterns)
@@ -64,10 +83,10 @@ class FullTrainer(Trainer):
                     parameter.data = parameter.data.float()
         return [parameter for name, parameter in named.items() if name in selected]
 
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.denoiser.named_parameters() if p.requires_grad}
 
-    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         named = {name: p for name, p in self.denoiser.named_parameters() if p.requires_grad}
         missing, unexpected = sorted(named.keys() - state.keys()), sorted(state.keys() - named.keys())
         if missing or unexpected:
@@ -80,16 +99,16 @@ class FullTrainer(Trainer):
                                      f"{tuple(parameter.shape)}")
                 parameter.copy_(state[name])
 
-    def save_final(self, folder: Path) -> Path:
+    def save_final(self, folder: Path, ema: EMA | None, name: str | None = None) -> Path:
         """`folder/transformer/`, and with `training.ema_decay` the moving average as `folder/transformer_ema/`; a
         model of several denoisers (Wan 2.2's two experts) writes one such folder per denoiser, as the spec names
         them (`transformer_2/`, `transformer_2_ema/`). Returns the first."""
         parts = self.spec.denoiser_folders(self.denoiser)
-        written = [self.save_transformer(Path(folder) / name, module) for name, module in parts.items()]
-        if self.ema is not None:
-            with self.ema.applied():
-                for name, module in parts.items():
-                    ema_folder = TRANSFORMER_EMA_FOLDER if name == TRANSFORMER_FOLDER else f"{name}_ema"
+        written = [self.save_transformer(Path(folder) / part, module) for part, module in parts.items()]
+        if ema is not None:
+            with ema.applied():
+                for part, module in parts.items():
+                    ema_folder = TRANSFORMER_EMA_FOLDER if part == TRANSFORMER_FOLDER else f"{part}_ema"
                     self.save_transformer(Path(folder) / ema_folder, module)
         return written[0]
 
@@ -108,3 +127,16 @@ class FullTrainer(Trainer):
             for parameter, data in zip(cast, originals, strict=True):
                 parameter.data = data
         return target
+
+    @contextlib.contextmanager
+    def teacher(self) -> Iterator[nn.Module]:
+        """The frozen copy of the denoiser made before training (twice the denoiser's memory), without gradients."""
+        if self.frozen_teacher is None:
+            raise RuntimeError("a full fine-tune has a teacher only when it distils")
+        with torch.no_grad():
+            yield self.frozen_teacher
+
+    def prepare_frozen(self, strategy: Strategy) -> None:
+        # FSDP shards the teacher like the student (see FullyShardedStrategy.prepare_frozen).
+        if self.frozen_teacher is not None:
+            self.frozen_teacher = strategy.prepare_frozen(self.frozen_teacher)

@@ -8,8 +8,9 @@ adapter file instead of a fresh adapter.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from diffusers.training_utils import cast_training_params
@@ -17,12 +18,19 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
+from vidtune.algorithms.part import AlgorithmPart
+from vidtune.ema import EMA
 from vidtune.errors import ConfigError
 from vidtune.export.comfyui import ComfyUIExportError, save_comfyui_lora
 from vidtune.memory import finish_base_weights, prepare_base_weights
 from vidtune.models.spec import ALL_LINEAR
 from vidtune.outputs import LORA_EMA_WEIGHTS, LORA_WEIGHTS
-from vidtune.trainers.base import Trainer
+
+if TYPE_CHECKING:
+    from vidtune.config import Config
+    from vidtune.data.sources import Clip
+    from vidtune.models.spec import ModelSpec
+    from vidtune.objectives import Objective
 
 # The tensors of one adapted module in a peft / diffusers adapter state dict.
 LORA_KEY_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector")
@@ -48,25 +56,22 @@ def linear_module_names(module: nn.Module) -> list[str]:
     return [name for name, child in module.named_modules() if isinstance(child, nn.Linear)]
 
 
-class LoRATrainer(Trainer):
-    algorithm = "lora"
+class LoRAPart(AlgorithmPart):
+    """LoRA adapters on the denoiser (`lora.*`); the base weights stay frozen (and may be stored quantized)."""
+
     resume_fixed_keys = ("lora.rank", "lora.alpha", "lora.target_modules", "lora.use_dora")
-    targets: list[str] | None = None  # the resolved `lora.target_modules`, once the adapter is added
-    # Modules of the denoiser that train fully beside the adapter: never stored quantized (memory.base_weights).
-    trained_fully: tuple[str, ...] = ()
-    # The name of the ComfyUI file (`<name>_comfyui.safetensors`): the run folder's, unless an export names it.
-    export_name: str | None = None
 
-    @property
-    def comfyui_name(self) -> str:
-        return self.export_name or Path(self.config.output_dir).resolve().name
+    def __init__(self, config: Config, spec: ModelSpec) -> None:
+        super().__init__(config, spec)
+        self.targets: list[str] | None = None  # the resolved `lora.target_modules`, once the adapter is added
+        # Modules of the denoiser that train fully beside the adapter: never stored quantized (memory.base_weights).
+        self.trained_fully: tuple[str, ...] = ()
 
-    def check_inputs(self) -> None:
-        """Also the LoRA settings, before anything long: a preset the family lacks, an init_from file missing."""
-        super().check_inputs()
+    def check(self, clips: Sequence[Clip], objective: Objective, resuming: bool) -> None:
+        """The LoRA settings, before anything long: a preset the family lacks, an init_from file missing."""
         self.requested_targets()
         init_from = self.config.lora.init_from
-        if init_from and self.resuming_from is None:
+        if init_from and not resuming:
             self.spec.initial_adapters(Path(init_from))  # a missing file fails here, before any model loads
 
     def requested_targets(self) -> tuple[str, ...]:
@@ -86,7 +91,9 @@ class LoRATrainer(Trainer):
 
     def resolve_targets(self, module_names: list[str]) -> list[str]:
         """The module names handed to peft; `all-linear` becomes the suffixes of every linear layer in
-        `module_names` (so the adapter's metadata lists them, and diffusers loads it like any other)."""
+        `module_names` (so the adapter's metadata lists them, and diffusers loads it like any other). Layers that
+        train fully (`trained_fully`) are left out."""
+        module_names = [name for name in module_names if name not in self.trained_fully]
         requested = self.requested_targets()
         if ALL_LINEAR not in requested:
             return list(requested)
@@ -104,7 +111,8 @@ class LoRATrainer(Trainer):
             exclude_modules=self.spec.lora_exclude_modules() or None,
         )
 
-    def configure_trainable(self, denoiser: nn.Module) -> list[nn.Parameter]:
+    def configure(self, denoiser: nn.Module, resuming: bool = False) -> list[nn.Parameter]:
+        self._denoiser = denoiser
         denoiser.requires_grad_(False)
         # fp8, nf4: before the adapter wraps the layers; int8 (below): under the adapter's wrapped layers.
         prepare_base_weights(denoiser, self.config.memory.base_weights, self.trained_fully)
@@ -119,7 +127,7 @@ class LoRATrainer(Trainer):
             ) from None
         # Adapters train in fp32 even when the frozen base runs in bf16.
         cast_training_params(denoiser, dtype=torch.float32)
-        if self.config.lora.init_from and self.resuming_from is None:
+        if self.config.lora.init_from and not resuming:
             self.load_initial_adapter(denoiser, Path(self.config.lora.init_from))
         finish_base_weights(denoiser, self.config.memory.base_weights, self.trained_fully)
         return [p for p in denoiser.parameters() if p.requires_grad]
@@ -172,7 +180,7 @@ class LoRATrainer(Trainer):
         print(f"Starting from the adapter {path} ({len(state)} tensors).", flush=True)
 
     @contextlib.contextmanager
-    def frozen_base(self) -> Iterator[nn.Module]:
+    def teacher(self) -> Iterator[nn.Module]:
         """The frozen base model, without gradients: the same denoiser with its adapters turned off (a teacher that
         costs no second copy). The unwrapped denoiser: under torchrun no DDP hooks run for a forward without them."""
         self.denoiser.disable_adapters()
@@ -182,10 +190,10 @@ class LoRATrainer(Trainer):
         finally:
             self.denoiser.enable_adapters()  # also gives the adapters back their requires_grad
 
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return get_peft_model_state_dict(self.denoiser)
 
-    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         result = set_peft_model_state_dict(self.denoiser, state)
         unexpected = getattr(result, "unexpected_keys", None)
         if unexpected:
@@ -196,33 +204,33 @@ class LoRATrainer(Trainer):
         metadata["target_modules"] = sorted(metadata["target_modules"])
         return metadata
 
-    def save_final(self, folder: Path) -> Path:
+    def save_final(self, folder: Path, ema: EMA | None, name: str | None = None) -> Path:
         """The adapter (and its ComfyUI file), and with `training.ema_decay` its moving average beside it."""
-        state = self.trainable_state_dict()
+        state = self.state_dict()
         written = self.spec.save_lora(folder, state, self.adapter_metadata())
-        self.save_comfyui(folder, state)
-        if self.ema is not None:
-            with self.ema.applied():
-                self.spec.save_lora(folder, self.trainable_state_dict(), self.adapter_metadata(), LORA_EMA_WEIGHTS)
+        self.save_comfyui(folder, state, self.run_name(name))
+        if ema is not None:
+            with ema.applied():
+                self.spec.save_lora(folder, self.state_dict(), self.adapter_metadata(), LORA_EMA_WEIGHTS)
         return written
 
-    def export_weights(self, weights: dict[str, torch.Tensor], output: Path,
-                       ema: dict[str, torch.Tensor] | None = None) -> Path:
+    def export(self, weights: dict[str, torch.Tensor], output: Path, ema: dict[str, torch.Tensor] | None = None,
+               name: str | None = None) -> Path:
         """A checkpoint holds the adapter exactly as `save_final` writes it: no base model needed."""
         # `all-linear` resolves to the layers the adapter has, as it did when training added it.
         self.targets = self.resolve_targets(sorted({adapted_module(k) for k in weights}))
         written = self.spec.save_lora(output, weights, self.adapter_metadata())
-        self.save_comfyui(output, weights)
+        self.save_comfyui(output, weights, self.run_name(name))
         if ema is not None:
             self.spec.save_lora(output, ema, self.adapter_metadata(), LORA_EMA_WEIGHTS)
         return written
 
-    def save_comfyui(self, folder: Path, state: dict[str, torch.Tensor]) -> Path | None:
-        """The same adapter for ComfyUI, beside the diffusers file, named after the run (`comfyui_name`). An adapter
-        the ComfyUI layout cannot hold (a target without an original name, a family ComfyUI's core has no model
-        for) is reported, not fatal: the diffusers file is the run's result."""
+    def save_comfyui(self, folder: Path, state: dict[str, torch.Tensor], name: str) -> Path | None:
+        """The same adapter for ComfyUI, beside the diffusers file, named after the run (`name`). An adapter the
+        ComfyUI layout cannot hold (a target without an original name, a family ComfyUI's core has no model for) is
+        reported, not fatal: the diffusers file is the run's result."""
         try:
-            return save_comfyui_lora(self.spec, folder, state, self.config.lora.alpha, self.comfyui_name)
+            return save_comfyui_lora(self.spec, folder, state, self.config.lora.alpha, name)
         except ComfyUIExportError as error:
             print(f"No LoRA file for ComfyUI: {error}", flush=True)
             return None

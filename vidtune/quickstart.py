@@ -22,7 +22,6 @@ from vidtune.trainers import TrainResult, build_trainer
 QUICKSTART_SETTINGS = {
     "data": {"frames": 17, "height": 64, "width": 64, "fps": 24, "num_workers": 0},
     "training": {
-        "algorithm": "lora",
         "steps": 300,
         "batch_size": 2,
         "learning_rate": 2e-3,

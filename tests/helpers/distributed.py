@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,6 +32,27 @@ def free_port() -> int:
     with socket.socket() as handle:
         handle.bind(("127.0.0.1", 0))
         return handle.getsockname()[1]
+
+
+def run_port(out: str, index: int, wait_s: float = 600.0) -> int:
+    """The rendezvous port of a rank's `index`-th run: rank 0 picks a free one just before the run (one picked when
+    the test started may be another process's by then) and leaves it in OUT, where the other ranks read it."""
+    path = Path(out, f"port-{index}")
+    if os.environ["RANK"] == "0":
+        written = path.with_name(path.name + ".tmp")
+        written.write_text(str(free_port()))
+        written.replace(path)
+    deadline = time.monotonic() + wait_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 gave no port for run {index} in {wait_s:.0f} s")
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def _train_each(runs: list[tuple[str, dict, dict]], out: str) -> dict:
+    return {name: _train(config, run_port(out, index), **options)
+            for index, (name, config, options) in enumerate(runs)}
 
 
 def _train(config: dict, port: int, stop_on: tuple[int, int] | None = None, unused: bool = False) -> dict:
@@ -66,14 +88,14 @@ def _train(config: dict, port: int, stop_on: tuple[int, int] | None = None, unus
     return {"positions": positions, "losses": result.losses, "weights": str(result.weights_path)}
 
 
-def rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], ports: list[int], out: str) -> None:
-    """What `mp.spawn` runs on each rank: every (name, config, options) of `runs` under its own port, the results
-    written to OUT/rank<rank>.json."""
+def rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], out: str) -> None:
+    """What `mp.spawn` runs on each rank: every (name, config, options) of `runs` under its own port (`run_port`),
+    the results written to OUT/rank<rank>.json."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       HF_HUB_OFFLINE="1")
     torch.set_num_threads(1)
     parallel.TIMEOUT = timedelta(seconds=120)  # a broken collective fails the test instead of hanging for an hour
-    results = {name: _train(config, port, **options) for (name, config, options), port in zip(runs, ports, strict=True)}
+    results = _train_each(runs, out)
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -84,7 +106,7 @@ def two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, a
     runs = [("ddp", make_config(output_dir=str(tmp_path / "ddp"), **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, [free_port()], str(out)), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     single = make_config(output_dir=str(tmp_path / "single"), **{
         **settings, "training": {**settings["training"], "batch_size": 2}})
@@ -100,13 +122,12 @@ def two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, a
         assert result["ddp"]["losses"] == pytest.approx(single_result.losses, rel=1e-4)
 
 
-def deepspeed_rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], ports: list[int],
-                        out: str) -> None:
+def deepspeed_rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], out: str) -> None:
     """`rank_main` for DeepSpeed on the CPU (its accelerator set to cpu, a longer collective timeout)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     # A broken collective fails the test instead of hanging for an hour; a loaded CI machine still gets minutes.
     parallel.TIMEOUT = timedelta(seconds=300)
-    results = {name: _train(config, port, **options) for (name, config, options), port in zip(runs, ports, strict=True)}
+    results = _train_each(runs, out)
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))

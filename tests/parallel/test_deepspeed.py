@@ -79,7 +79,7 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(deepspeed_rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(deepspeed_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for result in ranks:
         for name, outcome in result.items():
@@ -220,7 +220,7 @@ def test_control_and_distillation_on_two_ranks_train_what_one_process_trains_wit
         **settings[name]).to_dict(), {}) for name, stage in (("control", 3), ("distillation", 2), ("distillation", 3))]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(deepspeed_rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(deepspeed_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     single = {name: build_trainer(make_config(output_dir=str(tmp_path / name), **{
         **values, "training": {**values["training"], "batch_size": 2}})).run() for name, values in settings.items()}

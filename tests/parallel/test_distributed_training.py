@@ -23,7 +23,6 @@ from tests.helpers.datasets import control_dataset
 from tests.helpers.distributed import (
     LORA_FILE,
     LORA_FILE_2,
-    free_port,
     rank_main,
     two_ranks_against_one_process,
 )
@@ -63,7 +62,7 @@ def test_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_confi
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
     # One process, batch 2: the same samples, the same noise, the same steps.

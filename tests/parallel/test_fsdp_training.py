@@ -51,7 +51,7 @@ def _losses(folder: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def _recording_rank_main(rank: int, world: int, runs: list, ports: list[int], out: str) -> None:
+def _recording_rank_main(rank: int, world: int, runs: list, out: str) -> None:
     """`rank_main`, noting for every `fully_shard` call whether the parameters it shards (those not sharded
     already, by the blocks' calls) were all on the meta device: this rank held none of their weights."""
     from torch.distributed import fsdp
@@ -65,7 +65,7 @@ def _recording_rank_main(rank: int, world: int, runs: list, ports: list[int], ou
         return original(module, **options)
 
     fsdp.fully_shard = recording
-    rank_main(rank, world, runs, ports, out)
+    rank_main(rank, world, runs, out)
     Path(out, f"meta{rank}.json").write_text(json.dumps(calls))
 
 
@@ -89,7 +89,7 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_recording_rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(_recording_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
     # Rank 1 sharded a denoiser without weights (each block, then the rest) in every run but `every-rank`; rank 0
@@ -238,7 +238,7 @@ def test_fsdp_in_bf16_with_cpu_offload_on_two_gpus(make_config, tmp_path, algori
                                 **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, [free_port()], str(out)), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     single = build_trainer(make_config(output_dir=str(tmp_path / "single"), **{
         **settings, "training": {**settings["training"], "batch_size": 2}})).run()
@@ -252,7 +252,7 @@ def test_fsdp_in_bf16_with_cpu_offload_on_two_gpus(make_config, tmp_path, algori
         assert result["gpu"]["losses"] == pytest.approx(single.losses, rel=2e-2)
 
 
-def _rank_recording_storage(rank: int, world: int, runs: list, ports: list[int], out: str) -> None:
+def _rank_recording_storage(rank: int, world: int, runs: list, out: str) -> None:
     """`rank_main`, also writing how each run's denoiser is held once FSDP has sharded it: the quantized base
     weights (their class and dtype, whether sharded, their size on this rank) and the adapter's shard sizes."""
     prepare, seen = FullyShardedStrategy.prepare, []
@@ -267,7 +267,7 @@ def _rank_recording_storage(rank: int, world: int, runs: list, ports: list[int],
         return sharded
 
     FullyShardedStrategy.prepare = recording
-    rank_main(rank, world, runs, ports, out)
+    rank_main(rank, world, runs, out)
     Path(out, f"storage{rank}.json").write_text(json.dumps(seen))
 
 
@@ -293,7 +293,7 @@ def test_a_quantized_base_stays_whole_on_every_rank_and_trains_what_one_process_
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_recording_storage, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_recording_storage, args=(2, runs, str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     storage = [json.loads((out / f"storage{r}.json").read_text()) for r in range(2)]
 
@@ -336,7 +336,7 @@ def test_an_nf4_base_stays_whole_on_each_of_two_gpus(make_config, tmp_path):
                                 **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_recording_storage, args=(2, runs, [free_port()], str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_recording_storage, args=(2, runs, str(out)), nprocs=2, join=True)
     for rank in range(2):
         (held,) = json.loads((out / f"storage{rank}.json").read_text())
         assert held["base"].startswith("Params4bit:") and not held["base_sharded"]
@@ -379,7 +379,7 @@ def test_control_and_distillation_under_fsdp_train_like_one_process_and_resume_i
                                **settings).to_dict(), {}) for name, settings in algorithms.items()]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_recording_rank_main, args=(2, runs, [free_port() for _ in runs], str(out)), nprocs=2, join=True)
+    mp.spawn(_recording_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
     # Each run shards its denoiser (every block, then the rest), the full student's run its teacher too; rank 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -131,13 +132,28 @@ def process_group(device: torch.device | None = None, backend: str | None = None
         yield True
     except BaseException:
         if created:
-            dist.destroy_process_group()
+            close_process_group(meet=False)
         raise
     if created:
-        # Every rank reaches the end before any closes its connections: gloo aborts a process whose peer is gone
-        # while its own group still runs.
+        close_process_group(meet=True)
+
+
+# How long the closing process waits without the GIL before destroying its group (see `close_process_group`).
+SETTLE_S = 0.2
+
+
+def close_process_group(meet: bool, destroy: Callable[[], None] | None = None) -> None:
+    """Destroy this process's group; `meet`: every rank gets here first (gloo aborts a process whose peer closed
+    its connections while its own group still runs); `destroy`: an engine's own way of destroying it.
+
+    gloo's worker thread drops a finished collective's tensors, which takes the GIL, while destroying the group
+    joins that thread with the GIL held: a moment without the GIL first lets the thread finish, or both would wait
+    for each other for ever."""
+    dist = _dist()
+    if meet:
         dist.barrier()
-        dist.destroy_process_group()
+    time.sleep(SETTLE_S)
+    (destroy or dist.destroy_process_group)()
 
 
 def _restart_store(world: int) -> Any:

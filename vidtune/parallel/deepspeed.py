@@ -97,13 +97,11 @@ def process_group(device: torch.device) -> Iterator[bool]:
     except BaseException:
         _restore_linear()
         if created:
-            deepspeed.comm.destroy_process_group()
+            parallel.close_process_group(meet=False, destroy=deepspeed.comm.destroy_process_group)
         raise
     _restore_linear()
     if created:
-        if world > 1:  # every rank reaches the end before any closes its connections (see parallel.process_group)
-            dist.barrier()
-        deepspeed.comm.destroy_process_group()
+        parallel.close_process_group(meet=world > 1, destroy=deepspeed.comm.destroy_process_group)
 
 
 def _restore_linear() -> None:

@@ -15,6 +15,7 @@ DeepSpeed) averages the gradients, so a step of `world` ranks with `batch_size` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
@@ -83,8 +84,8 @@ def train(context: TrainingContext, name: str | None = None) -> TrainResult:
         held_out.evaluate(context, checkpoint=False)
     with log:  # closes the trackers however the run ends
         # Handlers go in before the data loader starts, so its forked workers inherit them (and ignore Ctrl+C).
-        with StopSignals() as stop:
-            stream = context.batches()
+        # The stream is closed when the loop ends (its read-ahead thread joined), not whenever it is collected.
+        with StopSignals() as stop, contextlib.closing(context.batches()) as stream:
             stopped_by = agreed_stop(stop)
             while state.step < config.training.steps and stopped_by is None:
                 outcome = train_step(context, stream, stop)

@@ -26,15 +26,18 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from safetensors.torch import save_file
 
+from vidtune import checkpoint as checkpoints
 from vidtune import outputs
 from vidtune.algorithms import traits_of
 from vidtune.config import Config, load_config
 from vidtune.control import encode_control, has_control, load_control
-from vidtune.data.sources import Clip
+from vidtune.data.sources import Clip, read_sources
 from vidtune.data.video import ClipWindow, frames_to_uint8, read_clip, write_video
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
+from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import ModelSpec
+from vidtune.parallel import parse_device
 from vidtune.processors import configured_processor
 from vidtune.schedulers import student_scheduler
 from vidtune.sheets import write_contact_sheet
@@ -277,8 +280,6 @@ def run_weights(run: Path, ema: bool | None = None) -> tuple[Path, bool]:
             raise VidtuneError(f"{run} has no moving average of its weights ({averaged.name}): it was trained "
                                "without training.ema_decay.\nWhat to do: leave out --ema.")
         return averaged, adapter
-    from vidtune import checkpoint as checkpoints
-
     newest = checkpoints.latest(outputs.checkpoints_root(run))
     hint = (f"export its newest checkpoint into it first: vidtune export {newest} --output {run}" if newest
             else "give the output_dir of a run that finished.")
@@ -318,9 +319,6 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
         run = load_pipeline("outputs/my-lora")
         video = run.pipeline(prompt="a dog running on a beach", num_frames=49, height=512, width=768).frames[0]
     """
-    from vidtune.models.registry import get_spec_class
-    from vidtune.parallel import parse_device
-
     run = Path(run_dir)
     config_path = run / outputs.RESOLVED_CONFIG
     if not config_path.is_file():
@@ -381,8 +379,6 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     settings. An image-to-video family starts from `image`, else from the run's first clip (as validation); a
     control run follows the control clip `control`, else the run's first clip's control clip (as validation).
     `progress`: a bar of the denoising steps."""
-    from vidtune.data.sources import read_sources
-
     spec, config = run.spec, run.config
     settings = SampleSettings.from_config(config, spec, default_prompt=prompt)
     settings = replace(settings, prompts=(prompt,), **{k: v for k, v in overrides.items() if v is not None})
@@ -424,8 +420,6 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
 
 def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:
     """The latents of the control clip a control run samples from: `control`, or the run's first clip's."""
-    from vidtune.data.sources import read_sources
-
     data = run.config.data
     processor = configured_processor(run.config)  # the run computed its controls: --control is their source
     if control is None:

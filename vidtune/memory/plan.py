@@ -33,7 +33,7 @@ from vidtune.algorithms.build import build_part, build_spec
 from vidtune.algorithms.losses import NoisyInputs, clip_losses
 from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
-from vidtune.memory import frozen_linears, skip_patterns
+from vidtune.memory import fp8_layers, frozen_linears, skip_patterns, stored
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
@@ -171,8 +171,6 @@ def _weight_sizes(denoiser: nn.Module, base_weights: str) -> dict[str, int]:
 
 def _fp8_modules(denoiser: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
     """(prefix, the layers stored in float8) of the denoiser, or of each of its experts."""
-    from vidtune.memory import fp8_layers
-
     experts = getattr(denoiser, "experts", None)
     parts = list(zip(("transformer", "transformer_2"), experts(), strict=True)) if callable(experts) \
         else [("", denoiser)]
@@ -787,8 +785,6 @@ def traces_kept_on_disk() -> Iterator[None]:
 
 def _stored_key(kind: str, config: Config, key: tuple) -> str:
     """The trace's digest: its key with the model folder's path replaced by its settings files' contents."""
-    from vidtune.memory import stored
-
     model = config.model.model_copy(update={"pretrained": stored.folder_digest(config.model.pretrained)})
     return stored.trace_digest(kind, (model.model_dump_json(), *key[1:]))
 
@@ -802,8 +798,6 @@ def _encoders(config: Config, device: torch.device) -> EncoderTrace:
 
 
 def _stored_encoders(config: Config, device: torch.device, key: tuple) -> EncoderTrace:
-    from vidtune.memory import stored
-
     digest = _stored_key("encoders", config, key)
     found = stored.load(digest)
     if found is not None:
@@ -837,8 +831,6 @@ def _step(config: Config, device: torch.device, encoders: EncoderTrace) -> StepT
         if not STORED_TRACES:
             steps[key] = trace_step(model, config, device, checkpointing)
             return steps[key]
-        from vidtune.memory import stored
-
         digest = _stored_key("step", config, key)
         found = stored.load(digest)
         if found is None:

@@ -23,6 +23,22 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
+def run_noting_parameters_without_gradient(trainer, monkeypatch) -> list[str]:
+    """Run `trainer`; the names of the trained parameters without a gradient when its steps clip them."""
+    unused: list[str] = []
+    clip = loop.clip_gradients
+
+    def record(context):
+        names = {id(p): name for name, p in context.denoiser.named_parameters()}
+        unused.extend(names[id(p)] for p in context.parameters if p.grad is None)
+        return clip(context)
+
+    monkeypatch.setattr(loop, "clip_gradients", record)
+    trainer.run()
+    monkeypatch.undo()
+    return unused
+
+
 @pytest.mark.parametrize("family", available_models())
 def test_every_preset_names_linear_layers_of_the_familys_denoiser(make_config, family):
     config = make_config(family)
@@ -93,17 +109,7 @@ def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family,
         trainer = build_trainer(make_config(family, model=sound, training={"steps": 1},
                                             lora={"target_modules": preset, "rank": 2},
                                             output_dir=str(tmp_path / preset)))
-        unused: list[str] = []
-        clip = loop.clip_gradients
-
-        def record(context, clip=clip, unused=unused):
-            names = {id(p): name for name, p in context.denoiser.named_parameters()}
-            unused.extend(names[id(p)] for p in context.parameters if p.grad is None)
-            return clip(context)
-
-        monkeypatch.setattr(loop, "clip_gradients", record)
-        trainer.run()
-        monkeypatch.undo()
+        unused = run_noting_parameters_without_gradient(trainer, monkeypatch)
         assert not unused, f"{family} {preset}: {unused[:5]}"
 
 
@@ -113,17 +119,7 @@ def test_ltx_2_clips_without_sound_tell_ddp_of_the_cross_attention_they_leave_ou
     adapters get no gradient, so the denoiser declares it and DDP looks for unused parameters."""
     trainer = build_trainer(make_config("ltx-2", training={"steps": 1}, lora={"target_modules": "attention",
                                                                               "rank": 2}))
-    unused: list[str] = []
-    clip = loop.clip_gradients
-
-    def record(context):
-        names = {id(p): name for name, p in context.denoiser.named_parameters()}
-        unused.extend(names[id(p)] for p in context.parameters if p.grad is None)
-        return clip(context)
-
-    monkeypatch.setattr(loop, "clip_gradients", record)
-    trainer.run()
-    monkeypatch.undo()
+    unused = run_noting_parameters_without_gradient(trainer, monkeypatch)
     assert unused and all("audio_to_video_attn" in name or "video_to_audio_attn" in name for name in unused), unused
     assert trainer.context.denoiser.leaves_parameters_unused
     silence = build_trainer(make_config("ltx-2", model={"clips_without_sound": "silence"},

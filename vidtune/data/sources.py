@@ -373,6 +373,12 @@ def _read_controls(root: Path, controls_file: str, clips: list[Clip], problems: 
     return with_controls
 
 
+def folder_files(root: Path) -> list[Path]:
+    """Every file a `folder` source sees under `root`, sorted: subfolders too, hidden files and folders left out."""
+    return sorted(path for path in root.rglob("*") if path.is_file()
+                  and not any(part.startswith(".") for part in path.relative_to(root).parts))
+
+
 def _read_folder(root: Path, report: DatasetReport) -> tuple[list[Clip], list[str]]:
     """Every clip and image under `root` (hidden files and folders left out), each with its .txt caption."""
     root = root.expanduser().absolute()
@@ -380,8 +386,7 @@ def _read_folder(root: Path, report: DatasetReport) -> tuple[list[Clip], list[st
         what = "is a file, not a folder" if root.exists() else "does not exist"
         raise DataError([f"The dataset folder {root} {what}: point the `folder` dataset's root at a folder of clips "
                          "and images, each with a .txt caption of the same name beside it."])
-    files = sorted(path for path in root.rglob("*") if path.is_file()
-                   and not any(part.startswith(".") for part in path.relative_to(root).parts))
+    files = folder_files(root)
     media = [path for path in files if path.suffix.lower() in MEDIA_SUFFIXES]
     if not media:
         raise DataError([f"The dataset folder {root} holds no clips or images (looked for "

@@ -312,6 +312,33 @@ def command_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_caption(args: argparse.Namespace) -> int:
+    from vidtune.captioning.command import resolve_data, with_options
+
+    sources, settings = resolve_data(args.data, args.overrides, args.prompts, args.video_column, args.caption_column)
+    settings = with_options(settings, {
+        "model": args.model, "fps": args.fps, "max_frames": args.max_frames, "max_pixels": args.max_pixels,
+        "instruction": args.instruction, "prefix": args.prefix, "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size, "device": args.device, "dtype": args.dtype})
+    if not args.verbose:  # transformers draws a bar per weight file loaded: noise here
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    from vidtune.captioning.run import caption_all, describe_sources, load_captioner, open_sources
+
+    files = open_sources(sources)
+    print(f"Captioning {describe_sources(files)} with {settings.model}"
+          f"{' (dry run: nothing is written)' if args.dry_run else ''}.", flush=True)
+    summary = caption_all(files, settings, lambda: load_captioner(settings), overwrite=args.overwrite,
+                          dry_run=args.dry_run)
+    lines = summary.lines()
+    print(lines[0])
+    if summary.skipped:
+        print("\n".join(lines[1:]), file=sys.stderr)
+        return 1
+    return 0
+
+
 def print_summary(result, seconds: float) -> None:
     """What this process did (a resumed run: the steps it ran, not the whole run's) and where the outputs are."""
     print()
@@ -400,6 +427,44 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--overview", help="where to write the contact sheet PNG (more pages: NAME-2.png, ...)")
     check.add_argument("--report", help="where to write the JSON report")
     check.set_defaults(handler=command_data_check)
+
+    caption = commands.add_parser(
+        "caption", help="write a caption for every clip and still that has none, with a vision-language model",
+        description="Caption every clip and still of DATA that has no caption yet with a vision-language model "
+        "(Qwen2-VL / Qwen2.5-VL / Qwen3-VL), writing each caption where DATA keeps them as soon as it is made: "
+        "prompts.txt beside videos.txt (same line), a .txt beside each clip in a folder, or the caption column / key "
+        "of a .csv / .jsonl. Existing captions are kept (--overwrite replaces them); a rerun after a stop captions "
+        "what is still missing. Unset options take the config's caption section, else the defaults (vidtune config "
+        "show lists them). Exits 1 when a clip was skipped (each is listed with its file and line).")
+    caption.add_argument("data", metavar="DATA", help="a config file (its data section), a folder, a clip list "
+                         "(videos.txt) or a .csv / .jsonl file")
+    caption.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="with a config file: section.key=value "
+                         "settings, as for train")
+    caption.add_argument("--model", help="hub id or folder of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model (default: "
+                         "Qwen/Qwen2.5-VL-7B-Instruct)")
+    caption.add_argument("--fps", type=float, metavar="F", help="frames per second the model sees (default 2)")
+    caption.add_argument("--max-frames", type=positive_int, metavar="N", help="at most N frames of a clip, spread "
+                         "over it (default 32)")
+    caption.add_argument("--max-pixels", type=positive_int, metavar="P", help="pixels per frame, at most (default "
+                         "200704, 448x448)")
+    caption.add_argument("--instruction", help="what the model is asked ({media} becomes video or image)")
+    caption.add_argument("--prefix", help="written before every caption, e.g. a trigger word")
+    caption.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="longest caption in tokens "
+                         "(default 256)")
+    caption.add_argument("--batch-size", type=positive_int, metavar="N", help="clips per model call (default 1)")
+    caption.add_argument("--device", help="auto (a GPU when there is one), cpu, cuda, cuda:N")
+    caption.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                         help="weights dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
+    caption.add_argument("--prompts", metavar="NAME", help="a clip list or a folder with one: the caption list's "
+                         "name beside it (default prompts.txt)")
+    caption.add_argument("--video-column", metavar="NAME", help="a .csv / .jsonl: the column or key of the clip "
+                         "paths (default video)")
+    caption.add_argument("--caption-column", metavar="NAME", help="a .csv / .jsonl: the column or key captions go to "
+                         "(default caption; a missing CSV column is added)")
+    caption.add_argument("--overwrite", action="store_true", help="replace captions that are already there")
+    caption.add_argument("--dry-run", action="store_true", help="print each caption and where it would go; write "
+                         "nothing")
+    caption.set_defaults(handler=command_caption)
 
     precompute = commands.add_parser(
         "precompute", help="encode captions and clips into the cache (what precompute.enabled=true runs first)"
@@ -502,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         again = (resume_command(*_split_config_and_overrides(args.config), verbose=args.verbose)
                  if args.command == "train" else "the same command with checkpoint.resume=latest")
+        if args.command == "caption":  # every caption made so far is written: a rerun does the rest
+            again = "the same command"
         print(f"\nInterrupted at once; the checkpoints already written are kept.\nWhat to do: to continue, run "
               f"{again}", file=sys.stderr)
         return 130

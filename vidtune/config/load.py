@@ -62,6 +62,7 @@ PATH_KEYS: dict[str, str] = {
     "parallel.deepspeed_config": "path",
     "checkpoint.resume": "latest",
     "output_dir": "path",
+    "caption.model": "hub",
 }
 
 

@@ -630,6 +630,36 @@ class ParallelConfig(Section):
         return self
 
 
+DEFAULT_CAPTION_INSTRUCTION = (
+    "Describe this {media} as a caption for training a text-to-video model, in one paragraph of plain English in "
+    "the present tense: the main subjects and what they look like, what they do and how they move, the setting, the "
+    "lighting and colours, and the camera's framing and movement. Describe only what is visible. Do not begin with "
+    "'The {media} shows' and do not mention that it is a {media}."
+)
+
+
+class CaptionConfig(Section):
+    model: str = Field(
+        "Qwen/Qwen2.5-VL-7B-Instruct",
+        description="The vision-language model `vidtune caption` writes captions with: a hub id or local folder of "
+        "a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model (e.g. Qwen/Qwen3-VL-8B-Instruct).",
+    )
+    fps: float = Field(2.0, gt=0, description="Frames per second of each clip the model sees (Qwen's own default).")
+    max_frames: int = Field(32, gt=0, description="At most this many frames of a clip; a longer clip gets this "
+                            "many, spread over its whole length.")
+    max_pixels: int = Field(200704, ge=3136, description="Pixels per frame, at most (448 x 448): each frame is "
+                            "resized to fit, keeping its aspect ratio. More sees finer detail, at more memory.")
+    instruction: str = Field(
+        DEFAULT_CAPTION_INSTRUCTION,
+        description="What the model is asked; `{media}` becomes `video` or `image`.",
+    )
+    prefix: str = Field("", description="Written before every caption, with a space (e.g. a trigger word).")
+    max_new_tokens: int = Field(256, gt=0, description="Longest caption, in the model's tokens.")
+    batch_size: int = Field(1, gt=0, description="Clips captioned together (more is faster on a large GPU).")
+    device: str = Field("auto", description="auto (a GPU when there is one), cpu, cuda or cuda:N.")
+    dtype: DType = Field("auto", description="Weights dtype; auto: bfloat16 on a GPU, float32 on the CPU.")
+
+
 class Config(Section):
     model: ModelConfig = Field(description="Which model family and weights to train (required).")
     data: DataConfig = Field(description="Your clips and captions, and the clip shape (required).")
@@ -661,6 +691,9 @@ class Config(Section):
     )
     precompute: PrecomputeConfig = Field(
         default_factory=PrecomputeConfig, description="Encoding captions and clips once, into a cache."
+    )
+    caption: CaptionConfig = Field(
+        default_factory=CaptionConfig, description="`vidtune caption`: the model that writes captions and its settings."
     )
     output_dir: str = Field(
         "outputs/run", description="Folder for everything a run writes (in a file: relative to its folder; the "

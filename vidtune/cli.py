@@ -329,8 +329,12 @@ def command_caption(args: argparse.Namespace) -> int:
     files = open_sources(sources)
     print(f"Captioning {describe_sources(files)} with {settings.model}"
           f"{' (dry run: nothing is written)' if args.dry_run else ''}.", flush=True)
-    summary = caption_all(files, settings, lambda: load_captioner(settings), overwrite=args.overwrite,
-                          dry_run=args.dry_run)
+
+    def load():  # only when something has no caption yet
+        print(f"Loading {settings.model} ...", flush=True)
+        return load_captioner(settings)
+
+    summary = caption_all(files, settings, load, overwrite=args.overwrite, dry_run=args.dry_run)
     lines = summary.lines()
     print(lines[0])
     if summary.skipped:

@@ -1,4 +1,5 @@
-"""Fixtures of the captioning tests: a tiny random Qwen2.5-VL written once per session, and small real clips."""
+"""Fixtures of the captioning tests: tiny random Qwen2.5-VL and Qwen3-VL models written once per session, and
+small real clips."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers.vlm import write_tiny_qwen25_vl
+from tests.helpers.vlm import write_tiny_qwen3_vl, write_tiny_qwen25_vl
 from vidtune.data.video import write_video
 
 
 @pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_qwen25_vl(tmp_path_factory.mktemp("tiny-qwen25-vl"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_vl(tmp_path_factory.mktemp("tiny-qwen3-vl"))
 
 
 @pytest.fixture

@@ -183,3 +183,18 @@ def test_a_config_s_data_and_caption_sections_are_used_and_options_win(tiny_vlm:
     assert main(["caption", str(config), "--prefix", "fromflag"]) == 0
     assert (data / "prompts.txt").read_text().startswith("fromflag ")
     assert main(["caption", str(config), "caption.fps=0"]) == 2  # checked as the config is
+
+
+def test_a_qwen3_vl_model_captions_clips_and_stills_with_their_frame_times(tiny_qwen3_vl: Path, tmp_path: Path,
+                                                                          clips, capsys):
+    from vidtune.captioning.frames import read_media
+
+    data = clips(tmp_path, ["a.mp4", "b.png"])
+    (data / "videos.txt").write_text("a.mp4\nb.png\n")
+    assert main(["caption", str(data), "--model", str(tiny_qwen3_vl), "--batch-size", "2", "--fps", "8", *FAST]) == 0
+    assert "wrote 2, kept 0" in capsys.readouterr().out
+    assert all((data / "prompts.txt").read_text().splitlines())
+    captioner = Captioner(str(tiny_qwen3_vl), torch.device("cpu"), torch.float32, max_new_tokens=2)
+    clip = read_media(data / "a.mp4", captioner.settings, 8, 32, 4096)
+    assert clip.times[:2] == [0.0, 0.125]
+    assert "<0.1 seconds><|vision_start|><|video_pad|>" in captioner.prompt(clip, "Describe.", (5, 2, 2))

@@ -63,3 +63,31 @@ def write_tiny_qwen25_vl(folder: Path, seed: int = 0) -> Path:
                     "image_std": [0.26862954, 0.26130258, 0.27577711]}
     (folder / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
     return folder
+
+
+def write_tiny_qwen3_vl(folder: Path, seed: int = 0) -> Path:
+    """Save a seeded tiny Qwen3-VL (16-pixel patches, timestamps in the prompt) as `write_tiny_qwen25_vl` does."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tokenizer = tiny_tokenizer()
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    config = Qwen3VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                     "max_position_embeddings": 2048,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                         "mrope_interleaved": True},
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        vision_config={"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 32,
+                       "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                       "num_position_embeddings": 64, "deepstack_visual_indexes": [1]},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    Qwen3VLForConditionalGeneration(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    preprocessor = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "size": {"shortest_edge": 64 * 64,
+                    "longest_edge": 32 * 32 * 64}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2) + "\n")
+    return folder

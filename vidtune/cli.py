@@ -569,10 +569,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{'error' if code == 2 else 'stopped'}: {error}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
+        if args.command == "caption":  # every caption made so far is written: a rerun does the rest
+            print("\nInterrupted; every caption made so far is written.\nWhat to do: to caption the rest, run the "
+                  "same command again.", file=sys.stderr)
+            return 130
         again = (resume_command(*_split_config_and_overrides(args.config), verbose=args.verbose)
                  if args.command == "train" else "the same command with checkpoint.resume=latest")
-        if args.command == "caption":  # every caption made so far is written: a rerun does the rest
-            again = "the same command"
         print(f"\nInterrupted at once; the checkpoints already written are kept.\nWhat to do: to continue, run "
               f"{again}", file=sys.stderr)
         return 130

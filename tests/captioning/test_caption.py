@@ -198,3 +198,19 @@ def test_a_qwen3_vl_model_captions_clips_and_stills_with_their_frame_times(tiny_
     clip = read_media(data / "a.mp4", captioner.settings, 8, 32, 4096)
     assert clip.times[:2] == [0.0, 0.125]
     assert "<0.1 seconds><|vision_start|><|video_pad|>" in captioner.prompt(clip, "Describe.", (5, 2, 2))
+
+
+def test_ctrl_c_keeps_the_captions_made_and_says_to_run_again(tmp_path: Path, clips, monkeypatch, capsys):
+    data = clips(tmp_path, ["a.mp4", "b.mp4"])
+    (data / "videos.txt").write_text("a.mp4\nb.mp4\n")
+
+    class StoppedOnTheSecond(FixedModel):
+        def caption(self, batch, instructions):
+            if self.asked:
+                raise KeyboardInterrupt
+            return super().caption(batch, instructions)
+
+    monkeypatch.setattr(run, "load_captioner", lambda settings: StoppedOnTheSecond())
+    assert main(["caption", str(data), "--device", "cpu"]) == 130
+    assert "every caption made so far is written" in capsys.readouterr().err
+    assert (data / "prompts.txt").read_text() == "clip of 2 frames\n"  # 1.1 s at the default 2 fps

@@ -60,6 +60,16 @@ def test_folder_captions_go_beside_each_clip_and_existing_ones_are_read(tmp_path
     assert not (tmp_path / "shoot/.hidden/c.txt").exists()
 
 
+def test_two_samples_reading_one_caption_file_get_one_caption_and_the_second_is_reported(tmp_path: Path):
+    touch(tmp_path, "clip.mp4", "clip.png")
+    files = FolderCaptions(tmp_path)
+    assert [slot.media.name for slot in files.slots] == ["clip.mp4"]
+    assert files.problems == [f"{tmp_path.name}/clip.png shares its caption file clip.txt with {tmp_path.name}/clip.mp4"
+                              ", which gets the caption; rename one of them to give each its own."]
+    (tmp_path / "clip.txt").write_text("both\n")
+    assert FolderCaptions(tmp_path).problems == []  # captioned: both read it, as training does
+
+
 CSV = (b'file,"notes",caption\r\n'
        b'a.mp4,"keep, as ""is""",\r\n'
        b'\r\n'

@@ -221,9 +221,17 @@ class FolderCaptions(CaptionFiles):
             raise DataError([f"The dataset folder {self.root} {'is a file' if self.root.exists() else 'does not exist'}"
                              ": a folder source is a folder of clips and images."])
         media = [path for path in folder_files(self.root) if path.suffix.lower() in MEDIA_SUFFIXES]
+        owners: dict[Path, str] = {}  # caption file -> the first sample that reads it
         for path in media:
             where = f"{self.root.name}/{path.relative_to(self.root).as_posix()}"
             caption_file = path.with_suffix(".txt")
+            if caption_file in owners:  # clip.mp4 and clip.png read one clip.txt: only the first is captioned
+                if not caption_file.is_file():
+                    self.problems.append(f"{where} shares its caption file {caption_file.name} with "
+                                         f"{owners[caption_file]}, which gets the caption; rename one of them to give "
+                                         "each its own.")
+                continue
+            owners[caption_file] = where
             caption = ""
             if caption_file.is_file():
                 try:

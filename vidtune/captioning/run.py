@@ -7,7 +7,9 @@ then ends listing every skipped sample (and the command exits 1). A wrong model 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -117,13 +119,12 @@ def caption_all(files: Sequence[CaptionFiles], settings: CaptionConfig, load_mod
             summary.written += 1
         pending.clear()
 
-    bar = tqdm(todo, desc="Captioning", unit="clip", disable=not progress)
-    for source, slot in bar:
-        try:
-            media = read_media(slot.media, model.settings, settings.fps, settings.max_frames, settings.max_pixels)
-        except VideoDecodeError as error:
-            summary.skipped.append(f"{slot.where} ({slot.media}): {error.reason}")
-            show(f"Skipped {slot.where}: {error.reason}")
+    bar = tqdm(total=len(todo), desc="Captioning", unit="clip", disable=not progress)
+    for source, slot, media in decoded(todo, settings, model.settings, ahead=2 * settings.batch_size):
+        bar.update()
+        if isinstance(media, VideoDecodeError):
+            summary.skipped.append(f"{slot.where} ({slot.media}): {media.reason}")
+            show(f"Skipped {slot.where}: {media.reason}")
             continue
         pending.append((source, slot, media))
         if len(pending) == settings.batch_size:
@@ -132,6 +133,32 @@ def caption_all(files: Sequence[CaptionFiles], settings: CaptionConfig, load_mod
         flush()
     bar.close()
     return summary
+
+
+def decoded(todo: Sequence[tuple[CaptionFiles, CaptionSlot]], settings: CaptionConfig, vision: VisionSettings,
+            ahead: int) -> Iterator[tuple[CaptionFiles, CaptionSlot, Media | VideoDecodeError]]:
+    """Each sample with its frames (or why they cannot be read), in order, decoded by a thread up to `ahead`
+    samples before the model needs them (decoding and generating overlap; PyAV and torch release the GIL)."""
+
+    def decode(slot: CaptionSlot) -> Media | VideoDecodeError:
+        try:
+            return read_media(slot.media, vision, settings.fps, settings.max_frames, settings.max_pixels)
+        except VideoDecodeError as error:
+            return error
+
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="caption-decode")
+    waiting = iter(todo)
+    queued: deque[tuple[CaptionFiles, CaptionSlot, Future[Media | VideoDecodeError]]] = deque()
+    try:
+        while True:
+            while len(queued) < ahead and (item := next(waiting, None)) is not None:
+                queued.append((item[0], item[1], pool.submit(decode, item[1])))
+            if not queued:
+                return
+            source, slot, future = queued.popleft()
+            yield source, slot, future.result()
+    finally:  # stopped (Ctrl-C, an error): decode nothing more
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def load_captioner(settings: CaptionConfig) -> Model:

@@ -655,7 +655,7 @@ class CaptionConfig(Section):
     )
     prefix: str = Field("", description="Written before every caption, with a space (e.g. a trigger word).")
     max_new_tokens: int = Field(256, gt=0, description="Longest caption, in the model's tokens.")
-    batch_size: int = Field(1, gt=0, description="Clips captioned together (more is faster on a large GPU).")
+    batch_size: int = Field(1, gt=0, description="Clips captioned in one model call (more takes more GPU memory).")
     device: str = Field("auto", description="auto (a GPU when there is one), cpu, cuda or cuda:N.")
     dtype: DType = Field("auto", description="Weights dtype; auto: bfloat16 on a GPU, float32 on the CPU.")
 

@@ -158,6 +158,9 @@ def test_a_wrong_model_is_reported_before_any_clip_is_read(tmp_path: Path, clips
     (other / "config.json").write_text(json.dumps({"model_type": "t5"}))
     assert main(["caption", str(data), "--model", str(other), "--device", "cpu"]) == 2
     assert "is a t5 model" in capsys.readouterr().err
+    assert main(["caption", str(data), "--model", "someone/not-downloaded", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "the hub model 'someone/not-downloaded' cannot be read" in err and "HF_HUB_OFFLINE=1 is set" in err
     assert not (data / "a.txt").exists()
 
 

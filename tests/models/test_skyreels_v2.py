@@ -1,0 +1,150 @@
+"""SkyReels V2 conventions beyond the contract and overfit tests: the Wan 2.1 conventions hold through SkyReels V2's
+own pipelines and transformer, prompts reach the pipelines as embeddings, the image encoder's class is the
+checkpoint's, and a diffusion-forcing transformer with a frame-rate input is refused before anything loads."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from diffusers import SkyReelsV2Transformer3DModel
+from diffusers.pipelines.skyreels_v2 import pipeline_skyreels_v2
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean as wan_prompt_clean
+from transformers import CLIPVisionModelWithProjection
+
+from vidtune.config import ModelConfig
+from vidtune.errors import ModelError
+from vidtune.models.skyreels_v2 import SkyReelsV2ImageToVideoSpec, SkyReelsV2Spec
+from vidtune.models.tiny import TINY_SHAPES, reference_videos
+from vidtune.models.wan import frames_to_pil
+
+CPU = torch.device("cpu")
+CAPTIONS = ["a red circle moving left", "A  blue square,   spinning slowly"]
+
+
+def _spec(cls, folder, **model):
+    return cls(ModelConfig(name=cls.name, pretrained=str(folder), **model))
+
+
+def _videos(family: str, batch: int = 2) -> torch.Tensor:
+    frames, size, _ = TINY_SHAPES[family]
+    return reference_videos(frames, size)[:batch]
+
+
+@pytest.fixture(scope="module")
+def t2v_folder(tiny_model_dir):
+    return tiny_model_dir("skyreels-v2")
+
+
+@pytest.fixture(scope="module")
+def i2v_folder(tiny_model_dir):
+    return tiny_model_dir("skyreels-v2-i2v")
+
+
+def test_prepare_conditions_equal_the_pipeline_encode_prompt(t2v_folder, monkeypatch):
+    spec = _spec(SkyReelsV2Spec, t2v_folder)
+    text = spec.load_text_components(CPU)
+    pipeline = spec.pipeline(text, spec.load_vae(CPU), spec.load_denoiser(CPU))
+    assert type(pipeline).__name__ == "SkyReelsV2Pipeline"
+    # SkyReelsV2Pipeline cleans prompts with ftfy unconditionally; compare with the cleaning vidtune applies (ftfy
+    # when installed, as Wan's pipelines).
+    monkeypatch.setattr(pipeline_skyreels_v2, "prompt_clean", wan_prompt_clean)
+    with torch.no_grad():
+        embeds, _ = pipeline.encode_prompt(CAPTIONS, do_classifier_free_guidance=False, device=CPU,
+                                           max_sequence_length=spec.max_sequence_length)
+    torch.testing.assert_close(spec.prepare_conditions(text, CAPTIONS)["prompt_embeds"], embeds)
+
+
+def test_sampling_hands_the_pipeline_embeddings(t2v_folder):
+    spec = _spec(SkyReelsV2Spec, t2v_folder)
+    text = spec.load_text_components(CPU)
+    pipeline = spec.pipeline(text, spec.load_vae(CPU), spec.load_denoiser(CPU))
+    guided = spec.prompt_inputs(pipeline, "a red circle", guidance_scale=6.0)
+    embeds = spec.prepare_conditions(text, ["a red circle", ""])["prompt_embeds"]
+    torch.testing.assert_close(guided["prompt_embeds"], embeds[:1])
+    torch.testing.assert_close(guided["negative_prompt_embeds"], embeds[1:])
+    assert "negative_prompt_embeds" not in spec.prompt_inputs(pipeline, "a red circle", guidance_scale=1.0)
+
+
+def test_the_training_forward_is_the_pipeline_transformer_call(t2v_folder):
+    """The pipeline calls the transformer with hidden_states, timestep t (sigma * 1000, one per sample) and the
+    prompt embeddings: the training forward must give the same prediction for the same inputs."""
+    spec = _spec(SkyReelsV2Spec, t2v_folder)
+    denoiser = spec.load_denoiser(CPU)
+    assert isinstance(denoiser, SkyReelsV2Transformer3DModel)
+    conditions = spec.prepare_conditions(spec.load_text_components(CPU), CAPTIONS)
+    latents = torch.randn(2, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([900.0, 250.0])
+    with torch.no_grad():
+        ours = spec.forward(denoiser, conditions, latents, timesteps)
+        theirs = denoiser(hidden_states=latents, timestep=timesteps, encoder_hidden_states=conditions["prompt_embeds"],
+                          return_dict=False)[0]
+        other_time = spec.forward(denoiser, conditions, latents, timesteps.flip(0))
+    torch.testing.assert_close(ours, theirs)
+    assert (ours - other_time).abs().max() > 1e-4  # the timestep reaches the prediction
+
+
+def test_latents_are_normalised_as_the_pipeline_denormalises_them(t2v_folder):
+    spec = _spec(SkyReelsV2Spec, t2v_folder)
+    vae = spec.load_vae(CPU)
+    videos = _videos("skyreels-v2")
+    latents = spec.prepare_latents(vae, videos)
+    with torch.no_grad():
+        raw = vae.encode(videos.permute(0, 2, 1, 3, 4)).latent_dist
+    # SkyReelsV2Pipeline decodes latents / (1 / std) + mean.
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    inverse_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    torch.testing.assert_close(latents["latents_mean"] / inverse_std + mean, raw.mean)
+
+
+def test_image_conditions_equal_the_pipeline(i2v_folder):
+    spec = _spec(SkyReelsV2ImageToVideoSpec, i2v_folder)
+    encoders = spec.load_vae(CPU)
+    assert isinstance(encoders.image_encoder, CLIPVisionModelWithProjection)  # the class model_index.json names
+    videos = _videos("skyreels-v2-i2v")
+    frames, height, width = TINY_SHAPES["skyreels-v2-i2v"]
+    latents = spec.prepare_latents(encoders, videos)
+    pipeline = spec.pipeline(spec.load_text_components(CPU), encoders, spec.load_denoiser(CPU))
+    assert type(pipeline).__name__ == "SkyReelsV2ImageToVideoPipeline"
+    for index in range(videos.shape[0]):
+        image = frames_to_pil(videos[index, :1])[0]
+        with torch.no_grad():
+            embeds = pipeline.encode_image(image, CPU)
+            pixels = pipeline.video_processor.preprocess(image, height=height, width=width).float()
+            _, condition = pipeline.prepare_latents(pixels, 1, 4, height, width, frames, torch.float32, CPU,
+                                                    torch.Generator().manual_seed(0))
+        torch.testing.assert_close(latents["image_embeds"][index : index + 1], embeds)
+        torch.testing.assert_close(latents["image_condition"][index : index + 1], condition, atol=1e-4, rtol=1e-4)
+
+
+def test_an_image_encoder_of_another_class_is_refused(i2v_folder, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(i2v_folder, folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    index["image_encoder"] = ["transformers", "SiglipVisionModel"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelError, match=r"SiglipVisionModel.*CLIPVisionModelWithProjection or CLIPVisionModel"):
+        _spec(SkyReelsV2ImageToVideoSpec, folder).load_vae(CPU)
+
+
+def test_a_transformer_with_a_frame_rate_input_is_refused_before_loading(t2v_folder, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(t2v_folder, folder)
+    config_file = folder / "transformer" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["inject_sample_info"] = True
+    config_file.write_text(json.dumps(config))
+    frames, height, width = TINY_SHAPES["skyreels-v2"]
+    _spec(SkyReelsV2Spec, t2v_folder).check_video_shape(frames, height, width)  # the plain model passes
+    with pytest.raises(ModelError, match=r"transformer.*config\.json.*inject_sample_info"):
+        _spec(SkyReelsV2Spec, folder).check_video_shape(frames, height, width)
+
+
+def test_the_comfyui_file_names_wan_layers(t2v_folder):
+    """ComfyUI loads SkyReels V2 checkpoints as Wan 2.1 models (`WAN21`): the file's names are Wan's originals."""
+    spec = _spec(SkyReelsV2Spec, t2v_folder)
+    model = spec.comfyui_model()
+    assert model.name == "WAN21"
+    assert "blocks.0.self_attn.q" in model.weights and "blocks.1.ffn.2" in model.weights

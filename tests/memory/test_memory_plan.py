@@ -117,6 +117,9 @@ DENOISER_PARAMETERS = {
     "Skywork/SkyReels-V2-I2V-1.3B-540P-Diffusers": 1.56e9,
     "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers": 16.4e9,  # Wan 2.1 I2V 14B's architecture
     "Skywork/SkyReels-V2-I2V-14B-720P-Diffusers": 16.4e9,
+    "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers": 1.4e9,  # Wan 2.1 1.3B's, and the frame-rate embedding
+    "Skywork/SkyReels-V2-DF-14B-540P-Diffusers": 14.3e9,
+    "Skywork/SkyReels-V2-DF-14B-720P-Diffusers": 14.3e9,
 }
 
 

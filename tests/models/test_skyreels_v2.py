@@ -15,10 +15,12 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean as wan_prompt_clea
 from transformers import CLIPVisionModelWithProjection
 
 from vidtune.config import ModelConfig
-from vidtune.errors import ModelError
-from vidtune.models.skyreels_v2 import SkyReelsV2ImageToVideoSpec, SkyReelsV2Spec
+from vidtune.errors import ConfigError, ModelError
+from vidtune.models.skyreels_v2 import SkyReelsV2DiffusionForcingSpec, SkyReelsV2ImageToVideoSpec, SkyReelsV2Spec
+from vidtune.models.spec import FRAME_RATE
 from vidtune.models.tiny import TINY_SHAPES, reference_videos
 from vidtune.models.wan import frames_to_pil
+from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
 CAPTIONS = ["a red circle moving left", "A  blue square,   spinning slowly"]
@@ -148,3 +150,61 @@ def test_the_comfyui_file_names_wan_layers(t2v_folder):
     model = spec.comfyui_model()
     assert model.name == "WAN21"
     assert "blocks.0.self_attn.q" in model.weights and "blocks.1.ffn.2" in model.weights
+
+
+# ----- diffusion forcing ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def df_folder(tiny_model_dir):
+    return tiny_model_dir("skyreels-v2-df")
+
+
+def test_the_diffusion_forcing_forward_is_the_pipeline_transformer_call(df_folder):
+    """The pipeline calls the transformer one sample at a time with a timestep per latent frame,
+    enable_diffusion_forcing and the frame-rate class (0 for 16 fps, else 1); the training forward gives the same
+    prediction for a batch, per-frame timesteps or one per clip."""
+    spec = SkyReelsV2DiffusionForcingSpec(ModelConfig(name="skyreels-v2-df", pretrained=str(df_folder)),
+                                          frame_rate=16.0)
+    denoiser = spec.load_denoiser(CPU)
+    assert denoiser.config.inject_sample_info
+    conditions = spec.prepare_conditions(spec.load_text_components(CPU), CAPTIONS)
+    latents = torch.randn(2, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([[100.0, 500.0, 900.0], [300.0, 300.0, 700.0]])
+    with torch.no_grad():
+        ours = spec.forward(denoiser, conditions, latents, timesteps)
+        theirs = torch.cat([denoiser(hidden_states=latents[i : i + 1], timestep=timesteps[i : i + 1],
+                                     encoder_hidden_states=conditions["prompt_embeds"][i : i + 1],
+                                     enable_diffusion_forcing=True, fps=[0], return_dict=False)[0]
+                            for i in range(2)])
+        other_rate = spec.forward(denoiser, {**conditions, FRAME_RATE: torch.tensor([[24.0], [24.0]])}, latents,
+                                  timesteps)
+        synchronous = spec.forward(denoiser, conditions, latents, torch.tensor([300.0, 300.0]))
+        expanded = spec.forward(denoiser, conditions, latents, torch.full((2, 3), 300.0))
+    torch.testing.assert_close(ours, theirs)
+    assert (ours - other_rate).abs().max() > 1e-4  # the frame-rate class reaches the prediction
+    torch.testing.assert_close(synchronous, expanded)
+    assert spec.pipeline_inputs() == {"fps": 16, "ar_step": 0}
+
+
+def test_diffusion_forcing_trains_with_non_decreasing_noise_per_frame(make_config, monkeypatch):
+    config = make_config("skyreels-v2-df", training={"steps": 2, "batch_size": 2})
+    assert config.training.frame_noise == "non_decreasing"  # the family's default
+    seen = []
+    forward = SkyReelsV2DiffusionForcingSpec.forward
+
+    def recording(self, denoiser, conditions, noisy_latents, timesteps):
+        seen.append((noisy_latents.shape, timesteps.detach().clone()))
+        return forward(self, denoiser, conditions, noisy_latents, timesteps)
+
+    monkeypatch.setattr(SkyReelsV2DiffusionForcingSpec, "forward", recording)
+    result = build_trainer(config).run()
+    shape, timesteps = seen[0]
+    assert timesteps.shape == (2, shape[2])  # a timestep per latent frame
+    assert (timesteps[:, 1:] >= timesteps[:, :-1]).all() and (timesteps[:, 1:] > timesteps[:, :-1]).any()
+    rows = [json.loads(line) for line in (result.output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(row["sigmas"]) == 2 for row in rows if "sigmas" in row)  # one level per clip: the frames' mean
+
+
+def test_a_family_told_one_timestep_per_clip_refuses_per_frame_noise(make_config):
+    config = make_config("skyreels-v2", training={"frame_noise": "independent"})
+    with pytest.raises(ConfigError, match=r"training\.frame_noise=independent: skyreels-v2's denoiser"):
+        build_trainer(config).run()

@@ -98,6 +98,10 @@ class SkyReelsV2DiffusionForcingSpec(SkyReelsV2Spec):
         """The transformer embeds the frame-rate class (`inject_sample_info`: SkyReels-V2-DF-1.3B)."""
         return bool(self.load_config(self.denoiser_class, "transformer").get("inject_sample_info"))
 
+    def lora_exclude_modules(self) -> list[str]:
+        """The frame-rate projection of a model with `inject_sample_info`: ComfyUI's Wan model has no such layer."""
+        return ["fps_projection.net.0.proj", "fps_projection.net.2"] if self.sample_info else []
+
     @staticmethod
     def frame_rate_classes(rates: torch.Tensor) -> list[int]:
         """The transformer's frame-rate classes, as the pipeline computes them from its `fps`: 0 for 16, else 1."""

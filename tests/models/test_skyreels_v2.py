@@ -19,6 +19,7 @@ from vidtune.errors import ConfigError, ModelError
 from vidtune.models.skyreels_v2 import SkyReelsV2DiffusionForcingSpec, SkyReelsV2ImageToVideoSpec, SkyReelsV2Spec
 from vidtune.models.spec import FRAME_RATE
 from vidtune.models.tiny import TINY_SHAPES, reference_videos
+from vidtune.models.tiny.skyreels_v2 import write_tiny_skyreels_v2
 from vidtune.models.wan import frames_to_pil
 from vidtune.trainers import build_trainer
 
@@ -154,15 +155,17 @@ def test_the_comfyui_file_names_wan_layers(t2v_folder):
 
 # ----- diffusion forcing ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def df_folder(tiny_model_dir):
-    return tiny_model_dir("skyreels-v2-df")
+def sample_info_folder(tmp_path_factory):
+    """A tiny diffusion-forcing model with the frame-rate embedding (`inject_sample_info`, as the DF-1.3B model)."""
+    return write_tiny_skyreels_v2(tmp_path_factory.mktemp("skyreels-df-fps"), diffusion_forcing=True,
+                                  sample_info=True)
 
 
-def test_the_diffusion_forcing_forward_is_the_pipeline_transformer_call(df_folder):
+def test_the_diffusion_forcing_forward_is_the_pipeline_transformer_call(sample_info_folder):
     """The pipeline calls the transformer one sample at a time with a timestep per latent frame,
     enable_diffusion_forcing and the frame-rate class (0 for 16 fps, else 1); the training forward gives the same
     prediction for a batch, per-frame timesteps or one per clip."""
-    spec = SkyReelsV2DiffusionForcingSpec(ModelConfig(name="skyreels-v2-df", pretrained=str(df_folder)),
+    spec = SkyReelsV2DiffusionForcingSpec(ModelConfig(name="skyreels-v2-df", pretrained=str(sample_info_folder)),
                                           frame_rate=16.0)
     denoiser = spec.load_denoiser(CPU)
     assert denoiser.config.inject_sample_info
@@ -204,7 +207,52 @@ def test_diffusion_forcing_trains_with_non_decreasing_noise_per_frame(make_confi
     assert all(len(row["sigmas"]) == 2 for row in rows if "sigmas" in row)  # one level per clip: the frames' mean
 
 
+def test_the_sampled_frame_rate_class_changes_the_sample(sample_info_folder):
+    """Validation and `vidtune sample` hand the pipeline the run's frame rate, whose class the 1.3B model embeds."""
+    def sample(rate: float) -> torch.Tensor:
+        spec = SkyReelsV2DiffusionForcingSpec(ModelConfig(name="skyreels-v2-df", pretrained=str(sample_info_folder)),
+                                              frame_rate=rate)
+        pipeline = spec.pipeline(spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU))
+        pipeline.set_progress_bar_config(disable=True)
+        frames, height, width = TINY_SHAPES["skyreels-v2-df"]
+        return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width,
+                           num_inference_steps=2, generator=torch.Generator().manual_seed(0), output="latents").latents
+
+    sixteen, again, other = sample(16.0), sample(16.0), sample(24.0)
+    torch.testing.assert_close(sixteen, again)
+    assert (sixteen - other).abs().max() > 1e-4
+
+
+def test_control_training_of_a_model_with_the_frame_rate_embedding_is_refused(make_config, sample_info_folder):
+    config = make_config("skyreels-v2-df", training={"algorithm": "control-lora"})
+    model = config.model.model_copy(update={"pretrained": str(sample_info_folder)})
+    config = config.model_copy(update={"model": model})
+    with pytest.raises(ConfigError, match=r"training\.algorithm=control-lora: .*inject_sample_info"):
+        build_trainer(config).run()
+
+
 def test_a_family_told_one_timestep_per_clip_refuses_per_frame_noise(make_config):
     config = make_config("skyreels-v2", training={"frame_noise": "independent"})
     with pytest.raises(ConfigError, match=r"training\.frame_noise=independent: skyreels-v2's denoiser"):
         build_trainer(config).run()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "hub_id", "parameters"), [
+    ("skyreels-v2", "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers", 14.3e9),
+    ("skyreels-v2-i2v", "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers", 16.4e9),
+    ("skyreels-v2-df", "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers", 1.44e9),
+])
+def test_plan_works_offline_for_the_published_checkpoints(family, hub_id, parameters):
+    """`vidtune plan` from the shipped architectures (HF_HUB_OFFLINE=1 in the tests), tracing a step: the
+    diffusion-forcing 1.3B model's per-frame timesteps and frame-rate class, the image-to-video model's image inputs.
+    The weights are the denoiser's parameters in bf16 (the LoRA's are small beside them)."""
+    from vidtune.config import build_config
+    from vidtune.memory.plan import plan_memory
+
+    config = build_config({"model": {"name": family, "pretrained": hub_id},
+                           "data": {"root": ".", "frames": 17, "height": 256, "width": 256},
+                           "precompute": {"enabled": True}})
+    plan = plan_memory(config)
+    assert 0.9 < plan.training["weights"] / (2 * parameters) < 1.12, plan.training
+    assert plan.peak >= plan.training_peak > plan.training["weights"]

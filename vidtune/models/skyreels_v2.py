@@ -36,7 +36,9 @@ from diffusers import (
 from torch import nn
 from transformers import CLIPImageProcessor, CLIPProcessor, CLIPVisionModel, CLIPVisionModelWithProjection
 
-from vidtune.errors import ModelError
+from vidtune.algorithms import traits_of
+from vidtune.config import Config
+from vidtune.errors import ConfigError, ModelError
 from vidtune.models.defaults import SKYREELS_V2, SKYREELS_V2_DF
 from vidtune.models.spec import Conditions
 from vidtune.models.wan import EmbeddedPrompts, WanImageToVideoSpec, WanSpec
@@ -88,6 +90,17 @@ class SkyReelsV2DiffusionForcingSpec(SkyReelsV2Spec):
 
     def check_no_sample_info(self) -> None:
         """The diffusion-forcing pipeline gives a transformer with `inject_sample_info` its frame rate."""
+
+    def check_training(self, config: Config) -> None:
+        if traits_of(config).control and self.sample_info:
+            # `forward` runs such a model one sample at a time, and a control input is appended to the whole batch.
+            raise ConfigError(
+                f"training.algorithm={config.training.algorithm}: {self.describe_file('transformer', 'config.json')} "
+                "has inject_sample_info (the 1.3B diffusion-forcing model), whose frame-rate embedding diffusers "
+                "applies to one sample at a time, so vidtune runs it sample by sample, which a control input cannot "
+                "follow.\nWhat to do: train a LoRA or a full fine-tune of it, or control-train a 14B "
+                "diffusion-forcing model."
+            )
 
     @functools.cached_property
     def frames_per_token(self) -> int:

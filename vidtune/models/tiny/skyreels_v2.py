@@ -19,6 +19,7 @@ def write_tiny_skyreels_v2(
     *,
     image_to_video: bool = False,
     diffusion_forcing: bool = False,
+    sample_info: bool = False,
     num_layers: int = 2,
     attention_head_dim: int = 12,
     num_attention_heads: int = 2,
@@ -32,8 +33,8 @@ def write_tiny_skyreels_v2(
     The image encoder is a CLIPVisionModelWithProjection, the class SkyReelsV2ImageToVideoPipeline declares (its
     penultimate hidden states are the image tokens, as with Wan's CLIPVisionModel).
 
-    `diffusion_forcing`: the transformer embeds the frame-rate class (`inject_sample_info`, as SkyReels-V2-DF-1.3B)
-    and the folder is a SkyReelsV2DiffusionForcingPipeline's."""
+    `diffusion_forcing`: the folder is a SkyReelsV2DiffusionForcingPipeline's (its transformer as the DF-14B models');
+    `sample_info`: its transformer embeds the frame-rate class (`inject_sample_info`, as SkyReels-V2-DF-1.3B)."""
     from diffusers import (
         SkyReelsV2DiffusionForcingPipeline,
         SkyReelsV2ImageToVideoPipeline,
@@ -53,7 +54,7 @@ def write_tiny_skyreels_v2(
         attention_head_dim=attention_head_dim, model_class=SkyReelsV2Transformer3DModel,
         image_dim=image_hidden if image_to_video else None,
         added_kv_proj_dim=num_attention_heads * attention_head_dim if image_to_video else None,
-        **({"inject_sample_info": True} if diffusion_forcing else {}),
+        **({"inject_sample_info": True} if sample_info else {}),
     )
     parts = {"tokenizer": build_tiny_tokenizer(max_length=512), "text_encoder": text_encoder, "vae": vae,
              "scheduler": tiny_wan_scheduler(flow_shift=FLOW_SHIFT[name]), "transformer": transformer}

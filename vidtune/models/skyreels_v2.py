@@ -50,6 +50,7 @@ class SkyReelsV2Spec(EmbeddedPrompts, WanSpec):
     denoiser_class = SkyReelsV2Transformer3DModel
     defaults = SKYREELS_V2
     validation_guidance_scale = 6.0  # SkyReelsV2Pipeline's default and the README's for text-to-video
+    model_title = "SkyReels V2"
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         super().check_video_shape(frames, height, width)

@@ -80,6 +80,7 @@ class WanSpec(ModelSpec):
     block_lists = ("blocks",)
     validation_guidance_scale = 5.0
     defaults = WAN
+    model_title: ClassVar[str] = "Wan"  # the published models' name in messages
     pipeline_class = WanPipeline
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
         "attention": ATTENTION_TARGETS,
@@ -103,7 +104,7 @@ class WanSpec(ModelSpec):
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch = self.compression
-        raise_shape_problems("Wan", [frame_count_problem(frames, temporal, patch[0]),
+        raise_shape_problems(self.model_title, [frame_count_problem(frames, temporal, patch[0]),
                                      *side_problems(height, width, vae_spatial * patch[1], vae_spatial * patch[2])],
                              self, shape_rule(temporal, patch[0], vae_spatial * patch[1], vae_spatial * patch[2]))
 

@@ -22,6 +22,10 @@ from vidtune.errors import SchedulerError
 
 SigmaSampling = Literal["uniform", "logit_normal", "token_shifted_logit_normal"]
 LossWeighting = Literal["none", "bell"]
+# Noise levels across a clip's latent frames: one for all (`shared`), one per frame drawn apart (`independent`), or
+# one per frame drawn apart and sorted so that later frames are never less noisy (`non_decreasing`: diffusion forcing
+# as SkyReels V2 trains it).
+FrameNoise = Literal["shared", "independent", "non_decreasing"]
 NUM_TRAIN_TIMESTEPS = 1000
 DDPM_PREDICTIONS = ("epsilon", "v_prediction")
 # Lightricks' trainers (LTX-Video-Trainer and LTX-2's ltx-trainer, `timestep_samplers.py`): the logit-normal's mean
@@ -102,7 +106,16 @@ def flow_matching_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def _broadcast(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return values.to(device=like.device, dtype=like.dtype).view(-1, *([1] * (like.ndim - 1)))
+    """Per-clip values [B] over latents [B, C, F, H, W]; per-frame values [B, F] over their frames."""
+    values = values.to(device=like.device, dtype=like.dtype)
+    if values.ndim == 2:
+        return values.view(values.shape[0], 1, values.shape[1], *([1] * (like.ndim - 3)))
+    return values.view(-1, *([1] * (like.ndim - 1)))
+
+
+def per_clip_levels(levels: torch.Tensor) -> torch.Tensor:
+    """Each clip's noise level [B]: per-frame levels [B, F] averaged over the frames (metrics, loss weights)."""
+    return levels.mean(dim=-1) if levels.ndim == 2 else levels
 
 
 class Objective(Protocol):
@@ -111,13 +124,15 @@ class Objective(Protocol):
     A "noise level" is the per-sample quantity the objective samples: sigma in (0, 1) for flow
     matching, an integer training timestep (as float) for DDPM; `level_name` names them in metrics.jsonl.
     `tokens`: the denoiser's token count for the sample (the video's, or another stream's), which some
-    distributions depend on (`token_shifted_logit_normal`); the others ignore it.
+    distributions depend on (`token_shifted_logit_normal`); the others ignore it. `frames`: the clip's latent
+    frames, which an objective drawing a level per frame (flow matching's `frame_noise`) draws [B, F] levels for;
+    the others return one level per clip [B]. Loss weights are one per clip.
     """
 
     level_name: str
 
     def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None,
-                            tokens: int | None = None) -> torch.Tensor: ...
+                            tokens: int | None = None, frames: int | None = None) -> torch.Tensor: ...
 
     def noisy(self, x0: torch.Tensor, noise: torch.Tensor, levels: torch.Tensor) -> torch.Tensor: ...
 
@@ -137,7 +152,11 @@ class FlowMatching:
     `negate_target`: the target is x0 - noise instead of noise - x0. A scheduler with `invert_sigmas` steps
     x += (s_next - s) * prediction over s = 1 - sigma, so the prediction it needs is d x / d s = x0 - noise.
     `token_shifted_logit_normal` adds `logit_mean` to the token count's mean and takes `stretch` and
-    `uniform_fraction` (see `sample_token_shifted_sigmas`); `weighting` "bell": DiffSynth-Studio's loss weight.
+    `uniform_fraction` (see `sample_token_shifted_sigmas`); `weighting` "bell": DiffSynth-Studio's loss weight (of
+    a clip with per-frame levels: the mean of its frames' weights).
+    `frame_noise` (see `FrameNoise`): with `frames` given, `independent` and `non_decreasing` draw each latent frame's
+    sigma from the distribution above ([B, F]; `non_decreasing` sorts each clip's draws along its frames); the
+    denoiser is then told a timestep per frame.
     """
 
     level_name: ClassVar[str] = "sigmas"
@@ -150,9 +169,16 @@ class FlowMatching:
     stretch: bool = False
     uniform_fraction: float = 0.0
     weighting: LossWeighting = "none"
+    frame_noise: FrameNoise = "shared"
 
     def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None,
-                            tokens: int | None = None) -> torch.Tensor:
+                            tokens: int | None = None, frames: int | None = None) -> torch.Tensor:
+        if self.frame_noise == "shared" or frames is None:
+            return self._sample_sigmas(batch_size, generator, tokens)
+        sigmas = self._sample_sigmas(batch_size * frames, generator, tokens).view(batch_size, frames)
+        return sigmas.sort(dim=1).values if self.frame_noise == "non_decreasing" else sigmas
+
+    def _sample_sigmas(self, batch_size: int, generator: torch.Generator | None, tokens: int | None) -> torch.Tensor:
         if self.sampling == "uniform":
             sigmas = sample_uniform_sigmas(batch_size, generator)
         elif self.sampling == "token_shifted_logit_normal":
@@ -177,8 +203,8 @@ class FlowMatching:
 
     def loss_weights(self, levels: torch.Tensor) -> torch.Tensor:
         if self.weighting == "bell":
-            return bell_loss_weights(levels, self.shift)
-        return torch.ones_like(levels)
+            return per_clip_levels(bell_loss_weights(levels, self.shift))
+        return torch.ones_like(per_clip_levels(levels))
 
 
 def ddpm_noisy(x0: torch.Tensor, noise: torch.Tensor, alphas_cumprod_t: torch.Tensor) -> torch.Tensor:
@@ -206,7 +232,7 @@ class DDPM:
     snr_weighting: bool = False
 
     def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None,
-                            tokens: int | None = None) -> torch.Tensor:
+                            tokens: int | None = None, frames: int | None = None) -> torch.Tensor:
         count = len(self.alphas_cumprod)
         return torch.randint(0, count, (batch_size,), generator=generator).float()
 
@@ -241,12 +267,13 @@ SUPPORTED_SCHEDULERS = (
 def objective_from_scheduler(scheduler: Any, sampling: SigmaSampling = "logit_normal", logit_mean: float = 0.0,
                              logit_std: float = 1.0, shift: float = 1.0,
                              source: str = "the scheduler config", stretch: bool = False,
-                             uniform_fraction: float = 0.0, weighting: LossWeighting = "none") -> FlowMatching | DDPM:
+                             uniform_fraction: float = 0.0, weighting: LossWeighting = "none",
+                             frame_noise: FrameNoise = "shared") -> FlowMatching | DDPM:
     """Pick the objective a model was trained with from its diffusers scheduler instance.
 
     `source` names where the scheduler came from (its scheduler_config.json) for the SchedulerError raised when
     no objective fits. The noise-level settings (`sampling` ... `weighting`) are flow matching's; DDPM draws
-    timesteps uniformly."""
+    timesteps uniformly, one per clip (`frame_noise` other than `shared` is refused for it)."""
     config = scheduler.config
     # Flow matching is recognised by name (FlowMatch*Scheduler) or by data: multistep solvers such as
     # Wan's UniPCMultistepScheduler sample flow models with prediction_type="flow_prediction" / use_flow_sigmas.
@@ -255,7 +282,7 @@ def objective_from_scheduler(scheduler: Any, sampling: SigmaSampling = "logit_no
         return FlowMatching(sampling=sampling, logit_mean=logit_mean, logit_std=logit_std, shift=shift,
                             invert_timesteps=bool(config.get("invert_sigmas", False)),
                             negate_target=bool(config.get("invert_sigmas", False)), stretch=stretch,
-                            uniform_fraction=uniform_fraction, weighting=weighting)
+                            uniform_fraction=uniform_fraction, weighting=weighting, frame_noise=frame_noise)
     name = type(scheduler).__name__
     if hasattr(scheduler, "alphas_cumprod"):
         prediction = config.get("prediction_type", "epsilon")
@@ -264,6 +291,9 @@ def objective_from_scheduler(scheduler: Any, sampling: SigmaSampling = "logit_no
                 f"{source}: {name} with prediction_type {prediction!r} has no training objective in vidtune. "
                 f"Supported: {SUPPORTED_SCHEDULERS}. Use the scheduler config the model was released with."
             )
+        if frame_noise != "shared":
+            raise SchedulerError(f"{source}: {name} is a DDPM scheduler, whose timesteps are drawn one per clip; "
+                                 f"training.frame_noise={frame_noise} needs a flow-matching model.")
         return DDPM(alphas_cumprod=scheduler.alphas_cumprod.clone(), prediction_type=prediction)
     raise SchedulerError(
         f"{source}: {name} has no training objective in vidtune. Supported: {SUPPORTED_SCHEDULERS}. Use the "

@@ -111,6 +111,15 @@ DENOISER_PARAMETERS = {
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": 14e9,  # each of the two experts
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers": 14e9,
     "Lightricks/LTX-2": 19e9,  # the video and audio streams together
+    "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers": 14.3e9,  # Wan 2.1 14B's architecture
+    "Skywork/SkyReels-V2-T2V-14B-720P-Diffusers": 14.3e9,
+    # Named 1.3B for its blocks (Wan 2.1 1.3B's 1.42B); the image cross-attention and embedder add 0.14B.
+    "Skywork/SkyReels-V2-I2V-1.3B-540P-Diffusers": 1.56e9,
+    "Skywork/SkyReels-V2-I2V-14B-540P-Diffusers": 16.4e9,  # Wan 2.1 I2V 14B's architecture
+    "Skywork/SkyReels-V2-I2V-14B-720P-Diffusers": 16.4e9,
+    "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers": 1.4e9,  # Wan 2.1 1.3B's, and the frame-rate embedding
+    "Skywork/SkyReels-V2-DF-14B-540P-Diffusers": 14.3e9,
+    "Skywork/SkyReels-V2-DF-14B-720P-Diffusers": 14.3e9,
 }
 
 

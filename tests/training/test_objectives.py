@@ -3,10 +3,13 @@ import math
 import pytest
 import torch
 
+from vidtune.errors import SchedulerError
 from vidtune.objectives import (
     DDPM,
     FlowMatching,
+    bell_loss_weights,
     objective_from_scheduler,
+    per_clip_levels,
     sample_logit_normal_sigmas,
     sample_uniform_sigmas,
     shift_sigmas,
@@ -116,3 +119,50 @@ def test_objective_is_chosen_from_the_scheduler():
     ddpm = objective_from_scheduler(ddim)
     assert isinstance(ddpm, DDPM) and ddpm.prediction_type == "v_prediction"
     torch.testing.assert_close(ddpm.alphas_cumprod, ddim.alphas_cumprod)
+
+
+# ----- per-frame noise levels (diffusion forcing) ------------------------------------------------------------------
+def test_shared_frame_noise_draws_exactly_the_per_clip_levels():
+    """The default keeps every family's draws as they were (resume and seeds reproduce), frames given or not."""
+    objective = FlowMatching(shift=3.0)
+    plain = objective.sample_noise_levels(4, torch.Generator().manual_seed(5), 256)
+    given_frames = objective.sample_noise_levels(4, torch.Generator().manual_seed(5), 256, frames=7)
+    assert plain.shape == (4,) and torch.equal(plain, given_frames)
+
+
+@pytest.mark.parametrize("mode", ["independent", "non_decreasing"])
+def test_per_frame_noise_draws_a_level_per_latent_frame(mode):
+    objective = FlowMatching(shift=3.0, frame_noise=mode)
+    levels = objective.sample_noise_levels(512, torch.Generator().manual_seed(0), frames=6)
+    assert levels.shape == (512, 6) and levels.min() > 0 and levels.max() < 1
+    steps = levels[:, 1:] - levels[:, :-1]
+    if mode == "non_decreasing":
+        assert (steps >= 0).all()  # later frames are never less noisy
+    else:
+        assert (steps < 0).float().mean() > 0.4  # drawn apart: about half the neighbours decrease
+    # Each frame's level follows the clip distribution (shift 3 logit-normal: median sigmoid(0) shifted).
+    assert abs(levels.flatten().median().item() - 0.75) < 0.03
+    assert objective.sample_noise_levels(2, torch.Generator().manual_seed(0)).shape == (2,)  # no frames: per clip
+
+
+def test_per_frame_levels_noise_each_frame_with_its_own_level():
+    objective = FlowMatching(frame_noise="independent")
+    x0, noise = _pair()  # [3, 4, 2, 5, 5]: two latent frames
+    levels = torch.tensor([[0.1, 0.9], [0.5, 0.5], [1.0, 0.0]])
+    noisy = objective.noisy(x0, noise, levels)
+    for clip in range(3):
+        for frame in range(2):
+            sigma, clean, pure = levels[clip, frame], x0[clip, :, frame], noise[clip, :, frame]
+            torch.testing.assert_close(noisy[clip, :, frame], (1 - sigma) * clean + sigma * pure)
+    torch.testing.assert_close(objective.timesteps(levels), levels * 1000)
+    assert objective.loss_weights(levels).shape == (3,)
+    bell = FlowMatching(frame_noise="independent", weighting="bell")
+    torch.testing.assert_close(bell.loss_weights(levels), bell_loss_weights(levels, 1.0).mean(dim=1))
+    torch.testing.assert_close(per_clip_levels(levels), torch.tensor([0.5, 0.5, 0.5]))
+
+
+def test_a_ddpm_scheduler_refuses_per_frame_noise():
+    from diffusers import DDPMScheduler
+
+    with pytest.raises(SchedulerError, match="frame_noise=non_decreasing"):
+        objective_from_scheduler(DDPMScheduler(), frame_noise="non_decreasing")

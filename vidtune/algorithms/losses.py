@@ -29,7 +29,7 @@ from vidtune import parallel
 from vidtune.algorithms import AlgorithmTraits
 from vidtune.data.buckets import visit_generator
 from vidtune.models.spec import CONTROL_LATENTS, POSTERIOR_KEYS, Conditions, ModelSpec, draw_latent
-from vidtune.objectives import FlowMatching
+from vidtune.objectives import FlowMatching, per_clip_levels
 from vidtune.schedulers import sampling_sigmas
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class NoisyInputs:
     noisy: torch.Tensor
     timesteps: torch.Tensor
     target: torch.Tensor
-    levels: torch.Tensor  # the objective's noise levels (sigmas or DDPM timesteps), for the loss weights
+    levels: torch.Tensor  # the objective's noise levels (sigmas or DDPM timesteps; [B, F] per frame), loss weights
     x0: torch.Tensor | None = None  # the clean latents and the noise they were mixed with (for distillation)
     noise: torch.Tensor | None = None
     # Other streams' noise levels by metrics key (LTX-2's "audio_sigmas"), as `ModelSpec.stream_noise` drew them.
@@ -108,7 +108,8 @@ def noisy_inputs(context: LossContext, batch: Batch) -> NoisyInputs:
     tokens = spec.token_count(batch.latents[POSTERIOR_KEYS[0]].shape[1:])  # one bucket shape a batch
     # The step's noise levels: the family may narrow them per step, alike on every rank (vidtune/models/spec/hooks.py).
     objective = spec.step_objective(context.objective, config, context.step, tokens)
-    levels = torch.cat([objective.sample_noise_levels(1, g, tokens) for g in generators])
+    frames = batch.latents[POSTERIOR_KEYS[0]].shape[2]  # latent frames, for per-frame noise levels
+    levels = torch.cat([objective.sample_noise_levels(1, g, tokens, frames=frames) for g in generators])
     x0 = torch.cat([
         draw_latent({k: batch.latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
     ]).float()
@@ -164,7 +165,7 @@ def denoising_loss(context: LossContext, batch: Batch) -> LossOutput:
     inputs = noisy_inputs(context, batch)
     losses = clip_losses(context, inputs)
     return LossOutput(losses.sum(), losses.detach(),
-                      {context.objective.level_name: inputs.levels, **inputs.stream_levels})
+                      {context.objective.level_name: per_clip_levels(inputs.levels), **inputs.stream_levels})
 
 
 control_loss = denoising_loss  # `clip_losses` hands a control algorithm's latents to the widened layer
@@ -218,7 +219,7 @@ def guidance_distillation_loss(context: LossContext, batch: Batch) -> LossOutput
     prediction = predict(context, context.trained_denoiser, inputs.conditions, noisy, inputs.timesteps, embedded)
     per_clip = context.spec.per_clip_error((prediction - target).pow(2), inputs.conditions)
     return LossOutput(per_clip.sum(), per_clip.detach(),
-                      {context.objective.level_name: inputs.levels, **inputs.stream_levels})
+                      {context.objective.level_name: per_clip_levels(inputs.levels), **inputs.stream_levels})
 
 
 # ----- step distillation -------------------------------------------------------------------------------------------

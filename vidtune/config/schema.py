@@ -283,6 +283,11 @@ class TrainingConfig(Section):
         "none", description="Weight of each sample's loss by its noise level (flow matching): `none`; `bell`: "
         "DiffSynth-Studio's, heaviest mid-range and 0 at pure noise, normalised over the sigma_shift grid (with "
         "sigma_sampling uniform and sigma_shift 5: DiffSynth-Studio's Wan recipe).")
+    frame_noise: Literal["shared", "independent", "non_decreasing"] = Field(
+        "shared", description="Noise levels across a clip's latent frames (flow matching): `shared`, one for the "
+        "clip; `independent`, one per frame; `non_decreasing`, one per frame, later frames never less noisy "
+        "(diffusion forcing, SkyReels V2's). Per-frame levels need a denoiser told a timestep per frame "
+        "(skyreels-v2-df). Unset: the family's (docs/models.md).")
     device: str = Field(
         "auto", description="auto: cuda if available, else cpu. Under torchrun auto / cuda: cuda:LOCAL_RANK."
     )

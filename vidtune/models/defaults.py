@@ -25,7 +25,8 @@ class FamilyDefaults:
     """What a family's published recipe trains with. `fps`: the frame rate the denoiser is told about and samples
     are written at, unless `model.frame_rate` or `data.fps` is set (clips are resampled only with `data.fps`).
     `sigma_sampling`, `sigma_stretch`, `sigma_uniform_fraction`, `sigma_shift`: how the training noise levels are
-    drawn (flow matching; DDPM families draw timesteps uniformly and ignore them). `source`: where the clip shape,
+    drawn (flow matching; DDPM families draw timesteps uniformly and ignore them); `frame_noise`: one level per clip
+    or per latent frame (diffusion forcing). `source`: where the clip shape,
     frame rate and guidance come from; `noise_source`: where the noise levels come from (repository, file,
     setting), for the tables."""
 
@@ -37,6 +38,7 @@ class FamilyDefaults:
     sigma_shift: float = 1.0
     sigma_stretch: bool = False
     sigma_uniform_fraction: float = 0.0
+    frame_noise: Literal["shared", "independent", "non_decreasing"] = "shared"
     ddpm: bool = False
     source: str = ""
     noise_source: str = ""
@@ -50,7 +52,10 @@ class FamilyDefaults:
             words += ", stretched"
         if self.sigma_uniform_fraction:
             words += f", {self.sigma_uniform_fraction:g} uniform"
-        return words + f", shift {self.sigma_shift:g}"
+        words += f", shift {self.sigma_shift:g}"
+        if self.frame_noise != "shared":
+            words += f", per frame ({self.frame_noise.replace('_', '-')})"
+        return words
 
 
 # Each family's published recipe. They live here rather than in the spec modules so that resolving a config (every
@@ -105,11 +110,28 @@ WAN_22 = FamilyDefaults(frames=121, height=704, width=1280, fps=24.0, sigma_shif
         "TI2V-5B's sampling shift 5 (docs/wan22.md), drawn as kohya-ss/musubi-tuner's `--timestep_sampling shift` "
         "(`docs/wan.md`: logit-normal, then the shift)"))
 
+SKYREELS_V2 = FamilyDefaults(frames=97, height=544, width=960, fps=24.0, source=(
+    "the 540P checkpoints' recommended clip (SkyworkAI/SkyReels-V2 README: 544x960, 97 frames) at 24 fps, as "
+    "SkyReelsV2Pipeline's defaults; guidance 6 (text-to-video) / 5 (image-to-video), the pipelines' and README's"),
+    noise_source=(
+        "tdrussell/diffusion-pipe `models/wan/wan.py` (SkyReels V2 trains as Wan 2.1 at 24 fps) with "
+        "`docs/supported_models.md`'s Wan setting `timestep_sample_method = 'logit_normal'`, no shift; the "
+        "sampling shifts (8 text-to-video, 5 image-to-video) are reachable with training.sigma_shift"))
+
+SKYREELS_V2_DF = FamilyDefaults(frames=97, height=544, width=960, fps=24.0, frame_noise="non_decreasing", source=(
+    "the 540P diffusion-forcing checkpoints' recommended clip (SkyworkAI/SkyReels-V2 README: 544x960, 97 frames) "
+    "at 24 fps, as SkyReelsV2DiffusionForcingPipeline's defaults; guidance 6, the pipeline's and README's"),
+    noise_source=(
+        "per frame, non-decreasing along the clip: SkyReels-V2's diffusion forcing (arXiv 2504.13074, `non-decreasing "
+        "noise schedules`; SkyworkAI/SkyReels-V2 README, Diffusion Forcing), each frame's level logit-normal as "
+        "`skyreels-v2`'s"))
+
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "ltx-video": LTX_VIDEO, "ltx-video-i2v": LTX_VIDEO, "ltx-2": LTX_2, "ltx-2-i2v": LTX_2, "cogvideox": COGVIDEOX,
     "cogvideox-i2v": COGVIDEOX, "mochi": MOCHI, "hunyuan-video": HUNYUAN_VIDEO, "hunyuan-video-1.5": HUNYUAN_VIDEO_15,
     "hunyuan-video-1.5-i2v": HUNYUAN_VIDEO_15, "wan": WAN, "wan-i2v": WAN, "wan2.2": WAN_22, "wan2.2-i2v": WAN_22,
+    "skyreels-v2": SKYREELS_V2, "skyreels-v2-i2v": SKYREELS_V2, "skyreels-v2-df": SKYREELS_V2_DF,
 }
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.
@@ -121,6 +143,7 @@ CONFIG_KEYS: dict[tuple[str, str], str] = {
     ("training", "sigma_shift"): "sigma_shift",
     ("training", "sigma_stretch"): "sigma_stretch",
     ("training", "sigma_uniform_fraction"): "sigma_uniform_fraction",
+    ("training", "frame_noise"): "frame_noise",
 }
 
 

@@ -182,7 +182,8 @@ class NoiseRange:
     high: float
 
     def sample_noise_levels(self, batch_size: int, generator: torch.Generator | None = None,
-                            tokens: int | None = None) -> torch.Tensor:
+                            tokens: int | None = None, frames: int | None = None) -> torch.Tensor:
+        """One level per clip inside the range (`frames` is ignored: a step's clips route to one expert each)."""
         kept: list[torch.Tensor] = []
         for _ in range(10_000):
             levels = self.objective.sample_noise_levels(batch_size, generator, tokens)

@@ -80,6 +80,7 @@ class WanSpec(ModelSpec):
     block_lists = ("blocks",)
     validation_guidance_scale = 5.0
     defaults = WAN
+    model_title: ClassVar[str] = "Wan"  # the published models' name in messages
     pipeline_class = WanPipeline
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
         "attention": ATTENTION_TARGETS,
@@ -98,12 +99,12 @@ class WanSpec(ModelSpec):
         vae = self.load_config(AutoencoderKLWan, "vae")
         spatial = vae.get("scale_factor_spatial") or 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
         temporal = vae.get("scale_factor_temporal") or 2 ** sum(vae.get("temperal_downsample", [False, True, True]))
-        transformer = self.load_config(WanTransformer3DModel, "transformer")
+        transformer = self.load_config(self.denoiser_class, "transformer")
         return spatial, temporal, tuple(transformer.get("patch_size", (1, 2, 2)))
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch = self.compression
-        raise_shape_problems("Wan", [frame_count_problem(frames, temporal, patch[0]),
+        raise_shape_problems(self.model_title, [frame_count_problem(frames, temporal, patch[0]),
                                      *side_problems(height, width, vae_spatial * patch[1], vae_spatial * patch[2])],
                              self, shape_rule(temporal, patch[0], vae_spatial * patch[1], vae_spatial * patch[2]))
 
@@ -200,11 +201,11 @@ class WanSpec(ModelSpec):
         ]
 
     def comfyui_model(self) -> ComfyUIModel:
-        return wan21(self.load_config(WanTransformer3DModel, "transformer"))
+        return wan21(self.load_config(self.denoiser_class, "transformer"))
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
-        return WanPipeline(
+        return self.pipeline_class(
             tokenizer=text["tokenizer"],
             text_encoder=text["text_encoder"],
             vae=vae,
@@ -220,16 +221,30 @@ class WanImageEncoders(VAEWithExtras):
     take it apart.
     """
 
-    def __init__(self, vae: nn.Module, image_encoder: nn.Module, image_processor: CLIPImageProcessor) -> None:
+    def __init__(self, vae: nn.Module, image_encoder: nn.Module, image_processor: Any) -> None:
         super().__init__(vae)
         self.image_encoder = image_encoder
         self.image_processor = image_processor
 
 
-class WanImageConditioning:
-    """What WanImageToVideoPipeline's families share (Wan 2.1 image-to-video, Wan 2.2 I2V-A14B), mixed into a
-    `WanSpec` subclass (it uses the spec's `normalise` and `prepare_conditions`): the first frame as mask channels +
-    latents concatenated to the input, and prompts handed to the pipeline as embeddings."""
+class EmbeddedPrompts:
+    """Prompts handed to the pipeline as embeddings computed like `WanSpec.prepare_conditions`, mixed into a `WanSpec`
+    subclass whose pipeline cleans prompts with `ftfy` unconditionally (WanImageToVideoPipeline, the SkyReels V2
+    pipelines; WanPipeline only when it is installed): handing it embeddings keeps ftfy optional."""
+
+    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
+        text = TextComponents({"tokenizer": pipeline.tokenizer, "text_encoder": pipeline.text_encoder})
+        inputs = {"prompt_embeds": self.prepare_conditions(text, [prompt])["prompt_embeds"]}
+        if guidance_scale > 1.0:
+            inputs["negative_prompt_embeds"] = self.prepare_conditions(text, [""])["prompt_embeds"]
+        return inputs
+
+
+class WanImageConditioning(EmbeddedPrompts):
+    """What WanImageToVideoPipeline's families share (Wan 2.1 image-to-video, Wan 2.2 I2V-A14B, SkyReels V2
+    image-to-video), mixed into a `WanSpec` subclass (it uses the spec's `normalise` and `prepare_conditions`): the
+    first frame as mask channels + latents concatenated to the input, and prompts handed to the pipeline as
+    embeddings."""
 
     @torch.no_grad()
     def image_condition(self, vae: nn.Module, first_frames: torch.Tensor, frames: int) -> torch.Tensor:
@@ -246,16 +261,6 @@ class WanImageConditioning:
         mask = mask.view(batch, latent_frames, temporal, latent_height, latent_width).transpose(1, 2)
         return torch.cat([mask.to(latents.dtype), latents], dim=1)
 
-    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
-        """Embeddings computed like WanImageToVideoPipeline.encode_prompt: that pipeline cleans prompts with
-        `ftfy` unconditionally (WanPipeline only when it is installed), so handing it embeddings keeps ftfy
-        optional."""
-        text = TextComponents({"tokenizer": pipeline.tokenizer, "text_encoder": pipeline.text_encoder})
-        inputs = {"prompt_embeds": self.prepare_conditions(text, [prompt])["prompt_embeds"]}
-        if guidance_scale > 1.0:
-            inputs["negative_prompt_embeds"] = self.prepare_conditions(text, [""])["prompt_embeds"]
-        return inputs
-
 
 class WanImageToVideoSpec(WanImageConditioning, WanSpec):
     """Wan 2.1 image-to-video. The conditioning image of `sample` is the first frame of its `reference` clip
@@ -264,6 +269,9 @@ class WanImageToVideoSpec(WanImageConditioning, WanSpec):
     name = "wan-i2v"
     image_to_video = True
     pipeline_class = WanImageToVideoPipeline
+    # The classes the pipeline's image encoder and processor may be (the checkpoint's model_index.json says which).
+    image_encoder_classes: ClassVar[tuple[type, ...]] = (CLIPVisionModel,)
+    image_processor_classes: ClassVar[tuple[type, ...]] = (CLIPImageProcessor,)
     # The cross-attention to the image has key / value projections of its own (diffusers pads a text-to-video
     # adapter with zeros there).
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -293,8 +301,10 @@ class WanImageToVideoSpec(WanImageConditioning, WanSpec):
     def load_vae(self, device: torch.device) -> WanImageEncoders:
         vae = super().load_vae(device)
         dtype = self.component_dtype("image_encoder", device)
-        image_encoder = self.load_component(CLIPVisionModel, "image_encoder", torch_dtype=dtype)
-        image_processor = self.load_component(CLIPImageProcessor, "image_processor")
+        image_encoder = self.load_component(self.component_class("image_encoder", self.image_encoder_classes),
+                                            "image_encoder", torch_dtype=dtype)
+        image_processor = self.load_component(self.component_class("image_processor", self.image_processor_classes),
+                                              "image_processor")
         return WanImageEncoders(vae, image_encoder.requires_grad_(False).eval().to(device), image_processor)
 
     @torch.no_grad()
@@ -326,7 +336,7 @@ class WanImageToVideoSpec(WanImageConditioning, WanSpec):
         )[0]
 
     def pipeline(self, text: TextComponents, vae: WanImageEncoders, denoiser: nn.Module) -> Any:
-        return WanImageToVideoPipeline(
+        return self.pipeline_class(
             tokenizer=text["tokenizer"],
             text_encoder=text["text_encoder"],
             vae=vae.vae,

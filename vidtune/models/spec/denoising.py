@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vidtune.config import TrainingConfig
+from vidtune.errors import ConfigError
 from vidtune.models import first_frame
 from vidtune.models.spec.base import FRAME_RATE, Conditions, Latents
 from vidtune.models.spec.loading import Loading
@@ -29,6 +30,10 @@ class Denoising(Loading):
     # The denoiser's transformer blocks, in forward order: the attribute names of its block lists
     # (`memory.blocks_to_swap` swaps the last N of them; see vidtune/offload.py).
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+    # The denoiser takes a timestep per latent frame ([B, F]; diffusion forcing), so `training.frame_noise` may draw
+    # a noise level per frame. `forward` then receives [B, F] timesteps, or [B] ones (held-out score, distillation's
+    # synchronous paths) to give every frame.
+    frame_timesteps: ClassVar[bool] = False
 
     @abstractmethod
     def forward(
@@ -59,7 +64,18 @@ class Denoising(Loading):
             stretch=training.sigma_stretch,
             uniform_fraction=training.sigma_uniform_fraction,
             weighting=training.loss_weighting,
+            frame_noise=self.checked_frame_noise(training),
         )
+
+    def checked_frame_noise(self, training: TrainingConfig) -> str:
+        """`training.frame_noise`, refused unless the denoiser is told a timestep per latent frame."""
+        if training.frame_noise != "shared" and not self.frame_timesteps:
+            raise ConfigError(
+                f"training.frame_noise={training.frame_noise}: {self.name}'s denoiser is told one timestep per clip, "
+                "so every latent frame of a clip shares its noise level.\nWhat to do: remove training.frame_noise "
+                "(or set it to shared); per-frame noise levels train a diffusion-forcing model (skyreels-v2-df)."
+            )
+        return training.frame_noise
 
     # ----- token counts, frame rates, per-visit conditions and other streams ----------------------------------
     @functools.cached_property

@@ -47,7 +47,8 @@ class Formats(SpecBase):
 
     def lora_exclude_modules(self) -> list[str]:
         """Linear layers no LoRA preset may adapt (peft's `exclude_modules`): layers whose output the loss never
-        sees, such as the text stream's output of a last joint block, which would break data-parallel training."""
+        sees, such as the text stream's output of a last joint block, which would break data-parallel training, and
+        layers the model ComfyUI loads the family as has no name for (the adapter could not be exported)."""
         return []
 
     # ----- adapter and denoiser files -------------------------------------------------------------------------

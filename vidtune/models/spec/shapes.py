@@ -49,6 +49,9 @@ PUBLISHED_SHAPE_RULES = {
     "mochi": "frames 6k+1, sides multiples of 16",
     "wan": "frames 4k+1, sides multiples of 16",
     "wan-i2v": "frames 4k+1, sides multiples of 16",
+    "skyreels-v2": "frames 4k+1, sides multiples of 16",
+    "skyreels-v2-i2v": "frames 4k+1, sides multiples of 16",
+    "skyreels-v2-df": "frames 4k+1, sides multiples of 16",
 }
 
 

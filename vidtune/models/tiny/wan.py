@@ -109,11 +109,13 @@ def tiny_wan_scheduler(flow_shift: float) -> Any:
 
 
 def tiny_wan_transformer(*, in_channels: int, latent_channels: int, text_hidden: int, num_layers: int,
-                         num_attention_heads: int, attention_head_dim: int, **image: Any) -> Any:
-    """A tiny WanTransformer3DModel, patch (1, 2, 2) (`image`: an image-to-video model's image inputs); seed first."""
+                         num_attention_heads: int, attention_head_dim: int, model_class: Any = None,
+                         **image: Any) -> Any:
+    """A tiny WanTransformer3DModel, patch (1, 2, 2) (`image`: an image-to-video model's image inputs; `model_class`:
+    a transformer class of Wan's arguments, such as SkyReels V2's); seed first."""
     from diffusers import WanTransformer3DModel
 
-    return WanTransformer3DModel(
+    return (model_class or WanTransformer3DModel)(
         patch_size=(1, 2, 2), num_attention_heads=num_attention_heads, attention_head_dim=attention_head_dim,
         in_channels=in_channels, out_channels=latent_channels, text_dim=text_hidden, freq_dim=256, ffn_dim=32,
         num_layers=num_layers, cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32, **image,

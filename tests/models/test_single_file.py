@@ -274,3 +274,35 @@ def test_the_file_and_a_transformer_subfolder_cannot_both_be_given(tiny_model_di
         build_config({"model": {"name": "wan", "pretrained": str(folder), "transformer_file": str(tmp_path / "x"),
                                 "subfolders": {"transformer": str(folder / "transformer")}},
                       "data": {"root": str(tmp_path)}})
+
+
+# ----- the planner -----------------------------------------------------------------------------------------------
+def _plan(tiny_model_dir, path: Path, base_weights: str):
+    from vidtune.memory.plan import plan_memory
+    from vidtune.models.tiny import TINY_SHAPES
+
+    frames, height, width = TINY_SHAPES["wan"]
+    return plan_memory(build_config({
+        "model": {"name": "wan", "pretrained": str(tiny_model_dir("wan")), "transformer_file": str(path)},
+        "data": {"root": ".", "frames": frames, "height": height, "width": width},
+        "training": {"device": "cpu"}, "precompute": {"enabled": True}, "memory": {"base_weights": base_weights}}))
+
+
+def test_the_planner_reads_the_files_size_and_dtype(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
+    path = write_original_layout("wan", tiny_model_dir("wan"), tmp_path / "wan_fp8.safetensors", cast=float8_weights())
+    kept, upcast = _plan(tiny_model_dir, path, "fp8"), _plan(tiny_model_dir, path, "auto")
+    assert any("wan_fp8.safetensors" in note and "float8_e4m3fn" in note and "stay as they are" in note
+               for note in kept.notes)
+    assert any("upcast to float32" in note and "`fp8` keeps" in note for note in upcast.notes)
+    fp32_weights = sum(tensor.numel() * 4 for tensor in transformer_state(tiny_model_dir("wan")).values())
+    assert upcast.host_loading > fp32_weights  # the file, then the weights upcast
+    assert path.stat().st_size <= kept.host_loading < upcast.host_loading  # float8 weights loaded as float8
+
+
+def test_the_planner_refuses_a_file_that_is_not_the_transformer(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("VIDTUNE_PLAN_CACHE", str(tmp_path / "traces"))
+    path = tmp_path / "my_lora.safetensors"
+    save_file({"blocks.0.self_attn.q.lora_A.weight": torch.zeros(4, 24)}, str(path))
+    with pytest.raises(ModelError, match="adapter"):
+        _plan(tiny_model_dir, path, "auto")

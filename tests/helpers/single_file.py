@@ -51,12 +51,68 @@ WAN = [(r"condition_embedder\.time_embedder\.linear_1", "time_embedding.0"),
        (r"^proj_out\.", "head.head."), (r"ffn\.net\.0\.proj", "ffn.0"), (r"ffn\.net\.2", "ffn.2"),
        (r"\.norm2\.", ".norm3.")]
 
-RENAMES: dict[str, list[tuple[str, str]]] = {"ltx-video": LTX_VIDEO, "ltx-2": LTX_2, "wan": WAN}
+HUNYUAN_VIDEO = [
+    (r"^context_embedder\.token_refiner\.refiner_blocks\.", "txt_in.individual_token_refiner.blocks."),
+    (r"^context_embedder\.time_text_embed\.timestep_embedder\.linear_1", "txt_in.t_embedder.mlp.0"),
+    (r"^context_embedder\.time_text_embed\.timestep_embedder\.linear_2", "txt_in.t_embedder.mlp.2"),
+    (r"^context_embedder\.time_text_embed\.text_embedder", "txt_in.c_embedder"),
+    (r"^context_embedder\.proj_in", "txt_in.input_embedder"),
+    (r"(txt_in\.individual_token_refiner\.blocks\.\d+)\.attn\.to_out\.0", r"\1.self_attn_proj"),
+    (r"(txt_in\.individual_token_refiner\.blocks\.\d+)\.ff\.net\.0\.proj", r"\1.mlp.fc1"),
+    (r"(txt_in\.individual_token_refiner\.blocks\.\d+)\.ff\.net\.2", r"\1.mlp.fc2"),
+    (r"(txt_in\.individual_token_refiner\.blocks\.\d+)\.norm_out\.linear", r"\1.adaLN_modulation.1"),
+    (r"^x_embedder", "img_in"),
+    (r"^time_text_embed\.timestep_embedder\.linear_1", "time_in.mlp.0"),
+    (r"^time_text_embed\.timestep_embedder\.linear_2", "time_in.mlp.2"),
+    (r"^time_text_embed\.guidance_embedder\.linear_1", "guidance_in.mlp.0"),
+    (r"^time_text_embed\.guidance_embedder\.linear_2", "guidance_in.mlp.2"),
+    (r"^time_text_embed\.text_embedder\.linear_1", "vector_in.in_layer"),
+    (r"^time_text_embed\.text_embedder\.linear_2", "vector_in.out_layer"),
+    (r"^transformer_blocks\.", "double_blocks."),
+    (r"\.attn\.norm_q", ".img_attn_q_norm"), (r"\.attn\.norm_k", ".img_attn_k_norm"),
+    (r"\.attn\.to_out\.0", ".img_attn_proj"), (r"\.attn\.norm_added_q", ".txt_attn_q_norm"),
+    (r"\.attn\.norm_added_k", ".txt_attn_k_norm"), (r"\.attn\.to_add_out", ".txt_attn_proj"),
+    (r"\.norm1_context\.linear", ".txt_mod.linear"), (r"(double_blocks\.\d+)\.norm1\.linear", r"\1.img_mod.linear"),
+    (r"\.ff_context\.net\.0\.proj", ".txt_mlp.fc1"), (r"\.ff_context\.net\.2", ".txt_mlp.fc2"),
+    (r"(double_blocks\.\d+)\.ff\.net\.0\.proj", r"\1.img_mlp.fc1"),
+    (r"(double_blocks\.\d+)\.ff\.net\.2", r"\1.img_mlp.fc2"),
+    (r"^norm_out\.linear", "final_layer.adaLN_modulation.1"), (r"^proj_out", "final_layer.linear"),
+]
+
+RENAMES: dict[str, list[tuple[str, str]]] = {"ltx-video": LTX_VIDEO, "ltx-2": LTX_2, "wan": WAN,
+                                             "hunyuan-video": HUNYUAN_VIDEO}
+
+
+def _fused(state: Tensors, parts: tuple[str, str, str], fused: str) -> Tensors:
+    """q, k and v projections (keys ending in `parts`) concatenated into one `fused` projection, as the original
+    HunyuanVideo holds them."""
+    out = dict(state)
+    for key in [key for key in state if parts[0] in key]:
+        names = [key.replace(parts[0], part) for part in parts]
+        out[key.replace(parts[0], fused)] = torch.cat([out.pop(name) for name in names])
+    return out
+
+
+def _hunyuan_unfused(state: Tensors) -> Tensors:
+    """HunyuanVideo's original tensors that the diffusers layout splits or reorders: the fused qkv projections of
+    the double blocks and the token refiner, and the final modulation's (scale, shift) halves as (shift, scale)."""
+    out = _fused(state, (".attn.to_q.", ".attn.to_k.", ".attn.to_v."), ".attn.QKV.")
+    out = _fused(out, (".attn.add_q_proj.", ".attn.add_k_proj.", ".attn.add_v_proj."), ".attn.ADDED_QKV.")
+    for key in [key for key in out if ".attn.QKV." in key or ".attn.ADDED_QKV." in key]:
+        refiner = key.startswith("context_embedder.")
+        name = ".self_attn_qkv." if refiner else (".img_attn_qkv." if ".QKV." in key else ".txt_attn_qkv.")
+        out[key.replace(".attn.QKV.", name).replace(".attn.ADDED_QKV.", name)] = out.pop(key)
+    for key in ("norm_out.linear.weight", "norm_out.linear.bias"):
+        scale, shift = out[key].chunk(2, dim=0)
+        out[key] = torch.cat([shift, scale], dim=0)
+    return out
 
 
 def original_layout(family: str, state: Tensors, prefix: str = "") -> Tensors:
     """`state` (a diffusers state dict of the family's transformer) under its original names, each with `prefix`
     (ComfyUI's files: `model.diffusion_model.`)."""
+    if family == "hunyuan-video":
+        state = _hunyuan_unfused(state)
     renamed = _renamed(state, RENAMES[family])
     return {f"{prefix}{key}": tensor for key, tensor in renamed.items()}
 
@@ -78,11 +134,11 @@ def write_original_layout(family: str, model_dir: Path, path: Path, prefix: str 
     from vidtune.models.registry import get_spec_class
 
     state = transformer_state(model_dir)
-    original = original_layout(family, state, prefix)
     converter = SINGLE_FILE_LOADABLE_CLASSES[get_spec_class(family).denoiser_class.__name__]["checkpoint_mapping_fn"]
-    back = converter(checkpoint=dict(original), config={})
+    back = converter(checkpoint=original_layout(family, state), config={})
     assert set(back) == set(state), sorted(set(back) ^ set(state))[:5]
     assert all(back[key].shape == state[key].shape and torch.equal(back[key], state[key]) for key in state)
+    original = original_layout(family, state, prefix)
     written: Tensors = {}
     for key, tensor in original.items():
         written.update(cast(key, tensor) if cast else {key: tensor})

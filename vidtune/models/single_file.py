@@ -39,6 +39,7 @@ OTHER_COMPONENTS = {"vae.": "a VAE", "first_stage_model.": "a VAE", "audio_vae."
                     "vocoder.": "a vocoder", "text_encoders.": "text encoders", "text_encoder.": "a text encoder",
                     "cond_stage_model.": "a text encoder", "conditioner.": "text encoders",
                     "text_embedding_projection.": "a text projection"}
+COMFYUI_PREFIX = "model.diffusion_model."  # ComfyUI's files hold the denoiser under it
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin")
 
 Tensors = dict[str, torch.Tensor]
@@ -222,7 +223,9 @@ def convert(header: FileHeader, tensors: Tensors, converter: Callable[..., Tenso
             expected: dict[str, torch.Size], family: str) -> Tensors:
     """The file's tensors under the denoiser's names (diffusers' converter, unless they are named so already), the
     tensors of other components a whole-pipeline file holds left out; a file whose converted tensors are not
-    exactly the denoiser's is a ModelError saying what the file looks like."""
+    exactly the denoiser's is a ModelError saying what the file looks like. ComfyUI's `model.diffusion_model.` prefix
+    is taken off first (not every converter does)."""
+    tensors = {key.removeprefix(COMFYUI_PREFIX): tensor for key, tensor in tensors.items()}
     if set(tensors) == set(expected):
         converted = dict(tensors)
     else:

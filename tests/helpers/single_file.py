@@ -125,15 +125,16 @@ def transformer_state(model_dir: Path, component: str = "transformer") -> Tensor
 
 def write_original_layout(family: str, model_dir: Path, path: Path, prefix: str = "",
                           cast: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
-                          extra: Tensors | None = None) -> Path:
+                          extra: Tensors | None = None, component: str = "transformer") -> Path:
     """The tiny model's transformer of `model_dir` written to `path` in the family's original layout. `cast(key,
     tensor)` -> the file's tensors for one weight (float8 copies, scales); `extra`: tensors added as they are (a
-    whole-pipeline file's VAE). The file is checked to convert back to the folder's keys and shapes."""
+    whole-pipeline file's VAE); `component`: the folder's transformer to write (`transformer_2`: Wan 2.2 A14B's
+    low-noise expert). The file is checked to convert back to the folder's keys and shapes."""
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
     from vidtune.models.registry import get_spec_class
 
-    state = transformer_state(model_dir)
+    state = transformer_state(model_dir, component)
     converter = SINGLE_FILE_LOADABLE_CLASSES[get_spec_class(family).denoiser_class.__name__]["checkpoint_mapping_fn"]
     back = converter(checkpoint=original_layout(family, state), config={})
     assert set(back) == set(state), sorted(set(back) ^ set(state))[:5]

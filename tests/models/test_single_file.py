@@ -274,6 +274,25 @@ def test_converters_made_for_the_released_sizes_refuse_others_with_the_reason(ti
         _spec(family, tiny_model_dir(family), path).check_source()
 
 
+def test_both_experts_of_a_two_expert_model_load_from_their_files(tmp_path):
+    from vidtune.models.tiny.wan22 import write_tiny_wan22
+
+    folder = write_tiny_wan22(tmp_path / "a14b", two_experts=True)
+    files = {name: write_original_layout("wan", folder, tmp_path / f"wan2.2_{name}.safetensors",
+                                         prefix=COMFYUI_PREFIX, component=name)
+             for name in ("transformer", "transformer_2")}
+    config = ModelConfig(name="wan2.2", pretrained=str(folder), transformer_file=str(files["transformer"]),
+                         transformer_2_file=str(files["transformer_2"]))
+    spec = get_spec_class("wan2.2")(config)
+    spec.check_source()
+    pair = spec.load_denoiser(CPU)
+    for name, expert in zip(("transformer", "transformer_2"), pair.experts(), strict=True):
+        expected = transformer_state(folder, name)
+        assert all(torch.equal(expert.state_dict()[key], expected[key]) for key in expected), name
+    high, low = (transformer_state(folder, name)["proj_out.weight"] for name in ("transformer", "transformer_2"))
+    assert not torch.equal(high, low)  # each expert from its own file
+
+
 def test_a_second_transformer_file_needs_a_second_transformer(tiny_model_dir, tmp_path):
     path = write_original_layout("wan", tiny_model_dir("wan"), tmp_path / "wan.safetensors")
     config = ModelConfig(name="wan", pretrained=str(tiny_model_dir("wan")), transformer_2_file=str(path))

@@ -108,11 +108,43 @@ def _hunyuan_unfused(state: Tensors) -> Tensors:
     return out
 
 
+MOCHI = [(r"^patch_embed\.proj", "x_embedder.proj"),
+         (r"^time_embed\.timestep_embedder\.linear_1", "t_embedder.mlp.0"),
+         (r"^time_embed\.timestep_embedder\.linear_2", "t_embedder.mlp.2"),
+         (r"^time_embed\.pooler\.", "t5_y_embedder."), (r"^time_embed\.caption_proj", "t5_yproj"),
+         (r"^transformer_blocks\.", "blocks."), (r"\.norm1\.linear\.", ".mod_x."),
+         (r"\.norm1_context\.linear(_1)?\.", ".mod_y."), (r"\.attn1\.norm_q\.", ".attn.q_norm_x."),
+         (r"\.attn1\.norm_k\.", ".attn.k_norm_x."), (r"\.attn1\.to_out\.0\.", ".attn.proj_x."),
+         (r"\.attn1\.norm_added_q\.", ".attn.q_norm_y."), (r"\.attn1\.norm_added_k\.", ".attn.k_norm_y."),
+         (r"\.attn1\.to_add_out\.", ".attn.proj_y."), (r"\.ff\.net\.0\.proj\.", ".mlp_x.w1."),
+         (r"\.ff\.net\.2\.", ".mlp_x.w2."), (r"\.ff_context\.net\.0\.proj\.", ".mlp_y.w1."),
+         (r"\.ff_context\.net\.2\.", ".mlp_y.w2."), (r"^norm_out\.linear", "final_layer.mod"),
+         (r"^proj_out", "final_layer.linear")]
+RENAMES["mochi"] = MOCHI
+
+
+def _swapped_halves(tensor: torch.Tensor) -> torch.Tensor:
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def _mochi_unfused(state: Tensors) -> Tensors:
+    """Mochi's original tensors that the diffusers layout splits or reorders: fused qkv projections, the feed
+    forwards' (gate, projection) halves and the final modulation's (shift, scale) halves."""
+    out = _fused(state, (".attn1.to_q.", ".attn1.to_k.", ".attn1.to_v."), ".attn.qkv_x.")
+    out = _fused(out, (".attn1.add_q_proj.", ".attn1.add_k_proj.", ".attn1.add_v_proj."), ".attn.qkv_y.")
+    for key in [key for key in out if ".net.0.proj." in key or key.startswith("norm_out.linear.")]:
+        out[key] = _swapped_halves(out[key])
+    return out
+
+
 def original_layout(family: str, state: Tensors, prefix: str = "") -> Tensors:
     """`state` (a diffusers state dict of the family's transformer) under its original names, each with `prefix`
     (ComfyUI's files: `model.diffusion_model.`)."""
     if family == "hunyuan-video":
         state = _hunyuan_unfused(state)
+    if family == "mochi":
+        state = _mochi_unfused(state)
     renamed = _renamed(state, RENAMES[family])
     return {f"{prefix}{key}": tensor for key, tensor in renamed.items()}
 

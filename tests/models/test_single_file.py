@@ -28,20 +28,29 @@ from vidtune.models.spec.loading import Loading
 from vidtune.trainers import build_trainer
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
-# Families whose denoiser diffusers converts from a single file (Mochi's converter reads the released 48 blocks
-# only: refused below for the tiny model).
-CONVERTED = ["ltx-video", "ltx-2", "wan", "hunyuan-video"]
+# Families whose denoiser diffusers converts from a single file.
+CONVERTED = ["ltx-video", "ltx-2", "wan", "hunyuan-video", "mochi"]
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def converted_model_dir(tiny_model_dir, tmp_path_factory):
-    """The family's tiny model; HunyuanVideo's without single-stream blocks, which diffusers' converter splits at
-    the released model's width only."""
+    """The family's tiny model, shaped as diffusers' converter reads it: HunyuanVideo's without single-stream blocks
+    (split at the released model's width only), Mochi's with the released model's 48 blocks."""
     from vidtune.models.tiny import write_tiny_model
 
-    hunyuan = write_tiny_model("hunyuan-video", tmp_path_factory.mktemp("hunyuan-double"), num_single_layers=0)
-    return lambda family: hunyuan if family == "hunyuan-video" else tiny_model_dir(family)
+    shaped = {"hunyuan-video": {"num_single_layers": 0}, "mochi": {"num_layers": 48, "num_attention_heads": 2}}
+    written: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in shaped:
+            return tiny_model_dir(family)
+        if family not in written:
+            written[family] = write_tiny_model(family, tmp_path_factory.mktemp(f"{family}-converted"),
+                                               **shaped[family])
+        return written[family]
+
+    return get
 
 
 def _spec(family: str, pretrained: Path, transformer_file: Path | None, base_weights: str = "auto", **model):

@@ -22,11 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import init_empty_weights
+from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES, infer_diffusers_model_type
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from vidtune.errors import ModelError
+from vidtune.memory import fp8_layers
+from vidtune.memory.float8 import FLOAT8_DTYPES as FLOAT8
 
-FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # ComfyUI's scaled fp8: the marker key and the per-layer scales beside each `weight`.
 SCALED_MARKER = "scaled_fp8"
 SCALE_WEIGHT = ".scale_weight"
@@ -93,8 +98,6 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def read_header(path_text: str, key: str) -> FileHeader:
     """The header of the file `key` names; a missing file, another format or a damaged file is a ModelError."""
-    from safetensors import SafetensorError, safe_open
-
     path = Path(path_text).expanduser()
     if not path.is_file():
         what = "a folder" if path.is_dir() else "missing"
@@ -155,8 +158,6 @@ def looks_like(header: FileHeader) -> str:
 def _diffusers_model_type(header: FileHeader) -> str | None:
     """The model type diffusers' `infer_diffusers_model_type` finds from the keys and shapes, if it finds one
     (its fallback, Stable Diffusion 1, only when that model's own key is there)."""
-    from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES, infer_diffusers_model_type
-
     checkpoint = header.meta_tensors()
     try:
         found = infer_diffusers_model_type(checkpoint)
@@ -169,8 +170,6 @@ def _diffusers_model_type(header: FileHeader) -> str | None:
 
 def checkpoint_converter(denoiser_class: type) -> Callable[..., Tensors] | None:
     """diffusers' function that renames an original-layout checkpoint of `denoiser_class`, or None (no converter)."""
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-
     entry = SINGLE_FILE_LOADABLE_CLASSES.get(denoiser_class.__name__)
     return None if entry is None else entry["checkpoint_mapping_fn"]
 
@@ -268,8 +267,6 @@ def _not_the_denoiser(header: FileHeader, family: str, detail: str) -> ModelErro
 
 def float8_keys(denoiser: nn.Module) -> set[str]:
     """The tensors `memory.base_weights: fp8` stores in float8 (weights and biases of the layers it casts)."""
-    from vidtune.memory import fp8_layers
-
     linears, others = fp8_layers(denoiser)
     return {f"{name}.{parameter}" for name, layer in [*linears, *others]
             for parameter, _ in layer.named_parameters(recurse=False)}
@@ -297,8 +294,6 @@ def placed(tensors: Tensors, dtype: torch.dtype, keep_float8: set[str], keep_fp3
 def load_assigned(cls: Any, config: dict[str, Any], tensors: Tensors) -> nn.Module:
     """`cls` built from `config` without initialising its weights (as `from_pretrained` builds it), holding
     `tensors` as they are; its buffers outside the state dict stay as `__init__` made them."""
-    from accelerate import init_empty_weights
-
     with init_empty_weights():
         model = cls.from_config(config)
     model.load_state_dict(tensors, strict=True, assign=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -206,8 +207,6 @@ class Loading(SpecBase):
         """`component` from its single file, each tensor in the dtype `from_pretrained(torch_dtype=dtype)` gives it;
         with `memory.base_weights: fp8` the file's float8 weights of the layers stored in float8 stay as they are in
         the file (vidtune/models/single_file.py)."""
-        from safetensors.torch import load_file
-
         checked = self.single_file(component)
         header = checked.header
         tensors = load_file(str(header.path))

@@ -347,3 +347,19 @@ def test_the_planner_refuses_a_file_that_is_not_the_transformer(tiny_model_dir, 
     save_file({"blocks.0.self_attn.q.lora_A.weight": torch.zeros(4, 24)}, str(path))
     with pytest.raises(ModelError, match="adapter"):
         _plan(tiny_model_dir, path, "auto")
+
+
+def test_sampling_a_full_fine_tune_uses_its_trained_transformer_not_the_file(make_config, tiny_model_dir, tmp_path):
+    from vidtune.sampling import load_pipeline
+
+    folder = tiny_model_dir("ltx-video")
+    path = write_original_layout("ltx-video", folder, tmp_path / "ltx.safetensors")
+    output = tmp_path / "full"
+    config = make_config("ltx-video", model={"pretrained": str(folder), "transformer_file": str(path)},
+                         training={"algorithm": "full", "steps": 1}, output_dir=str(output))
+    build_trainer(config).run()
+    trained = transformer_state(output)
+    run = load_pipeline(output, device="cpu")
+    sampled = run.pipeline.transformer.state_dict()
+    assert all(torch.equal(sampled[key], trained[key]) for key in trained)
+    assert not torch.equal(trained["proj_out.weight"], transformer_state(folder)["proj_out.weight"])

@@ -121,6 +121,8 @@ MOCHI = [(r"^patch_embed\.proj", "x_embedder.proj"),
          (r"\.ff_context\.net\.2\.", ".mlp_y.w2."), (r"^norm_out\.linear", "final_layer.mod"),
          (r"^proj_out", "final_layer.linear")]
 RENAMES["mochi"] = MOCHI
+# Image-to-video and newer models of a family share its denoiser class and converter.
+RENAMES.update({"ltx-video-i2v": LTX_VIDEO, "ltx-2-i2v": LTX_2, "wan-i2v": WAN, "wan2.2": WAN, "wan2.2-i2v": WAN})
 
 
 def _swapped_halves(tensor: torch.Tensor) -> torch.Tensor:

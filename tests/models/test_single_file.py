@@ -117,6 +117,16 @@ def test_a_single_file_trains_the_same_adapter_as_the_folder(make_config, conver
     _assert_same_run(reference, _train(make_config, family, tmp_path / "file", folder, path))
 
 
+@pytest.mark.parametrize("family", ["ltx-video-i2v", "ltx-2-i2v", "wan-i2v", "wan2.2"])
+def test_image_to_video_and_newer_models_load_from_their_files(tiny_model_dir, tmp_path, family):
+    folder = tiny_model_dir(family)
+    path = write_original_layout(family, folder, tmp_path / "transformer.safetensors", prefix=COMFYUI_PREFIX)
+    denoiser = _spec(family, folder, path).load_denoiser(CPU)
+    reference = transformer_state(folder)
+    assert denoiser.state_dict().keys() == reference.keys()
+    assert all(torch.equal(denoiser.state_dict()[key], reference[key]) for key in reference)
+
+
 def test_a_file_without_the_comfyui_prefix_and_with_a_vae_beside_loads_its_transformer(tiny_model_dir, tmp_path):
     # Lightricks' ltx-video-2b-v0.9.safetensors holds the VAE beside the transformer.
     folder = tiny_model_dir("ltx-video")

@@ -225,6 +225,21 @@ def test_scaled_fp8_made_for_float8_matmuls_is_refused_before_loading(tiny_model
     assert str(path) in str(error.value)
 
 
+def test_comfyuis_mixed_precision_quantisation_format_is_refused_with_the_reason(tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("wan")
+
+    def quantised(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not (key.endswith(".weight") and tensor.dim() == 2):
+            return {key: tensor}
+        layer = key.removesuffix(".weight")
+        return {key: tensor.to(torch.float8_e4m3fn), f"{layer}.weight_scale": torch.tensor(1.0),
+                f"{layer}.comfy_quant": torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)}
+
+    path = write_original_layout("wan", folder, tmp_path / "wan_mixed.safetensors", cast=quantised)
+    with pytest.raises(ModelError, match=r"(?s)mixed-precision quantisation format.*plain fp8"):
+        _spec("wan", folder, path).check_source()
+
+
 # ----- files that are not the family's transformer --------------------------------------------------------------
 def test_an_adapter_file_is_named_as_one(tiny_model_dir, tmp_path):
     folder = tiny_model_dir("wan")

@@ -36,6 +36,8 @@ from vidtune.memory.float8 import FLOAT8_DTYPES as FLOAT8
 SCALED_MARKER = "scaled_fp8"
 SCALE_WEIGHT = ".scale_weight"
 SCALE_INPUT = ".scale_input"
+# ComfyUI's mixed-precision quantisation format (its QUANTIZATION.md): scales and a layer config beside each layer.
+COMFY_QUANT_SUFFIXES = (".weight_scale", ".weight_scale_2", ".pre_quant_scale", ".input_scale", ".comfy_quant")
 # Keys that only adapter files hold (peft, kohya / ComfyUI LoRA, LyCORIS LoKr / LoHa, DoRA).
 ADAPTER_MARKERS = ("lora_A.", "lora_B.", "lora_down.", "lora_up.", "lokr_w", "hada_w", "dora_scale",
                    "lora_magnitude_vector")
@@ -175,6 +177,18 @@ def checkpoint_converter(denoiser_class: type) -> Callable[..., Tensors] | None:
 
 
 # ----- scaled fp8 -------------------------------------------------------------------------------------------------
+def check_quantisation(header: FileHeader) -> None:
+    """ComfyUI's newer per-layer quantisation format (`weight_scale`, `input_scale`, `comfy_quant` beside each layer:
+    float8, int8 blocks, ...) is refused with that reason, rather than as a file of another model."""
+    found = sorted(key for key in header.tensors if key.endswith(COMFY_QUANT_SUFFIXES))
+    if found:
+        raise ModelError(
+            f"{header.where} is a checkpoint in ComfyUI's mixed-precision quantisation format ({len(found)} "
+            f"quantisation tensors beside the layers, e.g. {found[0]}), which vidtune does not read.\nWhat to do: "
+            "use the model's plain fp8 (e4m3fn), scaled fp8 (`scale_weight`) or bf16 file."
+        )
+
+
 def check_scaled(header: FileHeader) -> None:
     """Scaled fp8 files are read when each scale is a per-layer (or per-row) factor of its weight; a file made for
     float8 matmuls (`scale_input`) is refused: its layers were calibrated to run their inputs in float8."""

@@ -21,6 +21,7 @@ from vidtune.models.hub import HubCheck, looks_local
 from vidtune.models.registry import SPECS, get_spec_class
 from vidtune.models.single_file import (
     FileHeader,
+    check_quantisation,
     check_scaled,
     checkpoint_converter,
     convert,
@@ -193,6 +194,7 @@ class Loading(SpecBase):
             raise ModelError(f"{key}: {problem}\nWhat to do: use the model in the diffusers layout "
                              f"(model.pretrained, or model.subfolders.{component}).")
         header = read_header(str(self.config.single_file(component)), key)
+        check_quantisation(header)
         if header.scaled:
             check_scaled(header)
         with torch.device("meta"):

@@ -26,6 +26,8 @@ FIXED_KEYS = (
     "model.pretrained",
     "model.revision",
     "model.subfolders.transformer",
+    "model.transformer_file",
+    "model.transformer_2_file",
     "training.algorithm",
     "optimizer.name",
     "optimizer.cpu_offload",  # the offloaded optimizer keeps its state in another layout

@@ -333,7 +333,9 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
         second = run / weights.name.replace("transformer", "transformer_2", 1)  # a second denoiser's folder
         if second.is_dir():
             trained["transformer_2"] = str(second)
-        model = model.model_copy(update={"subfolders": {**model.subfolders, **trained}})
+        # The trained weights replace a base read from a single file too (model.transformer_file).
+        single_files = {f"{name}_file": None for name in trained}
+        model = model.model_copy(update={"subfolders": {**model.subfolders, **trained}, **single_files})
     embedded = embedded_guidance_scale(config, embedded_guidance)
     if embedded is not None:  # the spec tells the denoiser's guidance embedding `model.guidance_scale`
         model = model.model_copy(update={"guidance_scale": embedded})

@@ -34,4 +34,5 @@ def build_spec(config: Config) -> ModelSpec:
     """The family's spec for a config's model and the settings it reads."""
     return get_spec_class(config.model.name)(config.model, frame_rate=config.frame_rate,
                                              text_encoder_weights=config.memory.text_encoder_weights,
-                                             vae_tiling=config.memory.vae_tiling)
+                                             vae_tiling=config.memory.vae_tiling,
+                                             base_weights=config.memory.base_weights)

@@ -54,6 +54,8 @@ def _read_file(path: Path) -> dict[str, Any]:
 PATH_KEYS: dict[str, str] = {
     "model.pretrained": "hub",
     "model.subfolders.*": "hub",
+    "model.transformer_file": "path",
+    "model.transformer_2_file": "path",
     "data.root": "path",
     "data.datasets.root": "path",
     "data.datasets.path": "path",

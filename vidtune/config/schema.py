@@ -36,6 +36,19 @@ class ModelConfig(Section):
         default_factory=dict,
         description="Per-component path override, e.g. {transformer: /path/to/other/transformer}.",
     )
+    transformer_file: str | None = Field(
+        None,
+        description="The denoiser from one .safetensors file in its original or ComfyUI layout (e.g. "
+        "`wan2.1_t2v_14B_fp8_e4m3fn.safetensors`), through diffusers' single-file converter; everything else (text "
+        "encoders, VAE, scheduler, the transformer's config.json) comes from `model.pretrained`. float8 files: kept "
+        "in float8 with `memory.base_weights: fp8`, else upcast; ComfyUI's scaled fp8 is dequantised. Families: "
+        "docs/models.md (\"Training from a single-file checkpoint\").",
+    )
+    transformer_2_file: str | None = Field(
+        None,
+        description="Two-expert models (Wan 2.2 A14B): the low-noise expert (`transformer_2`) from one file, as "
+        "`transformer_file` gives the high-noise one.",
+    )
     max_sequence_length: int | None = Field(
         None, gt=0, description="Tokens kept per caption; default: the family's own (LTX-Video 128, CogVideoX 226)."
     )
@@ -109,6 +122,18 @@ class ModelConfig(Section):
         "diffusers offers that has a backward pass); auto: the fastest installed one for training on this device "
         "(FlashAttention 3 on Hopper, FlashAttention 2, else native). CogVideoX and Mochi take native only.",
     )
+
+    @model_validator(mode="after")
+    def _check_single_files(self) -> ModelConfig:
+        for component in ("transformer", "transformer_2"):
+            if getattr(self, f"{component}_file") and self.subfolders.get(component):
+                raise ValueError(f"model.{component}_file and model.subfolders.{component} both give the {component}; "
+                                 f"keep one of them")
+        return self
+
+    def single_file(self, component: str) -> str | None:
+        """The single file a component loads from (`transformer_file`, `transformer_2_file`), or None."""
+        return {"transformer": self.transformer_file, "transformer_2": self.transformer_2_file}.get(component)
 
 
 class _SourceBase(Section):

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from vidtune.errors import ConfigError, ModelError
-from vidtune.memory.float8 import store_linear_in_float8
+from vidtune.memory.float8 import FLOAT8_DTYPES, store_linear_in_float8
 
 if TYPE_CHECKING:
     from vidtune.models.spec import TextComponents
@@ -59,7 +59,9 @@ def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = ())
     for _, linear in linears:
         store_linear_in_float8(linear, compute_dtype)
     for _, layer in others:
-        apply_layerwise_casting_hook(layer, torch.float8_e4m3fn, compute_dtype, non_blocking=False)
+        weight = getattr(layer, "weight", None)  # a float8 file's own float8 dtype is kept (e5m2 too)
+        storage = weight.dtype if weight is not None and weight.dtype in FLOAT8_DTYPES else torch.float8_e4m3fn
+        apply_layerwise_casting_hook(layer, storage, compute_dtype, non_blocking=False)
     if denoiser.dtype != compute_dtype:  # its first weight is float8 (every family's is a layer kept as it is)
         raise ModelError(f"memory.base_weights=fp8: {type(denoiser).__name__}'s first weight is stored in float8, "
                          "which would make it compute in float8.\nWhat to do: set memory.base_weights=int8 (or "

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 STORAGE_DTYPE = torch.float8_e4m3fn
+# A weight already stored in one of these (a float8 single file, vidtune/models/single_file.py) keeps its values.
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class Float8Linear(torch.autograd.Function):
@@ -56,10 +58,15 @@ class Float8StorageLinear(nn.Linear):
 
 
 def store_linear_in_float8(linear: nn.Linear, compute_dtype: torch.dtype) -> None:
-    """`linear` (frozen) becomes a `Float8StorageLinear` in place, its weight and bias rounded to float8."""
+    """`linear` (frozen) becomes a `Float8StorageLinear` in place, its weight and bias rounded to float8 (a tensor
+    already in float8, e4m3 or e5m2, is kept as it is)."""
     with torch.no_grad():
-        linear.weight.data = linear.weight.data.to(STORAGE_DTYPE)
+        linear.weight.data = as_float8(linear.weight.data)
         if linear.bias is not None:
-            linear.bias.data = linear.bias.data.to(STORAGE_DTYPE)
+            linear.bias.data = as_float8(linear.bias.data)
     linear.__class__ = Float8StorageLinear
     linear.compute_dtype = compute_dtype
+
+
+def as_float8(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.dtype in FLOAT8_DTYPES else tensor.to(STORAGE_DTYPE)

@@ -34,6 +34,7 @@ from vidtune.algorithms.losses import NoisyInputs, clip_losses
 from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
 from vidtune.memory import fp8_layers, frozen_linears, skip_patterns, stored
+from vidtune.memory import single_file as single_files
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
@@ -595,13 +596,23 @@ def _swapped_host_bytes(trace: StepTrace, base_weights: str, blocks_to_swap: int
     return sum(pinned_size(size) if pinned else size for block in swapped for size in block.values())
 
 
-def loading_host(trace: StepTrace, config: Config, device: torch.device) -> int:
+def loading_host(trace: StepTrace, config: Config, device: torch.device,
+                 files: list[single_files.FileHeader] | None = None) -> int:
     """A quantized base for a GPU is loaded and quantized in host memory (vidtune/offload.py `loading_device`): the
-    unquantized weights are there for a moment."""
-    if config.memory.base_weights == "auto" or device.type != "cuda":
-        return 0
-    return _cached(trace, ("weights", "auto", 0),
-                   lambda: weight_bytes(trace.denoiser, "auto", 0, _sizes(trace, "auto")))
+    unquantized weights are there for a moment. A denoiser from single files (`files`) is read in host memory on
+    any device (vidtune/memory/single_file.py)."""
+    base_weights = config.memory.base_weights
+    quantized = 0
+    if base_weights != "auto" and device.type == "cuda":
+        quantized = _cached(trace, ("weights", "auto", 0),
+                            lambda: weight_bytes(trace.denoiser, "auto", 0, _sizes(trace, "auto")))
+    if not files:
+        return quantized
+    kept = "fp8" if all(single_files.kept_in_float8(header, base_weights) for header in files) else "auto"
+    loaded = _cached(trace, ("weights", kept, 0), lambda: weight_bytes(trace.denoiser, kept, 0, _sizes(trace, kept)))
+    experts = getattr(trace.denoiser, "experts", None)
+    per_file = loaded // (2 if callable(experts) else 1)  # the files are read one after the other
+    return max(quantized, *(single_files.loading_bytes(header, per_file) for header in files))
 
 
 def _leaves(value: object) -> list[torch.Tensor]:
@@ -715,14 +726,15 @@ def _plan(config: Config, world_size: int) -> MemoryPlan:
         training["activations"] = max(training["activations"], encoders.text_bytes - encoders.text_weights,
                                       encoders.vae_bytes - encoders.vae_weights)
     shape = max(config.data.bucket_shapes(), key=lambda s: s[0] * s[1] * s[2])
-    notes = []
+    files = single_files.headers(build_spec(config))
+    notes = single_files.notes(files, options.base_weights, single_files.denoiser_dtype(step.denoiser))
     if device.type != "cuda" and (options.blocks_to_swap or options.activation_offload):
         notes.append("blocks_to_swap and activation_offload act on CUDA only; the plan for this device counts them "
                      "as CUDA would.")
     return MemoryPlan(config.model.name, label, device.type, shape, training,
                       {"precompute: text encoders": encoders.text_bytes, "precompute: VAE": encoders.vae_bytes},
                       on_the_fly, world_size, notes, account_host(step, config, device),
-                      loading_host(step, config, device))
+                      loading_host(step, config, device, files))
 
 
 def shard(training: dict[str, int], config: Config, world_size: int) -> dict[str, int]:

@@ -57,6 +57,8 @@ CLIP_MAX_LENGTH = 77
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # HunyuanVideoPipeline's default
 DEFAULT_GUIDANCE_SCALE = 1.0
 PIPELINE_SIDE_MULTIPLE = 16  # HunyuanVideoPipeline.check_inputs rejects other sizes
+# diffusers' convert_hunyuan_video_transformer_to_diffusers splits single blocks at this width (single_file_utils.py)
+HUNYUAN_CONVERTER_WIDTH = 3072
 
 
 class HunyuanVideoSpec(ModelSpec):
@@ -125,6 +127,16 @@ class HunyuanVideoSpec(ModelSpec):
 
     vae_class = AutoencoderKLHunyuanVideo
     denoiser_class = HunyuanVideoTransformer3DModel
+    loads_single_file = True  # Tencent's original layout and ComfyUI's hunyuan_video_* files
+
+    def single_file_problem(self, config: dict[str, Any]) -> str | None:
+        """diffusers' HunyuanVideo converter splits each single-stream block's fused projection at the released
+        model's width (3072)."""
+        width = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
+        if config.get("num_single_layers", 0) and width != HUNYUAN_CONVERTER_WIDTH:
+            return (f"diffusers' converter for HunyuanVideo files splits the single-stream blocks at the released "
+                    f"model's width {HUNYUAN_CONVERTER_WIDTH}; model.pretrained's transformer is {width} wide.")
+        return None
     scheduler_class = FlowMatchEulerDiscreteScheduler
     pipeline_class = HunyuanVideoPipeline
 

@@ -131,6 +131,7 @@ class LTX2Spec(ModelSpec):
     text_encoder_class = Gemma3ForConditionalGeneration
     vae_class = AutoencoderKLLTX2Video
     denoiser_class = LTX2VideoTransformer3DModel
+    loads_single_file = True  # Lightricks' ltx-2-*.safetensors (the whole model: only its transformer is read)
     scheduler_class = FlowMatchEulerDiscreteScheduler
     pipeline_class = LTX2Pipeline
 

@@ -100,6 +100,7 @@ class LTXVideoSpec(ModelSpec):
     text_encoder_class = T5EncoderModel
     vae_class = AutoencoderKLLTXVideo
     denoiser_class = LTXVideoTransformer3DModel
+    loads_single_file = True  # Lightricks' ltx-video-*.safetensors (transformer and VAE), ComfyUI's too
     scheduler_class = FlowMatchEulerDiscreteScheduler
     pipeline_class = LTXPipeline
 

@@ -50,6 +50,8 @@ from vidtune.models.spec import (
 )
 
 logger = logging.getLogger(__name__)
+# diffusers' convert_mochi_transformer_checkpoint_to_diffusers reads this many blocks (single_file_utils.py)
+MOCHI_CONVERTER_LAYERS = 48
 
 
 class MochiSpec(ModelSpec):
@@ -101,6 +103,14 @@ class MochiSpec(ModelSpec):
     text_encoder_class = T5EncoderModel
     vae_class = AutoencoderKLMochi
     denoiser_class = MochiTransformer3DModel
+    loads_single_file = True  # Genmo's original layout and ComfyUI's mochi_preview_* files
+
+    def single_file_problem(self, config: dict[str, Any]) -> str | None:
+        """diffusers' Mochi converter reads exactly the released model's 48 blocks."""
+        if config.get("num_layers") != MOCHI_CONVERTER_LAYERS:
+            return (f"diffusers' converter for Mochi files reads the released model's {MOCHI_CONVERTER_LAYERS} "
+                    f"blocks; model.pretrained's transformer has {config.get('num_layers')}.")
+        return None
     scheduler_class = FlowMatchEulerDiscreteScheduler
     pipeline_class = MochiPipeline
 

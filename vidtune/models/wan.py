@@ -112,6 +112,7 @@ class WanSpec(ModelSpec):
     text_encoder_class = UMT5EncoderModel
     vae_class = AutoencoderKLWan
     denoiser_class = WanTransformer3DModel
+    loads_single_file = True  # Wan-AI's original layout and ComfyUI's wan2.1_* / wan2.2_* files
 
     def load_scheduler(self) -> Any:
         """The scheduler class the checkpoint names (Wan ships UniPCMultistepScheduler with flow sigmas)."""

@@ -250,7 +250,8 @@ class PrecomputeSummary:
 def build_spec(config: Config) -> ModelSpec:
     return get_spec_class(config.model.name)(
         config.model, frame_rate=config.frame_rate, text_encoder_weights=config.memory.text_encoder_weights,
-        vae_tiling=config.memory.vae_tiling)
+        vae_tiling=config.memory.vae_tiling,
+        base_weights=config.memory.base_weights)
 
 
 def load_clips(config: Config, spec: ModelSpec, progress: bool = True) -> list[Clip]:

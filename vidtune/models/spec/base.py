@@ -69,11 +69,12 @@ class SpecBase(ABC):
     scheduler_class: ClassVar[Any]
 
     def __init__(self, config: ModelConfig, frame_rate: float = 25.0, text_encoder_weights: str = "auto",
-                 vae_tiling: bool = False) -> None:
+                 vae_tiling: bool = False, base_weights: str = "auto") -> None:
         self.config = config
         self.frame_rate = frame_rate
         self.text_encoder_weights = text_encoder_weights  # memory.text_encoder_weights
         self.vae_tiling = vae_tiling  # memory.vae_tiling
+        self.base_weights = base_weights  # memory.base_weights: a float8 single file's weights stay float8 for `fp8`
 
     def check_training(self, config: Config) -> None:
         """Refuse, before any long work, run settings the model cannot take (e.g. an algorithm that cannot train a

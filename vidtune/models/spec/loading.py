@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -18,6 +19,18 @@ from vidtune.errors import ModelError
 from vidtune.memory import store_text_encoder_weights
 from vidtune.models.hub import HubCheck, looks_local
 from vidtune.models.registry import SPECS, get_spec_class
+from vidtune.models.single_file import (
+    FileHeader,
+    check_quantisation,
+    check_scaled,
+    checkpoint_converter,
+    convert,
+    dequantise,
+    float8_keys,
+    load_assigned,
+    placed,
+    read_header,
+)
 from vidtune.models.spec.base import SpecBase
 from vidtune.offload import loading_device
 from vidtune.vae_tiling import enable_vae_tiling
@@ -62,8 +75,24 @@ class TextComponents:
         return self
 
 
+@dataclass(frozen=True)
+class SingleFile:
+    """A denoiser's single file, checked from its header: where it is, the converter that renames its keys, the
+    config.json it is built from, the denoiser's tensors (shapes) and those `memory.base_weights: fp8` keeps."""
+
+    header: FileHeader
+    converter: Any
+    config: dict[str, Any]
+    shapes: dict[str, torch.Size]
+    float8_keys: frozenset[str]
+
+
 class Loading(SpecBase):
     """The components of a family's model, loaded from where the config says, after plain early checks."""
+
+    # diffusers' single-file converter for `denoiser_class` reads this family's original / ComfyUI files
+    # (`model.transformer_file`; vidtune/models/single_file.py). Families whose denoiser has none leave it False.
+    loads_single_file: ClassVar[bool] = False
 
     def required_components(self) -> tuple[str, ...]:
         """Subfolders a local model folder must have: one text encoder, the VAE, the denoiser and the scheduler
@@ -125,6 +154,71 @@ class Loading(SpecBase):
                 f"What to do: use a folder in the diffusers layout ({', '.join(self.required_components())}), "
                 "or give the missing parts with model.subfolders (e.g. {transformer: /path/to/transformer})."
             )
+        for component in self.single_file_components():
+            self.single_file(component)
+
+    # ----- a denoiser from one file (model.transformer_file) ------------------------------------------------------
+    def single_file_components(self) -> tuple[str, ...]:
+        """The components the config reads from single files."""
+        return tuple(name for name in ("transformer", "transformer_2") if self.config.single_file(name))
+
+    def single_file_problem(self, config: dict[str, Any]) -> str | None:
+        """Why diffusers' converter cannot read this denoiser (`config`: its config.json), or None. Families whose
+        converter assumes the released model's sizes say so here."""
+        return None
+
+    def single_file(self, component: str) -> SingleFile:
+        """The checked single file of `component`, read from its header once: a family without a converter, a
+        file that is not this family's denoiser (another model, an adapter, a whole pipeline without it, another
+        size) or a scaled fp8 file vidtune cannot read is a ModelError before any weight is read."""
+        checked = self.__dict__.setdefault("_single_files", {})
+        if component not in checked:
+            checked[component] = self._check_single_file(component)
+        return checked[component]
+
+    def _check_single_file(self, component: str) -> SingleFile:
+        key = f"model.{component}_file"
+        if component not in self.required_components():
+            raise ModelError(f"{key}: {self.config.pretrained} has no {component} ({self.name} has one "
+                             "transformer).\nWhat to do: remove the key; model.transformer_file gives the transformer.")
+        converter = checkpoint_converter(self.denoiser_class) if self.loads_single_file else None
+        if converter is None:
+            raise ModelError(
+                f"{key}: {self.name} cannot load its transformer from a single file: diffusers has no converter "
+                f"from the original layout for {self.denoiser_class.__name__}.\nWhat to do: use the model in the "
+                "diffusers layout (model.pretrained, or model.subfolders.transformer for a fine-tuned transformer)."
+            )
+        config = self.load_config(self.denoiser_class, component)
+        problem = self.single_file_problem(config)
+        if problem:
+            raise ModelError(f"{key}: {problem}\nWhat to do: use the model in the diffusers layout "
+                             f"(model.pretrained, or model.subfolders.{component}).")
+        header = read_header(str(self.config.single_file(component)), key)
+        check_quantisation(header)
+        if header.scaled:
+            check_scaled(header)
+        with torch.device("meta"):
+            empty = self.denoiser_class.from_config(config)
+        shapes = {name: tensor.shape for name, tensor in empty.state_dict().items()}
+        stand_ins = header.meta_tensors()
+        convert(header, dequantise(stand_ins, torch.float32) if header.scaled else stand_ins, converter, config,
+                shapes, self.name)
+        return SingleFile(header, converter, config, shapes, frozenset(float8_keys(empty)))
+
+    def load_single_file(self, cls: Any, component: str, dtype: torch.dtype) -> nn.Module:
+        """`component` from its single file, each tensor in the dtype `from_pretrained(torch_dtype=dtype)` gives it;
+        with `memory.base_weights: fp8` the file's float8 weights of the layers stored in float8 stay as they are in
+        the file (vidtune/models/single_file.py)."""
+        checked = self.single_file(component)
+        header = checked.header
+        tensors = load_file(str(header.path))
+        if header.scaled:
+            tensors = dequantise(tensors, dtype)
+        converted = convert(header, tensors, checked.converter, checked.config, checked.shapes, self.name)
+        del tensors  # the converted dict holds them now: `placed` lets each go once copied
+        keep = set(checked.float8_keys) if self.base_weights == "fp8" else set()
+        keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
+        return load_assigned(cls, checked.config, placed(converted, dtype, keep, keep_fp32))
 
     def _load_problem(self, what: str, source: str, subfolder: str | None, error: BaseException) -> ModelError:
         where = f"{source}/{subfolder}" if subfolder else source
@@ -134,6 +228,8 @@ class Loading(SpecBase):
         return ModelError(f"Could not load the {what} of {self.name} from {where}: {error}\nWhat to do: {hint}")
 
     def load_component(self, cls: Any, component: str, **kwargs: Any) -> Any:
+        if self.config.single_file(component):
+            return self.load_single_file(cls, component, kwargs.get("torch_dtype") or torch.float32)
         source, subfolder = self.component_source(component)
         extra = {"subfolder": subfolder} if subfolder else {}
         if self.config.revision:

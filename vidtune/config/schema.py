@@ -355,6 +355,33 @@ class LoRAConfig(Section):
     )
 
 
+class AdapterConfig(Section):
+    """What kind of adapter an adapter algorithm trains (see docs/algorithms.md, "Adapter types").
+
+    `lora.rank`, `lora.alpha`, `lora.target_modules` and `lora.init_from` apply to every type (LoKr and LoHa scale
+    their delta by alpha / rank as LoRA does); `lora.dropout` and `lora.use_dora` are LoRA's own.
+    """
+
+    type: Literal["lora", "lokr", "loha"] = Field(
+        "lora", description="`lora`: low-rank B @ A; `lokr`: a Kronecker product of two small factors (LyCORIS "
+        "LoKr); `loha`: the elementwise product of two low-rank products (LyCORIS LoHa). Through peft's LoraConfig, "
+        "LoKrConfig, LoHaConfig."
+    )
+    decompose_factor: int = Field(
+        -1, description="lokr: the size of the first Kronecker factor's dimensions (a divisor of each layer's "
+        "sizes); -1: the most square split (peft's and LyCORIS' default)."
+    )
+    decompose_both: bool = Field(
+        False, description="lokr: also split the first Kronecker factor into two rank-`lora.rank` matrices."
+    )
+    rank_dropout: float = Field(
+        0.0, ge=0, lt=1, description="lokr, loha: dropout of the delta's rows while training."
+    )
+    module_dropout: float = Field(
+        0.0, ge=0, lt=1, description="lokr, loha: the chance that a step leaves a module's whole delta out."
+    )
+
+
 class FullConfig(Section):
     """Which denoiser weights a full fine-tune trains, by parameter name (fnmatch patterns, `*` matches dots).
 
@@ -641,6 +668,9 @@ class Config(Section):
     full: FullConfig = Field(
         default_factory=FullConfig, description="Which weights train (training.algorithm=full)."
     )
+    adapter: AdapterConfig = Field(
+        default_factory=AdapterConfig, description="The adapter's kind: LoRA, LoKr or LoHa (adapter algorithms)."
+    )
     distillation: DistillationConfig = Field(
         default_factory=DistillationConfig,
         description="Teacher and student (training.algorithm=guidance-distillation or step-distillation).",
@@ -694,12 +724,45 @@ class Config(Section):
                 f"memory.base_weights={base_weights} works with a LoRA student only: a full student trains those "
                 "weights; set memory.base_weights=auto or remove distillation.student"
             )
+        self._check_adapter()
         if base_weights != "auto" and self.lora.use_dora:
             raise ValueError(
                 f"lora.use_dora cannot be combined with memory.base_weights={base_weights}: DoRA computes with the "
                 "whole frozen weight, which quantized storage does not give; turn one of them off"
             )
         return self
+
+    def _check_adapter(self) -> None:
+        """Settings that make no sense with `adapter.type`, each naming its keys."""
+        adapter, lora, base_weights = self.adapter, self.lora, self.memory.base_weights
+        kind = adapter.type
+        if kind == "lora":
+            lycoris = [key for key in ("decompose_factor", "decompose_both", "rank_dropout", "module_dropout")
+                       if key in adapter.model_fields_set]
+            if lycoris:
+                raise ValueError(f"adapter.{lycoris[0]} is a setting of adapter.type=lokr or loha, but adapter.type "
+                                 "is lora; set adapter.type, or remove it")
+            return
+        traits = algorithm_traits(self.training.algorithm, self.distillation.student)
+        if traits.trains_base_weights:
+            student = " (distillation.student=full)" if traits.chooses_student else ""
+            raise ValueError(f"adapter.type={kind} is an adapter, but training.algorithm={self.training.algorithm}"
+                             f"{student} trains the denoiser's own weights; remove adapter.type or train an adapter")
+        if lora.use_dora:
+            raise ValueError(f"lora.use_dora works with adapter.type=lora only: peft has no DoRA for {kind}; remove "
+                             "lora.use_dora or set adapter.type=lora")
+        if lora.dropout:
+            raise ValueError(f"lora.dropout drops LoRA's input features, which {kind} has no place for; use "
+                             "adapter.rank_dropout (or adapter.module_dropout) instead")
+        if kind == "loha" and ({"decompose_factor", "decompose_both"} & adapter.model_fields_set):
+            raise ValueError("adapter.decompose_factor and adapter.decompose_both are LoKr's; adapter.type is loha")
+        if adapter.decompose_factor == 0 or adapter.decompose_factor < -1:
+            raise ValueError(f"adapter.decompose_factor={adapter.decompose_factor}: use -1 or a positive divisor "
+                             "of the layers' sizes")
+        if base_weights == "nf4":
+            raise ValueError(f"memory.base_weights=nf4 cannot be combined with adapter.type={kind}: peft's {kind} "
+                             "layers shape their delta like the base weight, which 4-bit storage packs; use "
+                             "memory.base_weights=int8 or fp8, or adapter.type=lora")
 
     @property
     def frame_rate(self) -> float:

@@ -737,8 +737,9 @@ class Config(Section):
         adapter, lora, base_weights = self.adapter, self.lora, self.memory.base_weights
         kind = adapter.type
         if kind == "lora":
+            # Values, not the keys set: a run's resolved config names every key with its default.
             lycoris = [key for key in ("decompose_factor", "decompose_both", "rank_dropout", "module_dropout")
-                       if key in adapter.model_fields_set]
+                       if getattr(adapter, key) != AdapterConfig.model_fields[key].default]
             if lycoris:
                 raise ValueError(f"adapter.{lycoris[0]} is a setting of adapter.type=lokr or loha, but adapter.type "
                                  "is lora; set adapter.type, or remove it")
@@ -754,7 +755,7 @@ class Config(Section):
         if lora.dropout:
             raise ValueError(f"lora.dropout drops LoRA's input features, which {kind} has no place for; use "
                              "adapter.rank_dropout (or adapter.module_dropout) instead")
-        if kind == "loha" and ({"decompose_factor", "decompose_both"} & adapter.model_fields_set):
+        if kind == "loha" and (adapter.decompose_factor != -1 or adapter.decompose_both):
             raise ValueError("adapter.decompose_factor and adapter.decompose_both are LoKr's; adapter.type is loha")
         if adapter.decompose_factor == 0 or adapter.decompose_factor < -1:
             raise ValueError(f"adapter.decompose_factor={adapter.decompose_factor}: use -1 or a positive divisor "

@@ -98,6 +98,9 @@ def test_init_from_starts_at_the_adapter_and_refuses_another_kind(make_config, t
                                           r"adapter\.type=lokr"):
         build_trainer(make_config(lora={"rank": 2, "alpha": 2, "init_from": str(first)}, adapter={"type": "loha"},
                                   output_dir=str(tmp_path / "3"))).run()
+    with pytest.raises(ConfigError, match=r"has alpha 2, but lora\.alpha is 4.*\nWhat to do: set lora\.alpha=2"):
+        build_trainer(make_config(lora={"rank": 2, "alpha": 4, "init_from": str(first)}, adapter={"type": "lokr"},
+                                  output_dir=str(tmp_path / "4"))).run()
 
 
 @pytest.mark.parametrize("kind", ["lokr", "dora"])

@@ -18,7 +18,7 @@ from peft import PeftConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
-from vidtune.algorithms.adapters import AdapterKind, adapted_module, adapter_kind, kind_of, split_key
+from vidtune.algorithms.adapters import LORA, AdapterKind, adapted_module, adapter_kind, kind_of, split_key
 from vidtune.algorithms.part import AlgorithmPart
 from vidtune.ema import EMA
 from vidtune.errors import ConfigError
@@ -142,14 +142,15 @@ class LoRAPart(AlgorithmPart):
         if kind != self.kind:
             raise ConfigError(f"{key} is a {kind.label} adapter, but adapter.type is {self.kind.name}.\nWhat to do: "
                               f"set adapter.type={kind.name}.")
-        ranks = sorted({int(v.shape[0]) for k, v in state.items() if ".lora_A." in k})
+        # The rank a file's tensors show: LoRA's A rows, LoHa's w1_b rows (a LoKr factor's shapes depend on more).
+        ranks = sorted({int(v.shape[0]) for k, v in state.items() if ".lora_A." in k or k.endswith(".hada_w1_b")})
         if ranks and ranks != [options.rank]:
             raise ConfigError(f"{key} is an adapter of rank {', '.join(map(str, ranks))}, but lora.rank is "
                               f"{options.rank}.\nWhat to do: set lora.rank={ranks[0]} (and lora.alpha to the "
                               "adapter's), or start from a fresh adapter (remove lora.init_from).")
         for alpha in sorted(alphas, key=lambda a: -1.0 if a is None else a):
             effective_alpha = alpha if alpha is not None else float(options.rank)  # no metadata: diffusers scales by 1
-            if ranks and effective_alpha != options.alpha:
+            if (ranks or kind is not LORA) and effective_alpha != options.alpha:
                 raise ConfigError(f"{key} has alpha {effective_alpha:g}, but lora.alpha is {options.alpha:g} (the "
                                   f"adapter's effect would be scaled differently).\nWhat to do: set "
                                   f"lora.alpha={effective_alpha:g}.")
@@ -280,5 +281,5 @@ def read_adapter(spec, path: Path) -> tuple[dict[str, torch.Tensor], float | Non
     if metadata.get(f"{prefix}rank_pattern") or metadata.get(f"{prefix}alpha_pattern"):
         raise ConfigError(f"lora.init_from: {path} has a rank or alpha per layer, which vidtune does not train.\n"
                           "What to do: start from an adapter with one rank and alpha.")
-    alpha = metadata.get(f"{prefix}lora_alpha")
+    alpha = metadata.get(f"{prefix}lora_alpha", metadata.get(f"{prefix}alpha"))  # LoraConfig's, LyCORIS configs'
     return state, None if alpha is None else float(alpha)

@@ -334,7 +334,8 @@ class OptimizerConfig(Section):
 class LoRAConfig(Section):
     rank: int = Field(16, gt=0, description="LoRA rank: the adapter's size and capacity.")
     alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the update is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input (adapter.type=lora; LoKr and "
+                           "LoHa have adapter.rank_dropout).")
     target_modules: str | list[str] | None = Field(
         None,
         description="What to adapt: a preset of the model family (`attention`, `attention+ffn`, `all-linear`) or "
@@ -344,7 +345,7 @@ class LoRAConfig(Section):
     use_dora: bool = Field(
         False,
         description="DoRA: also learn a magnitude per output feature of each adapted weight (a little slower; the "
-        "adapter still loads with the family's `load_lora_weights`).",
+        "adapter still loads with the family's `load_lora_weights`). adapter.type=lora only.",
     )
     init_from: str | None = Field(
         None,

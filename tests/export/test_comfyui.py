@@ -85,7 +85,11 @@ def test_a_module_without_an_original_name_is_named():
     with pytest.raises(ComfyUIExportError, match=r"block\.0\.norm.*\nWhat to do: leave them out of lora.target"):
         comfyui_lora(state, [Rule("block\\.(\\d+)\\.out", "o")], alpha=1.0, family="wan")
     state["block.0.norm.lora_magnitude_vector"] = torch.ones(3)
-    with pytest.raises(ComfyUIExportError, match="DoRA magnitudes"):
+    # A DoRA file's `dora_scale` is computed from the base weights: without them, the layer is named.
+    with pytest.raises(ComfyUIExportError, match=r"DoRA adapter of block\.0\.norm needs .* base weight"):
+        comfyui_lora(state, [Rule("block\\.(\\d+)\\.norm", "n")], alpha=1.0)
+    state["block.0.norm.lokr_w1"] = torch.ones(2, 2)
+    with pytest.raises(ComfyUIExportError, match=r"not those of one LoRA, LoKr or LoHa adapter"):
         comfyui_lora(state, [Rule("block\\.(\\d+)\\.norm", "n")], alpha=1.0)
 
 

@@ -90,6 +90,17 @@ def test_plan_matches_the_measured_peak_across_options(plan_config, family, opti
     assert BAND[0] <= predicted / measured <= BAND[1], (predicted, measured)
 
 
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_plan_matches_the_measured_peak_of_a_lycoris_adapter(plan_config, kind):
+    """The planner traces the denoiser with the kind's own layers (peft's LoKr / LoHa), not a LoRA of the rank."""
+    config = plan_config("ltx-video", lora={"rank": 64, "alpha": 64}, adapter={"type": kind})
+    predicted = plan_memory(config).training_peak
+    measured = measure_training(config).peak
+    assert BAND[0] <= predicted / measured <= BAND[1], (predicted, measured)
+    lora = plan_memory(plan_config("ltx-video", lora={"rank": 64, "alpha": 64})).training_peak
+    assert predicted != lora
+
+
 # Parameter counts of the released denoisers (their model cards, rounded): the shipped configs build these.
 DENOISER_PARAMETERS = {
     "Lightricks/LTX-Video": 1.9e9,

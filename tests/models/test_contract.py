@@ -136,3 +136,38 @@ def test_full_fine_tune_saves_a_transformer_the_family_class_loads(make_config, 
     loaded = type(fresh).from_pretrained(result.weights_path)
     for name, parameter in loaded.named_parameters():
         assert torch.equal(parameter, trained[name].to(parameter.dtype)), name
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_lokr_and_loha_train_and_load_in_the_pipeline(make_config, family, kind):
+    """Each LyCORIS kind trains on every family (only its own tensors change), and its file loads into the family's
+    pipeline (through peft: diffusers' video pipelines load LoRA files only) and changes what it produces."""
+    config = make_config(family, training={"steps": 1, "learning_rate": 5e-2}, lora={"rank": 2, "alpha": 2},
+                         adapter={"type": kind})
+    trainer = build_trainer(config)
+    result = trainer.run()
+    prefix = {"lokr": "lokr_", "loha": "hada_"}[kind]
+    trained = trainer.context.denoiser.state_dict()
+    adapter = {k: v for k, v in trained.items() if prefix in k}
+    assert adapter and not any("lora_" in k for k in trained), "not the requested adapter kind"
+    saved = load_file(result.weights_path)
+    assert saved and all(k.startswith("transformer.") and prefix in k for k in saved)
+
+    spec = trainer.spec
+    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
+    pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
+    pipeline.set_progress_bar_config(disable=True)
+    frames, height, width = TINY_SHAPES[family]
+    reference = read_clip(trainer.context.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
+
+    def sample():
+        return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
+                           generator=torch.Generator().manual_seed(0), reference=reference).frames
+
+    plain = sample()
+    spec.load_lora(pipeline, result.weights_path.parent, result.weights_path.name)
+    loaded = {k: v for k, v in pipeline.transformer.state_dict().items() if prefix in k}
+    assert loaded.keys() == adapter.keys() and all(torch.equal(loaded[k], adapter[k]) for k in adapter)
+    adapted = sample()
+    assert plain.shape == adapted.shape
+    assert (plain - adapted).abs().max() > 1e-5

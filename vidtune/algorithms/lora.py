@@ -1,8 +1,8 @@
-"""LoRA: low-rank adapters on the denoiser; the base weights stay frozen.
+"""Adapters on the denoiser (LoRA, or LoKr / LoHa by `adapter.type`); the base weights stay frozen.
 
 What is adapted is `lora.target_modules`: a preset the family declares (`attention`, `attention+ffn`,
 `all-linear`) or module names. `lora.use_dora` adds DoRA's magnitudes; `lora.init_from` starts from an existing
-adapter file instead of a fresh adapter.
+adapter file instead of a fresh adapter. What differs between the kinds is the kind's (vidtune/algorithms/adapters.py).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from diffusers.training_utils import cast_training_params
-from peft import LoraConfig
+from peft import PeftConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 
+from vidtune.algorithms.adapters import LORA, AdapterKind, adapted_module, adapter_kind, kind_of, split_key
 from vidtune.algorithms.part import AlgorithmPart
 from vidtune.ema import EMA
 from vidtune.errors import ConfigError
@@ -26,20 +27,13 @@ from vidtune.memory import finish_base_weights, prepare_base_weights
 from vidtune.models.spec import ALL_LINEAR
 from vidtune.outputs import LORA_EMA_WEIGHTS, LORA_WEIGHTS
 
+CPU = torch.device("cpu")
+
 if TYPE_CHECKING:
     from vidtune.config import Config
     from vidtune.data.sources import Clip
     from vidtune.models.spec import ModelSpec
     from vidtune.objectives import Objective
-
-# The tensors of one adapted module in a peft / diffusers adapter state dict.
-LORA_KEY_PARTS = (".lora_A.", ".lora_B.", ".lora_magnitude_vector")
-
-
-def adapted_module(key: str) -> str:
-    """`blocks.0.attn1.to_q.lora_A.weight` -> `blocks.0.attn1.to_q`."""
-    return min((key.split(part)[0] for part in LORA_KEY_PARTS if part in key), key=len, default=key)
-
 
 def module_suffixes(names: Iterable[str]) -> list[str]:
     """Module paths as short peft target names: what follows the first block index
@@ -57,12 +51,15 @@ def linear_module_names(module: nn.Module) -> list[str]:
 
 
 class LoRAPart(AlgorithmPart):
-    """LoRA adapters on the denoiser (`lora.*`); the base weights stay frozen (and may be stored quantized)."""
+    """Adapters on the denoiser (`lora.*`, `adapter.*`); the base weights stay frozen (and may be stored
+    quantized)."""
 
-    resume_fixed_keys = ("lora.rank", "lora.alpha", "lora.target_modules", "lora.use_dora")
+    resume_fixed_keys = ("lora.rank", "lora.alpha", "lora.target_modules", "lora.use_dora", "adapter.type",
+                         "adapter.decompose_factor", "adapter.decompose_both")
 
     def __init__(self, config: Config, spec: ModelSpec) -> None:
         super().__init__(config, spec)
+        self.kind: AdapterKind = adapter_kind(config)
         self.targets: list[str] | None = None  # the resolved `lora.target_modules`, once the adapter is added
         # Modules of the denoiser that train fully beside the adapter: never stored quantized (memory.base_weights).
         self.trained_fully: tuple[str, ...] = ()
@@ -99,17 +96,10 @@ class LoRAPart(AlgorithmPart):
             return list(requested)
         return module_suffixes(module_names)
 
-    def lora_config(self) -> LoraConfig:
-        options = self.config.lora
-        return LoraConfig(
-            r=options.rank,
-            lora_alpha=options.alpha,
-            lora_dropout=options.dropout,
-            init_lora_weights=True,
-            use_dora=options.use_dora,
-            target_modules=list(self.targets or self.requested_targets()),
-            exclude_modules=self.spec.lora_exclude_modules() or None,
-        )
+    def lora_config(self) -> PeftConfig:
+        """The peft config of the adapter: `adapter.type`'s kind, with `lora.*` (vidtune/algorithms/adapters.py)."""
+        return self.kind.peft_config(self.config, list(self.targets or self.requested_targets()),
+                                     self.spec.lora_exclude_modules() or None)
 
     def configure(self, denoiser: nn.Module, resuming: bool = False) -> list[nn.Parameter]:
         self._denoiser = denoiser
@@ -144,14 +134,23 @@ class LoRAPart(AlgorithmPart):
             alphas.add(alpha)
         options = self.config.lora
         key = f"lora.init_from: {path}"
-        ranks = sorted({int(v.shape[0]) for k, v in state.items() if ".lora_A." in k})
+        try:
+            kind = kind_of(state)
+        except ValueError as error:
+            raise ConfigError(f"{key}: {error}.\nWhat to do: give an adapter file written by vidtune or diffusers.") \
+                from None
+        if kind != self.kind:
+            raise ConfigError(f"{key} is a {kind.label} adapter, but adapter.type is {self.kind.name}.\nWhat to do: "
+                              f"set adapter.type={kind.name}.")
+        # The rank a file's tensors show: LoRA's A rows, LoHa's w1_b rows (a LoKr factor's shapes depend on more).
+        ranks = sorted({int(v.shape[0]) for k, v in state.items() if ".lora_A." in k or k.endswith(".hada_w1_b")})
         if ranks and ranks != [options.rank]:
             raise ConfigError(f"{key} is an adapter of rank {', '.join(map(str, ranks))}, but lora.rank is "
                               f"{options.rank}.\nWhat to do: set lora.rank={ranks[0]} (and lora.alpha to the "
                               "adapter's), or start from a fresh adapter (remove lora.init_from).")
         for alpha in sorted(alphas, key=lambda a: -1.0 if a is None else a):
             effective_alpha = alpha if alpha is not None else float(options.rank)  # no metadata: diffusers scales by 1
-            if ranks and effective_alpha != options.alpha:
+            if (ranks or kind is not LORA) and effective_alpha != options.alpha:
                 raise ConfigError(f"{key} has alpha {effective_alpha:g}, but lora.alpha is {options.alpha:g} (the "
                                   f"adapter's effect would be scaled differently).\nWhat to do: set "
                                   f"lora.alpha={effective_alpha:g}.")
@@ -175,9 +174,16 @@ class LoRAPart(AlgorithmPart):
         if shapes:
             raise ConfigError(f"{key}: {shapes[0]} has shape {tuple(state[shapes[0]].shape)}, this model's "
                               f"{tuple(expected[shapes[0]].shape)}: the adapter was made for another model.\n"
-                              "What to do: use an adapter of this model (model.pretrained).")
+                              f"What to do: use an adapter of this model (model.pretrained){self.kind_hint()}.")
         set_peft_model_state_dict(denoiser, state)
         print(f"Starting from the adapter {path} ({len(state)} tensors).", flush=True)
+
+    def kind_hint(self) -> str:
+        """What else makes a LoKr / LoHa adapter's shapes differ: its own settings."""
+        if self.kind.name == "lora":
+            return ""
+        return (f", made with this lora.rank ({self.config.lora.rank})"
+                + (" and these adapter.decompose_factor / decompose_both" if "lokr_w1" in self.kind.tensors else ""))
 
     @contextlib.contextmanager
     def teacher(self) -> Iterator[nn.Module]:
@@ -225,15 +231,32 @@ class LoRAPart(AlgorithmPart):
             self.spec.save_lora(output, ema, self.adapter_metadata(), LORA_EMA_WEIGHTS)
         return written
 
+    def base_weights(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        return base_weights_for(self.spec, state, self._denoiser)
+
     def save_comfyui(self, folder: Path, state: dict[str, torch.Tensor], name: str) -> Path | None:
         """The same adapter for ComfyUI, beside the diffusers file, named after the run (`name`). An adapter the
         ComfyUI layout cannot hold (a target without an original name, a family ComfyUI's core has no model for) is
         reported, not fatal: the diffusers file is the run's result."""
         try:
-            return save_comfyui_lora(self.spec, folder, state, self.config.lora.alpha, name)
+            return save_comfyui_lora(self.spec, folder, state, self.config.lora.alpha, name,
+                                     rank=self.config.lora.rank, base=self.base_weights(state))
         except ComfyUIExportError as error:
             print(f"No LoRA file for ComfyUI: {error}", flush=True)
             return None
+
+
+def base_weights_for(spec: ModelSpec, state: dict[str, torch.Tensor],
+                     denoiser: nn.Module | None = None) -> dict[str, torch.Tensor] | None:
+    """The frozen weights a DoRA adapter's ComfyUI file is computed from (ComfyUI divides by the base weight's
+    norm, peft by the adapted weight's: vidtune/export/comfyui.py), by module name as the adapter's keys name
+    modules; None for an adapter without DoRA. `denoiser`: the one the adapter trained on, else loaded on the CPU."""
+    if not any("lora_magnitude_vector" in key for key in state):
+        return None
+    module = denoiser if denoiser is not None else spec.load_denoiser(CPU)
+    return {key.removesuffix(".weight").replace(".base_layer", ""): value.detach()
+            for key, value in module.state_dict().items()
+            if key.endswith(".weight") and split_key(key) is None and value.ndim == 2}
 
 
 def read_adapter(spec, path: Path) -> tuple[dict[str, torch.Tensor], float | None]:
@@ -258,5 +281,5 @@ def read_adapter(spec, path: Path) -> tuple[dict[str, torch.Tensor], float | Non
     if metadata.get(f"{prefix}rank_pattern") or metadata.get(f"{prefix}alpha_pattern"):
         raise ConfigError(f"lora.init_from: {path} has a rank or alpha per layer, which vidtune does not train.\n"
                           "What to do: start from an adapter with one rank and alpha.")
-    alpha = metadata.get(f"{prefix}lora_alpha")
+    alpha = metadata.get(f"{prefix}lora_alpha", metadata.get(f"{prefix}alpha"))  # LoraConfig's, LyCORIS configs'
     return state, None if alpha is None else float(alpha)

@@ -23,6 +23,7 @@ from vidtune.config.load import (
 from vidtune.config.problems import Origins, yaml_key_lines
 from vidtune.config.schema import (
     SOURCE_TYPES,
+    AdapterConfig,
     CheckpointConfig,
     Config,
     ControlConfig,
@@ -49,7 +50,8 @@ from vidtune.config.schema import (
 )
 
 __all__ = [
-    "PATH_KEYS", "SOURCE_TYPES", "CheckpointConfig", "Config", "ControlConfig", "DType", "DataConfig", "DatasetSource",
+    "PATH_KEYS", "SOURCE_TYPES", "AdapterConfig", "CheckpointConfig", "Config", "ControlConfig", "DType",
+    "DataConfig", "DatasetSource",
     "DistillationConfig", "FolderSource", "FullConfig", "LoRAConfig", "LoggingConfig", "MemoryConfig",
     "MetadataSource", "ModelConfig", "OptimizerConfig", "Origins", "PairsSource", "ParallelConfig", "PrecomputeConfig",
     "Section", "TrainingConfig", "ValidationConfig", "WandbConfig", "apply_overrides", "build_config",

@@ -364,7 +364,8 @@ class OptimizerConfig(Section):
 class LoRAConfig(Section):
     rank: int = Field(16, gt=0, description="LoRA rank: the adapter's size and capacity.")
     alpha: float = Field(16.0, gt=0, description="LoRA scale numerator: the update is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input (adapter.type=lora; LoKr and "
+                           "LoHa have adapter.rank_dropout).")
     target_modules: str | list[str] | None = Field(
         None,
         description="What to adapt: a preset of the model family (`attention`, `attention+ffn`, `all-linear`) or "
@@ -374,7 +375,7 @@ class LoRAConfig(Section):
     use_dora: bool = Field(
         False,
         description="DoRA: also learn a magnitude per output feature of each adapted weight (a little slower; the "
-        "adapter still loads with the family's `load_lora_weights`).",
+        "adapter still loads with the family's `load_lora_weights`). adapter.type=lora only.",
     )
     init_from: str | None = Field(
         None,
@@ -382,6 +383,33 @@ class LoRAConfig(Section):
         "format, or another format the family's diffusers loader converts. Its rank, alpha, targets and DoRA "
         "must match lora.*. Wan 2.2 two-expert models: the folder of a two-expert run (a file per expert), or with "
         "model.experts=high_noise / low_noise that expert's file.",
+    )
+
+
+class AdapterConfig(Section):
+    """What kind of adapter an adapter algorithm trains (see docs/algorithms.md, "Adapter types").
+
+    `lora.rank`, `lora.alpha`, `lora.target_modules` and `lora.init_from` apply to every type (LoKr and LoHa scale
+    their delta by alpha / rank as LoRA does); `lora.dropout` and `lora.use_dora` are LoRA's own.
+    """
+
+    type: Literal["lora", "lokr", "loha"] = Field(
+        "lora", description="`lora`: low-rank B @ A; `lokr`: a Kronecker product of two small factors (LyCORIS "
+        "LoKr); `loha`: the elementwise product of two low-rank products (LyCORIS LoHa). Through peft's LoraConfig, "
+        "LoKrConfig, LoHaConfig."
+    )
+    decompose_factor: int = Field(
+        -1, description="lokr: the size of the first Kronecker factor's dimensions (a divisor of each layer's "
+        "sizes); -1: the most square split (peft's and LyCORIS' default)."
+    )
+    decompose_both: bool = Field(
+        False, description="lokr: also split the first Kronecker factor into two rank-`lora.rank` matrices."
+    )
+    rank_dropout: float = Field(
+        0.0, ge=0, lt=1, description="lokr, loha: dropout of the delta's rows while training."
+    )
+    module_dropout: float = Field(
+        0.0, ge=0, lt=1, description="lokr, loha: the chance that a step leaves a module's whole delta out."
     )
 
 
@@ -701,6 +729,9 @@ class Config(Section):
     full: FullConfig = Field(
         default_factory=FullConfig, description="Which weights train (training.algorithm=full)."
     )
+    adapter: AdapterConfig = Field(
+        default_factory=AdapterConfig, description="The adapter's kind: LoRA, LoKr or LoHa (adapter algorithms)."
+    )
     distillation: DistillationConfig = Field(
         default_factory=DistillationConfig,
         description="Teacher and student (training.algorithm=guidance-distillation or step-distillation).",
@@ -757,12 +788,46 @@ class Config(Section):
                 f"memory.base_weights={base_weights} works with a LoRA student only: a full student trains those "
                 "weights; set memory.base_weights=auto or remove distillation.student"
             )
+        self._check_adapter()
         if base_weights != "auto" and self.lora.use_dora:
             raise ValueError(
                 f"lora.use_dora cannot be combined with memory.base_weights={base_weights}: DoRA computes with the "
                 "whole frozen weight, which quantized storage does not give; turn one of them off"
             )
         return self
+
+    def _check_adapter(self) -> None:
+        """Settings that make no sense with `adapter.type`, each naming its keys."""
+        adapter, lora, base_weights = self.adapter, self.lora, self.memory.base_weights
+        kind = adapter.type
+        if kind == "lora":
+            # Values, not the keys set: a run's resolved config names every key with its default.
+            lycoris = [key for key in ("decompose_factor", "decompose_both", "rank_dropout", "module_dropout")
+                       if getattr(adapter, key) != AdapterConfig.model_fields[key].default]
+            if lycoris:
+                raise ValueError(f"adapter.{lycoris[0]} is a setting of adapter.type=lokr or loha, but adapter.type "
+                                 "is lora; set adapter.type, or remove it")
+            return
+        traits = algorithm_traits(self.training.algorithm, self.distillation.student)
+        if traits.trains_base_weights:
+            student = " (distillation.student=full)" if traits.chooses_student else ""
+            raise ValueError(f"adapter.type={kind} is an adapter, but training.algorithm={self.training.algorithm}"
+                             f"{student} trains the denoiser's own weights; remove adapter.type or train an adapter")
+        if lora.use_dora:
+            raise ValueError(f"lora.use_dora works with adapter.type=lora only: peft has no DoRA for {kind}; remove "
+                             "lora.use_dora or set adapter.type=lora")
+        if lora.dropout:
+            raise ValueError(f"lora.dropout drops LoRA's input features, which {kind} has no place for; use "
+                             "adapter.rank_dropout (or adapter.module_dropout) instead")
+        if kind == "loha" and (adapter.decompose_factor != -1 or adapter.decompose_both):
+            raise ValueError("adapter.decompose_factor and adapter.decompose_both are LoKr's; adapter.type is loha")
+        if adapter.decompose_factor == 0 or adapter.decompose_factor < -1:
+            raise ValueError(f"adapter.decompose_factor={adapter.decompose_factor}: use -1 or a positive divisor "
+                             "of the layers' sizes")
+        if base_weights == "nf4":
+            raise ValueError(f"memory.base_weights=nf4 cannot be combined with adapter.type={kind}: peft's {kind} "
+                             "layers shape their delta like the base weight, which 4-bit storage packs; use "
+                             "memory.base_weights=int8 or fp8, or adapter.type=lora")
 
     @property
     def frame_rate(self) -> float:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from vidtune import checkpoint as checkpoints
 from vidtune.algorithms import traits_of
 from vidtune.algorithms.build import build_part, build_spec
+from vidtune.algorithms.lora import base_weights_for
 from vidtune.config import load_config, write_resolved_config
 from vidtune.errors import CheckpointError
 from vidtune.export.comfyui import save_comfyui_lora
@@ -79,7 +80,8 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     output.mkdir(parents=True, exist_ok=True)
     spec = build_spec(config)
     if format == "comfyui":
-        return save_comfyui_lora(spec, output, weights, config.lora.alpha, name)
+        return save_comfyui_lora(spec, output, weights, config.lora.alpha, name, rank=config.lora.rank,
+                                 base=base_weights_for(spec, weights))
     written = build_part(config, spec).export(weights, output, ema, name)
     if not (output / RESOLVED_CONFIG).is_file():  # what `vidtune sample` reads to sample them; a run's own is kept
         write_resolved_config(config, output)

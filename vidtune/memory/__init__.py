@@ -27,13 +27,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from vidtune.algorithms.adapters import LOHA_TENSORS, LOKR_TENSORS
 from vidtune.errors import ConfigError, ModelError
 from vidtune.memory.float8 import FLOAT8_DTYPES, store_linear_in_float8
 
 if TYPE_CHECKING:
     from vidtune.models.spec import TextComponents
 
-ADAPTER_LAYERS = ("lora_A", "lora_B", "lora_embedding", "lora_magnitude_vector")
+ADAPTER_LAYERS = ("lora_A", "lora_B", "lora_embedding", "lora_magnitude_vector", *LOKR_TENSORS, *LOHA_TENSORS)
 
 
 def store_frozen_weights_in_fp8(denoiser: nn.Module, keep: tuple[str, ...] = ()) -> None:

@@ -763,7 +763,8 @@ def _model_key(config: Config, device: torch.device) -> tuple:
     the optimizer are accounted from the trace; gradient checkpointing is one of its two kinds of step."""
     training = config.training
     return (config.model.model_dump_json(), device.type, tuple(config.data.bucket_shapes()), training.algorithm,
-            training.batch_size, training.precision, config.lora.model_dump_json(), config.full.model_dump_json())
+            training.batch_size, training.precision, config.lora.model_dump_json(), config.full.model_dump_json(),
+            config.adapter.model_dump_json())
 
 
 @dataclass

@@ -329,12 +329,12 @@ class Wan22Spec(WanSpec):
             raise ModelError(f"{folder} holds neither {high.name} nor {low.name}.\nWhat to do: give the folder of a "
                              "finished run.")
         if high.is_file():
-            pipeline.load_lora_weights(str(folder), weight_name=high.name)
+            self.load_adapter_file(pipeline, high)
         if low.is_file():
             if getattr(pipeline, "transformer_2", None) is None:
                 raise ModelError(f"{low} is a low-noise expert's adapter, but {self.config.pretrained} has no second "
                                  "expert.\nWhat to do: load it with the two-expert model it was trained on.")
-            pipeline.load_lora_weights(str(folder), weight_name=low.name, load_into_transformer_2=True)
+            self.load_adapter_file(pipeline, low, "transformer_2")
 
 
 class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):

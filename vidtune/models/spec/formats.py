@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from vidtune.algorithms.adapters import LORA, add_saved_adapter, file_settings, kind_of
 from vidtune.errors import ConfigError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel
@@ -71,7 +73,20 @@ class Formats(SpecBase):
     def load_lora(self, pipeline: Any, folder: Path, weight_name: str = LORA_WEIGHTS) -> None:
         """A run's adapter into the family's pipeline (by default its `load_lora_weights`; a family with more than
         one denoiser loads each of its files)."""
-        pipeline.load_lora_weights(str(folder), weight_name=weight_name)
+        self.load_adapter_file(pipeline, Path(folder) / weight_name)
+
+    def load_adapter_file(self, pipeline: Any, path: Path, component: str = "transformer") -> None:
+        """One adapter file into the pipeline's denoiser `component`: a LoRA with the pipeline's own
+        `load_lora_weights` (the path users take), a LoKr / LoHa through peft, as diffusers' `load_lora_weights` of
+        the video pipelines reads LoRA files only (it refuses other keys as an invalid LoRA checkpoint)."""
+        state = load_file(path)
+        if kind_of(state) is LORA:
+            extra = {"load_into_transformer_2": True} if component == "transformer_2" else {}
+            pipeline.load_lora_weights(str(path.parent), weight_name=path.name, **extra)
+            return
+        prefix = "transformer."
+        tensors = {key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
+        add_saved_adapter(getattr(pipeline, component), tensors, file_settings(path, prefix))
 
     def initial_adapters(self, path: Path) -> dict[str, Path]:
         """`lora.init_from`: the adapter files to start from, by the prefix their keys take in the denoiser's

@@ -28,6 +28,8 @@ SPECS: dict[str, str] = {
     "wan-i2v": "vidtune.models.wan:WanImageToVideoSpec",
     "wan2.2": "vidtune.models.wan22:Wan22Spec",
     "wan2.2-i2v": "vidtune.models.wan22:Wan22ImageToVideoSpec",
+    "sana-video": "vidtune.models.sana_video:SanaVideoSpec",
+    "sana-video-i2v": "vidtune.models.sana_video:SanaVideoImageToVideoSpec",
 }
 
 

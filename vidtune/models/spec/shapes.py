@@ -49,6 +49,8 @@ PUBLISHED_SHAPE_RULES = {
     "mochi": "frames 6k+1, sides multiples of 16",
     "wan": "frames 4k+1, sides multiples of 16",
     "wan-i2v": "frames 4k+1, sides multiples of 16",
+    "sana-video": "frames 4k+1, sides multiples of 32",
+    "sana-video-i2v": "frames 4k+1, sides multiples of 32",
 }
 
 

@@ -111,6 +111,7 @@ DENOISER_PARAMETERS = {
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": 14e9,  # each of the two experts
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers": 14e9,
     "Lightricks/LTX-2": 19e9,  # the video and audio streams together
+    "Efficient-Large-Model/SANA-Video_2B_480p_diffusers": 2.0e9,
 }
 
 

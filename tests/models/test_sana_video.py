@@ -6,7 +6,9 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
 from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
 
+from tests.helpers.runs import run_stopped_at
 from vidtune.algorithms.build import build_part, build_spec
 from vidtune.config import ModelConfig
 from vidtune.errors import ConfigError
@@ -219,6 +221,25 @@ def test_no_comfyui_file_is_written_and_the_message_says_why(make_config, tmp_pa
     assert "ComfyUI's core has no Sana Video model" in capsys.readouterr().out
     with pytest.raises(ComfyUIExportError, match=r"no Sana Video model.*load_lora_weights"):
         save_comfyui_lora(spec, tmp_path, state, 2.0, "run")
+
+
+@pytest.mark.parametrize("family", ["sana-video", "sana-video-i2v"])
+def test_a_run_stopped_and_resumed_ends_bit_for_bit_as_one_left_alone(make_config, tmp_path, family):
+    """With the first-frame share drawn per visit (text-to-video) and the image in every sample (image-to-video)."""
+    ours = {"first_frame_conditioning": 0.5} if family == "sana-video" else {}
+
+    def config(output, **checkpointing):
+        return make_config(family, model=ours, training={"steps": 4, "learning_rate": 1e-2},
+                           lora={"rank": 4, "alpha": 4, "dropout": 0.1}, checkpoint={"every": 2, **checkpointing},
+                           output_dir=str(output))
+
+    reference = build_trainer(config(tmp_path / "reference")).run()
+    out = tmp_path / "stopped"
+    run_stopped_at(build_trainer(config(out)), 3)
+    resumed = build_trainer(config(out, resume="latest")).run()
+    expected, found = load_file(reference.weights_path), load_file(resumed.weights_path)
+    assert expected.keys() == found.keys() and expected
+    assert all(torch.equal(expected[key], found[key]) for key in expected)
 
 
 # ----- the planner --------------------------------------------------------------------------------------------

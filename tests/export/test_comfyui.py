@@ -30,6 +30,7 @@ from vidtune.algorithms.lora import linear_module_names
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.export.comfyui import ComfyUIExportError, Rule, comfyui_lora, fuse, fused, save_comfyui_lora
 from vidtune.models.registry import available_models, get_spec_class
+from vidtune.models.spec import ModelSpec
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.outputs import LORA_WEIGHTS, comfyui_lora_weights
 from vidtune.trainers import build_trainer
@@ -249,7 +250,9 @@ def mochi_layout(config: dict) -> dict[str, tuple[int, int]]:
 
 LAYOUTS = {"mochi": mochi_layout, "hunyuan-video": hunyuan_video_layout, "hunyuan-video-1.5": hunyuan_video_layout,
            "hunyuan-video-1.5-i2v": hunyuan_video_layout}
-COMFYUI_FAMILIES = [family for family in available_models() if not family.startswith("cogvideox")]
+# The families ComfyUI's core has a model for: those whose spec names ComfyUI's layers.
+COMFYUI_FAMILIES = [family for family in available_models()
+                    if get_spec_class(family).comfyui_lora_rules is not ModelSpec.comfyui_lora_rules]
 
 
 def _adapter_on_every_linear(family: str, make_config) -> tuple[object, torch.nn.Module, dict[str, torch.Tensor]]:

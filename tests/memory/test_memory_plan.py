@@ -131,6 +131,7 @@ DENOISER_PARAMETERS = {
     "Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers": 1.4e9,  # Wan 2.1 1.3B's, and the frame-rate embedding
     "Skywork/SkyReels-V2-DF-14B-540P-Diffusers": 14.3e9,
     "Skywork/SkyReels-V2-DF-14B-720P-Diffusers": 14.3e9,
+    "Efficient-Large-Model/SANA-Video_2B_480p_diffusers": 2.0e9,
 }
 
 

@@ -44,7 +44,12 @@ def test_every_preset_names_linear_layers_of_the_familys_denoiser(make_config, f
     config = make_config(family)
     spec = get_spec_class(family)(config.model, frame_rate=config.frame_rate)
     denoiser = spec.load_denoiser(CPU)
+    # A 1x1 convolution is a linear layer applied at each position (Sana Video's feed-forward is made of them).
+    pointwise = {name for name, module in denoiser.named_modules()
+                 if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) and module.groups == 1
+                 and all(size == 1 for size in module.kernel_size)}
     linear = linear_module_names(denoiser)
+    adaptable = set(linear) | pointwise
     assert set(spec.lora_presets) == {"attention", "attention+ffn", ALL_LINEAR}
     assert spec.default_lora_targets == spec.lora_presets[spec.default_lora_preset] == spec.lora_presets["attention"]
     assert set(spec.lora_presets["attention"]) < set(spec.lora_presets["attention+ffn"])
@@ -52,7 +57,7 @@ def test_every_preset_names_linear_layers_of_the_familys_denoiser(make_config, f
         if preset == ALL_LINEAR:
             continue
         for target in targets:
-            assert any(_matches(name, target) for name in linear), f"{family} {preset}: {target} matches no layer"
+            assert any(_matches(name, target) for name in adaptable), f"{family} {preset}: {target} matches no layer"
     # Feed-forward layers are what `attention+ffn` adds (a name that only matched attention would pass above).
     added = set(spec.lora_presets["attention+ffn"]) - set(spec.lora_presets["attention"])
     assert added and all("ff" in target or "mlp" in target for target in added)

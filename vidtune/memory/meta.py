@@ -42,6 +42,11 @@ class ShapeTokenizer:
         return types.SimpleNamespace(input_ids=torch.zeros(count, length, dtype=torch.long),
                                      attention_mask=torch.ones(count, length, dtype=torch.long))
 
+    def encode(self, text: str, **_: Any) -> list[int]:
+        """About one token per word: what a pipeline that measures a fixed text (Sana Video's instruction) adds to
+        its caption length; the planner needs lengths, never ids."""
+        return [0] * (len(text.split()) + 1)
+
     def apply_chat_template(self, conversations: list[Any], max_length: int | None = None,
                             **_: Any) -> types.SimpleNamespace:
         """Chat-formatted prompts (Qwen2.5-VL's, HunyuanVideo 1.5), tokenized to `max_length` like `__call__`."""

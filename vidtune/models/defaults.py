@@ -126,12 +126,21 @@ SKYREELS_V2_DF = FamilyDefaults(frames=97, height=544, width=960, fps=24.0, fram
         "noise schedules`; SkyworkAI/SkyReels-V2 README, Diffusion Forcing), each frame's level logit-normal as "
         "`skyreels-v2`'s"))
 
+SANA_VIDEO = FamilyDefaults(frames=81, height=480, width=832, fps=16.0, sigma_shift=3.0, source=(
+    "NVlabs/Sana `configs/sana_video_config/Sana_2000M_480px_AdamW_fsdp.yaml` (81 frames at 480p, 480x832 the "
+    "pipelines' default); 16 fps: the pipelines' example and bghira/SimpleTuner's `framerate`; guidance 6: the "
+    "pipelines' default"), noise_source=(
+        "NVlabs/Sana `configs/sana_video_config/Sana_2000M_480px_AdamW_fsdp.yaml`: `scheduler.weighting_scheme: "
+        "logit_normal` (mean 0, std 1), `flow_shift: 3.0`; bghira/SimpleTuner's uniform draw over the scheduler's "
+        "shift-8 table is reachable (docs/models.md)"))
+
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "ltx-video": LTX_VIDEO, "ltx-video-i2v": LTX_VIDEO, "ltx-2": LTX_2, "ltx-2-i2v": LTX_2, "cogvideox": COGVIDEOX,
     "cogvideox-i2v": COGVIDEOX, "mochi": MOCHI, "hunyuan-video": HUNYUAN_VIDEO, "hunyuan-video-1.5": HUNYUAN_VIDEO_15,
     "hunyuan-video-1.5-i2v": HUNYUAN_VIDEO_15, "wan": WAN, "wan-i2v": WAN, "wan2.2": WAN_22, "wan2.2-i2v": WAN_22,
     "skyreels-v2": SKYREELS_V2, "skyreels-v2-i2v": SKYREELS_V2, "skyreels-v2-df": SKYREELS_V2_DF,
+    "sana-video": SANA_VIDEO, "sana-video-i2v": SANA_VIDEO,
 }
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.

@@ -31,6 +31,8 @@ SPECS: dict[str, str] = {
     "skyreels-v2": "vidtune.models.skyreels_v2:SkyReelsV2Spec",
     "skyreels-v2-i2v": "vidtune.models.skyreels_v2:SkyReelsV2ImageToVideoSpec",
     "skyreels-v2-df": "vidtune.models.skyreels_v2:SkyReelsV2DiffusionForcingSpec",
+    "sana-video": "vidtune.models.sana_video:SanaVideoSpec",
+    "sana-video-i2v": "vidtune.models.sana_video:SanaVideoImageToVideoSpec",
 }
 
 

@@ -52,6 +52,8 @@ PUBLISHED_SHAPE_RULES = {
     "skyreels-v2": "frames 4k+1, sides multiples of 16",
     "skyreels-v2-i2v": "frames 4k+1, sides multiples of 16",
     "skyreels-v2-df": "frames 4k+1, sides multiples of 16",
+    "sana-video": "frames 4k+1, sides multiples of 32",
+    "sana-video-i2v": "frames 4k+1, sides multiples of 32",
 }
 
 

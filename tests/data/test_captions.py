@@ -12,7 +12,7 @@ from vidtune.config import DataConfig
 from vidtune.data.captions import (
     CaptionStyle,
     preservation_caption,
-    shuffle_variant,
+    shuffle_variants,
     split_tags,
     variant_of_visit,
     visit_untriggered,
@@ -49,9 +49,10 @@ def test_tag_shuffling_keeps_the_leading_tags_and_is_a_function_of_seed_and_posi
     assert draws != [visit_untriggered(style, TAGS, seed=4, position=position) for position in range(20)]
     assert style.with_trigger(draws[0]).startswith("sks, 1girl, red hair, ")
     # The cache's fixed shuffles: as many as asked, each a pure function of (seed, sample, number).
-    variants = [shuffle_variant(style, TAGS, 3, index=0, number=n) for n in range(8)]
-    assert variants == [shuffle_variant(style, TAGS, 3, index=0, number=n) for n in range(8)]
-    assert len(set(variants)) > 4
+    variants = shuffle_variants(style, TAGS, 3, index=0, count=8)
+    assert variants == shuffle_variants(style, TAGS, 3, index=0, count=8) and len(set(variants)) == 8
+    assert len(shuffle_variants(style, "a, b, c", 3, index=0, count=8)) == 1  # one tag moves: one order
+    assert len(shuffle_variants(CaptionStyle(shuffle_tags=True), "a, b, c", 3, index=0, count=8)) == 6
     picks = [variant_of_visit(8, 3, position) for position in range(400)]
     assert set(picks) == set(range(8))
 

@@ -9,7 +9,7 @@
   visit's generator: `vidtune.algorithms.losses.noisy_inputs`).
 
 Every draw is keyed by (seed, stream position) like the visit's noise, so a resumed run reads the same captions.
-From the precompute cache a visit reads one of a fixed number of shuffles (`shuffle_variant`), each a pure function
+From the precompute cache a visit reads one of a fixed number of shuffles (`shuffle_variants`), each a pure function
 of (seed, sample, number), whose conditions the cache holds.
 """
 
@@ -73,11 +73,20 @@ def visit_untriggered(style: CaptionStyle, untriggered: str, seed: int, position
     return style.shuffled(untriggered, shuffle_generator(seed, position))
 
 
-def shuffle_variant(style: CaptionStyle, untriggered: str, seed: int, index: int, number: int) -> str:
-    """Fixed shuffle `number` of sample `index`'s caption without its trigger (what the cache holds)."""
+def shuffle_variants(style: CaptionStyle, untriggered: str, seed: int, index: int, count: int) -> list[str]:
+    """`count` distinct fixed shuffles of sample `index`'s caption without its trigger (what the cache holds; fewer
+    when its tags have fewer orders), a pure function of (seed, index); without `shuffle_tags` the caption alone."""
     if not style.shuffle_tags:
-        return untriggered
-    return style.shuffled(untriggered, shuffle_generator(seed + 1 + number, -1 - index))
+        return [untriggered]
+    generator = shuffle_generator(seed + 1, -1 - index)
+    variants: list[str] = []
+    for _ in range(count * 20):  # repeated orders are drawn again, a bounded number of times
+        drawn = style.shuffled(untriggered, generator)
+        if drawn not in variants:
+            variants.append(drawn)
+        if len(variants) == count:
+            break
+    return variants
 
 
 def variant_of_visit(count: int, seed: int, position: int) -> int:

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from vidtune.config import Config
 from vidtune.data.buckets import visit_window
-from vidtune.data.captions import preservation_caption, shuffle_variant, variant_of_visit
+from vidtune.data.captions import preservation_caption, variant_of_visit
 from vidtune.data.encoded_store import EncodedStore
 from vidtune.data.sources import Clip
 from vidtune.models.spec import CONTROL_LATENTS, ModelSpec
@@ -95,7 +95,7 @@ class CachedClips(Dataset):
         preserve = self.config.training.preserve_base
         if preserve is not None:  # the visit's preservation caption, as `EncodedBatches.preservation` makes it
             seed = self.config.training.seed
-            untriggered = shuffle_variant(clip.style, clip.untriggered, seed, clip.index, variant)
+            untriggered = self.plan.caption_variants[item][variant]
             caption = preservation_caption(untriggered, clip.style, preserve.prompts, preserve.class_word, seed,
                                            position)
             found["preserve"] = self.conditions(self.plan.preserve_keys[caption])

@@ -31,7 +31,7 @@ from vidtune.algorithms import traits_of
 from vidtune.config import Config
 from vidtune.data.audio import AudioFormat, ClipAudio, read_audio
 from vidtune.data.buckets import window_starts
-from vidtune.data.captions import preservation_caption, shuffle_variant
+from vidtune.data.captions import preservation_caption, shuffle_variants
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
@@ -179,6 +179,7 @@ class CachePlan:
     latent_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Per sample, its caption's fixed tag shuffles (`shuffle_tags`: `precompute.caption_shuffles`; else its key).
     condition_variants: list[list[str]] = field(default_factory=list)
+    caption_variants: list[list[str]] = field(default_factory=list)  # the same shuffles' text, without the trigger
     # `training.preserve_base`: every preservation caption a visit may read -> its key.
     preserve_keys: dict[str, str] = field(default_factory=dict)
     empty_key: str | None = None  # the empty prompt, for caption dropout technique `empty`
@@ -248,8 +249,8 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
     seed, shuffles, preserve = config.training.seed, options.caption_shuffles, config.training.preserve_base
     for clip in clips:
         # A clip whose tags are shuffled offers fixed shuffles, one drawn per visit (vidtune/data/captions.py).
-        untriggered = [shuffle_variant(clip.style, clip.untriggered, seed, clip.index, number)
-                       for number in range(shuffles if clip.style.shuffle_tags else 1)]
+        untriggered = shuffle_variants(clip.style, clip.untriggered, seed, clip.index, shuffles)
+        plan.caption_variants.append(untriggered)
         variants = [condition(clip.style.with_trigger(text)) for text in untriggered]
         plan.condition_keys.append(variants[0])  # without shuffling: the caption itself
         plan.condition_variants.append(variants)

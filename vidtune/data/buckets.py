@@ -220,7 +220,7 @@ class BatchSchedule:
 
     @property
     def visits_per_epoch(self) -> int:
-        if self.weights is not None:  # drawn with replacement: an "epoch" is as many draws as samples
+        if self.weights is not None:  # drawn with replacement: an epoch is as many draws as samples
             return len(self.buckets)
         return sum(len(visits) for visits in self.visits.values())
 

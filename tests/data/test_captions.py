@@ -65,6 +65,10 @@ def test_keep_tokens_needs_shuffle_tags_and_weight_is_set_on_every_training_sour
                              {"type": "pairs", "root": str(tmp_path)}])
     with pytest.raises(ValidationError, match=r"weight=2\.0 and repeats=3 both set"):
         DataConfig(datasets=[{"type": "pairs", "root": str(tmp_path), "weight": 2, "repeats": 3}])
+    with pytest.raises(ValidationError, match="role: regularization and eval: true both set"):
+        DataConfig(datasets=[{"type": "pairs", "root": str(tmp_path), "role": "regularization", "eval": True}])
+    with pytest.raises(ValidationError, match="trigger is empty"):
+        DataConfig(datasets=[{"type": "pairs", "root": str(tmp_path), "trigger": " "}])
     # A held-out source takes no draws: it needs no weight.
     DataConfig(datasets=[{"type": "pairs", "root": str(tmp_path), "weight": 2},
                          {"type": "pairs", "root": str(tmp_path), "eval": True}])

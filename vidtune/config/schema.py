@@ -220,7 +220,7 @@ class DataConfig(Section):
                           "path a line, same order.")
     datasets: list[DatasetSource] | None = Field(
         None, description="Several sources, each `{type: pairs | folder | metadata, ...}` with optional `repeats` "
-        "and `caption_prefix` (see docs/datasets.md). Instead of `root`."
+        "or `weight`, `role`, `loss_weight` and caption options (see docs/datasets.md). Instead of `root`."
     )
     frames: int = Field(49, gt=0, description="Frames per training clip (the one-bucket shorthand); "
                         "unset: the family's (docs/models.md).")

@@ -23,7 +23,7 @@ import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -34,10 +34,11 @@ from vidtune import parallel
 from vidtune.config import Config
 from vidtune.data.audio import AudioBatch
 from vidtune.data.buckets import BatchSchedule, ScheduleSampler
+from vidtune.data.captions import preservation_caption
 from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.encoded_store import EncodedStore
 from vidtune.data.frame_store import FrameStore
-from vidtune.data.sources import Clip
+from vidtune.data.sources import Clip, draw_weights
 from vidtune.models.spec import CONTROL_LATENTS, FRAME_RATE, Conditions, Latents, ModelSpec, TextComponents
 from vidtune.precompute import CachedClips, collate_cached, encode_captions, encode_videos, stack_items
 from vidtune.processors import configured_processor
@@ -51,6 +52,12 @@ class Batch:
     latents: Latents
     positions: torch.Tensor  # [B] long: each clip's position in the stream
     indices: torch.Tensor  # [B] long: each clip's index in the dataset
+    # `training.preserve_base`: the conditions of each visit's preservation caption (empty when off).
+    preserve: Conditions = field(default_factory=dict)
+    # Per clip, from its source: the probability its caption is dropped, its loss weight, whether it regularizes.
+    dropout: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    loss_weights: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    regularization: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
 
 
 class BatchSource(ABC):
@@ -64,7 +71,7 @@ class BatchSource(ABC):
         self.clips = list(clips)
         self.device = device
         self.schedule = BatchSchedule([clip.bucket or 0 for clip in self.clips], [clip.repeats for clip in self.clips],
-                                      config.training.batch_size, config.training.seed)
+                                      config.training.batch_size, config.training.seed, draw_weights(self.clips))
 
     def batches(self, start_position: int) -> Iterator[Batch]:
         """The endless stream from `start_position` (samples consumed so far by all ranks)."""
@@ -72,8 +79,14 @@ class BatchSource(ABC):
         loaded = self.loader(sampler)
         for raw in read_ahead(loaded, self.read_ahead) if self.read_ahead else loaded:
             conditions, latents = self.encode(raw)
+            clips = [self.clips[int(index)] for index in raw["index"]]
+            preserve = self.preservation(raw) if self.config.training.preserve_base is not None else {}
+            dropout = self.config.data.caption_dropout
             yield Batch(to_device(conditions, self.device), to_device(latents, self.device), raw["position"],
-                        raw["index"])
+                        raw["index"], to_device(preserve, self.device),
+                        torch.tensor([dropout if clip.style.dropout is None else clip.style.dropout for clip in clips]),
+                        torch.tensor([clip.loss_weight for clip in clips]),
+                        torch.tensor([clip.regularization for clip in clips]))
 
     @abstractmethod
     def loader(self, sampler: ScheduleSampler) -> DataLoader:
@@ -82,6 +95,10 @@ class BatchSource(ABC):
     @abstractmethod
     def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
         """(conditions, latents) of one loaded batch."""
+
+    @abstractmethod
+    def preservation(self, raw: dict[str, Any]) -> Conditions:
+        """The conditions of each visit's preservation caption (`training.preserve_base`) of one loaded batch."""
 
     @abstractmethod
     def prompt(self, caption: str) -> Conditions:
@@ -111,6 +128,9 @@ class CachedBatches(BatchSource):
 
     def encode(self, raw: dict[str, Any]) -> tuple[Conditions, Latents]:
         return raw["conditions"], raw["latents"]
+
+    def preservation(self, raw: dict[str, Any]) -> Conditions:
+        return raw["preserve"]
 
     def prompt(self, caption: str) -> Conditions:
         return to_device(self.cached.prompt_conditions(caption), self.device)
@@ -179,6 +199,20 @@ class EncodedBatches(BatchSource):
                                                    raw["start"].tolist(), strict=True)]
         conditions = self.encoded.items([("caption", caption) for caption in captions], encode_captions_at)
         return stack_items(conditions), stack_items(self.encoded.items(windows, encode_windows_at))
+
+    def preservation(self, raw: dict[str, Any]) -> Conditions:
+        options, seed = self.config.training.preserve_base, self.config.training.seed
+        assert options is not None
+        captions = [preservation_caption(untriggered, self.clips[int(index)].style, options.prompts,
+                                         options.class_word, seed, int(position))
+                    for untriggered, index, position in zip(raw["untriggered"], raw["index"], raw["position"],
+                                                            strict=True)]
+
+        def encode_at(picks: list[int]) -> list[Conditions]:
+            chosen = [captions[i] for i in picks]
+            return encode_captions(self.spec, self.text, chosen, batch_size=len(picks), device="cpu")
+
+        return stack_items(self.encoded.items([("caption", caption) for caption in captions], encode_at))
 
     def prompt(self, caption: str) -> Conditions:
         return to_device(stack_items(encode_captions(self.spec, self.text, [caption], batch_size=1)), self.device)

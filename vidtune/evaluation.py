@@ -70,7 +70,7 @@ def hold_out(clips: Sequence[Clip], config: Config) -> tuple[list[Clip], list[Cl
     """(the samples training takes, the held-out samples), each list numbered from 0 in dataset order.
 
     Held out: every sample of a source marked `eval: true`, and `validation.eval_clips` samples of the others,
-    evenly spread over them (also trained on with `validation.train_on_eval_clips`)."""
+    evenly spread over them (regularization samples never) (also trained on with `validation.train_on_eval_clips`)."""
     validation = config.validation
     marked = [clip for clip in clips if clip.held_out]
     training = [clip for clip in clips if not clip.held_out]
@@ -87,7 +87,14 @@ def hold_out(clips: Sequence[Clip], config: Config) -> tuple[list[Clip], list[Cl
             hint="lower validation.eval_clips, add clips, mark a separate source `eval: true`, or set "
             "validation.train_on_eval_clips=true to score samples that are also trained on.",
         )
-    picked = {int((number + 0.5) * len(training) / wanted) for number in range(wanted)} if wanted else set()
+    # Regularization samples show what the base model already makes: never the ones scored.
+    candidates = [number for number, clip in enumerate(training) if not clip.regularization]
+    if wanted > len(candidates):
+        raise DataError([f"validation.eval_clips is {wanted}, but the training sources hold {len(candidates)} "
+                         "sample(s) that are not regularization samples (role: regularization)."],
+                        hint="lower validation.eval_clips, or mark a separate source `eval: true`.")
+    picked = {candidates[int((number + 0.5) * len(candidates) / wanted)] for number in range(wanted)} if wanted \
+        else set()
     chosen = [clip for number, clip in enumerate(training) if number in picked]
     if not validation.train_on_eval_clips:
         training = [clip for number, clip in enumerate(training) if number not in picked]

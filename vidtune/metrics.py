@@ -33,12 +33,15 @@ class StepLog:
                              dynamic_ncols=True)
 
     def record(self, step: int, loss: float, lr: float, grad_norm: float | None, seconds: float,
-               samples: int, compile_seconds: float = 0.0, noise: dict[str, list[float]] | None = None) -> None:
+               samples: int, compile_seconds: float = 0.0, noise: dict[str, list[float]] | None = None,
+               parts: dict[str, float] | None = None) -> None:
         """One logged step; `samples`: how many samples all ranks took in it; `compile_seconds`: the time
         torch.compile took during the step (not part of `seconds`); `noise`: the samples' noise levels and losses by
-        key (NaN: a level a sample has not, written as null)."""
+        key (NaN: a level a sample has not, written as null); `parts`: named shares of the loss
+        ("loss/regularization", "loss/preservation"), also given to the trackers."""
+        parts = parts or {}
         if parallel.is_main():
-            row: dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            row: dict[str, Any] = {"step": step, "loss": loss, **parts, "lr": lr, "grad_norm": grad_norm,
                                    "seconds_per_step": seconds}
             if compile_seconds > 0:
                 row["compile_seconds"] = compile_seconds
@@ -47,7 +50,7 @@ class StepLog:
             with self.path.open("a", encoding="utf-8") as handle:
                 handle.write(json.dumps(row) + "\n")
         for tracker in self.trackers:
-            tracker.log_metrics(step, step_values(loss, lr, grad_norm, seconds, samples))
+            tracker.log_metrics(step, {**step_values(loss, lr, grad_norm, seconds, samples), **parts})
         self.losses.append(loss)
         self.progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
 

@@ -35,3 +35,12 @@ def one_clip_dataset(video: Path, caption: str, root: Path) -> Path:
     (root / "videos.txt").write_text(video.name + "\n")
     (root / "prompts.txt").write_text(caption + "\n")
     return root
+
+
+def captioned_dataset(shapes_dataset: Path, root: Path, captions: list[str]) -> Path:
+    """A `pairs` folder naming the shapes dataset's clips (as many as `captions`, by absolute path) with `captions`."""
+    clips = [clip.video for clip in pair_samples(shapes_dataset)][: len(captions)]
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "videos.txt").write_text("".join(f"{path}\n" for path in clips))
+    (root / "prompts.txt").write_text("".join(f"{caption}\n" for caption in captions))
+    return root

@@ -41,6 +41,12 @@ class AlgorithmTraits:
         return not self.distils
 
     @property
+    def preserves_base(self) -> bool:
+        """Whether `training.preserve_base` applies: an adapter that can be switched off to give the base model's
+        prediction, with a plain denoising loss (no control input, no teacher)."""
+        return self.trains_adapter and not self.control and not self.distils
+
+    @property
     def stream_noise_levels(self) -> bool:
         """Whether other streams (LTX-2's audio) get noise levels of their own, or follow the video's."""
         return not self.learns_sampling_steps

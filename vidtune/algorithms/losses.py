@@ -10,7 +10,12 @@ metrics.jsonl. `loss_function(traits)` picks the one an algorithm trains with:
   step call the same `clip_losses`;
 - `control_loss`: the same, with the control latents handed to the widened input layer;
 - `guidance_distillation_loss`: the error to the frozen teacher's guided prediction;
-- `step_distillation_loss`: the error to the velocity of one Euler step over the teacher's window.
+- `step_distillation_loss`: the error to the velocity of one Euler step over the teacher's window;
+- `preservation_loss` (`training.preserve_base`, added to the denoising loss by `with_preservation`): the error of
+  the adapter's prediction to the base model's on captions without the trigger word.
+
+Each clip's loss is multiplied by its source's `loss_weight` (`source_weighted`), and the regularization sources'
+share is logged apart.
 
 A new loss is one more function here with the signature of `LossFunction`, named by `loss_function`.
 """
@@ -39,6 +44,9 @@ if TYPE_CHECKING:
     from vidtune.objectives import Objective
     from vidtune.parallel.strategy import Strategy
 
+# The names of a loss's parts in metrics.jsonl.
+REGULARIZATION = "loss/regularization"
+PRESERVATION = "loss/preservation"
 # Seed offsets of the draws a visit adds (a guidance scale, a window): apart from its noise, so those stay as in lora.
 GUIDANCE_SEED_OFFSET = 7
 WINDOW_SEED_OFFSET = 11
@@ -79,6 +87,8 @@ class LossOutput:
     total: torch.Tensor
     sample_losses: torch.Tensor | None = None
     levels: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Named shares of `total` logged beside it (summed like it): "loss/regularization", "loss/preservation".
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 LossFunction = Callable[["LossContext", "Batch"], LossOutput]
@@ -103,7 +113,7 @@ class NoisyInputs:
 def noisy_inputs(context: LossContext, batch: Batch) -> NoisyInputs:
     """Draw each clip's latent, noise level, noise and caption dropout from its visit's own generator."""
     config, spec = context.config, context.spec
-    seed, dropout = config.training.seed, config.data.caption_dropout
+    seed = config.training.seed
     generators = [visit_generator(seed, int(position)) for position in batch.positions]
     tokens = spec.token_count(batch.latents[POSTERIOR_KEYS[0]].shape[1:])  # one bucket shape a batch
     # The step's noise levels: the family may narrow them per step, alike on every rank (vidtune/models/spec/hooks.py).
@@ -115,8 +125,9 @@ def noisy_inputs(context: LossContext, batch: Batch) -> NoisyInputs:
     ]).float()
     noise = torch.cat([torch.randn(x0.shape[1:], generator=g).unsqueeze(0) for g in generators]).to(x0.device)
     conditions = batch.conditions
-    if dropout > 0:
-        drop = torch.tensor([float(torch.rand(1, generator=g)) < dropout for g in generators])
+    if config.data.drops_captions():  # each clip's own probability: its source's, else data.caption_dropout
+        drop = torch.tensor([float(torch.rand(1, generator=g)) < float(p) for g, p in zip(generators,
+                                                                                           batch.dropout, strict=True)])
         conditions = apply_caption_dropout(context, conditions, drop)
     # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout, nor do the other
     # streams' noise, drawn last from each visit's generator.
@@ -159,16 +170,54 @@ def clip_losses(context: LossContext, inputs: NoisyInputs, denoiser: nn.Module |
     return per_clip * context.objective.loss_weights(inputs.levels).to(per_clip.device)
 
 
+def source_weighted(context: LossContext, batch: Batch, per_clip: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Each clip's loss times its source's `loss_weight`, and the regularization clips' share of their sum
+    ("loss/regularization", logged whenever a source has `role: regularization`)."""
+    weighted = per_clip * batch.loss_weights.to(per_clip)
+    if not context.config.data.regularizes():
+        return weighted, {}
+    share = (weighted * batch.regularization.to(weighted.device)).sum()
+    return weighted, {REGULARIZATION: share.detach()}
+
+
 def denoising_loss(context: LossContext, batch: Batch) -> LossOutput:
     """Sum over the micro-batch of each clip's weighted mean squared error (with the control latents, for a control
-    algorithm)."""
+    algorithm), each clip's times its source's `loss_weight`."""
     inputs = noisy_inputs(context, batch)
-    losses = clip_losses(context, inputs)
+    losses, parts = source_weighted(context, batch, clip_losses(context, inputs))
     return LossOutput(losses.sum(), losses.detach(),
-                      {context.objective.level_name: per_clip_levels(inputs.levels), **inputs.stream_levels})
+                      {context.objective.level_name: per_clip_levels(inputs.levels), **inputs.stream_levels}, parts)
 
 
 control_loss = denoising_loss  # `clip_losses` hands a control algorithm's latents to the widened layer
+
+
+# ----- preserving the base model -----------------------------------------------------------------------------------
+def preservation_loss(context: LossContext, batch: Batch) -> LossOutput:
+    """`training.preserve_base`: W x each clip's mean squared error between the adapter's prediction and the base
+    model's (the same denoiser with its adapter off), both on the visit's preservation caption at the visit's noisy
+    latents (the ones `noisy_inputs` draws for the denoising loss: the same generators)."""
+    options = context.config.training.preserve_base
+    assert options is not None
+    inputs = noisy_inputs(context, batch)
+    video_derived = {k: v for k, v in inputs.conditions.items() if k not in batch.conditions}
+    conditions = {**video_derived, **batch.preserve}
+    noisy = inputs.noisy.to(context.denoiser.dtype)
+    with context.part.teacher() as base:
+        target = predict(context, base, conditions, noisy, inputs.timesteps, None)
+    prediction = predict(context, context.trained_denoiser, conditions, noisy, inputs.timesteps, None)
+    per_clip = options.weight * context.spec.per_clip_error((prediction - target).pow(2), conditions)
+    return LossOutput(per_clip.sum(), parts={PRESERVATION: per_clip.sum().detach()})
+
+
+def with_preservation(loss: LossFunction) -> LossFunction:
+    """`loss` plus `preservation_loss`: their totals and parts summed, `loss`'s per-clip notes kept."""
+
+    def preserving(context: LossContext, batch: Batch) -> LossOutput:
+        main, kept = loss(context, batch), preservation_loss(context, batch)
+        return LossOutput(main.total + kept.total, main.sample_losses, main.levels, {**main.parts, **kept.parts})
+
+    return preserving
 
 
 # ----- guidance distillation ---------------------------------------------------------------------------------------
@@ -217,9 +266,10 @@ def guidance_distillation_loss(context: LossContext, batch: Batch) -> LossOutput
     target = teacher_prediction(context, inputs.conditions, noisy, inputs.timesteps, scales)
     embedded = scales if context.config.distillation.guidance_range is not None else None
     prediction = predict(context, context.trained_denoiser, inputs.conditions, noisy, inputs.timesteps, embedded)
-    per_clip = context.spec.per_clip_error((prediction - target).pow(2), inputs.conditions)
+    per_clip, parts = source_weighted(context, batch,
+                                      context.spec.per_clip_error((prediction - target).pow(2), inputs.conditions))
     return LossOutput(per_clip.sum(), per_clip.detach(),
-                      {context.objective.level_name: per_clip_levels(inputs.levels), **inputs.stream_levels})
+                      {context.objective.level_name: per_clip_levels(inputs.levels), **inputs.stream_levels}, parts)
 
 
 # ----- step distillation -------------------------------------------------------------------------------------------
@@ -308,13 +358,17 @@ def step_distillation_loss(context: LossContext, batch: Batch) -> LossOutput:
     with torch.autocast(context.device.type, dtype=torch.bfloat16, enabled=context.bf16):
         prediction = spec.forward(context.trained_denoiser, inputs.conditions, z_start.to(context.denoiser.dtype),
                                   objective.timesteps(paths[:, 0]).to(z_start.device))
-    return LossOutput(spec.per_clip_error((prediction.float() - target).pow(2), inputs.conditions).sum())
+    per_clip, parts = source_weighted(context, batch,
+                                      spec.per_clip_error((prediction.float() - target).pow(2), inputs.conditions))
+    return LossOutput(per_clip.sum(), parts=parts)
 
 
-def loss_function(traits: AlgorithmTraits) -> LossFunction:
-    """The loss an algorithm trains with."""
+def loss_function(traits: AlgorithmTraits, preserve_base: bool = False) -> LossFunction:
+    """The loss an algorithm trains with (`preserve_base`: with `preservation_loss` added; the config refuses it
+    for algorithms without `traits.preserves_base`)."""
     if traits.learns_sampling_steps:
         return step_distillation_loss
     if traits.teacher_guidance:
         return guidance_distillation_loss
-    return control_loss if traits.control else denoising_loss
+    loss = control_loss if traits.control else denoising_loss
+    return with_preservation(loss) if preserve_base and traits.preserves_base else loss

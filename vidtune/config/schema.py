@@ -138,13 +138,66 @@ class ModelConfig(Section):
 
 class _SourceBase(Section):
     repeats: int = Field(1, ge=1, description="How often each sample of this source is seen per epoch.")
+    weight: float | None = Field(
+        None, gt=0, description="How often this source is drawn relative to the others: its share of the draws is "
+        "weight / (sum of the training sources' weights), whatever its number of samples; within it, each sample "
+        "equally often. Set on every training source or on none (none: each sample `repeats` times an epoch); not "
+        "with `repeats` (see docs/datasets.md)."
+    )
+    role: Literal["train", "regularization"] = Field(
+        "train", description="`regularization`: prior-preservation clips of what the base model already makes (as "
+        "DreamBooth-style trainers use): trained like the others with their loss times `loss_weight`, reported "
+        "apart as `loss/regularization` in metrics.jsonl, never picked by validation.eval_clips nor as the default "
+        "validation prompt."
+    )
+    loss_weight: float = Field(
+        1.0, ge=0, description="Each of this source's samples' loss is multiplied by this (e.g. 0.5 for "
+        "regularization clips)."
+    )
     caption_prefix: str = Field(
-        "", description="Written before every caption of this source (e.g. a trigger word), with a space."
+        "", description="Written before every caption of this source, with a space (for a trigger word: `trigger`)."
+    )
+    trigger: str | None = Field(
+        None, description="A trigger word added to every caption of this source (where: `trigger_position`); "
+        "training.preserve_base trains on the captions without it."
+    )
+    trigger_position: Literal["prefix", "suffix"] = Field(
+        "prefix", description="Where `trigger` goes: before the caption (`prefix`, with a comma after it when "
+        "`shuffle_tags`) or after it (`suffix`)."
+    )
+    caption_dropout: float | None = Field(
+        None, ge=0.0, le=1.0, description="This source's probability of dropping a caption; unset: "
+        "data.caption_dropout."
+    )
+    shuffle_tags: bool = Field(
+        False, description="Tag-style captions (`tag1, tag2, ...`): the comma-separated tags are shuffled at every "
+        "draw (the trigger stays where `trigger_position` puts it). From the cache: one of "
+        "precompute.caption_shuffles fixed shuffles per visit."
+    )
+    keep_tokens: int = Field(
+        0, ge=0, description="With `shuffle_tags`: this many leading tags stay in place (kohya's keep_tokens)."
     )
     eval: bool = Field(
         False, description="Held out: this source's samples are never trained on, only scored for the held-out score "
         "(see validation.eval_clips and docs/evaluation.md)."
     )
+
+    @model_validator(mode="after")
+    def _check_caption_options(self) -> _SourceBase:
+        if self.keep_tokens and not self.shuffle_tags:
+            raise ValueError(f"keep_tokens={self.keep_tokens} works with shuffle_tags=true only (it keeps leading "
+                             "tags in place while the others are shuffled); set shuffle_tags: true or remove "
+                             "keep_tokens")
+        if self.weight is not None and self.repeats != 1:
+            raise ValueError(f"weight={self.weight} and repeats={self.repeats} both set: with weights a source's "
+                             "share of the draws is its weight and repeats would be ignored; remove repeats (or "
+                             "weight, on every source)")
+        if self.role == "regularization" and self.eval:
+            raise ValueError("role: regularization and eval: true both set: a held-out source is never trained on; "
+                             "remove one of them")
+        if self.trigger is not None and not self.trigger.strip():
+            raise ValueError("trigger is empty: write the trigger word, or remove the key")
+        return self
 
 
 class PairsSource(_SourceBase):
@@ -192,7 +245,7 @@ class DataConfig(Section):
                           "path a line, same order.")
     datasets: list[DatasetSource] | None = Field(
         None, description="Several sources, each `{type: pairs | folder | metadata, ...}` with optional `repeats` "
-        "and `caption_prefix` (see docs/datasets.md). Instead of `root`."
+        "or `weight`, `role`, `loss_weight` and caption options (see docs/datasets.md). Instead of `root`."
     )
     frames: int = Field(49, gt=0, description="Frames per training clip (the one-bucket shorthand); "
                         "unset: the family's (docs/models.md).")
@@ -229,7 +282,8 @@ class DataConfig(Section):
         "on the fly, kept so each is encoded once (what the precompute cache keeps on disk); from the cache, kept "
         "after their first read. 0: encode (or read) every visit.",
     )
-    caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Probability of dropping a caption.")
+    caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="Probability of dropping a caption (a "
+                                   "source's own `caption_dropout` overrides it).")
     caption_dropout_technique: Literal["empty", "zero"] = Field(
         "empty", description="`empty`: encode an empty prompt; `zero`: zero the embedding."
     )
@@ -242,6 +296,13 @@ class DataConfig(Section):
         if self.root is not None and self.datasets:
             raise ValueError("data: set either data.root or data.datasets, not both (add the root folder to the "
                              "list as {type: pairs, root: ...})")
+        training = [(number, source) for number, source in enumerate(self.datasets or []) if not source.eval]
+        weighted = [number for number, source in training if source.weight is not None]
+        if weighted and len(weighted) != len(training):
+            unset = [f"data.datasets[{number}]" for number, source in training if source.weight is None]
+            raise ValueError(f"data.datasets: {', '.join(unset)} {'has' if len(unset) == 1 else 'have'} no weight "
+                             "while other training sources have one; set `weight` on every training source (or on "
+                             "none)")
         for number, (frames, height, width) in enumerate(self.buckets or []):
             if min(frames, height, width) <= 0:
                 raise ValueError(f"data.buckets[{number}] = [{frames}, {height}, {width}]: frames, height and width "
@@ -255,9 +316,35 @@ class DataConfig(Section):
         return [PairsSource(type="pairs", root=str(self.root), videos=self.videos, prompts=self.prompts,
                             controls=self.controls)]
 
+    def drops_captions(self) -> bool:
+        """Whether any caption may be dropped (`caption_dropout` here or on a source)."""
+        own = [source.caption_dropout for source in self.sources() if source.caption_dropout is not None]
+        return self.caption_dropout > 0 or any(value > 0 for value in own)
+
+    def regularizes(self) -> bool:
+        """Whether a training source has `role: regularization` (its loss is then logged apart)."""
+        return any(source.role == "regularization" for source in self.sources() if not source.eval)
+
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """The buckets, with frames / height / width as the one-bucket shorthand."""
         return [tuple(bucket) for bucket in self.buckets] if self.buckets else [(self.frames, self.height, self.width)]
+
+
+class PreserveBaseConfig(Section):
+    """Differential output preservation: the adapter is taught to leave the base model's prediction unchanged on
+    captions without the trigger word."""
+
+    weight: float = Field(gt=0, description="W of the extra loss W x mse(adapter's prediction, base model's "
+                          "prediction) on the preservation captions, at the visit's noisy latents (ai-toolkit's "
+                          "diff_output_preservation_multiplier: 1.0).")
+    prompts: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="The preservation captions, one drawn per visit; null: each clip's caption "
+        "without its source's trigger (replaced by `class_word`)."
+    )
+    class_word: str = Field(
+        "", description="With prompts null: the word the trigger is replaced by in the preservation caption (e.g. "
+        "`person`, as ai-toolkit's diff_output_preservation_class); empty: the trigger is removed."
+    )
 
 
 class TrainingConfig(Section):
@@ -334,6 +421,13 @@ class TrainingConfig(Section):
         ge=0,
         description="Steps with a NaN/inf loss or gradient that may be skipped (nothing applied) before the run "
         "stops; 0 stops at the first one. A skipped step still counts towards `steps`.",
+    )
+    preserve_base: PreserveBaseConfig | None = Field(
+        None, description="Adapter algorithms (lora): also train the adapter to leave the base model's prediction "
+        "unchanged on captions without the trigger word: `{weight: W, prompts: [...] or null, class_word: ''}`: the "
+        "extra loss W x mse(adapter's prediction, base model's prediction) at the visit's noisy latents, on one of "
+        "`prompts` drawn per visit or (null) the clip's caption without its source's `trigger`, replaced by "
+        "`class_word` (empty: removed). See docs/algorithms.md. null: off.",
     )
 
 
@@ -636,6 +730,10 @@ class PrecomputeConfig(Section):
         1, ge=1, description="With data.frame_sampling=random: fixed windows cached per clip (evenly spaced from its "
         "start to its end), one picked per visit; 1 caches the start only."
     )
+    caption_shuffles: int = Field(
+        8, ge=1, description="Sources with `shuffle_tags`: fixed shuffles of each caption cached, one drawn per visit "
+        "(on the fly every visit shuffles afresh)."
+    )
     store: Literal["posterior", "sample"] = Field(
         "posterior",
         description="`posterior`: VAE mean and std, a fresh latent every step; `sample`: one fixed latent "
@@ -789,6 +887,8 @@ class Config(Section):
                 "weights; set memory.base_weights=auto or remove distillation.student"
             )
         self._check_adapter()
+        if self.training.preserve_base is not None:
+            self._check_preserve_base(traits)
         if base_weights != "auto" and self.lora.use_dora:
             raise ValueError(
                 f"lora.use_dora cannot be combined with memory.base_weights={base_weights}: DoRA computes with the "
@@ -828,6 +928,22 @@ class Config(Section):
             raise ValueError(f"memory.base_weights=nf4 cannot be combined with adapter.type={kind}: peft's {kind} "
                              "layers shape their delta like the base weight, which 4-bit storage packs; use "
                              "memory.base_weights=int8 or fp8, or adapter.type=lora")
+
+    def _check_preserve_base(self, traits: Any) -> None:
+        if not traits.preserves_base:
+            raise ValueError(
+                f"training.preserve_base works with training.algorithm=lora only: {self.training.algorithm} "
+                f"{'trains the base weights' if traits.trains_base_weights else 'has no plain adapter to switch off'}"
+                " (the base prediction is the same denoiser with its adapter off); remove training.preserve_base"
+            )
+        options = self.training.preserve_base
+        if options is not None and options.prompts is None and not any(
+                source.trigger for source in self.data.sources() if not source.eval):
+            raise ValueError(
+                "training.preserve_base has no preservation captions: set `trigger` on the sources whose captions "
+                "should teach it (their captions without it preserve the base), or list training.preserve_base."
+                "prompts"
+            )
 
     @property
     def frame_rate(self) -> float:

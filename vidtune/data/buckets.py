@@ -15,6 +15,8 @@ from the number of samples consumed, and data-parallel ranks take disjoint batch
 - the schedule runs in rounds; in a round bucket b gives ceil(visits_b / batch_size) batches, in a seeded order;
   batch j of bucket b takes the next `batch_size` visits of b's stream.
 
+With `data.datasets[].weight`, visits are drawn with replacement by weight instead (`BatchSchedule`).
+
 Batch n covers stream positions n * batch_size ... n * batch_size + batch_size - 1; a position seeds the randomness
 of its visit (noise, noise level, caption dropout, and the frame window through `frame_generator`). With one bucket
 this is exactly the plain stream of epoch permutations (batch 2 x accumulation 1 sees what batch 1 x accumulation 2
@@ -183,15 +185,30 @@ class Visit:
     bucket: int
 
 
-class BatchSchedule:
-    """The batches of a run: batch n is `batch_size` visits of one bucket (a pure function of seed and n)."""
+def draw_generator(seed: int, position: int) -> torch.Generator:
+    """Which sample a weighted visit draws (`data.datasets[].weight`): apart from the visit's noise and frames."""
+    return torch.Generator().manual_seed((seed * 1_000_117 + position * 49_979_687 + 23) % 2**63)
 
-    def __init__(self, buckets: Sequence[int], repeats: Sequence[int], batch_size: int, seed: int) -> None:
-        """`buckets[i]` / `repeats[i]`: the bucket and the repeats of sample i."""
+
+class BatchSchedule:
+    """The batches of a run: batch n is `batch_size` visits of one bucket (a pure function of seed and n).
+
+    With `weights` (each sample's probability of being drawn, from `data.datasets[].weight`), visits are drawn with
+    replacement instead of walking epochs: a batch's first visit draws among all samples, the others among the
+    samples of the bucket it drew, each from its position's own generator, so every visit draws sample i with
+    probability weights[i] (summed over the buckets) and, with one bucket, batch 2 x accumulation 1 still equals
+    batch 1 x accumulation 2."""
+
+    def __init__(self, buckets: Sequence[int], repeats: Sequence[int], batch_size: int, seed: int,
+                 weights: Sequence[float] | None = None) -> None:
+        """`buckets[i]` / `repeats[i]` / `weights[i]`: the bucket, the repeats and the draw weight of sample i."""
         if not buckets:
             raise ValueError("the dataset is empty")
         self.batch_size = batch_size
         self.seed = seed
+        self.weights = None if weights is None else torch.tensor(weights, dtype=torch.float64)
+        self.samples_of = {b: torch.tensor([i for i, own in enumerate(buckets) if own == b]) for b in set(buckets)}
+        self.buckets = list(buckets)
         self.visits: dict[int, list[int]] = {}  # bucket -> sample indices, each `repeats` times
         for index, (bucket, count) in enumerate(zip(buckets, repeats, strict=True)):
             self.visits.setdefault(bucket, []).extend([index] * count)
@@ -203,7 +220,24 @@ class BatchSchedule:
 
     @property
     def visits_per_epoch(self) -> int:
+        if self.weights is not None:  # drawn with replacement: an epoch is as many draws as samples
+            return len(self.buckets)
         return sum(len(visits) for visits in self.visits.values())
+
+    def _drawn(self, number: int) -> list[Visit]:
+        assert self.weights is not None
+        visits: list[Visit] = []
+        for k in range(self.batch_size):
+            position = number * self.batch_size + k
+            generator = draw_generator(self.seed, position)
+            if k == 0:
+                index = int(torch.multinomial(self.weights, 1, generator=generator))
+                bucket = self.buckets[index]
+            else:
+                among = self.samples_of[bucket]
+                index = int(among[int(torch.multinomial(self.weights[among], 1, generator=generator))])
+            visits.append(Visit(position, index, bucket))
+        return visits
 
     def bucket_seed(self, bucket: int) -> int:
         # The first bucket uses the run's seed as it is: one bucket is the plain stream of epoch permutations.
@@ -233,6 +267,8 @@ class BatchSchedule:
         return visits[cached[1][within]]
 
     def batch(self, number: int) -> list[Visit]:
+        if self.weights is not None:
+            return self._drawn(number)
         round_number, slot = divmod(number, self.round_length)
         slots, ranks = self._slots(round_number)
         bucket = slots[slot]

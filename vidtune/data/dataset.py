@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 
 from vidtune.data.audio import AudioFormat, ClipAudio, as_clip_audio, decode_audio
 from vidtune.data.buckets import Shape, visit_start
+from vidtune.data.captions import visit_untriggered
 from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipTooShortError, ClipWindow, VideoDecodeError, decode_clip, frames_to_tensor
@@ -22,7 +23,8 @@ Key = tuple[int, int, int]  # (stream position, sample index, bucket): see vidtu
 
 
 class VideoCaptionDataset(Dataset):
-    """At a key, yields {"video": float32 [F, 3, H, W] in [-1, 1] of the sample's bucket, "caption": str,
+    """At a key, yields {"video": float32 [F, 3, H, W] in [-1, 1] of the sample's bucket, "caption": str (as
+    this visit reads it: `vidtune.data.captions`), "untriggered": str (the same without the source's trigger),
     "index": int, "position": int}, and with `audio` (a family that hears its clips) the window's sound: "audio"
     float32 [channels, samples] (silence without a track) and "audio_present", and with `frame_rates` (a family that
     tells its denoiser the rate) the sample's "frame_rate", which also sets how long its sound lasts. The window's
@@ -58,7 +60,10 @@ class VideoCaptionDataset(Dataset):
         start = 0
         if clip.info is not None and not clip.is_image:
             start = visit_start(clip.info, frames, self.fps, self.frame_sampling, self.seed, position)
-        item = {"video": self.read(clip, clip.video, frames, height, width, start), "caption": clip.caption,
+        # The caption as this visit reads it: tags shuffled afresh (`shuffle_tags`), then the trigger added.
+        untriggered = visit_untriggered(clip.style, clip.untriggered, self.seed, position)
+        item = {"video": self.read(clip, clip.video, frames, height, width, start),
+                "caption": clip.style.with_trigger(untriggered), "untriggered": untriggered,
                 "index": clip.index, "position": position, "bucket": bucket, "start": start}
         audio = self.audio
         rate = None if self.frame_rates is None else self.frame_rates[index]
@@ -118,6 +123,7 @@ def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
         **extras,
         "video": torch.stack([item["video"] for item in batch]),
         "caption": [item["caption"] for item in batch],
+        "untriggered": [item.get("untriggered", item["caption"]) for item in batch],
         "index": torch.tensor([item["index"] for item in batch], dtype=torch.long),
         "position": torch.tensor([item.get("position", -1) for item in batch], dtype=torch.long),
         # The window each sample is: which bucket's shape, from which frame.

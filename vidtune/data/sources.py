@@ -19,6 +19,8 @@ import io
 import json
 import os
 import re
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from tqdm import tqdm
 
 from vidtune.data.buckets import assign_bucket, clips_as_stills
+from vidtune.data.captions import CaptionStyle
 from vidtune.data.video import (
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
@@ -66,6 +69,18 @@ class Clip:
     bucket: int | None = None
     control: Path | None = None  # control training: the clip the denoiser is conditioned on (same frames, shape)
     held_out: bool = False  # from a source marked `eval: true`: scored for the held-out score, never trained on
+    # The source's options: its caption options, number in data.datasets, draw weight, role and loss weight.
+    style: CaptionStyle = field(default_factory=CaptionStyle)
+    untriggered_caption: str | None = None  # the caption without the source's trigger (None: `caption`)
+    source_number: int = 0
+    weight: float | None = None
+    regularization: bool = False
+    loss_weight: float = 1.0
+
+    @property
+    def untriggered(self) -> str:
+        """The caption without its source's trigger word (what `training.preserve_base` starts from)."""
+        return self.caption if self.untriggered_caption is None else self.untriggered_caption
 
     @property
     def where(self) -> str:
@@ -285,7 +300,7 @@ def read_sources(data: DataConfig) -> DatasetReport:
     A line that names no usable sample is a problem, never skipped silently."""
     report = DatasetReport([])
     sources = data.sources()
-    for source in sources:
+    for number, source in enumerate(sources):
         found: list[Clip] = []
         problems: list[str] = []
         try:  # each reader returns the samples it could read and a problem for everything else
@@ -302,16 +317,35 @@ def read_sources(data: DataConfig) -> DatasetReport:
         where = f"(in {source.root}) " if source.type == "pairs" and len(sources) > 1 else ""
         report.source_problems.extend(f"{where}{problem}" for problem in problems)
         prefix = source.caption_prefix.strip(_STRIP)
+        style = CaptionStyle((source.trigger or "").strip(_STRIP), source.trigger_position, source.shuffle_tags,
+                             source.keep_tokens, source.caption_dropout)
         for clip in found:
-            caption = f"{prefix} {clip.caption}" if prefix else clip.caption
+            untriggered = f"{prefix} {clip.caption}" if prefix else clip.caption
+            caption = style.with_trigger(untriggered)
             # With several sources, a list is named with its folder: "pairs/videos.txt line 3".
             label = f"{Path(source.root).name}/{clip.source}" if source.type == "pairs" and len(sources) > 1 \
                 else clip.source
             report.clips.append(replace(clip, caption=caption, index=len(report.clips), repeats=source.repeats,
-                                        source=label, held_out=source.eval))
+                                        source=label, held_out=source.eval, style=style,
+                                        untriggered_caption=untriggered if caption != untriggered else None,
+                                        source_number=number, weight=source.weight,
+                                        regularization=source.role == "regularization",
+                                        loss_weight=source.loss_weight))
     if not report.clips and not report.source_problems:
         report.source_problems.append("The datasets hold no samples at all.")
     return report
+
+
+def draw_weights(clips: Sequence[Clip]) -> list[float] | None:
+    """Each sample's probability of being drawn when the sources have a `weight`: its source's share of the draws
+    (weight over the sum of the weights of the sources among `clips`), split equally among that source's samples;
+    None without weights (epochs of `repeats`)."""
+    if not clips or any(clip.weight is None for clip in clips):
+        return None
+    counts = Counter(clip.source_number for clip in clips)
+    weights = {clip.source_number: float(clip.weight or 0.0) for clip in clips}
+    total = sum(weights.values())
+    return [weights[clip.source_number] / total / counts[clip.source_number] for clip in clips]
 
 
 def inspect_dataset(data: DataConfig, progress: bool = True) -> DatasetReport:

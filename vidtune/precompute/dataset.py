@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 
 from vidtune.config import Config
 from vidtune.data.buckets import visit_window
+from vidtune.data.captions import preservation_caption, variant_of_visit
 from vidtune.data.encoded_store import EncodedStore
 from vidtune.data.sources import Clip
 from vidtune.models.spec import CONTROL_LATENTS, ModelSpec
@@ -82,13 +83,23 @@ class CachedClips(Dataset):
         if controls:  # control training: the same window of the control clip, its posterior mean
             control = as_posterior(self.read("latents", controls[window]))["latents_mean"]
             latents = {**latents, CONTROL_LATENTS: control}
-        return {
-            "conditions": self.conditions(self.plan.condition_keys[item]),
+        variants = self.plan.condition_variants[item]
+        variant = variant_of_visit(len(variants), self.config.training.seed, position)
+        found = {
+            "conditions": self.conditions(variants[variant]),
             "latents": latents,
             "caption": clip.caption,
             "index": clip.index,
             "position": position,
         }
+        preserve = self.config.training.preserve_base
+        if preserve is not None:  # the visit's preservation caption, as `EncodedBatches.preservation` makes it
+            seed = self.config.training.seed
+            untriggered = self.plan.caption_variants[item][variant]
+            caption = preservation_caption(untriggered, clip.style, preserve.prompts, preserve.class_word, seed,
+                                           position)
+            found["preserve"] = self.conditions(self.plan.preserve_keys[caption])
+        return found
 
 
 def collate_cached(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -98,6 +109,7 @@ def collate_cached(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "conditions": stack_items([item["conditions"] for item in items]),
         "latents": stack_items([item["latents"] for item in items]),
+        **({"preserve": stack_items([item["preserve"] for item in items])} if "preserve" in items[0] else {}),
         "caption": [item["caption"] for item in items],
         "index": torch.tensor([item["index"] for item in items], dtype=torch.long),
         "position": torch.tensor([item.get("position", -1) for item in items], dtype=torch.long),

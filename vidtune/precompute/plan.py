@@ -31,6 +31,7 @@ from vidtune.algorithms import traits_of
 from vidtune.config import Config
 from vidtune.data.audio import AudioFormat, ClipAudio, read_audio
 from vidtune.data.buckets import window_starts
+from vidtune.data.captions import preservation_caption, shuffle_variants
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
@@ -176,6 +177,11 @@ class CachePlan:
     latent_preprocess: dict[str, Preprocess] = field(default_factory=dict)  # key -> how its clip is read
     condition_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     latent_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Per sample, its caption's fixed tag shuffles (`shuffle_tags`: `precompute.caption_shuffles`; else its key).
+    condition_variants: list[list[str]] = field(default_factory=list)
+    caption_variants: list[list[str]] = field(default_factory=list)  # the same shuffles' text, without the trigger
+    # `training.preserve_base`: every preservation caption a visit may read -> its key.
+    preserve_keys: dict[str, str] = field(default_factory=dict)
     empty_key: str | None = None  # the empty prompt, for caption dropout technique `empty`
     # Every prompt the run reads beyond the clips' captions (prompt -> key): see `extra_prompts`.
     prompt_keys: dict[str, str] = field(default_factory=dict)
@@ -185,7 +191,7 @@ def extra_prompts(config: Config) -> list[str]:
     """The prompts a run encodes beside its captions: the empty one of caption dropout's `empty` technique, and
     guidance distillation's teacher's unconditional caption (`distillation.negative_prompt`, empty by default)."""
     prompts = []
-    if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
+    if config.data.drops_captions() and config.data.caption_dropout_technique == "empty":
         prompts.append("")
     if traits_of(config).teacher_guidance:
         prompts.append(config.distillation.negative_prompt)
@@ -240,8 +246,18 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         plan.condition_info.setdefault(key, {"caption": caption})
         return key
 
+    seed, shuffles, preserve = config.training.seed, options.caption_shuffles, config.training.preserve_base
     for clip in clips:
-        plan.condition_keys.append(condition(clip.caption))
+        # A clip whose tags are shuffled offers fixed shuffles, one drawn per visit (vidtune/data/captions.py).
+        untriggered = shuffle_variants(clip.style, clip.untriggered, seed, clip.index, shuffles)
+        plan.caption_variants.append(untriggered)
+        variants = [condition(clip.style.with_trigger(text)) for text in untriggered]
+        plan.condition_keys.append(variants[0])  # without shuffling: the caption itself
+        plan.condition_variants.append(variants)
+        if preserve is not None and not preserve.prompts:
+            for text in untriggered:
+                caption = preservation_caption(text, clip.style, None, preserve.class_word, seed, 0)
+                plan.preserve_keys[caption] = condition(caption)
         clip_hash = fingerprints.file(clip.video)
         frames, height, width = shapes[clip.bucket or 0]
         starts = [0]
@@ -274,6 +290,8 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         plan.latent_windows.append(keys[0])
         plan.control_windows.append(keys[1] if len(keys) > 1 else [])
     plan.prompt_keys = {prompt: condition(prompt) for prompt in extra_prompts(config)}
-    if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
+    if preserve is not None and preserve.prompts:
+        plan.preserve_keys = {prompt: condition(prompt) for prompt in preserve.prompts}
+    if config.data.drops_captions() and config.data.caption_dropout_technique == "empty":
         plan.empty_key = plan.prompt_keys[""]
     return plan

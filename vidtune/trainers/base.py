@@ -31,7 +31,7 @@ class Trainer:
         self.device = parallel.resolve_device(self.config.training.device)
         self.spec: ModelSpec = build_spec(self.config)
         self.part: AlgorithmPart = build_part(self.config, self.spec)
-        self.loss: LossFunction = loss_function(self.part.traits)
+        self.loss: LossFunction = loss_function(self.part.traits, config.training.preserve_base is not None)
         self.context: TrainingContext | None = None  # the run, once `set_up` has run
 
     def check_inputs(self) -> Inputs:

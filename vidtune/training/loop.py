@@ -70,6 +70,8 @@ class StepOutcome:
     shapes: tuple[tuple[int, int, int], ...] = ()  # the bucket shape of each micro-batch
     # This process's samples of the step: their noise levels (and other streams') and each one's loss, by metrics key.
     noise: dict[str, list[float]] = field(default_factory=dict)
+    # Named shares of the loss (mean over ranks, scaled like it): "loss/regularization", "loss/preservation".
+    parts: dict[str, float] = field(default_factory=dict)
 
 
 # The micro-batches of a step as the losses note them: (noise levels by metrics key, each sample's loss).
@@ -95,7 +97,7 @@ def train(context: TrainingContext, name: str | None = None) -> TrainResult:
                 if outcome.finite and due(context, config.logging.log_every, final=True):
                     log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds,
                                context.clips_per_step * parallel.world_size(), outcome.compile_seconds,
-                               gathered_noise(outcome.noise))
+                               gathered_noise(outcome.noise), outcome.parts)
                 log.advance()
                 between_steps(context, stop)
                 if stopped_by is None and validation_due(context):  # a signal during the samples stops the run
@@ -128,21 +130,26 @@ def train_step(context: TrainingContext, stream: Iterator[Batch], stop: StopSign
     step_loss = torch.zeros((), device=context.device)
     shapes = []
     notes: NoiseNotes = []
+    parts: dict[str, torch.Tensor] = {}
     for micro in range(accumulation):
         batch = next(stream)
         shapes.append(config.data.bucket_shapes()[context.clips[int(batch.indices[0])].bucket or 0])
         # Under torchrun the gradients are averaged once per step, on the last micro-batch.
-        step_loss += forward_backward(context, batch, sync=micro == accumulation - 1, notes=notes)
+        step_loss += forward_backward(context, batch, sync=micro == accumulation - 1, notes=notes, parts=parts)
     if state.step == context.first_step:
         check_every_parameter_trains(context)
     norm = clip_gradients(context)
-    # The step's one host-device synchronisation: the loss and the gradient norm come back together.
-    step_loss_value, grad_norm = (torch.stack([step_loss, torch.as_tensor(norm).to(step_loss)]).tolist()
-                                  if norm is not None else (step_loss.item(), None))
+    # The step's one host-device synchronisation: the loss, the gradient norm and the loss's parts come back together.
+    names = sorted(parts)
+    norms = [torch.as_tensor(norm).to(step_loss)] if norm is not None else []
+    values = torch.stack([step_loss, *norms, *(parts[name].to(step_loss) for name in names)]).tolist()
+    step_loss_value, grad_norm = values[0], (values[1] if norm is not None else None)
+    part_values = values[1 + len(norms):]
     # Under torchrun, one collective per step: the loss summed over ranks (its mean is logged, and every rank must
-    # take the same finite / non-finite decision or the replicas drift apart) and whether a rank was asked to stop
-    # (all ranks stop after the same step). One process: the values as they are.
-    loss_sum, *stop_counts = parallel.all_reduce_sum([step_loss_value, *stop_votes(stop)])
+    # take the same finite / non-finite decision or the replicas drift apart), its parts, and whether a rank was
+    # asked to stop (all ranks stop after the same step). One process: the values as they are.
+    loss_sum, *rest = parallel.all_reduce_sum([step_loss_value, *part_values, *stop_votes(stop)])
+    part_sums, stop_counts = rest[: len(names)], rest[len(names):]
     loss = loss_sum / parallel.world_size()
     state.step += 1
     state.samples_consumed += context.clips_per_step * parallel.world_size()
@@ -152,13 +159,15 @@ def train_step(context: TrainingContext, stream: Iterator[Batch], stop: StopSign
     state.apply_update(finite)
     compiling = compile_seconds() - compiled_before
     return StepOutcome(loss, grad_norm, finite, agreed_stop(stop, stop_counts),
-                       time.perf_counter() - started - compiling, compiling, tuple(shapes), noise_row(notes))
+                       time.perf_counter() - started - compiling, compiling, tuple(shapes), noise_row(notes),
+                       {name: value / parallel.world_size() for name, value in zip(names, part_sums, strict=True)})
 
 
-def forward_backward(context: TrainingContext, batch: Batch, sync: bool, notes: NoiseNotes) -> torch.Tensor:
+def forward_backward(context: TrainingContext, batch: Batch, sync: bool, notes: NoiseNotes,
+                     parts: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """The backward pass of one micro-batch's loss, scaled so a step's gradient is the mean over its samples;
     returns the scaled loss. A rank's share is sum / (batch_size * accumulation); DDP averages over ranks. The
-    samples' losses and noise levels are added to `notes`."""
+    samples' losses and noise levels are added to `notes`, the loss's named parts (scaled alike) to `parts`."""
     strategy = context.strategy
     with strategy.accumulating(context.trained_denoiser, sync=sync):
         with activation_offload(context.config.memory.activation_offload, context.device):
@@ -167,6 +176,9 @@ def forward_backward(context: TrainingContext, batch: Batch, sync: bool, notes: 
         strategy.backward(loss)  # DDP, FSDP and DeepSpeed reduce the gradients in the backward
     if output.sample_losses is not None:
         notes.append((output.levels, output.sample_losses))
+    if parts is not None:
+        for name, value in output.parts.items():
+            parts[name] = parts.get(name, 0) + value.detach() / context.clips_per_step
     return loss.detach()
 
 

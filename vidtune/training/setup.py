@@ -209,7 +209,7 @@ def open_batch_source(config: Config, spec: ModelSpec, inputs: Inputs, device: t
 
 def empty_caption_of(config: Config, source: BatchSource) -> Conditions:
     """Caption dropout's `empty` caption (from the cache, or encoded), or nothing when it is not used."""
-    if config.data.caption_dropout > 0 and config.data.caption_dropout_technique == "empty":
+    if config.data.drops_captions() and config.data.caption_dropout_technique == "empty":
         return source.empty_caption()
     return {}
 

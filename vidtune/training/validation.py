@@ -26,7 +26,10 @@ from vidtune.sheets import write_samples_by_step
 from vidtune.training.stop import SIGNAL_EXIT_CODES, StopSignals, TrainingInterrupted
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from vidtune.algorithms.part import AlgorithmPart
+    from vidtune.data.sources import Clip
     from vidtune.training.context import TrainingContext
 
 
@@ -34,6 +37,12 @@ def say(line: str) -> None:
     """A line on stdout that leaves a progress bar intact, written at once (also into a log file)."""
     tqdm.write(line)
     sys.stdout.flush()
+
+
+def default_prompt(clips: Sequence[Clip]) -> str:
+    """The prompt validation samples without `validation.prompts`: the first caption of a sample the run learns
+    (regularization samples show what the base model already makes)."""
+    return next((clip.caption for clip in clips if not clip.regularization), clips[0].caption)
 
 
 def validate(context: TrainingContext, part: AlgorithmPart, stop: StopSignals | None = None) -> list[Path]:
@@ -44,7 +53,7 @@ def validate(context: TrainingContext, part: AlgorithmPart, stop: StopSignals | 
     config, clips = context.config, context.clips
     context.encoders.load("Loading the text encoders and the VAE for validation samples (training read the cache).")
     spec = part.sampling_spec(context.spec)  # e.g. a student's embedded guidance scale
-    settings = SampleSettings.from_config(config, spec, default_prompt=clips[0].caption)
+    settings = SampleSettings.from_config(config, spec, default_prompt=default_prompt(clips))
     step = context.state.step
     say(f"Validation at step {step}: {describe_samples(settings, validation_shape(config)[1])}.")
     compiled = eager() if config.training.compile else contextlib.nullcontext()

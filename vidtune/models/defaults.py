@@ -105,11 +105,18 @@ WAN_22 = FamilyDefaults(frames=121, height=704, width=1280, fps=24.0, sigma_shif
         "TI2V-5B's sampling shift 5 (docs/wan22.md), drawn as kohya-ss/musubi-tuner's `--timestep_sampling shift` "
         "(`docs/wan.md`: logit-normal, then the shift)"))
 
+KANDINSKY_5 = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, sigma_shift=5.0, source=(
+    "Kandinsky5T2VPipeline's defaults (121 frames of 512x768, guidance 5); 24 fps: bghira/SimpleTuner "
+    "`simpletuner/helpers/models/kandinsky5_video/model.py` (`framerate` 24)"), noise_source=(
+        "kohya-ss/musubi-tuner `docs/kandinsky5.md`: `--timestep_sampling shift --discrete_flow_shift 5.0` "
+        "(logit-normal, shift 5: the Lite checkpoints' scheduler shift)"))
+
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "ltx-video": LTX_VIDEO, "ltx-video-i2v": LTX_VIDEO, "ltx-2": LTX_2, "ltx-2-i2v": LTX_2, "cogvideox": COGVIDEOX,
     "cogvideox-i2v": COGVIDEOX, "mochi": MOCHI, "hunyuan-video": HUNYUAN_VIDEO, "hunyuan-video-1.5": HUNYUAN_VIDEO_15,
     "hunyuan-video-1.5-i2v": HUNYUAN_VIDEO_15, "wan": WAN, "wan-i2v": WAN, "wan2.2": WAN_22, "wan2.2-i2v": WAN_22,
+    "kandinsky-5": KANDINSKY_5, "kandinsky-5-i2v": KANDINSKY_5,
 }
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.

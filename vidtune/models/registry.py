@@ -28,6 +28,8 @@ SPECS: dict[str, str] = {
     "wan-i2v": "vidtune.models.wan:WanImageToVideoSpec",
     "wan2.2": "vidtune.models.wan22:Wan22Spec",
     "wan2.2-i2v": "vidtune.models.wan22:Wan22ImageToVideoSpec",
+    "kandinsky-5": "vidtune.models.kandinsky5:Kandinsky5Spec",
+    "kandinsky-5-i2v": "vidtune.models.kandinsky5:Kandinsky5ImageToVideoSpec",
 }
 
 

@@ -41,6 +41,8 @@ from torch import nn
 from transformers import AutoTokenizer, CLIPTextModel, Qwen2_5_VLForConditionalGeneration
 
 from vidtune.errors import ConfigError
+from vidtune.export.comfyui import Rule
+from vidtune.export.comfyui_models import ComfyUIModel, kandinsky5
 from vidtune.models.defaults import KANDINSKY_5
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -221,6 +223,15 @@ class Kandinsky5Spec(ModelSpec):
 
     def control_channels(self, denoiser: nn.Module) -> int:
         return int(denoiser.config.out_visual_dim)
+
+    # ----- ComfyUI ------------------------------------------------------------------------------------
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """Every module under its own name: diffusers' Kandinsky 5 transformer keeps the module names of Kandinsky
+        Lab's checkpoint (its single-file loader maps no key), which ComfyUI's model uses too."""
+        return [Rule(r"(.+)", r"\1")]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        return kandinsky5(self.transformer_config)
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

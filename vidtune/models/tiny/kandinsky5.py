@@ -135,7 +135,7 @@ def write_tiny_kandinsky5(
 
 
 TINY = {
-    "kandinsky-5": TinyFamily(write_tiny_kandinsky5, SHAPE, OverfitSettings(steps=800, learning_rate=5e-3)),
+    "kandinsky-5": TinyFamily(write_tiny_kandinsky5, SHAPE, OverfitSettings(steps=1500, learning_rate=3e-3)),
     "kandinsky-5-i2v": TinyFamily(partial(write_tiny_kandinsky5, image_to_video=True), I2V_SHAPE,
-                                  OverfitSettings(steps=600, learning_rate=5e-3)),
+                                  OverfitSettings(steps=1500, learning_rate=3e-3)),
 }

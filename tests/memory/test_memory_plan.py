@@ -111,6 +111,10 @@ DENOISER_PARAMETERS = {
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": 14e9,  # each of the two experts
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers": 14e9,
     "Lightricks/LTX-2": 19e9,  # the video and audio streams together
+    "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers": 2e9,
+    "kandinskylab/Kandinsky-5.0-I2V-Lite-5s-Diffusers": 2e9,
+    "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers": 19e9,
+    "kandinskylab/Kandinsky-5.0-I2V-Pro-sft-5s-Diffusers": 19e9,
 }
 
 

@@ -177,9 +177,13 @@ class Kandinsky5Spec(ModelSpec):
         return self.normalised_posterior(self.vae_posterior(vae, videos), vae.config.scaling_factor)
 
     def visual_input(self, conditions: Conditions, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The transformer's `hidden_states` [B, F, H, W, C'] from the noisy latents in its layout (text-to-video:
-        the latents themselves)."""
-        return hidden_states
+        """The transformer's `hidden_states` [B, F, H, W, C'] from the noisy latents in its layout: the latents, and
+        for a transformer with condition inputs (`visual_cond`: the Pro text-to-video models have them) zero
+        condition latents and a zero mask, as Kandinsky5T2VPipeline.prepare_latents gives them."""
+        if not self.transformer_config.get("visual_cond"):
+            return hidden_states
+        return torch.cat([hidden_states, torch.zeros_like(hidden_states), torch.zeros_like(hidden_states[..., :1])],
+                         dim=-1)
 
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
@@ -265,10 +269,12 @@ class Kandinsky5ImageToVideoSpec(Kandinsky5Spec):
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
-        """The clip's posterior and its first latent frame (the VAE is causal in time: what encoding the first frame
-        alone gives), which the pipeline gives clean."""
+        """The clip's posterior and its first frame encoded alone, as the pipeline encodes the image (not the clip's
+        first latent frame: the VAE's group norms reach across frames), scaled like the latents; its mean, where the
+        pipeline draws from a posterior this narrow."""
         latents = super().prepare_latents(vae, videos)
-        return {**latents, "image_latents": latents["latents_mean"][:, :, :1]}
+        image = self.vae_posterior(vae, videos[:, :1]).mean * vae.config.scaling_factor
+        return {**latents, "image_latents": image}
 
     def visual_input(self, conditions: Conditions, hidden_states: torch.Tensor) -> torch.Tensor:
         """[latents with the image's first frame, zero condition latents, mask one on that frame]."""

@@ -64,12 +64,16 @@ def test_forward_gives_each_clip_its_own_caption_tokens_as_the_pipelines_loop_do
     conditions = spec.prepare_conditions(text, CAPTIONS)
     noisy = torch.randn(2, 4, 3, 4, 4, generator=torch.Generator().manual_seed(0))
     timesteps = torch.tensor([800.0, 150.0])
+    # As Kandinsky5T2VPipeline.prepare_latents: channels last, then zero condition latents and a zero mask.
+    channels_last = noisy.permute(0, 2, 3, 4, 1)
+    zeros = torch.zeros_like(channels_last)
+    pipeline_input = torch.cat([channels_last, zeros, zeros[..., :1]], dim=-1)
     with torch.no_grad():
         ours = spec.forward(denoiser, conditions, noisy, timesteps)
         for row in range(2):
             count = int(conditions["prompt_embeds_mask"][row].sum())
             alone = denoiser(
-                hidden_states=noisy[row:row + 1].permute(0, 2, 3, 4, 1),
+                hidden_states=pipeline_input[row:row + 1],
                 encoder_hidden_states=conditions["prompt_embeds"][row:row + 1, :count],
                 pooled_projections=conditions["pooled_projections"][row:row + 1], timestep=timesteps[row:row + 1],
                 visual_rope_pos=[torch.arange(3), torch.arange(2), torch.arange(2)], text_rope_pos=torch.arange(count),
@@ -77,7 +81,7 @@ def test_forward_gives_each_clip_its_own_caption_tokens_as_the_pipelines_loop_do
             ).sample.permute(0, 4, 1, 2, 3)
             torch.testing.assert_close(ours[row:row + 1], alone)
         padded = denoiser(
-            hidden_states=noisy[1:].permute(0, 2, 3, 4, 1), encoder_hidden_states=conditions["prompt_embeds"][1:],
+            hidden_states=pipeline_input[1:], encoder_hidden_states=conditions["prompt_embeds"][1:],
             pooled_projections=conditions["pooled_projections"][1:], timestep=timesteps[1:],
             visual_rope_pos=[torch.arange(3), torch.arange(2), torch.arange(2)], text_rope_pos=torch.arange(512),
             scale_factor=(1, 3.16, 3.16),
@@ -160,29 +164,38 @@ def test_image_to_video_gives_the_first_frame_clean_with_its_mask_and_leaves_it_
     assert torch.equal(spec.per_clip_error(error, latents), torch.ones(2))
 
 
-def test_a_text_to_video_transformer_with_condition_inputs_gets_zeros_as_the_pipeline_gives(tmp_path, tiny_model_dir):
-    """The Pro text-to-video checkpoints have `visual_cond`: the pipeline appends zero condition latents and a zero
-    mask, and so does training."""
-    folder = tiny_model_dir("kandinsky-5-i2v")  # a transformer with visual_cond
-    spec = _spec(Kandinsky5Spec, folder)
-    noisy = torch.randn(1, 3, 2, 2, 4)
-    hidden = spec.visual_input({}, noisy)
-    assert hidden.shape[-1] == 9
-    assert torch.equal(hidden[..., :4], noisy) and not hidden[..., 4:].any()
-    with pytest.raises(ConfigError, match="visual_cond is false"):
-        _spec(Kandinsky5ImageToVideoSpec, tiny_model_dir("kandinsky-5")).check_video_shape(9, 32, 32)
-
-
-def test_nabla_checkpoints_take_sides_in_multiples_of_128(tmp_path, tiny_model_dir):
-    folder = tmp_path / "nabla"
-    source = tiny_model_dir("kandinsky-5")
+def _configs_with(tmp_path, source, name, **transformer):
+    """A model folder holding `source`'s transformer and VAE configs, the transformer's changed by `transformer`
+    (the shape rules and inputs read no weights)."""
+    folder = tmp_path / name
     for component in ("transformer", "vae"):
         (folder / component).mkdir(parents=True)
         config = json.loads((source / component / "config.json").read_text())
         if component == "transformer":
-            config |= {"attention_type": "nabla", "attention_P": 0.9, "attention_wT": 11, "attention_wH": 3,
-                       "attention_wW": 3, "attention_add_sta": True, "attention_method": "topcdf"}
+            config |= transformer
         (folder / component / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_condition_inputs_are_zeros_for_text_to_video_and_absent_without_visual_cond(tmp_path, tiny_model_dir):
+    """Every released Kandinsky 5 video transformer has `visual_cond`: the text-to-video pipeline appends zero
+    condition latents and a zero mask, and so does training; a transformer without it takes the latents alone, and
+    cannot be an image-to-video model."""
+    source = tiny_model_dir("kandinsky-5")
+    noisy = torch.randn(1, 3, 2, 2, 4)
+    hidden = _spec(Kandinsky5Spec, source).visual_input({}, noisy)
+    assert hidden.shape[-1] == 9
+    assert torch.equal(hidden[..., :4], noisy) and not hidden[..., 4:].any()
+    plain = _configs_with(tmp_path, source, "plain", visual_cond=False, in_visual_dim=4)
+    assert torch.equal(_spec(Kandinsky5Spec, plain).visual_input({}, noisy), noisy)
+    with pytest.raises(ConfigError, match="visual_cond is false"):
+        _spec(Kandinsky5ImageToVideoSpec, plain).check_video_shape(9, 32, 32)
+
+
+def test_nabla_checkpoints_take_sides_in_multiples_of_128(tmp_path, tiny_model_dir):
+    source = tiny_model_dir("kandinsky-5")
+    folder = _configs_with(tmp_path, source, "nabla", attention_type="nabla", attention_P=0.9, attention_wT=11,
+                           attention_wH=3, attention_wW=3, attention_add_sta=True, attention_method="topcdf")
     spec = _spec(Kandinsky5Spec, folder)
     with pytest.raises(ConfigError, match=r"data.height=32 must be a multiple of 128.*\n.*data.width=32"):
         spec.check_video_shape(9, 32, 32)

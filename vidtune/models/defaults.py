@@ -108,8 +108,8 @@ WAN_22 = FamilyDefaults(frames=121, height=704, width=1280, fps=24.0, sigma_shif
 KANDINSKY_5 = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, sigma_shift=5.0, source=(
     "Kandinsky5T2VPipeline's defaults (121 frames of 512x768, guidance 5); 24 fps: bghira/SimpleTuner "
     "`simpletuner/helpers/models/kandinsky5_video/model.py` (`framerate` 24)"), noise_source=(
-        "kohya-ss/musubi-tuner `docs/kandinsky5.md`: `--timestep_sampling shift --discrete_flow_shift 5.0` "
-        "(logit-normal, shift 5: the Lite checkpoints' scheduler shift)"))
+        "musubi-tuner's Kandinsky 5 trainer (sdbds/musubi-tuner `docs/kandinsky5.md`): `--timestep_sampling shift "
+        "--discrete_flow_shift 5.0` (logit-normal, shift 5: kandinskylab/kandinsky-5's default `scheduler_scale`)"))
 
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {

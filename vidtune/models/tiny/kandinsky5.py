@@ -76,7 +76,8 @@ def write_tiny_kandinsky5(
     Qwen2.5-VL (the pipeline keeps its last hidden state; its vision tower is one block, which captions never reach)
     and a CLIP text model (the pipeline keeps its pooled output). The VAE's `scaling_factor` makes its latents unit
     scale, as the real one (0.476986) does. The scheduler is flow-matching Euler with the Lite checkpoints' shift 5.
-    `image_to_video`: the transformer takes [latents, condition latents, mask] (2C + 1 channels, `visual_cond`)."""
+    The transformer takes [latents, condition latents, mask] (2C + 1 channels, `visual_cond`), as every released
+    Kandinsky 5 video transformer does; `image_to_video` writes the image-to-video pipeline."""
     from diffusers import (
         AutoencoderKLHunyuanVideo,
         FlowMatchEulerDiscreteScheduler,
@@ -93,7 +94,7 @@ def write_tiny_kandinsky5(
         in_visual_dim=latent_channels, out_visual_dim=latent_channels, in_text_dim=text_hidden,
         in_text_dim2=clip_hidden, time_dim=16, patch_size=(1, 2, 2), model_dim=model_dim, ff_dim=2 * model_dim,
         num_text_blocks=num_text_blocks, num_visual_blocks=num_visual_blocks, axes_dims=axes_dims,
-        visual_cond=image_to_video,
+        visual_cond=True,
     )
     wake_modulations(transformer)
     torch.manual_seed(seed)
@@ -137,5 +138,5 @@ def write_tiny_kandinsky5(
 TINY = {
     "kandinsky-5": TinyFamily(write_tiny_kandinsky5, SHAPE, OverfitSettings(steps=1500, learning_rate=3e-3)),
     "kandinsky-5-i2v": TinyFamily(partial(write_tiny_kandinsky5, image_to_video=True), I2V_SHAPE,
-                                  OverfitSettings(steps=1500, learning_rate=3e-3)),
+                                  OverfitSettings(steps=2000, learning_rate=3e-3)),
 }

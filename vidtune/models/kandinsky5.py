@@ -88,9 +88,8 @@ class Kandinsky5Spec(ModelSpec):
     denoiser_class = Kandinsky5Transformer3DModel
     scheduler_class = FlowMatchEulerDiscreteScheduler
     block_lists = ("text_transformer_blocks", "visual_transformer_blocks")
-    control_refusal = ("its input projection (visual_embeddings.in_layer) reads each 2x2 patch with the latent "
-                       "channels least significant, so channels appended to its input do not reach it as appended "
-                       "inputs.")
+    control_input_layer = "visual_embeddings.in_layer"  # a Linear over (1, 2, 2) patches, channels innermost
+    control_channels_innermost = True
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
         "attention": ATTENTION,
         "attention+ffn": ATTENTION + FEED_FORWARD,
@@ -225,8 +224,18 @@ class Kandinsky5Spec(ModelSpec):
             prediction = prediction.index_copy(0, rows, part)
         return prediction.permute(0, 4, 1, 2, 3)
 
+    def input_channels(self, denoiser: nn.Module) -> int:
+        """The latents, and the condition latents and mask of a transformer with `visual_cond`."""
+        config = denoiser.config
+        return 2 * int(config.in_visual_dim) + 1 if config.visual_cond else int(config.in_visual_dim)
+
     def control_channels(self, denoiser: nn.Module) -> int:
         return int(denoiser.config.out_visual_dim)
+
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+        """Channels last, as the transformer's `hidden_states`: appended after the condition channels, they join each
+        patch position's channels, where the widened inputs of `visual_embeddings.in_layer` are."""
+        return control.permute(0, 2, 3, 4, 1), -1
 
     # ----- ComfyUI ------------------------------------------------------------------------------------
     def comfyui_lora_rules(self) -> list[Rule]:

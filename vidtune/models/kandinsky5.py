@@ -299,3 +299,11 @@ class Kandinsky5ImageToVideoSpec(Kandinsky5Spec):
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
         return {"image": self.first_frame_image(reference)}
+
+    def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+        """The pipeline evens out its first four latent frames after the last step (`normalize_first_frame`): a step's
+        latents (which still carry the condition channels) get it too, so the last step's are the final latents."""
+        channels = int(self.transformer_config.get("out_visual_dim", 4))
+        if latents.shape[-1] > channels:
+            latents = Kandinsky5I2VPipeline.normalize_first_frame(Kandinsky5I2VPipeline, latents[..., :channels])
+        return super().latents_from_pipeline(latents, frames, height, width)

@@ -122,13 +122,25 @@ class ControlInput:
         self.control_channels = control_channels
         self.latents: torch.Tensor | None = None
         self.handle = denoiser.register_forward_pre_hook(self.append_control, with_kwargs=True)
+        if spec.control_channels_innermost:
+            self.layer.register_forward_pre_hook(self.control_inputs_last)
+
+    def control_inputs_last(self, layer: nn.Module, args: tuple) -> tuple:
+        """A Linear reading patches with the channels innermost sees each position's base channels, then its control
+        channels: its inputs in the widened layer's order, the base model's (position by position) first, then the
+        control's (see `ModelSpec.control_channels_innermost`)."""
+        features = args[0]
+        positions = self.in_features // self.spec.input_channels(self.denoiser)
+        grouped = features.unflatten(-1, (positions, -1))
+        base = self.in_features // positions
+        return (torch.cat([grouped[..., :base].flatten(-2), grouped[..., base:].flatten(-2)], dim=-1), *args[1:])
 
     @classmethod
     def attach(cls, spec: Any, denoiser: nn.Module, dtype: torch.dtype | None = None) -> ControlInput:
         """Widen the denoiser's input layer (new weights zero) and hook the control latents in."""
         layer = input_layer(spec, denoiser)
         channels = spec.control_channels(denoiser)
-        extra = added_inputs(layer, int(denoiser.config.in_channels), channels)
+        extra = added_inputs(layer, spec.input_channels(denoiser), channels)
         replace_module(denoiser, spec.control_input_layer, widen(layer, extra, dtype))
         return cls(spec, denoiser, in_size(layer), channels)
 

@@ -296,7 +296,8 @@ def check_block_swap(blocks_to_swap: int, traits: AlgorithmTraits, gradient_chec
 
 # The denoiser config's key that counts the blocks of each block list.
 BLOCK_COUNT_KEYS = {"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers",
-                    "blocks": "num_layers"}
+                    "blocks": "num_layers", "text_transformer_blocks": "num_text_blocks",
+                    "visual_transformer_blocks": "num_visual_blocks"}
 
 
 def check_block_count(blocks_to_swap: int, block_lists: Sequence[str], denoiser_config: dict) -> None:

@@ -248,8 +248,37 @@ def mochi_layout(config: dict) -> dict[str, tuple[int, int]]:
                        f"{block}.mlp_y.w2": (y, hidden_y)}
     return layout
 
+def kandinsky5_layout(config: dict) -> dict[str, tuple[int, int]]:
+    """ComfyUI's Kandinsky 5 (`comfy/ldm/kandinsky5/model.py`, Kandinsky Lab's names): width d, time width t; the
+    visual embedding reads a (1, 2, 2) patch of the latents (with the condition latents and mask of image-to-video
+    models); text blocks' modulation gives 6 x d, visual blocks' 9 x d, the output layer's 2 x d. Shapes (out, in)."""
+    d, t, ff = config["model_dim"], config["time_dim"], config["ff_dim"]
+    patch = config["patch_size"][0] * config["patch_size"][1] * config["patch_size"][2]
+    visual = 2 * config["in_visual_dim"] + 1 if config["visual_cond"] else config["in_visual_dim"]
+    layout = {"time_embeddings.in_layer": (t, d), "time_embeddings.out_layer": (t, t),
+              "text_embeddings.in_layer": (d, config["in_text_dim"]),
+              "pooled_text_embeddings.in_layer": (t, config["in_text_dim2"]),
+              "visual_embeddings.in_layer": (d, patch * visual), "out_layer.modulation.out_layer": (2 * d, t),
+              "out_layer.out_layer": (patch * config["out_visual_dim"], d)}
+    attention = {f"{part}": (d, d) for part in ("to_query", "to_key", "to_value", "out_layer")}
+    feed_forward = {"feed_forward.in_layer": (ff, d), "feed_forward.out_layer": (d, ff)}
+    for n in range(config["num_text_blocks"]):
+        block = f"text_transformer_blocks.{n}"
+        layout |= {f"{block}.text_modulation.out_layer": (6 * d, t),
+                   **{f"{block}.self_attention.{part}": shape for part, shape in attention.items()},
+                   **{f"{block}.{name}": shape for name, shape in feed_forward.items()}}
+    for n in range(config["num_visual_blocks"]):
+        block = f"visual_transformer_blocks.{n}"
+        layout |= {f"{block}.visual_modulation.out_layer": (9 * d, t),
+                   **{f"{block}.{name}.{part}": shape for name in ("self_attention", "cross_attention")
+                      for part, shape in attention.items()},
+                   **{f"{block}.{name}": shape for name, shape in feed_forward.items()}}
+    return layout
+
+
 LAYOUTS = {"mochi": mochi_layout, "hunyuan-video": hunyuan_video_layout, "hunyuan-video-1.5": hunyuan_video_layout,
-           "hunyuan-video-1.5-i2v": hunyuan_video_layout}
+           "hunyuan-video-1.5-i2v": hunyuan_video_layout, "kandinsky-5": kandinsky5_layout,
+           "kandinsky-5-i2v": kandinsky5_layout}
 # The families ComfyUI's core has a model for: those whose spec names ComfyUI's layers.
 COMFYUI_FAMILIES = [family for family in available_models()
                     if get_spec_class(family).comfyui_lora_rules is not ModelSpec.comfyui_lora_rules]

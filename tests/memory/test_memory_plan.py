@@ -132,6 +132,10 @@ DENOISER_PARAMETERS = {
     "Skywork/SkyReels-V2-DF-14B-540P-Diffusers": 14.3e9,
     "Skywork/SkyReels-V2-DF-14B-720P-Diffusers": 14.3e9,
     "Efficient-Large-Model/SANA-Video_2B_480p_diffusers": 2.0e9,
+    "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers": 2e9,
+    "kandinskylab/Kandinsky-5.0-I2V-Lite-5s-Diffusers": 2e9,
+    "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers": 19e9,
+    "kandinskylab/Kandinsky-5.0-I2V-Pro-sft-5s-Diffusers": 19e9,
 }
 
 

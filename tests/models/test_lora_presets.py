@@ -60,7 +60,7 @@ def test_every_preset_names_linear_layers_of_the_familys_denoiser(make_config, f
             assert any(_matches(name, target) for name in adaptable), f"{family} {preset}: {target} matches no layer"
     # Feed-forward layers are what `attention+ffn` adds (a name that only matched attention would pass above).
     added = set(spec.lora_presets["attention+ffn"]) - set(spec.lora_presets["attention"])
-    assert added and all("ff" in target or "mlp" in target for target in added)
+    assert added and all("ff" in target or "mlp" in target or "feed_forward" in target for target in added)
 
     # `all-linear` resolves to names that adapt every linear layer and nothing else.
     config = make_config(family, lora={"target_modules": ALL_LINEAR})

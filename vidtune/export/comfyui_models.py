@@ -128,3 +128,18 @@ def mochi(config: dict[str, Any]) -> ComfyUIModel:
                *_blocks("blocks", layers, block),
                *_blocks("blocks", layers - 1, ["attn.proj_y", "mlp_y.w1", "mlp_y.w2"])}
     return ComfyUIModel("GenmoMochi", frozenset(weights))
+
+
+def kandinsky5(config: dict[str, Any]) -> ComfyUIModel:
+    """Kandinsky 5 (`Kandinsky5`, `comfy/ldm/kandinsky5/model.py`): Kandinsky Lab's names, which diffusers keeps;
+    text blocks (self-attention), visual blocks (self- and cross-attention), each with its modulation."""
+    attention = ("to_query", "to_key", "to_value", "out_layer")
+    feed_forward = ("feed_forward.in_layer", "feed_forward.out_layer")
+    text = ["text_modulation.out_layer", *[f"self_attention.{part}" for part in attention], *feed_forward]
+    visual = ["visual_modulation.out_layer", *[f"{name}.{part}" for name in ("self_attention", "cross_attention")
+                                               for part in attention], *feed_forward]
+    weights = {"time_embeddings.in_layer", "time_embeddings.out_layer", "text_embeddings.in_layer",
+               "pooled_text_embeddings.in_layer", "visual_embeddings.in_layer", "out_layer.modulation.out_layer",
+               "out_layer.out_layer", *_blocks("text_transformer_blocks", config["num_text_blocks"], text),
+               *_blocks("visual_transformer_blocks", config["num_visual_blocks"], visual)}
+    return ComfyUIModel("Kandinsky5", frozenset(weights))

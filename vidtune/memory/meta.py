@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import BatchFeature
+from transformers import BatchEncoding, BatchFeature
 
 from vidtune.errors import ModelError
 from vidtune.models.spec import ModelSpec
@@ -36,11 +36,19 @@ class ShapeTokenizer:
     def __init__(self, model_max_length: int = 77) -> None:
         self.model_max_length = model_max_length
 
-    def __call__(self, texts: list[str] | str, max_length: int | None = None, **_: Any) -> types.SimpleNamespace:
-        count = 1 if isinstance(texts, str) else len(texts)
+    def __call__(self, texts: list[str] | str | None = None, max_length: int | None = None, *,
+                 text: list[str] | str | None = None, **_: Any) -> BatchEncoding:
+        """`texts` or, as a processor is called (Kandinsky 5's Qwen2.5-VL), `text=`; the result reads by attribute
+        and by key, and moves with `.to`, as a tokenizer's."""
+        texts = text if texts is None else texts
+        count = 1 if isinstance(texts, str) else len(texts or [])
         length = max_length or self.model_max_length
-        return types.SimpleNamespace(input_ids=torch.zeros(count, length, dtype=torch.long),
-                                     attention_mask=torch.ones(count, length, dtype=torch.long))
+        return BatchEncoding({"input_ids": torch.zeros(count, length, dtype=torch.long),
+                              "attention_mask": torch.ones(count, length, dtype=torch.long)})
+
+    def decode(self, *_: Any, **__: Any) -> str:
+        """No text: the planner's captions have none (Kandinsky 5's pipeline decodes what truncation removes)."""
+        return ""
 
     def encode(self, text: str, **_: Any) -> list[int]:
         """About one token per word: what a pipeline that measures a fixed text (Sana Video's instruction) adds to
@@ -48,7 +56,7 @@ class ShapeTokenizer:
         return [0] * (len(text.split()) + 1)
 
     def apply_chat_template(self, conversations: list[Any], max_length: int | None = None,
-                            **_: Any) -> types.SimpleNamespace:
+                            **_: Any) -> BatchEncoding:
         """Chat-formatted prompts (Qwen2.5-VL's, HunyuanVideo 1.5), tokenized to `max_length` like `__call__`."""
         batch = conversations if conversations and isinstance(conversations[0], list) else [conversations]
         return self(["" for _ in batch], max_length=max_length)

@@ -134,6 +134,12 @@ SANA_VIDEO = FamilyDefaults(frames=81, height=480, width=832, fps=16.0, sigma_sh
         "logit_normal` (mean 0, std 1), `flow_shift: 3.0`; bghira/SimpleTuner's uniform draw over the scheduler's "
         "shift-8 table is reachable (docs/models.md)"))
 
+KANDINSKY_5 = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, sigma_shift=5.0, source=(
+    "Kandinsky5T2VPipeline's defaults (121 frames of 512x768, guidance 5); 24 fps: bghira/SimpleTuner "
+    "`simpletuner/helpers/models/kandinsky5_video/model.py` (`framerate` 24)"), noise_source=(
+        "musubi-tuner's Kandinsky 5 trainer (sdbds/musubi-tuner `docs/kandinsky5.md`): `--timestep_sampling shift "
+        "--discrete_flow_shift 5.0` (logit-normal, shift 5: kandinskylab/kandinsky-5's default `scheduler_scale`)"))
+
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "ltx-video": LTX_VIDEO, "ltx-video-i2v": LTX_VIDEO, "ltx-2": LTX_2, "ltx-2-i2v": LTX_2, "cogvideox": COGVIDEOX,
@@ -141,6 +147,7 @@ FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "hunyuan-video-1.5-i2v": HUNYUAN_VIDEO_15, "wan": WAN, "wan-i2v": WAN, "wan2.2": WAN_22, "wan2.2-i2v": WAN_22,
     "skyreels-v2": SKYREELS_V2, "skyreels-v2-i2v": SKYREELS_V2, "skyreels-v2-df": SKYREELS_V2_DF,
     "sana-video": SANA_VIDEO, "sana-video-i2v": SANA_VIDEO,
+    "kandinsky-5": KANDINSKY_5, "kandinsky-5-i2v": KANDINSKY_5,
 }
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.

@@ -33,6 +33,8 @@ SPECS: dict[str, str] = {
     "skyreels-v2-df": "vidtune.models.skyreels_v2:SkyReelsV2DiffusionForcingSpec",
     "sana-video": "vidtune.models.sana_video:SanaVideoSpec",
     "sana-video-i2v": "vidtune.models.sana_video:SanaVideoImageToVideoSpec",
+    "kandinsky-5": "vidtune.models.kandinsky5:Kandinsky5Spec",
+    "kandinsky-5-i2v": "vidtune.models.kandinsky5:Kandinsky5ImageToVideoSpec",
 }
 
 

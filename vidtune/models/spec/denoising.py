@@ -27,6 +27,10 @@ class Denoising(Loading):
     # widened to take the control latents; None with `control_refusal` saying why the family cannot.
     control_input_layer: ClassVar[str | None] = None
     control_refusal: ClassVar[str] = "its spec names no input projection to widen."
+    # The input projection is a Linear over patches read with the channels innermost (Kandinsky 5: position after
+    # position, each one's channels together), not outermost: the control's channels then arrive among each
+    # position's, and the widened layer's inputs are put back in its order (base inputs, then the control's).
+    control_channels_innermost: ClassVar[bool] = False
     # The denoiser's transformer blocks, in forward order: the attribute names of its block lists
     # (`memory.blocks_to_swap` swaps the last N of them; see vidtune/offload.py).
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
@@ -123,6 +127,11 @@ class Denoising(Loading):
         return {}, {}
 
     # ----- control ------------------------------------------------------------------------------------------
+    def input_channels(self, denoiser: nn.Module) -> int:
+        """Channels of the denoiser's `hidden_states` (latents and any condition channels), which the control
+        input layer reads."""
+        return int(denoiser.config.in_channels)
+
     def control_channels(self, denoiser: nn.Module) -> int:
         """Channels of a control latent: the VAE's latent channels, which the denoiser predicts."""
         config = denoiser.config

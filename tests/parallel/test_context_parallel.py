@@ -84,3 +84,30 @@ def test_two_context_ranks_train_what_one_process_trains(make_config, tmp_path):
         _same_run(tmp_path / name, tmp_path / f"{name}-single")
         # Both ranks trained on the same samples: the stream gave the group one sample each step.
         assert ranks[0][name]["positions"] == ranks[1][name]["positions"]
+
+
+@pytest.mark.slow
+def test_two_data_by_two_context_ranks_train_what_one_process_trains_with_twice_the_batch(make_config, tmp_path):
+    """World 4 = 2 data groups x 2 context ranks (FSDP over all four, Ulysses in each group), batch 1 per group:
+    one process with batch 2; its checkpoint of step 1 resumes in one process and ends where that one does."""
+    mesh = _config(make_config, tmp_path / "mesh", "ltx-video", "lora", checkpoint={"every": 1, "keep": 2},
+                   parallel={"strategy": "fsdp", "context": {"ulysses": 2}})
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(rank_main, args=(4, [("mesh", mesh.to_dict(), {})], str(out)), nprocs=4, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text())["mesh"] for r in range(4)]
+    assert all("error" not in result for result in ranks), ranks
+    # The ranks of a group read the same samples, the two groups different ones.
+    assert ranks[0]["positions"] == ranks[1]["positions"] != ranks[2]["positions"] == ranks[3]["positions"]
+
+    build_trainer(_config(make_config, tmp_path / "single", "ltx-video", "lora", training={"batch_size": 2})).run()
+    _same_run(tmp_path / "mesh", tmp_path / "single")
+
+    first = tmp_path / "mesh" / "checkpoints" / "step-00000001"
+    assert first.is_dir(), sorted(p.name for p in (tmp_path / "mesh" / "checkpoints").iterdir())
+    build_trainer(_config(make_config, tmp_path / "resumed", "ltx-video", "lora", training={"batch_size": 2},
+                          checkpoint={"resume": str(first)})).run()
+    got, want = _weights(tmp_path / "resumed"), _weights(tmp_path / "single")
+    assert got.keys() == want.keys() and want
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **TOLERANCE, msg=key)

@@ -10,7 +10,9 @@ value all-gather and gradient permutes, the output gather) and the caption gathe
 size) is left out. A "byte" is the size of a collective's whole buffer; ratios are against the one-process run of
 the same invocation.
 
-    OMP_NUM_THREADS=1 python bench/context.py [--steps 6] [--frames 33] [--size 96]
+    OMP_NUM_THREADS=1 python bench/context.py [--steps 6] [--frames 33] [--size 96] [--device cpu|cuda]
+
+`--device cuda` runs the same three on GPUs 0 and 1 with NCCL in bf16 (bench/gpu/run.py's `context` section).
 
 On a shared or small CPU the timings are noisy (two processes compete for cores with everything else); the byte
 counts are exact.
@@ -91,23 +93,20 @@ def _run(rank: int, world: int, settings: dict, port: int, out: str) -> None:
                                          "bytes_per_step": {k: v // steps for k, v in traffic.items()}}))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--frames", type=int, default=33)
-    parser.add_argument("--size", type=int, default=96, help="height and width of the clip")
-    args = parser.parse_args()
+def measure(steps: int, frames: int, size: int, device: str = "cpu") -> dict[str, dict]:
+    """Each run of `SPLITS`: tokens per rank, median seconds per step, bytes per collective kind per step."""
     root = Path(tempfile.mkdtemp(prefix="vidtune-bench-context-"))
     model = write_tiny_model("ltx-video", root / "model")
-    data = render_shapes_dataset(root / "data", num_clips=2, num_frames=args.frames, height=args.size,
-                                 width=args.size, fps=24, seed=0)
+    data = render_shapes_dataset(root / "data", num_clips=2, num_frames=frames, height=size, width=size, fps=24,
+                                 seed=0)
     results = {}
     for name, split in SPLITS.items():
         settings = {
             "model": {"name": "ltx-video", "pretrained": str(model)},
-            "data": {"root": str(data), "frames": args.frames, "height": args.size, "width": args.size,
-                     "num_workers": 0, "frame_sampling": "start"},
-            "training": {"steps": args.steps, "batch_size": 1, "precision": "fp32", "device": "cpu", "seed": 0},
+            "data": {"root": str(data), "frames": frames, "height": size, "width": size, "num_workers": 0,
+                     "frame_sampling": "start"},
+            "training": {"steps": steps, "batch_size": 1, "precision": "fp32" if device == "cpu" else "bf16",
+                         "device": device, "seed": 0},
             "checkpoint": {"every": 0}, "validation": {"enabled": False}, "logging": {"progress": False},
             "output_dir": str(root / name.replace(" ", "-")),
         }
@@ -117,6 +116,17 @@ def main() -> None:
         out = root / f"{name.replace(' ', '-')}.json"
         mp.spawn(_run, args=(world, settings, _free_port(), str(out)), nprocs=world, join=True)
         results[name] = json.loads(out.read_text())
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--frames", type=int, default=33)
+    parser.add_argument("--size", type=int, default=96, help="height and width of the clip")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
+    results = measure(args.steps, args.frames, args.size, args.device)
     base = results["one process"]
     print(f"{'run':<12} {'tokens/rank':>11} {'s/step':>8} {'x one':>6} {'MiB/step':>9}  collectives (MiB)")
     for name, result in results.items():

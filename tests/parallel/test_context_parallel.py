@@ -2,8 +2,8 @@
 
 Two ranks that split each sample's tokens (Ulysses, ring) train what one process trains on the same samples: the
 same losses, gradient norms (rel 1e-4) and trained weights (rtol 1e-4, atol 1e-5), for LoRA and full fine-tuning,
-for every family with a plan; four ranks as 2 data x 2 context train what one process trains with twice the batch,
-and their checkpoint resumes in one process.
+for every family with a plan (LTX-Video, Wan 2.1 text- and image-to-video, Wan 2.2); four ranks as 2 data x 2
+context train what one process trains with twice the batch, and their checkpoint resumes in one process.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _same_run(trained: Path, expected: Path) -> None:
         assert row["loss"] == pytest.approx(ref["loss"], rel=1e-4)
         assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
-# Every family with a context-parallel plan, LoRA with each way of splitting, full fine-tuning with one.
+# Every family with a context-parallel plan: LoRA with each way of splitting, full fine-tuning with each.
 CASES = [
     ("ltx-video", "lora", {"ulysses": 2}),
     ("ltx-video", "lora", {"ring": 2}),
@@ -55,6 +55,8 @@ CASES = [
     ("wan", "lora", {"ulysses": 2}),
     ("wan", "lora", {"ring": 2}),
     ("wan", "full", {"ulysses": 2}),
+    ("wan-i2v", "lora", {"ulysses": 2}),
+    ("wan2.2", "lora", {"ring": 2}),
 ]
 
 

@@ -53,13 +53,20 @@ def _free_port() -> int:
 
 
 def _count_collectives(traffic: Counter) -> None:
-    """Every functional collective adds its input's bytes to `traffic` (diffusers calls them through the module)."""
+    """Every functional collective adds its input's bytes to `traffic` (diffusers calls them through the module);
+    one called inside another (`permute_tensor` is an all-to-all) counts once, as the outer one."""
+    inside: list[str] = []
     for name in COUNTED:
         original = getattr(funcol, name)
 
         def counted(tensor, *args, _original=original, _name=name, **kwargs):
-            traffic[_name] += tensor.numel() * tensor.element_size()
-            return _original(tensor, *args, **kwargs)
+            if not inside:
+                traffic[_name] += tensor.numel() * tensor.element_size()
+            inside.append(_name)
+            try:
+                return _original(tensor, *args, **kwargs)
+            finally:
+                inside.pop()
 
         setattr(funcol, name, counted)
 

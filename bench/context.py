@@ -7,8 +7,8 @@ input), the median seconds of the steps after the first, and the bytes of every 
 step, counted on rank 0 as they are issued: diffusers' functional collectives (Ulysses' all-to-alls, ring's key /
 value all-gather and gradient permutes, the output gather) and the caption gather of the cross-attention
 (vidtune/parallel/context_attention.py). DDP's gradient all-reduce (the same for every split: the trained weights'
-size) is left out. A "byte" is the size of a collective's whole buffer; ratios are against the one-process run of
-the same invocation.
+size) is left out. A "byte" is the size of what a rank puts into a collective (an all-to-all sends (N-1)/N of it, an
+all-gather sends it to N-1 ranks); ratios are against the one-process run of the same invocation.
 
     OMP_NUM_THREADS=1 python bench/context.py [--steps 6] [--frames 33] [--size 96] [--device cpu|cuda]
 

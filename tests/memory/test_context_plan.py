@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from vidtune.config import build_config, load_config
+from vidtune.config import build_config
+from vidtune.memory import suggest as search
 from vidtune.memory.context import BUFFERS, GATHERED, context_choices
 from vidtune.memory.plan import GIB, plan_memory
 from vidtune.memory.suggest import suggest
@@ -45,14 +46,19 @@ def test_ulysses_is_offered_where_it_divides_the_heads_else_ring():
     assert context_choices(config, 1, heads=12) == []
 
 
-@pytest.mark.slow
-def test_a_clip_that_fits_no_single_gpu_is_split_over_several():
-    """Wan 2.1 1.3B LoRA at 81 x 720 x 1280 (the shipped architecture, traced on meta), 7 GiB: its text encoder
-    fits in 4 bits, but no saver (checkpointing, activation offload, block swap...) fits the step on one GPU; with two
-    GPUs the suggestion splits its tokens (a degree is offered only when nothing else fits)."""
-    config = load_config(None, ["model.name=wan", "model.pretrained=Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-                                "data.frames=81", "data.height=720", "data.width=1280", "precompute.enabled=true"],
-                         required_placeholder="(unset)")
-    found = suggest(config, 7.0, world_size=2)
-    assert found is not None and found.overrides[0] == "parallel.context.ulysses=2", found and found.overrides
-    assert found.plan.peak <= 7.0 * GIB
+def test_a_degree_is_suggested_when_nothing_else_fits(tiny_model_dir, monkeypatch):
+    """The search's last resort: with the savers out of the way (none left to try, the precompute stage taken as
+    fitting), a budget between the split and the unsplit step's peak is met by splitting over the two GPUs, and one
+    GPU gets no suggestion."""
+    monkeypatch.setattr(search, "_precompute_overrides", lambda config, budget, world_size: [])
+    monkeypatch.setattr(search, "_training_changes", lambda config: [[]])
+    monkeypatch.setattr(search, "_fewest_blocks", lambda config, budget, world_size: None)
+    monkeypatch.setattr(search, "fits", lambda plan, budget_gib, host_gib=None: plan.training_peak <= budget_gib * GIB)
+    config = _tiny(tiny_model_dir)
+    whole = plan_memory(config, world_size=2).training_peak
+    split = plan_memory(_tiny(tiny_model_dir, context={"ulysses": 2}), world_size=2).training_peak
+    assert split < whole
+    budget = (split + whole) / 2 / GIB
+    found = suggest(config, budget, world_size=2)
+    assert found is not None and found.overrides == ["parallel.context.ulysses=2"]
+    assert suggest(config, budget, world_size=1) is None

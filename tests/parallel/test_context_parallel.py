@@ -64,10 +64,16 @@ def _case_name(family: str, algorithm: str, split: dict) -> str:
     return f"{family}-{algorithm}-{'-'.join(split)}"
 
 
+# Validation samples after step 1 (rank 0 alone, the split taken off and put back) before step 2 trains split again.
+SAMPLED = "wan-lora-ring"
+
+
 def _config(make_config, folder: Path, family: str, algorithm: str, **sections):
     training = {"steps": STEPS, "algorithm": algorithm, "learning_rate": 1e-3, **sections.pop("training", {})}
     if family == "ltx-video":  # every sample given its first frame: per-token timesteps, split with the tokens
         sections["model"] = {"first_frame_conditioning": 1.0}
+    if folder.name.startswith(SAMPLED):
+        sections["validation"] = {"enabled": True, "every": 1, "num_inference_steps": 2}
     return make_config(family, output_dir=str(folder), training=training, logging={"progress": False, "log_every": 1},
                        **sections)
 
@@ -88,6 +94,8 @@ def test_two_context_ranks_train_what_one_process_trains(make_config, tmp_path):
         _same_run(tmp_path / name, tmp_path / f"{name}-single")
         # Both ranks trained on the same samples: the stream gave the group one sample each step.
         assert ranks[0][name]["positions"] == ranks[1][name]["positions"]
+    assert sorted(p.name for p in (tmp_path / SAMPLED / "samples").glob("*.mp4")) == [
+        "step-00000001-0.mp4", "step-00000002-0.mp4"]
 
 
 @pytest.mark.slow

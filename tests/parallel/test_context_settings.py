@@ -71,3 +71,12 @@ def test_ulysses_must_divide_the_attention_heads(make_config):
     plan = context_plan(build_spec(make_config("wan", parallel={"context": {"ring": 7}})),
                         make_config("wan", parallel={"context": {"ring": 7}}))
     assert "proj_out" in plan  # ring splits any head count
+
+
+def test_split_attention_runs_on_the_native_backend(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = build_config({**_minimal(context={"ring": 2}), "model": {"name": "wan", "pretrained": "x",
+                                                                      "attention_backend": "flash"}})
+    with pytest.raises(ConfigError, match=r"model\.attention_backend=auto"):
+        check_context(config)
+    check_context(build_config(_minimal(context={"ring": 2})))  # auto: accepted

@@ -75,6 +75,11 @@ def check_context(config: Config) -> None:
         raise ConfigError(f"parallel.context: ulysses x ring = {context.degree} does not divide the {world} "
                           "processes. What to do: start a multiple of it (torchrun --nproc_per_node), or change "
                           "parallel.context.")
+    if config.model.attention_backend not in ("auto", "native"):
+        raise ConfigError(f"parallel.context with model.attention_backend={config.model.attention_backend}: split "
+                          "attention runs on diffusers' `native` backend (torch's scaled_dot_product_attention, which "
+                          "picks a flash or memory-efficient kernel on CUDA itself), the one vidtune completes for "
+                          "ring and cross-attention. What to do: set model.attention_backend=auto (or native).")
 
 
 def context_plan(spec: ModelSpec, config: Config) -> dict[str, Any]:
@@ -128,6 +133,8 @@ class SplitModel:
         context_attention.install()
         for processor in self.processors():
             processor._parallel_config = self.settings
+            # `auto` may have chosen FlashAttention: split attention runs on `native` (see `check_context`).
+            processor._attention_backend = "native"
         for part in self.parts:
             apply_context_parallel(part, self.settings.context_parallel_config, self.plan)
         self.enabled = True

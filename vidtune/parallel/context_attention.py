@@ -1,15 +1,21 @@
-"""Ring attention for diffusers' `native` attention backend, which it lacks.
+"""Split attention on diffusers' `native` backend: ring attention, and cross-attention to a split caption.
 
 diffusers' context parallelism (vidtune/parallel/context.py) computes attention through the backend's pair of
 forward and backward ops inside its `TemplatedRingAttention` / `TemplatedUlyssesAttention` autograd functions. Ulysses
 needs only the attention output, which `native` gives; ring merges the partial attentions of the key / value chunks
 by their log-sum-exp, which diffusers' `native` ops do not return ("Native attention does not support
-return_lse=True"), and the backends that do (flash, cuDNN, native flash) have no CPU kernel.
+return_lse=True"), and the backends that do (flash, cuDNN, native flash) have no CPU kernel. Cross-attention to a
+caption split with the video tokens (LTX-Video's plan) fails both ways in diffusers' training path: Ulysses' backward
+reshapes the keys' gradient with the queries' length, and ring applies one chunk's caption mask to every chunk.
 
-`install` wraps the `native` entry of diffusers' backend registry once: without a ring (no context parallelism, or
-Ulysses alone) it calls diffusers' own function unchanged; with one it runs diffusers' templated ring attention with
-torch's fused attention ops that return the log-sum-exp: `_scaled_dot_product_flash_attention_for_cpu` on the CPU,
-diffusers' cuDNN ops on CUDA (bf16 / fp16 only, as cuDNN attention is).
+`install` wraps the `native` entry of diffusers' backend registry once:
+- no context parallelism: diffusers' own function, unchanged;
+- an attention mask, or keys of another length than the queries (cross-attention): the caption's keys, values and
+  mask gathered whole over the group, this rank's queries attending to them (`whole_keys`);
+- Ulysses alone: diffusers' own function;
+- ring: diffusers' templated ring (or ring x Ulysses) attention with torch's fused attention ops that return the
+  log-sum-exp: `_scaled_dot_product_flash_attention_for_cpu` on the CPU, diffusers' cuDNN ops on CUDA (bf16 / fp16
+  only, as cuDNN attention is).
 """
 
 from __future__ import annotations

@@ -75,7 +75,10 @@ class BatchSource(ABC):
 
     def batches(self, start_position: int) -> Iterator[Batch]:
         """The endless stream from `start_position` (samples consumed so far by all ranks)."""
-        sampler = ScheduleSampler(self.schedule, start_position, rank=parallel.rank(), world=parallel.world_size())
+        # The ranks of a data group (parallel.context) share their samples: each holds part of their tokens.
+        context = self.config.parallel.context.degree
+        sampler = ScheduleSampler(self.schedule, start_position, rank=parallel.data_rank(context),
+                                  world=parallel.data_world(context))
         loaded = self.loader(sampler)
         for raw in read_ahead(loaded, self.read_ahead) if self.read_ahead else loaded:
             conditions, latents = self.encode(raw)

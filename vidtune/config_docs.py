@@ -83,6 +83,16 @@ def _source_tables() -> list[str]:
     return lines
 
 
+def _rows(section: type[BaseModel], prefix: str) -> list[tuple[str, object]]:
+    """(dotted key, field) of a section, a nested section's own keys after its row (`parallel.context.ring`)."""
+    rows: list[tuple[str, object]] = []
+    for key, sub in section.model_fields.items():
+        rows.append((f"{prefix}.{key}", sub))
+        if isinstance(sub.annotation, type) and issubclass(sub.annotation, BaseModel):
+            rows.extend(_rows(sub.annotation, f"{prefix}.{key}"))
+    return rows
+
+
 def render() -> str:
     lines = [HEADER.format(keys=", ".join(f"`{key}`" for key in PATH_KEYS))]
     top = [(name, field) for name, field in Config.model_fields.items()]
@@ -94,9 +104,9 @@ def render() -> str:
                 lines.append(f"{field.description}\n")
             lines.append("| key | type | default | limits | meaning |")
             lines.append("|---|---|---|---|---|")
-            for key, sub in annotation.model_fields.items():
+            for key, sub in _rows(annotation, name):
                 kind = _type_name(sub.annotation)
-                cells = [f"`{name}.{key}`", kind, _default(sub), _limits(sub), sub.description or ""]
+                cells = [f"`{key}`", kind, _default(sub), _limits(sub), sub.description or ""]
                 lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
             if name == "data":
                 lines.extend(_source_tables())

@@ -43,7 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from minimums import lower_bounds  # noqa: E402
 
-SECTIONS = ("env", "tests", "lora", "options", "compile", "attention", "precompute")
+SECTIONS = ("env", "tests", "lora", "options", "compile", "attention", "precompute", "context")
 MIB = 1024**2
 # Real architectures (random weights) and the clip shape each is measured at: frames, height, width.
 REAL = [("ltx-video", "Lightricks/LTX-Video", "LTX-Video 2B", (49, 512, 768)),
@@ -347,6 +347,26 @@ def section_attention(results: Results, models: Models, cpu: bool, device: str) 
                 step_row(models, family, shape, [*base, f"model.attention_backend={name}"], device, hub_id, 5))
 
 
+def section_context(results: Results, cpu: bool, device: str) -> None:
+    """bench/context.py on two GPUs (NCCL, bf16): one process against Ulysses 2 and ring 2 on the tiny LTX-Video, the
+    tokens per rank, seconds per step and bytes per step of each; a machine with one GPU says so."""
+    import torch
+
+    if not cpu and torch.cuda.device_count() < 2:
+        results.add("context", "ulysses 2, ring 2 (tiny ltx-video)", "needs 2 GPUs",
+                    note=f"{torch.cuda.device_count()} CUDA device(s) here")
+        return
+    from context import measure  # bench/context.py (bench/ is on the path)
+
+    def run() -> dict:
+        measured = measure(4, 17 if cpu else 33, 64 if cpu else 256, device)
+        base = measured["one process"]["seconds_per_step"]
+        return {name: {**values, "time_vs_one_process": round(values["seconds_per_step"] / base, 3)}
+                for name, values in measured.items()}
+
+    attempt(results, "context", "ulysses 2, ring 2 (tiny ltx-video)", 120 if cpu else 90, run)
+
+
 def section_precompute(results: Results, models: Models, device: str) -> None:
     def measure() -> dict:
         import precompute as bench_precompute
@@ -408,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                 section_attention(results, models, args.cpu, device)
             elif section == "precompute":
                 section_precompute(results, models, device)
+            elif section == "context":
+                section_context(results, args.cpu, device)
     failed = [row for row in results.rows if row["status"] in ("failed", "below minimum", "not installed")]
     results.write()
     print(f"{len(results.rows)} rows, {len(failed)} failed, in {time.perf_counter() - results.started:.0f} s; "

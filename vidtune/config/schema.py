@@ -741,6 +741,24 @@ class PrecomputeConfig(Section):
     )
 
 
+class ContextConfig(Section):
+    ulysses: int = Field(
+        1, ge=1, description="Context parallelism, Ulysses: ranks that split each sample's tokens and swap them for "
+        "attention heads with one all-to-all before and after attention (the heads must divide by it). See "
+        "docs/distributed.md.",
+    )
+    ring: int = Field(
+        1, ge=1, description="Context parallelism, ring: ranks that split each sample's tokens and pass the keys and "
+        "values round for attention (any head count). The context degree is ulysses x ring; the processes are data "
+        "groups of that many ranks.",
+    )
+
+    @property
+    def degree(self) -> int:
+        """How many ranks share one sample's tokens."""
+        return self.ulysses * self.ring
+
+
 class ParallelConfig(Section):
     strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
         "auto",
@@ -776,6 +794,11 @@ class ParallelConfig(Section):
         None, description="`deepspeed`: a DeepSpeed JSON file whose keys override the ones vidtune derives from this "
         "config (in a file: relative to its folder).",
     )
+    context: ContextConfig = Field(
+        default_factory=ContextConfig, description="Context parallelism: each sample's token sequence split over "
+        "`ulysses` x `ring` ranks (activations divided by that degree), composed with `ddp` or `fsdp` over the data "
+        "groups. See docs/distributed.md.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ParallelConfig:
@@ -783,6 +806,13 @@ class ParallelConfig(Section):
             raise ValueError(f"parallel.load_on_rank0=true needs parallel.strategy=fsdp (it is {self.strategy}): only "
                              "FSDP fills the other ranks' weights from rank 0. What to do: set parallel.strategy=fsdp, "
                              "or remove parallel.load_on_rank0.")
+        if self.context.degree > 1 and self.strategy == "deepspeed":
+            raise ValueError("parallel.context splits each sample over ranks with ddp or fsdp; DeepSpeed keeps the "
+                             "training loop to itself. What to do: set parallel.strategy=fsdp (it shards weights like "
+                             "ZeRO-3), or remove parallel.context.")
+        if self.context.degree > 1 and self.replicate_degree > 1:
+            raise ValueError("parallel.context with parallel.replicate_degree > 1: FSDP then shards over the whole "
+                             "data x context mesh. What to do: remove parallel.replicate_degree.")
         return self
 
 

@@ -36,6 +36,7 @@ from vidtune.errors import ConfigError, ModelError
 from vidtune.memory import fp8_layers, frozen_linears, skip_patterns, stored
 from vidtune.memory import single_file as single_files
 from vidtune.memory.architectures import architecture_folder
+from vidtune.memory.context import split_activations
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
 from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
 from vidtune.memory.values import KnownValues, UnknownValue
@@ -720,6 +721,9 @@ def _plan(config: Config, world_size: int) -> MemoryPlan:
     encoders = _encoders(config, device)
     step = _step(config, device, encoders)
     training = shard(account_step(step, config, device), config, world_size)
+    # parallel.context: each rank holds part of every sample's tokens (vidtune/memory/context.py).
+    training = split_activations(training, config, world_size, getattr(step.denoiser, "config", {}),
+                                 tuple(encoders.latents["latents_mean"].shape), 2 if _uses_bf16(config, device) else 4)
     on_the_fly = not config.precompute.enabled
     if on_the_fly:  # the encoders stay loaded beside the denoiser; the step's peak is after they ran
         training["text encoders + VAE"] = encoders.text_weights + encoders.vae_weights
@@ -728,6 +732,9 @@ def _plan(config: Config, world_size: int) -> MemoryPlan:
     shape = max(config.data.bucket_shapes(), key=lambda s: s[0] * s[1] * s[2])
     files = single_files.headers(build_spec(config))
     notes = single_files.notes(files, options.base_weights, single_files.denoiser_dtype(step.denoiser))
+    if config.parallel.context.degree > world_size:
+        notes.append(f"parallel.context splits each sample over {config.parallel.context.degree} GPUs; this plan for "
+                     f"{world_size} does not split it (plan with --gpus {config.parallel.context.degree} or more).")
     if device.type != "cuda" and (options.blocks_to_swap or options.activation_offload):
         notes.append("blocks_to_swap and activation_offload act on CUDA only; the plan for this device counts them "
                      "as CUDA would.")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from vidtune.algorithms import traits_of
 from vidtune.config import Config, apply_overrides, build_config
+from vidtune.memory.context import context_choices
 from vidtune.memory.plan import (
     GIB,
     MemoryPlan,
@@ -32,6 +33,7 @@ from vidtune.memory.plan import (
     traced_step,
     transformer_blocks,
 )
+from vidtune.models.registry import get_spec_class
 
 # Estimated step time relative to the plain run (1.0): used only to rank the changes.
 # Activation offload copies every saved activation to the host and back each step: without checkpointing that is
@@ -104,7 +106,24 @@ def suggest(config: Config, budget_gib: float, world_size: int = 1,
             cost *= 1 + SWAP_COST_PER_BLOCK_SHARE * share
             if best is None or cost < best.cost:
                 best = Suggestion([*overrides, f"memory.blocks_to_swap={blocks}"], swapped, cost)
-    return best
+    return best or _split_over_gpus(config, budget_gib, world_size, host_gib)
+
+
+def _split_over_gpus(config: Config, budget_gib: float, world_size: int, host_gib: float | None) -> Suggestion | None:
+    """When nothing else fits one GPU's share: the smallest context degree (`parallel.context`) of the GPUs with
+    which the clip fits, with the savers it then still needs."""
+    if world_size < 2 or config.parallel.context.degree > 1:
+        return None
+    if isinstance(get_spec_class(config.model.name).context_parallel_plan(), str):
+        return None  # a family whose tokens cannot be split
+    resolved, _ = resolve_architecture(config)
+    denoiser = traced_step(resolved, planned_device(resolved)).denoiser
+    heads = int(getattr(denoiser, "config", {}).get("num_attention_heads") or 1)
+    for split in context_choices(config, world_size, heads):
+        found = suggest(with_overrides(config, split), budget_gib, world_size, host_gib)
+        if found is not None:
+            return Suggestion([*split, *found.overrides], found.plan, found.cost)
+    return None
 
 
 def _cost(changes: list[str], config: Config) -> float:

@@ -135,6 +135,11 @@ class LTX2Spec(ModelSpec):
     scheduler_class = FlowMatchEulerDiscreteScheduler
     pipeline_class = LTX2Pipeline
 
+    @classmethod
+    def context_parallel_plan(cls) -> dict[str, Any] | str:
+        return ("diffusers' plan splits the video tokens only: the audio stream would run whole on every rank and "
+                "its gradient be counted once per rank")
+
     def native_max_sequence_length(self) -> int:
         """LTX2Pipeline's 1024 tokens, or fewer where the tokenizer holds fewer."""
         tokenizer = self.load_component(AutoTokenizer, "tokenizer")

@@ -203,6 +203,17 @@ class LTXVideoSpec(ModelSpec):
             patch, patch_t,
         )
 
+    @classmethod
+    def context_parallel_plan(cls) -> dict[str, Any] | str:
+        """diffusers' plan, with first-frame conditioning's per-token timesteps ([B, tokens]) split like the tokens
+        (a [B] timestep is left whole: the split applies to two-dimensional ones only)."""
+        from diffusers.models._modeling_parallel import ContextParallelInput
+
+        plan = super().context_parallel_plan()
+        if isinstance(plan, str):
+            return plan
+        return {**plan, "": {**plan[""], "timestep": ContextParallelInput(split_dim=1, expected_dims=2)}}
+
 
 class LTXVideoImageToVideoSpec(LTXVideoSpec):
     """LTX-Video conditioned on frames of the clip (`model.condition_frames`: the first frame, or keyframes).
@@ -223,6 +234,11 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
     pipeline_class = LTXConditionPipeline
     # Every sample conditioned, unless `model.first_frame_conditioning` says otherwise (first frame only, then).
     first_frame_conditioning = 1.0
+
+    @classmethod
+    def context_parallel_plan(cls) -> dict[str, Any] | str:
+        return ("its condition frames are encoded apart and keyframes appended as extra tokens with rotary "
+                "coordinates of their own, which the plan does not split")
 
     # ----- which pipeline, and the condition frames -------------------------------------------------------------
     @functools.cached_property

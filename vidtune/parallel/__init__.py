@@ -58,6 +58,22 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def context_degree(configured: int) -> int:
+    """The ranks that share one sample's tokens (`parallel.context`'s degree) under torchrun; 1 in one process."""
+    return configured if world_size() > 1 else 1
+
+
+def data_rank(context: int = 1) -> int:
+    """This process's data group (`context`: the configured context degree): ranks are numbered data-major, the
+    ranks of a group adjacent (vidtune/parallel/context.py). Without context parallelism: the rank."""
+    return rank() // context_degree(context)
+
+
+def data_world(context: int = 1) -> int:
+    """The number of data groups: the processes that read different samples."""
+    return world_size() // context_degree(context)
+
+
 def is_main() -> bool:
     return rank() == 0
 

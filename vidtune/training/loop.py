@@ -96,8 +96,8 @@ def train(context: TrainingContext, name: str | None = None) -> TrainResult:
                     print(compile_note(outcome.compile_seconds, state.step, outcome.shapes), flush=True)
                 if outcome.finite and due(context, config.logging.log_every, final=True):
                     log.record(state.step, outcome.loss, state.learning_rate, outcome.grad_norm, outcome.seconds,
-                               context.clips_per_step * parallel.world_size(), outcome.compile_seconds,
-                               gathered_noise(outcome.noise), outcome.parts)
+                               context.clips_per_step * data_groups(context), outcome.compile_seconds,
+                               gathered_noise(outcome.noise, context.config.parallel.context.degree), outcome.parts)
                 log.advance()
                 between_steps(context, stop)
                 if stopped_by is None and validation_due(context):  # a signal during the samples stops the run
@@ -146,13 +146,14 @@ def train_step(context: TrainingContext, stream: Iterator[Batch], stop: StopSign
     step_loss_value, grad_norm = values[0], (values[1] if norm is not None else None)
     part_values = values[1 + len(norms):]
     # Under torchrun, one collective per step: the loss summed over ranks (its mean is logged, and every rank must
-    # take the same finite / non-finite decision or the replicas drift apart), its parts, and whether a rank was
-    # asked to stop (all ranks stop after the same step). One process: the values as they are.
+    # take the same finite / non-finite decision or the replicas drift apart; the ranks of a data group computed the
+    # same loss, so the mean over ranks is the mean over the groups), its parts, and whether a rank was asked to stop
+    # (all ranks stop after the same step). One process: the values as they are.
     loss_sum, *rest = parallel.all_reduce_sum([step_loss_value, *part_values, *stop_votes(stop)])
     part_sums, stop_counts = rest[: len(names)], rest[len(names):]
     loss = loss_sum / parallel.world_size()
     state.step += 1
-    state.samples_consumed += context.clips_per_step * parallel.world_size()
+    state.samples_consumed += context.clips_per_step * data_groups(context)
     finite = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
     if not finite:
         skip_nonfinite_step(context, loss, grad_norm)  # raises past the limit
@@ -237,13 +238,18 @@ def noise_row(notes: NoiseNotes) -> dict[str, list[float]]:
     return row
 
 
-def gathered_noise(noise: dict[str, list[float]]) -> dict[str, list[float]]:
-    """A step's noise levels and sample losses of every rank, in rank order (one collective under torchrun: every
-    rank logs the same steps)."""
+def data_groups(context: TrainingContext) -> int:
+    """The processes that read different samples: all of them, or the data groups of `parallel.context`."""
+    return parallel.data_world(context.config.parallel.context.degree)
+
+
+def gathered_noise(noise: dict[str, list[float]], context_degree: int = 1) -> dict[str, list[float]]:
+    """A step's noise levels and sample losses of every data group, in rank order (one collective under torchrun:
+    every rank logs the same steps); the ranks of a group noted the same samples, its first one stands for it."""
     if not parallel.is_distributed():
         return noise
     merged: dict[str, list[float]] = {}
-    for rows in parallel.gather_objects(noise):
+    for rows in parallel.gather_objects(noise)[::parallel.context_degree(context_degree)]:
         for key, values in rows.items():
             merged.setdefault(key, []).extend(values)
     return merged

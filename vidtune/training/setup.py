@@ -83,8 +83,9 @@ def set_up(config: Config, spec: ModelSpec, part: AlgorithmPart, loss: LossFunct
     # Trackers start before the long work, so a refusal (no login, no package) comes at once.
     output_dir = Path(config.output_dir)
     trackers = open_trackers(config, output_dir, saved.step if saved else 0) if parallel.is_main() else []
-    # Rank 0 draws what one process draws; other ranks draw their own (e.g. LoRA dropout masks).
-    seed_everything(config.training.seed + parallel.rank())
+    # Rank 0 draws what one process draws; other data groups draw their own (e.g. LoRA dropout masks), the ranks of
+    # one group (parallel.context) alike.
+    seed_everything(config.training.seed + parallel.data_rank(config.parallel.context.degree))
     encoders = Encoders(spec, device, load_now=not config.precompute.enabled)
     source = open_batch_source(config, spec, inputs, device, encoders)
     empty_caption = empty_caption_of(config, source)

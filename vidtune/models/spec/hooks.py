@@ -45,6 +45,17 @@ class DenoiserHooks(SpecBase):
         where every rank must run the same part of its denoiser in a step (sharded training's collectives)."""
         return objective
 
+    @classmethod
+    def context_parallel_plan(cls) -> dict[str, Any] | str:
+        """Where context parallelism (`parallel.context`) splits the denoiser's token sequence and gathers its
+        output, in diffusers' `_cp_plan` form: the denoiser class's own plan. A family without one (or whose plan
+        does not fit how it trains) gives the reason instead, and such a run is refused before anything loads."""
+        plan = getattr(cls.denoiser_class, "_cp_plan", None)
+        if not plan:
+            return (f"diffusers' {cls.denoiser_class.__name__} has no context-parallel plan (`_cp_plan`): where to "
+                    "split its tokens and gather its output is unknown")
+        return plan
+
     def keep_weights_placed(self, denoiser: nn.Module) -> None:
         """Stop the denoiser from moving its own weights between the device and host memory, where something else
         places them (FSDP's shards, the memory planner's trace on the meta device). One denoiser moves none."""

@@ -1,0 +1,125 @@
+"""Context parallelism (`parallel.context`) on real processes on the CPU (gloo), against one process.
+
+Two ranks that split each sample's tokens (Ulysses, ring) train what one process trains on the same samples: the
+same losses, gradient norms (rel 1e-4) and trained weights (rtol 1e-4, atol 1e-5), for LoRA and full fine-tuning,
+for every family with a plan (LTX-Video, Wan 2.1 text- and image-to-video, Wan 2.2); four ranks as 2 data x 2
+context train what one process trains with twice the batch, and their checkpoint resumes in one process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
+
+from tests.helpers.distributed import rank_main
+from vidtune.trainers import build_trainer
+
+STEPS = 2
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.rglob("*.safetensors"))
+    files = [f for f in files if "checkpoint" not in f.parts[-3:-1] and "checkpoints" not in f.parts]
+    # Files named after the run (the ComfyUI adapter) are keyed without its name.
+    return {f"{str(f.relative_to(folder)).replace(folder.name, '')}:{key}": value
+            for f in files for key, value in load_file(f).items()}
+
+
+def _same_run(trained: Path, expected: Path) -> None:
+    got, want = _weights(trained), _weights(expected)
+    assert got.keys() == want.keys() and want
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **TOLERANCE, msg=key)
+    rows, reference = _metrics(trained), _metrics(expected)
+    assert [r["step"] for r in rows] == [r["step"] for r in reference]
+    for row, ref in zip(rows, reference, strict=True):
+        assert row["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+        assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+# Every family with a context-parallel plan: LoRA with each way of splitting, full fine-tuning with each.
+CASES = [
+    ("ltx-video", "lora", {"ulysses": 2}),
+    ("ltx-video", "lora", {"ring": 2}),
+    ("ltx-video", "full", {"ring": 2}),
+    ("wan", "lora", {"ulysses": 2}),
+    ("wan", "lora", {"ring": 2}),
+    ("wan", "full", {"ulysses": 2}),
+    ("wan-i2v", "lora", {"ulysses": 2}),
+    ("wan2.2", "lora", {"ring": 2}),
+]
+
+
+def _case_name(family: str, algorithm: str, split: dict) -> str:
+    return f"{family}-{algorithm}-{'-'.join(split)}"
+
+
+# Validation samples after step 1 (rank 0 alone, the split taken off and put back) before step 2 trains split again.
+SAMPLED = "wan-lora-ring"
+
+
+def _config(make_config, folder: Path, family: str, algorithm: str, **sections):
+    training = {"steps": STEPS, "algorithm": algorithm, "learning_rate": 1e-3, **sections.pop("training", {})}
+    if family == "ltx-video":  # every sample given its first frame: per-token timesteps, split with the tokens
+        sections["model"] = {"first_frame_conditioning": 1.0}
+    if folder.name.startswith(SAMPLED):
+        sections["validation"] = {"enabled": True, "every": 1, "num_inference_steps": 2}
+    return make_config(family, output_dir=str(folder), training=training, logging={"progress": False, "log_every": 1},
+                       **sections)
+
+
+@pytest.mark.slow
+def test_two_context_ranks_train_what_one_process_trains(make_config, tmp_path):
+    runs = [(_case_name(*case), _config(make_config, tmp_path / _case_name(*case), case[0], case[1],
+                                        parallel={"context": case[2]}).to_dict(), {}) for case in CASES]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for family, algorithm, split in CASES:
+        name = _case_name(family, algorithm, split)
+        for result in ranks:
+            assert "error" not in result[name], result[name]
+        build_trainer(_config(make_config, tmp_path / f"{name}-single", family, algorithm)).run()
+        _same_run(tmp_path / name, tmp_path / f"{name}-single")
+        # Both ranks trained on the same samples: the stream gave the group one sample each step.
+        assert ranks[0][name]["positions"] == ranks[1][name]["positions"]
+    assert sorted(p.name for p in (tmp_path / SAMPLED / "samples").glob("*.mp4")) == [
+        "step-00000001-0.mp4", "step-00000002-0.mp4"]
+
+
+@pytest.mark.slow
+def test_two_data_by_two_context_ranks_train_what_one_process_trains_with_twice_the_batch(make_config, tmp_path):
+    """World 4 = 2 data groups x 2 context ranks (FSDP over all four, Ulysses in each group), batch 1 per group:
+    one process with batch 2; its checkpoint of step 1 resumes in one process and ends where that one does."""
+    mesh = _config(make_config, tmp_path / "mesh", "ltx-video", "lora", checkpoint={"every": 1, "keep": 2},
+                   parallel={"strategy": "fsdp", "context": {"ulysses": 2}})
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(rank_main, args=(4, [("mesh", mesh.to_dict(), {})], str(out)), nprocs=4, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text())["mesh"] for r in range(4)]
+    assert all("error" not in result for result in ranks), ranks
+    # The ranks of a group read the same samples, the two groups different ones.
+    assert ranks[0]["positions"] == ranks[1]["positions"] != ranks[2]["positions"] == ranks[3]["positions"]
+
+    build_trainer(_config(make_config, tmp_path / "single", "ltx-video", "lora", training={"batch_size": 2})).run()
+    _same_run(tmp_path / "mesh", tmp_path / "single")
+
+    first = tmp_path / "mesh" / "checkpoints" / "step-00000001"
+    assert first.is_dir(), sorted(p.name for p in (tmp_path / "mesh" / "checkpoints").iterdir())
+    build_trainer(_config(make_config, tmp_path / "resumed", "ltx-video", "lora", training={"batch_size": 2},
+                          checkpoint={"resume": str(first)})).run()
+    got, want = _weights(tmp_path / "resumed"), _weights(tmp_path / "single")
+    assert got.keys() == want.keys() and want
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], **TOLERANCE, msg=key)

@@ -77,7 +77,9 @@ def test_block_swap_trains_exactly_as_without_it(make_config, tmp_path, monkeypa
     plain, plain_result, swapped, result, recorder = _train_with_and_without_swap(
         make_config, tmp_path, monkeypatch, family, 2, training=training)
 
-    assert result.losses == plain_result.losses
+    # Equal to float32's rounding: the CPU's matrix kernels may round differently on the swapped blocks' separately
+    # allocated copies of the weights (Kandinsky 5's loss differs by 1.2e-7 relative; most families' not at all).
+    torch.testing.assert_close(result.losses, plain_result.losses, rtol=1e-6, atol=0)
     expected, trained = _adapter(plain), _adapter(swapped)
     assert expected.keys() == trained.keys() and expected
     for name in expected:

@@ -9,17 +9,22 @@ context train what one process trains with twice the batch, and their checkpoint
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+import yaml
 from safetensors.torch import load_file
 
 from tests.helpers.distributed import rank_main
 from vidtune.trainers import build_trainer
 
 STEPS = 2
+KILL_WORKER = Path(__file__).with_name("fsdp_kill_worker.py")  # `vidtune train` whose rank RANK dies at POSITION
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
 
 
@@ -34,6 +39,13 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     # Files named after the run (the ComfyUI adapter) are keyed without its name.
     return {f"{str(f.relative_to(folder)).replace(folder.name, '')}:{key}": value
             for f in files for key, value in load_file(f).items()}
+
+
+def _torchrun(*arguments: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *arguments], capture_output=True, text=True,
+                          env=env, timeout=timeout)
 
 
 def _same_run(trained: Path, expected: Path) -> None:
@@ -123,3 +135,30 @@ def test_two_data_by_two_context_ranks_train_what_one_process_trains_with_twice_
     assert got.keys() == want.keys() and want
     for key in want:
         torch.testing.assert_close(got[key], want[key], **TOLERANCE, msg=key)
+
+
+@pytest.mark.slow
+def test_a_killed_context_rank_restarted_by_torchrun_resumes_bit_for_bit(make_config, tmp_path):
+    """Two ranks splitting each sample (Ulysses); rank 1 kills itself (SIGKILL) in step 3. torchrun stops rank 0 and
+    starts both again, which continue from the checkpoint of step 2: the same adapter and losses, bit for bit, as the
+    same run never killed."""
+    def write(name: str) -> Path:
+        config = _config(make_config, tmp_path / name, "wan", "lora", training={"steps": 4},
+                         checkpoint={"every": 2, "keep": 2, "resume": "latest"},
+                         parallel={"context": {"ulysses": 2}})
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config.to_dict()))
+        return path
+
+    whole = _torchrun("--standalone", "--nproc_per_node", "2", "-m", "vidtune", "train", str(write("whole")))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    # Batch 1 on one data group: stream position 2 is step 3's micro-batch.
+    killed = _torchrun("--standalone", "--nproc_per_node", "2", "--max-restarts", "1", "--monitor-interval", "0.5",
+                       str(KILL_WORKER), str(write("killed")), "1", "2")
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "Resuming from" in killed.stdout and "step-00000002" in killed.stdout
+    got, want = _weights(tmp_path / "killed"), _weights(tmp_path / "whole")
+    assert got.keys() == want.keys() and want
+    assert all(torch.equal(got[key], want[key]) for key in want)
+    losses = {name: [row["loss"] for row in _metrics(tmp_path / name)] for name in ("killed", "whole")}
+    assert losses["killed"] == losses["whole"] and len(losses["whole"]) == 4

@@ -54,6 +54,7 @@ from vidtune.models.spec import (
     side_problems,
     step_callback,
 )
+from vidtune.models.wan import wan_vae_compression
 from vidtune.objectives import SUPPORTED_SCHEDULERS
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 300  # the pipelines' max_sequence_length
@@ -93,12 +94,8 @@ class SanaVideoSpec(ModelSpec):
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property
     def compression(self) -> tuple[int, int, tuple[int, int, int]]:
-        """(VAE spatial ratio, VAE temporal ratio, transformer patch size (t, h, w))."""
-        vae = self.load_config(AutoencoderKLWan, "vae")
-        spatial = vae.get("scale_factor_spatial") or 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
-        temporal = vae.get("scale_factor_temporal") or 2 ** sum(vae.get("temperal_downsample", [False, True, True]))
-        transformer = self.load_config(SanaVideoTransformer3DModel, "transformer")
-        return spatial, temporal, tuple(transformer.get("patch_size", (1, 2, 2)))
+        """(VAE spatial ratio, VAE temporal ratio, transformer patch size (t, h, w)): Wan 2.1's VAE."""
+        return wan_vae_compression(self)
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         spatial, temporal, patch = self.compression

@@ -74,6 +74,16 @@ def _ftfy_version() -> str | None:
 WAN_FEED_FORWARD_TARGETS = ("ffn.net.0.proj", "ffn.net.2")  # Wan names its blocks' feed-forward `ffn`
 
 
+
+def wan_vae_compression(spec: ModelSpec) -> tuple[int, int, tuple[int, int, int]]:
+    """(VAE spatial ratio, VAE temporal ratio, transformer patch size (t, h, w)) of a model on Wan 2.1's VAE, read
+    from the VAE's and the transformer's configs (no weights needed)."""
+    vae = spec.load_config(AutoencoderKLWan, "vae")
+    spatial = vae.get("scale_factor_spatial") or 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
+    temporal = vae.get("scale_factor_temporal") or 2 ** sum(vae.get("temperal_downsample", [False, True, True]))
+    transformer = spec.load_config(spec.denoiser_class, "transformer")
+    return spatial, temporal, tuple(transformer.get("patch_size", (1, 2, 2)))
+
 class WanSpec(ModelSpec):
     name = "wan"
     control_input_layer = "patch_embedding"  # Conv3d over [B, C, F, H, W]
@@ -96,11 +106,7 @@ class WanSpec(ModelSpec):
     @functools.cached_property
     def compression(self) -> tuple[int, int, tuple[int, int, int]]:
         """(VAE spatial ratio, VAE temporal ratio, transformer patch size (t, h, w))."""
-        vae = self.load_config(AutoencoderKLWan, "vae")
-        spatial = vae.get("scale_factor_spatial") or 2 ** (len(vae.get("dim_mult", [1, 2, 4, 4])) - 1)
-        temporal = vae.get("scale_factor_temporal") or 2 ** sum(vae.get("temperal_downsample", [False, True, True]))
-        transformer = self.load_config(self.denoiser_class, "transformer")
-        return spatial, temporal, tuple(transformer.get("patch_size", (1, 2, 2)))
+        return wan_vae_compression(self)
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         vae_spatial, temporal, patch = self.compression

@@ -162,6 +162,13 @@ class LTX2Spec(ModelSpec):
             "audio_proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
         }
 
+    def context_token_counts(self, frames: int, height: int, width: int, frame_rate: float | None
+                             ) -> dict[str, int]:
+        spatial, temporal, patch, patch_t = self.compression
+        latent_frames = (frames - 1) // temporal + 1
+        video = latent_frames // patch_t * (height // (spatial * patch)) * (width // (spatial * patch))
+        return {"video tokens": video, "audio latent frames": self.audio_latent_length(frames, frame_rate)}
+
     def native_max_sequence_length(self) -> int:
         """LTX2Pipeline's 1024 tokens, or fewer where the tokenizer holds fewer."""
         tokenizer = self.load_component(AutoTokenizer, "tokenizer")

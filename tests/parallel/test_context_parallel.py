@@ -74,6 +74,7 @@ CASES = [
     ("wan2.2", "lora", {"ring": 2}),
     ("ltx-2", "lora", {"ulysses": 2}),
     ("ltx-2", "lora", {"ring": 2}),
+    ("ltx-2", "full", {"ring": 2}),
 ]
 
 

@@ -103,5 +103,9 @@ def test_ltx2_clip_shapes_whose_lengths_do_not_divide_are_refused_before_loading
     with pytest.raises(ConfigError, match=r"(?s)9 frames of 32x32 at 24 fps .*: 9 audio latent frames.*data\.frames"):
         build_trainer(config).check_inputs()
     build_trainer(make_config("ltx-2", data={"frames": 17}, parallel={"context": {"ring": 2}})).check_inputs()
+    config = make_config("ltx-2", data={"frames": 17}, model={"max_sequence_length": 63},
+                         parallel={"context": {"ulysses": 2}})
+    with pytest.raises(ConfigError, match=r"63 caption tokens \(model\.max_sequence_length\)"):
+        build_trainer(config).check_inputs()
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process trains without a split: nothing to divide
     build_trainer(config).check_inputs()

@@ -167,7 +167,8 @@ class LTX2Spec(ModelSpec):
         spatial, temporal, patch, patch_t = self.compression
         latent_frames = (frames - 1) // temporal + 1
         video = latent_frames // patch_t * (height // (spatial * patch)) * (width // (spatial * patch))
-        return {"video tokens": video, "audio latent frames": self.audio_latent_length(frames, frame_rate)}
+        return {"video tokens": video, "audio latent frames": self.audio_latent_length(frames, frame_rate),
+                "caption tokens (model.max_sequence_length)": self.max_sequence_length}
 
     def native_max_sequence_length(self) -> int:
         """LTX2Pipeline's 1024 tokens, or fewer where the tokenizer holds fewer."""

@@ -2,8 +2,9 @@
 
 Two ranks that split each sample's tokens (Ulysses, ring) train what one process trains on the same samples: the
 same losses, gradient norms (rel 1e-4) and trained weights (rtol 1e-4, atol 5e-5), for LoRA and full fine-tuning,
-for every family with a plan (LTX-Video, Wan 2.1 text- and image-to-video, Wan 2.2); four ranks as 2 data x 2
-context train what one process trains with twice the batch, and their checkpoint resumes in one process.
+for every family with a plan (LTX-Video, LTX-2 with its audio stream, Wan 2.1 text- and image-to-video, Wan 2.2);
+four ranks as 2 data x 2 context train what one process trains with twice the batch, and their checkpoint resumes in
+one process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.helpers.distributed import rank_main
+from tests.models.test_ltx_2_audio import CLIP_FRAMES, FPS, write_tone
+from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.trainers import build_trainer
 
 STEPS = 2
@@ -73,6 +76,9 @@ CASES = [
     ("wan-i2v", "lora", {"ring": 2}),
     ("wan2.2", "lora", {"ulysses": 2}),
     ("wan2.2", "lora", {"ring": 2}),
+    ("ltx-2", "lora", {"ulysses": 2}),
+    ("ltx-2", "lora", {"ring": 2}),
+    ("ltx-2", "full", {"ring": 2}),
 ]
 
 
@@ -84,9 +90,21 @@ def _case_name(family: str, algorithm: str, split: dict) -> str:
 SAMPLED = "wan-lora-ring"
 
 
+def _sound_clips(root: Path) -> Path:
+    """Two clips of 17 frames at 24 fps, one with a tone as its sound track, one without: 18 audio latent frames
+    and 5 x 8 x 8 video tokens, both divisible by the context degree."""
+    folder = root / "sound-clips"
+    if not folder.is_dir():
+        render_shapes_dataset(folder, num_clips=2, num_frames=CLIP_FRAMES, height=32, width=32, fps=FPS, seed=0)
+        write_tone(folder / "clips" / "clip_000.mp4", 1000.0)
+    return folder
+
+
 def _config(make_config, folder: Path, family: str, algorithm: str, **sections):
     training = {"steps": STEPS, "algorithm": algorithm, "learning_rate": 1e-3, **sections.pop("training", {})}
-    if family == "ltx-video":  # every sample given its first frame: per-token timesteps, split with the tokens
+    if family == "ltx-2":  # one step on the clip with sound (joint streams), one on the other (video alone)
+        sections["data"] = {"root": str(_sound_clips(folder.parent)), "frames": CLIP_FRAMES}
+    if family in ("ltx-video", "ltx-2"):  # every sample given its first frame: per-token timesteps, split too
         sections["model"] = {"first_frame_conditioning": 1.0}
     if folder.name.startswith(SAMPLED):
         sections["validation"] = {"enabled": True, "every": 1, "num_inference_steps": 2}
@@ -108,6 +126,8 @@ def test_two_context_ranks_train_what_one_process_trains(make_config, tmp_path):
             assert "error" not in result[name], result[name]
         build_trainer(_config(make_config, tmp_path / f"{name}-single", family, algorithm)).run()
         _same_run(tmp_path / name, tmp_path / f"{name}-single")
+        if family == "ltx-2":  # one compared loss holds the audio error of the clip with sound
+            assert sorted(row["audio_sigmas"][0] is None for row in _metrics(tmp_path / name)) == [False, True]
         # Both ranks trained on the same samples: the stream gave the group one sample each step.
         assert ranks[0][name]["positions"] == ranks[1][name]["positions"]
     assert sorted(p.name for p in (tmp_path / SAMPLED / "samples").glob("*.mp4")) == [

@@ -11,6 +11,7 @@ from vidtune.errors import ConfigError
 from vidtune.parallel import choose, data_rank, data_world
 from vidtune.parallel.context import check_context, context_plan
 from vidtune.parallel.strategy import Strategy
+from vidtune.trainers import build_trainer
 
 
 def _minimal(**parallel) -> dict:
@@ -54,7 +55,6 @@ def test_one_process_trains_without_a_split(make_config):
 
 
 @pytest.mark.parametrize(("family", "reason"), [
-    ("ltx-2", "audio stream"),
     ("ltx-video-i2v", "keyframes"),
     ("cogvideox", "no context-parallel plan"),
 ])
@@ -80,3 +80,32 @@ def test_split_attention_runs_on_the_native_backend(monkeypatch):
     with pytest.raises(ConfigError, match=r"model\.attention_backend=auto"):
         check_context(config)
     check_context(build_config(_minimal(context={"ring": 2})))  # auto: accepted
+
+
+def test_ltx2_splits_its_audio_stream_as_its_video(make_config):
+    """The audio tokens, their caption and rotary tables are split and their prediction gathered, as the video's;
+    Ulysses must divide the audio heads too (the tiny model: 4 video heads, 2 audio heads)."""
+    config = make_config("ltx-2", parallel={"context": {"ulysses": 2}})
+    plan = context_plan(build_spec(config), config)
+    assert {"hidden_states", "audio_hidden_states", "encoder_hidden_states",
+            "audio_encoder_hidden_states"} <= set(plan[""])
+    assert {"rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope", "proj_out", "audio_proj_out"} <= set(plan)
+    config = make_config("ltx-2", parallel={"context": {"ulysses": 4}})
+    with pytest.raises(ConfigError, match=r"does not divide the 2 attention heads .*audio_num_attention_heads"):
+        context_plan(build_spec(config), config)
+
+
+def test_ltx2_clip_shapes_whose_lengths_do_not_divide_are_refused_before_loading(make_config, monkeypatch):
+    """9 frames at the clips' 24 fps give 9 audio latent frames (3 x 8 x 8 video tokens divide): refused, naming
+    the shape, the rate and the settings; 17 frames give 18 and pass."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = make_config("ltx-2", data={"frames": 9}, parallel={"context": {"ring": 2}})
+    with pytest.raises(ConfigError, match=r"(?s)9 frames of 32x32 at 24 fps .*: 9 audio latent frames.*data\.frames"):
+        build_trainer(config).check_inputs()
+    build_trainer(make_config("ltx-2", data={"frames": 17}, parallel={"context": {"ring": 2}})).check_inputs()
+    config = make_config("ltx-2", data={"frames": 17}, model={"max_sequence_length": 63},
+                         parallel={"context": {"ulysses": 2}})
+    with pytest.raises(ConfigError, match=r"63 caption tokens \(model\.max_sequence_length\)"):
+        build_trainer(config).check_inputs()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process trains without a split: nothing to divide
+    build_trainer(config).check_inputs()

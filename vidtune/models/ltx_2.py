@@ -137,8 +137,38 @@ class LTX2Spec(ModelSpec):
 
     @classmethod
     def context_parallel_plan(cls) -> dict[str, Any] | str:
-        return ("diffusers' plan splits the video tokens only: the audio stream would run whole on every rank and "
-                "its gradient be counted once per rank")
+        """Both streams split, not only the video as diffusers' plan does (the audio would run whole on every rank,
+        its gradient counted once per rank, and its queries would see one rank's video only): the video and audio
+        tokens, each stream's caption and mask, first-frame conditioning's per-token timesteps, the four rotary
+        tables (self-attention and audio-video cross-attention, per stream: the token axis is the second last in
+        both of diffusers' layouts, [B, T, D] interleaved and [B, H, T, D / 2] split), and both predictions
+        gathered. Every attention then has both sides split; cross-attention between the streams (keys of another
+        length than the queries) gathers its keys whole (vidtune/parallel/context_attention.py)."""
+        from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+        tokens = ContextParallelInput(split_dim=1, expected_dims=3)
+        rotary = ContextParallelInput(split_dim=-2, split_output=True)
+        return {
+            "": {"hidden_states": tokens, "audio_hidden_states": tokens,
+                 "encoder_hidden_states": tokens, "audio_encoder_hidden_states": tokens,
+                 "encoder_attention_mask": ContextParallelInput(split_dim=1, expected_dims=2),
+                 "audio_encoder_attention_mask": ContextParallelInput(split_dim=1, expected_dims=2),
+                 # [B, tokens] with a first frame given; a [B] timestep stays whole.
+                 "timestep": ContextParallelInput(split_dim=1, expected_dims=2),
+                 "audio_timestep": ContextParallelInput(split_dim=1, expected_dims=2)},
+            **{rope: {0: rotary, 1: rotary}
+               for rope in ("rope", "audio_rope", "cross_attn_rope", "cross_attn_audio_rope")},
+            "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+            "audio_proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+        }
+
+    def context_token_counts(self, frames: int, height: int, width: int, frame_rate: float | None
+                             ) -> dict[str, int]:
+        spatial, temporal, patch, patch_t = self.compression
+        latent_frames = (frames - 1) // temporal + 1
+        video = latent_frames // patch_t * (height // (spatial * patch)) * (width // (spatial * patch))
+        return {"video tokens": video, "audio latent frames": self.audio_latent_length(frames, frame_rate),
+                "caption tokens (model.max_sequence_length)": self.max_sequence_length}
 
     def native_max_sequence_length(self) -> int:
         """LTX2Pipeline's 1024 tokens, or fewer where the tokenizer holds fewer."""

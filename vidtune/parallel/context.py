@@ -33,6 +33,7 @@ from torch import nn
 
 from vidtune import parallel
 from vidtune.config import Config
+from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel import context_attention
@@ -91,12 +92,43 @@ def context_plan(spec: ModelSpec, config: Config) -> dict[str, Any]:
                           "remove parallel.context (use parallel.strategy=fsdp and memory.* to fit it), or train "
                           "a family that can (see docs/distributed.md).")
     ulysses = config.parallel.context.ulysses
-    heads = spec.load_config(spec.denoiser_class, "transformer").get("num_attention_heads")
-    if heads is not None and int(heads) % ulysses:
-        raise ConfigError(f"parallel.context.ulysses={ulysses} does not divide the {heads} attention heads of "
-                          f"{spec.name}. What to do: choose a Ulysses degree that divides {heads}, and give the rest "
-                          "of the context degree to parallel.context.ring.")
+    # Every stream's heads (LTX-2's audio has its own: `audio_num_attention_heads`).
+    settings = spec.load_config(spec.denoiser_class, "transformer")
+    for key, heads in settings.items():
+        if key.endswith("num_attention_heads") and isinstance(heads, int) and heads % ulysses:
+            raise ConfigError(f"parallel.context.ulysses={ulysses} does not divide the {heads} attention heads of "
+                              f"{spec.name} ({key} in its transformer's config). What to do: choose a Ulysses "
+                              f"degree that divides {heads}, and give the rest of the context degree to "
+                              "parallel.context.ring.")
     return plan
+
+
+def check_context_tokens(config: Config, spec: ModelSpec, clips: list[Clip]) -> None:
+    """Refuse, before anything loads, clip shapes (bucket, and the frame rate a family's sound length follows)
+    whose split lengths (`ModelSpec.context_token_counts`) do not divide by the context degree: diffusers splits
+    into equal parts, and padding would add tokens every attention sees."""
+    degree = config.parallel.context.degree
+    if degree == 1 or parallel.world_size() == 1:  # one process trains without a split
+        return
+    shapes = config.data.bucket_shapes()
+    examples: dict[tuple[tuple[int, int, int], float | None], Clip] = {}
+    for clip in clips:
+        shape = shapes[clip.bucket or 0]
+        examples.setdefault((shape, spec.clip_frame_rate(clip, config.data.fps)), clip)
+    problems = []
+    for ((frames, height, width), rate), clip in examples.items():
+        uneven = {name: count for name, count in spec.context_token_counts(frames, height, width, rate).items()
+                  if count % degree}
+        if uneven:
+            told = "" if rate is None else f" at {rate:g} fps"
+            problems.append(f"  - {frames} frames of {height}x{width}{told} (e.g. {clip.where}): "
+                            + ", ".join(f"{count} {name}" for name, count in uneven.items()))
+    if problems:
+        raise ConfigError(
+            f"parallel.context: {spec.name} splits each clip's tokens into {degree} equal parts (ulysses x ring), "
+            "but these clip shapes give lengths that do not divide by it:\n" + "\n".join(problems)
+            + "\nWhat to do: choose data.frames / data.buckets (and data.fps, which sets the sound's length) whose "
+            "lengths divide by the degree, or another parallel.context degree.")
 
 
 def uses_half(config: Config) -> bool:

@@ -42,6 +42,7 @@ from vidtune.offload import (
 )
 from vidtune.optim import check_optimizer
 from vidtune.parallel.choose import choose_strategy
+from vidtune.parallel.context import check_context_tokens
 from vidtune.parallel.deepspeed import check_deepspeed
 from vidtune.precompute import CachedClips, precompute
 from vidtune.resume import resolve_resume
@@ -160,6 +161,7 @@ def check_inputs(config: Config, spec: ModelSpec, part: AlgorithmPart, device: t
     check_evaluation(config)
     clips = leave_out_silent(config, spec, load_dataset(data, progress=show_progress(config)))
     spec.check_frame_settings(config, clips)
+    check_context_tokens(config, spec, clips)
     training_clips, eval_clips = hold_out(clips, config)
     part.check([*training_clips, *eval_clips], objective, resuming=saved is not None)
     return Inputs(objective, attention_backend, training_clips, eval_clips)

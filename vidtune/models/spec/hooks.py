@@ -56,6 +56,13 @@ class DenoiserHooks(SpecBase):
                     "split its tokens and gather its output is unknown")
         return plan
 
+    def context_token_counts(self, frames: int, height: int, width: int, frame_rate: float | None
+                             ) -> dict[str, int]:
+        """The lengths the context-parallel plan splits for one clip of that shape told `frame_rate`, by name (each
+        must divide by the context degree), checked before anything loads. Empty (the default): diffusers' split
+        checks the lengths itself when it runs."""
+        return {}
+
     def keep_weights_placed(self, denoiser: nn.Module) -> None:
         """Stop the denoiser from moving its own weights between the device and host memory, where something else
         places them (FSDP's shards, the memory planner's trace on the meta device). One denoiser moves none."""

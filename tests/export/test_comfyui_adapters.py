@@ -28,11 +28,14 @@ from torch import nn
 from vidtune.algorithms.adapters import KINDS, adapted_module
 from vidtune.algorithms.build import build_part, build_spec
 from vidtune.export.comfyui import COMFYUI_TENSORS, PREFIX, Rule, comfyui_lora, fused
-from vidtune.models.registry import available_models
+from vidtune.models.registry import available_models, get_spec_class
+from vidtune.models.spec import ModelSpec
 from vidtune.outputs import comfyui_lora_weights
 
 CPU = torch.device("cpu")
-COMFYUI_FAMILIES = [family for family in available_models() if not family.startswith("cogvideox")]
+# The families ComfyUI's core has a model for: those whose spec names ComfyUI's layers.
+COMFYUI_FAMILIES = [family for family in available_models()
+                    if get_spec_class(family).comfyui_lora_rules is not ModelSpec.comfyui_lora_rules]
 RULES = [Rule(r"block\.(\d+)\.out", r"blocks.\1.o"), Rule(r"block\.(\d+)\.ff", r"blocks.\1.w1", swap_halves=True),
          *fused([r"block\.(\d+)\.q", r"block\.(\d+)\.k"], r"blocks.\1.qk", [16, 16])]
 

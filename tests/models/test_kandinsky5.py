@@ -222,3 +222,12 @@ def test_a_stopped_and_resumed_run_ends_bit_for_bit_like_one_left_alone(make_con
     resumed, reference = load_file(out / LORA_WEIGHTS), load_file(tmp_path / "reference" / LORA_WEIGHTS)
     assert resumed.keys() == reference.keys() and resumed
     assert all(torch.equal(resumed[key], reference[key]) for key in resumed)
+
+
+def test_image_to_video_refuses_stills_with_the_reason(make_config):
+    """A still's one latent frame is the given image, out of the loss: nothing would be learnt (the loss would be the
+    mean of nothing)."""
+    spec = Kandinsky5ImageToVideoSpec(make_config("kandinsky-5-i2v").model)
+    with pytest.raises(ConfigError, match="cannot train on stills"):
+        spec.check_video_shape(1, 32, 32)
+    spec.check_video_shape(17, 32, 32)

@@ -130,7 +130,7 @@ MIXED_SAMPLES: tuple[tuple[str, int, int, int, float], ...] = (
     ("pairs/clips/wide.png", 80, 45, 0, 0.0),
     ("folder/portrait.mp4", 36, 64, 20, 30.0),
     ("folder/stills/tall.jpg", 45, 80, 0, 0.0),
-    ("media/odd.mp4", 45, 43, 16, 12.5),
+    ("media/odd.mp4", 45, 43, 18, 12.5),
     ("media/square.webp", 50, 50, 0, 0.0),
     ("media/long.mp4", 48, 32, 120, 24.0),
 )

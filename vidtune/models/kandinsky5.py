@@ -269,6 +269,12 @@ class Kandinsky5ImageToVideoSpec(Kandinsky5Spec):
 
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         super().check_video_shape(frames, height, width)
+        if frames == 1:  # its one latent frame is the image's, which stays out of the loss
+            raise ConfigError(
+                f"Kandinsky 5 image-to-video cannot train on stills ({frames}x{height}x{width}): a still's only frame "
+                "is the image the model is given, which leaves nothing to learn.\nWhat to do: leave the stills out "
+                "(a bucket with more frames, data.frames > 1), or train them with model.name: kandinsky-5."
+            )
         if not self.transformer_config.get("visual_cond"):
             raise ConfigError(
                 f"{self.describe_file('transformer', 'config.json')}: visual_cond is false, so this transformer takes "

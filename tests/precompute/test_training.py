@@ -230,7 +230,8 @@ def test_validation_samples_do_not_depend_on_how_many_vae_workers_precomputed(co
         # properties).
         derived = {name for cls in type(trainer.spec).__mro__ for name, value in vars(cls).items()
                    if isinstance(value, functools.cached_property)}
-        assert set(vars(trainer.spec)) <= {"config", "frame_rate", "text_encoder_weights", "vae_tiling", *derived}, \
+        assert set(vars(trainer.spec)) <= {"config", "frame_rate", "text_encoder_weights", "vae_tiling", "base_weights",
+                                           *derived}, \
             vars(trainer.spec)
         return [np.asarray(Image.open(path.with_suffix(".png"))) for path in result.sample_paths]
 

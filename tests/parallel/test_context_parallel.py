@@ -1,7 +1,7 @@
 """Context parallelism (`parallel.context`) on real processes on the CPU (gloo), against one process.
 
 Two ranks that split each sample's tokens (Ulysses, ring) train what one process trains on the same samples: the
-same losses, gradient norms (rel 1e-4) and trained weights (rtol 1e-4, atol 5e-5), for LoRA and full fine-tuning,
+same losses, gradient norms (rel 1e-4) and trained weights (rtol 1e-4, atol 1e-4), for LoRA and full fine-tuning,
 for every family with a plan (LTX-Video, LTX-2 with its audio stream, Wan 2.1 text- and image-to-video, Wan 2.2);
 four ranks as 2 data x 2 context train what one process trains with twice the batch, and their checkpoint resumes in
 one process.
@@ -28,9 +28,9 @@ from vidtune.trainers import build_trainer
 
 STEPS = 2
 KILL_WORKER = Path(__file__).with_name("fsdp_kill_worker.py")  # `vidtune train` whose rank RANK dies at POSITION
-# Trained weights: AdamW's first steps turn a near-zero gradient's rounding into a visible part of its step (Wan 2.1
-# image-to-video with ring: 2e-5 on one LoRA element of 0.2, its losses and gradient norms equal to 1e-6).
-TOLERANCE = {"rtol": 1e-4, "atol": 5e-5}
+# Trained weights: AdamW's first steps turn a near-zero gradient's rounding into a visible part of its step (with ring,
+# up to 2e-5 on one LoRA element of 0.2, the losses and gradient norms equal to 1e-6); the data-parallel tests' atol.
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
 
 def _metrics(folder: Path) -> list[dict]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -89,6 +92,23 @@ def test_shape_rules_name_nearest_valid_values(make_config, family, bad):
                                height + 1 if bad == "height" else height, width)
 
 
+def _base_pipeline(trainer, family: str) -> tuple[Any, Callable[[], torch.Tensor]]:
+    """The family's diffusers pipeline on the base weights, and a function sampling two steps of it (the first
+    training clip's first frame as its image, for image-to-video) with a fixed seed."""
+    spec = trainer.spec
+    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
+    pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
+    pipeline.set_progress_bar_config(disable=True)
+    frames, height, width = TINY_SHAPES[family]
+    reference = read_clip(trainer.context.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
+
+    def sample() -> torch.Tensor:
+        return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
+                           generator=torch.Generator().manual_seed(0), reference=reference).frames
+
+    return pipeline, sample
+
+
 def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_config, family):
     config = make_config(family, training={"steps": 2, "learning_rate": 5e-2}, lora={"rank": 4, "alpha": 4})
     trainer = build_trainer(config)
@@ -108,17 +128,7 @@ def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_confi
     assert saved and all(k.startswith("transformer.") and "lora_" in k for k in saved)
 
     # The adapter loads into the family's own diffusers pipeline and changes what it produces.
-    spec = trainer.spec
-    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
-    pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
-    pipeline.set_progress_bar_config(disable=True)
-    frames, height, width = TINY_SHAPES[family]
-    reference = read_clip(trainer.context.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
-
-    def sample():
-        return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
-                           generator=torch.Generator().manual_seed(0), reference=reference).frames
-
+    pipeline, sample = _base_pipeline(trainer, family)
     plain = sample()
     pipeline.load_lora_weights(config.output_dir)
     adapted = sample()
@@ -153,19 +163,9 @@ def test_lokr_and_loha_train_and_load_in_the_pipeline(make_config, family, kind)
     saved = load_file(result.weights_path)
     assert saved and all(k.startswith("transformer.") and prefix in k for k in saved)
 
-    spec = trainer.spec
-    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
-    pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
-    pipeline.set_progress_bar_config(disable=True)
-    frames, height, width = TINY_SHAPES[family]
-    reference = read_clip(trainer.context.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
-
-    def sample():
-        return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
-                           generator=torch.Generator().manual_seed(0), reference=reference).frames
-
+    pipeline, sample = _base_pipeline(trainer, family)
     plain = sample()
-    spec.load_lora(pipeline, result.weights_path.parent, result.weights_path.name)
+    trainer.spec.load_lora(pipeline, result.weights_path.parent, result.weights_path.name)
     loaded = {k: v for k, v in pipeline.transformer.state_dict().items() if prefix in k}
     assert loaded.keys() == adapter.keys() and all(torch.equal(loaded[k], adapter[k]) for k in adapter)
     adapted = sample()

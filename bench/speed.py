@@ -92,6 +92,9 @@ class FixedBatches(BatchSource):
 
     encode = loader
 
+    def preservation(self, raw: dict):
+        raise NotImplementedError("base preservation is off in this benchmark")
+
     def prompt(self, text: str):
         raise NotImplementedError("no prompt beyond the captions is read in this benchmark")
 

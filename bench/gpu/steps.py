@@ -64,6 +64,9 @@ class FixedBatches(BatchSource):
 
     encode = loader
 
+    def preservation(self, raw: dict):
+        raise NotImplementedError("base preservation is off in this benchmark")
+
     def prompt(self, caption: str):
         raise NotImplementedError("caption dropout is off in this benchmark, and no negative prompt is encoded")
 

@@ -19,6 +19,7 @@ GPU = ROOT / "bench" / "gpu"
 def load(name: str):
     spec = importlib.util.spec_from_file_location(f"bench_gpu_{name}", GPU / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
     sys.path.insert(0, str(GPU))
     try:
         spec.loader.exec_module(module)
@@ -209,3 +210,16 @@ def test_pytest_lines_become_rows():
     summary = run.SUMMARY.match("FAILED tests/a.py::test_b - AssertionError: 3 != 4")
     assert summary["test"] == "tests/a.py::test_b" and summary["message"] == "AssertionError: 3 != 4"
     assert run.OUTCOME.match("tests/a.py::test_b") is None
+
+
+def test_a_lora_step_row_runs_on_the_cpu(tmp_path):
+    """The `lora` section's measurement (bench/gpu/steps.py) end to end on a tiny model: its batch source is a
+    complete one and the steps are logged and timed."""
+    from vidtune.models.tiny import write_tiny_model
+
+    steps = load("steps")
+    result = steps.run_steps("ltx-video", write_tiny_model("ltx-video", tmp_path / "tiny"), (9, 32, 32), [], "cpu",
+                             steps=steps.WARMUP + 2)
+    assert result.steps == steps.WARMUP + 2
+    assert result.seconds_per_step > 0
+    assert result.planned_bytes is not None and result.planned_bytes > 0

@@ -9,12 +9,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
+from tests.helpers.distributed import LORA_FILE, rank_main
 from vidtune.data.audio import AudioBatch, AudioFormat, read_audio
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.data.video import read_frames, write_video
 from vidtune.errors import ConfigError
-from vidtune.models.ltx_2 import AUDIO_LATENTS, AUDIO_PRESENT, AUDIO_SIGMAS, SILENT_LOG_MEL, encode_log_mel
+from vidtune.models.ltx_2 import (
+    AUDIO_LATENTS,
+    AUDIO_NOISE,
+    AUDIO_PRESENT,
+    AUDIO_SIGMAS,
+    SILENT_LOG_MEL,
+    encode_log_mel,
+)
 from vidtune.precompute import precompute
 from vidtune.trainers import build_trainer
 from vidtune.training.loop import noise_row
@@ -98,8 +108,9 @@ def test_same_losses_from_the_cache_and_on_the_fly_with_sound(make_config, sound
 def test_training_draws_the_audio_its_own_sigma_and_keeps_clips_without_sound_from_the_audio(
         make_config, sound_dataset, tmp_path):
     """Each clip's audio sigma is drawn apart from its video's and handed to the transformer as `audio_timestep` /
-    `audio_sigma`; the clip without sound runs isolated (its video does not attend to the audio stream), in a call of
-    its own beside the clip with sound; metrics.jsonl logs both clips' sigmas and the heard clip's audio sigma."""
+    `audio_sigma`; the clip without sound is kept from the audio stream (its video predicted as an isolated call
+    predicts it) in the same call as the clip with sound (one call: DDP sees each parameter used once);
+    metrics.jsonl logs both clips' sigmas and the heard clip's audio sigma."""
     config = make_config("ltx-2", data_root=sound_dataset, training={"batch_size": 2, "steps": 2},
                          output_dir=str(tmp_path / "run"))
     trainer, batch = first_batch(config)
@@ -116,12 +127,32 @@ def test_training_draws_the_audio_its_own_sigma_and_keeps_clips_without_sound_fr
     video_sigmas, audio_sigmas = noise["sigmas"], noise[AUDIO_SIGMAS]
     assert audio_sigmas[1 - heard] != audio_sigmas[1 - heard]  # NaN: no sound, no audio sigma (null in the file)
     assert 0 < audio_sigmas[heard] < 1 and audio_sigmas[heard] != pytest.approx(video_sigmas[heard])
-    joint, alone = sorted(calls, key=lambda kwargs: kwargs["isolate_modalities"])
-    assert (joint["isolate_modalities"], alone["isolate_modalities"]) == (False, True)
-    torch.testing.assert_close(joint["timestep"], torch.tensor([1000 * video_sigmas[heard]]))
-    torch.testing.assert_close(joint["audio_timestep"], torch.tensor([1000 * audio_sigmas[heard]]))
+    [joint] = calls
+    assert joint["isolate_modalities"] is False
+    torch.testing.assert_close(joint["timestep"], torch.tensor(video_sigmas) * 1000)
+    torch.testing.assert_close(joint["audio_timestep"][heard], torch.tensor(1000 * audio_sigmas[heard]))
     torch.testing.assert_close(joint["audio_sigma"], joint["audio_timestep"])
-    torch.testing.assert_close(alone["timestep"], torch.tensor([1000 * video_sigmas[1 - heard]]))
+
+    # The one call predicts each clip's video as a call of its own kind does: the heard clip's with the audio
+    # stream, the other's isolated from it (a random model: the audio stream changes the video prediction).
+    spec, denoiser = trainer.spec, context.denoiser
+    for block in denoiser.transformer_blocks:  # the cross-modal attentions count: their gates are not at zero
+        torch.nn.init.normal_(block.video_a2v_cross_attn_scale_shift_table, std=0.5)
+        torch.nn.init.normal_(block.audio_a2v_cross_attn_scale_shift_table, std=0.5)
+    generator = torch.Generator().manual_seed(0)
+    conditions = {**batch.conditions, **batch.latents, AUDIO_SIGMAS: torch.tensor([0.4, 0.7]),
+                  AUDIO_NOISE: torch.randn(batch.latents[AUDIO_LATENTS].shape, generator=generator)}
+    noisy = torch.randn(batch.latents["latents_mean"].shape, generator=generator)
+    timesteps = torch.tensor([300.0, 600.0])
+    with torch.no_grad():
+        together = spec.predict(denoiser, conditions, noisy, timesteps)[0]
+        for row, isolated in ((heard, False), (1 - heard, True)):
+            own = spec.joint_forward(denoiser, {key: value[row:row + 1] for key, value in conditions.items()},
+                                     noisy[row:row + 1], timesteps[row:row + 1], isolated=isolated)[0]
+            other = spec.joint_forward(denoiser, {key: value[row:row + 1] for key, value in conditions.items()},
+                                       noisy[row:row + 1], timesteps[row:row + 1], isolated=not isolated)[0]
+            torch.testing.assert_close(together[row:row + 1], own, rtol=1e-5, atol=1e-5)
+            assert (together[row:row + 1] - other).abs().max() > 1e-3
     # The audio sigma follows the audio's token count (its latent frames), not the video's.
     assert trainer.spec.token_count(batch.latents["latents_mean"].shape[1:]) != batch.latents[AUDIO_LATENTS].shape[1]
 
@@ -198,3 +229,24 @@ def test_a_trained_model_samples_the_sound_it_learnt_beside_the_video(tiny_model
 
 
 CPU = torch.device("cpu")
+
+
+@pytest.mark.slow
+def test_two_ranks_train_micro_batches_mixing_clips_with_and_without_sound(make_config, sound_dataset, tmp_path):
+    """`model.clips_without_sound: video-only` under DistributedDataParallel, two clips a rank's micro-batch, one
+    with sound and one without: one call of the denoiser per micro-batch, so each parameter's gradient reaches DDP
+    once; the ranks train what one process trains with the four samples in one batch."""
+    settings = {"data_root": sound_dataset, "training": {"steps": 2, "batch_size": 2, "learning_rate": 1e-2}}
+    runs = [("ddp", make_config("ltx-2", output_dir=str(tmp_path / "ddp"), **settings).to_dict(), {})]
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for result in ranks:
+        assert "error" not in result["ddp"], result["ddp"]
+    single = build_trainer(make_config("ltx-2", output_dir=str(tmp_path / "single"), **{
+        **settings, "training": {**settings["training"], "batch_size": 4}})).run()
+    assert ranks[0]["ddp"]["losses"] == pytest.approx(single.losses, rel=1e-4)
+    expected, trained = (load_file(tmp_path / run / LORA_FILE) for run in ("single", "ddp"))
+    for key in expected:
+        torch.testing.assert_close(trained[key], expected[key], rtol=1e-3, atol=1e-4)

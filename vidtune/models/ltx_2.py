@@ -27,9 +27,11 @@ only, as ltx-trainer's video-only runs: the video stream does not attend to the 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -120,6 +122,40 @@ def encode_log_mel(audio_vae: nn.Module, log_mel: torch.Tensor) -> torch.Tensor:
                                                  audio_vae.latents_std.float())
 
 
+class CrossModalGate:
+    """Per-sample gating of LTX-2's audio-to-video and video-to-audio attentions: inside `closed_for(rows)` the
+    outputs of both are zero for `rows`, which thus train as an isolated call (`isolate_modalities`) trains them.
+    The hooks stay on the denoiser and read the current rows, so a compiled block sees one hook throughout."""
+
+    NAMES = ("audio_to_video_attn", "video_to_audio_attn")
+
+    def __init__(self) -> None:
+        self.keep: torch.Tensor | None = None  # [B, 1, 1]: 1.0 where the attentions' outputs count
+        self.gated = 0  # outputs gated inside the current `closed_for`
+
+    def attach(self, denoiser: nn.Module) -> None:
+        for name, module in denoiser.named_modules():
+            if name.rsplit(".", 1)[-1] in self.NAMES:
+                module.register_forward_hook(self._gate)
+
+    def _gate(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        if self.keep is None:
+            return None
+        self.gated += 1
+        return output * self.keep.to(device=output.device, dtype=output.dtype)
+
+    @contextlib.contextmanager
+    def closed_for(self, rows: torch.Tensor) -> Iterator[None]:
+        self.keep, self.gated = (~rows).float().view(-1, 1, 1), 0
+        try:
+            yield
+        finally:
+            self.keep = None
+        if not self.gated:  # a denoiser not loaded by this spec: the clips without sound would hear the others
+            raise RuntimeError("LTX-2's cross-modal gate is not on this denoiser (load it with the spec's "
+                               "load_denoiser)")
+
+
 class LTX2Spec(ModelSpec):
     name = "ltx-2"
     control_input_layer = "proj_in"  # the video stream's Linear over packed patches [B, F*H*W, C*pt*p*p]
@@ -181,7 +217,13 @@ class LTX2Spec(ModelSpec):
         (vidtune/parallel/ddp.py), as a rank's micro-batch may be all silent while another's is not."""
         denoiser = super().load_denoiser(device, load_on)
         denoiser.leaves_parameters_unused = self.config.clips_without_sound == "video-only"
+        if denoiser.leaves_parameters_unused:
+            self.cross_modal_gate.attach(denoiser)
         return denoiser
+
+    @functools.cached_property
+    def cross_modal_gate(self) -> CrossModalGate:
+        return CrossModalGate()
 
     @property
     def audio_loss_weight(self) -> float:
@@ -436,21 +478,18 @@ class LTX2Spec(ModelSpec):
 
     def predict(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                 timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`joint_forward` with the clips with sound joint and those without isolated (one call each where a
-        micro-batch holds both), in the batch's order."""
+        """`joint_forward` with the clips with sound joint and those without kept from the audio stream (isolated,
+        or gated by `cross_modal_gate` where a micro-batch holds both)."""
         heard = self.heard(conditions, noisy_latents.shape[0])
         if self.config.clips_without_sound == "silence":  # every clip beside the audio stream (silence where none)
             return self.joint_forward(denoiser, conditions, noisy_latents, timesteps)
         if bool(heard.all()) or not bool(heard.any()):
             return self.joint_forward(denoiser, conditions, noisy_latents, timesteps, isolated=not bool(heard.any()))
-        parts = []
-        for group, isolated in ((heard.nonzero().flatten(), False), ((~heard).nonzero().flatten(), True)):
-            subset = {key: value[group.to(value.device)] for key, value in conditions.items()}
-            parts.append((group, self.joint_forward(denoiser, subset, noisy_latents[group.to(noisy_latents.device)],
-                                                    timesteps[group.to(timesteps.device)], isolated)))
-        order = torch.argsort(torch.cat([group for group, _ in parts]))
-        return tuple(torch.cat([outputs[i] for _, outputs in parts])[order.to(parts[0][1][i].device)]
-                     for i in range(3))
+        # Both kinds in one micro-batch: one call, the cross-modal attentions' outputs zeroed for the clips without
+        # sound. Their video then computes exactly what an isolated call gives, and every parameter is used once
+        # per backward (two calls would hand DistributedDataParallel each parameter's gradient twice).
+        with self.cross_modal_gate.closed_for(~heard):
+            return self.joint_forward(denoiser, conditions, noisy_latents, timesteps)
 
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor

@@ -362,3 +362,18 @@ def test_a_failed_write_of_the_engine_shards_keeps_the_previous_checkpoint(make_
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]
     resumed = build_trainer(make_config(checkpoint={"every": 2, "resume": "latest"}, **settings)).run()
     assert resumed.first_step == 2 and resumed.final_step == 4
+
+
+def test_a_save_removes_what_a_killed_save_left(make_config, tmp_path, monkeypatch):
+    """A run killed while saving leaves its staging folder of ZeRO shards (`.zero-<step>`, as large as the shards);
+    the next save removes it, whichever step it was for."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    out = tmp_path / "run"
+    left = out / "checkpoints" / ".zero-00000007"
+    (left / "global_step7").mkdir(parents=True)
+    (left / "global_step7" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"partial")
+    build_trainer(make_config(training={"steps": 1}, checkpoint={"every": 1},
+                              parallel={"strategy": "deepspeed", "zero_stage": 2}, output_dir=str(out))).run()
+    assert not left.exists()
+    assert not list((out / "checkpoints").glob(".zero-*"))
+    assert checkpoint.load(out / "checkpoints" / "step-00000001")[1]["step"] == 1

@@ -327,6 +327,13 @@ class DeepSpeedStrategy(Strategy):
         return DeepSpeedCheckpointer(self)
 
 
+def remove_staging(root: Path) -> None:
+    """The staging folders (`.zero-<step>`) under `root`: only a save in progress has one, so any found before a
+    save are what a killed save left (each as large as the run's shards)."""
+    for folder in root.glob(".zero-*"):
+        shutil.rmtree(folder)
+
+
 class DeepSpeedCheckpointer(Checkpointer):
     """DeepSpeed's own shards of the weights and optimizer state (`zero/`), every rank writing its own, beside the
     gathered trained weights and their average (as one process writes them, for `vidtune export`)."""
@@ -364,7 +371,7 @@ class DeepSpeedCheckpointer(Checkpointer):
         """Every rank writes its ZeRO shards (weights and optimizer state) into the folder `staging`, for rank 0 to
         move into the checkpoint (`checkpoint.save(..., shards=)`)."""
         if parallel.is_main():
-            shutil.rmtree(staging, ignore_errors=True)  # a run killed while saving this step left it
+            remove_staging(staging.parent)  # what a run killed while saving left, whichever step it saved
             staging.parent.mkdir(parents=True, exist_ok=True)
         parallel.barrier()
         # LoRA: the frozen base is the model folder's, no need to copy it into every checkpoint.

@@ -216,6 +216,42 @@ def test_scaled_fp8_is_dequantised_weight_times_scale(make_config, tiny_model_di
     _assert_same_run(reference, _train(make_config, "wan", tmp_path / "file", folder, path))
 
 
+@pytest.mark.usefixtures("aligned_weights")
+def test_scaled_fp8_as_fp8_base_weights_keeps_the_files_weights_and_scales(make_config, tiny_model_dir, tmp_path):
+    """memory.base_weights: fp8 on a scaled fp8 file: each linear layer keeps the file's float8 weight and computes
+    with `weight * scale_weight`, so it trains exactly what the dequantised weights train (rounding the dequantised
+    weights to float8 again would lose what the scale kept)."""
+    from vidtune.memory import prepare_base_weights
+    from vidtune.memory.float8 import SCALE_BUFFER
+
+    scale = 0.003  # dequantised values below float8's normal range: rounding them again would change them
+    folder = tiny_model_dir("wan")
+    path = write_original_layout("wan", folder, tmp_path / "wan_fp8_scaled.safetensors",
+                                 cast=scaled_float8_weights(scale), extra={"scaled_fp8": torch.zeros(0)})
+    denoiser = _spec("wan", folder, path, base_weights="fp8").load_denoiser(CPU)
+    prepare_base_weights(denoiser.requires_grad_(False), "fp8")
+    layer = denoiser.get_submodule("blocks.0.attn1.to_q")
+    stored = load_file(str(path))["blocks.0.self_attn.q.weight"]
+    assert isinstance(layer, Float8StorageLinear) and layer.weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))
+    assert getattr(layer, SCALE_BUFFER).item() == pytest.approx(scale)
+    assert SCALE_BUFFER not in " ".join(denoiser.state_dict())
+
+    # The reference: the dequantised values in a folder, the float8 layers' biases rounded as fp8 storage rounds them.
+    stored_layers = {name for name, module in denoiser.named_modules() if isinstance(module, Float8StorageLinear)}
+
+    def values(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        if key.endswith(".weight") and tensor.dim() == 2:
+            return (tensor / scale).to(torch.float8_e4m3fn).to(torch.float32) * torch.tensor(scale)
+        if key.endswith(".bias") and key.removesuffix(".bias") in stored_layers:
+            return tensor.to(torch.float8_e4m3fn).to(torch.float32)
+        return tensor
+
+    reference = _train(make_config, "wan", tmp_path / "reference",
+                       dequantised_folder(folder, tmp_path / "dequantised", values))
+    _assert_same_run(reference, _train(make_config, "wan", tmp_path / "fp8", folder, path, base_weights="fp8"))
+
+
 def test_scaled_fp8_made_for_float8_matmuls_is_refused_before_loading(tiny_model_dir, tmp_path):
     folder = tiny_model_dir("wan")
     path = write_original_layout("wan", folder, tmp_path / "wan_fp8_scaled.safetensors",

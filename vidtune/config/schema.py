@@ -41,8 +41,8 @@ class ModelConfig(Section):
         description="The denoiser from one .safetensors file in its original or ComfyUI layout (e.g. "
         "`wan2.1_t2v_14B_fp8_e4m3fn.safetensors`), through diffusers' single-file converter; everything else (text "
         "encoders, VAE, scheduler, the transformer's config.json) comes from `model.pretrained`. float8 files: kept "
-        "in float8 with `memory.base_weights: fp8`, else upcast; ComfyUI's scaled fp8 is dequantised. Families: "
-        "docs/models.md (\"Training from a single-file checkpoint\").",
+        "in float8 with `memory.base_weights: fp8`, else upcast; ComfyUI's scaled fp8 likewise, with its scales (else "
+        "dequantised). Families: docs/models.md (\"Training from a single-file checkpoint\").",
     )
     transformer_2_file: str | None = Field(
         None,

@@ -21,26 +21,39 @@ STORAGE_DTYPE = torch.float8_e4m3fn
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+# The non-persistent buffer of a linear layer whose float8 weight is stored scaled (ComfyUI's scaled fp8 files,
+# vidtune/models/single_file.py): the weight's values are `weight * float8_scale` (one value, or one per row).
+SCALE_BUFFER = "float8_scale"
+
+
+def upcast(weight: torch.Tensor, scale: torch.Tensor | None, compute_dtype: torch.dtype) -> torch.Tensor:
+    """A float8 weight's values in `compute_dtype` (times its scale, where it has one)."""
+    return weight.to(compute_dtype) if scale is None else weight.to(compute_dtype) * scale.to(compute_dtype)
+
+
 class Float8Linear(torch.autograd.Function):
-    """`F.linear(input, weight, bias)` with a frozen float8 `weight` (and `bias`) upcast to `compute_dtype`: the
-    backward pass computes only the input's gradient, from the float8 weight upcast again."""
+    """`F.linear(input, weight, bias)` with a frozen float8 `weight` (and `bias`) upcast to `compute_dtype` (the
+    weight times `scale` where given): the backward pass computes only the input's gradient, from the float8 weight
+    upcast again."""
 
     @staticmethod
-    def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                compute_dtype: torch.dtype) -> torch.Tensor:
-        return F.linear(input, weight.to(compute_dtype), None if bias is None else bias.to(compute_dtype))
+    def forward(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(input, upcast(weight, scale, compute_dtype),
+                        None if bias is None else bias.to(compute_dtype))
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
-        _, weight, _, compute_dtype = inputs
-        ctx.save_for_backward(weight)  # the float8 storage itself: nothing new is kept
+        _, weight, _, compute_dtype, scale = inputs
+        ctx.save_for_backward(weight, scale)  # the float8 storage itself: nothing new is kept
         ctx.compute_dtype = compute_dtype
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        (weight,) = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight.to(ctx.compute_dtype)) if ctx.needs_input_grad[0] else None
-        return grad_input, None, None, None
+        weight, scale = ctx.saved_tensors
+        grad_input = grad_output.matmul(upcast(weight, scale, ctx.compute_dtype)) if ctx.needs_input_grad[0] \
+            else None
+        return grad_input, None, None, None, None
 
 
 class Float8StorageLinear(nn.Linear):
@@ -54,12 +67,12 @@ class Float8StorageLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad):
             raise RuntimeError("a float8-stored linear layer is frozen: its weight and bias cannot train")
-        return Float8Linear.apply(input, self.weight, self.bias, self.compute_dtype)
+        return Float8Linear.apply(input, self.weight, self.bias, self.compute_dtype, getattr(self, SCALE_BUFFER, None))
 
 
 def store_linear_in_float8(linear: nn.Linear, compute_dtype: torch.dtype) -> None:
     """`linear` (frozen) becomes a `Float8StorageLinear` in place, its weight and bias rounded to float8 (a tensor
-    already in float8, e4m3 or e5m2, is kept as it is)."""
+    already in float8, e4m3 or e5m2, is kept as it is, with its `SCALE_BUFFER` where it has one)."""
     with torch.no_grad():
         linear.weight.data = as_float8(linear.weight.data)
         if linear.bias is not None:

@@ -613,7 +613,7 @@ def loading_host(trace: StepTrace, config: Config, device: torch.device,
     loaded = _cached(trace, ("weights", kept, 0), lambda: weight_bytes(trace.denoiser, kept, 0, _sizes(trace, kept)))
     experts = getattr(trace.denoiser, "experts", None)
     per_file = loaded // (2 if callable(experts) else 1)  # the files are read one after the other
-    return max(quantized, *(single_files.loading_bytes(header, per_file) for header in files))
+    return max(quantized, *(single_files.loading_bytes(header, per_file, base_weights) for header in files))
 
 
 def _leaves(value: object) -> list[torch.Tensor]:

@@ -3,7 +3,8 @@ dtypes, how its weights are stored once loaded, and the host memory reading it t
 
 A single file is read whole into host memory (safetensors), then each tensor is copied in the dtype it loads in
 while the file's own tensor is let go (vidtune/models/single_file.py `placed`): the host holds the larger of the
-file and the loaded weights, plus one tensor. A scaled fp8 file is first dequantised beside the file's tensors.
+file and the loaded weights, plus one tensor. A scaled fp8 file is dequantised beside the file's tensors, except for
+the linear layers `memory.base_weights: fp8` keeps in float8 with their scales.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ def headers(spec: ModelSpec) -> list[FileHeader]:
 
 
 def kept_in_float8(header: FileHeader, base_weights: str) -> bool:
-    return base_weights == "fp8" and header.float8 is not None and not header.scaled
+    return base_weights == "fp8" and header.float8 is not None
 
 
-def loading_bytes(header: FileHeader, loaded: int) -> int:
+def loading_bytes(header: FileHeader, loaded: int, base_weights: str = "auto") -> int:
     """Host bytes while one file becomes a denoiser of `loaded` bytes (see the module's docstring)."""
     largest = max((dtype.itemsize * _numel(shape) for dtype, shape in header.tensors.values()), default=0)
-    if header.scaled:  # the dequantised weights are made while the file's float8 ones are still held
-        return header.size + loaded
+    if header.scaled and not kept_in_float8(header, base_weights):
+        return header.size + loaded  # the dequantised weights are made while the file's float8 ones are still held
     return max(header.size, loaded) + largest
 
 
@@ -46,9 +47,11 @@ def notes(headers_found: list[FileHeader], base_weights: str, dtype: torch.dtype
     compute = str(dtype).removeprefix("torch.")
     for header in headers_found:
         line = f"{header.key}: {header.path.name}, {header.size / GIB:.2f} GiB ({header.describe_dtypes()})"
-        if header.scaled:
-            line += f"; dequantised to {compute}" + (", then stored in float8 again (memory.base_weights: fp8)"
-                                                      if base_weights == "fp8" else "")
+        if header.scaled and kept_in_float8(header, base_weights):
+            line += ("; the float8 linear layers keep its weights and scales (memory.base_weights: fp8), the rest is "
+                     f"dequantised to {compute}")
+        elif header.scaled:
+            line += f"; dequantised to {compute}"
         elif kept_in_float8(header, base_weights):
             line += "; its float8 weights stay as they are (memory.base_weights: fp8)"
         elif header.float8 is not None:

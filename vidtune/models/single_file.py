@@ -9,8 +9,10 @@ the denoiser's, and how its float8 weights are stored.
 float8 files: an `e4m3fn` / `e5m2` weight of a layer that `memory.base_weights: fp8` stores in float8 is kept as
 it is in the file (vidtune/memory/float8.py keeps a float8 weight's own dtype); every other weight is upcast to the
 compute dtype (exact: every float8 value is a bf16 and an fp32 value). ComfyUI's "scaled fp8" files (a per-layer
-`scale_weight`, marked by a `scaled_fp8` key) are dequantised, `weight * scale_weight`, computed in fp32; files
-made for float8 matmuls (a per-layer `scale_input`) are refused.
+`scale_weight`, marked by a `scaled_fp8` key): with `memory.base_weights: fp8` a linear layer keeps the file's
+float8 weight and its scale (rounding `weight * scale_weight` to float8 again would lose what the scale kept);
+every other weight is dequantised, `weight * scale_weight` computed in fp32. Files made for float8 matmuls (a
+per-layer `scale_input`) are refused.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 from vidtune.errors import ModelError
 from vidtune.memory import fp8_layers
 from vidtune.memory.float8 import FLOAT8_DTYPES as FLOAT8
+from vidtune.memory.float8 import SCALE_BUFFER
 
 # ComfyUI's scaled fp8: the marker key and the per-layer scales beside each `weight`.
 SCALED_MARKER = "scaled_fp8"
@@ -231,6 +234,59 @@ def dequantise(tensors: Tensors, dtype: torch.dtype) -> Tensors:
     return out
 
 
+def is_scale(key: str) -> bool:
+    """A key of scaled fp8's bookkeeping (the marker, a layer's `scale_weight`), not a weight of the denoiser."""
+    return key == SCALED_MARKER or key.endswith(SCALE_WEIGHT)
+
+
+def converted_scales(header: FileHeader, tensors: Tensors, converter: Callable[..., Tensors],
+                     config: dict[str, Any], expected: dict[str, torch.Size], family: str) -> Tensors:
+    """Each scaled weight's scale under the denoiser's name: one value ([]), or one per row ([rows, 1, ...]).
+    Found by converting, in place of the weights, their scales broadcast to the weights' shapes (views that take no
+    memory), so the converter's renames, splits and fusions move each scale with its weight."""
+    views = {}
+    for key, tensor in tensors.items():
+        if is_scale(key):
+            continue
+        scale = tensors.get(key.removesuffix(".weight") + SCALE_WEIGHT) if key.endswith(".weight") else None
+        if scale is None:
+            views[key] = torch.empty(tensor.shape, dtype=torch.float32, device="meta")
+        else:
+            rows = scale.to(torch.float32).reshape(-1, *([1] * (tensor.dim() - 1)))
+            views[key] = rows.expand(tensor.shape)
+    converted = convert(header, views, converter, config, expected, family)
+    return {key: _one_scale(header, key, view) for key, view in converted.items() if view.device.type != "meta"}
+
+
+def _one_scale(header: FileHeader, key: str, view: torch.Tensor) -> torch.Tensor:
+    rows = view.reshape(view.shape[0], -1) if view.dim() > 1 else view.reshape(-1, 1)
+    first = rows[:, :1]
+    if rows.stride(1) != 0 and not bool((rows == first).all()):  # the converter joined weights along a row
+        raise ModelError(f"{header.where}: the weight {key} joins layers of different scales within its rows, which "
+                         "float8 storage cannot keep.\nWhat to do: use the model's plain fp8 (e4m3fn) or bf16 file.")
+    if first.stride(0) == 0 or bool((first == first[0]).all()):
+        return first[0, 0].clone()
+    return first.clone().reshape(-1, *([1] * (view.dim() - 1)))
+
+
+def apply_scales(converted: Tensors, scales: Tensors, dtype: torch.dtype, kept: set[str]) -> Tensors:
+    """The converted weights with their scales applied (`weight * scale` in fp32, then `dtype`), except those in
+    `kept`, which stay float8 to be stored scaled (`attach_scales`). `converted` is emptied as it goes."""
+    out = {}
+    for key in list(converted):
+        tensor = converted.pop(key)
+        scale = scales.get(key)
+        out[key] = tensor if scale is None or key in kept else (tensor.to(torch.float32) * scale).to(dtype)
+    return out
+
+
+def attach_scales(denoiser: nn.Module, scales: Tensors) -> None:
+    """Each weight's scale on its layer (vidtune/memory/float8.py `SCALE_BUFFER`), for its float8 storage."""
+    for key, scale in scales.items():
+        layer = denoiser.get_submodule(key.removesuffix(".weight"))
+        layer.register_buffer(SCALE_BUFFER, scale.to(torch.float32), persistent=False)
+
+
 # ----- converting and checking -----------------------------------------------------------------------------------
 def convert(header: FileHeader, tensors: Tensors, converter: Callable[..., Tensors], config: dict[str, Any],
             expected: dict[str, torch.Size], family: str) -> Tensors:
@@ -284,6 +340,12 @@ def float8_keys(denoiser: nn.Module) -> set[str]:
     linears, others = fp8_layers(denoiser)
     return {f"{name}.{parameter}" for name, layer in [*linears, *others]
             for parameter, _ in layer.named_parameters(recurse=False)}
+
+
+def float8_linear_weights(denoiser: nn.Module) -> set[str]:
+    """The weights `memory.base_weights: fp8` stores in float8 linear layers, the ones that can keep a scale."""
+    linears, _ = fp8_layers(denoiser)
+    return {f"{name}.weight" for name, _ in linears}
 
 
 def placed(tensors: Tensors, dtype: torch.dtype, keep_float8: set[str], keep_fp32: tuple[str, ...]) -> Tensors:

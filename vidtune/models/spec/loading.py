@@ -21,12 +21,17 @@ from vidtune.models.hub import HubCheck, looks_local
 from vidtune.models.registry import SPECS, get_spec_class
 from vidtune.models.single_file import (
     FileHeader,
+    apply_scales,
+    attach_scales,
     check_quantisation,
     check_scaled,
     checkpoint_converter,
     convert,
+    converted_scales,
     dequantise,
     float8_keys,
+    float8_linear_weights,
+    is_scale,
     load_assigned,
     placed,
     read_header,
@@ -85,6 +90,7 @@ class SingleFile:
     config: dict[str, Any]
     shapes: dict[str, torch.Size]
     float8_keys: frozenset[str]
+    float8_linear_weights: frozenset[str]  # of `float8_keys`, the linear layers' weights (those that keep a scale)
 
 
 class Loading(SpecBase):
@@ -203,7 +209,8 @@ class Loading(SpecBase):
         stand_ins = header.meta_tensors()
         convert(header, dequantise(stand_ins, torch.float32) if header.scaled else stand_ins, converter, config,
                 shapes, self.name)
-        return SingleFile(header, converter, config, shapes, frozenset(float8_keys(empty)))
+        return SingleFile(header, converter, config, shapes, frozenset(float8_keys(empty)),
+                          frozenset(float8_linear_weights(empty)))
 
     def load_single_file(self, cls: Any, component: str, dtype: torch.dtype) -> nn.Module:
         """`component` from its single file, each tensor in the dtype `from_pretrained(torch_dtype=dtype)` gives it;
@@ -212,13 +219,20 @@ class Loading(SpecBase):
         checked = self.single_file(component)
         header = checked.header
         tensors = load_file(str(header.path))
+        keep = set(checked.float8_keys) if self.base_weights == "fp8" else set()
+        scales: dict[str, torch.Tensor] = {}
         if header.scaled:
-            tensors = dequantise(tensors, dtype)
+            scales = converted_scales(header, tensors, checked.converter, checked.config, checked.shapes, self.name)
+            tensors = {key: tensor for key, tensor in tensors.items() if not is_scale(key)}
         converted = convert(header, tensors, checked.converter, checked.config, checked.shapes, self.name)
         del tensors  # the converted dict holds them now: `placed` lets each go once copied
-        keep = set(checked.float8_keys) if self.base_weights == "fp8" else set()
+        stored_scaled = {key for key in scales if key in keep and key in checked.float8_linear_weights}
+        if scales:
+            converted = apply_scales(converted, scales, dtype, stored_scaled)
         keep_fp32 = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
-        return load_assigned(cls, checked.config, placed(converted, dtype, keep, keep_fp32))
+        denoiser = load_assigned(cls, checked.config, placed(converted, dtype, keep, keep_fp32))
+        attach_scales(denoiser, {key: scales[key] for key in stored_scaled})
+        return denoiser
 
     def _load_problem(self, what: str, source: str, subfolder: str | None, error: BaseException) -> ModelError:
         where = f"{source}/{subfolder}" if subfolder else source

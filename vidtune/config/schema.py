@@ -24,6 +24,48 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
 
+class ConditioningConfig(Section):
+    """Conditioning modes of image-to-video families (`model.conditioning`): each a share of the training samples,
+    drawn per sample; the rest follow model.first_frame_conditioning. docs/algorithms.md has a worked example each."""
+
+    extension: float = Field(0.0, ge=0, le=1, description="Share of samples given the first `extension_frames` "
+                             "frames of their clip clean (video extension; the rest learnt).")
+    extension_frames: int = Field(9, ge=1, description="Frames given in video extension (a multiple of the VAE's "
+                                  "temporal ratio plus one: 9, 17, ... for LTX-Video).")
+    last_frame: float = Field(0.0, ge=0, le=1, description="Share of samples given their last frame (sampled from "
+                              "a last frame).")
+    first_last: float = Field(0.0, ge=0, le=1, description="Share of samples given their first and last frames.")
+    inpaint: float = Field(0.0, ge=0, le=1, description="Share of samples given their clip outside the mask "
+                           "(inpainting / outpainting; the masked region learnt): the clip's `mask` input where the "
+                           "data gives one, else `mask_rectangle`.")
+    mask_rectangle: tuple[float, float, float, float] = Field(
+        (0.25, 0.25, 0.75, 0.75), description="Inpainting without a mask input: the rectangle (left, top, right, "
+        "bottom, fractions of the frame) that is generated (`mask_rectangle_generated: inside`) or kept (`outside`).")
+    mask_rectangle_generated: Literal["inside", "outside"] = Field(
+        "inside", description="`inside`: inpainting, the rectangle is generated; `outside`: outpainting, the rest is.")
+    validation_mode: Literal["first_frame", "extension", "last_frame", "first_last", "inpaint"] | None = Field(
+        None, description="The mode validation samples with; default: the mode with the largest share.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ConditioningConfig:
+        total = self.extension + self.last_frame + self.first_last + self.inpaint
+        if total > 1:
+            raise ValueError(f"model.conditioning: the shares extension + last_frame + first_last + inpaint add up to "
+                             f"{total:g}, above 1; lower them so they sum to 1 at most")
+        left, top, right, bottom = self.mask_rectangle
+        if not (0 <= left < right <= 1 and 0 <= top < bottom <= 1):
+            raise ValueError(f"model.conditioning.mask_rectangle={list(self.mask_rectangle)}: give left < right and "
+                             "top < bottom, each between 0 and 1")
+        return self
+
+    @property
+    def enabled(self) -> dict[str, float]:
+        """The modes other than first-frame with a share above 0."""
+        shares = {"extension": self.extension, "last_frame": self.last_frame, "first_last": self.first_last,
+                  "inpaint": self.inpaint}
+        return {mode: share for mode, share in shares.items() if share > 0}
+
+
 class ModelConfig(Section):
     name: str = Field(description="Model family, e.g. `ltx-video`.")
     pretrained: str = Field(description="Hub id or local folder in the diffusers layout.")
@@ -107,6 +149,12 @@ class ModelConfig(Section):
         "stream cut off (as ltx-trainer's video-only runs); `leave-out` drops it from the run, with one line saying "
         "how many (as ltx-trainer's audio runs); `silence` trains its video beside the audio stream noised silence, "
         "its audio error left out (the video learns with the audio stream present, as LTX2Pipeline samples).",
+    )
+    conditioning: ConditioningConfig = Field(
+        default_factory=ConditioningConfig,
+        description="Image-to-video families: conditioning modes beside first-frame conditioning (video extension, "
+        "last frame, first and last frames, inpainting), each a share of the samples. Which family takes which: "
+        "docs/models.md (\"Conditioning modes\").",
     )
     condition_frames: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=lambda: [0],

@@ -122,6 +122,8 @@ def encode_log_mel(audio_vae: nn.Module, log_mel: torch.Tensor) -> torch.Tensor:
 
 class LTX2Spec(ModelSpec):
     name = "ltx-2"
+    conditioning_refusal = ("vidtune trains LTX-2 with a first frame only so far (LTX2ImageToVideoPipeline); "
+                            "LTX2ConditionPipeline's frame-indexed conditions are not wired in yet.")
     control_input_layer = "proj_in"  # the video stream's Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0  # LTX2Pipeline's default
     frame_rate_conditioned = True

@@ -60,6 +60,10 @@ class SpecBase(ABC):
     # Share of training samples given their first latent frame clean (`model.first_frame_conditioning`'s default;
     # None: the family cannot take it). See vidtune/models/first_frame.py.
     first_frame_conditioning: ClassVar[float | None] = None
+    # Conditioning modes beside first-frame conditioning that the family trains and samples (`model.conditioning`;
+    # vidtune/models/conditioning.py); any other is refused before loading, saying `conditioning_refusal`.
+    conditioning_modes: ClassVar[tuple[str, ...]] = ()
+    conditioning_refusal: ClassVar[str] = "its pipeline takes a text prompt, or a first image, only"
     # diffusers / transformers classes of the components, used by the default loaders, and the family's pipeline
     # (its `save_lora_weights` writes the LoRA format the family's tools read).
     pipeline_class: ClassVar[Any]

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from vidtune.config import Config
+from vidtune.config import ConditioningConfig, Config
 from vidtune.data.audio import AudioFormat
 from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError
@@ -110,6 +110,7 @@ class Encoding(SpecBase):
                 f"model.first_frame_conditioning={config.model.first_frame_conditioning}: {self.name} takes no "
                 "first-frame conditioning (the LTX families do).\nWhat to do: remove model.first_frame_conditioning."
             )
+        self.check_conditioning_modes(config.model.conditioning)
         if self.audio_format() is None or config.training.batch_size == 1:
             return
         by_bucket: dict[int, dict[float, Clip]] = {}
@@ -128,4 +129,16 @@ class Encoding(SpecBase):
                 "differ:\n" + "\n".join(lines) + "\nWhat to do: set data.fps to resample every clip to one rate, "
                 "or training.batch_size=1 (training.gradient_accumulation gives the same clips per step), or set "
                 "model.clip_frame_rate=false to tell every clip model.frame_rate."
+            )
+
+    def check_conditioning_modes(self, conditioning: ConditioningConfig) -> None:
+        """Before any long work: `model.conditioning` names only modes the family trains and samples."""
+        refused = [mode for mode in conditioning.enabled if mode not in self.conditioning_modes]
+        if refused:
+            takes = ", ".join(self.conditioning_modes) or "none of them"
+            raise ConfigError(
+                f"model.conditioning: {self.name} cannot train {' or '.join(m.replace('_', '-') for m in refused)} "
+                f"conditioning: {self.conditioning_refusal}\nWhat to do: remove "
+                f"{' and '.join('model.conditioning.' + mode for mode in refused)} ({self.name} takes {takes}; "
+                "docs/models.md, \"Conditioning modes\", says which family takes which)."
             )

@@ -4,14 +4,18 @@ in the mode through LTXConditionPipeline."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.helpers.datasets import pair_samples
+from tests.helpers.datasets import captioned_dataset, pair_samples
 from tests.helpers.runs import run_stopped_at
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ModelError, VidtuneError
+from vidtune.given_frames import from_clip
 from vidtune.models import conditioning
 from vidtune.models.conditioning import Given
 from vidtune.models.ltx_video import LTXVideoImageToVideoSpec
@@ -23,6 +27,8 @@ FAMILY = "ltx-video-i2v"
 # tokens beside in-place regions) too.
 MODES = {"extension": 0.25, "extension_frames": 5, "last_frame": 0.2, "first_last": 0.2, "inpaint": 0.25}
 LORA_FILE = "pytorch_lora_weights.safetensors"
+CAPTION = "a shape moving"
+CPU = torch.device("cpu")
 
 
 def modes_config(make_config, tmp_path, name: str, **sections):
@@ -135,3 +141,52 @@ def test_a_family_without_the_mode_refuses_to_sample_it(make_config):
     with pytest.raises(ModelError, match="wan-i2v cannot sample extension conditioning: WanImageToVideoPipeline"):
         spec.sample(None, "a red circle", frames=9, height=32, width=32, num_inference_steps=2,
                     generator=torch.Generator(), given=Given("extension", frames=torch.zeros(5, 3, 32, 32)))
+
+
+def learnt_error(sampled: torch.Tensor, x0: torch.Tensor, learnt: torch.Tensor) -> float:
+    """Relative error over what a mode learns (the given region left out: it is the target's by construction)."""
+    learnt = learnt.expand_as(x0)
+    return float(((sampled - x0) * learnt).norm() / (x0 * learnt).norm())
+
+
+@pytest.mark.slow
+def test_each_mode_brings_back_the_clip_it_is_given(make_config, shapes_dataset, tmp_path):
+    """Two clips with one caption, a full fine-tune drawing the four modes: sampled through LTXConditionPipeline
+    from each clip's given frames (or kept region), what the sample learns is nearer that clip than the other, and
+    well below the untrained model's error; only the conditioning tells the two apart."""
+    root = captioned_dataset(shapes_dataset, tmp_path / "data", [CAPTION, CAPTION])
+    steps = 400
+    config = make_config(FAMILY, data_root=root,
+                         model={"conditioning": {"extension": 0.25, "extension_frames": 5, "last_frame": 0.25,
+                                                 "first_last": 0.25, "inpaint": 0.25}},
+                         training={"algorithm": "full", "steps": steps, "learning_rate": 1e-2, "batch_size": 4,
+                                   "max_grad_norm": None, "sigma_sampling": "uniform", "sigma_shift": 1.0},
+                         optimizer={"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": steps // 10},
+                         logging={"progress": False, "log_every": 100})
+    started = time.perf_counter()
+    build_trainer(config).run()
+    trained = load_pipeline(config.output_dir, device="cpu")
+    spec = trained.spec
+    untouched = LTXVideoImageToVideoSpec(config.model, frame_rate=config.frame_rate)  # the base transformer
+    base = spec.pipeline(untouched.load_text_components(CPU), trained.vae, untouched.load_denoiser(CPU).eval())
+    frames, height, width = config.data.frames, config.data.height, config.data.width
+    clips = [read_clip(clip.video, ClipWindow(frames, height, width)) for clip in pair_samples(root)]
+    targets = [spec.prepare_latents(trained.vae, clip[None])["latents_mean"] for clip in clips]
+    inpaint = conditioning.rectangle_region((0.25, 0.25, 0.75, 0.75), "inside", *targets[0].shape[2:])
+    for pipeline in (trained.pipeline, base):
+        pipeline.set_progress_bar_config(disable=True)
+    for mode in ("extension", "last_frame", "first_last", "inpaint"):
+        code = torch.tensor([float(conditioning.code(mode))])
+        learnt = 1 - conditioning.region(code, targets[0].shape, 2, inpaint)
+        for own in (0, 1):
+            given = from_clip(mode, clips[own], 5)
+            with torch.no_grad():
+                after, before = (spec.sample(pipeline, CAPTION, frames=frames, height=height, width=width,
+                                             num_inference_steps=20, generator=torch.Generator().manual_seed(1),
+                                             given=given, output="latents").latents
+                                 for pipeline in (trained.pipeline, base))
+            error, other = learnt_error(after, targets[own], learnt), learnt_error(after, targets[1 - own], learnt)
+            untrained = learnt_error(before, targets[own], learnt)
+            print(f"{mode}, clip {own}: relative error {error:.3f} (to the other clip {other:.3f}; untrained "
+                  f"{untrained:.3f}) ({time.perf_counter() - started:.0f} s)")
+            assert error < other and error < 0.5 * untrained, (mode, own, error, other, untrained)

@@ -51,7 +51,9 @@ def validation_given(spec: ModelSpec, config: Config, clips: Sequence[Clip], fra
     if mode is None:
         return None
     clip = read_clip(clips[0].video, ClipWindow(frames, height, width, fps=config.data.fps))
-    return from_clip(mode, clip, config.model.conditioning.extension_frames)
+    masks = clips[0].inputs.get("mask", ()) if mode == "inpaint" else ()
+    mask = read_mask(masks[0], height, width, frames, "the first clip's mask") if masks else None
+    return from_clip(mode, clip, config.model.conditioning.extension_frames, mask)
 
 
 def read_flag_clip(flag: str, path: Path, frames: int, height: int, width: int) -> torch.Tensor:
@@ -67,10 +69,11 @@ def read_flag_clip(flag: str, path: Path, frames: int, height: int, width: int) 
         raise VidtuneError(f"{flag}: {error}") from None
 
 
-def read_mask(path: Path, height: int, width: int) -> torch.Tensor:
-    """A mask picture as [1, H, W] in [0, 1] (white: generated, black: kept), resized and cropped as clips are."""
-    picture = read_flag_clip("--mask", path, 1, height, width)
-    return ((picture[0].mean(dim=0, keepdim=True) + 1.0) / 2.0).clamp(0.0, 1.0)
+def read_mask(path: Path, height: int, width: int, frames: int = 1, flag: str = "--mask") -> torch.Tensor:
+    """A mask picture or clip as [1 or F, H, W] in [0, 1] (white: generated, black: kept), resized and cropped as
+    clips are."""
+    pictures = read_flag_clip(flag, path, frames, height, width)
+    return ((pictures.mean(dim=1) + 1.0) / 2.0).clamp(0.0, 1.0)
 
 
 def given_from_files(spec: ModelSpec, config: Config, frames: int, height: int, width: int, *,
@@ -95,7 +98,7 @@ def given_from_files(spec: ModelSpec, config: Config, frames: int, height: int, 
         given = Given("extension", frames=read_flag_clip("--extend", extend, count, height, width))
     elif inpaint is not None:
         clip = read_flag_clip("--inpaint", inpaint, frames, height, width)
-        given = Given("inpaint", frames=clip, mask=read_mask(mask, height, width) if mask is not None else None)
+        given = Given("inpaint", frames=clip, mask=read_mask(mask, height, width, frames) if mask is not None else None)
     else:
         assert last_frame is not None
         last = read_flag_clip("--last-frame", last_frame, 1, height, width)

@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from tests.helpers.datasets import captioned_dataset, pair_samples
+from tests.helpers.datasets import captioned_dataset, masked_dataset, pair_samples
 from tests.helpers.runs import run_stopped_at
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ModelError, VidtuneError
-from vidtune.given_frames import from_clip
+from vidtune.given_frames import from_clip, validation_given
 from vidtune.models import conditioning
 from vidtune.models.conditioning import Given
 from vidtune.models.ltx_video import LTXVideoImageToVideoSpec
@@ -190,3 +190,27 @@ def test_each_mode_brings_back_the_clip_it_is_given(make_config, shapes_dataset,
             print(f"{mode}, clip {own}: relative error {error:.3f} (to the other clip {other:.3f}; untrained "
                   f"{untrained:.3f}) ({time.perf_counter() - started:.0f} s)")
             assert error < other and error < 0.5 * untrained, (mode, own, error, other, untrained)
+
+
+def test_inpainting_keeps_what_each_clips_mask_leaves_black(make_config, shapes_dataset, tmp_path):
+    """A clip's `mask` input (masks.txt, white on the left half) decides what inpainting keeps: the right half of the
+    latent grid is given, the left half learnt (not model.conditioning.mask_rectangle's centre)."""
+    root = masked_dataset(shapes_dataset, tmp_path / "data", white=(0.0, 0.0, 0.5, 1.0))
+    config = make_config(FAMILY, data={"root": None, "datasets": [{"type": "pairs", "root": str(root),
+                                                                   "inputs": {"mask": "masks.txt"}}]},
+                         model={"conditioning": {"inpaint": 1.0}}, training={"steps": 1})
+    trainer = build_trainer(config)
+    trainer.set_up()
+    batch = next(trainer.context.source.batches(0))
+    assert conditioning.INPUT_MASK in batch.latents
+    x0 = batch.latents["latents_mean"]
+    conditions = {**batch.latents, **trainer.spec.visit_conditions(x0, batch.positions, 0)}
+    assert conditions[conditioning.MODE].tolist() == [float(conditioning.code("inpaint"))]
+    given = trainer.spec.given_region(conditions, x0.shape)
+    # The resized mask's edge is grey over the boundary column: learnt too (a cell is kept only when wholly black).
+    width = x0.shape[-1]
+    assert float(given[..., : width // 2 + 1].max()) == 0 and float(given[..., width // 2 + 1:].min()) == 1
+    # Validation inpaints the first clip with its own mask.
+    sampled = validation_given(trainer.spec, config, trainer.context.clips, 9, 32, 32)
+    assert sampled is not None and sampled.mode == "inpaint" and sampled.mask is not None
+    assert float(sampled.mask[:, :, :14].min()) > 0.9 and float(sampled.mask[:, :, 18:].max()) < 0.1

@@ -19,6 +19,7 @@ from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition, re
 from torch import nn
 from transformers import T5EncoderModel
 
+from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
@@ -381,6 +382,11 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
             problems.append(f"model.conditioning.extension_frames={modes.extension_frames} gives all {frames} frames "
                             "of a clip (data.frames): nothing is left to learn; give fewer frames")
         return problems
+
+    def optional_inputs(self, config: Config) -> tuple[str, ...]:
+        """Inpainting keeps what each clip's `mask` input leaves black, where the data gives one (a mask file or a
+        source's `mask_rect`); clips without one keep what `model.conditioning.mask_rectangle` leaves."""
+        return ("mask",) if config.model.conditioning.inpaint > 0 else ()
 
     def latent_identity(self) -> dict[str, Any]:
         identity = {**super().latent_identity(), "condition_frames": self.condition_frames}

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from tests.helpers.datasets import captioned_dataset, masked_dataset, pair_samples
 from tests.helpers.runs import run_stopped_at
+from vidtune.cli import main as cli_main
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ModelError, VidtuneError
 from vidtune.given_frames import from_clip, validation_given
@@ -96,7 +97,7 @@ def test_step_0_is_the_base_models_loss(make_config, tmp_path):
     assert torch.equal(losses[0], losses[1])
 
 
-def test_validation_and_sample_use_the_mode(make_config, tmp_path, shapes_dataset):
+def test_validation_and_sample_use_the_mode(make_config, tmp_path, shapes_dataset, monkeypatch):
     """Validation samples in the mode with the largest share (here extension: the first clip's first 5 frames as a
     video condition at frame 0); `vidtune sample --extend / --inpaint / --last-frame` sample the others."""
     config = modes_config(make_config, tmp_path, "run", training={"steps": 1, "batch_size": 1},
@@ -134,6 +135,17 @@ def test_validation_and_sample_use_the_mode(make_config, tmp_path, shapes_datase
         sample_run(run, "a red circle", tmp_path / "x.mp4", extend=clip, inpaint=clip)
     with pytest.raises(VidtuneError, match="--mask: the mask says which region"):
         sample_run(run, "a red circle", tmp_path / "x.mp4", mask=mask)
+    # `vidtune sample` hands its flags on as paths.
+    seen: dict = {}
+
+    def recording(run, prompt, output, **flags):
+        seen.update(flags)
+        return written
+
+    monkeypatch.setattr("vidtune.sampling.sample_run", recording)
+    assert cli_main(["sample", config.output_dir, "--prompt", "a red circle", "--inpaint", str(clip), "--mask",
+                     str(mask), "--last-frame", str(frame)]) == 0
+    assert (seen["inpaint"], seen["mask"], seen["last_frame"]) == (clip, mask, frame) and "extend" not in seen
 
 
 def test_a_family_without_the_mode_refuses_to_sample_it(make_config):

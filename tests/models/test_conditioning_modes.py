@@ -189,7 +189,10 @@ def test_modes_that_do_not_fit_the_clip_are_named(tiny_model_dir):
     with pytest.raises(ConfigError, match="nothing is left to learn"):
         modes_spec(tiny_model_dir("ltx-video-i2v"), extension=0.5, extension_frames=9).check_video_shape(
             FRAMES, HEIGHT, WIDTH)
+    older = modes_spec(tiny_model_dir("ltx-video"), inpaint=0.5)  # a 0.9.1-layout checkpoint
     with pytest.raises(ConfigError, match="LTXImageToVideoPipeline"):
-        modes_spec(tiny_model_dir("ltx-video"), inpaint=0.5).check_video_shape(FRAMES, HEIGHT, WIDTH)
+        older.check_video_shape(FRAMES, HEIGHT, WIDTH)
+    with pytest.raises(ModelError, match=r"LTXImageToVideoPipeline .* not inpaint conditioning"):
+        older.check_given(Given("inpaint", frames=torch.zeros(FRAMES, 3, HEIGHT, WIDTH)))
     with pytest.raises(ValueError, match=r"add up to 1\.2"):
         ConditioningConfig(extension=0.6, inpaint=0.6)

@@ -595,6 +595,14 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
                       for frame in given]
         return {"conditions": conditions, "frame_rate": self.frame_rate}
 
+    def check_given(self, given: Given) -> None:
+        super().check_given(given)
+        if given.mode != "first_frame" and not self.uses_condition_pipeline:
+            raise ModelError(f"{self.name}: the model at {self.config.pretrained} samples with "
+                             "LTXImageToVideoPipeline (LTX-Video 0.9.0 / 0.9.1), which takes a first frame only, not "
+                             f"{given.mode.replace('_', '-')} conditioning.\nWhat to do: sample from a first frame "
+                             "(--image), or use a 0.9.5+ checkpoint.")
+
     def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
         """LTXConditionPipeline's frame-indexed conditions of a mode: the first frame as an image at frame 0, the
         clip to extend as a video at frame 0, the last frame as an image at the clip's last frame; inpainting: the

@@ -302,6 +302,8 @@ def command_sample(args: argparse.Namespace) -> int:
         written = sample_run(run, args.prompt, output, image=Path(args.image) if args.image else None,
                              latents=Path(args.latents) if args.latents else None,
                              control=Path(args.control) if args.control else None, num_inference_steps=args.steps,
+                             **{key: Path(value) for key in ("last_frame", "extend", "inpaint", "mask")
+                                if (value := getattr(args, key)) is not None},
                              guidance_scale=args.guidance, seed=args.seed, frames=args.frames, height=args.height,
                              width=args.width, progress=True)
     sound = "with the sampled sound; " if probe_video(written).has_audio else ""  # LTX-2's
@@ -517,6 +519,14 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--prompt", required=True, help="what to generate")
     sample.add_argument("--image", metavar="PNG", help="image-to-video models: the first frame (default: the "
                         "first frame of the run's first clip)")
+    sample.add_argument("--last-frame", metavar="PNG", help="a run trained with model.conditioning's last_frame or "
+                        "first_last: the last frame (with --image: the first and last frames)")
+    sample.add_argument("--extend", metavar="CLIP", help="a run trained with model.conditioning.extension: the clip "
+                        "whose first model.conditioning.extension_frames frames the sample continues")
+    sample.add_argument("--inpaint", metavar="CLIP", help="a run trained with model.conditioning.inpaint: the clip "
+                        "whose region outside the mask is kept (--mask, else model.conditioning.mask_rectangle)")
+    sample.add_argument("--mask", metavar="PNG", help="with --inpaint: white where the sample is generated, black "
+                        "where the clip is kept")
     sample.add_argument("--control", metavar="CLIP",
                         help="a control run (control-lora, control-full): the control clip to follow (default: the "
                         "run's first clip's)")

@@ -35,6 +35,8 @@ from vidtune.data.sources import Clip, read_sources
 from vidtune.data.video import ClipWindow, frames_to_uint8, read_clip, write_video
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
+from vidtune.given_frames import given_from_files
+from vidtune.models.conditioning import Given
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel import parse_device
@@ -167,11 +169,11 @@ def stoppable(pipeline: Any, stop: Callable[[], bool] | None) -> Iterator[None]:
 def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleSettings, seed: int,
                   video_path: Path, *, reference: torch.Tensor | None = None, bf16: bool = False,
                   latents_path: Path | None = None, stop: Callable[[], bool] | None = None,
-                  step: int | None = None) -> Path:
+                  step: int | None = None, given: Given | None = None) -> Path:
     """One sample with `pipeline`: `video_path` (mp4), its .png contact sheet (captioned with the prompt and, for a
     validation sample, the training `step`) and .txt prompt, and with `latents_path` the final latents. The denoiser
     is put in eval mode for sampling and back in the mode it had. `stop`: asked before each denoising step
-    (SamplingStopped when it says so)."""
+    (SamplingStopped when it says so). `given`: a conditioning mode's inputs, in place of `reference`."""
     denoiser = pipeline.transformer
     was_training = denoiser.training
     denoiser.eval()
@@ -187,7 +189,8 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
             sample = spec.sample(pipeline, prompt, frames=settings.frames, height=settings.height,
                                  width=settings.width, num_inference_steps=settings.num_inference_steps,
                                  guidance_scale=settings.guidance_scale, generator=torch.Generator().manual_seed(seed),
-                                 reference=reference, callback=keep_latents if latents_path is not None else None)
+                                 reference=reference, callback=keep_latents if latents_path is not None else None,
+                                 **({"given": given} if given is not None else {}))
     finally:
         denoiser.train(was_training)
     pixels = frames_to_uint8(sample.frames)
@@ -207,7 +210,8 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
 
 def render_samples(spec: ModelSpec, pipeline: Any, settings: SampleSettings, folder: Path, name: str, *,
                    reference: torch.Tensor | None = None, bf16: bool = False, progress: bool = False,
-                   stop: Callable[[], bool] | None = None, step: int | None = None) -> list[Path]:
+                   stop: Callable[[], bool] | None = None, step: int | None = None,
+                   given: Given | None = None) -> list[Path]:
     """One sample per prompt (seed `settings.seed + number`), written as `folder/{name}-{number}.mp4`
     (+ .png contact sheet, + .txt prompt). `progress`: a bar of each sample's denoising steps; `stop`: asked
     before each sample and each denoising step (SamplingStopped when it says so)."""
@@ -221,7 +225,7 @@ def render_samples(spec: ModelSpec, pipeline: Any, settings: SampleSettings, fol
         try:
             written.append(render_sample(spec, pipeline, prompt, settings, settings.seed + number,
                                          folder / f"{name}-{number}.mp4", reference=reference, bf16=bf16, stop=stop,
-                                         step=step))
+                                         step=step, given=given))
         except SamplingStopped:
             raise SamplingStopped("sampling stopped", written) from None
     return written
@@ -375,12 +379,15 @@ def check_sample_shape(spec: ModelSpec, settings: SampleSettings) -> None:
 
 def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | None = None,
                latents: Path | None = None, control: Path | None = None, progress: bool = False,
-               **overrides: Any) -> Path:
+               last_frame: Path | None = None, extend: Path | None = None, inpaint: Path | None = None,
+               mask: Path | None = None, **overrides: Any) -> Path:
     """One sample of `run` into `output` (mp4, + .png, + .txt; + `latents`). `overrides`: SampleSettings fields
     (num_inference_steps, guidance_scale, seed, frames, height, width); the rest are the run's validation
     settings. An image-to-video family starts from `image`, else from the run's first clip (as validation); a
-    control run follows the control clip `control`, else the run's first clip's control clip (as validation).
-    `progress`: a bar of the denoising steps."""
+    control run follows the control clip `control`, else the run's first clip's control clip (as validation). A
+    conditioning mode (ltx-video-i2v, model.conditioning): `image` with `last_frame` (first-last), `last_frame`,
+    `extend` (a clip to extend) or `inpaint` (a clip whose region outside `mask`, else the configured rectangle, is
+    kept). `progress`: a bar of the denoising steps."""
     spec, config = run.spec, run.config
     settings = SampleSettings.from_config(config, spec, default_prompt=prompt)
     settings = replace(settings, prompts=(prompt,), **{k: v for k, v in overrides.items() if v is not None})
@@ -391,12 +398,16 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
             f"{' '.join(given)}" + ("" if len(given) == 3 else f"; the rest from {validation_shape(config)[1]}")
         print(f"{describe_samples(settings, origin)}.", flush=True)
     reference = None
+    given = given_from_files(spec, config, settings.frames, settings.height, settings.width, image=image,
+                             last_frame=last_frame, extend=extend, inpaint=inpaint, mask=mask)
+    if given is not None:
+        image = None  # the mode's inputs replace the first frame
     if image is not None:
         if not spec.image_to_video:
             raise VidtuneError(f"--image: {spec.name} generates from text alone; it takes no image.\n"
                                "What to do: leave out --image.")
         reference = read_image(image, settings.height, settings.width)
-    elif spec.image_to_video:
+    elif spec.image_to_video and given is None:
         try:  # the run's first sample, as validation takes it (the sources in order; nothing probed)
             clips = read_sources(config.data).clips
             reference = reference_clip(spec, clips, settings, fps=config.data.fps)
@@ -406,18 +417,18 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
                                "What to do: pass --image PNG.") from None
         print(f"Starting from the first frame of {clips[0].video} (the run's first clip; --image to choose).",
               flush=True)
-    given = contextlib.nullcontext()
+    controlled = contextlib.nullcontext()
     if control is not None and run.control is None:
         raise VidtuneError(f"--control: {run.weights} was not trained with control clips (training.algorithm "
                            f"{config.training.algorithm}).\nWhat to do: leave out --control, or sample a run of "
                            "control-lora or control-full.")
     if run.control is not None:
-        given = run.control.given(run_control_latents(run, settings, control))
+        controlled = run.control.given(run_control_latents(run, settings, control))
     run.pipeline.set_progress_bar_config(disable=not progress, desc="denoising", dynamic_ncols=True)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with given:
+    with controlled:
         return render_sample(spec, run.pipeline, prompt, settings, settings.seed, output, reference=reference,
-                             bf16=run.bf16, latents_path=latents)
+                             bf16=run.bf16, latents_path=latents, given=given)
 
 
 def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from vidtune.config.schema import (
     SOURCE_TYPES,
     AdapterConfig,
     CheckpointConfig,
+    ConditioningConfig,
     Config,
     ControlConfig,
     DataConfig,
@@ -50,7 +51,8 @@ from vidtune.config.schema import (
 )
 
 __all__ = [
-    "PATH_KEYS", "SOURCE_TYPES", "AdapterConfig", "CheckpointConfig", "Config", "ControlConfig", "DType",
+    "PATH_KEYS", "SOURCE_TYPES", "AdapterConfig", "CheckpointConfig", "ConditioningConfig", "Config", "ControlConfig",
+    "DType",
     "DataConfig", "DatasetSource",
     "DistillationConfig", "FolderSource", "FullConfig", "LoRAConfig", "LoggingConfig", "MemoryConfig",
     "MetadataSource", "ModelConfig", "OptimizerConfig", "Origins", "PairsSource", "ParallelConfig", "PrecomputeConfig",

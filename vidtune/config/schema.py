@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vidtune.algorithms import ALGORITHM_NAMES, algorithm_traits
+from vidtune.data.inputs import INPUT_KINDS, rectangle_problem, unknown_kind_problem
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -22,6 +23,48 @@ class Section(BaseModel):
     """Base of every section: unknown keys are errors, and a made section is never changed (assigning raises)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+
+class ConditioningConfig(Section):
+    """Conditioning modes of image-to-video families (`model.conditioning`): each a share of the training samples,
+    drawn per sample; the rest follow model.first_frame_conditioning. docs/algorithms.md has a worked example each."""
+
+    extension: float = Field(0.0, ge=0, le=1, description="Share of samples given the first `extension_frames` "
+                             "frames of their clip clean (video extension; the rest learnt).")
+    extension_frames: int = Field(9, ge=1, description="Frames given in video extension (a multiple of the VAE's "
+                                  "temporal ratio plus one: 9, 17, ... for LTX-Video).")
+    last_frame: float = Field(0.0, ge=0, le=1, description="Share of samples given their last frame (sampled from "
+                              "a last frame).")
+    first_last: float = Field(0.0, ge=0, le=1, description="Share of samples given their first and last frames.")
+    inpaint: float = Field(0.0, ge=0, le=1, description="Share of samples given their clip outside the mask "
+                           "(inpainting / outpainting; the masked region learnt): the clip's `mask` input where the "
+                           "data gives one, else `mask_rectangle`.")
+    mask_rectangle: tuple[float, float, float, float] = Field(
+        (0.25, 0.25, 0.75, 0.75), description="Inpainting without a mask input: the rectangle (left, top, right, "
+        "bottom, fractions of the frame) that is generated (`mask_rectangle_generated: inside`) or kept (`outside`).")
+    mask_rectangle_generated: Literal["inside", "outside"] = Field(
+        "inside", description="`inside`: inpainting, the rectangle is generated; `outside`: outpainting, the rest is.")
+    validation_mode: Literal["first_frame", "extension", "last_frame", "first_last", "inpaint"] | None = Field(
+        None, description="The mode validation samples with; default: the mode with the largest share.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ConditioningConfig:
+        total = self.extension + self.last_frame + self.first_last + self.inpaint
+        if total > 1:
+            raise ValueError(f"model.conditioning: the shares extension + last_frame + first_last + inpaint add up to "
+                             f"{total:g}, above 1; lower them so they sum to 1 at most")
+        left, top, right, bottom = self.mask_rectangle
+        if not (0 <= left < right <= 1 and 0 <= top < bottom <= 1):
+            raise ValueError(f"model.conditioning.mask_rectangle={list(self.mask_rectangle)}: give left < right and "
+                             "top < bottom, each between 0 and 1")
+        return self
+
+    @property
+    def enabled(self) -> dict[str, float]:
+        """The modes other than first-frame with a share above 0."""
+        shares = {"extension": self.extension, "last_frame": self.last_frame, "first_last": self.first_last,
+                  "inpaint": self.inpaint}
+        return {mode: share for mode, share in shares.items() if share > 0}
 
 
 class ModelConfig(Section):
@@ -108,6 +151,12 @@ class ModelConfig(Section):
         "how many (as ltx-trainer's audio runs); `silence` trains its video beside the audio stream noised silence, "
         "its audio error left out (the video learns with the audio stream present, as LTX2Pipeline samples).",
     )
+    conditioning: ConditioningConfig = Field(
+        default_factory=ConditioningConfig,
+        description="Image-to-video families: conditioning modes beside first-frame conditioning (video extension, "
+        "last frame, first and last frames, inpainting), each a share of the samples. Which family takes which: "
+        "docs/models.md (\"Conditioning modes\").",
+    )
     condition_frames: list[Annotated[int, Field(ge=0)]] = Field(
         default_factory=lambda: [0],
         min_length=1,
@@ -181,6 +230,23 @@ class _SourceBase(Section):
         False, description="Held out: this source's samples are never trained on, only scored for the held-out score "
         "(see validation.eval_clips and docs/evaluation.md)."
     )
+    mask_rect: tuple[float, float, float, float] | None = Field(
+        None, description="A mask for every clip of this source without a mask file: the rectangle `[x0, y0, x1, y1]` "
+        "(fractions of the width and height, from the top left) is white (learnt), the rest black (see "
+        "training.masked_loss and docs/data.md)."
+    )
+
+    @model_validator(mode="after")
+    def _check_inputs(self) -> _SourceBase:
+        for kind in getattr(self, "inputs", {}):
+            problem = unknown_kind_problem(kind)
+            if problem:
+                raise ValueError(f"inputs: {problem}")
+        if self.mask_rect is not None:
+            problem = rectangle_problem(self.mask_rect)
+            if problem:
+                raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _check_caption_options(self) -> _SourceBase:
@@ -209,6 +275,11 @@ class PairsSource(_SourceBase):
     prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
     controls: str = Field("controls.txt", description="Control training: file with one control clip path a line, "
                           "same order (read only by `control-*` algorithms).")
+    inputs: dict[str, str] = Field(
+        default_factory=dict, description="Per-clip inputs, kind -> a list file beside the clip list (line n: the "
+        f"input of the clip on line n; an empty line: none; images separated by `|`). Kinds: {', '.join(INPUT_KINDS)} "
+        "(docs/data.md)."
+    )
 
 
 class FolderSource(_SourceBase):
@@ -227,6 +298,10 @@ class MetadataSource(_SourceBase):
     caption_column: str = Field("caption", description="Column (CSV) or key (JSONL) holding the caption.")
     control_column: str | None = Field(
         None, description="Control training: column (CSV) or key (JSONL) holding the control clip's path."
+    )
+    inputs: dict[str, str] = Field(
+        default_factory=dict, description="Per-clip inputs, kind -> the column (CSV) or key (JSONL) holding its path "
+        f"(empty: none; images separated by `|`, or a JSON list). Kinds: {', '.join(INPUT_KINDS)} (docs/data.md)."
     )
 
 
@@ -428,6 +503,12 @@ class TrainingConfig(Section):
         "extra loss W x mse(adapter's prediction, base model's prediction) at the visit's noisy latents, on one of "
         "`prompts` drawn per visit or (null) the clip's caption without its source's `trigger`, replaced by "
         "`class_word` (empty: removed). See docs/algorithms.md. null: off.",
+    )
+    masked_loss: bool = Field(
+        False, description="Weight each clip's loss by its mask (a `mask` input, or its source's `mask_rect`), "
+        "downsampled to the latent grid as the VAE downsamples; white is learnt, black left out; normalised by the "
+        "mask's area, so an all-white mask is the plain loss. Every training clip needs a mask. Per-element "
+        "denoising losses only (lora, full, control-*). See docs/algorithms.md.",
     )
 
 
@@ -917,6 +998,12 @@ class Config(Section):
                 "weights; set memory.base_weights=auto or remove distillation.student"
             )
         self._check_adapter()
+        if self.training.masked_loss and not traits.weights_elements:
+            raise ValueError(
+                f"training.masked_loss works with a per-element denoising loss (lora, full, control-lora, "
+                f"control-full): {algorithm} learns from the frozen model's outputs, not from the clip's pixels; "
+                "remove training.masked_loss"
+            )
         if self.training.preserve_base is not None:
             self._check_preserve_base(traits)
         if base_weights != "auto" and self.lora.use_dora:

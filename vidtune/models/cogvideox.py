@@ -254,6 +254,8 @@ class CogVideoXI2VSpec(CogVideoXSpec):
 
     name = "cogvideox-i2v"
     image_to_video = True
+    conditioning_refusal = ("CogVideoXImageToVideoPipeline takes one first image, as channels beside the first "
+                            "latent frame (zeros after it); no other frame, clip or mask.")
     # CogVideoX 1.5 I2V: an odd latent frame count is padded like the text-to-video latents (the first latent frame
     # in front). CogVideoXImageToVideoPipeline then denoises one latent frame more, with the image condition in
     # latent frame 0 and zeros after it, and drops the first frame before decoding: `prepare_latents` builds that

@@ -4,7 +4,8 @@ Image-to-video sampling hands the denoiser the first frame's latent clean, with 
 trainers teach that with a share of the training samples (`first_frame_conditioning_p` / a `first_frame` condition's
 `probability`): the sample's own first latent frame replaces its noisy one, its tokens get timestep 0, and they stay
 out of the loss. The draw is per sample, from a generator of the visit's stream position, so a resumed or re-batched
-run draws the same samples; the LTX VAEs are causal in time, so the clip's first latent frame is what encoding the
+run draws the same samples (the first of the conditioning modes, vidtune/models/conditioning.py, which share the
+draw); the LTX VAEs are causal in time, so the clip's first latent frame is what encoding the
 first frame alone gives.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+
+from vidtune.models.conditioning import uniform_draws
 
 if TYPE_CHECKING:
     from vidtune.models.spec import Conditions
@@ -23,16 +26,10 @@ GIVEN = "first_frame_given"
 LATENTS = "first_frame_latents"
 
 
-def first_frame_generator(seed: int, position: int) -> torch.Generator:
-    """The draw of one visit: its own generator, so it never shares draws with the visit's noise or noise level."""
-    return torch.Generator().manual_seed((seed * 1_000_039 + position * 15_485_863 + 2_027) % 2**63)
-
-
 def draw(probability: float, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
     """Which samples of a batch (clean latents `x0` [B, C, F, H, W], their stream `positions`) are given their first
     latent frame: each with `probability`, never a one-latent-frame clip (nothing after it to predict)."""
-    given = torch.tensor([float(torch.rand(1, generator=first_frame_generator(seed, int(position)))) < probability
-                          for position in positions.tolist()], dtype=torch.float32)
+    given = torch.tensor([u < probability for u in uniform_draws(positions, seed)], dtype=torch.float32)
     if x0.shape[2] < 2:
         given.zero_()
     return {GIVEN: given.to(x0.device), LATENTS: x0[:, :, :1]}

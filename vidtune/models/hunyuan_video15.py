@@ -326,6 +326,8 @@ class HunyuanVideo15ImageToVideoSpec(HunyuanVideo15Spec):
 
     name = "hunyuan-video-1.5-i2v"
     image_to_video = True
+    conditioning_refusal = ("HunyuanVideo15ImageToVideoPipeline takes one first image (its latent as condition "
+                            "channels of the first frame, and its vision embedding); no other frame, clip or mask.")
     pipeline_class = HunyuanVideo15ImageToVideoLoraPipeline
 
     def required_components(self) -> tuple[str, ...]:

@@ -264,6 +264,7 @@ class Kandinsky5ImageToVideoSpec(Kandinsky5Spec):
     channel (its condition latents stay zero, as the pipeline leaves them)."""
 
     name = "kandinsky-5-i2v"
+    conditioning_refusal = "Kandinsky5I2VPipeline takes one first image; no other frame, clip or mask."
     pipeline_class = Kandinsky5I2VPipeline
     image_to_video = True
 

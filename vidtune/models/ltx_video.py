@@ -15,14 +15,16 @@ from diffusers import (
     LTXPipeline,
     LTXVideoTransformer3DModel,
 )
-from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition
+from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition, retrieve_latents
 from torch import nn
 from transformers import T5EncoderModel
 
+from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
-from vidtune.models import first_frame
+from vidtune.models import conditioning, first_frame
+from vidtune.models.conditioning import Given
 from vidtune.models.defaults import LTX_VIDEO
 from vidtune.models.spec import (
     Conditions,
@@ -37,6 +39,9 @@ from vidtune.models.spec import (
 )
 
 logger = logging.getLogger(__name__)
+
+# The key of the last frame encoded alone [B, C, 1, h, w] (ltx-video-i2v with a last-frame mode).
+LAST_FRAME = "last_frame_latents"
 
 
 def vae_downsampling_steps(vae: dict[str, Any]) -> tuple[int, int]:
@@ -71,12 +76,60 @@ def predict_video(denoiser: nn.Module, conditions: Conditions, inputs: torch.Ten
     prediction = prediction[:, inputs.shape[1] - video_tokens:]
     return LTXPipeline._unpack_latents(prediction, frames // patch_t, height // patch, width // patch, patch, patch_t)
 
+def take_samples(conditions: Conditions, index: torch.Tensor, batch: int) -> Conditions:
+    """The conditions of the samples at `index` of a batch of `batch` (tensors of another first size kept)."""
+    return {key: value[index.to(value.device)] if value.ndim and value.shape[0] == batch else value
+            for key, value in conditions.items()}
+
+
+class LTXRegionConditionPipeline(LTXConditionPipeline):
+    """LTXConditionPipeline given a region of a clip to keep (inpainting / outpainting): `given_region` ([1, 1, F, H,
+    W] on the latent grid, 1.0 kept) with the clip as its one video condition at frame 0. The kept latents start
+    clean and their tokens run at timestep 0 through the pipeline's own per-token conditioning mask, which its
+    frame-indexed conditions fill frame by frame; everything else is the pipeline's."""
+
+    def __call__(self, *args: Any, given_region: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        self._given_region = given_region
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self._given_region = None
+
+    def prepare_latents(self, conditions: list[torch.Tensor] | None = None,
+                        condition_strength: list[float] | None = None,
+                        condition_frame_index: list[int] | None = None, batch_size: int = 1,
+                        num_channels_latents: int = 128, height: int = 512, width: int = 704, num_frames: int = 161,
+                        num_prefix_latent_frames: int = 2, sigma: torch.Tensor | None = None,
+                        latents: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                        device: torch.device | None = None, dtype: torch.dtype | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int]:
+        given_region = getattr(self, "_given_region", None)
+        if given_region is None:
+            return super().prepare_latents(conditions, condition_strength, condition_frame_index, batch_size,
+                                           num_channels_latents, height, width, num_frames, num_prefix_latent_frames,
+                                           sigma, latents, generator, device, dtype)
+        if not conditions or len(conditions) != 1 or condition_frame_index != [0]:
+            raise ValueError("a given region takes the clip it keeps as the one video condition, at frame 0")
+        noise, _, video_ids, _ = super().prepare_latents([], [], [], batch_size, num_channels_latents, height, width,
+                                                         num_frames, num_prefix_latent_frames, sigma, latents,
+                                                         generator, device, dtype)
+        clean = retrieve_latents(self.vae.encode(conditions[0]), generator=generator)
+        clean = self._normalize_latents(clean, self.vae.latents_mean, self.vae.latents_std).to(device, dtype=dtype)
+        patch, patch_t = self.transformer_spatial_patch_size, self.transformer_temporal_patch_size
+        mask = self._pack_latents(given_region.to(device, dtype=dtype).expand(batch_size, -1, -1, -1, -1),
+                                  patch, patch_t).amin(dim=-1)
+        latents = torch.lerp(noise, self._pack_latents(clean, patch, patch_t), mask[..., None])
+        return latents, mask, video_ids, 0
+
+
 class LTXVideoSpec(ModelSpec):
     name = "ltx-video"
     control_input_layer = "proj_in"  # Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0
     frame_rate_conditioned = True
     first_frame_conditioning = 0.1  # LTX-Video-Trainer configs/ltxv_2b_lora.yaml: first_frame_conditioning_p
+    conditioning_refusal = ("it samples from text with LTXPipeline; ltx-video-i2v (the same checkpoints) trains "
+                            "and samples every mode with LTXConditionPipeline.")
     defaults = LTX_VIDEO
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
@@ -234,6 +287,10 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
     pipeline_class = LTXConditionPipeline
     # Every sample conditioned, unless `model.first_frame_conditioning` says otherwise (first frame only, then).
     first_frame_conditioning = 1.0
+    # Each as LTXConditionPipeline samples it: the first frames of a clip in place (a video condition at frame 0),
+    # the last frame as a keyframe's extra tokens (an image condition at the last frame), and a kept region in place
+    # (the pipeline's per-token conditioning mask, given the region: `LTXRegionConditionPipeline`).
+    conditioning_modes = ("extension", "last_frame", "first_last", "inpaint")
 
     @classmethod
     def context_parallel_plan(cls) -> dict[str, Any] | str:
@@ -256,6 +313,21 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         """The condition frames of a clip with `latent_frames` latent frames: none for a still (one latent frame,
         nothing after it to predict: it trains unconditioned, as text-to-image), else `condition_frames`."""
         return [] if latent_frames == 1 else self.condition_frames
+
+    @property
+    def modes_on(self) -> bool:
+        """Conditioning modes beside the first frame are drawn (`model.conditioning`)."""
+        return bool(self.config.conditioning.enabled)
+
+    @property
+    def takes_last_frame(self) -> bool:
+        return any(mode in self.config.conditioning.enabled for mode in conditioning.LAST_FRAME_MODES)
+
+    @property
+    def extension_latent_frames(self) -> int:
+        """Latent frames of the `extension_frames` given frames (the VAE is causal in time: the clip's first latent
+        frames are what encoding those frames alone gives)."""
+        return (self.config.conditioning.extension_frames - 1) // self.compression[1] + 1
 
     def keyframes(self, latent_frames: int) -> list[int]:
         """The condition frames after the first: extra tokens rather than the first latent frame."""
@@ -282,16 +354,58 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
                 "which conditions on the first frame only; set model.condition_frames to [0], or use a 0.9.5+ "
                 "checkpoint for keyframes"
             )
+        problems += self.mode_problems(frames)
         if problems:
             raise ConfigError("The condition frames do not fit:\n" + "\n".join(f"  - {p}" for p in problems)
                               + "\nWhat to do: fix model.condition_frames as said above.")
 
+    def mode_problems(self, frames: int) -> list[str]:
+        """What keeps `model.conditioning`'s modes from clips of `frames` frames."""
+        if not self.modes_on:
+            return []
+        modes = self.config.conditioning
+        problems = []
+        if self.condition_frames != [0]:
+            problems.append(f"model.conditioning with model.condition_frames={self.condition_frames}: the modes "
+                            "draw which frames each sample is given; set model.condition_frames to [0]")
+        if not self.uses_condition_pipeline:
+            problems.append(f"model.conditioning: the model at {self.config.pretrained} samples with "
+                            "LTXImageToVideoPipeline (a dynamic-shifting scheduler, LTX-Video 0.9.0 / 0.9.1), which "
+                            "takes a first frame only; use a 0.9.5+ checkpoint for the modes")
+        temporal = self.compression[1]
+        if modes.extension > 0 and (modes.extension_frames - 1) % temporal:
+            problems.append(f"model.conditioning.extension_frames={modes.extension_frames}: LTXConditionPipeline "
+                            f"takes a clip of k x {temporal} + 1 frames; use "
+                            f"{(modes.extension_frames - 1) // temporal * temporal + 1} or "
+                            f"{-(-(modes.extension_frames - 1) // temporal) * temporal + 1}")
+        if modes.extension > 0 and frames > 1 and modes.extension_frames >= frames:
+            problems.append(f"model.conditioning.extension_frames={modes.extension_frames} gives all {frames} frames "
+                            "of a clip (data.frames): nothing is left to learn; give fewer frames")
+        return problems
+
+    def optional_inputs(self, config: Config) -> tuple[str, ...]:
+        """Inpainting keeps what each clip's `mask` input leaves black, where the data gives one (a mask file or a
+        source's `mask_rect`); clips without one keep what `model.conditioning.mask_rectangle` leaves."""
+        return ("mask",) if config.model.conditioning.inpaint > 0 else ()
+
     def latent_identity(self) -> dict[str, Any]:
-        return {**super().latent_identity(), "condition_frames": self.condition_frames}
+        identity = {**super().latent_identity(), "condition_frames": self.condition_frames}
+        if self.takes_last_frame:
+            identity["last_frame"] = "encoded alone"
+        return identity
 
     def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
         """Which samples are conditioned, when `model.first_frame_conditioning` is below 1 (else all are); the
-        condition is the first frame encoded alone (`condition_latents`), as the pipelines encode the image."""
+        condition is the first frame encoded alone (`condition_latents`), as the pipelines encode the image. With
+        `model.conditioning`, each sample's mode (vidtune/models/conditioning.py)."""
+        if self.modes_on:
+            frames = x0.shape[2]
+            allowed = {mode: frames > 1 for mode in conditioning.MODES}
+            allowed["extension"] = self.extension_latent_frames < frames
+            allowed["inpaint"] = True
+            mode_shares = conditioning.shares(self.config.conditioning, self.first_frame_probability)
+            codes = conditioning.draw_modes(mode_shares, positions, seed, allowed)
+            return {conditioning.MODE: codes.to(x0.device), conditioning.LATENTS: x0}
         probability = self.first_frame_probability
         if probability >= 1:
             return {}
@@ -322,11 +436,15 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         encoded = super().prepare_latents(vae, singles)["latents_mean"]  # [B * K, C, 1, h, w]
         latents["condition_latents"] = encoded.view(videos.shape[0], len(given), *encoded.shape[1:]) \
             .squeeze(3).transpose(1, 2)
+        if self.takes_last_frame:  # the last frame as the pipeline encodes an image condition: alone
+            latents[LAST_FRAME] = super().prepare_latents(vae, videos[:, -1:])["latents_mean"]
         return latents
 
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
+        if conditioning.MODE in conditions:
+            return self.forward_modes(denoiser, conditions, noisy_latents, timesteps)
         patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
         batch, _, frames, height, width = noisy_latents.shape
         condition = conditions["condition_latents"].to(noisy_latents)
@@ -353,8 +471,63 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         return predict_video(denoiser, conditions, inputs, per_token, tokens.shape[1], frames, height, width,
                              **position)
 
+    # ----- conditioning modes --------------------------------------------------------------------------------
+    def given_region(self, conditions: Conditions, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """[B, 1, F, H, W]: what each sample of a modes batch is given in place (1.0), by its drawn mode."""
+        frames, height, width = shape[-3:]
+        if conditioning.INPUT_MASK in conditions:
+            inpaint = conditioning.mask_region(conditions[conditioning.INPUT_MASK], frames, height, width)
+        else:
+            modes = self.config.conditioning
+            inpaint = conditioning.rectangle_region(modes.mask_rectangle, modes.mask_rectangle_generated,
+                                                    frames, height, width)
+        inpaint = inpaint.to(conditions[conditioning.LATENTS].device)
+        return conditioning.region(conditions[conditioning.MODE], shape, self.extension_latent_frames, inpaint)
+
+    def forward_modes(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                      timesteps: torch.Tensor) -> torch.Tensor:
+        """The denoiser on a batch of drawn modes, as LTXConditionPipeline gives each: the given region in place at
+        timestep 0 (the first frame encoded alone, as the pipeline encodes an image), the last frame as a keyframe's
+        extra tokens at the clip's last frame. A batch mixing samples with and without those extra tokens runs as
+        two groups (one token layout each) and is put back in order."""
+        batch, _, frames, height, width = noisy_latents.shape
+        codes = conditions[conditioning.MODE].flatten()
+        last = conditioning.is_mode(codes, conditioning.LAST_FRAME_MODES)
+        if bool(last.any()) and not bool(last.all()):
+            prediction: torch.Tensor | None = None
+            for group in (last, ~last):
+                index = group.nonzero().flatten()
+                part = self.forward_modes(denoiser, take_samples(conditions, index, batch), noisy_latents[index],
+                                          timesteps[index] if timesteps.ndim and timesteps.shape[0] == batch
+                                          else timesteps)
+                prediction = part.new_empty(batch, *part.shape[1:]) if prediction is None else prediction
+                prediction[index] = part
+            assert prediction is not None
+            return prediction
+        patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
+        given = self.given_region(conditions, noisy_latents.shape)
+        clean = conditions[conditioning.LATENTS].to(noisy_latents)
+        first = conditioning.is_mode(codes, conditioning.FIRST_FRAME_MODES).view(-1, 1, 1, 1, 1)
+        image = conditions["condition_latents"][:, :, :1].to(noisy_latents)
+        image = image if image.shape[2] else clean[:, :, :1]  # a still: no first-frame mode is drawn
+        clean = torch.cat([torch.where(first, image, clean[:, :, :1]), clean[:, :, 1:]], dim=2)
+        tokens = LTXPipeline._pack_latents(conditioning.give(noisy_latents, clean, given), patch, patch_t)
+        # A token is given when all its cells are (the LTX-Video transformers patch 1 x 1 x 1: one cell a token).
+        token_mask = LTXPipeline._pack_latents(given.to(noisy_latents), patch, patch_t).amin(dim=-1)
+        keyframes = [(frames - 1) * self.compression[1]] if bool(last.all()) else []
+        extra = [LTXPipeline._pack_latents(conditions[LAST_FRAME].to(noisy_latents), patch, patch_t)] \
+            if keyframes else []
+        inputs = torch.cat([*extra, tokens], dim=1)
+        mask = torch.cat([*(token_mask.new_ones(part.shape[:2]) for part in extra), token_mask], dim=1)
+        per_token = torch.minimum(timesteps.to(mask)[:, None], (1.0 - mask) * 1000.0)
+        position = self.rotary_inputs(batch, frames, height, width, patch, patch_t, inputs.device,
+                                      self.frame_rates(conditions, batch), keyframes)
+        return predict_video(denoiser, conditions, inputs, per_token, tokens.shape[1], frames, height, width,
+                             **position)
+
     def rotary_inputs(self, batch: int, frames: int, height: int, width: int, patch: int, patch_t: int,
-                      device: torch.device, frame_rates: torch.Tensor) -> dict[str, Any]:
+                      device: torch.device, frame_rates: torch.Tensor,
+                      keyframes: list[int] | None = None) -> dict[str, Any]:
         """Where each token sits, as the sampling pipeline tells the transformer: LTXConditionPipeline's
         `video_coords` (the keyframes' tokens first, at their frames; seconds: frame / each sample's rate), or
         LTXImageToVideoPipeline's `rope_interpolation_scale`."""
@@ -366,7 +539,8 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
             ids = LTXConditionPipeline._prepare_video_ids(batch, count, height, width, patch, patch_t, device)
             return LTXConditionPipeline._scale_video_ids(ids, spatial, temporal, frame_index)
 
-        video_coords = torch.cat([*(coords(1, k) for k in self.keyframes(frames)), coords(frames, 0)], dim=2).float()
+        keyframes = self.keyframes(frames) if keyframes is None else keyframes
+        video_coords = torch.cat([*(coords(1, k) for k in keyframes), coords(frames, 0)], dim=2).float()
         video_coords[:, 0] = video_coords[:, 0] / frame_rates.float().to(device).view(-1, 1)
         return {"video_coords": video_coords}
 
@@ -379,7 +553,10 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         return torch.cat([packed.new_zeros(packed.shape[0], extra, packed.shape[2]), packed], dim=1), dim
 
     def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
-        """The clean first latent frame is given, not predicted: it stays out of the loss (where it is given)."""
+        """The clean first latent frame is given, not predicted: it stays out of the loss (where it is given); so
+        does a drawn mode's given region."""
+        if conditioning.MODE in conditions:
+            return conditioning.per_clip_error(squared_error, self.given_region(conditions, squared_error.shape))
         batch, frames = squared_error.shape[0], squared_error.shape[2]
         given = self.first_frame_given(conditions, batch, frames, squared_error.device)
         whole = squared_error.flatten(1).mean(dim=1)
@@ -389,7 +566,8 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
-        pipeline_class = LTXConditionPipeline if self.uses_condition_pipeline else LTXImageToVideoPipeline
+        # The region pipeline is LTXConditionPipeline itself unless it is given a region to keep (inpainting).
+        pipeline_class = LTXRegionConditionPipeline if self.uses_condition_pipeline else LTXImageToVideoPipeline
         return pipeline_class(
             scheduler=self.load_scheduler(),
             vae=vae,
@@ -416,6 +594,49 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         conditions = [LTXVideoCondition(image=frames_to_pil(reference[frame:frame + 1])[0], frame_index=frame)
                       for frame in given]
         return {"conditions": conditions, "frame_rate": self.frame_rate}
+
+    def check_given(self, given: Given) -> None:
+        super().check_given(given)
+        if given.mode != "first_frame" and not self.uses_condition_pipeline:
+            raise ModelError(f"{self.name}: the model at {self.config.pretrained} samples with "
+                             "LTXImageToVideoPipeline (LTX-Video 0.9.0 / 0.9.1), which takes a first frame only, not "
+                             f"{given.mode.replace('_', '-')} conditioning.\nWhat to do: sample from a first frame "
+                             "(--image), or use a 0.9.5+ checkpoint.")
+
+    def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
+        """LTXConditionPipeline's frame-indexed conditions of a mode: the first frame as an image at frame 0, the
+        clip to extend as a video at frame 0, the last frame as an image at the clip's last frame; inpainting: the
+        clip as a video at frame 0 with the region it keeps (the mask on the latent grid, else the rectangle)."""
+        if given.mode == "first_frame":
+            return self.pipeline_inputs(given.frames)
+        assert given.frames is not None or given.mode == "last_frame"
+        spatial, temporal, _, _ = self.compression
+        conditions: list[LTXVideoCondition] = []
+        inputs: dict[str, Any] = {"frame_rate": self.frame_rate}
+        if given.mode in conditioning.FIRST_FRAME_MODES:
+            conditions.append(LTXVideoCondition(image=self.first_frame_image(given.frames), frame_index=0))
+        if given.mode == "extension":
+            if (given.frames.shape[0] - 1) % temporal or given.frames.shape[0] >= frames:
+                raise ModelError(f"{self.name}: a clip to extend has k x {temporal} + 1 frames, fewer than the "
+                                 f"{frames} sampled, not {given.frames.shape[0]}.\nWhat to do: give "
+                                 f"{(given.frames.shape[0] - 1) // temporal * temporal + 1} frames, or sample more.")
+            conditions.append(LTXVideoCondition(video=frames_to_pil(given.frames), frame_index=0))
+        if given.mode == "inpaint":
+            if given.frames.shape[0] != frames:
+                raise ModelError(f"{self.name}: inpainting keeps a region of a clip of the {frames} frames sampled, "
+                                 f"not {given.frames.shape[0]}.\nWhat to do: give a clip of {frames} frames.")
+            conditions.append(LTXVideoCondition(video=frames_to_pil(given.frames), frame_index=0))
+            shape = ((frames - 1) // temporal + 1, height // spatial, width // spatial)
+            if given.mask is not None:
+                region = conditioning.mask_region(given.mask[None, None], *shape)
+            else:
+                modes = self.config.conditioning
+                region = conditioning.rectangle_region(modes.mask_rectangle, modes.mask_rectangle_generated, *shape)
+            inputs["given_region"] = region
+        if given.mode in conditioning.LAST_FRAME_MODES:
+            assert given.last is not None
+            conditions.append(LTXVideoCondition(image=frames_to_pil(given.last[-1:])[0], frame_index=frames - 1))
+        return {**inputs, "conditions": conditions}
 
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
         if latents.ndim == 5:

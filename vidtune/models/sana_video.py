@@ -239,6 +239,7 @@ class SanaVideoImageToVideoSpec(SanaVideoSpec):
 
     name = "sana-video-i2v"
     image_to_video = True
+    conditioning_refusal = "SanaImageToVideoPipeline takes one first image; no other frame, clip or mask."
     first_frame_conditioning = None  # always conditioned: no share to choose
     pipeline_class = SanaImageToVideoPipeline
 

@@ -275,6 +275,9 @@ class WanImageToVideoSpec(WanImageConditioning, WanSpec):
 
     name = "wan-i2v"
     image_to_video = True
+    conditioning_refusal = ("WanImageToVideoPipeline takes a first image, and a last one (`last_image`) only for "
+                            "the FLF2V checkpoints, whose image condition vidtune does not build yet; it takes no "
+                            "clip to extend and no mask.")
     pipeline_class = WanImageToVideoPipeline
     # The classes the pipeline's image encoder and processor may be (the checkpoint's model_index.json says which).
     image_encoder_classes: ClassVar[tuple[type, ...]] = (CLIPVisionModel,)

@@ -343,6 +343,9 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
 
     name = "wan2.2-i2v"
     image_to_video = True
+    conditioning_refusal = ("WanImageToVideoPipeline gives Wan 2.2 a first image only (TI2V-5B in place of the "
+                            "first latent frame, A14B I2V as image-condition channels); no clip to extend, no "
+                            "last frame, no mask.")
     pipeline_class = WanImageToVideoPipeline
     published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 3.5}
 

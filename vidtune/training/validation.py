@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from vidtune import outputs
 from vidtune.algorithms.build import build_part
 from vidtune.compile import eager
+from vidtune.given_frames import validation_given
 from vidtune.metrics import plot_loss_curve
 from vidtune.sampling import (
     SampleSettings,
@@ -63,6 +64,8 @@ def validate(context: TrainingContext, part: AlgorithmPart, stop: StopSignals | 
         with compiled, context.average.applied(), part.sampling(pipeline, context.encoders.vae, clips) as pipeline:
             videos = render_samples(spec, pipeline, settings, folder, f"step-{step:08d}",
                                     reference=reference_clip(spec, clips, settings, config.data.fps),
+                                    given=validation_given(spec, config, clips, settings.frames, settings.height,
+                                                           settings.width),
                                     bf16=context.bf16, progress=context.show_progress, step=step,
                                     stop=(lambda: stop.received is not None) if stop is not None else None)
     except SamplingStopped as stopped:

@@ -14,6 +14,7 @@ from PIL import Image
 from torch import nn
 
 from vidtune.errors import ModelError
+from vidtune.models.conditioning import Given
 from vidtune.models.spec.base import frames_to_pil
 from vidtune.models.spec.encoding import Encoding
 from vidtune.models.spec.loading import TextComponents
@@ -67,17 +68,23 @@ class Sampling(Encoding):
 
     def sample(self, pipeline: Any, prompt: str, *, frames: int, height: int, width: int, num_inference_steps: int,
                generator: torch.Generator, guidance_scale: float = 1.0, reference: torch.Tensor | None = None,
-               callback: StepCallback | None = None, output: SampleOutput = "video") -> GeneratedSample:
+               callback: StepCallback | None = None, output: SampleOutput = "video",
+               given: Given | None = None) -> GeneratedSample:
         """One sample with the family's pipeline and its own scheduler. output="video": the decoded frames (and the
         sound of a family whose pipeline makes it); output="latents": the final latents in the training layout,
         normalised like `prepare_latents` output (with guidance_scale 1, what the trainer teaches is what this
         samples). `reference`: the clip ([F, 3, H, W] in [-1, 1]) an image-to-video family starts from.
         `callback(pipeline, step, timestep, {"latents": ...})` runs after each denoising step (it returns the
-        dict)."""
+        dict). `given`: a conditioning mode's frames (and mask) to sample from instead of `reference`."""
         if output not in SAMPLE_OUTPUTS:
             raise ValueError(f"sample(output={output!r}): output is one of {', '.join(SAMPLE_OUTPUTS)}")
+        extra = {}
+        if given is not None:
+            self.check_given(given)
+            extra = {"given": given}
         result = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
-                                    generator, "latent" if output == "latents" else "pt", reference, callback)
+                                    generator, "latent" if output == "latents" else "pt", reference, callback,
+                                    **extra)
         if output == "latents":
             return self.sampled_latents(pipeline, result, frames, height, width)
         return self.sampled_video(pipeline, result)
@@ -85,10 +92,12 @@ class Sampling(Encoding):
     # ----- the parts of `sample` a family overrides ---------------------------------------------------------
     def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                       num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None,
+                      given: Given | None = None) -> Any:
         """One call of the family's pipeline (`output_type` "pt" or "latent"), returning its whole output (`.frames`,
         and what else a family's pipeline returns). `callback`: the pipeline's `callback_on_step_end`, given the
-        step's latents."""
+        step's latents. `given`: a conditioning mode's inputs (only families with `conditioning_modes` take it)."""
+        inputs = self.pipeline_inputs(reference) if given is None else self.given_inputs(given, frames, height, width)
         return pipeline(
             **self.prompt_inputs(pipeline, prompt, guidance_scale),
             num_frames=frames,
@@ -100,7 +109,7 @@ class Sampling(Encoding):
             generator=generator,
             output_type=output_type,
             **self.guidance_inputs(guidance_scale),
-            **self.pipeline_inputs(reference),
+            **inputs,
             **step_callback(callback),
         )
 
@@ -121,6 +130,18 @@ class Sampling(Encoding):
         """Family-specific inputs of the pipeline call (a frame rate, an image-to-video first frame, ...).
         `reference`: the clip ([F, 3, H, W] in [-1, 1]) whose first frame image-to-video families start from."""
         return {}
+
+    def check_given(self, given: Given) -> None:
+        """A mode the family samples: first-frame for image-to-video families, else one of `conditioning_modes`."""
+        takes = (("first_frame",) if self.image_to_video else ()) + tuple(self.conditioning_modes)
+        if given.mode not in takes:
+            raise ModelError(f"{self.name} cannot sample {given.mode.replace('_', '-')} conditioning: "
+                             f"{self.conditioning_refusal}\nWhat to do: sample it with "
+                             f"{' / '.join(takes) or 'text alone'} (docs/models.md, \"Conditioning modes\").")
+
+    def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
+        """The pipeline call's inputs of a conditioning mode (by default first-frame: `pipeline_inputs`)."""
+        return self.pipeline_inputs(given.frames)
 
     def guidance_inputs(self, guidance_scale: float) -> dict[str, Any]:
         """Further inputs of the pipeline call that follow the guidance scale (a pipeline with other guidances

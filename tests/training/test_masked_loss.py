@@ -10,7 +10,7 @@ from tests.helpers.datasets import masked_dataset
 from tests.helpers.runs import run_stopped_at
 from vidtune.config import build_config
 from vidtune.errors import ConfigError, DataError
-from vidtune.models.spec import LOSS_MASK
+from vidtune.models.spec import LOSS_MASK, LOSS_MASK_BY_FRAME
 from vidtune.precompute.encode import build_spec
 from vidtune.trainers import build_trainer
 
@@ -99,6 +99,9 @@ def test_the_masked_error_is_the_white_regions_mean(make_config):
     masked = spec.clip_error(error, {LOSS_MASK: mask})
     torch.testing.assert_close(masked, error[..., :2].flatten(1).mean(dim=1))
     assert torch.equal(spec.clip_error(error, {LOSS_MASK: torch.ones_like(mask)}), spec.per_clip_error(error, {}))
+    # `masked_loss_area: frame` (kohya's sd-scripts): the weighted error averaged over the whole frame.
+    by_frame = spec.clip_error(error, {LOSS_MASK: mask, LOSS_MASK_BY_FRAME: torch.ones(2, dtype=torch.bool)})
+    torch.testing.assert_close(by_frame, masked / 2)
 
 
 def test_resume_with_masks_is_bitwise(make_config, shapes_dataset, tmp_path):
@@ -132,3 +135,16 @@ def test_mask_rect_must_be_a_rectangle_inside_the_frame(tmp_path):
         build_config({**base, "data": {"datasets": [_entry(tmp_path, mask_rect=[0.5, 0.0, 0.2, 1.0])]}})
     with pytest.raises(ConfigError, match="not an input kind"):
         build_config({**base, "data": {"datasets": [_entry(tmp_path, inputs={"masks": "masks.txt"})]}})
+
+
+def test_masked_loss_area_frame_averages_over_the_whole_frame(make_config, shapes_dataset):
+    """The same visit's loss with a half-white mask: over the frame it is half the loss over the mask's area."""
+    losses = []
+    for area in ("mask", "frame"):
+        trainer = build_trainer(_config(make_config, shapes_dataset, entry=_entry(shapes_dataset, mask_rect=LEFT_HALF),
+                                        training={"masked_loss_area": area}))
+        trainer.set_up()
+        context = trainer.context
+        with torch.no_grad():
+            losses.append(context.loss(context, next(context.source.batches(0))).total)
+    torch.testing.assert_close(losses[1], losses[0] / 2)

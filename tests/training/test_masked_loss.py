@@ -184,3 +184,19 @@ def test_full_and_control_runs_take_the_mask(make_config, shapes_dataset, tmp_pa
                          training={"algorithm": algorithm, "steps": 2})
         losses[name] = build_trainer(config).run().losses
     assert losses["white"] == losses["plain"] and losses["half"] != losses["plain"]
+
+
+def test_the_held_out_score_of_a_masked_run_is_masked(make_config, shapes_dataset, tmp_path):
+    """The held-out clips are scored on their masks, as the run trains: a white mask scores like no mask, another
+    mask otherwise."""
+    from tests.evaluation.test_evaluation import score_now
+
+    scores = {}
+    for name, rect, masked in (("plain", None, False), ("white", [0, 0, 1, 1], True), ("half", list(LEFT_HALF), True)):
+        entry = _entry(shapes_dataset, **({"mask_rect": rect} if rect else {}))
+        trainer = build_trainer(_config(make_config, shapes_dataset, masked=masked, entry=entry, training={"steps": 1},
+                                        validation={"eval_clips": 1, "eval_noise_levels": [0.5]},
+                                        output_dir=str(tmp_path / name)))
+        trainer.run()
+        scores[name] = score_now(trainer).total
+    assert scores["white"] == scores["plain"] and scores["half"] != scores["plain"]

@@ -142,15 +142,23 @@ def noisy_inputs(context: LossContext, batch: Batch) -> NoisyInputs:
     # streams' noise, drawn last from each visit's generator.
     conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS},
                   **spec.visit_conditions(x0, batch.positions, seed)}
-    if config.training.masked_loss:  # each clip's mask on the latent grid weights its error (`spec.clip_error`)
-        conditions[LOSS_MASK] = batch.latents[input_key("mask")]
-        if config.training.masked_loss_area == "frame":
-            conditions[LOSS_MASK_BY_FRAME] = torch.ones(len(generators), dtype=torch.bool)
+    conditions = with_loss_mask(config, conditions)
     stream_inputs, stream_levels = (spec.stream_noise(objective, batch.latents, generators)
                                     if context.part.traits.stream_noise_levels else ({}, {}))
     return NoisyInputs({**conditions, **stream_inputs}, objective.noisy(x0, noise, levels),
                        objective.timesteps(levels).to(x0.device), objective.target(x0, noise, levels),
                        levels, x0, noise, stream_levels)
+
+
+def with_loss_mask(config: Config, conditions: Conditions) -> Conditions:
+    """`training.masked_loss`: each clip's mask on the latent grid (its `input_mask`, among the video-derived
+    conditions) as the loss mask `spec.clip_error` weights its error by; the conditions as they are otherwise."""
+    if not config.training.masked_loss:
+        return conditions
+    mask = conditions[input_key("mask")]
+    by_frame = {LOSS_MASK_BY_FRAME: torch.ones(mask.shape[0], dtype=torch.bool)} \
+        if config.training.masked_loss_area == "frame" else {}
+    return {**conditions, LOSS_MASK: mask, **by_frame}
 
 
 def apply_caption_dropout(context: LossContext, conditions: Conditions, drop: torch.Tensor) -> Conditions:

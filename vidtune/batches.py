@@ -41,7 +41,7 @@ from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import Clip, draw_weights
 from vidtune.models.spec import CONTROL_LATENTS, FRAME_RATE, Conditions, Latents, ModelSpec, TextComponents
 from vidtune.precompute import CachedClips, collate_cached, encode_captions, encode_videos, stack_items
-from vidtune.processors import configured_processor
+from vidtune.processors import configured_processor, control_downscale
 
 T = TypeVar("T")
 
@@ -156,7 +156,8 @@ class EncodedBatches(BatchSource):
         rates = [self.spec.clip_frame_rate(clip, data.fps) for clip in self.clips]
         dataset = VideoCaptionDataset(self.clips, data.bucket_shapes(), data.fps, data.resize, data.frame_sampling,
                                       self.config.training.seed, configured_processor(self.config), self.store,
-                                      self.spec.audio_format(), rates if any(r is not None for r in rates) else None)
+                                      self.spec.audio_format(), rates if any(r is not None for r in rates) else None,
+                                      control_downscale(self.config))
         return DataLoader(
             dataset,
             batch_sampler=sampler,

@@ -68,3 +68,9 @@ def processor_identity(name: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def apply_processor(name: str, options: dict[str, Any], video: torch.Tensor) -> torch.Tensor:
     return PROCESSORS[name](video, options)
+
+
+def control_downscale(config: Any) -> int:
+    """How many times smaller than its clip a control clip is read (the same frames and framing): in-context
+    training's `control.reference_downscale_factor`, else 1."""
+    return config.control.reference_downscale_factor if traits_of(config).in_context else 1

@@ -38,7 +38,8 @@ class VideoCaptionDataset(Dataset):
     def __init__(self, clips: Sequence[Clip], shapes: Sequence[Shape], fps: float | None = None,
                  resize: str = "crop", frame_sampling: str = "start", seed: int = 0,
                  processor: ProcessorChoice | None = None, store: FrameStore | None = None,
-                 audio: AudioFormat | None = None, frame_rates: Sequence[float | None] | None = None) -> None:
+                 audio: AudioFormat | None = None, frame_rates: Sequence[float | None] | None = None,
+                 control_downscale: int = 1) -> None:
         self.clips = list(clips)
         self.shapes = list(shapes)
         self.fps = fps
@@ -49,6 +50,7 @@ class VideoCaptionDataset(Dataset):
         self.store = store  # decoded windows kept for later visits (data.frame_store_mib)
         self.audio = audio  # the sound's format, for a family that trains on it (None: no sound decoded)
         self.frame_rates = None if frame_rates is None else list(frame_rates)  # per sample, in `clips` order
+        self.control_downscale = control_downscale  # control clips read this many times smaller (in-context)
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -72,10 +74,15 @@ class VideoCaptionDataset(Dataset):
             audio = None if audio is None else replace(audio, frame_rate=rate)
         if audio is not None:
             item["audio"], item["audio_present"] = self.read_audio(clip, frames, start, audio)
+        # Control training: the same window of the control clip (or of the clip, processed), at the clip's size over
+        # `control_downscale`, framed alike.
+        scale = self.control_downscale
         if self.processor is not None:
-            item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), item["video"])
-        elif clip.control is not None:  # control training: the same window of the control clip
-            item["control"] = self.read(clip, clip.control, frames, height, width, start)
+            source = item["video"] if scale == 1 else self.read(clip, clip.video, frames, height // scale,
+                                                                 width // scale, start)
+            item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), source)
+        elif clip.control is not None:
+            item["control"] = self.read(clip, clip.control, frames, height // scale, width // scale, start)
         return item
 
     def read(self, clip: Clip, path: Path, frames: int, height: int, width: int, start: int) -> torch.Tensor:

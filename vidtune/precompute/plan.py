@@ -20,6 +20,7 @@ folder by (path, size, mtime, ctime, inode), so only new or changed files are re
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -32,8 +33,9 @@ from vidtune.config import Config
 from vidtune.data.audio import AudioFormat, ClipAudio, read_audio
 from vidtune.data.buckets import window_starts
 from vidtune.data.captions import preservation_caption, shuffle_variants
+from vidtune.data.dataset import control_timing
 from vidtune.data.sources import Clip
-from vidtune.data.video import ClipWindow, read_clip
+from vidtune.data.video import ClipWindow, probe_video, read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
 from vidtune.precompute.cache import CacheStore, Fingerprints, entry_key
@@ -239,6 +241,7 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
     data, shapes = config.data, config.data.bucket_shapes()
     processor = configured_processor(config)
     downscale = control_downscale(config)
+    control_rate = functools.cache(lambda path: probe_video(path).fps)  # a control clip's own frame rate
     audio_format = spec.audio_format()
 
     def condition(caption: str) -> str:
@@ -280,7 +283,10 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
                 # The clip's sound and rate go with its own latents; control clips give only their video latents.
                 audio, clip_rate = (clip_audio, rate) if number == 0 else (None, None)
                 scale = 1 if number == 0 else downscale  # in-context: control clips read smaller, framed alike
-                preprocess = Preprocess(frames, height // scale, width // scale, data.fps, data.resize, start,
+                read_rate, first = data.fps, start
+                if number > 0 and processed is None:  # a control clip, read at the clip's window's times
+                    read_rate, first = control_timing(clip, start, data.fps, control_rate(path))
+                preprocess = Preprocess(frames, height // scale, width // scale, read_rate, data.resize, first,
                                         processed, audio, clip_rate)
                 key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": content_hash})
                 windows.append(key)

@@ -166,6 +166,22 @@ def test_a_reference_of_another_size_and_frame_rate_is_windowed_like_its_clip(ma
             error = (reference - smaller).abs().mean()
             shifted = (reference[1:] - smaller[:-1]).abs().mean()  # one frame off: what a wrong window gives
             assert error < 0.1 and error < 0.5 * shifted, (fps, position, float(error), float(shifted))
+    # The cache reads the reference at the same times: its latents equal those encoded on the fly.
+    references = []
+    for cached in (False, True):
+        config = in_context_config(make_config, root, precompute={"enabled": cached, "batch_size": 1,
+                                                                  "cache_dir": str(tmp_path / "cache")},
+                                   output_dir=str(tmp_path / f"run-{cached}"))
+        references.append(next(build_trainer(config).set_up().source.batches(0)).latents["control_latents"])
+    assert torch.allclose(references[0], references[1], atol=1e-6)
+
+
+def test_the_memory_planner_may_store_an_in_context_loras_base_smaller(make_config, shapes_dataset, tmp_path):
+    from vidtune.memory.suggest import _training_changes
+
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    changes = _training_changes(in_context_config(make_config, root))
+    assert ["memory.base_weights=nf4"] in changes  # only the adapter trains: the frozen base may be quantized
 
 
 def test_in_context_training_refuses_what_it_cannot_use(make_config, shapes_dataset, tmp_path):
@@ -221,7 +237,7 @@ def test_each_reference_brings_back_its_target_through_the_in_context_pipeline(m
     """Two (reference, target) pairs with one caption: sampled through LTX2InContextPipeline, each reference brings
     back its own target, far nearer than the untrained model's sample, and nearer than the other target."""
     root, targets, controls = control_dataset(shapes_dataset, tmp_path / "data")
-    steps = 300
+    steps = 600
     config = in_context_config(
         make_config, root, factor=2, model={"clips_without_sound": "silence", "first_frame_conditioning": 0.0},
         control={"with_audio": True},

@@ -75,10 +75,11 @@ def test_reference_tokens_are_placed_as_the_in_context_pipeline_places_them(make
     assert torch.equal(placed["video_coords"], captured["video_coords"])
 
 
-def test_step_0_is_the_base_model_and_the_reference_is_seen(make_config, shapes_dataset, tmp_path):
+def test_step_0_is_the_base_model_and_the_reference_is_seen(make_config, shapes_dataset, tmp_path, capsys):
     root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
     trainer = build_trainer(in_context_config(make_config, root, training={"batch_size": 2}))
     context = trainer.set_up()
+    assert "ltx-2: every sample trains video only, cut off from the audio stream" in capsys.readouterr().out
     batch = next(context.source.batches(0))
     inputs = noisy_inputs(context, batch)
     base = build_spec(context.config).load_denoiser(CPU)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from vidtune import outputs, parallel
+from vidtune.algorithms import traits_of
 from vidtune.attention import resolve_attention_backend, set_attention_backend
 from vidtune.batches import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.compile import compile_blocks
@@ -199,7 +200,9 @@ def open_batch_source(config: Config, spec: ModelSpec, inputs: Inputs, device: t
     """From the cache (`precompute.enabled`: missing entries are computed first, with the encoders loaded and
     released by that stage, so training never holds them), or encoded on the fly (the encoders loaded already)."""
     if spec.audio_format() is not None and parallel.is_main():
-        print(sound_line(spec.name, inputs.clips), flush=True)
+        video_only = traits_of(config).in_context and not config.control.with_audio
+        print(f"{spec.name}: every sample trains video only, cut off from the audio stream (control.with_audio: "
+              "false)." if video_only else sound_line(spec.name, inputs.clips), flush=True)
     if not config.precompute.enabled:
         return EncodedBatches(config, inputs.clips, device, spec, encoders.text, encoders.vae)
     # The held-out samples' entries too: their encoders load once, with training's (vidtune/evaluation.py).

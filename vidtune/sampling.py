@@ -39,7 +39,7 @@ from vidtune.in_context import read_reference, referenced
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel import parse_device
-from vidtune.processors import ProcessorChoice, configured_processor, control_downscale
+from vidtune.processors import ProcessorChoice, configured_processor, control_downscale, with_reference_controls
 from vidtune.schedulers import student_scheduler
 from vidtune.sheets import write_contact_sheet
 
@@ -446,7 +446,7 @@ def run_control_source(run: RunPipeline, control: Path | None) -> tuple[Path, Pr
     processor = configured_processor(run.config)  # the run computed its controls: --control is their source
     if control is None:
         try:
-            first = read_sources(data).clips[0]
+            first = with_reference_controls(run.config, read_sources(data).clips[:1])[0]
             control = first.video if processor is not None else first.control
         except (VidtuneError, OSError, IndexError):
             control = None

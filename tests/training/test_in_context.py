@@ -272,3 +272,21 @@ def test_each_reference_brings_back_its_target_through_the_in_context_pipeline(m
         print(f"in-context target {number}: relative error {own:.3f} (to the other target {other:.3f}), untrained "
               f"{untrained:.3f} ({time.perf_counter() - started:.0f} s)")
         assert own < 0.3 * untrained and own < 0.5 * other, (number, own, other, untrained)
+
+
+def test_a_reference_input_trains_like_a_control_clip(make_config, shapes_dataset, tmp_path):
+    """The per-clip inputs' `reference` (a references.txt list) is an in-context run's reference where a clip has no
+    control clip: its batches equal those of the same clips named in controls.txt."""
+    root, _, controls = control_dataset(shapes_dataset, tmp_path / "data")
+    (root / "references.txt").write_text("".join(f"{path}\n" for path in controls))
+    (root / "controls.txt").unlink()
+    by_input = {"root": None, "datasets": [{"type": "pairs", "root": str(root),
+                                            "inputs": {"reference": "references.txt"}}]}
+    references = []
+    for name, data in (("input", by_input), ("controls", None)):
+        if data is None:
+            (root / "controls.txt").write_text("".join(f"{path}\n" for path in controls))
+        config = in_context_config(make_config, root, training={"batch_size": 2}, data=data or {},
+                                   output_dir=str(tmp_path / name))
+        references.append(next(build_trainer(config).set_up().source.batches(0)).latents["control_latents"])
+    assert torch.equal(references[0], references[1])

@@ -46,6 +46,7 @@ from vidtune.parallel.choose import choose_strategy
 from vidtune.parallel.context import check_context_tokens
 from vidtune.parallel.deepspeed import check_deepspeed
 from vidtune.precompute import CachedClips, precompute
+from vidtune.processors import with_reference_controls
 from vidtune.resume import resolve_resume
 from vidtune.state import SavedState, TrainingState, read_checkpoint, restore_rng, resume_stream
 from vidtune.trackers import check_trackers, open_trackers
@@ -160,8 +161,8 @@ def check_inputs(config: Config, spec: ModelSpec, part: AlgorithmPart, device: t
     check_activation_offload(memory.activation_offload, device)
     attention_backend = resolve_attention_backend(config.model.attention_backend, device)
     check_evaluation(config)
-    clips = leave_out_silent(config, spec, load_dataset(data, progress=show_progress(config),
-                                                        required_inputs=spec.required_inputs(config)))
+    clips = leave_out_silent(config, spec, with_reference_controls(
+        config, load_dataset(data, progress=show_progress(config), required_inputs=spec.required_inputs(config))))
     spec.check_frame_settings(config, clips)
     check_context_tokens(config, spec, clips)
     training_clips, eval_clips = hold_out(clips, config)

@@ -19,7 +19,7 @@ from tests.helpers.runs import run_stopped_at
 from vidtune.algorithms.build import build_part, build_spec
 from vidtune.algorithms.losses import clip_losses, noisy_inputs
 from vidtune.data.dataset import VideoCaptionDataset
-from vidtune.data.sources import load_dataset
+from vidtune.data.sources import load_dataset, read_sources
 from vidtune.data.video import ClipWindow, read_clip, write_video
 from vidtune.errors import ConfigError, DataError
 from vidtune.in_context import FACTOR_KEY, read_reference, recorded_factor, referenced
@@ -222,6 +222,15 @@ def test_the_lora_records_its_factor_loads_in_the_in_context_pipeline_and_sample
     assert written.is_file() and written.with_suffix(".png").is_file()
     frames, height, width = TINY_SHAPES[FAMILY]
     assert read_clip(written, ClipWindow(frames, height, width)).shape == (frames, 3, height, width)
+    # Validation samples through the in-context pipeline, given the first clip's reference and the run's settings.
+    weaker = in_context_config(make_config, root, control={"attention_strength": 0.5})
+    clips = read_sources(weaker.data).clips
+    with build_part(weaker, spec).sampling(trained.pipeline, trained.vae, clips) as bound:
+        assert type(bound.pipeline).__name__ == "LTX2InContextPipeline"
+        assert bound.inputs["conditioning_attention_strength"] == 0.5
+        assert bound.inputs["reference_downscale_factor"] == 2
+        given = bound.inputs["reference_conditions"][0].frames
+        assert (len(given), given[0].size) == (frames, (width // 2, height // 2))
     # Another run's part exports a checkpoint's weights with the factor recorded too.
     part = build_part(config, spec)
     exported = part.export(load_file(run / LORA_WEIGHTS), tmp_path / "exported")

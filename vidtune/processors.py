@@ -84,6 +84,12 @@ def with_reference_controls(config: Any, clips: list[Any]) -> list[Any]:
     so both ways of giving a reference train alike. Other runs: the clips as they are."""
     if not traits_of(config).in_context:
         return clips
-    return [replace(clip, control=clip.inputs["reference"][0])
-            if clip.control is None and "reference" in clip.inputs and not is_image_path(clip.inputs["reference"][0])
-            else clip for clip in clips]
+    taken = []
+    for clip in clips:
+        if clip.control is None and "reference" in clip.inputs and not is_image_path(clip.inputs["reference"][0]):
+            # Its probe goes with it: a reference of another frame rate is read at the clip's times.
+            probes = {**clip.input_info, "control": clip.input_info["reference"]} \
+                if "reference" in clip.input_info else clip.input_info
+            clip = replace(clip, control=clip.inputs["reference"][0], input_info=probes)
+        taken.append(clip)
+    return taken

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -16,17 +15,10 @@ from vidtune.data.audio import AudioFormat, ClipAudio, as_clip_audio, decode_aud
 from vidtune.data.buckets import Shape, visit_start
 from vidtune.data.captions import visit_untriggered
 from vidtune.data.frame_store import FrameStore
-from vidtune.data.input_files import frames_tensor, input_reads, read_input
+from vidtune.data.input_files import control_window, frames_tensor, input_reads, read_input
 from vidtune.data.inputs import INPUT_KINDS
 from vidtune.data.sources import Clip
-from vidtune.data.video import (
-    ClipTooShortError,
-    ClipWindow,
-    VideoDecodeError,
-    decode_clip,
-    frames_to_tensor,
-    probe_video,
-)
+from vidtune.data.video import ClipTooShortError, ClipWindow, VideoDecodeError, decode_clip, frames_to_tensor
 from vidtune.processors import ProcessorChoice, apply_processor
 
 Key = tuple[int, int, int]  # (stream position, sample index, bucket): see vidtune.data.buckets.ScheduleSampler
@@ -62,7 +54,6 @@ class VideoCaptionDataset(Dataset):
         self.frame_rates = None if frame_rates is None else list(frame_rates)  # per sample, in `clips` order
         self.inputs = tuple(inputs)  # the input kinds read where a clip has them (vidtune/data/inputs.py)
         self.control_downscale = control_downscale  # control clips read this many times smaller (in-context)
-        self.control_rates: dict[Path, float] = {}
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -93,9 +84,8 @@ class VideoCaptionDataset(Dataset):
             source = item["video"] if scale == 1 else self.read(clip, clip.video, frames, height // scale,
                                                                  width // scale, start)
             item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), source)
-        elif clip.control is not None:
-            rate, first = control_timing(clip, start, self.fps, self.control_rate(clip.control))
-            item["control"] = self.read(clip, clip.control, frames, height // scale, width // scale, first, rate)
+        elif clip.control is not None:  # control training: the control clip at the same times, crop and size
+            item["control"] = self.read(clip, clip.control, frames, height // scale, width // scale, start)
         kinds = [kind for kind in self.inputs if kind in clip.inputs or (kind == "mask" and clip.mask_rect)]
         if kinds:  # each input with the clip's own window: the same times, crop and resize
             window = ClipWindow(frames, height, width, self.fps, start, self.resize)
@@ -114,17 +104,10 @@ class VideoCaptionDataset(Dataset):
                                    where=f"the {kind} of {clip.where}") from error
         return read if INPUT_KINDS[kind].media == "images" else read[0]
 
-    def control_rate(self, path: Path) -> float:
-        """A control clip's own frame rate (probed once per file)."""
-        if path not in self.control_rates:
-            self.control_rates[path] = probe_video(path).fps
-        return self.control_rates[path]
-
-    def read(self, clip: Clip, path: Path, frames: int, height: int, width: int, start: int,
-             fps: float | None = None) -> torch.Tensor:
-        """`frames` frames of `path` from source frame `start` at `fps` (default: `data.fps`), resized as the clips
-        are."""
-        window = ClipWindow(frames, height, width, fps if fps is not None else self.fps, start, self.resize)
+    def read(self, clip: Clip, path: Path, frames: int, height: int, width: int, start: int) -> torch.Tensor:
+        window = ClipWindow(frames, height, width, self.fps, start, self.resize)
+        if path == clip.control:  # a control clip of another frame rate: its frames at the clip's times
+            window = control_window(clip, window)
 
         def decode() -> np.ndarray:
             return decode_clip(path, window)
@@ -152,16 +135,6 @@ class VideoCaptionDataset(Dataset):
         except (VideoDecodeError, ClipTooShortError) as error:
             raise VideoDecodeError(clip.video, error.reason, where=clip.where) from error
         return as_clip_audio(decoded if decoded.size else None, frames, audio)
-
-
-def control_timing(clip: Clip, start: int, fps: float | None, control_fps: float) -> tuple[float | None, int]:
-    """(the rate, the first source frame) to read a clip's control clip at so that its frames are the clip's window's
-    times: the control's frame at the time of the clip's source frame `start`, and at a control of another rate than
-    the clip with `data.fps` unset, the clip's own rate."""
-    if clip.info is None or clip.is_image or clip.info.fps <= 0 or control_fps <= 0 or control_fps == clip.info.fps:
-        return fps, start
-    rate = fps if fps is not None else clip.info.fps
-    return rate, math.floor(start * control_fps / clip.info.fps + 0.5 + 1e-9)
 
 
 def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:

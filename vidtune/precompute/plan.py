@@ -20,7 +20,6 @@ folder by (path, size, mtime, ctime, inode), so only new or changed files are re
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,11 +32,10 @@ from vidtune.config import Config
 from vidtune.data.audio import AudioFormat, ClipAudio, read_audio
 from vidtune.data.buckets import window_starts
 from vidtune.data.captions import preservation_caption, shuffle_variants
-from vidtune.data.dataset import control_timing
-from vidtune.data.input_files import InputRead, frames_tensor, input_reads
+from vidtune.data.input_files import InputRead, control_window, frames_tensor, input_reads
 from vidtune.data.inputs import INPUT_KINDS
 from vidtune.data.sources import Clip
-from vidtune.data.video import ClipWindow, probe_video, read_clip
+from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
 from vidtune.precompute.cache import CacheStore, Fingerprints, entry_key
@@ -285,7 +283,6 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
     data, shapes = config.data, config.data.bucket_shapes()
     processor = configured_processor(config)
     downscale = control_downscale(config)
-    control_rate = functools.cache(lambda path: probe_video(path).fps)  # a control clip's own frame rate
     audio_format = spec.audio_format()
     input_kinds = spec.input_kinds(config)
 
@@ -328,10 +325,10 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
                 # The clip's sound and rate go with its own latents; control clips give only their video latents.
                 audio, clip_rate = (clip_audio, rate) if number == 0 else (None, None)
                 scale = 1 if number == 0 else downscale  # in-context: control clips read smaller, framed alike
-                read_rate, first = data.fps, start
-                if number > 0 and processed is None:  # a control clip, read at the clip's window's times
-                    read_rate, first = control_timing(clip, start, data.fps, control_rate(path))
-                preprocess = Preprocess(frames, height // scale, width // scale, read_rate, data.resize, first,
+                window = ClipWindow(frames, height // scale, width // scale, data.fps, start, data.resize)
+                if number and path == clip.control:  # a control clip of another frame rate: read at the clip's times
+                    window = control_window(clip, window)
+                preprocess = Preprocess(frames, window.height, window.width, window.fps, data.resize, window.start,
                                         processed, audio, clip_rate)
                 key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": content_hash})
                 windows.append(key)

@@ -26,7 +26,7 @@ from vidtune.in_context import FACTOR_KEY, read_reference, recorded_factor, refe
 from vidtune.models.in_context import append_reference
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.outputs import LORA_WEIGHTS, comfyui_lora_weights
-from vidtune.processors import control_downscale
+from vidtune.processors import control_downscale, with_reference_controls
 from vidtune.sampling import load_pipeline, sample_run
 from vidtune.trainers import build_trainer
 
@@ -167,6 +167,23 @@ def test_a_reference_of_another_size_and_frame_rate_is_windowed_like_its_clip(ma
             error = (reference - smaller).abs().mean()
             shifted = (reference[1:] - smaller[:-1]).abs().mean()  # one frame off: what a wrong window gives
             assert error < 0.1 and error < 0.5 * shifted, (fps, position, float(error), float(shifted))
+    # Given as the clip's `reference` input instead, the reference is read at the same times.
+    (root / "references.txt").write_text("reference.mp4\n")
+    by_input = in_context_config(make_config, root, data={
+        "fps": None, "frame_sampling": "random", "root": None,
+        "datasets": [{"type": "pairs", "root": str(root), "controls": "none.txt",
+                      "inputs": {"reference": "references.txt"}}]})
+    (root / "controls.txt").rename(root / "controls.txt.off")
+    clips = with_reference_controls(by_input, load_dataset(by_input.data, progress=False))
+    (root / "controls.txt.off").rename(root / "controls.txt")
+    assert clips[0].control == root / "reference.mp4"
+    listed = VideoCaptionDataset(load_dataset(by_input.data.model_copy(update={"datasets": None, "root": str(root)}),
+                                              progress=False), config.data.bucket_shapes(), frame_sampling="random",
+                                 seed=3, control_downscale=2)
+    given = VideoCaptionDataset(clips, config.data.bucket_shapes(), frame_sampling="random", seed=3,
+                                control_downscale=2)
+    for position in range(3):
+        assert torch.equal(given[(position, 0, 0)]["control"], listed[(position, 0, 0)]["control"])
     # The cache reads the reference at the same times: its latents equal those encoded on the fly.
     references = []
     for cached in (False, True):

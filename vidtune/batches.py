@@ -48,7 +48,7 @@ from vidtune.precompute import (
     encode_videos,
     stack_items,
 )
-from vidtune.processors import configured_processor
+from vidtune.processors import configured_processor, control_downscale
 
 T = TypeVar("T")
 
@@ -164,7 +164,7 @@ class EncodedBatches(BatchSource):
         dataset = VideoCaptionDataset(self.clips, data.bucket_shapes(), data.fps, data.resize, data.frame_sampling,
                                       self.config.training.seed, configured_processor(self.config), self.store,
                                       self.spec.audio_format(), rates if any(r is not None for r in rates) else None,
-                                      self.spec.input_kinds(self.config))
+                                      self.spec.input_kinds(self.config), control_downscale(self.config))
         return DataLoader(
             dataset,
             batch_sampler=sampler,

@@ -9,12 +9,14 @@ is a function here, its name in `PROCESSORS` and in the `control.processor` choi
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from vidtune.algorithms import traits_of
+from vidtune.data.video import is_image_path
 from vidtune.errors import ConfigError
 
 Processor = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
@@ -68,3 +70,26 @@ def processor_identity(name: str, options: dict[str, Any]) -> dict[str, Any]:
 
 def apply_processor(name: str, options: dict[str, Any], video: torch.Tensor) -> torch.Tensor:
     return PROCESSORS[name](video, options)
+
+
+def control_downscale(config: Any) -> int:
+    """How many times smaller than its clip a control clip is read (the same frames and framing): in-context
+    training's `control.reference_downscale_factor`, else 1."""
+    return config.control.reference_downscale_factor if traits_of(config).in_context else 1
+
+
+def with_reference_controls(config: Any, clips: list[Any]) -> list[Any]:
+    """In-context training: a clip without a control clip whose `reference` input (the per-clip inputs: a
+    `references.txt` list, `<stem>.reference.mp4` beside it, a column) names a video takes it as its control clip,
+    so both ways of giving a reference train alike. Other runs: the clips as they are."""
+    if not traits_of(config).in_context:
+        return clips
+    taken = []
+    for clip in clips:
+        if clip.control is None and "reference" in clip.inputs and not is_image_path(clip.inputs["reference"][0]):
+            # Its probe goes with it: a reference of another frame rate is read at the clip's times.
+            probes = {**clip.input_info, "control": clip.input_info["reference"]} \
+                if "reference" in clip.input_info else clip.input_info
+            clip = replace(clip, control=clip.inputs["reference"][0], input_info=probes)
+        taken.append(clip)
+    return taken

@@ -36,11 +36,12 @@ from vidtune.data.video import ClipWindow, frames_to_uint8, read_clip, write_vid
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.given_frames import given_from_files
+from vidtune.in_context import read_reference, referenced
 from vidtune.models.conditioning import Given
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel import parse_device
-from vidtune.processors import configured_processor
+from vidtune.processors import ProcessorChoice, configured_processor, control_downscale, with_reference_controls
 from vidtune.schedulers import student_scheduler
 from vidtune.sheets import write_contact_sheet
 
@@ -356,6 +357,8 @@ def load_pipeline(run_dir: str | os.PathLike[str], device: str | torch.device = 
                            "--guidance sets the classifier-free guidance scale.")
     vae = spec.load_vae(device)
     pipeline = spec.pipeline(spec.load_text(device), vae, denoiser)
+    if traits_of(config).in_context:  # sampled with reference clips: the adapter loads into the in-context pipeline
+        pipeline = spec.in_context_pipeline(pipeline)
     if traits_of(config).learns_sampling_steps:  # the sigmas the student learnt (vidtune/schedulers.py)
         pipeline.scheduler = student_scheduler(pipeline.scheduler, config.distillation.sigma_shift)
     if adapter:
@@ -418,26 +421,43 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
         print(f"Starting from the first frame of {clips[0].video} (the run's first clip; --image to choose).",
               flush=True)
     controlled = contextlib.nullcontext()
-    if control is not None and run.control is None:
+    in_context = traits_of(config).in_context
+    if control is not None and run.control is None and not in_context:
         raise VidtuneError(f"--control: {run.weights} was not trained with control clips (training.algorithm "
                            f"{config.training.algorithm}).\nWhat to do: leave out --control, or sample a run of "
-                           "control-lora or control-full.")
+                           "control-lora, control-full or in-context-lora.")
     if run.control is not None:
         controlled = run.control.given(run_control_latents(run, settings, control))
-    run.pipeline.set_progress_bar_config(disable=not progress, desc="denoising", dynamic_ncols=True)
+    pipeline = run.pipeline
+    if in_context:  # the reference clip read as training read it, given to every call of the in-context pipeline
+        factor = control_downscale(config)
+        source, processor = run_control_source(run, control)
+        clip = read_reference(source, settings.frames, settings.height, settings.width, factor, fps=config.data.fps,
+                              resize=config.data.resize, processor=processor)
+        pipeline = referenced(spec, run.pipeline, clip, factor, config.control.attention_strength)
+    pipeline.set_progress_bar_config(disable=not progress, desc="denoising", dynamic_ncols=True)
     output.parent.mkdir(parents=True, exist_ok=True)
     with controlled:
-        return render_sample(spec, run.pipeline, prompt, settings, settings.seed, output, reference=reference,
+        return render_sample(spec, pipeline, prompt, settings, settings.seed, output, reference=reference,
                              bf16=run.bf16, latents_path=latents, given=given)
 
 
 def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:
     """The latents of the control clip a control run samples from: `control`, or the run's first clip's."""
+    control, processor = run_control_source(run, control)
+    data = run.config.data
+    return encode_control(run.spec, run.vae, Path(control), settings.frames, settings.height, settings.width,
+                          fps=data.fps, resize=data.resize, processor=processor)
+
+
+def run_control_source(run: RunPipeline, control: Path | None) -> tuple[Path, ProcessorChoice | None]:
+    """(the clip a control run's sample follows: `control`, or the run's first clip's control clip; the processor
+    that computes the control from it, when the run computed its controls)."""
     data = run.config.data
     processor = configured_processor(run.config)  # the run computed its controls: --control is their source
     if control is None:
         try:
-            first = read_sources(data).clips[0]
+            first = with_reference_controls(run.config, read_sources(data).clips[:1])[0]
             control = first.video if processor is not None else first.control
         except (VidtuneError, OSError, IndexError):
             control = None
@@ -448,8 +468,7 @@ def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Pat
         print(f"Following the control clip {control} (the run's first clip's; --control to choose).", flush=True)
     elif not Path(control).is_file():
         raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
-    return encode_control(run.spec, run.vae, Path(control), settings.frames, settings.height, settings.width,
-                          fps=data.fps, resize=data.resize, processor=processor)
+    return Path(control), processor
 
 
 def next_sample_path(run_dir: Path) -> Path:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from vidtune.algorithms import algorithm_traits
 from vidtune.algorithms.losses import apply_caption_dropout
 from vidtune.batches import CachedBatches, EncodedBatches
 from vidtune.config import TrainingConfig
@@ -247,8 +248,10 @@ ALGORITHMS = typing.get_args(TrainingConfig.model_fields["algorithm"].annotation
 def test_every_algorithm_trains_from_the_cache_with_default_settings(config_for, tmp_path, algorithm):
     """Each algorithm with its defaults (caption dropout off, the empty negative prompt), from the cache: the
     plan holds every prompt the trainer reads (guidance distillation's teacher's negative prompt included)."""
-    control = {"processor": "canny"} if algorithm.startswith("control") else {}  # the control clips: the data's
-    config = config_for(training={"algorithm": algorithm, "steps": 1}, control=control,
+    traits = algorithm_traits(algorithm)
+    control = {"processor": "canny"} if traits.control else {}  # the control clips: the data's
+    family = {"family": "ltx-2"} if traits.in_context else {}  # the family that trains in context
+    config = config_for(training={"algorithm": algorithm, "steps": 1}, control=control, **family,
                         output_dir=str(tmp_path / algorithm))
     result = build_trainer(config).run()
     assert len(result.losses) == 1 and all(np.isfinite(result.losses))

@@ -23,6 +23,9 @@ class AlgorithmTraits:
     name: str
     trains_base_weights: bool  # the denoiser's own weights train (full fine-tuning, a full student)
     control: bool = False  # the denoiser also sees a control clip (a widened input layer that trains fully)
+    # The control clip's latent tokens join the denoiser's sequence, clean, instead of widening its input (LTX-2's
+    # in-context LoRA): nothing but the adapter trains, and the result is a plain LoRA file.
+    in_context: bool = False
     # A student learns from the frozen model's outputs rather than from the data (distillation).
     distils: bool = False
     chooses_student: bool = False  # `distillation.student` picks what trains (LoRA or the whole denoiser)
@@ -63,6 +66,7 @@ _TRAITS = {
     "full": AlgorithmTraits("full", trains_base_weights=True),
     "control-lora": AlgorithmTraits("control-lora", trains_base_weights=False, control=True),
     "control-full": AlgorithmTraits("control-full", trains_base_weights=True, control=True),
+    "in-context-lora": AlgorithmTraits("in-context-lora", trains_base_weights=False, control=True, in_context=True),
     "guidance-distillation": AlgorithmTraits("guidance-distillation", trains_base_weights=False, distils=True,
                                              chooses_student=True, teacher_guidance=True),
     "step-distillation": AlgorithmTraits("step-distillation", trains_base_weights=False, distils=True,

@@ -8,6 +8,7 @@ from vidtune.algorithms import traits_of
 from vidtune.algorithms.control import ControlPart
 from vidtune.algorithms.distillation import GuidanceDistillationPart, StepDistillationPart
 from vidtune.algorithms.full import FullPart
+from vidtune.algorithms.in_context import InContextPart
 from vidtune.algorithms.lora import LoRAPart
 from vidtune.algorithms.part import AlgorithmPart
 from vidtune.models.registry import get_spec_class
@@ -21,6 +22,8 @@ def build_part(config: Config, spec: ModelSpec) -> AlgorithmPart:
     """The part that trains and saves what `training.algorithm` (and `distillation.student`) names."""
     traits = traits_of(config)
     part: AlgorithmPart = FullPart(config, spec) if traits.trains_base_weights else LoRAPart(config, spec)
+    if traits.in_context:  # a LoRA whose samples carry reference tokens: nothing wraps it
+        return InContextPart(config, spec)
     if traits.control:
         part = ControlPart(part)
     if traits.teacher_guidance:

@@ -36,11 +36,34 @@ from vidtune.processors import configured_processor, opencv
 from vidtune.sampling import SampleSettings
 
 if TYPE_CHECKING:
+    from vidtune.config import Config
     from vidtune.data.sources import Clip
     from vidtune.objectives import Objective
 
 # How a checkpoint of `control-lora` names the widened layer's weights beside the adapter's.
 CONTROL_PREFIX = "control_input."
+
+
+def check_control_clips(config: Config, algorithm: str, clips: Sequence[Clip]) -> None:
+    """Every sample has a control clip, or `control.processor` computes them (and no clip names one)."""
+    processor = configured_processor(config)
+    if processor is not None:
+        opencv()  # a missing library fails here, before any long work
+        listed = [clip for clip in clips if clip.control is not None]
+        if listed:
+            raise ConfigError(f"control.processor: {processor[0]} computes the control clips, but the dataset "
+                              f"also names control clips ({listed[0].where} and {len(listed) - 1} more).\n"
+                              "What to do: remove the control list (controls.txt, control_column) or unset "
+                              "control.processor.")
+        return
+    missing = [clip for clip in clips if clip.control is None]
+    if missing:
+        raise DataError(
+            [f"{clip.where} ({clip.video.name}) has no control clip." for clip in missing],
+            hint=f"{algorithm} needs a control clip for every sample: a `controls.txt` beside `videos.txt` (one "
+            "control clip a line, in the same order), or `control_column` in a metadata dataset (see "
+            "docs/algorithms.md).",
+        )
 
 
 class ControlPart(Wrapping):
@@ -68,24 +91,7 @@ class ControlPart(Wrapping):
     def check(self, clips: Sequence[Clip], objective: Objective, resuming: bool) -> None:
         """Every sample has a control clip (or `control.processor` computes them), before anything long."""
         self.inner.check(clips, objective, resuming)
-        processor = configured_processor(self.config)
-        if processor is not None:
-            opencv()  # a missing library fails here, before any long work
-            listed = [clip for clip in clips if clip.control is not None]
-            if listed:
-                raise ConfigError(f"control.processor: {processor[0]} computes the control clips, but the dataset "
-                                  f"also names control clips ({listed[0].where} and {len(listed) - 1} more).\n"
-                                  "What to do: remove the control list (controls.txt, control_column) or unset "
-                                  "control.processor.")
-            return
-        missing = [clip for clip in clips if clip.control is None]
-        if missing:
-            raise DataError(
-                [f"{clip.where} ({clip.video.name}) has no control clip." for clip in missing],
-                hint=f"{self.traits.name} needs a control clip for every sample: a `controls.txt` beside "
-                "`videos.txt` (one control clip a line, in the same order), or `control_column` in a metadata "
-                "dataset (see docs/algorithms.md).",
-            )
+        check_control_clips(self.config, self.traits.name, clips)
 
     def configure(self, denoiser: nn.Module, resuming: bool = False) -> list[nn.Parameter]:
         # Widened first, so `full.*` patterns and the state dicts see the layer under its own name.

@@ -180,13 +180,19 @@ def apply_caption_dropout(context: LossContext, conditions: Conditions, drop: to
 def clip_losses(context: LossContext, inputs: NoisyInputs, denoiser: nn.Module | None = None) -> torch.Tensor:
     """Each clip's weighted error [B] for these inputs: what training sums, and what the held-out score averages
     (`denoiser`: the module to call; default the one training calls). With a control input (`control`), the control
-    latents among the inputs' video-derived conditions are appended to the denoiser's input."""
+    latents among the inputs' video-derived conditions are appended to the denoiser's input (`in_context`: to its
+    sequence, as reference tokens)."""
     if denoiser is None:
         denoiser = context.trained_denoiser
-    control = (context.part.control_given(inputs.conditions[CONTROL_LATENTS]) if context.part.traits.control
-               else contextlib.nullcontext())
+    traits, conditions = context.part.traits, inputs.conditions
+    control = contextlib.nullcontext()
+    if traits.in_context:  # the control latents join the sequence as the family places reference tokens
+        conditions = context.spec.in_context_conditions(conditions, conditions[CONTROL_LATENTS],
+                                                        context.config.control.with_audio)
+    elif traits.control:
+        control = context.part.control_given(conditions[CONTROL_LATENTS])
     with control, torch.autocast(context.device.type, dtype=torch.bfloat16, enabled=context.bf16):
-        per_clip = context.spec.training_error(denoiser, inputs.conditions, inputs.noisy.to(context.denoiser.dtype),
+        per_clip = context.spec.training_error(denoiser, conditions, inputs.noisy.to(context.denoiser.dtype),
                                                inputs.timesteps, inputs.target)
     return per_clip * context.objective.loss_weights(inputs.levels).to(per_clip.device)
 

@@ -274,7 +274,7 @@ class PairsSource(_SourceBase):
     videos: str = Field("videos.txt", description="File with one clip or image path a line (relative to root).")
     prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
     controls: str = Field("controls.txt", description="Control training: file with one control clip path a line, "
-                          "same order (read only by `control-*` algorithms).")
+                          "same order (read only by `control-*` algorithms and in-context-lora).")
     inputs: dict[str, str] = Field(
         default_factory=dict, description="Per-clip inputs, kind -> a list file beside the clip list (line n: the "
         f"input of the clip on line n; an empty line: none; images separated by `|`). Kinds: {', '.join(INPUT_KINDS)} "
@@ -423,11 +423,13 @@ class PreserveBaseConfig(Section):
 
 
 class TrainingConfig(Section):
-    algorithm: Literal["lora", "full", "control-lora", "control-full", "guidance-distillation",
+    algorithm: Literal["lora", "full", "control-lora", "control-full", "in-context-lora", "guidance-distillation",
                        "step-distillation"] = Field(
         "lora", description="`lora`: train adapters, save them; `full`: train the denoiser's own weights (see `full`); "
         "`control-lora` / `control-full`: also take a control clip per sample, concatenated to the latents "
-        "(see `control`); `guidance-distillation` / `step-distillation`: distil the frozen model into a student "
+        "(see `control`); `in-context-lora`: a LoRA that reads each sample's control clip as clean tokens beside the "
+        "video's (LTX-2's IC-LoRA, see `control`); `guidance-distillation` / `step-distillation`: distil the frozen "
+        "model into a student "
         "(see `distillation`)."
     )
     steps: int = Field(1000, gt=0, description="Optimizer steps.")
@@ -719,6 +721,20 @@ class ControlConfig(Section):
     )
     canny_low: float = Field(100.0, ge=0, description="`canny`: the lower hysteresis threshold (0-255 grey).")
     canny_high: float = Field(200.0, ge=0, description="`canny`: the upper hysteresis threshold (0-255 grey).")
+    reference_downscale_factor: int = Field(
+        1, ge=1, description="in-context-lora: the control clip is read at 1/N of the clip's height and width (the "
+        "same frames and framing), N times fewer reference tokens; its positions are scaled back onto the clip's. "
+        "Written into the LoRA's metadata and passed to LTX2InContextPipeline when sampling."
+    )
+    with_audio: bool = Field(
+        False, description="in-context-lora: also train the audio stream on clips with sound. false (ltx-trainer's "
+        "IC-LoRA default): every sample trains video only, cut off from the audio stream."
+    )
+    attention_strength: float = Field(
+        1.0, ge=0.0, le=1.0, description="in-context-lora sampling: how strongly the generated video and the "
+        "reference tokens attend to each other (LTX2InContextPipeline's `conditioning_attention_strength`); "
+        "training always attends fully."
+    )
 
 
 class MemoryConfig(Section):
@@ -958,7 +974,8 @@ class Config(Section):
     )
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Memory savers.")
     control: ControlConfig = Field(
-        default_factory=ControlConfig, description="Control training (training.algorithm=control-lora/control-full)."
+        default_factory=ControlConfig,
+        description="Control training (training.algorithm=control-lora/control-full/in-context-lora)."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Progress bars and metrics.")
     parallel: ParallelConfig = Field(

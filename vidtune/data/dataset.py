@@ -41,7 +41,7 @@ class VideoCaptionDataset(Dataset):
                  resize: str = "crop", frame_sampling: str = "start", seed: int = 0,
                  processor: ProcessorChoice | None = None, store: FrameStore | None = None,
                  audio: AudioFormat | None = None, frame_rates: Sequence[float | None] | None = None,
-                 inputs: Sequence[str] = ()) -> None:
+                 inputs: Sequence[str] = (), control_downscale: int = 1) -> None:
         self.clips = list(clips)
         self.shapes = list(shapes)
         self.fps = fps
@@ -53,6 +53,7 @@ class VideoCaptionDataset(Dataset):
         self.audio = audio  # the sound's format, for a family that trains on it (None: no sound decoded)
         self.frame_rates = None if frame_rates is None else list(frame_rates)  # per sample, in `clips` order
         self.inputs = tuple(inputs)  # the input kinds read where a clip has them (vidtune/data/inputs.py)
+        self.control_downscale = control_downscale  # control clips read this many times smaller (in-context)
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -76,10 +77,15 @@ class VideoCaptionDataset(Dataset):
             audio = None if audio is None else replace(audio, frame_rate=rate)
         if audio is not None:
             item["audio"], item["audio_present"] = self.read_audio(clip, frames, start, audio)
+        # Control training: the same window of the control clip (or of the clip, processed), at the clip's size over
+        # `control_downscale`, framed alike.
+        scale = self.control_downscale
         if self.processor is not None:
-            item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), item["video"])
+            source = item["video"] if scale == 1 else self.read(clip, clip.video, frames, height // scale,
+                                                                 width // scale, start)
+            item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), source)
         elif clip.control is not None:  # control training: the control clip at the same times, crop and size
-            item["control"] = self.read(clip, clip.control, frames, height, width, start)
+            item["control"] = self.read(clip, clip.control, frames, height // scale, width // scale, start)
         kinds = [kind for kind in self.inputs if kind in clip.inputs or (kind == "mask" and clip.mask_rect)]
         if kinds:  # each input with the clip's own window: the same times, crop and resize
             window = ClipWindow(frames, height, width, self.fps, start, self.resize)

@@ -154,9 +154,9 @@ def _precompute_overrides(config: Config, budget: float, world_size: int) -> lis
 
 def _adapter_only(config: Config) -> bool:
     """Whether only an adapter trains, so the frozen base may be stored smaller or swapped (a control algorithm's
-    widened input layer trains fully beside its adapter: left to the user's settings)."""
+    widened input layer trains fully beside its adapter: left to the user's settings; an in-context LoRA has none)."""
     traits = traits_of(config)
-    return traits.trains_adapter and not traits.control
+    return traits.trains_adapter and (not traits.control or traits.in_context)
 
 
 def _training_changes(config: Config) -> list[list[str]]:

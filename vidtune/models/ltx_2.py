@@ -40,13 +40,14 @@ from diffusers import (
     AutoencoderKLLTX2Video,
     FlowMatchEulerDiscreteScheduler,
     LTX2ImageToVideoPipeline,
+    LTX2InContextPipeline,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
 from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import (
     LATENT_DOWNSAMPLE_FACTOR as AUDIO_LATENT_DOWNSAMPLING,
 )
-from diffusers.pipelines.ltx2 import LTX2TextConnectors
+from diffusers.pipelines.ltx2 import LTX2ReferenceCondition, LTX2TextConnectors
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from torch import nn
 from transformers import AutoTokenizer, Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
@@ -55,7 +56,7 @@ from vidtune.data.audio import AudioBatch, AudioFormat, log_mel_spectrogram
 from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
-from vidtune.models import first_frame
+from vidtune.models import first_frame, in_context
 from vidtune.models.defaults import LTX_2
 from vidtune.models.ltx_video import vae_downsampling_steps
 from vidtune.models.spec import (
@@ -66,6 +67,7 @@ from vidtune.models.spec import (
     TextComponents,
     VAEWithExtras,
     frame_count_problem,
+    frames_to_pil,
     raise_shape_problems,
     shape_rule,
     side_problems,
@@ -86,6 +88,10 @@ AUDIO_PRESENT = "audio_present"
 # `stream_noise`'s keys: each clip's audio sigma [B] and audio noise [B, L, C * mel], drawn apart from the video's.
 AUDIO_SIGMAS = "audio_sigmas"
 AUDIO_NOISE = "audio_noise"
+# In-context training's keys: each sample's reference latents [B, C, F, H', W'] (placed beside the noisy tokens), and
+# [B] set where every sample trains its video cut off from the audio stream (`control.with_audio: false`).
+REFERENCE_LATENTS = "reference_latents"
+VIDEO_ONLY = "video_only"
 # LTX-2's audio processing (its audio encoder's settings; diffusers' audio VAE config does not hold them): the STFT
 # window, and the log-mel floor (log(clamp(mel, 1e-5))): silence is this value in every bin.
 N_FFT = 1024
@@ -172,6 +178,7 @@ class LTX2Spec(ModelSpec):
     loads_single_file = True  # Lightricks' ltx-2-*.safetensors (the whole model: only its transformer is read)
     scheduler_class = FlowMatchEulerDiscreteScheduler
     pipeline_class = LTX2Pipeline
+    in_context_pipeline_class = LTX2InContextPipeline  # in-context-lora samples with it
 
     @classmethod
     def context_parallel_plan(cls) -> dict[str, Any] | str:
@@ -454,6 +461,11 @@ class LTX2Spec(ModelSpec):
         rates = self.frame_rates(conditions, batch)
         # One rate: a float, as the pipelines pass it; several: [B, 1, 1], dividing each sample's time coordinates.
         fps = float(rates[0]) if bool((rates == rates[0]).all()) else rates.float().to(tokens.device).view(-1, 1, 1)
+        target_tokens, placed = tokens.shape[1], {}
+        if REFERENCE_LATENTS in conditions:  # in-context: the reference's clean tokens after the video's
+            tokens, video_timesteps, placed = in_context.append_reference(
+                denoiser, tokens, video_timesteps, conditions[REFERENCE_LATENTS].to(tokens), (frames, height, width),
+                fps)
         video_prediction, audio_prediction = denoiser(
             hidden_states=tokens,
             audio_hidden_states=noisy_audio.to(noisy_latents.dtype),
@@ -473,9 +485,10 @@ class LTX2Spec(ModelSpec):
             isolate_modalities=isolated,
             use_cross_timestep=True,  # LTX2Pipeline's default
             return_dict=False,
+            **placed,
         )
-        video_prediction = LTX2Pipeline._unpack_latents(video_prediction, frames // patch_t, height // patch,
-                                                        width // patch, patch, patch_t)
+        video_prediction = LTX2Pipeline._unpack_latents(video_prediction[:, :target_tokens], frames // patch_t,
+                                                        height // patch, width // patch, patch, patch_t)
         return video_prediction, audio_prediction, flow_matching_target(clean_audio, audio_noise)
 
     def predict(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
@@ -483,6 +496,8 @@ class LTX2Spec(ModelSpec):
         """`joint_forward` with the clips with sound joint and those without kept from the audio stream (isolated,
         or gated by `cross_modal_gate` where a micro-batch holds both)."""
         heard = self.heard(conditions, noisy_latents.shape[0])
+        if VIDEO_ONLY in conditions:  # in-context training without `control.with_audio`: video alone
+            return self.joint_forward(denoiser, conditions, noisy_latents, timesteps, isolated=True)
         if self.config.clips_without_sound == "silence":  # every clip beside the audio stream (silence where none)
             return self.joint_forward(denoiser, conditions, noisy_latents, timesteps)
         if bool(heard.all()) or not bool(heard.any()):
@@ -513,6 +528,28 @@ class LTX2Spec(ModelSpec):
     def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """A first frame given clean (first-frame conditioning) is not predicted: it stays out of the loss."""
         return first_frame.per_clip_error(squared_error, conditions)
+
+    def in_context_conditions(self, conditions: Conditions, reference: torch.Tensor, with_audio: bool) -> Conditions:
+        """The reference latents beside the conditions (`joint_forward` places their tokens as
+        LTX2InContextPipeline does); without `with_audio` no sample hears its sound nor adds an audio error, as
+        ltx-trainer's IC-LoRA trains video only by default."""
+        conditions = {**conditions, REFERENCE_LATENTS: reference}
+        if with_audio:
+            return conditions
+        silent = torch.zeros(reference.shape[0], 1, dtype=torch.bool, device=reference.device)
+        return {**conditions, AUDIO_PRESENT: silent, VIDEO_ONLY: ~silent.flatten()}
+
+    def in_context_pipeline(self, pipeline: Any) -> LTX2InContextPipeline:
+        """LTX2InContextPipeline over the same components as `pipeline` (LTX2Pipeline's)."""
+        return in_context.pipeline_like(LTX2InContextPipeline, pipeline)
+
+    def reference_inputs(self, reference: torch.Tensor, downscale_factor: int, attention_strength: float
+                         ) -> dict[str, Any]:
+        """LTX2InContextPipeline's arguments for a reference clip [F, 3, H', W'] in [-1, 1], already at the clip's
+        size over `downscale_factor` (so the pipeline's own resize keeps it as training read it)."""
+        return {"reference_conditions": [LTX2ReferenceCondition(frames=frames_to_pil(reference), strength=1.0)],
+                "reference_downscale_factor": downscale_factor,
+                "conditioning_attention_strength": attention_strength}
 
     def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
         """Packed like the video latents, channels on the last dimension (as LTX-Video)."""
@@ -599,6 +636,9 @@ class LTX2ImageToVideoSpec(LTX2Spec):
     name = "ltx-2-i2v"
     image_to_video = True
     pipeline_class = LTX2ImageToVideoPipeline
+    # LTX2InContextPipeline takes a first frame as a condition of its own: in-context runs use ltx-2, whose
+    # `model.first_frame_conditioning` gives a share of samples their first frame beside the reference.
+    in_context_pipeline_class = None
     first_frame_conditioning = 0.5  # ltx-trainer configs/i2v_lora.yaml: first_frame `probability: 0.5`
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:

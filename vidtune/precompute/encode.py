@@ -45,6 +45,7 @@ from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import FRAME_RATE, POSTERIOR_KEYS, ModelSpec, TextComponents, draw_latent
 from vidtune.precompute.cache import CacheStore, CorruptEntryError
 from vidtune.precompute.plan import CachePlan, Preprocess, build_plan, cache_root
+from vidtune.processors import with_reference_controls
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +275,8 @@ def load_clips(config: Config, spec: ModelSpec, progress: bool = True) -> list[C
     data = config.data
     spec.check_source()
     check_bucket_shapes(spec, data.bucket_shapes(), single=not data.buckets)
-    return load_dataset(data, progress=progress, required_inputs=spec.required_inputs(config))
+    return with_reference_controls(config, load_dataset(data, progress=progress,
+                                                        required_inputs=spec.required_inputs(config)))
 
 
 def _check_existing(cache: CacheStore, kind: str, keys: list[str]) -> tuple[list[str], int, int]:

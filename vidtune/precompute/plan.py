@@ -39,7 +39,7 @@ from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
 from vidtune.models.spec import ModelSpec
 from vidtune.precompute.cache import CacheStore, Fingerprints, entry_key
-from vidtune.processors import apply_processor, configured_processor, processor_identity
+from vidtune.processors import apply_processor, configured_processor, control_downscale, processor_identity
 
 # Bump when `read_clip` changes what it returns for the same arguments.
 PREPROCESS_VERSION = 2
@@ -282,6 +282,7 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         latent_parts["vae_tiling"] = True
     data, shapes = config.data, config.data.bucket_shapes()
     processor = configured_processor(config)
+    downscale = control_downscale(config)
     audio_format = spec.audio_format()
     input_kinds = spec.input_kinds(config)
 
@@ -323,11 +324,12 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
             for number, ((path, content_hash, processed), windows) in enumerate(zip(sources, keys, strict=True)):
                 # The clip's sound and rate go with its own latents; control clips give only their video latents.
                 audio, clip_rate = (clip_audio, rate) if number == 0 else (None, None)
-                window = ClipWindow(frames, height, width, data.fps, start, data.resize)
+                scale = 1 if number == 0 else downscale  # in-context: control clips read smaller, framed alike
+                window = ClipWindow(frames, height // scale, width // scale, data.fps, start, data.resize)
                 if number and path == clip.control:  # a control clip of another frame rate: read at the clip's times
                     window = control_window(clip, window)
-                preprocess = Preprocess(frames, height, width, window.fps, data.resize, window.start, processed, audio,
-                                        clip_rate)
+                preprocess = Preprocess(frames, window.height, window.width, window.fps, data.resize, window.start,
+                                        processed, audio, clip_rate)
                 key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": content_hash})
                 windows.append(key)
                 plan.latents.setdefault(key, path)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from vidtune import outputs, parallel
+from vidtune.algorithms import traits_of
 from vidtune.attention import resolve_attention_backend, set_attention_backend
 from vidtune.batches import Batch, BatchSource, CachedBatches, EncodedBatches
 from vidtune.compile import compile_blocks
@@ -45,6 +46,7 @@ from vidtune.parallel.choose import choose_strategy
 from vidtune.parallel.context import check_context_tokens
 from vidtune.parallel.deepspeed import check_deepspeed
 from vidtune.precompute import CachedClips, precompute
+from vidtune.processors import with_reference_controls
 from vidtune.resume import resolve_resume
 from vidtune.state import SavedState, TrainingState, read_checkpoint, restore_rng, resume_stream
 from vidtune.trackers import check_trackers, open_trackers
@@ -159,8 +161,8 @@ def check_inputs(config: Config, spec: ModelSpec, part: AlgorithmPart, device: t
     check_activation_offload(memory.activation_offload, device)
     attention_backend = resolve_attention_backend(config.model.attention_backend, device)
     check_evaluation(config)
-    clips = leave_out_silent(config, spec, load_dataset(data, progress=show_progress(config),
-                                                        required_inputs=spec.required_inputs(config)))
+    clips = leave_out_silent(config, spec, with_reference_controls(
+        config, load_dataset(data, progress=show_progress(config), required_inputs=spec.required_inputs(config))))
     spec.check_frame_settings(config, clips)
     check_context_tokens(config, spec, clips)
     training_clips, eval_clips = hold_out(clips, config)
@@ -200,7 +202,9 @@ def open_batch_source(config: Config, spec: ModelSpec, inputs: Inputs, device: t
     """From the cache (`precompute.enabled`: missing entries are computed first, with the encoders loaded and
     released by that stage, so training never holds them), or encoded on the fly (the encoders loaded already)."""
     if spec.audio_format() is not None and parallel.is_main():
-        print(sound_line(spec.name, inputs.clips), flush=True)
+        video_only = traits_of(config).in_context and not config.control.with_audio
+        print(f"{spec.name}: every sample trains video only, cut off from the audio stream (control.with_audio: "
+              "false)." if video_only else sound_line(spec.name, inputs.clips), flush=True)
     if not config.precompute.enabled:
         return EncodedBatches(config, inputs.clips, device, spec, encoders.text, encoders.vae)
     # The held-out samples' entries too: their encoders load once, with training's (vidtune/evaluation.py).

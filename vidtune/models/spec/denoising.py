@@ -31,6 +31,9 @@ class Denoising(Loading):
     # position, each one's channels together), not outermost: the control's channels then arrive among each
     # position's, and the widened layer's inputs are put back in its order (base inputs, then the control's).
     control_channels_innermost: ClassVar[bool] = False
+    # In-context training (`training.algorithm: in-context-lora`): the family's pipeline that samples with reference
+    # clips whose tokens join the sequence (LTX2InContextPipeline); None: the family cannot train in context.
+    in_context_pipeline_class: ClassVar[type | None] = None
     # The denoiser's transformer blocks, in forward order: the attribute names of its block lists
     # (`memory.blocks_to_swap` swaps the last N of them; see vidtune/offload.py).
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
@@ -156,3 +159,10 @@ class Denoising(Loading):
         """A control latent [B, C, F, H, W] in the layout of the denoiser's `hidden_states`, and the dimension
         its channels are on (the control is concatenated last there). By default the VAE's layout, channels 1."""
         return control, 1
+
+    def in_context_conditions(self, conditions: Conditions, reference: torch.Tensor, with_audio: bool) -> Conditions:
+        """The conditions with each sample's reference latents [B, C, F, H', W'] (its control clip's, H' and W' the
+        clip's over `control.reference_downscale_factor`) for `forward` to place beside the noisy tokens, clean and
+        out of the loss; `with_audio` False: every sample trains its video alone (a family with sound)."""
+        raise ConfigError(f"training.algorithm: {self.name} cannot train in context (it has no pipeline that samples "
+                          "with reference tokens).\nWhat to do: use control-lora, or an LTX-2 model.")

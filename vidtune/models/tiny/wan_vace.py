@@ -37,6 +37,14 @@ def write_tiny_wan_vace(
         model_class=WanVACETransformer3DModel, vace_layers=list(vace_layers),
         vace_in_channels=2 * latent_channels + 8 * 8,
     )
+    # The VACE branch starts as VACE's own training starts it (ali-vilab/VACE zero-initialises each VACE block's
+    # `before_proj` and `after_proj`): the untrained hints add nothing, so what the branch learns is the control's.
+    with torch.no_grad():
+        for block in transformer.vace_blocks:
+            for projection in (block.proj_in, block.proj_out):
+                if projection is not None:
+                    projection.weight.zero_()
+                    projection.bias.zero_()
     pipeline = WanVACEPipeline(tokenizer=build_tiny_tokenizer(max_length=512), text_encoder=text_encoder, vae=vae,
                                scheduler=tiny_wan_scheduler(flow_shift=3.0), transformer=transformer)
     return save_tiny(pipeline, folder, "wan-vace", seed)

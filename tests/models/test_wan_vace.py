@@ -243,3 +243,26 @@ def test_the_lora_loads_in_wan_vace_pipeline_and_starts_from_the_base_model(make
     adapted = spec.pipeline(text, vae, spec.load_denoiser(CPU))
     adapted.load_lora_weights(config.output_dir)
     assert (sample(adapted) - plain).abs().max() > 1e-4
+
+
+def test_vidtune_sample_follows_the_control_clip_it_is_given(make_config, shapes_dataset, tmp_path, capsys):
+    from vidtune.cli import main as cli_main
+
+    root, _, controls = control_dataset(shapes_dataset, tmp_path / "data")
+    config = make_config(FAMILY, data_root=root, training={"steps": 2, "learning_rate": 0.1},
+                         lora={"rank": 4, "alpha": 4, "target_modules": "vace-blocks"})
+    build_trainer(config).run()
+    latents = []
+    for number, control in enumerate([controls[0], controls[1], None]):
+        extra = ["--control", str(control)] if control else []
+        output, path = tmp_path / f"s{number}.mp4", tmp_path / f"s{number}.safetensors"
+        assert cli_main(["sample", config.output_dir, "--prompt", CONTROL_CAPTION, "--steps", "2", "--device", "cpu",
+                         "--output", str(output), "--latents", str(path), *extra]) == 0
+        assert output.is_file()
+        latents.append(load_file(path)["latents"])
+    assert "Following the control clip" in capsys.readouterr().out  # without --control: the first clip's
+    assert not torch.equal(latents[0], latents[1])  # another control clip, another sample
+    assert torch.equal(latents[0], latents[2])
+    assert cli_main(["sample", config.output_dir, "--prompt", "x", "--control", str(tmp_path / "no.mp4"),
+                     "--device", "cpu"]) == 2
+    assert "--control: " in capsys.readouterr().err

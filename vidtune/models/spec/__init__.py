@@ -19,6 +19,8 @@ from __future__ import annotations
 from vidtune.models.spec.base import (
     CONTROL_LATENTS,
     FRAME_RATE,
+    LOSS_MASK,
+    LOSS_MASK_BY_FRAME,
     POSTERIOR_KEYS,
     Conditions,
     Latents,
@@ -67,6 +69,8 @@ __all__ = [
     "FEED_FORWARD_TARGETS",
     "FRAME_RATE",
     "JOINT_ATTENTION_TARGETS",
+    "LOSS_MASK",
+    "LOSS_MASK_BY_FRAME",
     "POSTERIOR_KEYS",
     "PUBLISHED_SHAPE_RULES",
     "Conditions",

@@ -19,6 +19,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from vidtune.config import Config, build_config  # noqa: E402
 from vidtune.data.synthetic import render_shapes_dataset  # noqa: E402
+from vidtune.models.registry import get_spec_class  # noqa: E402
 from vidtune.models.tiny import TINY_SHAPES, write_tiny_model  # noqa: E402
 
 
@@ -42,6 +43,18 @@ def shapes_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                  width=48, fps=24, seed=0)
 
 
+@pytest.fixture(scope="session")
+def shapes_with_controls(shapes_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The four shapes clips, each with another of them as its control clip (clip n follows clip 3 - n): the
+    dataset of a family whose conditioning reads a control clip per sample."""
+    root = tmp_path_factory.mktemp("shapes-controls")
+    videos = [shapes_dataset / line for line in (shapes_dataset / "videos.txt").read_text().split()]
+    (root / "videos.txt").write_text("".join(f"{path}\n" for path in videos))
+    (root / "prompts.txt").write_text((shapes_dataset / "prompts.txt").read_text())
+    (root / "controls.txt").write_text("".join(f"{path}\n" for path in reversed(videos)))
+    return root
+
+
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in extra.items():
@@ -50,11 +63,14 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def make_config(tiny_model_dir, shapes_dataset: Path, tmp_path: Path):
-    """make_config(family="ltx-video", **sections) -> a validated Config for a short CPU run."""
+def make_config(tiny_model_dir, shapes_dataset: Path, shapes_with_controls: Path, tmp_path: Path):
+    """make_config(family="ltx-video", **sections) -> a validated Config for a short CPU run (on the shapes clips;
+    with a control clip each for a family whose conditioning reads one)."""
 
     def build(family: str = "ltx-video", data_root: Path | None = None, **sections: Any) -> Config:
         frames, height, width = TINY_SHAPES[family]
+        if data_root is None and get_spec_class(family).reads_control_clip:
+            data_root = shapes_with_controls
         base = {
             "model": {"name": family, "pretrained": str(tiny_model_dir(family))},
             # Frames from each clip's start: tests that compare with a clip's own frames (overfitting, first-frame

@@ -528,8 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--mask", metavar="PNG", help="with --inpaint: white where the sample is generated, black "
                         "where the clip is kept")
     sample.add_argument("--control", metavar="CLIP",
-                        help="a control run (control-lora, control-full, in-context-lora): the control clip to follow "
-                        "(default: the run's first clip's)")
+                        help="a control run (control-lora, control-full, in-context-lora) or a model that follows a "
+                        "control clip (wan-vace): the control clip to follow (default: the run's first clip's)")
     sample.add_argument("--steps", type=positive_int, metavar="N", help="denoising steps (default: validation's)")
     sample.add_argument("--guidance", type=float, metavar="G", help="guidance scale (default: validation's)")
     sample.add_argument("--embedded-guidance", type=float, metavar="G",

@@ -119,11 +119,24 @@ class SamplingStopped(VidtuneError):
 def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSettings,
                    fps: float | None = None) -> torch.Tensor | None:
     """Image-to-video families start from a first frame (or keyframes): those of the first dataset clip
-    ([K, 3, H, W], read at `fps` like training clips)."""
+    ([K, 3, H, W], read at `fps` like training clips). A family whose conditioning reads a control clip follows the
+    first dataset clip's control clip, read like a training clip ([F, 3, H, W])."""
+    if spec.reads_control_clip:
+        return control_clip(spec, clips[0].control, settings, fps)
     if not spec.image_to_video:
         return None
     window = ClipWindow(spec.reference_frame_count(settings.frames), settings.height, settings.width, fps=fps)
     return read_clip(clips[0].video, window)
+
+
+def control_clip(spec: ModelSpec, path: Path | None, settings: SampleSettings, fps: float | None = None,
+                 resize: str = "crop") -> torch.Tensor:
+    """The control clip a family that `reads_control_clip` samples from ([F, 3, H, W], the sample's frames read
+    from its start like a training clip)."""
+    if path is None:
+        raise VidtuneError(f"{spec.name} follows a control clip, and none was given.\nWhat to do: give the first "
+                           "sample a control clip (controls.txt, control_column), or pass --control CLIP.")
+    return read_clip(Path(path), ClipWindow(settings.frames, settings.height, settings.width, fps=fps, resize=resize))
 
 
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:
@@ -420,6 +433,9 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
                                "What to do: pass --image PNG.") from None
         print(f"Starting from the first frame of {clips[0].video} (the run's first clip; --image to choose).",
               flush=True)
+    if spec.reads_control_clip:  # its conditioning follows a control clip: --control, else the first sample's
+        reference = family_control_clip(run, settings, control)
+        control = None
     controlled = contextlib.nullcontext()
     in_context = traits_of(config).in_context
     if control is not None and run.control is None and not in_context:
@@ -469,6 +485,23 @@ def run_control_source(run: RunPipeline, control: Path | None) -> tuple[Path, Pr
     elif not Path(control).is_file():
         raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
     return Path(control), processor
+
+
+def family_control_clip(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:
+    """The control clip a family that `reads_control_clip` samples from: `control`, or the run's first clip's."""
+    data = run.config.data
+    if control is None:
+        try:
+            control = read_sources(data).clips[0].control
+        except (VidtuneError, OSError, IndexError):
+            control = None
+        if control is None:
+            raise VidtuneError(f"{run.spec.name} follows a control clip: without --control it takes the run's first "
+                               "clip's, but the run's data cannot be read.\nWhat to do: pass --control CLIP.")
+        print(f"Following the control clip {control} (the run's first clip's; --control to choose).", flush=True)
+    elif not Path(control).is_file():
+        raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
+    return control_clip(run.spec, Path(control), settings, fps=data.fps, resize=data.resize)
 
 
 def next_sample_path(run_dir: Path) -> Path:

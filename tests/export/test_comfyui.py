@@ -138,6 +138,10 @@ ROUND_TRIP_TARGETS = {
     "skyreels-v2-i2v": ["to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ffn.net.2",
                         "condition_embedder.image_embedder.ff.net.0.proj"],
     "skyreels-v2-df": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"],
+    # Wan VACE: the main blocks' layers by their full names (diffusers' Wan converter reads no VACE block; those
+    # are covered by the layout of ComfyUI's model below).
+    "wan-vace": ["blocks.0.attn1.to_q", "blocks.0.attn2.to_v", "blocks.1.attn1.to_out.0", "blocks.1.ffn.net.0.proj",
+                 "blocks.1.ffn.net.2", "condition_embedder.time_proj"],
     "hunyuan-video": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k",
                       "transformer_blocks.0.attn.to_v", "transformer_blocks.0.attn.to_out.0", "add_q_proj",
                       "add_k_proj", "add_v_proj", "to_add_out", "transformer_blocks.0.ff.net.0.proj",
@@ -276,9 +280,28 @@ def kandinsky5_layout(config: dict) -> dict[str, tuple[int, int]]:
     return layout
 
 
+def wan_vace_layout(config: dict) -> dict[str, tuple[int, int]]:
+    """ComfyUI's Wan VACE (`WAN21_Vace`: `VaceWanModel` in `comfy/ldm/wan/model.py`, Wan-Video's names): Wan 2.1's
+    text and time embeddings (`text_embedding.0/2`, `time_embedding.0/2`, `time_projection.1`: 6 x width), blocks
+    with `self_attn` / `cross_attn` `q k v o` and `ffn.0/2`, and `head.head`; the VACE blocks `vace_blocks.N`, Wan
+    blocks (text cross-attention) with `after_proj`, the first with `before_proj` too. Shapes (out, in)."""
+    x, ffn = config["num_attention_heads"] * config["attention_head_dim"], config["ffn_dim"]
+    out = config["patch_size"][0] * config["patch_size"][1] * config["patch_size"][2] * config["out_channels"]
+    block = {**{f"{name}.{part}": (x, x) for name in ("self_attn", "cross_attn") for part in "qkvo"},
+             "ffn.0": (ffn, x), "ffn.2": (x, ffn)}
+    layout = {"text_embedding.0": (x, config["text_dim"]), "text_embedding.2": (x, x),
+              "time_embedding.0": (x, config["freq_dim"]), "time_embedding.2": (x, x),
+              "time_projection.1": (6 * x, x), "head.head": (out, x), "vace_blocks.0.before_proj": (x, x)}
+    for n in range(config["num_layers"]):
+        layout |= {f"blocks.{n}.{name}": shape for name, shape in block.items()}
+    for n in range(len(config["vace_layers"])):
+        layout |= {f"vace_blocks.{n}.{name}": shape for name, shape in {**block, "after_proj": (x, x)}.items()}
+    return layout
+
+
 LAYOUTS = {"mochi": mochi_layout, "hunyuan-video": hunyuan_video_layout, "hunyuan-video-1.5": hunyuan_video_layout,
            "hunyuan-video-1.5-i2v": hunyuan_video_layout, "kandinsky-5": kandinsky5_layout,
-           "kandinsky-5-i2v": kandinsky5_layout}
+           "kandinsky-5-i2v": kandinsky5_layout, "wan-vace": wan_vace_layout}
 # The families ComfyUI's core has a model for: those whose spec names ComfyUI's layers.
 COMFYUI_FAMILIES = [family for family in available_models()
                     if get_spec_class(family).comfyui_lora_rules is not ModelSpec.comfyui_lora_rules]

@@ -123,6 +123,9 @@ MOCHI = [(r"^patch_embed\.proj", "x_embedder.proj"),
 RENAMES["mochi"] = MOCHI
 # Image-to-video and newer models of a family share its denoiser class and converter.
 RENAMES.update({"ltx-video-i2v": LTX_VIDEO, "ltx-2-i2v": LTX_2, "wan-i2v": WAN, "wan2.2": WAN, "wan2.2-i2v": WAN})
+# Wan VACE: Wan's names, and the VACE blocks' input / output projections as the original checkpoint names them.
+RENAMES["wan-vace"] = [(r"^(vace_blocks\.\d+)\.proj_in\.", r"\1.before_proj."),
+                       (r"^(vace_blocks\.\d+)\.proj_out\.", r"\1.after_proj."), *WAN]
 
 
 def _swapped_halves(tensor: torch.Tensor) -> torch.Tensor:

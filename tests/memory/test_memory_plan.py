@@ -136,6 +136,10 @@ DENOISER_PARAMETERS = {
     "kandinskylab/Kandinsky-5.0-I2V-Lite-5s-Diffusers": 2e9,
     "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers": 19e9,
     "kandinskylab/Kandinsky-5.0-I2V-Pro-sft-5s-Diffusers": 19e9,
+    # Named for Wan 2.1's blocks (1.42B / 14.3B above); the VACE branch adds 15 / 8 Wan blocks (each with its
+    # output projection, the first with its input one) and the control patch embedding: 0.73B / 3.05B.
+    "Wan-AI/Wan2.1-VACE-1.3B-diffusers": 2.15e9,
+    "Wan-AI/Wan2.1-VACE-14B-diffusers": 17.3e9,
 }
 
 

@@ -41,7 +41,7 @@ def sample_with_pipeline(family: str, pretrained: Path, transformer: Path | None
     pipeline = spec.pipeline(text, vae, denoiser.eval())
     pipeline.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        # Image-to-video families sample from the clip's first frame.
+        # Image-to-video families sample from the clip's first frame; a family following a control clip, the clip.
         sampled = spec.sample(pipeline, caption, frames=frames, height=height, width=width, num_inference_steps=30,
                               generator=torch.Generator().manual_seed(1), reference=clip[0], output="latents").latents
     return x0, sampled
@@ -57,6 +57,9 @@ def test_overfit_one_clip_then_sample_with_pipeline(family, tiny_model_dir, shap
         # A family that trains on sound (LTX-2) overfits a clip with sound: both streams train together, as its
         # pipeline samples them (a clip without sound trains its video with the audio stream cut off).
         add_tone(video)
+    if get_spec_class(family).reads_control_clip:
+        # A family that follows a control clip (Wan VACE) is given the clip itself, as it samples (`reference`).
+        (data_root / "controls.txt").write_text(video.name + "\n")
     pretrained = tiny_model_dir(family)
     result = build_trainer(overfit_config(family, pretrained, data_root, tmp_path / "run")).run()
     assert result.final_step == tiny_family(family).overfit.steps

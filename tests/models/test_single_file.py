@@ -117,7 +117,7 @@ def test_a_single_file_trains_the_same_adapter_as_the_folder(make_config, conver
     _assert_same_run(reference, _train(make_config, family, tmp_path / "file", folder, path))
 
 
-@pytest.mark.parametrize("family", ["ltx-video-i2v", "ltx-2-i2v", "wan-i2v", "wan2.2"])
+@pytest.mark.parametrize("family", ["ltx-video-i2v", "ltx-2-i2v", "wan-i2v", "wan2.2", "wan-vace"])
 def test_image_to_video_and_newer_models_load_from_their_files(tiny_model_dir, tmp_path, family):
     folder = tiny_model_dir(family)
     path = write_original_layout(family, folder, tmp_path / "transformer.safetensors", prefix=COMFYUI_PREFIX)

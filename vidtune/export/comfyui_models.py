@@ -97,6 +97,15 @@ def wan21(config: dict[str, Any]) -> ComfyUIModel:
     return ComfyUIModel("WAN21", frozenset(weights))
 
 
+def wan21_vace(config: dict[str, Any]) -> ComfyUIModel:
+    """Wan VACE (`WAN21_Vace`, `VaceWanModel`): Wan 2.1's layers and the VACE blocks, Wan blocks of their own
+    (`vace_blocks.N`, text cross-attention) with `after_proj`, and `before_proj` in the first."""
+    base = wan21(config)
+    attention = [f"{name}.{part}" for name in ("self_attn", "cross_attn") for part in "qkvo"]
+    vace = _blocks("vace_blocks", len(config["vace_layers"]), [*attention, "ffn.0", "ffn.2", "after_proj"])
+    return ComfyUIModel("WAN21_Vace", frozenset({*base.weights, *vace, "vace_blocks.0.before_proj"}))
+
+
 def hunyuan_video(double: int, single: int = 0, refiner: int = 2, guidance: bool = False, vector: bool = False,
                   glyph: bool = False, image: bool = False) -> ComfyUIModel:
     """HunyuanVideo 1.0 and 1.5 (`HunyuanVideo`, `HunyuanVideo15`; one model class): Flux's double and single

@@ -140,6 +140,13 @@ KANDINSKY_5 = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, sigma_
         "musubi-tuner's Kandinsky 5 trainer (sdbds/musubi-tuner `docs/kandinsky5.md`): `--timestep_sampling shift "
         "--discrete_flow_shift 5.0` (logit-normal, shift 5: kandinskylab/kandinsky-5's default `scheduler_scale`)"))
 
+WAN_VACE = FamilyDefaults(frames=81, height=480, width=832, fps=16.0, sigma_shift=3.0, source=(
+    "WanVACEPipeline's defaults (81 frames of 480x832, guidance 5) and Wan 2.1's 16 fps; shift 3: the VACE "
+    "checkpoints' flow_shift (Wan 2.1's)"), noise_source=(
+        "Wan 2.1's (kohya-ss/musubi-tuner `docs/wan.md`: `--timestep_sampling shift --discrete_flow_shift 3.0`): "
+        "VACE is Wan 2.1 with a control branch; modelscope/DiffSynth-Studio trains it with its Wan schedule "
+        "(`examples/wanvideo/model_training/lora/Wan2.2-VACE-Fun-A14B.sh`)"))
+
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "ltx-video": LTX_VIDEO, "ltx-video-i2v": LTX_VIDEO, "ltx-2": LTX_2, "ltx-2-i2v": LTX_2, "cogvideox": COGVIDEOX,
@@ -148,6 +155,7 @@ FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "skyreels-v2": SKYREELS_V2, "skyreels-v2-i2v": SKYREELS_V2, "skyreels-v2-df": SKYREELS_V2_DF,
     "sana-video": SANA_VIDEO, "sana-video-i2v": SANA_VIDEO,
     "kandinsky-5": KANDINSKY_5, "kandinsky-5-i2v": KANDINSKY_5,
+    "wan-vace": WAN_VACE,
 }
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.

@@ -35,6 +35,7 @@ SPECS: dict[str, str] = {
     "sana-video-i2v": "vidtune.models.sana_video:SanaVideoImageToVideoSpec",
     "kandinsky-5": "vidtune.models.kandinsky5:Kandinsky5Spec",
     "kandinsky-5-i2v": "vidtune.models.kandinsky5:Kandinsky5ImageToVideoSpec",
+    "wan-vace": "vidtune.models.wan_vace:WanVACESpec",
 }
 
 

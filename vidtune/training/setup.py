@@ -164,6 +164,7 @@ def check_inputs(config: Config, spec: ModelSpec, part: AlgorithmPart, device: t
     clips = leave_out_silent(config, spec, with_reference_controls(
         config, load_dataset(data, progress=show_progress(config), required_inputs=spec.required_inputs(config))))
     spec.check_frame_settings(config, clips)
+    spec.check_clip_inputs(clips)
     check_context_tokens(config, spec, clips)
     training_clips, eval_clips = hold_out(clips, config)
     part.check([*training_clips, *eval_clips], objective, resuming=saved is not None)

@@ -14,7 +14,7 @@ from vidtune.config import ConditioningConfig, Config
 from vidtune.data.audio import AudioFormat
 from vidtune.data.inputs import INPUT_KINDS, input_key
 from vidtune.data.sources import Clip
-from vidtune.errors import ConfigError
+from vidtune.errors import ConfigError, DataError
 from vidtune.models.spec.base import Conditions, Latents, SpecBase
 from vidtune.models.spec.loading import TextComponents
 
@@ -25,6 +25,10 @@ class Encoding(SpecBase):
     # Bump when the family's prepare_conditions / prepare_latents code changes what it computes, so that
     # precomputed entries made by the old code are not reused (see `condition_identity`).
     cache_version: ClassVar[int] = 1
+    # The family's own conditioning reads a control clip per sample (Wan VACE's control video), whatever the
+    # algorithm: the data path then reads and encodes each sample's control clip (`controls.txt`, `control_column`)
+    # beside it, on the fly and into the cache, and hands its latents to `forward` as `conditions[CONTROL_LATENTS]`.
+    reads_control_clip: ClassVar[bool] = False
 
     @abstractmethod
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
@@ -178,6 +182,20 @@ class Encoding(SpecBase):
         if clip.info is not None and not clip.is_image and clip.info.fps > 0:
             return float(clip.info.fps)
         return self.frame_rate
+
+    def check_clip_inputs(self, clips: list[Clip]) -> None:
+        """Before anything loads: every clip has what the family's conditioning reads beside it (a family that
+        `reads_control_clip`: a control clip), each missing one named by its file and line."""
+        if not self.reads_control_clip:
+            return
+        missing = [clip for clip in clips if clip.control is None]
+        if missing:
+            raise DataError(
+                [f"{clip.where} ({clip.video.name}) has no control clip." for clip in missing],
+                hint=f"{self.name} follows a control clip per sample: a `controls.txt` beside `videos.txt` (one "
+                "control clip a line, in the same order), or `control_column` in a metadata dataset (see "
+                "docs/algorithms.md).",
+            )
 
     def check_frame_settings(self, config: Config, clips: list[Clip]) -> None:
         """Before any long work: `model.first_frame_conditioning` only for a family that takes it; and for a family

@@ -1,0 +1,268 @@
+"""Wan VACE: the control context training builds is the one WanVACEPipeline builds; the per-stack LoRA presets adapt
+what they say; each sample's control clip reaches training on the fly and from the cache alike; a run resumes bit
+for bit; the LoRA samples through WanVACEPipeline; two (control, target) pairs with one caption are told apart."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.datasets import CONTROL_CAPTION, control_dataset
+from tests.helpers.runs import run_stopped_at
+from vidtune.algorithms.build import build_part, build_spec
+from vidtune.data.video import ClipWindow, read_clip
+from vidtune.errors import ConfigError, DataError
+from vidtune.models.registry import get_spec_class
+from vidtune.models.spec import CONTROL_LATENTS, POSTERIOR_KEYS, frames_to_pil
+from vidtune.models.tiny import TINY_SHAPES
+from vidtune.models.wan_vace import INACTIVE_LATENTS
+from vidtune.sampling import load_pipeline
+from vidtune.trainers import build_trainer
+
+CPU = torch.device("cpu")
+FAMILY = "wan-vace"
+FRAMES, HEIGHT, WIDTH = TINY_SHAPES[FAMILY]
+
+
+def _spec(make_config, **sections):
+    config = make_config(FAMILY, **sections)
+    return config, get_spec_class(FAMILY)(config.model, frame_rate=config.frame_rate)
+
+
+def _on_uint8_grid(videos: torch.Tensor) -> torch.Tensor:
+    """Clips whose values a picture holds exactly (what a decoded clip is), so the pipeline's pictures are them."""
+    return (videos * 127.5 + 127.5).round() / 127.5 - 1
+
+
+def test_the_control_context_is_the_pipelines(make_config):
+    """What `forward` hands the transformer as `control_hidden_states` equals what WanVACEPipeline computes from the
+    same control video (prepare_video_latents with its all-white mask, then prepare_masks), to float precision."""
+    _, spec = _spec(make_config)
+    text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
+    generator = torch.Generator().manual_seed(0)
+    videos = _on_uint8_grid(torch.rand(2, FRAMES, 3, HEIGHT, WIDTH, generator=generator) * 2 - 1)
+    controls = _on_uint8_grid(torch.rand(2, FRAMES, 3, HEIGHT, WIDTH, generator=generator) * 2 - 1)
+    latents = spec.prepare_latents(vae, videos)
+    conditions = {INACTIVE_LATENTS: latents[INACTIVE_LATENTS],
+                  CONTROL_LATENTS: spec.prepare_latents(vae, controls)["latents_mean"]}
+    ours = spec.control_context(conditions, latents["latents_mean"])
+    pipeline = spec.pipeline(text, vae, denoiser)
+    for index in range(2):
+        video, mask, references = pipeline.preprocess_conditions(frames_to_pil(controls[index]), None, None, 1,
+                                                                  HEIGHT, WIDTH, FRAMES, torch.float32, CPU)
+        theirs = torch.cat([pipeline.prepare_video_latents(video, mask, references, None, CPU),
+                            pipeline.prepare_masks(mask, references, None)], dim=1)
+        assert ours[index : index + 1].shape == theirs.shape
+        assert torch.allclose(ours[index : index + 1], theirs, atol=1e-5), (ours[index] - theirs[0]).abs().max()
+    # Without a control clip, the pipeline's own default: a black control video (the inactive latents twice).
+    bare = spec.control_context({INACTIVE_LATENTS: latents[INACTIVE_LATENTS]}, latents["latents_mean"])
+    channels = latents["latents_mean"].shape[1]
+    assert torch.equal(bare[:, channels : 2 * channels], latents[INACTIVE_LATENTS])
+
+
+def test_the_control_clip_reaches_the_prediction_once_the_branch_trains(make_config):
+    """The tiny model's VACE branch starts as VACE's training starts it (zero input / output projections): its hints
+    add nothing, whatever the control. Once those projections hold weights, the control latents reach the
+    transformer's output through the VACE blocks: another control, another prediction."""
+    _, spec = _spec(make_config)
+    vae, denoiser = spec.load_vae(CPU), spec.load_denoiser(CPU).eval()
+    generator = torch.Generator().manual_seed(0)
+    videos = torch.rand(3, 1, FRAMES, 3, HEIGHT, WIDTH, generator=generator) * 2 - 1
+    target, first, second = (spec.prepare_latents(vae, video) for video in videos)
+    text = spec.prepare_conditions(spec.load_text_components(CPU), [CONTROL_CAPTION])
+    noisy = torch.randn(target["latents_mean"].shape, generator=generator)
+    timesteps = torch.tensor([500.0])
+
+    def predictions() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [spec.forward(denoiser, {**text, INACTIVE_LATENTS: target[INACTIVE_LATENTS],
+                                            CONTROL_LATENTS: control["latents_mean"]}, noisy, timesteps)
+                    for control in (first, second)]
+
+    untrained = predictions()
+    assert torch.equal(untrained[0], untrained[1])
+    with torch.no_grad():
+        for block in denoiser.vace_blocks:
+            for projection in (block.proj_in, block.proj_out):
+                if projection is not None:
+                    projection.weight.normal_(0, 0.2, generator=generator)
+    trained = predictions()
+    assert (trained[0] - trained[1]).abs().max() > 1e-3
+
+
+def _lora_names(make_config, preset: str) -> list[str]:
+    """The modules the run's adapter wraps with `lora.target_modules: preset`."""
+    config = make_config(FAMILY, lora={"rank": 2, "alpha": 2, "target_modules": preset})
+    spec = build_spec(config)
+    denoiser = spec.load_denoiser(CPU)
+    build_part(config, spec).configure(denoiser)
+    return sorted({key.split(".lora_")[0] for key in denoiser.state_dict() if ".lora_A." in key})
+
+
+def test_each_stack_has_its_preset(make_config):
+    """`main-blocks` adapts the main blocks only, `vace-blocks` the VACE blocks only (with their projections); the
+    shared presets adapt both stacks."""
+    main = _lora_names(make_config, "main-blocks")
+    vace = _lora_names(make_config, "vace-blocks")
+    attention = _lora_names(make_config, "attention")
+    assert main and all(name.startswith("blocks.") for name in main)
+    assert any(name.endswith("ffn.net.2") for name in main)
+    assert vace and all(name.startswith("vace_blocks.") for name in vace)
+    assert {"vace_blocks.0.proj_in", "vace_blocks.0.proj_out", "vace_blocks.1.proj_out"} <= set(vace)
+    assert any(name.startswith("blocks.") for name in attention)
+    assert any(name.startswith("vace_blocks.") for name in attention)
+
+
+def test_a_sample_without_a_control_clip_is_named_before_anything_loads(make_config, shapes_dataset, tmp_path):
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    (root / "controls.txt").unlink()  # a dataset without control clips: every sample is named
+    listed = r"2 problems.*\n.*line 1 .*has no control clip\.\n.*line 2 .*\n.*a `controls\.txt` beside"
+    with pytest.raises(DataError, match=listed):
+        build_trainer(make_config(FAMILY, data_root=root)).run()
+
+
+def test_a_widened_control_input_is_refused(make_config):
+    with pytest.raises(ConfigError, match=r"training.algorithm=control-lora: wan-vace follows its control clip"):
+        build_trainer(make_config(FAMILY, training={"algorithm": "control-lora"})).run()
+
+
+def test_cached_batches_equal_those_encoded_on_the_fly(make_config, shapes_dataset, tmp_path):
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    batches = {}
+    for cached in (False, True):
+        config = make_config(FAMILY, data_root=root, training={"batch_size": 2},
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
+                             output_dir=str(tmp_path / f"run-{cached}"))
+        batches[cached] = next(build_trainer(config).set_up().source.batches(0))
+    on_the_fly, from_cache = batches[False], batches[True]
+    assert torch.equal(on_the_fly.indices, from_cache.indices)
+    assert on_the_fly.latents.keys() == from_cache.latents.keys() >= {CONTROL_LATENTS, INACTIVE_LATENTS}
+    for key, value in on_the_fly.latents.items():
+        assert torch.allclose(from_cache.latents[key], value, atol=1e-6), key
+    # The control latents are the control clips', not the targets'.
+    assert not torch.allclose(on_the_fly.latents[CONTROL_LATENTS], on_the_fly.latents[POSTERIOR_KEYS[0]], atol=1e-2)
+
+
+def test_a_resumed_run_ends_bit_for_bit_like_one_left_alone(make_config, shapes_dataset, tmp_path):
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    settings = {"training": {"steps": 5, "learning_rate": 1e-2, "ema_decay": 0.8}, "checkpoint": {"every": 2},
+                "lora": {"dropout": 0.1, "target_modules": "vace-blocks"}}
+    build_trainer(make_config(FAMILY, data_root=root, **settings, output_dir=str(tmp_path / "reference"))).run()
+    stopped = tmp_path / "stopped"
+    run_stopped_at(build_trainer(make_config(FAMILY, data_root=root, **settings, output_dir=str(stopped))), 3)
+    resumed = {**settings, "checkpoint": {**settings["checkpoint"], "resume": "latest"}}
+    assert build_trainer(make_config(FAMILY, data_root=root, **resumed, output_dir=str(stopped))).run().final_step == 5
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors"):
+        expected, got = load_file(tmp_path / "reference" / name), load_file(stopped / name)
+        assert expected and expected.keys() == got.keys()
+        assert all(torch.equal(expected[key], got[key]) for key in expected), name
+    losses = [[json.loads(row)["loss"] for row in (run / "metrics.jsonl").read_text().splitlines()]
+              for run in (tmp_path / "reference", stopped)]
+    assert losses[0] == losses[1] and len(losses[0]) == 5
+
+
+def _sampled(spec, pipeline, vae, target: Path, control: Path, steps: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the target clip's latents, what WanVACEPipeline samples following `control`)."""
+    window = ClipWindow(FRAMES, HEIGHT, WIDTH)
+    x0 = spec.prepare_latents(vae, read_clip(target, window)[None])["latents_mean"]
+    with torch.no_grad():
+        sampled = spec.sample(pipeline, CONTROL_CAPTION, frames=FRAMES, height=HEIGHT, width=WIDTH,
+                              num_inference_steps=steps, generator=torch.Generator().manual_seed(1),
+                              reference=read_clip(control, window), output="latents").latents
+    return x0, sampled
+
+
+def relative_error(sampled: torch.Tensor, x0: torch.Tensor) -> float:
+    return float((sampled - x0).norm() / x0.norm())
+
+
+@pytest.mark.slow
+def test_each_control_clip_brings_back_its_target(make_config, shapes_dataset, tmp_path):
+    """Two (control, target) pairs with one caption, a LoRA on both stacks: sampled through WanVACEPipeline with
+    each control video, each target comes back, nearer its own target than the other's and well below the untrained
+    model's error; the step-0 adapter samples exactly what the base model does."""
+    root, targets, controls = control_dataset(shapes_dataset, tmp_path / "data")
+    steps = 1500
+    config = make_config(FAMILY, data_root=root,
+                         training={"algorithm": "full", "steps": steps, "learning_rate": 3e-3, "batch_size": 4,
+                                   "max_grad_norm": None, "sigma_sampling": "uniform", "sigma_shift": 1.0},
+                         optimizer={"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": steps // 10},
+                         logging={"progress": False, "log_every": 100})
+    started = time.perf_counter()
+    build_trainer(config).run()
+    trained = load_pipeline(config.output_dir, device="cpu")
+    trained.pipeline.set_progress_bar_config(disable=True)
+    spec = get_spec_class(FAMILY)(config.model, frame_rate=config.frame_rate)
+    base = spec.pipeline(spec.load_text_components(CPU), trained.vae, spec.load_denoiser(CPU).eval())
+    base.set_progress_bar_config(disable=True)
+    sampled = {}
+    for name, target, control in (("A", targets[0], controls[0]), ("B", targets[1], controls[1])):
+        x0, after = _sampled(spec, trained.pipeline, trained.vae, target, control)
+        _, before = _sampled(spec, base, trained.vae, target, control)
+        sampled[name] = (x0, after)
+        error, untrained = relative_error(after, x0), relative_error(before, x0)
+        print(f"{FAMILY}: target {name}: relative error {error:.3f}, untrained {untrained:.3f} "
+              f"({time.perf_counter() - started:.0f} s)")
+        assert error < 0.3 * untrained, f"target {name}: {error:.3f} vs untrained {untrained:.3f}"
+    (x0_a, after_a), (x0_b, after_b) = sampled["A"], sampled["B"]
+    assert relative_error(after_a, x0_a) < relative_error(after_a, x0_b)
+    assert relative_error(after_b, x0_b) < relative_error(after_b, x0_a)
+
+
+def test_the_lora_loads_in_wan_vace_pipeline_and_starts_from_the_base_model(make_config, tmp_path):
+    """The adapter file loads with WanVACEPipeline.load_lora_weights; at step 0 (lora_B zero) it samples exactly what
+    the base model samples, after training it samples something else; validation follows the first control clip."""
+    config = make_config(FAMILY, training={"steps": 2, "learning_rate": 5e-2}, lora={"rank": 4, "alpha": 4},
+                         validation={"enabled": True, "every": 2, "num_inference_steps": 2})
+    trainer = build_trainer(config)
+    trainer.run()
+    spec = trainer.spec
+    control = read_clip(trainer.context.clips[0].control, ClipWindow(FRAMES, HEIGHT, WIDTH))
+    assert trainer.context.clips[0].control is not None
+    assert list((Path(config.output_dir) / "samples").glob("*.mp4")), "validation wrote no sample"
+
+    def sample(pipeline) -> torch.Tensor:
+        pipeline.set_progress_bar_config(disable=True)
+        return spec.sample(pipeline, CONTROL_CAPTION, frames=FRAMES, height=HEIGHT, width=WIDTH,
+                           num_inference_steps=2, generator=torch.Generator().manual_seed(0), reference=control,
+                           output="latents").latents
+
+    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
+    plain = sample(spec.pipeline(text, vae, spec.load_denoiser(CPU)))
+    # Step 0: the same adapter with lora_B zero, as training starts.
+    untrained = spec.pipeline(text, vae, spec.load_denoiser(CPU))
+    weights = load_file(Path(config.output_dir) / "pytorch_lora_weights.safetensors")
+    zeroed = {key: torch.zeros_like(value) if "lora_B" in key else value for key, value in weights.items()}
+    untrained.load_lora_weights(zeroed)
+    assert torch.equal(sample(untrained), plain)
+    adapted = spec.pipeline(text, vae, spec.load_denoiser(CPU))
+    adapted.load_lora_weights(config.output_dir)
+    assert (sample(adapted) - plain).abs().max() > 1e-4
+
+
+def test_vidtune_sample_follows_the_control_clip_it_is_given(make_config, shapes_dataset, tmp_path, capsys):
+    from vidtune.cli import main as cli_main
+
+    root, _, controls = control_dataset(shapes_dataset, tmp_path / "data")
+    config = make_config(FAMILY, data_root=root, training={"steps": 2, "learning_rate": 0.1},
+                         lora={"rank": 4, "alpha": 4, "target_modules": "vace-blocks"})
+    build_trainer(config).run()
+    latents = []
+    for number, control in enumerate([controls[0], controls[1], None]):
+        extra = ["--control", str(control)] if control else []
+        output, path = tmp_path / f"s{number}.mp4", tmp_path / f"s{number}.safetensors"
+        assert cli_main(["sample", config.output_dir, "--prompt", CONTROL_CAPTION, "--steps", "2", "--device", "cpu",
+                         "--output", str(output), "--latents", str(path), *extra]) == 0
+        assert output.is_file()
+        latents.append(load_file(path)["latents"])
+    assert "Following the control clip" in capsys.readouterr().out  # without --control: the first clip's
+    assert not torch.equal(latents[0], latents[1])  # another control clip, another sample
+    assert torch.equal(latents[0], latents[2])
+    assert cli_main(["sample", config.output_dir, "--prompt", "x", "--control", str(tmp_path / "no.mp4"),
+                     "--device", "cpu"]) == 2
+    assert "--control: " in capsys.readouterr().err

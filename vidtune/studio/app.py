@@ -144,7 +144,7 @@ def create_app(root: str | Path, token: str | None = None, host: str = "127.0.0.
 
     def run_panel(folder: Path) -> str:
         view = runs.read_run(folder)
-        active = queue.active_for(folder)
+        active = queue.latest_for(folder)
         relative = place.relative(folder)
         noise = view.noise_levels
         pictures = {

@@ -23,8 +23,8 @@ def line_chart(title: str, xs: list[float], series: dict[str, list[float]], css_
         return "".join(parts)
     low_x, high_x = min(p[0] for p in points), max(p[0] for p in points)
     low_y, high_y = min(p[1] for p in points), max(p[1] for p in points)
-    if bars:
-        low_y = min(low_y, 0.0)
+    if bars:  # levels in [0, 1], from zero
+        low_x, high_x, low_y = 0.0, 1.0, min(low_y, 0.0)
     span_x, span_y = (high_x - low_x) or 1.0, (high_y - low_y) or 1.0
 
     def at(x: float, y: float) -> tuple[float, float]:
@@ -34,7 +34,7 @@ def line_chart(title: str, xs: list[float], series: dict[str, list[float]], css_
     for number, (name, values) in enumerate(series.items()):
         pairs = [at(x, y) for x, y in zip(xs, values, strict=False) if math.isfinite(y)]
         if bars:
-            width = max((WIDTH - 2 * PAD) / max(len(pairs), 1) * 0.6, 2)
+            width = max((WIDTH - 2 * PAD) / 10 * 0.8, 2)  # a tenth of the range per bin
             base = at(low_x, low_y)[1]
             parts += [f'<rect x="{x - width / 2:.1f}" y="{y:.1f}" width="{width:.1f}" height="{base - y:.1f}" '
                       f'class="series-{number}"/>' for x, y in pairs]

@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from vidtune.config import Config, Origins, build_config, resolve_paths, yaml_key_lines
 from vidtune.errors import ConfigError
@@ -72,7 +71,7 @@ def _field(key: str, info: Any) -> FormField:
         kind = "text"
     else:
         kind = "yaml"
-    required = info.default is PydanticUndefined and info.default_factory is None
+    required = info.is_required()
     if info.default_factory is not None:
         default = yaml_text(info.default_factory())
     else:

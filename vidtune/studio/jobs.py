@@ -108,6 +108,11 @@ class JobQueue:
         return next((job for job in self.jobs if job.command.run == run and job.command.name == "train"
                      and job.state in ("queued", "running", "stopping")), None)
 
+    def latest_for(self, run: Path) -> Job | None:
+        """The newest training job of `run`, whatever its state."""
+        return next((job for job in reversed(self.jobs) if job.command.run == run and job.command.name == "train"),
+                    None)
+
     def stop(self, number: int) -> Job:
         """A queued job is cancelled; a running one gets SIGINT (a training run: checkpoint, then exit)."""
         with self._lock:

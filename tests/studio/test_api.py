@@ -11,7 +11,7 @@ import yaml
 from vidtune.config import load_config
 from vidtune.errors import ConfigError
 from vidtune.memory.plan import GIB, plan_memory
-from vidtune.memory.suggest import suggest
+from vidtune.memory.suggest import with_overrides
 
 
 def test_pages_render(studio):
@@ -139,6 +139,7 @@ def test_the_planner_answers_for_the_gpu_memory_given(studio):
     assert roomy["fits"] and roomy["suggested_overrides"] == [] and roomy["peak_gib"] == pytest.approx(peak, abs=1e-3)
     budget = peak * 0.8
     tight = studio.post("/api/plan", {"file": "plan.yaml", "values": values, "gpu_memory": budget}).json()
-    expected = suggest(config, budget, 1, tight["host_memory_gib"])
-    assert not tight["fits"]
-    assert tight["suggested_overrides"] == (expected.overrides if expected else [])
+    assert not tight["fits"] and tight["suggested_overrides"], tight["verdict"]
+    # The settings it suggests make the plan fit, as `vidtune plan --gpu-memory` promises.
+    fitted = plan_memory(with_overrides(config, tight["suggested_overrides"]))
+    assert fitted.peak / GIB <= budget and tight["suggested_peak_gib"] == pytest.approx(fitted.peak / GIB, abs=1e-3)

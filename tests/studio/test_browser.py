@@ -69,6 +69,8 @@ def test_the_studio_in_a_browser(studio, browser, tmp_path):
     page.fill('[name="training.steps"]', "-1")
     page.wait_for_selector('.field.invalid[data-key="training.steps"]')
     assert "greater than 0" in page.inner_text('.field[data-key="training.steps"] .field-problem')
+    assert "training.steps" in page.inner_text("#validation")
+    page.evaluate("window.scrollTo(0, 0)")
     shot("settings")
 
     # Runs: start the tiny run, watch its loss curve and a validation sample appear.

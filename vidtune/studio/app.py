@@ -106,8 +106,8 @@ def create_app(root: str | Path, token: str | None = None, host: str = "127.0.0.
         rows = []
         for folder in runs.find_runs(place.folder):
             view = runs.read_run(folder)
-            active = queue.active_for(folder)
-            state = (active.state if active else "finished" if view.finished else
+            latest = queue.latest_for(folder)
+            state = (latest.state if latest else "finished" if view.finished else
                      "not running from the studio")
             rows.append({"path": place.relative(folder), "state": state, "last_step": view.last_step,
                          "total_steps": view.total_steps, "loss": view.losses[-1] if view.losses else None,
@@ -289,13 +289,9 @@ def create_app(root: str | Path, token: str | None = None, host: str = "127.0.0.
 
     @app.get("/api/window")
     def api_window(data: str, source: int, slot: int) -> FileResponse:
-        view = clips.view_clips(data_path(data), data)
-        card = next((c for c in view.cards if c.source == source and c.slot == slot), None)
-        if card is None or card.bucket is None:
-            raise BadRequest("That clip has no bucket, so training reads no window of it (see its problems).")
-        _media(place, str(card.media))
-        video = clips.window_video(card.media, card.bucket, view.data_config,
-                                   place.folder / STUDIO_FOLDER / "windows")
+        media, bucket, data_config = clips.window_of(data_path(data), source, slot)
+        _media(place, str(media))
+        video = clips.window_video(media, bucket, data_config, place.folder / STUDIO_FOLDER / "windows")
         return FileResponse(video, media_type="video/mp4")
 
     # ----- settings ------------------------------------------------------------------------------------------

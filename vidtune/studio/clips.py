@@ -152,6 +152,27 @@ def write_caption(path: Path, source: int, slot: int, caption: str, previous: st
     return found
 
 
+def window_of(path: Path, source: int, slot: int) -> tuple[Path, tuple[int, int, int], DataConfig]:
+    """The clip of slot `slot` of source `source`, the bucket training gives it and the data section (one clip
+    probed, not the whole data)."""
+    from vidtune.data.buckets import assign_bucket
+    from vidtune.data.video import is_image_path, probe_image, probe_video
+
+    _, _, data = open_sources(path)
+    files = caption_files(path)
+    found = next((item for item in files[source].slots if item.index == slot), None) if 0 <= source < len(files) \
+        else None
+    if found is None:
+        raise VidtuneError(f"{path.name}: there is no clip {slot} in source {source}; reload the page.")
+    image = is_image_path(found.media)
+    info = probe_image(found.media) if image else probe_video(found.media)
+    shapes = data.bucket_shapes()
+    bucket, reason = assign_bucket(info, image, shapes, data.fps)
+    if bucket is None:
+        raise VidtuneError(f"{found.where}: training reads no window of it: {reason}")
+    return found.media, tuple(shapes[bucket]), data
+
+
 # ----- pictures --------------------------------------------------------------------------------------------------
 def frame_png(media: Path, at: str) -> bytes:
     """The first, middle or last frame of a clip (a still: itself) as PNG bytes, at most 320 pixels wide."""

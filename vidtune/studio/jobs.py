@@ -3,7 +3,9 @@
 A job is one of vidtune's own commands with arguments the studio checked (`Command`); it runs as
 `python -m vidtune ...` in the root, its output in a log file under `.vidtune-studio/logs`. Stopping sends SIGINT, as
 Ctrl-C does: a training run saves a checkpoint after its current step, then exits (130); resuming is
-`vidtune train <run>/config.yaml checkpoint.resume=latest`, as the command line resumes.
+`vidtune train <run>/config.yaml checkpoint.resume=latest`, as the command line resumes. Each process has its own
+session, so a Ctrl-C in the studio's terminal reaches the studio alone, which then sends each run one SIGINT (a
+second would stop it without its checkpoint).
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ class JobQueue:
             try:
                 job.process = subprocess.Popen(job.command.argv(), cwd=self.root, stdout=handle,
                                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               env=self.environment)
+                                               env=self.environment, start_new_session=True)
             except OSError as error:
                 handle.write(f"could not start: {error}\n".encode())
                 job.state, job.exit_code = "failed", None

@@ -114,9 +114,10 @@ def test_the_form_is_the_schema_and_validates_with_the_command_lines_messages(st
     answer = studio.post("/api/validate", {"file": "formed.yaml", "values": values}).json()
     assert not answer["ok"] and "training.steps" in answer["problems"]
     # The same message `vidtune train formed.yaml` prints for the file the form would save.
-    (studio.root / "formed.yaml").write_text(yaml.safe_dump({"model": {"name": "ltx-video", "pretrained":
-                                             str(studio.model)}, "data": {"root": "clips"},
-                                             "training": {"steps": -3, "algorithm": "lora"}}, sort_keys=False))
+    same = {"model": {"name": "ltx-video", "pretrained": str(studio.model)}, "data": {"root": "clips"},
+            "training": {"steps": -3, "algorithm": "lora"}}
+    (studio.root / "formed.yaml").write_text("# a first line, as the studio writes\n" + yaml.safe_dump(same,
+                                                                                                    sort_keys=False))
     with pytest.raises(ConfigError) as cli:
         load_config(studio.root / "formed.yaml")
     assert answer["message"].replace(str(studio.root / "formed.yaml"), "FILE") == \
@@ -127,6 +128,12 @@ def test_the_form_is_the_schema_and_validates_with_the_command_lines_messages(st
     assert studio.post("/api/validate", {"file": "formed.yaml", "values": values}).json()["ok"]
     assert studio.post("/api/save", {"file": "formed.yaml", "values": values}).json() == {"saved": "formed.yaml"}
     config = load_config(studio.root / "formed.yaml")  # the command line runs it unchanged
+    # A problem's line is the line of the file saved.
+    values["training.steps"] = "0"
+    line = studio.post("/api/validate", {"file": "formed.yaml", "values": values}).json()["problems"]
+    saved_lines = (studio.root / "formed.yaml").read_text().splitlines()
+    number = int(line["training.steps"][0].split(":")[0].removeprefix("line "))
+    assert saved_lines[number - 1].strip() == "steps: 7"
     assert config.training.steps == 7 and config.data.root == str(studio.root / "clips")
     assert studio.get("/api/form", file="formed.yaml").json()["values"]["training.steps"] == "7"
 

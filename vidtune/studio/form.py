@@ -140,8 +140,10 @@ def nest(values: dict[str, str]) -> dict[str, Any]:
     return data
 
 
-def config_text(values: dict[str, str]) -> str:
-    return yaml.safe_dump(nest(values), sort_keys=False, allow_unicode=True)
+def config_text(values: dict[str, str], file: Path) -> str:
+    """The YAML file the form saves as `file`: a first line saying how to run it, then the keys set."""
+    return (f"# Written by vidtune studio; run it with: vidtune train {file.name}\n"
+            + yaml.safe_dump(nest(values), sort_keys=False, allow_unicode=True))
 
 
 _PROBLEM_KEY = re.compile(r"^\s+- (?:line \d+: )?([A-Za-z0-9_.]+):")
@@ -150,7 +152,7 @@ _PROBLEM_KEY = re.compile(r"^\s+- (?:line \d+: )?([A-Za-z0-9_.]+):")
 def validate(values: dict[str, str], file: Path) -> tuple[Config | None, str, dict[str, list[str]]]:
     """The config the form makes when saved as `file`: (the config or None, the message `vidtune train file` would
     print for it, that message's problems by key)."""
-    text = config_text(values)
+    text = config_text(values, file)  # its line numbers are those of the file saved
     origins = Origins(file=file, file_lines=yaml_key_lines(text))
     try:
         config = build_config(resolve_paths(nest(values), file.parent), origins=origins)
@@ -170,8 +172,7 @@ def save(values: dict[str, str], file: Path) -> Path:
     config, message, _ = validate(values, file)
     if config is None:
         raise ConfigError(message)
-    return atomic_write_text(file, "# Written by vidtune studio; run it with: vidtune train "
-                             f"{file.name}\n" + config_text(values))
+    return atomic_write_text(file, config_text(values, file))
 
 
 def read_values(file: Path) -> dict[str, str]:

@@ -130,3 +130,18 @@ def test_actions_validate_their_arguments(studio):
     assert studio.post("/api/train", {"config": "clips/videos.txt"}).status_code == 400
     assert studio.post("/api/plan", {"file": "x.yaml", "values": {}, "gpu_memory": "lots"}).status_code == 400
     assert studio.post("/api/stop", {"job": "all"}).status_code == 400
+
+
+def test_captions_of_data_outside_the_root_are_not_written(studio, tmp_path):
+    from vidtune.data.synthetic import render_shapes_dataset
+
+    elsewhere = render_shapes_dataset(tmp_path / "elsewhere", num_clips=1, num_frames=9, height=32, width=32, fps=24,
+                                      seed=1)
+    before = (elsewhere / "prompts.txt").read_bytes()
+    (studio.root / "points-out.yaml").write_text(f"data:\n  root: {elsewhere}\n")
+    card = studio.get("/api/clips", data="points-out.yaml").json()["cards"][0]
+    edit = studio.post("/api/caption", {"data": "points-out.yaml", "source": 0, "slot": 0, "caption": "no",
+                                        "previous": card["caption"]})
+    assert edit.status_code == 403 and "outside the studio's folder" in edit.json()["error"]
+    assert studio.post("/api/caption-missing", {"data": "points-out.yaml"}).status_code == 403
+    assert (elsewhere / "prompts.txt").read_bytes() == before

@@ -271,7 +271,8 @@ def create_app(root: str | Path, token: str | None = None, host: str = "127.0.0.
         source, slot = body.get("source"), body.get("slot")
         if not isinstance(source, int) or not isinstance(slot, int):
             raise BadRequest("source and slot: numbers (from the clips page).")
-        written = clips.write_caption(path, source, slot, _text(body, "caption"), _text(body, "previous"))
+        written = clips.write_caption(path, source, slot, _text(body, "caption"), _text(body, "previous"),
+                                      place.contains)
         files = clips.caption_files(path)[source]
         return {"written": files.target(written), "caption": next(s.caption for s in files.slots
                                                                   if s.index == slot)}
@@ -279,6 +280,10 @@ def create_app(root: str | Path, token: str | None = None, host: str = "127.0.0.
     @app.post("/api/caption-missing")
     async def api_caption_missing(request: Request) -> dict[str, Any]:
         path = data_path(_text(await _body(request), "data"))
+        outside = clips.caption_files_outside(path, place.contains)
+        if outside:
+            raise OutsideRoot(f"{place.relative(path)} keeps captions outside the studio's folder ({outside[0]}"
+                              f"{' and more' if len(outside) > 1 else ''}); the studio writes only under --root.")
         return queue.add(Command("caption", (str(path),), f"caption {place.relative(path)}")).to_json()
 
     @app.get("/api/frame")

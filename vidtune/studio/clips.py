@@ -6,16 +6,25 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vidtune.captioning.command import CONFIG_SUFFIXES, resolve_data
 from vidtune.config import Config, DataConfig
-from vidtune.data.caption_files import CaptionFiles, CaptionSlot, open_caption_files
+from vidtune.data.caption_files import (
+    CaptionFiles,
+    CaptionSlot,
+    FolderCaptions,
+    MetadataCaptions,
+    PairsCaptions,
+    open_caption_files,
+)
 from vidtune.data.report import DataCheck, check_data
 from vidtune.data.sources import DatasetReport, inspect_dataset
 from vidtune.errors import DataError, VidtuneError
+from vidtune.studio.security import OutsideRoot
 
 
 @dataclass
@@ -135,7 +144,25 @@ def _check(config: Config | None, data: DataConfig) -> DataCheck | DatasetReport
     return inspect_dataset(data, progress=False)
 
 
-def write_caption(path: Path, source: int, slot: int, caption: str, previous: str) -> CaptionSlot:
+def caption_file(opened: CaptionFiles, slot: CaptionSlot) -> Path:
+    """The file a caption of `slot` is written to."""
+    if isinstance(opened, PairsCaptions):
+        return opened.prompts.path
+    if isinstance(opened, FolderCaptions):
+        return slot.media.with_suffix(".txt")
+    if isinstance(opened, MetadataCaptions):
+        return opened.path
+    raise VidtuneError(f"Unknown kind of caption source: {type(opened).__name__}.")
+
+
+def caption_files_outside(path: Path, inside: Callable[[Path], bool]) -> list[str]:
+    """The files captions of the data at `path` would be written to that are not `inside` (the studio's root)."""
+    return sorted({str(caption_file(opened, slot)) for opened in caption_files(path) for slot in opened.slots
+                   if not inside(caption_file(opened, slot))})
+
+
+def write_caption(path: Path, source: int, slot: int, caption: str, previous: str,
+                  inside: Callable[[Path], bool]) -> CaptionSlot:
     """Store `caption` for slot `slot` of source `source`, read anew; refused when the caption there is no longer
     `previous` (changed on disk since the page showed it), so no edit made meanwhile is lost."""
     files = caption_files(path)
@@ -148,6 +175,11 @@ def write_caption(path: Path, source: int, slot: int, caption: str, previous: st
     if found.caption != previous:
         raise VidtuneError(f"The caption of {found.where} changed on disk since the page was shown (it is now "
                            f"{found.caption!r}); nothing was written.\nWhat to do: reload the page and edit again.")
+    target = caption_file(opened, found)
+    if not inside(target):
+        raise OutsideRoot(f"The caption of {found.where} goes to {target}, outside the studio's folder; the studio "
+                          "writes only under --root.\nWhat to do: edit it there, or start the studio with a --root "
+                          "that holds the data.")
     opened.write(found, caption)
     return found
 

@@ -26,6 +26,11 @@ def not_blank(path: Path) -> None:
     assert len(image.getcolors(1 << 16) or []) > 20, f"{path.name} has almost no colours"
 
 
+def shown_step(page) -> int:
+    """The step the run page's status line shows."""
+    return int(page.inner_text("#run-status").split()[1])
+
+
 @pytest.fixture(scope="module")
 def browser():
     with sync_api.sync_playwright() as playwright:
@@ -92,8 +97,10 @@ def test_the_studio_in_a_browser(studio, browser, tmp_path):
     page.click('[data-action="stop-run"]')
     page.wait_for_selector("#run-status .state-stopped", timeout=180_000)
     assert any((studio.root / "runs" / "browser" / "checkpoints").iterdir())
+    stopped_at = shown_step(page)
     page.click('[data-action="resume"]')
     page.wait_for_selector("#run-status .state-running", timeout=120_000)
+    studio.wait_for("steps after the resumed checkpoint", lambda: shown_step(page) > stopped_at, 180)
     page.click('[data-action="stop-run"]')
     page.wait_for_selector("#run-status .state-stopped", timeout=180_000)
     assert len(shots) == 4

@@ -258,6 +258,13 @@ def command_plan(args: argparse.Namespace) -> int:
     return run_plan(config, path, overrides, args.gpu_memory, args.json, args.gpus, args.host_memory)
 
 
+def command_studio(args: argparse.Namespace) -> int:
+    require_folder(args.root, "the folder that holds your clips, configs and runs (--root)")
+    from vidtune.studio.serve import serve
+
+    return serve(args.root, host=args.host, port=args.port, token=args.token)
+
+
 def positive_int(text: str) -> int:
     """An option's whole number above 0 (argparse names the option and shows the usage otherwise)."""
     try:
@@ -562,6 +569,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object (peak_gib; with --gpu-memory also "
                       "fits and suggested_overrides)")
     plan.set_defaults(handler=command_plan)
+
+    studio = commands.add_parser("studio", help="a local web app: clips and captions, settings that fit, runs, "
+                                 "samples, export (needs the studio extra: pip install \"vidtune[studio]\")")
+    studio.add_argument("--root", default=".", help="the folder it reads and writes under (default: this one)")
+    studio.add_argument("--port", type=positive_int, default=8765, help="port to listen on (default 8765)")
+    studio.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this "
+                        "machine only; any other needs --token)")
+    studio.add_argument("--token", help="access token every request must carry (generated when --host is not "
+                        "this machine and none is given)")
+    studio.set_defaults(handler=command_studio)
     return parser
 
 

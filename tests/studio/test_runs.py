@@ -1,0 +1,79 @@
+"""Runs from the studio: `vidtune train` processes started, stopped as Ctrl-C stops them (a checkpoint, then exit)
+and resumed as the command line resumes; the run page's data read from the run folder; sample and export."""
+
+from __future__ import annotations
+
+import signal
+
+from vidtune import outputs
+
+
+def test_a_run_starts_stops_resumes_samples_and_exports(studio):
+    name = studio.write_config("lifecycle.yaml", training={"steps": 2000},
+                               validation={"enabled": True, "every": 2})
+    started = studio.post("/api/train", {"config": name})
+    assert started.status_code == 200, started.text
+    job, run = started.json()["id"], started.json()["run_path"]
+    assert run == "runs/lifecycle"
+
+    def logged(at_least: int):
+        answer = studio.get("/api/run", path=run)
+        return answer.status_code == 200 and len(answer.json()["steps"]) >= at_least and answer.json()
+
+    view = studio.wait_for("logged steps and a validation sample", lambda: (view := logged(3)) and view["samples"]
+                           and view)
+    assert studio.get("/api/run", path=run).json()["job"]["state"] == "running"
+    assert any(row["path"] == run for row in studio.get("/api/runs").json()["runs"])
+    assert "chart-loss" in studio.get("/run/panel", path=run).text and "<polyline" in studio.get(
+        "/run/panel", path=run).text
+    sample = view["samples"][0]
+    assert studio.get(f"/files/{run}/samples/{sample['video']}").headers["content-type"] == "video/mp4"
+
+    assert studio.post("/api/stop", {"run": run}).json()["state"] == "stopping"
+    stopped = studio.wait_for("the run to stop", lambda: studio.job(job)["state"] in ("stopped", "failed")
+                              and studio.job(job))
+    assert stopped["state"] == "stopped" and stopped["exit_code"] in (130, -signal.SIGINT), stopped["tail"]
+    after_stop = studio.get("/api/run", path=run).json()
+    assert after_stop["checkpoints"], "a stop saves a checkpoint"
+    last = after_stop["last_step"]
+    assert after_stop["checkpoints"][-1] == f"step-{last:08d}"
+
+    resumed = studio.post("/api/resume", {"run": run})
+    assert resumed.status_code == 200, resumed.text
+    assert resumed.json()["args"][-1] == "checkpoint.resume=latest"
+    again = resumed.json()["id"]
+    studio.wait_for("steps after the resumed checkpoint", lambda: logged(1) and logged(1)["last_step"] > last)
+    assert "Resum" in studio.job(again)["tail"] or studio.job(again)["state"] == "running"
+    assert studio.post("/api/stop", {"job": again}).json()["state"] == "stopping"
+    studio.wait_for("the resumed run to stop", lambda: studio.job(again)["state"] == "stopped")
+
+    # Sample with what it trained, and export it for ComfyUI, through the queue.
+    sampled = studio.post("/api/sample", {"run": run, "prompt": "a blue square"}).json()
+    exported = studio.post("/api/export", {"run": run, "format": "comfyui"}).json()
+    studio.wait_for("sample and export", lambda: all(studio.job(n)["state"] in ("finished", "failed")
+                                                      for n in (sampled["id"], exported["id"])))
+    assert studio.job(sampled["id"])["state"] == "finished", studio.job(sampled["id"])["tail"]
+    assert studio.job(exported["id"])["state"] == "finished", studio.job(exported["id"])["tail"]
+    prompts = [item["prompt"] for item in studio.get("/api/run", path=run).json()["samples"]]
+    assert "a blue square" in prompts
+    written = list((studio.root / run / "exports" / "comfyui").glob("*_comfyui.safetensors"))
+    assert written, studio.job(exported["id"])["tail"]
+    assert not (studio.root / run / outputs.LORA_WEIGHTS).exists()  # stopped: never finished
+
+
+def test_a_run_started_from_the_command_line_appears(studio):
+    folder = studio.root / "cli-runs" / "outside-the-studio"
+    folder.mkdir(parents=True)
+    (folder / outputs.RESOLVED_CONFIG).write_text("training:\n  steps: 10\n")
+    (folder / outputs.METRICS).write_text('{"step": 1, "loss": 0.5, "lr": 0.001, "seconds_per_step": 0.2, '
+                                          '"sigmas": [0.15], "sample_losses": [0.5]}\n{"step": 2, "loss": 0.4}\n'
+                                          '{"step": 2, "eval_loss": 0.45}\n{"step": 3, "lo')  # cut by a kill
+    rows = {row["path"]: row for row in studio.get("/api/runs").json()["runs"]}
+    assert rows["cli-runs/outside-the-studio"]["state"] == "not running from the studio"
+    view = studio.get("/api/run", path="cli-runs/outside-the-studio").json()
+    assert (view["steps"], view["losses"], view["eval_losses"], view["total_steps"]) == ([1, 2], [0.5, 0.4], [0.45],
+                                                                                         10)
+    assert view["noise_levels"] == [[0.15, 0.5, 1]]
+    refused = studio.post("/api/stop", {"run": "cli-runs/outside-the-studio"})
+    assert refused.status_code == 400 and "Ctrl-C" in refused.json()["error"]
+    assert studio.post("/api/resume", {"run": "cli-runs/outside-the-studio"}).status_code == 400  # no checkpoint

@@ -140,6 +140,14 @@ KANDINSKY_5 = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, sigma_
         "musubi-tuner's Kandinsky 5 trainer (sdbds/musubi-tuner `docs/kandinsky5.md`): `--timestep_sampling shift "
         "--discrete_flow_shift 5.0` (logit-normal, shift 5: kandinskylab/kandinsky-5's default `scheduler_scale`)"))
 
+COSMOS_PREDICT_25 = FamilyDefaults(frames=93, height=704, width=1280, fps=16.0, sigma_shift=5.0, source=(
+    "nvidia-cosmos/cosmos-predict2.5 `cosmos_predict2/experiments/base/cosmos_nemo_assets.py` (`num_frames=93`, "
+    "`video_size=(704, 1280)`); 16 fps: the released models' `Fps-16` training configs and the pipeline's examples; "
+    "guidance 7: the pipeline's default"), noise_source=(
+        "nvidia-cosmos/cosmos-predict2.5 `cosmos_predict2/_src/predict2/configs/video2world/experiment/"
+        "reason_embeddings/model_2B_reason_1p1_rectified_flow.py`: `train_time_distribution=\"logitnormal\"` "
+        "(sigmoid of a standard normal), `shift=5`"))
+
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "ltx-video": LTX_VIDEO, "ltx-video-i2v": LTX_VIDEO, "ltx-2": LTX_2, "ltx-2-i2v": LTX_2, "cogvideox": COGVIDEOX,
@@ -148,6 +156,7 @@ FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "skyreels-v2": SKYREELS_V2, "skyreels-v2-i2v": SKYREELS_V2, "skyreels-v2-df": SKYREELS_V2_DF,
     "sana-video": SANA_VIDEO, "sana-video-i2v": SANA_VIDEO,
     "kandinsky-5": KANDINSKY_5, "kandinsky-5-i2v": KANDINSKY_5,
+    "cosmos-predict-2.5": COSMOS_PREDICT_25, "cosmos-predict-2.5-v2w": COSMOS_PREDICT_25,
 }
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.

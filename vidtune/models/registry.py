@@ -35,6 +35,8 @@ SPECS: dict[str, str] = {
     "sana-video-i2v": "vidtune.models.sana_video:SanaVideoImageToVideoSpec",
     "kandinsky-5": "vidtune.models.kandinsky5:Kandinsky5Spec",
     "kandinsky-5-i2v": "vidtune.models.kandinsky5:Kandinsky5ImageToVideoSpec",
+    "cosmos-predict-2.5": "vidtune.models.cosmos_predict25:CosmosPredict25Spec",
+    "cosmos-predict-2.5-v2w": "vidtune.models.cosmos_predict25:CosmosPredict25VideoToWorldSpec",
 }
 
 

@@ -26,7 +26,7 @@ def write_tiny_cosmos_predict25(
     folder: str | Path,
     *,
     num_layers: int = 2,
-    attention_head_dim: int = 12,
+    attention_head_dim: int = 16,
     num_attention_heads: int = 2,
     text_hidden: int = 16,
     text_layers: int = 2,

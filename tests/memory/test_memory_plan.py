@@ -136,6 +136,8 @@ DENOISER_PARAMETERS = {
     "kandinskylab/Kandinsky-5.0-I2V-Lite-5s-Diffusers": 2e9,
     "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers": 19e9,
     "kandinskylab/Kandinsky-5.0-I2V-Pro-sft-5s-Diffusers": 19e9,
+    "nvidia/Cosmos-Predict2.5-2B": 2e9,
+    "nvidia/Cosmos-Predict2.5-14B": 14e9,
 }
 
 

@@ -159,7 +159,8 @@ class CosmosPredict25Spec(ModelSpec):
                                                    add_vision_id=False, max_length=self.max_sequence_length,
                                                    truncation=True, padding="max_length")
             tokens = tokens["input_ids"] if not isinstance(tokens, list) and "input_ids" in tokens else tokens
-            ids.append(torch.as_tensor(tokens, dtype=torch.long))
+            # One conversation's ids; some tokenizer loads answer it as a batch of one.
+            ids.append(torch.as_tensor(tokens, dtype=torch.long).reshape(-1))
         hidden = text_encoder(torch.stack(ids).to(text_encoder.device), output_hidden_states=True).hidden_states
         layers = [(state - state.mean(dim=-1, keepdim=True)) / (state.std(dim=-1, keepdim=True) + 1e-8)
                   for state in hidden[1:]]
@@ -211,7 +212,7 @@ class CosmosPredict25Spec(ModelSpec):
         dtype, device = noisy_latents.dtype, noisy_latents.device
         indicator = self.frame_mask(self.condition_frames(conditions, noisy_latents), frames)
         hidden_states = noisy_latents
-        if bool(indicator.any()):
+        if CONDITION_LATENTS in conditions:  # blended whether or not a frame is given: no branch on tensor values
             clean = conditions[CONDITION_LATENTS].to(device=device, dtype=dtype)
             clean = torch.cat([clean, clean.new_zeros(batch, clean.shape[1], frames - clean.shape[2], height, width)],
                               dim=2) if clean.shape[2] < frames else clean[:, :, :frames]

@@ -239,9 +239,10 @@ class CosmosPredict25Spec(ModelSpec):
 
     # ----- ComfyUI ------------------------------------------------------------------------------------
     def comfyui_absent(self) -> str:
-        return ("vidtune writes no ComfyUI file for Cosmos Predict 2.5 yet: its key names for ComfyUI's Cosmos "
-                "Predict 2 model (comfy/ldm/cosmos/predict2.py) are not checked here. The run's diffusers adapter file "
-                "loads with Cosmos2_5_PredictBasePipeline's load_lora_weights, and with `vidtune sample`.")
+        return ("ComfyUI loads Cosmos Predict 2.5 with its Cosmos Predict 2 model (comfy/ldm/cosmos/predict2.py), "
+                "but vidtune does not write that file's key names for this family yet, so there is no ComfyUI file. "
+                "The run's diffusers adapter file loads with Cosmos2_5_PredictBasePipeline's load_lora_weights, and "
+                "with `vidtune sample`.")
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def safety_checker(self) -> Any:

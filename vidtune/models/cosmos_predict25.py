@@ -117,9 +117,10 @@ class CosmosPredict25Spec(ModelSpec):
     vae_class = AutoencoderKLWan
     denoiser_class = CosmosTransformer3DModel
     scheduler_class = UniPCMultistepScheduler
-    control_refusal = ("its transformer appends its condition-mask and padding-mask channels to the latents inside "
-                       "its forward, after where a control latent would join them, so a widened patch embedding "
-                       "would read the control's channels in the wrong place.")
+    # A Linear over (1, 2, 2) patches, channels outermost; the transformer appends its condition mask and padding
+    # mask after the control's channels.
+    control_input_layer = "patch_embed.proj"
+    control_channels_before_own = 2
     lora_presets: ClassVar[dict[str, tuple[str, ...]]] = {
         "attention": ATTENTION_TARGETS,
         "attention+ffn": ATTENTION_TARGETS + COSMOS_FEED_FORWARD_TARGETS,
@@ -228,6 +229,11 @@ class CosmosPredict25Spec(ModelSpec):
             padding_mask=noisy_latents.new_zeros(1, 1, height, width),
             return_dict=False,
         )[0]
+
+    def input_channels(self, denoiser: nn.Module) -> int:
+        """The patch embedding's channels: the latents, the condition mask (`in_channels` counts both) and the
+        padding mask the transformer adds."""
+        return int(denoiser.config.in_channels) + int(bool(denoiser.config.concat_padding_mask))
 
     def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """Each clip's mean squared error over the frames it predicts: given frames stay out (the pipeline replaces

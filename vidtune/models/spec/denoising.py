@@ -31,6 +31,10 @@ class Denoising(Loading):
     # position, each one's channels together), not outermost: the control's channels then arrive among each
     # position's, and the widened layer's inputs are put back in its order (base inputs, then the control's).
     control_channels_innermost: ClassVar[bool] = False
+    # Input channels the denoiser appends to `hidden_states` itself, inside its forward (Cosmos: its condition mask and
+    # padding mask), so they reach a channels-outermost input Linear after the control's channels: the widened
+    # layer's inputs are then put back in its order (base inputs, then the control's).
+    control_channels_before_own: ClassVar[int] = 0
     # The denoiser's transformer blocks, in forward order: the attribute names of its block lists
     # (`memory.blocks_to_swap` swaps the last N of them; see vidtune/offload.py).
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)

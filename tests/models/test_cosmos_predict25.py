@@ -3,6 +3,8 @@ the latents' normalisation, the conditioning frames as Cosmos2_5_PredictBasePipe
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -190,10 +192,19 @@ def test_video_to_world_samples_from_the_reference_clips_first_five_frames(folde
     assert float((sampled[:, :, :2] - x0[:, :, :2]).norm() / x0[:, :, :2].norm()) < 0.02
 
 
-def test_a_released_checkpoint_samples_only_through_nvidias_guardrail(tmp_path):
+def test_a_released_checkpoint_samples_only_through_nvidias_guardrail(tmp_path, folder):
+    if importlib.util.find_spec("cosmos_guardrail") is not None:
+        pytest.skip("cosmos_guardrail is installed here")
     spec = _spec(CosmosPredict25Spec, tmp_path)  # a folder without the tiny model's marker
     with pytest.raises(ModelError, match=r"pip install cosmos_guardrail"):
         spec.safety_checker()
+    # A run that validates is refused before anything loads; one without samples trains.
+    data = {"model": {"name": spec.name, "pretrained": str(tmp_path)}, "data": {"root": "."}}
+    with pytest.raises(ConfigError, match=r"(?s)^validation\.enabled: .*validation\.enabled: false"):
+        spec.check_training(build_config(data))
+    spec.check_training(build_config({**data, "validation": {"enabled": False}}))
+    # The tiny test model (random weights, the marker beside it) samples without it.
+    assert _spec(CosmosPredict25Spec, folder).safety_checker().check_text_safety("a red circle")
 
 
 # ----- a trained LoRA in the pipeline, resume ---------------------------------------------------------------

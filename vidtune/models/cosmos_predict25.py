@@ -23,6 +23,7 @@ from the reference clip's first five frames (video-to-world), the same checkpoin
 from __future__ import annotations
 
 import functools
+import importlib.util
 import types
 from pathlib import Path
 from typing import Any, ClassVar
@@ -38,7 +39,8 @@ from diffusers import (
 from torch import nn
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from vidtune.errors import ModelError
+from vidtune.config import Config
+from vidtune.errors import ConfigError, ModelError
 from vidtune.models.defaults import COSMOS_PREDICT_25
 from vidtune.models.first_frame import first_frame_generator
 from vidtune.models.spec import (
@@ -254,19 +256,35 @@ class CosmosPredict25Spec(ModelSpec):
     def safety_checker(self) -> Any:
         """NVIDIA's guardrail, which the pipeline runs on every prompt and sample (its license asks for it):
         `cosmos_guardrail`'s CosmosSafetyChecker. A tiny test model (random weights) gets a stand-in."""
-        pretrained = self.config.pretrained
-        if pretrained and (Path(pretrained) / TINY_MARKER).is_file():
+        if self.is_tiny_model():
             return UncheckedTinySamples()
-        try:
-            from cosmos_guardrail import CosmosSafetyChecker
-        except ImportError as error:
-            raise ModelError(
-                "Cosmos Predict 2.5 samples (validation, `vidtune sample`) go through NVIDIA's guardrail, which "
-                "Cosmos2_5_PredictBasePipeline runs on every prompt and video; the `cosmos_guardrail` package is not "
-                "installed.\nWhat to do: pip install cosmos_guardrail (it downloads nvidia/Cosmos-Guardrail1 on first "
-                "use), or turn validation off (validation.every_steps: 0) to train without samples."
-            ) from error
+        self.check_guardrail()
+        from cosmos_guardrail import CosmosSafetyChecker
+
         return CosmosSafetyChecker()
+
+    def is_tiny_model(self) -> bool:
+        pretrained = self.config.pretrained
+        return bool(pretrained) and (Path(pretrained) / TINY_MARKER).is_file()
+
+    @staticmethod
+    def check_guardrail(key: str = "") -> None:
+        """A ModelError (a ConfigError naming `key`, before a run) when `cosmos_guardrail` is not installed."""
+        if importlib.util.find_spec("cosmos_guardrail") is not None:
+            return
+        message = (
+            "Cosmos Predict 2.5 samples (validation, `vidtune sample`) go through NVIDIA's guardrail, which "
+            "Cosmos2_5_PredictBasePipeline runs on every prompt and video; the `cosmos_guardrail` package is not "
+            "installed.\nWhat to do: pip install cosmos_guardrail (vidtune's `cosmos` extra; it downloads "
+            "nvidia/Cosmos-Guardrail1 on first use), or set validation.enabled: false to train without samples."
+        )
+        raise ConfigError(f"{key}: {message}") if key else ModelError(message)
+
+    def check_training(self, config: Config) -> None:
+        """A run that samples (validation) needs the guardrail: refused before anything loads, not at its end."""
+        super().check_training(config)
+        if config.validation.enabled and not self.is_tiny_model():
+            self.check_guardrail("validation.enabled")
 
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
         return self.pipeline_class(tokenizer=text["tokenizer"], text_encoder=text["text_encoder"], vae=vae,

@@ -247,10 +247,10 @@ class CosmosPredict25Spec(ModelSpec):
 
     # ----- ComfyUI ------------------------------------------------------------------------------------
     def comfyui_absent(self) -> str:
-        return ("ComfyUI loads Cosmos Predict 2.5 with its Cosmos Predict 2 model (comfy/ldm/cosmos/predict2.py), "
-                "but vidtune does not write that file's key names for this family yet, so there is no ComfyUI file. "
-                "The run's diffusers adapter file loads with Cosmos2_5_PredictBasePipeline's load_lora_weights, and "
-                "with `vidtune sample`.")
+        return ("ComfyUI's core has a Cosmos Predict 2 model (comfy/ldm/cosmos/predict2.py) but, in the version read "
+                "for vidtune, not the text projection (`crossattn_proj`) Cosmos Predict 2.5 adds, so there is no "
+                "ComfyUI layout to write its file for. The run's diffusers adapter file loads with "
+                "Cosmos2_5_PredictBasePipeline's load_lora_weights, and with `vidtune sample`.")
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def safety_checker(self) -> Any:

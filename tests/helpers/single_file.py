@@ -123,6 +123,8 @@ MOCHI = [(r"^patch_embed\.proj", "x_embedder.proj"),
 RENAMES["mochi"] = MOCHI
 # Image-to-video and newer models of a family share its denoiser class and converter.
 RENAMES.update({"ltx-video-i2v": LTX_VIDEO, "ltx-2-i2v": LTX_2, "wan-i2v": WAN, "wan2.2": WAN, "wan2.2-i2v": WAN})
+# SkyReels V2 keeps Wan 2.1's original names: diffusers reads its files with the Wan converter.
+RENAMES.update({"skyreels-v2": WAN, "skyreels-v2-i2v": WAN, "skyreels-v2-df": WAN})
 
 
 def _swapped_halves(tensor: torch.Tensor) -> torch.Tensor:

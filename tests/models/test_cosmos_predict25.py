@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.helpers.runs import run_stopped_at
 from vidtune.config import ModelConfig, build_config
@@ -190,6 +190,15 @@ def test_video_to_world_samples_from_the_reference_clips_first_five_frames(folde
     # The given frames come back as the clip's own (the pipeline walks them from noise to the clip in a line).
     x0 = spec.prepare_latents(vae, clip)["latents_mean"]
     assert float((sampled[:, :, :2] - x0[:, :, :2]).norm() / x0[:, :, :2].norm()) < 0.02
+
+
+def test_a_single_file_is_refused_with_the_reason(folder, tmp_path):
+    path = tmp_path / "transformer.safetensors"
+    save_file({"x": torch.zeros(1)}, str(path))
+    spec = _spec(CosmosPredict25Spec, folder, transformer_file=str(path))
+    with pytest.raises(ModelError, match=r"(?s)model\.transformer_file: .*Cosmos 1\.0 and Cosmos Predict 2 files.*"
+                                         r"What to do: use the model in the diffusers layout"):
+        spec.check_source()
 
 
 def test_a_released_checkpoint_samples_only_through_nvidias_guardrail(tmp_path, folder):

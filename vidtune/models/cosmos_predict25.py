@@ -129,8 +129,18 @@ class CosmosPredict25Spec(ModelSpec):
         ALL_LINEAR: (ALL_LINEAR,),
     }
 
+    # diffusers' Cosmos converter is registered for the class, for Cosmos 1.0 and 2.0 files: see single_file_problem.
+    loads_single_file = True
+
     def native_max_sequence_length(self) -> int:
         return DEFAULT_MAX_SEQUENCE_LENGTH
+
+    def single_file_problem(self, config: dict[str, Any]) -> str | None:
+        """diffusers' single-file converter for CosmosTransformer3DModel recognises Cosmos 1.0 and Predict 2 files
+        (its model types stop at 2.0); vidtune has not checked it against Cosmos Predict 2.5's files."""
+        return ("diffusers' single-file converter for Cosmos (CosmosTransformer3DModel) recognises Cosmos 1.0 and "
+                "Cosmos Predict 2 files; vidtune does not read Cosmos Predict 2.5 files through it, as nothing checks "
+                "that it converts their text projection (crossattn_proj) and blocks alike.")
 
     # ----- shape rules, read from the VAE / transformer configs (no weights needed) --------------------
     @functools.cached_property

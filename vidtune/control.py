@@ -124,6 +124,8 @@ class ControlInput:
         self.handle = denoiser.register_forward_pre_hook(self.append_control, with_kwargs=True)
         if spec.control_channels_innermost:
             self.layer.register_forward_pre_hook(self.control_inputs_last)
+        elif spec.control_channels_before_own:
+            self.layer.register_forward_pre_hook(self.own_inputs_before_control)
 
     def control_inputs_last(self, layer: nn.Module, args: tuple) -> tuple:
         """A Linear reading patches with the channels innermost sees each position's base channels, then its control
@@ -134,6 +136,18 @@ class ControlInput:
         grouped = features.unflatten(-1, (positions, -1))
         base = self.in_features // positions
         return (torch.cat([grouped[..., :base].flatten(-2), grouped[..., base:].flatten(-2)], dim=-1), *args[1:])
+
+    def own_inputs_before_control(self, layer: nn.Module, args: tuple) -> tuple:
+        """A channels-outermost Linear of a denoiser that appends channels of its own after the control's (see
+        `ModelSpec.control_channels_before_own`) sees [latents, control, its own]: its inputs in the widened layer's
+        order, [latents, its own, control]."""
+        features = args[0]
+        per_channel = self.in_features // self.spec.input_channels(self.denoiser)
+        lead = self.in_features - self.spec.control_channels_before_own * per_channel
+        control = features.shape[-1] - self.in_features
+        reordered = torch.cat([features[..., :lead], features[..., lead + control:],
+                               features[..., lead:lead + control]], dim=-1)
+        return (reordered, *args[1:])
 
     @classmethod
     def attach(cls, spec: Any, denoiser: nn.Module, dtype: torch.dtype | None = None) -> ControlInput:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Extras left out by default: test tooling, and experiment trackers that the GPU run does not use.
-SKIPPED_EXTRAS = ("test", "wandb")
+SKIPPED_EXTRAS = ("test", "wandb", "cosmos")
 
 
 def normalise(name: str) -> str:

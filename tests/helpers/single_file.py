@@ -126,6 +126,8 @@ RENAMES.update({"ltx-video-i2v": LTX_VIDEO, "ltx-2-i2v": LTX_2, "wan-i2v": WAN, 
 # Wan VACE: Wan's names, and the VACE blocks' input / output projections as the original checkpoint names them.
 RENAMES["wan-vace"] = [(r"^(vace_blocks\.\d+)\.proj_in\.", r"\1.before_proj."),
                        (r"^(vace_blocks\.\d+)\.proj_out\.", r"\1.after_proj."), *WAN]
+# SkyReels V2 keeps Wan 2.1's original names: diffusers reads its files with the Wan converter.
+RENAMES.update({"skyreels-v2": WAN, "skyreels-v2-i2v": WAN, "skyreels-v2-df": WAN})
 
 
 def _swapped_halves(tensor: torch.Tensor) -> torch.Tensor:

@@ -140,6 +140,8 @@ DENOISER_PARAMETERS = {
     # output projection, the first with its input one) and the control patch embedding: 0.73B / 3.05B.
     "Wan-AI/Wan2.1-VACE-1.3B-diffusers": 2.15e9,
     "Wan-AI/Wan2.1-VACE-14B-diffusers": 17.3e9,
+    "nvidia/Cosmos-Predict2.5-2B": 2e9,
+    "nvidia/Cosmos-Predict2.5-14B": 14e9,
 }
 
 

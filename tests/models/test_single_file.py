@@ -29,7 +29,7 @@ from vidtune.trainers import build_trainer
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 # Families whose denoiser diffusers converts from a single file.
-CONVERTED = ["ltx-video", "ltx-2", "wan", "hunyuan-video", "mochi"]
+CONVERTED = ["ltx-video", "ltx-2", "wan", "hunyuan-video", "mochi", "skyreels-v2"]
 CPU = torch.device("cpu")
 
 
@@ -117,7 +117,8 @@ def test_a_single_file_trains_the_same_adapter_as_the_folder(make_config, conver
     _assert_same_run(reference, _train(make_config, family, tmp_path / "file", folder, path))
 
 
-@pytest.mark.parametrize("family", ["ltx-video-i2v", "ltx-2-i2v", "wan-i2v", "wan2.2", "wan-vace"])
+@pytest.mark.parametrize("family", ["ltx-video-i2v", "ltx-2-i2v", "wan-i2v", "wan2.2", "wan-vace", "skyreels-v2-i2v",
+                                    "skyreels-v2-df"])
 def test_image_to_video_and_newer_models_load_from_their_files(tiny_model_dir, tmp_path, family):
     folder = tiny_model_dir(family)
     path = write_original_layout(family, folder, tmp_path / "transformer.safetensors", prefix=COMFYUI_PREFIX)
@@ -162,14 +163,15 @@ def _float8_values(dtype: torch.dtype):
     return values
 
 
+@pytest.mark.parametrize("family", ["wan", "skyreels-v2"])
 @pytest.mark.usefixtures("aligned_weights")
-def test_a_float8_file_keeps_its_values_as_fp8_base_weights(make_config, tiny_model_dir, tmp_path):
-    folder = tiny_model_dir("wan")
-    path = write_original_layout("wan", folder, tmp_path / "wan_fp8_e4m3fn.safetensors", cast=float8_weights())
+def test_a_float8_file_keeps_its_values_as_fp8_base_weights(make_config, tiny_model_dir, tmp_path, family):
+    folder = tiny_model_dir(family)
+    path = write_original_layout(family, folder, tmp_path / "fp8_e4m3fn.safetensors", cast=float8_weights())
     # The same values in a diffusers folder: fp8 base weights round them to the same float8 values.
     rounded = dequantised_folder(folder, tmp_path / "rounded", _float8_values(torch.float8_e4m3fn))
-    reference = _train(make_config, "wan", tmp_path / "folder", rounded, base_weights="fp8")
-    _assert_same_run(reference, _train(make_config, "wan", tmp_path / "file", folder, path, base_weights="fp8"))
+    reference = _train(make_config, family, tmp_path / "folder", rounded, base_weights="fp8")
+    _assert_same_run(reference, _train(make_config, family, tmp_path / "file", folder, path, base_weights="fp8"))
 
 
 @pytest.mark.parametrize("base_weights", ["fp8", "auto"])
@@ -194,11 +196,12 @@ def test_e5m2_weights_are_kept_as_they_are_or_upcast_exactly(tiny_model_dir, tmp
         assert torch.equal(layer.weight, stored.to(torch.float32))
 
 
+@pytest.mark.parametrize("family", ["wan", "skyreels-v2"])
 @pytest.mark.usefixtures("aligned_weights")
-def test_scaled_fp8_is_dequantised_weight_times_scale(make_config, tiny_model_dir, tmp_path):
+def test_scaled_fp8_is_dequantised_weight_times_scale(make_config, tiny_model_dir, tmp_path, family):
     scale = 0.03
-    folder = tiny_model_dir("wan")
-    path = write_original_layout("wan", folder, tmp_path / "wan_fp8_scaled.safetensors",
+    folder = tiny_model_dir(family)
+    path = write_original_layout(family, folder, tmp_path / "fp8_scaled.safetensors",
                                  cast=scaled_float8_weights(scale), extra={"scaled_fp8": torch.zeros(0)})
 
     def dequantised(key: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -207,13 +210,13 @@ def test_scaled_fp8_is_dequantised_weight_times_scale(make_config, tiny_model_di
         return (tensor / scale).to(torch.float8_e4m3fn).to(torch.float32) * torch.tensor(scale)
 
     reference_folder = dequantised_folder(folder, tmp_path / "dequantised", dequantised)
-    denoiser = _spec("wan", folder, path).load_denoiser(CPU)
+    denoiser = _spec(family, folder, path).load_denoiser(CPU)
     expected = transformer_state(reference_folder)
     assert all(torch.equal(denoiser.state_dict()[key], expected[key]) for key in expected)
     key = "blocks.0.attn1.to_q.weight"
     assert not torch.equal(expected[key], transformer_state(folder)[key])  # the file's values, not the folder's
-    reference = _train(make_config, "wan", tmp_path / "folder", reference_folder)
-    _assert_same_run(reference, _train(make_config, "wan", tmp_path / "file", folder, path))
+    reference = _train(make_config, family, tmp_path / "folder", reference_folder)
+    _assert_same_run(reference, _train(make_config, family, tmp_path / "file", folder, path))
 
 
 @pytest.mark.usefixtures("aligned_weights")

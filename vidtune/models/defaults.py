@@ -146,6 +146,13 @@ WAN_VACE = FamilyDefaults(frames=81, height=480, width=832, fps=16.0, sigma_shif
         "Wan 2.1's (kohya-ss/musubi-tuner `docs/wan.md`: `--timestep_sampling shift --discrete_flow_shift 3.0`): "
         "VACE is Wan 2.1 with a control branch; modelscope/DiffSynth-Studio trains it with its Wan schedule "
         "(`examples/wanvideo/model_training/lora/Wan2.2-VACE-Fun-A14B.sh`)"))
+COSMOS_PREDICT_25 = FamilyDefaults(frames=93, height=704, width=1280, fps=16.0, sigma_shift=5.0, source=(
+    "nvidia-cosmos/cosmos-predict2.5 `cosmos_predict2/experiments/base/cosmos_nemo_assets.py` (`num_frames=93`, "
+    "`video_size=(704, 1280)`); 16 fps: the released models' `Fps-16` training configs and the pipeline's examples; "
+    "guidance 7: the pipeline's default"), noise_source=(
+        "nvidia-cosmos/cosmos-predict2.5 `cosmos_predict2/_src/predict2/configs/video2world/experiment/"
+        "reason_embeddings/model_2B_reason_1p1_rectified_flow.py`: `train_time_distribution=\"logitnormal\"` "
+        "(sigmoid of a standard normal), `shift=5`"))
 
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
@@ -156,6 +163,7 @@ FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "sana-video": SANA_VIDEO, "sana-video-i2v": SANA_VIDEO,
     "kandinsky-5": KANDINSKY_5, "kandinsky-5-i2v": KANDINSKY_5,
     "wan-vace": WAN_VACE,
+    "cosmos-predict-2.5": COSMOS_PREDICT_25, "cosmos-predict-2.5-v2w": COSMOS_PREDICT_25,
 }
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.

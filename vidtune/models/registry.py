@@ -36,6 +36,8 @@ SPECS: dict[str, str] = {
     "kandinsky-5": "vidtune.models.kandinsky5:Kandinsky5Spec",
     "kandinsky-5-i2v": "vidtune.models.kandinsky5:Kandinsky5ImageToVideoSpec",
     "wan-vace": "vidtune.models.wan_vace:WanVACESpec",
+    "cosmos-predict-2.5": "vidtune.models.cosmos_predict25:CosmosPredict25Spec",
+    "cosmos-predict-2.5-v2w": "vidtune.models.cosmos_predict25:CosmosPredict25VideoToWorldSpec",
 }
 
 

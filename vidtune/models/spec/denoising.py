@@ -34,6 +34,10 @@ class Denoising(Loading):
     # In-context training (`training.algorithm: in-context-lora`): the family's pipeline that samples with reference
     # clips whose tokens join the sequence (LTX2InContextPipeline); None: the family cannot train in context.
     in_context_pipeline_class: ClassVar[type | None] = None
+    # Input channels the denoiser appends to `hidden_states` itself, inside its forward (Cosmos: its condition mask and
+    # padding mask), so they reach a channels-outermost input Linear after the control's channels: the widened
+    # layer's inputs are then put back in its order (base inputs, then the control's).
+    control_channels_before_own: ClassVar[int] = 0
     # The denoiser's transformer blocks, in forward order: the attribute names of its block lists
     # (`memory.blocks_to_swap` swaps the last N of them; see vidtune/offload.py).
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)

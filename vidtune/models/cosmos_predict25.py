@@ -41,8 +41,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
+from vidtune.models.conditioning import visit_generator
 from vidtune.models.defaults import COSMOS_PREDICT_25
-from vidtune.models.first_frame import first_frame_generator
 from vidtune.models.spec import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
@@ -102,7 +102,7 @@ def condition_draw(probability: float, x0: torch.Tensor, positions: torch.Tensor
     never all of a clip's frames. Drawn from the visit's own generator, so a resumed run draws the same."""
     counts = []
     for position in positions.tolist():
-        generator = first_frame_generator(seed, int(position))
+        generator = visit_generator(seed, int(position))
         given, two = torch.rand(2, generator=generator).tolist()
         counts.append(0.0 if given >= probability else (2.0 if two < 0.5 else 1.0))
     return torch.tensor(counts, dtype=torch.float32).clamp(max=float(max(x0.shape[2] - 1, 0))).to(x0.device)

@@ -263,10 +263,11 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         starts = [0]
         if clip.info is not None and not clip.is_image:
             starts = window_starts(clip.info, frames, data.fps, data.frame_sampling, options.windows_per_clip)
-        # Control training: the control clip's latents are keyed like any clip's, over the same windows.
+        # Control training (and a family whose denoiser reads the control clip itself): the control clip's latents are
+        # keyed like any clip's, over the same windows.
         # With `control.processor`, the control is the clip itself through the processor.
         sources = [(clip.video, clip_hash, None)]
-        if traits_of(config).control:
+        if traits_of(config).control or spec.reads_control_clip:
             if processor is not None:
                 sources.append((clip.video, clip_hash, processor))
             elif clip.control is not None:

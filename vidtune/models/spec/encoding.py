@@ -24,6 +24,9 @@ class Encoding(SpecBase):
     # Bump when the family's prepare_conditions / prepare_latents code changes what it computes, so that
     # precomputed entries made by the old code are not reused (see `condition_identity`).
     cache_version: ClassVar[int] = 1
+    # True for a family whose denoiser takes each sample's control clip as an input of its own (Wan Animate's pose
+    # video), whatever the algorithm: the cache then encodes control clips for every run, as control training does.
+    reads_control_clip: ClassVar[bool] = False
 
     @abstractmethod
     def check_video_shape(self, frames: int, height: int, width: int) -> None:

@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 REFERENCE_CONDITION = "reference_condition"  # [B, 4 + C, 1 + F', H', W']: mask channels + reference / segment
 IMAGE_EMBEDS = "image_embeds"  # [B, tokens, width]: CLIP of the reference image
 BLANK_POSE = "blank_pose"  # [B, C, F', H', W']: the latents of a black pose video, used without a control clip
+# [B, 3, F, S, S]: each sample's face video at the motion encoder's size (`face_pixels`), when it has one.
+FACE_PIXELS = "face_pixels"
 
 
 class WanAnimateSpec(WanImageToVideoSpec):
@@ -147,7 +149,7 @@ class WanAnimateSpec(WanImageToVideoSpec):
         dtype = noisy_latents.dtype
         batch, _, frames = noisy_latents.shape[:3]
         hidden_states = torch.cat([noisy_latents, conditions[REFERENCE_CONDITION].to(dtype)], dim=1)
-        faces = conditions.get("face_pixels")
+        faces = conditions.get(FACE_PIXELS)
         return denoiser(
             hidden_states=hidden_states,
             timestep=timesteps.to(noisy_latents.device),

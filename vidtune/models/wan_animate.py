@@ -34,7 +34,7 @@ from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, wan_animate
 from vidtune.models.defaults import WAN_ANIMATE
-from vidtune.models.spec import CONTROL_LATENTS, Conditions, Latents, frames_to_pil
+from vidtune.models.spec import CONTROL_LATENTS, Conditions, GeneratedSample, Latents, frames_to_pil
 from vidtune.models.spec.sampling import step_callback
 from vidtune.models.wan import WanImageEncoders, WanImageToVideoSpec, WanSpec
 
@@ -188,6 +188,11 @@ class WanAnimateSpec(WanImageToVideoSpec):
             output_type=output_type,
             **step_callback(callback),
         )
+
+    def sampled_latents(self, pipeline: Any, result: Any, frames: int, height: int, width: int) -> GeneratedSample:
+        """WanAnimatePipeline's `output_type="latent"` result is denormalised (`z * std + mean`, what it decodes),
+        unlike its step latents: normalised back to the training layout."""
+        return GeneratedSample(latents=self.normalise(pipeline.vae, result.frames))
 
     @staticmethod
     def input_frames(video: torch.Tensor | None, frames: int, kind: str, blank: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,16 @@ def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSetti
     return read_clip(clips[0].video, window)
 
 
+def control_inputs(spec: ModelSpec, control: Path | None, settings: SampleSettings,
+                   fps: float | None = None) -> dict[str, torch.Tensor] | None:
+    """A family whose denoiser reads the control clip itself (Wan Animate's pose) samples following `control` (the
+    first dataset clip's, for validation) as its `pose` input [3, F, H, W], read at `fps` like training clips."""
+    if control is None or not spec.reads_control_clip or "pose" not in spec.sampling_inputs:
+        return None
+    return {"pose": read_clip(control, ClipWindow(settings.frames, settings.height, settings.width, fps=fps))
+            .transpose(0, 1)}
+
+
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:
     """A picture as a one-frame clip [1, 3, H, W] in [-1, 1]: resized to cover H x W, then center-cropped (as
     training clips are)."""
@@ -167,11 +177,11 @@ def stoppable(pipeline: Any, stop: Callable[[], bool] | None) -> Iterator[None]:
 def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleSettings, seed: int,
                   video_path: Path, *, reference: torch.Tensor | None = None, bf16: bool = False,
                   latents_path: Path | None = None, stop: Callable[[], bool] | None = None,
-                  step: int | None = None) -> Path:
+                  step: int | None = None, inputs: dict[str, torch.Tensor] | None = None) -> Path:
     """One sample with `pipeline`: `video_path` (mp4), its .png contact sheet (captioned with the prompt and, for a
     validation sample, the training `step`) and .txt prompt, and with `latents_path` the final latents. The denoiser
     is put in eval mode for sampling and back in the mode it had. `stop`: asked before each denoising step
-    (SamplingStopped when it says so)."""
+    (SamplingStopped when it says so). `inputs`: the sample's input videos (`ModelSpec.sampling_inputs`)."""
     denoiser = pipeline.transformer
     was_training = denoiser.training
     denoiser.eval()
@@ -187,7 +197,8 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
             sample = spec.sample(pipeline, prompt, frames=settings.frames, height=settings.height,
                                  width=settings.width, num_inference_steps=settings.num_inference_steps,
                                  guidance_scale=settings.guidance_scale, generator=torch.Generator().manual_seed(seed),
-                                 reference=reference, callback=keep_latents if latents_path is not None else None)
+                                 reference=reference, callback=keep_latents if latents_path is not None else None,
+                                 inputs=inputs)
     finally:
         denoiser.train(was_training)
     pixels = frames_to_uint8(sample.frames)
@@ -207,7 +218,8 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
 
 def render_samples(spec: ModelSpec, pipeline: Any, settings: SampleSettings, folder: Path, name: str, *,
                    reference: torch.Tensor | None = None, bf16: bool = False, progress: bool = False,
-                   stop: Callable[[], bool] | None = None, step: int | None = None) -> list[Path]:
+                   stop: Callable[[], bool] | None = None, step: int | None = None,
+                   inputs: dict[str, torch.Tensor] | None = None) -> list[Path]:
     """One sample per prompt (seed `settings.seed + number`), written as `folder/{name}-{number}.mp4`
     (+ .png contact sheet, + .txt prompt). `progress`: a bar of each sample's denoising steps; `stop`: asked
     before each sample and each denoising step (SamplingStopped when it says so)."""
@@ -221,7 +233,7 @@ def render_samples(spec: ModelSpec, pipeline: Any, settings: SampleSettings, fol
         try:
             written.append(render_sample(spec, pipeline, prompt, settings, settings.seed + number,
                                          folder / f"{name}-{number}.mp4", reference=reference, bf16=bf16, stop=stop,
-                                         step=step))
+                                         step=step, inputs=inputs))
         except SamplingStopped:
             raise SamplingStopped("sampling stopped", written) from None
     return written
@@ -407,6 +419,10 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
         print(f"Starting from the first frame of {clips[0].video} (the run's first clip; --image to choose).",
               flush=True)
     given = contextlib.nullcontext()
+    inputs = None
+    if spec.reads_control_clip:  # the control clip is one of the denoiser's own inputs (Wan Animate's pose)
+        inputs = control_inputs(spec, own_control_clip(run, control), settings, config.data.fps)
+        control = None
     if control is not None and run.control is None:
         raise VidtuneError(f"--control: {run.weights} was not trained with control clips (training.algorithm "
                            f"{config.training.algorithm}).\nWhat to do: leave out --control, or sample a run of "
@@ -417,7 +433,23 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     output.parent.mkdir(parents=True, exist_ok=True)
     with given:
         return render_sample(spec, run.pipeline, prompt, settings, settings.seed, output, reference=reference,
-                             bf16=run.bf16, latents_path=latents)
+                             bf16=run.bf16, latents_path=latents, inputs=inputs)
+
+
+def own_control_clip(run: RunPipeline, control: Path | None) -> Path | None:
+    """The control clip a family that reads it itself samples from: `control`, else the run's first clip's (None
+    when that clip has none: the family's own blank input)."""
+    if control is not None:
+        if not Path(control).is_file():
+            raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
+        return Path(control)
+    try:
+        control = read_sources(run.config.data).clips[0].control
+    except (VidtuneError, OSError, IndexError):
+        control = None
+    if control is not None:
+        print(f"Following the control clip {control} (the run's first clip's; --control to choose).", flush=True)
+    return control
 
 
 def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:

@@ -203,3 +203,22 @@ def test_two_pose_target_pairs_come_back_through_the_pipeline(make_config, shape
     for name, (own, other, untrained) in errors.items():
         assert own < other, f"target {name}: nearer the other target ({own:.3f} vs {other:.3f})"
         assert own < 0.3 * untrained, f"target {name}: {own:.3f} vs untrained {untrained:.3f}"
+
+
+def test_validation_samples_follow_the_first_clips_pose(make_config, shapes_dataset, tmp_path, monkeypatch):
+    """Validation hands the pipeline the first sample's control clip as its pose video, read at the samples' shape."""
+    root, _, poses = control_dataset(shapes_dataset, tmp_path / "data")
+    config = make_config(FAMILY, data_root=root, training={"steps": 1}, validation={"enabled": True})
+    trainer = build_trainer(config)
+    seen: list[dict[str, torch.Tensor] | None] = []
+    original = type(trainer.spec).sample
+
+    def recording(spec, *args, **kwargs):
+        seen.append(kwargs.get("inputs"))
+        return original(spec, *args, **kwargs)
+
+    monkeypatch.setattr(type(trainer.spec), "sample", recording)
+    trainer.run()
+    frames, height, width = TINY_SHAPES[FAMILY]
+    expected = read_clip(poses[0], ClipWindow(frames, height, width)).transpose(0, 1)
+    assert seen and all(inputs is not None and torch.equal(inputs["pose"], expected) for inputs in seen)

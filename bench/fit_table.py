@@ -19,7 +19,8 @@ from vidtune.memory.suggest import suggest
 MODELS = ["Lightricks/LTX-Video", "Lightricks/LTX-Video-0.9.7-dev", "THUDM/CogVideoX-5b", "THUDM/CogVideoX1.5-5B",
           "hunyuanvideo-community/HunyuanVideo", "hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
           "genmo/mochi-1-preview", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "Wan-AI/Wan2.1-T2V-14B-Diffusers",
-          "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Lightricks/LTX-2",
+          "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Wan-AI/Wan2.2-Animate-14B-Diffusers",
+          "Lightricks/LTX-2",
           "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers",
           "Efficient-Large-Model/SANA-Video_2B_480p_diffusers",
           "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers", "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers"]

@@ -40,7 +40,14 @@ from vidtune.data.encoded_store import EncodedStore
 from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import Clip, draw_weights
 from vidtune.models.spec import CONTROL_LATENTS, FRAME_RATE, Conditions, Latents, ModelSpec, TextComponents
-from vidtune.precompute import CachedClips, collate_cached, encode_captions, encode_videos, stack_items
+from vidtune.precompute import (
+    CachedClips,
+    collate_cached,
+    encode_captions,
+    encode_clip_inputs,
+    encode_videos,
+    stack_items,
+)
 from vidtune.processors import configured_processor
 
 T = TypeVar("T")
@@ -156,7 +163,8 @@ class EncodedBatches(BatchSource):
         rates = [self.spec.clip_frame_rate(clip, data.fps) for clip in self.clips]
         dataset = VideoCaptionDataset(self.clips, data.bucket_shapes(), data.fps, data.resize, data.frame_sampling,
                                       self.config.training.seed, configured_processor(self.config), self.store,
-                                      self.spec.audio_format(), rates if any(r is not None for r in rates) else None)
+                                      self.spec.audio_format(), rates if any(r is not None for r in rates) else None,
+                                      self.spec.input_kinds(self.config))
         return DataLoader(
             dataset,
             batch_sampler=sampler,
@@ -191,6 +199,10 @@ class EncodedBatches(BatchSource):
                                              device="cpu")
                     latents = [{**item, CONTROL_LATENTS: control["latents_mean"]}
                                for item, control in zip(latents, controls, strict=True)]
+                if "inputs" in raw:  # per-clip inputs, each encoded as the precompute stage encodes it
+                    latents = [{**item, **encode_clip_inputs(self.spec, self.vae, {kind: values[pick] for kind, values
+                                                                                   in raw["inputs"].items()}, item)}
+                               for pick, item in zip(chosen, latents, strict=True)]
                 if rate is not None:  # each sample's rate goes beside its latents, as the cache stores it
                     latents = [{**item, FRAME_RATE: torch.tensor([rate], dtype=torch.float64)} for item in latents]
                 encoded.update(zip(chosen, latents, strict=True))

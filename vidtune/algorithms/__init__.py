@@ -47,6 +47,12 @@ class AlgorithmTraits:
         return self.trains_adapter and not self.control and not self.distils
 
     @property
+    def weights_elements(self) -> bool:
+        """Whether the loss is each latent element's denoising error, which a mask can weight
+        (`training.masked_loss`); a distilled student's is the error to the teacher's output."""
+        return not self.distils
+
+    @property
     def stream_noise_levels(self) -> bool:
         """Whether other streams (LTX-2's audio) get noise levels of their own, or follow the video's."""
         return not self.learns_sampling_steps

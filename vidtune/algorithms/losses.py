@@ -33,7 +33,8 @@ from torch import nn
 from vidtune import parallel
 from vidtune.algorithms import AlgorithmTraits
 from vidtune.data.buckets import visit_generator
-from vidtune.models.spec import CONTROL_LATENTS, POSTERIOR_KEYS, Conditions, ModelSpec, draw_latent
+from vidtune.data.inputs import input_key
+from vidtune.models.spec import CONTROL_LATENTS, LOSS_MASK, POSTERIOR_KEYS, Conditions, ModelSpec, draw_latent
 from vidtune.objectives import FlowMatching, per_clip_levels
 from vidtune.schedulers import sampling_sigmas
 
@@ -133,6 +134,8 @@ def noisy_inputs(context: LossContext, batch: Batch) -> NoisyInputs:
     # streams' noise, drawn last from each visit's generator.
     conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS},
                   **spec.visit_conditions(x0, batch.positions, seed)}
+    if config.training.masked_loss:  # each clip's mask on the latent grid weights its error (`spec.clip_error`)
+        conditions[LOSS_MASK] = batch.latents[input_key("mask")]
     stream_inputs, stream_levels = (spec.stream_noise(objective, batch.latents, generators)
                                     if context.part.traits.stream_noise_levels else ({}, {}))
     return NoisyInputs({**conditions, **stream_inputs}, objective.noisy(x0, noise, levels),

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vidtune.algorithms import ALGORITHM_NAMES, algorithm_traits
+from vidtune.data.inputs import INPUT_KINDS, rectangle_problem, unknown_kind_problem
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -181,6 +182,23 @@ class _SourceBase(Section):
         False, description="Held out: this source's samples are never trained on, only scored for the held-out score "
         "(see validation.eval_clips and docs/evaluation.md)."
     )
+    mask_rect: tuple[float, float, float, float] | None = Field(
+        None, description="A mask for every clip of this source without a mask file: the rectangle `[x0, y0, x1, y1]` "
+        "(fractions of the width and height, from the top left) is white (learnt), the rest black (see "
+        "training.masked_loss and docs/data.md)."
+    )
+
+    @model_validator(mode="after")
+    def _check_inputs(self) -> _SourceBase:
+        for kind in getattr(self, "inputs", {}):
+            problem = unknown_kind_problem(kind)
+            if problem:
+                raise ValueError(f"inputs: {problem}")
+        if self.mask_rect is not None:
+            problem = rectangle_problem(self.mask_rect)
+            if problem:
+                raise ValueError(problem)
+        return self
 
     @model_validator(mode="after")
     def _check_caption_options(self) -> _SourceBase:
@@ -209,6 +227,11 @@ class PairsSource(_SourceBase):
     prompts: str = Field("prompts.txt", description="File with one caption a line, same order.")
     controls: str = Field("controls.txt", description="Control training: file with one control clip path a line, "
                           "same order (read only by `control-*` algorithms).")
+    inputs: dict[str, str] = Field(
+        default_factory=dict, description="Per-clip inputs, kind -> a list file beside the clip list (line n: the "
+        f"input of the clip on line n; an empty line: none; images separated by `|`). Kinds: {', '.join(INPUT_KINDS)} "
+        "(docs/data.md)."
+    )
 
 
 class FolderSource(_SourceBase):
@@ -227,6 +250,10 @@ class MetadataSource(_SourceBase):
     caption_column: str = Field("caption", description="Column (CSV) or key (JSONL) holding the caption.")
     control_column: str | None = Field(
         None, description="Control training: column (CSV) or key (JSONL) holding the control clip's path."
+    )
+    inputs: dict[str, str] = Field(
+        default_factory=dict, description="Per-clip inputs, kind -> the column (CSV) or key (JSONL) holding its path "
+        f"(empty: none; images separated by `|`, or a JSON list). Kinds: {', '.join(INPUT_KINDS)} (docs/data.md)."
     )
 
 
@@ -428,6 +455,12 @@ class TrainingConfig(Section):
         "extra loss W x mse(adapter's prediction, base model's prediction) at the visit's noisy latents, on one of "
         "`prompts` drawn per visit or (null) the clip's caption without its source's `trigger`, replaced by "
         "`class_word` (empty: removed). See docs/algorithms.md. null: off.",
+    )
+    masked_loss: bool = Field(
+        False, description="Weight each clip's loss by its mask (a `mask` input, or its source's `mask_rect`), "
+        "downsampled to the latent grid as the VAE downsamples; white is learnt, black left out; normalised by the "
+        "mask's area, so an all-white mask is the plain loss. Every training clip needs a mask. Per-element "
+        "denoising losses only (lora, full, control-*). See docs/algorithms.md.",
     )
 
 
@@ -917,6 +950,12 @@ class Config(Section):
                 "weights; set memory.base_weights=auto or remove distillation.student"
             )
         self._check_adapter()
+        if self.training.masked_loss and not traits.weights_elements:
+            raise ValueError(
+                f"training.masked_loss works with a per-element denoising loss (lora, full, control-lora, "
+                f"control-full): {algorithm} learns from the frozen model's outputs, not from the clip's pixels; "
+                "remove training.masked_loss"
+            )
         if self.training.preserve_base is not None:
             self._check_preserve_base(traits)
         if base_weights != "auto" and self.lora.use_dora:

@@ -15,6 +15,8 @@ from vidtune.data.audio import AudioFormat, ClipAudio, as_clip_audio, decode_aud
 from vidtune.data.buckets import Shape, visit_start
 from vidtune.data.captions import visit_untriggered
 from vidtune.data.frame_store import FrameStore
+from vidtune.data.input_files import frames_tensor, input_reads, read_input
+from vidtune.data.inputs import INPUT_KINDS
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipTooShortError, ClipWindow, VideoDecodeError, decode_clip, frames_to_tensor
 from vidtune.processors import ProcessorChoice, apply_processor
@@ -38,7 +40,8 @@ class VideoCaptionDataset(Dataset):
     def __init__(self, clips: Sequence[Clip], shapes: Sequence[Shape], fps: float | None = None,
                  resize: str = "crop", frame_sampling: str = "start", seed: int = 0,
                  processor: ProcessorChoice | None = None, store: FrameStore | None = None,
-                 audio: AudioFormat | None = None, frame_rates: Sequence[float | None] | None = None) -> None:
+                 audio: AudioFormat | None = None, frame_rates: Sequence[float | None] | None = None,
+                 inputs: Sequence[str] = ()) -> None:
         self.clips = list(clips)
         self.shapes = list(shapes)
         self.fps = fps
@@ -49,6 +52,7 @@ class VideoCaptionDataset(Dataset):
         self.store = store  # decoded windows kept for later visits (data.frame_store_mib)
         self.audio = audio  # the sound's format, for a family that trains on it (None: no sound decoded)
         self.frame_rates = None if frame_rates is None else list(frame_rates)  # per sample, in `clips` order
+        self.inputs = tuple(inputs)  # the input kinds read where a clip has them (vidtune/data/inputs.py)
 
     def __len__(self) -> int:
         return len(self.clips)
@@ -76,7 +80,23 @@ class VideoCaptionDataset(Dataset):
             item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), item["video"])
         elif clip.control is not None:  # control training: the same window of the control clip
             item["control"] = self.read(clip, clip.control, frames, height, width, start)
+        kinds = [kind for kind in self.inputs if kind in clip.inputs or (kind == "mask" and clip.mask_rect)]
+        if kinds:  # each input with the clip's own window: the same times, crop and resize
+            window = ClipWindow(frames, height, width, self.fps, start, self.resize)
+            item["inputs"] = {kind: self.read_input(clip, kind, window) for kind in kinds}
         return item
+
+    def read_input(self, clip: Clip, kind: str, window: ClipWindow) -> torch.Tensor | list[torch.Tensor]:
+        """One input of the clip for its window (kept in the frame store like the clip's frames)."""
+        if self.store is None:
+            return read_input(clip, kind, window)
+        try:
+            read = [frames_tensor(self.store.frames(("input", kind, one.path, repr(one.describe())), one.frames))
+                    for one in input_reads(clip, kind, window)]
+        except (VideoDecodeError, ClipTooShortError) as error:
+            raise VideoDecodeError(getattr(error, "path", clip.video), error.reason,
+                                   where=f"the {kind} of {clip.where}") from error
+        return read if INPUT_KINDS[kind].media == "images" else read[0]
 
     def read(self, clip: Clip, path: Path, frames: int, height: int, width: int, start: int) -> torch.Tensor:
         window = ClipWindow(frames, height, width, self.fps, start, self.resize)
@@ -119,6 +139,14 @@ def collate_samples(batch: Sequence[dict[str, Any]]) -> dict[str, Any]:
         extras["audio_present"] = torch.tensor([item["audio_present"] for item in batch], dtype=torch.bool)
     if "frame_rate" in batch[0]:
         extras["frame_rate"] = torch.tensor([item["frame_rate"] for item in batch], dtype=torch.float64)
+    kinds = [sorted(item.get("inputs", {})) for item in batch]
+    if any(found != kinds[0] for found in kinds):
+        where = "; ".join(f"sample {item['index']}: {', '.join(found) or 'none'}" for item, found in zip(batch, kinds,
+                                                                                                       strict=True))
+        raise ValueError(f"a batch's samples have different inputs ({where}): an optional input must be given for "
+                         "every clip or none, or train with training.batch_size=1")
+    if kinds[0]:  # per kind, one value per sample (shapes may differ: a still mask beside a clip's)
+        extras["inputs"] = {kind: [item["inputs"][kind] for item in batch] for kind in kinds[0]}
     return {
         **extras,
         "video": torch.stack([item["video"] for item in batch]),

@@ -118,7 +118,8 @@ def check_data(config: Config, spec: Any, progress: bool = True) -> DataCheck:
         first, *rest = str(error).rsplit("\nWhat to do:", 1)[0].split("\n")
         config_problems.append("\n".join([first, *(f"  {line}" if line.startswith("  ") else f"    {line}"
                                                     for line in rest)]))
-    check = DataCheck(shapes, inspect_dataset(data, progress=progress), config_problems, family=spec.name,
+    report = inspect_dataset(data, progress=progress, required_inputs=spec.required_inputs(config))
+    check = DataCheck(shapes, report, config_problems, family=spec.name,
                       reads_sound=spec.audio_format() is not None, data=data)
     _count_tokens(check, spec)
     _find_duplicates(check)

@@ -20,7 +20,7 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -29,6 +29,14 @@ from tqdm import tqdm
 
 from vidtune.data.buckets import assign_bucket, clips_as_stills
 from vidtune.data.captions import CaptionStyle
+from vidtune.data.input_files import (
+    missing_input_problems,
+    parse_input_value,
+    probe_inputs,
+    read_list_inputs,
+    split_folder_inputs,
+)
+from vidtune.data.inputs import IMAGES_SEPARATOR, ClipInputs, Rectangle
 from vidtune.data.video import (
     IMAGE_SUFFIXES,
     VIDEO_SUFFIXES,
@@ -76,6 +84,11 @@ class Clip:
     weight: float | None = None
     regularization: bool = False
     loss_weight: float = 1.0
+    # Per-clip inputs (vidtune/data/inputs.py): kind -> its files, read with the clip's window; after
+    # `load_dataset` their probes; the source's `mask_rect`, a mask for every clip without a mask file.
+    inputs: ClipInputs = field(default_factory=ClipInputs)
+    input_info: Mapping[str, tuple[VideoInfo, ...]] = field(default_factory=dict, compare=False)
+    mask_rect: Rectangle | None = None
 
     @property
     def untriggered(self) -> str:
@@ -307,11 +320,13 @@ def read_sources(data: DataConfig) -> DatasetReport:
             if source.type == "pairs":
                 found, problems = _read_pairs(Path(source.root), source.videos, source.prompts)
                 found = _read_controls(Path(source.root), source.controls, found, problems)
+                if source.inputs:
+                    found = read_list_inputs(Path(source.root), source.inputs, found, problems, read_lines)
             elif source.type == "folder":
                 found, problems = _read_folder(Path(source.root), report)
             else:
                 found, problems = _read_metadata(Path(source.path), source.video_column, source.caption_column,
-                                                 source.control_column)
+                                                 source.control_column, source.inputs)
         except DataError as error:  # the source as a whole cannot be read
             problems = error.problems
         where = f"(in {source.root}) " if source.type == "pairs" and len(sources) > 1 else ""
@@ -330,7 +345,8 @@ def read_sources(data: DataConfig) -> DatasetReport:
                                         untriggered_caption=untriggered if caption != untriggered else None,
                                         source_number=number, weight=source.weight,
                                         regularization=source.role == "regularization",
-                                        loss_weight=source.loss_weight))
+                                        loss_weight=source.loss_weight,
+                                        mask_rect=None if source.mask_rect is None else tuple(source.mask_rect)))
     if not report.clips and not report.source_problems:
         report.source_problems.append("The datasets hold no samples at all.")
     return report
@@ -348,11 +364,14 @@ def draw_weights(clips: Sequence[Clip]) -> list[float] | None:
     return [weights[clip.source_number] / total / counts[clip.source_number] for clip in clips]
 
 
-def inspect_dataset(data: DataConfig, progress: bool = True) -> DatasetReport:
-    """`read_sources`, then every sample probed (headers and packets, no decoding) and given its bucket."""
+def inspect_dataset(data: DataConfig, progress: bool = True, required_inputs: Sequence[str] = ()) -> DatasetReport:
+    """`read_sources`, then every sample and its inputs probed (headers and packets, no decoding) and the sample
+    given its bucket; `required_inputs`: the input kinds the run reads, which every sample must have."""
     report = read_sources(data)
     shapes = data.bucket_shapes()
     probed: dict[Path, VideoInfo | VideoDecodeError] = {}  # a file may be listed twice, with two captions
+    for number, problems in missing_input_problems(report.clips, required_inputs).items():
+        report.sample_problems.setdefault(number, []).extend(problems)
     for number, clip in enumerate(tqdm(report.clips, desc="Checking samples", unit="sample", disable=not progress)):
         if clip.video not in probed:
             probed[clip.video] = probe(clip)
@@ -361,19 +380,24 @@ def inspect_dataset(data: DataConfig, progress: bool = True) -> DatasetReport:
             report.sample_problems.setdefault(number, []).append(info.reason)
             continue
         bucket, reason = assign_bucket(info, clip.is_image, shapes, data.fps)
-        report.clips[number] = replace(clip, info=info, bucket=bucket)
+        input_info, input_problems = probe_inputs(clip, info, probed) if clip.inputs else ({}, [])
+        report.clips[number] = replace(clip, info=info, bucket=bucket, input_info=input_info)
         if reason:
             report.sample_problems.setdefault(number, []).append(reason)
+        report.sample_problems.setdefault(number, []).extend(input_problems)
+        if not report.sample_problems[number]:
+            del report.sample_problems[number]
     stills = clips_as_stills(shapes, data.frames, [(clip.is_image, clip.bucket) for clip in report.clips])
     if stills:
         report.source_problems.append(stills)
     return report
 
 
-def load_dataset(data: DataConfig, progress: bool = True) -> list[Clip]:
+def load_dataset(data: DataConfig, progress: bool = True, required_inputs: Sequence[str] = ()) -> list[Clip]:
     """The checked samples of a config's data section (each with `info` and `bucket`), or one DataError listing
-    every problem of every source. Warnings (files a folder holds but no sample uses) are printed."""
-    report = inspect_dataset(data, progress=progress)
+    every problem of every source (`required_inputs`: the input kinds every sample must have). Warnings (files a
+    folder holds but no sample uses) are printed."""
+    report = inspect_dataset(data, progress=progress, required_inputs=required_inputs)
     report.raise_problems()
     for warning in report.warnings:
         print(f"Note: {warning}", flush=True)
@@ -425,7 +449,7 @@ def _read_folder(root: Path, report: DatasetReport) -> tuple[list[Clip], list[st
     if not media:
         raise DataError([f"The dataset folder {root} holds no clips or images (looked for "
                          f"{', '.join(MEDIA_SUFFIXES)}, in subfolders too)."])
-    problems: list[str] = []
+    media, inputs, problems = split_folder_inputs(media)  # `<stem>.<kind>.<ext>`: an input beside its clip
     clips: list[Clip] = []
     used: set[Path] = set()
     for path in media:
@@ -444,7 +468,8 @@ def _read_folder(root: Path, report: DatasetReport) -> tuple[list[Clip], list[st
         if not caption:
             problems.append(f"{caption_file} is empty: write the caption of {name} in it.")
             continue
-        clips.append(Clip(path, caption, len(clips), 0, name, is_image=is_image_path(path)))
+        clips.append(Clip(path, caption, len(clips), 0, name, is_image=is_image_path(path),
+                          inputs=ClipInputs(inputs.get(path, {}))))
     orphans = [path for path in files if path.suffix.lower() == ".txt" and path not in used]
     others = [path for path in files if path.suffix.lower() not in (*MEDIA_SUFFIXES, ".txt")]
     if orphans:
@@ -463,8 +488,8 @@ def _listing(paths: list[Path], root: Path) -> str:
     return ", ".join(names) + more
 
 
-def _read_metadata(path: Path, video_column: str, caption_column: str,
-                   control_column: str | None = None) -> tuple[list[Clip], list[str]]:
+def _read_metadata(path: Path, video_column: str, caption_column: str, control_column: str | None = None,
+                   input_columns: Mapping[str, str] | None = None) -> tuple[list[Clip], list[str]]:
     """The samples of a .csv (with a header row) or .jsonl file; clip paths relative to the file's folder."""
     path = path.expanduser().absolute()
     suffix = path.suffix.lower()
@@ -476,11 +501,12 @@ def _read_metadata(path: Path, video_column: str, caption_column: str,
         raise DataError([f"The metadata file {path} {'is a folder' if path.exists() else 'does not exist'}: point "
                          "the `metadata` dataset's path at a .csv or .jsonl file."])
     text = "\n".join(read_lines(path))  # UTF-8 (with a clear message if not), any line ends
-    rows = _csv_rows(path, text, video_column, caption_column, control_column) if suffix == ".csv" else \
-        _jsonl_rows(path, text, video_column, caption_column, control_column)
+    input_columns = dict(input_columns or {})
+    rows = _csv_rows(path, text, video_column, caption_column, control_column, input_columns) if suffix == ".csv" \
+        else _jsonl_rows(path, text, video_column, caption_column, control_column, input_columns)
     problems: list[str] = []
     clips: list[Clip] = []
-    for line, row, video, caption, problem, control_text in rows:
+    for line, row, video, caption, problem, control_text, input_texts in rows:
         where = f"{path.name} row {row} (line {line})" if row else f"{path.name} line {line}"
         if problem:
             problems.append(f"{where}: {problem}")
@@ -508,8 +534,15 @@ def _read_metadata(path: Path, video_column: str, caption_column: str,
                 problems.append(f"{where}: the control clip {_preview(control_text)} was not found (looked for "
                                 f"{control}). Check the spelling, or write the path relative to {path.parent}.")
                 continue
+        inputs: dict[str, tuple[Path, ...]] = {}
+        for kind, value in input_texts:
+            paths, input_problems = parse_input_value(kind, value, path.parent,
+                                                      f"{where}, {input_columns[kind]!r}")
+            problems.extend(input_problems)
+            if paths:
+                inputs[kind] = paths
         clips.append(Clip(resolved, caption, len(clips), line, path.name, is_image=is_image_path(resolved), row=row,
-                          control=control))
+                          control=control, inputs=ClipInputs(inputs)))
     if not clips and not problems:
         problems.append(f"{path} names no samples: write one clip or image and its caption per "
                         f"{'row' if suffix == '.csv' else 'line'}.")
@@ -525,23 +558,26 @@ class Row(NamedTuple):
     caption: str = ""
     problem: str | None = None
     control: str = ""  # the control clip, when a control column is read
+    inputs: tuple[tuple[str, str], ...] = ()  # (kind, value) of each input column read
 
 
 def _csv_rows(path: Path, text: str, video_column: str, caption_column: str,
-              control_column: str | None = None) -> list[Row]:
+              control_column: str | None = None, input_columns: Mapping[str, str] | None = None) -> list[Row]:
     reader = csv.reader(io.StringIO(text, newline=""))
     try:
         header = [cell.strip(_STRIP) for cell in next(reader)]
     except StopIteration:
         raise DataError([f"{path} is empty: write a header row (e.g. {video_column},{caption_column}) and one row "
                          "per clip."]) from None
-    columns = (video_column, caption_column, *([control_column] if control_column else []))
+    kinds = list(input_columns or {})
+    columns = (video_column, caption_column, *([control_column] if control_column else []),
+               *(input_columns or {}).values())
     missing = [column for column in columns if column not in header]
     if missing:
         raise DataError([f"{path.name} has no column {' and no column '.join(repr(c) for c in missing)} (line 1, "
                          f"the header row); its columns are: {', '.join(repr(c) for c in header if c) or 'none'}. "
-                         "Rename the column in the file, or set video_column / caption_column / control_column in "
-                         "the dataset entry to the column that holds it."], hint=f"File: {path}")
+                         "Rename the column in the file, or set video_column / caption_column / control_column / "
+                         "inputs in the dataset entry to the column that holds it."], hint=f"File: {path}")
     at = [header.index(column) for column in columns]
     rows: list[Row] = []
     line = reader.line_num + 1
@@ -553,13 +589,15 @@ def _csv_rows(path: Path, text: str, video_column: str, caption_column: str,
             rows.append(Row(start, number, problem=f"it has {len(cells)} cells but the header has {len(header)}: "
                             "check for a missing comma or a caption with a comma that is not in double quotes."))
             continue
-        video, caption, *control = (cells[i].strip(_STRIP) for i in at)
-        rows.append(Row(start, number, video, caption, control=control[0] if control else ""))
+        video, caption, *rest = (cells[i].strip(_STRIP) for i in at)
+        control, values = rest[: len(rest) - len(kinds)], rest[len(rest) - len(kinds):]
+        rows.append(Row(start, number, video, caption, control=control[0] if control else "",
+                        inputs=tuple(zip(kinds, values, strict=True))))
     return rows
 
 
 def _jsonl_rows(path: Path, text: str, video_column: str, caption_column: str,
-                control_column: str | None = None) -> list[Row]:
+                control_column: str | None = None, input_columns: Mapping[str, str] | None = None) -> list[Row]:
     columns = (video_column, caption_column, *([control_column] if control_column else []))
     rows: list[Row] = []
     for line, content in enumerate(text.split("\n"), start=1):
@@ -587,5 +625,20 @@ def _jsonl_rows(path: Path, text: str, video_column: str, caption_column: str,
                             "quotes)."))
             continue
         video, caption, *control = (value.strip(_STRIP) for value in values)
-        rows.append(Row(line, 0, video, caption, control=control[0] if control else ""))
+        # An input key may be left out of a line (that clip has none); several images may be a list of paths.
+        inputs, problem = _jsonl_inputs(item, input_columns or {})
+        rows.append(Row(line, 0, video, caption, problem, control=control[0] if control else "", inputs=inputs))
     return rows
+
+
+def _jsonl_inputs(item: dict, input_columns: Mapping[str, str]) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    """(kind, value) of each input key of a JSONL object (a list of paths joined by '|'), or a problem."""
+    found = []
+    for kind, key in input_columns.items():
+        value = item.get(key, "")
+        if isinstance(value, list) and all(isinstance(part, str) for part in value):
+            value = IMAGES_SEPARATOR.join(value)
+        if not isinstance(value, str):
+            return (), f"{key!r} must be a path in double quotes (or a list of them), not {json.dumps(value)}."
+        found.append((kind, value))
+    return tuple(found), None

@@ -360,13 +360,18 @@ def _image_array(path: Path, height: int, width: int, resize: str) -> np.ndarray
             image = ImageOps.exif_transpose(opened).convert("RGB")
     except (OSError, SyntaxError, ValueError) as error:
         raise VideoDecodeError(path, _damaged_image_reason(error)) from error
+    return resize_image(image, height, width, resize)[None]
+
+
+def resize_image(image: Image.Image, height: int, width: int, resize: str) -> np.ndarray:
+    """An RGB image as uint8 [H, W, 3], resized to (height, width) as a still's frame is (see `ClipWindow`)."""
     if resize == "stretch":
         image = image.resize((width, height), Image.Resampling.LANCZOS)
     elif resize == "fit":
         image = ImageOps.pad(image, (width, height), Image.Resampling.LANCZOS, color=(0, 0, 0))
     else:
         image = ImageOps.fit(image, (width, height), Image.Resampling.LANCZOS)
-    return np.array(image)[None]  # a writable copy for torch
+    return np.array(image)  # a writable copy for torch
 
 
 def read_frames(path: str | os.PathLike[str], indices: list[int], size: tuple[int, int] | None = None,

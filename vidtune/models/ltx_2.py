@@ -464,7 +464,7 @@ class LTX2Spec(ModelSpec):
         sound (`AUDIO_PRESENT` 0) adds no audio error, and its video does not see the audio stream: it trains video
         only."""
         video, audio, audio_target = self.predict(denoiser, conditions, noisy_latents, timesteps)
-        video_error = self.per_clip_error((video.float() - target).pow(2), conditions)
+        video_error = self.clip_error((video.float() - target).pow(2), conditions)
         audio_error = (audio.float() - audio_target).pow(2).flatten(1).mean(dim=1)
         heard = self.heard(conditions, video.shape[0]).float().to(audio_error.device)
         return video_error + self.audio_loss_weight * heard * audio_error

@@ -39,7 +39,7 @@ from vidtune.files import TEMPORARY_SUFFIX, atomic_write_bytes
 
 # Bump when what an entry holds, or how it is computed, changes in a way its key does not capture.
 FORMAT_VERSION = 1
-KINDS = ("conditions", "latents")
+KINDS = ("conditions", "latents", "inputs")
 SUFFIX = ".safetensors"
 _CHUNK = 1 << 20
 

@@ -83,6 +83,10 @@ class CachedClips(Dataset):
         if controls:  # control training: the same window of the control clip, its posterior mean
             control = as_posterior(self.read("latents", controls[window]))["latents_mean"]
             latents = {**latents, CONTROL_LATENTS: control}
+        inputs = self.plan.input_windows[item] if self.plan.input_windows else {}
+        if inputs:  # per-clip inputs: the same window's entry of each kind
+            latents = {**latents, **{name: value for keys in inputs.values()
+                                     for name, value in self.read("inputs", keys[window]).items()}}
         variants = self.plan.condition_variants[item]
         variant = variant_of_visit(len(variants), self.config.training.seed, position)
         found = {

@@ -174,6 +174,16 @@ def encode_videos(spec: ModelSpec, vae: torch.nn.Module, clips: torch.Tensor | S
     return items
 
 
+def encode_clip_inputs(spec: ModelSpec, vae: torch.nn.Module | None, inputs: dict[str, Any], latents: Tensors
+                       ) -> Tensors:
+    """One clip's inputs (`item["inputs"]`: a tensor per kind, a list for an `images` kind) encoded beside its
+    latents (no batch dimension), as a batch of one: the one way both the cache and on-the-fly training encode
+    them (`spec.encode_inputs`)."""
+    batch = {kind: [value] if isinstance(value, list) else value[None] for kind, value in inputs.items()}
+    encoded = spec.encode_inputs(vae, batch, {key: value[None] for key, value in latents.items()})
+    return {key: value[0].detach().float().cpu().contiguous() for key, value in encoded.items()}
+
+
 def stack_decoded(decoded: Sequence[Decoded]) -> tuple[torch.Tensor, AudioBatch | None]:
     """Decoded windows of one shape as a batch: frames [B, F, 3, H, W] and their sound (None when not read)."""
     sounds = [sound for _, sound in decoded if sound is not None]
@@ -241,10 +251,14 @@ class PrecomputeSummary:
     computed_keys: dict[str, list[str]] = field(default_factory=dict)  # this rank's, by kind
     plan: CachePlan | None = None
     sound: str | None = None  # which clips train with their sound (a family that trains on it; `sound_line`)
+    inputs_computed: int = 0  # per-clip inputs (masks, references, ...; vidtune/data/inputs.py)
+    inputs_reused: int = 0
 
     def line(self) -> str:
+        inputs = (f"; inputs: {self.inputs_computed} computed, {self.inputs_reused} reused"
+                  if self.inputs_computed or self.inputs_reused else "")
         return (f"conditions: {self.conditions_computed} computed, {self.conditions_reused} reused; "
-                f"latents: {self.latents_computed} computed, {self.latents_reused} reused")
+                f"latents: {self.latents_computed} computed, {self.latents_reused} reused{inputs}")
 
 
 def build_spec(config: Config) -> ModelSpec:
@@ -255,11 +269,12 @@ def build_spec(config: Config) -> ModelSpec:
 
 
 def load_clips(config: Config, spec: ModelSpec, progress: bool = True) -> list[Clip]:
-    """The dataset, checked like `vidtune train` checks it (each sample with its probe and bucket)."""
+    """The dataset, checked like `vidtune train` checks it (each sample with its probe and bucket, and the inputs
+    the run reads)."""
     data = config.data
     spec.check_source()
     check_bucket_shapes(spec, data.bucket_shapes(), single=not data.buckets)
-    return load_dataset(data, progress=progress)
+    return load_dataset(data, progress=progress, required_inputs=spec.required_inputs(config))
 
 
 def _check_existing(cache: CacheStore, kind: str, keys: list[str]) -> tuple[list[str], int, int]:
@@ -470,24 +485,73 @@ def precompute(config: Config, clips: list[Clip] | None = None, *, progress: boo
             cache, "latents", shard(list(plan.latents), rank, world))
         reports = run_encoders(spec, plan, condition_todo, latent_todo, batch_size=config.precompute.batch_size,
                                decode_workers=max(1, config.data.num_workers), progress=progress)
-        if condition_todo or latent_todo:
+        input_todo, input_reused, bad_inputs = _check_existing(cache, "inputs", shard(list(plan.inputs), rank, world))
+        if input_todo and distributed:
+            parallel.barrier()  # an input is encoded on its clip's latent grid, which another rank may have written
+        run_input_encoders(spec, plan, input_todo, progress=progress)
+        if condition_todo or latent_todo or input_todo:
             release_memory([plan.text_device, *plan.vae_devices])
-        counts = [len(condition_todo), condition_reused, len(latent_todo), latent_reused, bad_conditions + bad_latents]
+        counts = [len(condition_todo), condition_reused, len(latent_todo), latent_reused,
+                  bad_conditions + bad_latents + bad_inputs, len(input_todo), input_reused]
         if distributed:
             # Also waits for every rank: all entries exist after this.
             counts = [int(v) for v in parallel.all_reduce_sum(counts, dtype=torch.long)]
             parallel.barrier()
 
     return PrecomputeSummary(
-        *counts, seconds=time.perf_counter() - started, rank=rank, world=world, cache_dir=cache.root,
-        workers=reports, computed_keys={"conditions": condition_todo, "latents": latent_todo}, plan=plan,
-        sound=sound,
+        *counts[:5], seconds=time.perf_counter() - started, rank=rank, world=world, cache_dir=cache.root,
+        workers=reports, computed_keys={"conditions": condition_todo, "latents": latent_todo, "inputs": input_todo},
+        plan=plan, sound=sound, inputs_computed=counts[5], inputs_reused=counts[6],
     )
+
+
+def run_input_encoders(spec: ModelSpec, plan: CachePlan, keys: list[str], progress: bool = True) -> None:
+    """Compute and write the given input entries, after the clips' latents they are encoded beside; the VAE is
+    loaded only for a kind it encodes (masks need none)."""
+    if not keys:
+        return
+    vae = None
+    if any(plan.inputs[key].kind != "mask" for key in keys):
+        with _LOAD_LOCK:
+            vae = spec.load_vae(plan.vae_devices[0])
+    for key in tqdm(keys, desc="inputs", unit="input", disable=not progress, dynamic_ncols=True):
+        write_input_entry(spec, plan, vae, key)
+    del vae
+
+
+def write_input_entry(spec: ModelSpec, plan: CachePlan, vae: torch.nn.Module | None, key: str) -> Tensors:
+    """Encode one input entry on its clip window's latent grid, write it and return it."""
+    entry = plan.inputs[key]
+    try:
+        latents = plan.cache.read("latents", entry.latent_key)
+    except (FileNotFoundError, CorruptEntryError):  # gone since: computed again first
+        latents = recompute_entry_latents(spec, plan, entry.latent_key)
+    item = encode_clip_inputs(spec, vae, {entry.kind: entry.pixels()}, as_posterior(latents))
+    plan.cache.write("inputs", key, item, plan.input_info[key])
+    return item
+
+
+def recompute_entry_latents(spec: ModelSpec, plan: CachePlan, key: str) -> Tensors:
+    with _LOAD_LOCK:
+        vae = spec.load_vae(plan.vae_devices[0])
+    (item,) = encode_videos(spec, vae, [plan.latents[key]], batch_size=1, preprocess=plan.latent_preprocess[key],
+                            store=plan.store, generators=[latent_draw_generator(key)], decode_workers=0)
+    plan.cache.write("latents", key, item, plan.latent_info[key])
+    return {k: v.detach().cpu() for k, v in item.items()}
 
 
 def recompute_entry(config: Config, spec: ModelSpec, plan: CachePlan, kind: str, key: str) -> Tensors:
     """Compute one entry again (it was missing or damaged when training read it), write it, release the
     component it needed, and return it."""
+    if kind == "inputs":
+        vae = None
+        if plan.inputs[key].kind != "mask":
+            with _LOAD_LOCK:
+                vae = spec.load_vae(plan.vae_devices[0])
+        item = write_input_entry(spec, plan, vae, key)
+        del vae
+        release_memory([plan.text_device, *plan.vae_devices])
+        return dict(item)
     if kind == "conditions":
         with _LOAD_LOCK:
             text = spec.load_text(plan.text_device)

@@ -30,17 +30,21 @@ class CacheReport:
     cached: dict[str, int] = field(default_factory=dict)  # of those, present (and valid with verify)
     damaged: dict[str, int] = field(default_factory=dict)
 
+    def kinds(self) -> list[str]:
+        """The kinds to list: per-clip inputs only where there are some (on disk or needed)."""
+        return [kind for kind in KINDS if kind != "inputs" or self.entries.get(kind) or self.needed.get(kind)]
+
     def lines(self) -> list[str]:
         total = sum(self.sizes.values())
         out = [f"Cache: {self.root}"]
-        for kind in KINDS:
+        for kind in self.kinds():
             out.append(f"  {kind}: {self.entries.get(kind, 0)} entries, {human_size(self.sizes.get(kind, 0))}")
         out.append(f"  on disk: {sum(self.entries.values())} entries, {human_size(total)}")
         if self.temporary_files:
             out.append(f"  {self.temporary_files} temporary file(s) of interrupted writes (ignored; safe to delete)")
         if self.needed:
             parts = []
-            for kind in KINDS:
+            for kind in self.kinds():
                 damaged = f", {self.damaged[kind]} damaged" if self.damaged.get(kind) else ""
                 parts.append(f"{kind}: {self.cached[kind]} of {self.needed[kind]} cached{damaged}")
             reuse = sum(self.cached.values())
@@ -66,7 +70,8 @@ def cache_report(config: Config | None = None, root: str | Path | None = None, v
         return report
     spec = build_spec(config)
     plan = build_plan(config, spec, load_clips(config, spec, progress=progress), cache)
-    for kind, keys in (("conditions", list(plan.conditions)), ("latents", list(plan.latents))):
+    for kind, keys in (("conditions", list(plan.conditions)), ("latents", list(plan.latents)),
+                       ("inputs", list(plan.inputs))):
         report.needed[kind] = len(keys)
         report.cached[kind] = report.damaged[kind] = 0
         for key in keys:

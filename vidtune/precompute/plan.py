@@ -32,6 +32,8 @@ from vidtune.config import Config
 from vidtune.data.audio import AudioFormat, ClipAudio, read_audio
 from vidtune.data.buckets import window_starts
 from vidtune.data.captions import preservation_caption, shuffle_variants
+from vidtune.data.input_files import InputRead, frames_tensor, input_reads
+from vidtune.data.inputs import INPUT_KINDS
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
@@ -157,6 +159,22 @@ def precompute_device(name: str, training_device: str, key: str) -> torch.device
     return parallel.resolve_device(training_device) if name == "auto" else parallel.parse_device(name, key)
 
 
+@dataclass(frozen=True)
+class InputEntry:
+    """One cached input of one clip window (`vidtune.data.inputs`): its kind, how its pixels are read (one read per
+    file), and the clip window's latent entry, whose grid it is encoded on."""
+
+    kind: str
+    reads: tuple[InputRead, ...]
+    latent_key: str
+    where: str  # the clip's file and line, for messages
+
+    def pixels(self) -> torch.Tensor | list[torch.Tensor]:
+        """What the dataset gives for it: [3, F, H, W] in [-1, 1], a list of [3, 1, H, W] for an `images` kind."""
+        read = [frames_tensor(one.frames()) for one in self.reads]
+        return read if INPUT_KINDS[self.kind].media == "images" else read[0]
+
+
 @dataclass
 class CachePlan:
     """Per-sample keys and the unique entries they point to, for one config and dataset."""
@@ -172,6 +190,10 @@ class CachePlan:
     latent_windows: list[list[str]] = field(default_factory=list)  # per sample: every window it offers
     # Control training: per sample, its control clip's entry for each of those windows (empty without control).
     control_windows: list[list[str]] = field(default_factory=list)
+    # Per sample, kind -> its input's entry for each of those windows (`spec.input_kinds`; empty without inputs).
+    input_windows: list[dict[str, list[str]]] = field(default_factory=list)
+    inputs: dict[str, InputEntry] = field(default_factory=dict)  # key -> what it is made of, dataset order
+    input_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     conditions: dict[str, str] = field(default_factory=dict)  # key -> caption, dataset order
     latents: dict[str, Path] = field(default_factory=dict)  # key -> clip, dataset order
     latent_preprocess: dict[str, Preprocess] = field(default_factory=dict)  # key -> how its clip is read
@@ -185,6 +207,28 @@ class CachePlan:
     empty_key: str | None = None  # the empty prompt, for caption dropout technique `empty`
     # Every prompt the run reads beyond the clips' captions (prompt -> key): see `extra_prompts`.
     prompt_keys: dict[str, str] = field(default_factory=dict)
+
+
+def plan_inputs(plan: CachePlan, spec: ModelSpec, clip: Clip, kinds: tuple[str, ...], windows: list[ClipWindow],
+                latent_keys: list[str], latent_parts: dict[str, Any]) -> dict[str, list[str]]:
+    """The entries of a clip's inputs, one per window: keyed by the input files' content, how they are read (the
+    window's frames, size, resize), how the spec encodes the kind and on which latent grid (the window's shape
+    under the latents' own identity), so a changed mask is computed again alone."""
+    found: dict[str, list[str]] = {}
+    for kind in kinds:
+        if kind not in clip.inputs and not (kind == "mask" and clip.mask_rect is not None):
+            continue
+        for window, latent_key in zip(windows, latent_keys, strict=True):
+            reads = input_reads(clip, kind, window)
+            described = [{**one.describe(), "file": plan.cache.fingerprints.file(one.path) if one.path else None}
+                         for one in reads]
+            parts = {**latent_parts, "spec": spec.input_identity(kind), "reads": described,
+                     "grid": {"frames": window.frames, "height": window.height, "width": window.width}}
+            key = entry_key("inputs", parts)
+            found.setdefault(kind, []).append(key)
+            plan.inputs.setdefault(key, InputEntry(kind, reads, latent_key, clip.where))
+            plan.input_info.setdefault(key, {"kind": kind, "clip": str(clip.video), "reads": described})
+    return found
 
 
 def extra_prompts(config: Config) -> list[str]:
@@ -239,6 +283,7 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
     data, shapes = config.data, config.data.bucket_shapes()
     processor = configured_processor(config)
     audio_format = spec.audio_format()
+    input_kinds = spec.input_kinds(config)
 
     def condition(caption: str) -> str:
         key = entry_key("conditions", {**text_parts, "caption": caption})
@@ -290,6 +335,8 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         plan.latent_keys.append(keys[0][0])
         plan.latent_windows.append(keys[0])
         plan.control_windows.append(keys[1] if len(keys) > 1 else [])
+        windows = [ClipWindow(frames, height, width, data.fps, start, data.resize) for start in starts]
+        plan.input_windows.append(plan_inputs(plan, spec, clip, input_kinds, windows, keys[0], latent_parts))
     plan.prompt_keys = {prompt: condition(prompt) for prompt in extra_prompts(config)}
     if preserve is not None and preserve.prompts:
         plan.preserve_keys = {prompt: condition(prompt) for prompt in preserve.prompts}

@@ -159,7 +159,8 @@ def check_inputs(config: Config, spec: ModelSpec, part: AlgorithmPart, device: t
     check_activation_offload(memory.activation_offload, device)
     attention_backend = resolve_attention_backend(config.model.attention_backend, device)
     check_evaluation(config)
-    clips = leave_out_silent(config, spec, load_dataset(data, progress=show_progress(config)))
+    clips = leave_out_silent(config, spec, load_dataset(data, progress=show_progress(config),
+                                                        required_inputs=spec.required_inputs(config)))
     spec.check_frame_settings(config, clips)
     check_context_tokens(config, spec, clips)
     training_clips, eval_clips = hold_out(clips, config)

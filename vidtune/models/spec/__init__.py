@@ -19,6 +19,7 @@ from __future__ import annotations
 from vidtune.models.spec.base import (
     CONTROL_LATENTS,
     FRAME_RATE,
+    LOSS_MASK,
     POSTERIOR_KEYS,
     Conditions,
     Latents,
@@ -67,6 +68,7 @@ __all__ = [
     "FEED_FORWARD_TARGETS",
     "FRAME_RATE",
     "JOINT_ATTENTION_TARGETS",
+    "LOSS_MASK",
     "POSTERIOR_KEYS",
     "PUBLISHED_SHAPE_RULES",
     "Conditions",

@@ -14,7 +14,7 @@ from torch import nn
 from vidtune.config import TrainingConfig
 from vidtune.errors import ConfigError
 from vidtune.models import first_frame
-from vidtune.models.spec.base import FRAME_RATE, Conditions, Latents
+from vidtune.models.spec.base import FRAME_RATE, LOSS_MASK, Conditions, Latents
 from vidtune.models.spec.loading import Loading
 from vidtune.objectives import Objective, objective_from_scheduler
 
@@ -49,7 +49,19 @@ class Denoising(Loading):
         """Each clip's error [B] for the loss: `forward`, then `per_clip_error` against the video target. A family
         whose denoiser also predicts other streams (LTX-2's audio) adds their errors here, so trainers stay unaware."""
         prediction = self.forward(denoiser, conditions, noisy_latents, timesteps)
-        return self.per_clip_error((prediction.float() - target).pow(2), conditions)
+        return self.clip_error((prediction.float() - target).pow(2), conditions)
+
+    def clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """Each clip's error [B] of the video: `per_clip_error`, or with a loss mask (`LOSS_MASK`, on the latent
+        grid: `training.masked_loss`) its weighted mean, sum(mask x error) / sum(mask) over what `per_clip_error`
+        counts, so an all-white mask gives the plain error bit for bit and black elements give no gradient."""
+        mask = conditions.get(LOSS_MASK)
+        if mask is None:
+            return self.per_clip_error(squared_error, conditions)
+        weights = mask.to(squared_error).expand_as(squared_error)
+        # The mask's mean over the counted elements, by the family's own rule (a first frame left out stays out).
+        area = self.per_clip_error(weights, conditions).clamp_min(torch.finfo(squared_error.dtype).tiny)
+        return self.per_clip_error(squared_error * (weights / area.view(-1, *([1] * (weights.ndim - 1)))), conditions)
 
     def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """Each clip's mean of the squared error [B, C, F, H, W] (a family leaves out what its pipeline does not

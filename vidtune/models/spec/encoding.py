@@ -12,6 +12,7 @@ from torch import nn
 
 from vidtune.config import Config
 from vidtune.data.audio import AudioFormat
+from vidtune.data.inputs import INPUT_KINDS, input_key
 from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError
 from vidtune.models.spec.base import Conditions, Latents, SpecBase
@@ -88,6 +89,83 @@ class Encoding(SpecBase):
         the preprocessing and the clip (the cache adds those); a family adds the constants its
         `prepare_latents` reads (e.g. the noise augmentation of an image-to-video first frame). JSON values."""
         return {"family": self.name, "version": self.cache_version}
+
+    # ----- per-clip inputs (vidtune/data/inputs.py) ------------------------------------------------------------
+    def required_inputs(self, config: Config) -> tuple[str, ...]:
+        """The input kinds every training clip must have (checked with the data, before loading): by default a
+        `mask` when `training.masked_loss` is on. A family or mode that reads other kinds adds them."""
+        return ("mask",) if config.training.masked_loss else ()
+
+    def optional_inputs(self, config: Config) -> tuple[str, ...]:
+        """The input kinds read where a clip has them (a batch's clips must then all have them or none)."""
+        return ()
+
+    def input_kinds(self, config: Config) -> tuple[str, ...]:
+        """Every kind a run reads: the required ones, then the optional ones."""
+        return tuple(dict.fromkeys((*self.required_inputs(config), *self.optional_inputs(config))))
+
+    def input_identity(self, kind: str) -> dict[str, Any]:
+        """What `encode_inputs` computes for `kind` depends on besides the pixels, the VAE and the latent grid (the
+        cache adds those): part of each cached input's key. Bump the version when the encoding changes."""
+        return {"input": kind, "version": 1, "latents": self.latent_identity()}
+
+    def latent_frame_groups(self, frames: int, latent_frames: int) -> list[range]:
+        """The clip frames each latent frame encodes. By default a causal VAE's (LTX, Wan, HunyuanVideo, CogVideoX,
+        Mochi): the first latent frame is the first frame alone, each next one the following `r` frames,
+        `r = (frames - 1) / (latent_frames - 1)`; frames that divide evenly otherwise: consecutive groups."""
+        if latent_frames == 1:
+            return [range(frames)]
+        if (frames - 1) % (latent_frames - 1) == 0:
+            ratio = (frames - 1) // (latent_frames - 1)
+            return [range(1)] + [range(1 + i * ratio, 1 + (i + 1) * ratio) for i in range(latent_frames - 1)]
+        if frames % latent_frames == 0:
+            ratio = frames // latent_frames
+            return [range(i * ratio, (i + 1) * ratio) for i in range(latent_frames)]
+        raise ValueError(f"{self.name}: {frames} frames cannot be grouped into {latent_frames} latent frames; override "
+                         "latent_frame_groups")
+
+    def mask_to_latent_grid(self, mask: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """A mask [B, 3, F, H, W] in [-1, 1] (F 1: one still for the whole clip) -> [B, 1, F', H', W'] in [0, 1] on
+        the latent grid (F', H', W'): each latent cell the mean of the pixels it encodes (the frames of
+        `latent_frame_groups`, the area average over its pixels)."""
+        weights = mask.float().mean(dim=1, keepdim=True).add(1.0).div(2.0).clamp(0.0, 1.0)
+        frames, height, width = grid
+        if weights.shape[2] > 1:
+            groups = self.latent_frame_groups(weights.shape[2], frames)
+            weights = torch.stack([weights[:, :, group.start:group.stop].mean(dim=2) for group in groups], dim=2)
+        pooled = nn.functional.adaptive_avg_pool3d(weights, (weights.shape[2], height, width))
+        return pooled.expand(-1, -1, frames, -1, -1).contiguous() if pooled.shape[2] == 1 else pooled
+
+    def encode_inputs(self, vae: nn.Module | None, inputs: dict[str, Any], latents: Latents) -> dict[str, torch.Tensor]:
+        """A batch's inputs (`item["inputs"]` stacked: [B, 3, F, H, W] per kind, a list per sample of [3, 1, H, W]
+        for an `images` kind) -> `{input_<kind>: tensor}` beside the clips' `latents`: a mask on the latent grid
+        ([B, 1, F', H', W'] in [0, 1]); any other kind its VAE posterior mean ([B, C, F', H', W']; an `images` kind's
+        images one latent frame each, in order along the frames). `vae` may be None when only masks are encoded."""
+        grid = tuple(int(size) for size in latents["latents_mean"].shape[-3:])
+        encoded: dict[str, torch.Tensor] = {}
+        for kind, value in inputs.items():
+            if kind == "mask":
+                encoded[input_key(kind)] = self.mask_to_latent_grid(value, grid)
+                continue
+            if vae is None:
+                raise ValueError(f"encode_inputs: the {kind} input is VAE-encoded; pass the VAE")
+            if INPUT_KINDS[kind].media == "images":
+                per_sample = [torch.cat([self.input_latents(vae, image[None]) for image in images], dim=2)
+                              for images in value]
+                counts = {int(sample.shape[2]) for sample in per_sample}
+                if len(counts) > 1:
+                    raise ValueError(f"a batch's clips have {sorted(counts)} {kind}: give each clip of a run the "
+                                     "same number, or train with training.batch_size=1")
+                encoded[input_key(kind)] = torch.cat(per_sample)
+            else:
+                encoded[input_key(kind)] = self.input_latents(vae, value)
+        return encoded
+
+    def input_latents(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """The normalised posterior mean of input pixels [B, 3, F, H, W] in [-1, 1], as the clips' latents are made."""
+        videos = pixels.permute(0, 2, 1, 3, 4)
+        sound = {"audio": None} if self.audio_format() is not None else {}
+        return self.prepare_latents(vae, videos, **sound)["latents_mean"].detach().float().cpu()
 
     # ----- each clip's frame rate -------------------------------------------------------------------------
     def clip_frame_rate(self, clip: Clip, data_fps: float | None) -> float | None:

@@ -123,14 +123,23 @@ def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSetti
     return read_clip(clips[0].video, window)
 
 
-def control_inputs(spec: ModelSpec, control: Path | None, settings: SampleSettings,
-                   fps: float | None = None) -> dict[str, torch.Tensor] | None:
-    """A family whose denoiser reads the control clip itself (Wan Animate's pose) samples following `control` (the
-    first dataset clip's, for validation) as its `pose` input [3, F, H, W], read at `fps` like training clips."""
-    if control is None or not spec.reads_control_clip or "pose" not in spec.sampling_inputs:
+def clip_sampling_inputs(spec: ModelSpec, clip: Clip | None, settings: SampleSettings, fps: float | None = None,
+                         control: Path | None = None) -> dict[str, torch.Tensor] | None:
+    """The input videos ([3, F, H, W]) a family's pipeline takes beside the prompt (`spec.sampling_inputs`: Wan
+    Animate's pose and face) for a sample following `clip` (validation: the first dataset clip): each kind from the
+    clip's own inputs; the pose of a family that reads the control clip itself from `control`, else the clip's
+    control clip when it has no pose input. Read at `fps` with the samples' shape, as training reads them."""
+    if not spec.sampling_inputs:
         return None
-    return {"pose": read_clip(control, ClipWindow(settings.frames, settings.height, settings.width, fps=fps))
-            .transpose(0, 1)}
+    paths: dict[str, Path] = {}
+    if clip is not None:
+        paths = {kind: clip.inputs[kind][0] for kind in spec.sampling_inputs if kind in clip.inputs}
+    if spec.reads_control_clip and "pose" in spec.sampling_inputs:
+        pose = control or (None if clip is None or "pose" in paths else clip.control)
+        if pose is not None:
+            paths["pose"] = Path(pose)
+    window = ClipWindow(settings.frames, settings.height, settings.width, fps=fps)
+    return {kind: read_clip(path, window).transpose(0, 1) for kind, path in paths.items()} or None
 
 
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:
@@ -420,9 +429,14 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
               flush=True)
     given = contextlib.nullcontext()
     inputs = None
-    if spec.reads_control_clip:  # the control clip is one of the denoiser's own inputs (Wan Animate's pose)
-        inputs = control_inputs(spec, own_control_clip(run, control), settings, config.data.fps)
-        control = None
+    if spec.sampling_inputs:  # the pipeline's own inputs (Wan Animate's pose and face): the run's first clip's
+        given_pose = checked_control(control) if spec.reads_control_clip else None
+        inputs = clip_sampling_inputs(spec, first_clip(run), settings, config.data.fps, control=given_pose)
+        if inputs:
+            print(f"Following the {' and '.join(inputs)} video{'s' if len(inputs) > 1 else ''} of the run's first "
+                  "clip" + (" (the pose from --control)" if given_pose is not None else "") + ".", flush=True)
+        if spec.reads_control_clip:
+            control = None
     if control is not None and run.control is None:
         raise VidtuneError(f"--control: {run.weights} was not trained with control clips (training.algorithm "
                            f"{config.training.algorithm}).\nWhat to do: leave out --control, or sample a run of "
@@ -436,20 +450,19 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
                              bf16=run.bf16, latents_path=latents, inputs=inputs)
 
 
-def own_control_clip(run: RunPipeline, control: Path | None) -> Path | None:
-    """The control clip a family that reads it itself samples from: `control`, else the run's first clip's (None
-    when that clip has none: the family's own blank input)."""
-    if control is not None:
-        if not Path(control).is_file():
-            raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
-        return Path(control)
-    try:
-        control = read_sources(run.config.data).clips[0].control
-    except (VidtuneError, OSError, IndexError):
-        control = None
-    if control is not None:
-        print(f"Following the control clip {control} (the run's first clip's; --control to choose).", flush=True)
+def checked_control(control: Path | None) -> Path | None:
+    """`--control`, refused when it names no file."""
+    if control is not None and not Path(control).is_file():
+        raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
     return control
+
+
+def first_clip(run: RunPipeline) -> Clip | None:
+    """The run's first sample (the sources in order; nothing probed), or None when its data cannot be read."""
+    try:
+        return read_sources(run.config.data).clips[0]
+    except (VidtuneError, OSError, IndexError):
+        return None
 
 
 def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:

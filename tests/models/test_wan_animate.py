@@ -21,7 +21,7 @@ from vidtune.errors import ModelError
 from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import CONTROL_LATENTS
 from vidtune.models.tiny import TINY_SHAPES
-from vidtune.models.wan_animate import BLANK_POSE, FACE_PIXELS
+from vidtune.models.wan_animate import BLANK_POSE, FACE_PIXELS, POSE_LATENTS
 from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
@@ -222,3 +222,39 @@ def test_validation_samples_follow_the_first_clips_pose(make_config, shapes_data
     frames, height, width = TINY_SHAPES[FAMILY]
     expected = read_clip(poses[0], ClipWindow(frames, height, width)).transpose(0, 1)
     assert seen and all(inputs is not None and torch.equal(inputs["pose"], expected) for inputs in seen)
+
+
+def test_pose_and_face_inputs_reach_the_model_alike_from_the_cache_and_on_the_fly(make_config, shapes_dataset,
+                                                                                     tmp_path):
+    """A dataset's `pose` and `face` inputs (poses.txt, faces.txt beside videos.txt) are read with each clip's
+    window, encoded as the pipeline encodes them (the pose's argmax latents, the face at the motion encoder's size)
+    and cached under their own identity: from the cache, the same tensors and losses as on the fly."""
+    root, _, others = control_dataset(shapes_dataset, tmp_path / "data")
+    (root / "controls.txt").unlink()  # the pose comes from the inputs alone
+    (root / "poses.txt").write_text("".join(f"{path}\n" for path in others))
+    (root / "faces.txt").write_text("".join(f"{path}\n" for path in reversed(others)))
+    entry = {"type": "pairs", "root": str(root), "inputs": {"pose": "poses.txt", "face": "faces.txt"}}
+    batches, losses = {}, {}
+    for cached in (False, True):
+        config = make_config(FAMILY, data={"root": None, "datasets": [entry]},
+                             training={"batch_size": 2, "steps": 2},
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
+                             logging={"progress": False, "log_every": 1}, output_dir=str(tmp_path / f"run-{cached}"))
+        trainer = build_trainer(config)
+        batches[cached] = next(trainer.set_up().source.batches(0))
+        trainer.run()
+        metrics = (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()
+        losses[cached] = [json.loads(row)["loss"] for row in metrics if "loss" in json.loads(row)]
+    on_the_fly, from_cache = batches[False], batches[True]
+    spec = _spec(config)
+    vae = spec.load_vae(CPU)
+    frames, height, width = TINY_SHAPES[FAMILY]
+    order = on_the_fly.indices.tolist()
+    clips = {name: torch.stack([read_clip(paths[i], ClipWindow(frames, height, width)) for i in order])
+             for name, paths in (("pose", others), ("face", list(reversed(others))))}
+    expected_pose = spec.prepare_latents(vae, clips["pose"])["latents_mean"][:, :, 1:]
+    expected_face = spec.face_pixels(clips["face"].transpose(1, 2))
+    for batch in (on_the_fly, from_cache):
+        assert torch.allclose(batch.latents[POSE_LATENTS], expected_pose, atol=1e-5)
+        assert torch.allclose(batch.latents[FACE_PIXELS], expected_face, atol=1e-6)
+    assert len(losses[False]) == 2 and losses[True] == pytest.approx(losses[False], rel=1e-5)

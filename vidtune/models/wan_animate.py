@@ -30,6 +30,8 @@ from diffusers.pipelines.wan.image_processor import WanAnimateImageProcessor
 from diffusers.video_processor import VideoProcessor
 from torch import nn
 
+from vidtune.config import Config
+from vidtune.data.inputs import input_key
 from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, wan_animate
@@ -44,8 +46,10 @@ logger = logging.getLogger(__name__)
 REFERENCE_CONDITION = "reference_condition"  # [B, 4 + C, 1 + F', H', W']: mask channels + reference / segment
 IMAGE_EMBEDS = "image_embeds"  # [B, tokens, width]: CLIP of the reference image
 BLANK_POSE = "blank_pose"  # [B, C, F', H', W']: the latents of a black pose video, used without a control clip
-# [B, 3, F, S, S]: each sample's face video at the motion encoder's size (`face_pixels`), when it has one.
-FACE_PIXELS = "face_pixels"
+# Each sample's own inputs (vidtune/data/inputs.py), as `encode_inputs` puts them beside its latents: the pose
+# video's latents [B, C, F', H', W'] and the face video at the motion encoder's size [B, 3, F, S, S].
+POSE_LATENTS = input_key("pose")
+FACE_PIXELS = input_key("face")
 
 
 class WanAnimateSpec(WanImageToVideoSpec):
@@ -129,10 +133,38 @@ class WanAnimateSpec(WanImageToVideoSpec):
             BLANK_POSE: black.expand(batch, -1, -1, -1, -1).to(dtype).contiguous(),
         }
 
+    # ----- per-clip inputs: pose and face videos ---------------------------------------------------------------
+    def optional_inputs(self, config: Config) -> tuple[str, ...]:
+        return (*super().optional_inputs(config), "pose", "face")
+
+    def input_identity(self, kind: str) -> dict[str, Any]:
+        # The pose is encoded as the pipeline encodes `pose_video` (argmax), the face kept as the motion encoder's
+        # pixels: not the layer's default encoding, so their own identity.
+        identity = super().input_identity(kind)
+        if kind == "face":
+            return {**identity, "encoding": "motion encoder pixels", "size": self.motion_size()}
+        return {**identity, "encoding": "argmax latents"} if kind == "pose" else identity
+
+    def encode_inputs(self, vae: nn.Module | None, inputs: dict[str, Any], latents: Latents) -> dict[str, torch.Tensor]:
+        """The pose video's normalised argmax latents (the pipeline's `prepare_pose_latents`) and the face video at
+        the motion encoder's size (the pipeline's face preprocessing); other kinds as every family's."""
+        inputs = dict(inputs)
+        encoded: dict[str, torch.Tensor] = {}
+        if "face" in inputs:
+            encoded[FACE_PIXELS] = self.face_pixels(inputs.pop("face")).float().cpu()
+        if "pose" in inputs:
+            if vae is None:
+                raise ValueError("encode_inputs: the pose input is VAE-encoded; pass the VAE")
+            pose = self._vae_latents(getattr(vae, "vae", vae), inputs.pop("pose"))
+            encoded[POSE_LATENTS] = pose.detach().float().cpu()
+        return {**super().encode_inputs(vae, inputs, latents), **encoded}
+
     # ----- denoising -------------------------------------------------------------------------------------------
     def pose_latents(self, conditions: Conditions) -> torch.Tensor:
-        """The pose latents of each sample: its control clip's (the clip's own frames, without the reference
-        position `prepare_latents` puts first), else a black pose video's."""
+        """The pose latents of each sample: its `pose` input's, else its control clip's (the clip's own frames,
+        without the reference position `prepare_latents` puts first), else a black pose video's."""
+        if POSE_LATENTS in conditions:
+            return conditions[POSE_LATENTS]
         if CONTROL_LATENTS in conditions:
             return conditions[CONTROL_LATENTS][:, :, 1:]
         return conditions[BLANK_POSE]

@@ -17,7 +17,7 @@ from vidtune.metrics import plot_loss_curve
 from vidtune.sampling import (
     SampleSettings,
     SamplingStopped,
-    control_inputs,
+    clip_sampling_inputs,
     describe_samples,
     reference_clip,
     render_samples,
@@ -64,7 +64,7 @@ def validate(context: TrainingContext, part: AlgorithmPart, stop: StopSignals | 
         with compiled, context.average.applied(), part.sampling(pipeline, context.encoders.vae, clips) as pipeline:
             videos = render_samples(spec, pipeline, settings, folder, f"step-{step:08d}",
                                     reference=reference_clip(spec, clips, settings, config.data.fps),
-                                    inputs=control_inputs(spec, clips[0].control, settings, config.data.fps),
+                                    inputs=clip_sampling_inputs(spec, clips[0], settings, config.data.fps),
                                     bf16=context.bf16, progress=context.show_progress, step=step,
                                     stop=(lambda: stop.received is not None) if stop is not None else None)
     except SamplingStopped as stopped:

@@ -11,11 +11,11 @@ Conventions taken from WanAnimatePipeline (one segment of `segment_frame_length`
         mode has no previous frames);
     image_embeds: the CLIP vision encoder's penultimate hidden states of the reference image;
     pose: the pose video's normalised latents (argmax), added after the patch embedding of every frame but the
-        reference's. It comes from the sample's control clip (`controls.txt` / `control_column`); without one the
-        model sees a black pose video (no skeleton), what sampling without a pose gives;
-    face: the face video's pixels at the motion encoder's size, which the transformer encodes itself (motion
-        encoder, face encoder, face adapters). Without a face video the model sees black frames (-1), the
-        pipeline's own "no face" (its unconditional branch).
+        reference's. It comes from the sample's `pose` input, else its control clip (`controls.txt` /
+        `control_column`); without either the model sees a black pose video, what sampling without a pose gives;
+    face: the sample's `face` input at the motion encoder's size, which the transformer encodes itself (motion
+        encoder, face encoder, face adapters). Without one the model sees black frames (-1), the pipeline's own
+        "no face" (its unconditional branch).
 """
 
 from __future__ import annotations
@@ -62,11 +62,13 @@ class WanAnimateSpec(WanImageToVideoSpec):
     validation_guidance_scale = 1.0  # WanAnimatePipeline's default: Wan Animate samples without guidance
     pipeline_class = WanAnimatePipeline
     denoiser_class = WanAnimateTransformer3DModel
-    loads_single_file = False  # vidtune reads Wan-AI's original Animate layout through no converter test yet
+    # diffusers has a converter for Wan-AI's original Animate file, but it is not checked against vidtune's
+    # single-file tests yet: `model.transformer_file` is refused for this family.
+    loads_single_file = False
     control_input_layer = None
-    control_refusal = ("its pose video already conditions the model: give each clip its pose clip in controls.txt "
-                       "(or control_column) and train with `lora` or `full`.")
-    reads_control_clip = True  # the pose video: each sample's control clip
+    control_refusal = ("its pose video already conditions the model: give each clip its pose video (a `pose` input, "
+                       "or controls.txt) and train with `lora` or `full`.")
+    reads_control_clip = True  # the pose video of a clip without a `pose` input: its control clip
     sampling_inputs = ("pose", "face")
 
     # ----- encoding --------------------------------------------------------------------------------------------

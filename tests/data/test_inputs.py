@@ -178,3 +178,23 @@ def test_a_still_mask_of_another_size_covers_the_same_region(shapes_dataset, tmp
     mask = read_input(clip, "mask", ClipWindow(9, 32, 32))
     assert mask.shape == (3, 1, 32, 32)  # one still for every frame
     assert torch.all(mask[:, :, :, :15] < -0.9) and torch.all(mask[:, :, :, 17:] > 0.9)
+
+
+def test_a_control_clip_of_another_size_and_frame_rate_is_read_at_the_clips_times(tmp_path):
+    root = tmp_path / "pairs"
+    root.mkdir()
+    write_video(root / "clip.mp4", _timed_frames(24, 48, 64, 1), 24.0)
+    write_video(root / "control.mp4", _timed_frames(12, 24, 32, 2), 12.0)
+    write_video(root / "short.mp4", _timed_frames(6, 24, 32, 2), 12.0)
+    (root / "videos.txt").write_text("clip.mp4\n")
+    (root / "prompts.txt").write_text("a bar\n")
+    (root / "controls.txt").write_text("control.mp4\n")
+    data = DataConfig(root=str(root), frames=5, height=24, width=24, num_workers=0, fps=12.0)
+    (clip,) = load_dataset(data, progress=False)
+    dataset = VideoCaptionDataset([clip], data.bucket_shapes(), data.fps, data.resize, "start")
+    video = dataset.read(clip, clip.video, 5, 24, 24, 4)  # from the clip's frame 4: the control's frame 2
+    control = dataset.read(clip, clip.control, 5, 24, 24, 4)
+    assert (control - video).abs().mean() < 0.03
+    (root / "controls.txt").write_text("short.mp4\n")
+    with pytest.raises(DataError, match=r"videos.txt line 1 .*control clip short.mp4 is shorter than the clip"):
+        load_dataset(data, progress=False)

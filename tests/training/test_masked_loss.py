@@ -10,7 +10,8 @@ from tests.helpers.datasets import masked_dataset
 from tests.helpers.runs import run_stopped_at
 from vidtune.config import build_config
 from vidtune.errors import ConfigError, DataError
-from vidtune.models.spec import LOSS_MASK
+from vidtune.models.spec import LOSS_MASK, LOSS_MASK_BY_FRAME
+from vidtune.models.tiny import TINY_SHAPES
 from vidtune.precompute.encode import build_spec
 from vidtune.trainers import build_trainer
 
@@ -99,6 +100,9 @@ def test_the_masked_error_is_the_white_regions_mean(make_config):
     masked = spec.clip_error(error, {LOSS_MASK: mask})
     torch.testing.assert_close(masked, error[..., :2].flatten(1).mean(dim=1))
     assert torch.equal(spec.clip_error(error, {LOSS_MASK: torch.ones_like(mask)}), spec.per_clip_error(error, {}))
+    # `masked_loss_area: frame` (kohya's sd-scripts): the weighted error averaged over the whole frame.
+    by_frame = spec.clip_error(error, {LOSS_MASK: mask, LOSS_MASK_BY_FRAME: torch.ones(2, dtype=torch.bool)})
+    torch.testing.assert_close(by_frame, masked / 2)
 
 
 def test_resume_with_masks_is_bitwise(make_config, shapes_dataset, tmp_path):
@@ -132,3 +136,67 @@ def test_mask_rect_must_be_a_rectangle_inside_the_frame(tmp_path):
         build_config({**base, "data": {"datasets": [_entry(tmp_path, mask_rect=[0.5, 0.0, 0.2, 1.0])]}})
     with pytest.raises(ConfigError, match="not an input kind"):
         build_config({**base, "data": {"datasets": [_entry(tmp_path, inputs={"masks": "masks.txt"})]}})
+
+
+def test_masked_loss_area_frame_averages_over_the_whole_frame(make_config, shapes_dataset):
+    """The same visit's loss with a half-white mask: over the frame it is half the loss over the mask's area."""
+    losses = []
+    for area in ("mask", "frame"):
+        trainer = build_trainer(_config(make_config, shapes_dataset, entry=_entry(shapes_dataset, mask_rect=LEFT_HALF),
+                                        training={"masked_loss_area": area}))
+        trainer.set_up()
+        context = trainer.context
+        with torch.no_grad():
+            losses.append(context.loss(context, next(context.source.batches(0))).total)
+    torch.testing.assert_close(losses[1], losses[0] / 2)
+
+
+@pytest.mark.parametrize("family", sorted(TINY_SHAPES))
+def test_every_family_takes_a_mask_to_its_latent_grid(make_config, family):
+    """Each family's tiny VAE: a mask white on the second half of the width gives its latent grid's second half,
+    through the spec's frame grouping of that VAE's real latent frames; an all-white mask leaves the error as is."""
+    frames, height, width = TINY_SHAPES[family]
+    spec = build_spec(make_config(family))
+    vae = spec.load_vae(torch.device("cpu"))
+    sound = {"audio": None} if spec.audio_format() is not None else {}
+    latents = spec.prepare_latents(vae, torch.zeros(1, frames, 3, height, width), **sound)["latents_mean"]
+    grid = tuple(latents.shape[-3:])
+    mask = -torch.ones(1, 3, frames, height, width)
+    mask[..., width // 2 :] = 1.0
+    weights = spec.mask_to_latent_grid(mask, grid)
+    assert weights.shape == (1, 1, *grid)
+    assert torch.all(weights[..., : grid[2] // 2] == 0.0) and torch.all(weights[..., grid[2] // 2 :] == 1.0)
+    error = torch.rand(latents.shape)
+    white = spec.mask_to_latent_grid(torch.ones_like(mask), grid)
+    assert torch.equal(spec.clip_error(error, {LOSS_MASK: white}), spec.per_clip_error(error, {}))
+
+
+@pytest.mark.parametrize("algorithm", ["full", "control-lora"])
+def test_full_and_control_runs_take_the_mask(make_config, shapes_dataset, tmp_path, algorithm):
+    """An all-white mask gives the plain losses; a half mask other ones (the mask reaches the loss)."""
+    from tests.helpers.datasets import control_dataset
+
+    root = control_dataset(shapes_dataset, tmp_path / "pairs")[0] if algorithm == "control-lora" else shapes_dataset
+    losses = {}
+    for name, rect, masked in (("plain", None, False), ("white", [0, 0, 1, 1], True), ("half", list(LEFT_HALF), True)):
+        entry = _entry(root, **({"mask_rect": rect} if rect else {}))
+        config = _config(make_config, root, masked=masked, entry=entry, output_dir=str(tmp_path / name),
+                         training={"algorithm": algorithm, "steps": 2})
+        losses[name] = build_trainer(config).run().losses
+    assert losses["white"] == losses["plain"] and losses["half"] != losses["plain"]
+
+
+def test_the_held_out_score_of_a_masked_run_is_masked(make_config, shapes_dataset, tmp_path):
+    """The held-out clips are scored on their masks, as the run trains: a white mask scores like no mask, another
+    mask otherwise."""
+    from tests.evaluation.test_evaluation import score_now
+
+    scores = {}
+    for name, rect, masked in (("plain", None, False), ("white", [0, 0, 1, 1], True), ("half", list(LEFT_HALF), True)):
+        entry = _entry(shapes_dataset, **({"mask_rect": rect} if rect else {}))
+        trainer = build_trainer(_config(make_config, shapes_dataset, masked=masked, entry=entry, training={"steps": 1},
+                                        validation={"eval_clips": 1, "eval_noise_levels": [0.5]},
+                                        output_dir=str(tmp_path / name)))
+        trainer.run()
+        scores[name] = score_now(trainer).total
+    assert scores["white"] == scores["plain"] and scores["half"] != scores["plain"]

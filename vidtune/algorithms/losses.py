@@ -34,7 +34,15 @@ from vidtune import parallel
 from vidtune.algorithms import AlgorithmTraits
 from vidtune.data.buckets import visit_generator
 from vidtune.data.inputs import input_key
-from vidtune.models.spec import CONTROL_LATENTS, LOSS_MASK, POSTERIOR_KEYS, Conditions, ModelSpec, draw_latent
+from vidtune.models.spec import (
+    CONTROL_LATENTS,
+    LOSS_MASK,
+    LOSS_MASK_BY_FRAME,
+    POSTERIOR_KEYS,
+    Conditions,
+    ModelSpec,
+    draw_latent,
+)
 from vidtune.objectives import FlowMatching, per_clip_levels
 from vidtune.schedulers import sampling_sigmas
 
@@ -134,13 +142,23 @@ def noisy_inputs(context: LossContext, batch: Batch) -> NoisyInputs:
     # streams' noise, drawn last from each visit's generator.
     conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS},
                   **spec.visit_conditions(x0, batch.positions, seed)}
-    if config.training.masked_loss:  # each clip's mask on the latent grid weights its error (`spec.clip_error`)
-        conditions[LOSS_MASK] = batch.latents[input_key("mask")]
+    conditions = with_loss_mask(config, conditions)
     stream_inputs, stream_levels = (spec.stream_noise(objective, batch.latents, generators)
                                     if context.part.traits.stream_noise_levels else ({}, {}))
     return NoisyInputs({**conditions, **stream_inputs}, objective.noisy(x0, noise, levels),
                        objective.timesteps(levels).to(x0.device), objective.target(x0, noise, levels),
                        levels, x0, noise, stream_levels)
+
+
+def with_loss_mask(config: Config, conditions: Conditions) -> Conditions:
+    """`training.masked_loss`: each clip's mask on the latent grid (its `input_mask`, among the video-derived
+    conditions) as the loss mask `spec.clip_error` weights its error by; the conditions as they are otherwise."""
+    if not config.training.masked_loss:
+        return conditions
+    mask = conditions[input_key("mask")]
+    by_frame = {LOSS_MASK_BY_FRAME: torch.ones(mask.shape[0], dtype=torch.bool)} \
+        if config.training.masked_loss_area == "frame" else {}
+    return {**conditions, LOSS_MASK: mask, **by_frame}
 
 
 def apply_caption_dropout(context: LossContext, conditions: Conditions, drop: torch.Tensor) -> Conditions:

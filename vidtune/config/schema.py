@@ -462,6 +462,11 @@ class TrainingConfig(Section):
         "mask's area, so an all-white mask is the plain loss. Every training clip needs a mask. Per-element "
         "denoising losses only (lora, full, control-*). See docs/algorithms.md.",
     )
+    masked_loss_area: Literal["mask", "frame"] = Field(
+        "mask", description="With masked_loss, what the weighted error is averaged over: the mask's area (`mask`: an "
+        "all-white mask is the plain loss, a small region trains as strongly as a large one) or the whole frame "
+        "(`frame`, as kohya's sd-scripts `--masked_loss`: a small region weighs less).",
+    )
 
 
 class OptimizerConfig(Section):

@@ -15,7 +15,7 @@ from vidtune.data.audio import AudioFormat, ClipAudio, as_clip_audio, decode_aud
 from vidtune.data.buckets import Shape, visit_start
 from vidtune.data.captions import visit_untriggered
 from vidtune.data.frame_store import FrameStore
-from vidtune.data.input_files import frames_tensor, input_reads, read_input
+from vidtune.data.input_files import control_window, frames_tensor, input_reads, read_input
 from vidtune.data.inputs import INPUT_KINDS
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipTooShortError, ClipWindow, VideoDecodeError, decode_clip, frames_to_tensor
@@ -78,7 +78,7 @@ class VideoCaptionDataset(Dataset):
             item["audio"], item["audio_present"] = self.read_audio(clip, frames, start, audio)
         if self.processor is not None:
             item["control"] = apply_processor(self.processor[0], dict(self.processor[1]), item["video"])
-        elif clip.control is not None:  # control training: the same window of the control clip
+        elif clip.control is not None:  # control training: the control clip at the same times, crop and size
             item["control"] = self.read(clip, clip.control, frames, height, width, start)
         kinds = [kind for kind in self.inputs if kind in clip.inputs or (kind == "mask" and clip.mask_rect)]
         if kinds:  # each input with the clip's own window: the same times, crop and resize
@@ -100,6 +100,8 @@ class VideoCaptionDataset(Dataset):
 
     def read(self, clip: Clip, path: Path, frames: int, height: int, width: int, start: int) -> torch.Tensor:
         window = ClipWindow(frames, height, width, self.fps, start, self.resize)
+        if path == clip.control:  # a control clip of another frame rate: its frames at the clip's times
+            window = control_window(clip, window)
 
         def decode() -> np.ndarray:
             return decode_clip(path, window)

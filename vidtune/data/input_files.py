@@ -197,8 +197,36 @@ def probe_inputs(clip: Any, info: VideoInfo, probed: dict[Path, VideoInfo | Vide
     return infos, problems
 
 
+def probe_control(clip: Any, info: VideoInfo, probed: dict[Path, VideoInfo | VideoDecodeError]
+                  ) -> tuple[VideoInfo | None, list[str]]:
+    """A control clip's probe (`Clip.control`) and its problems, checked like an input's: it decodes, has its clip's
+    aspect, and lasts as long."""
+    if clip.control is None:
+        return None, []
+    path = clip.control
+    if path not in probed:
+        probed[path] = _probe(path)
+    found = probed[path]
+    if isinstance(found, VideoDecodeError):
+        return None, [f"its control clip {path} cannot be read: {found.reason}"]
+    problem = _fit_problem("control clip", path, found, clip, info)
+    return found, [problem] if problem else []
+
+
+def control_window(clip: Any, window: ClipWindow) -> ClipWindow:
+    """The window of a clip's control clip: the clip's own, or (a control at another frame rate) the same times:
+    the first frame at the same time, the frames resampled to the clip's rate (`data.fps` when set)."""
+    found = clip.input_info.get("control", ())
+    if clip.is_image or clip.info is None or not found:
+        return window
+    clip_fps, control_fps = clip.info.fps, found[0].fps
+    if clip_fps <= 0 or control_fps <= 0 or clip_fps == control_fps:
+        return window
+    return replace(window, fps=window.fps or clip_fps, start=_mapped_index(window.start, clip_fps, control_fps))
+
+
 def _fit_problem(kind: str, path: Path, found: VideoInfo, clip: Any, info: VideoInfo) -> str | None:
-    if INPUT_KINDS[kind].media == "images":
+    if kind in INPUT_KINDS and INPUT_KINDS[kind].media == "images":
         return None
     aspect, own = found.width / found.height, info.width / info.height
     if abs(math.log(aspect / own)) > ASPECT_TOLERANCE:

@@ -32,6 +32,7 @@ from vidtune.data.captions import CaptionStyle
 from vidtune.data.input_files import (
     missing_input_problems,
     parse_input_value,
+    probe_control,
     probe_inputs,
     read_list_inputs,
     split_folder_inputs,
@@ -381,6 +382,10 @@ def inspect_dataset(data: DataConfig, progress: bool = True, required_inputs: Se
             continue
         bucket, reason = assign_bucket(info, clip.is_image, shapes, data.fps)
         input_info, input_problems = probe_inputs(clip, info, probed) if clip.inputs else ({}, [])
+        control_info, control_problems = probe_control(clip, info, probed)
+        if control_info is not None:  # kept beside the inputs' probes: a control of another rate is read by time
+            input_info = {**input_info, "control": (control_info,)}
+        input_problems = [*input_problems, *control_problems]
         report.clips[number] = replace(clip, info=info, bucket=bucket, input_info=input_info)
         if reason:
             report.sample_problems.setdefault(number, []).append(reason)

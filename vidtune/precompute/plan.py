@@ -32,7 +32,7 @@ from vidtune.config import Config
 from vidtune.data.audio import AudioFormat, ClipAudio, read_audio
 from vidtune.data.buckets import window_starts
 from vidtune.data.captions import preservation_caption, shuffle_variants
-from vidtune.data.input_files import InputRead, frames_tensor, input_reads
+from vidtune.data.input_files import InputRead, control_window, frames_tensor, input_reads
 from vidtune.data.inputs import INPUT_KINDS
 from vidtune.data.sources import Clip
 from vidtune.data.video import ClipWindow, read_clip
@@ -324,7 +324,10 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
             for number, ((path, content_hash, processed), windows) in enumerate(zip(sources, keys, strict=True)):
                 # The clip's sound and rate go with its own latents; control clips give only their video latents.
                 audio, clip_rate = (clip_audio, rate) if number == 0 else (None, None)
-                preprocess = Preprocess(frames, height, width, data.fps, data.resize, start, processed, audio,
+                window = ClipWindow(frames, height, width, data.fps, start, data.resize)
+                if number and path == clip.control:  # a control clip of another frame rate: read at the clip's times
+                    window = control_window(clip, window)
+                preprocess = Preprocess(frames, height, width, window.fps, data.resize, window.start, processed, audio,
                                         clip_rate)
                 key = entry_key("latents", {**latent_parts, "preprocess": preprocess.describe(), "clip": content_hash})
                 windows.append(key)

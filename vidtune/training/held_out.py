@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from vidtune import outputs, parallel
-from vidtune.algorithms.losses import NoisyInputs, clip_losses
+from vidtune.algorithms.losses import NoisyInputs, clip_losses, with_loss_mask
 from vidtune.compile import eager
 from vidtune.evaluation import (
     EvalHistory,
@@ -44,7 +44,8 @@ def held_out_losses(context: TrainingContext) -> LossFunction:
 
     def losses(conditions: Conditions, noisy: torch.Tensor, timesteps: torch.Tensor, target: torch.Tensor,
                levels: torch.Tensor) -> torch.Tensor:
-        return clip_losses(context, NoisyInputs(conditions, noisy, timesteps, target, levels), context.denoiser)
+        given = with_loss_mask(context.config, conditions)  # a masked run is scored on its masks, as it trains
+        return clip_losses(context, NoisyInputs(given, noisy, timesteps, target, levels), context.denoiser)
 
     return losses
 

@@ -33,6 +33,8 @@ CONTROL_LATENTS = "control_latents"
 # `training.masked_loss`: the key of each clip's loss weights on the latent grid ([B, 1, F, H, W] in [0, 1], from its
 # `mask` input), which `Denoising.clip_error` weights each clip's error by.
 LOSS_MASK = "loss_mask"
+# With it, `training.masked_loss_area: frame`: the weighted error is averaged over the whole frame, not the mask's area.
+LOSS_MASK_BY_FRAME = "loss_mask_by_frame"
 # The key of each clip's frame rate [B, 1] (float64, frames per second) that families which tell their denoiser a
 # frame rate (`ModelSpec.frame_rate_conditioned`) find beside the latents: the rate the clip's frames play at.
 FRAME_RATE = "frame_rate"

@@ -14,7 +14,7 @@ from torch import nn
 from vidtune.config import TrainingConfig
 from vidtune.errors import ConfigError
 from vidtune.models import first_frame
-from vidtune.models.spec.base import FRAME_RATE, LOSS_MASK, Conditions, Latents
+from vidtune.models.spec.base import FRAME_RATE, LOSS_MASK, LOSS_MASK_BY_FRAME, Conditions, Latents
 from vidtune.models.spec.loading import Loading
 from vidtune.objectives import Objective, objective_from_scheduler
 
@@ -54,11 +54,14 @@ class Denoising(Loading):
     def clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """Each clip's error [B] of the video: `per_clip_error`, or with a loss mask (`LOSS_MASK`, on the latent
         grid: `training.masked_loss`) its weighted mean, sum(mask x error) / sum(mask) over what `per_clip_error`
-        counts, so an all-white mask gives the plain error bit for bit and black elements give no gradient."""
+        counts, so an all-white mask gives the plain error bit for bit and black elements give no gradient. With
+        `LOSS_MASK_BY_FRAME` the weighted error's mean over the whole frame instead (a small mask then weighs less)."""
         mask = conditions.get(LOSS_MASK)
         if mask is None:
             return self.per_clip_error(squared_error, conditions)
         weights = mask.to(squared_error).expand_as(squared_error)
+        if LOSS_MASK_BY_FRAME in conditions:
+            return self.per_clip_error(squared_error * weights, conditions)
         # The mask's mean over the counted elements, by the family's own rule (a first frame left out stays out).
         area = self.per_clip_error(weights, conditions).clamp_min(torch.finfo(squared_error.dtype).tiny)
         return self.per_clip_error(squared_error * (weights / area.view(-1, *([1] * (weights.ndim - 1)))), conditions)

@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.datasets import CONTROL_CAPTION, control_dataset
+from tests.helpers.datasets import CONTROL_CAPTION, control_dataset, masked_dataset
 from tests.helpers.runs import run_stopped_at
 from vidtune.algorithms.lora import module_suffixes
+from vidtune.data.inputs import input_key
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ModelError
 from vidtune.models.registry import get_spec_class
@@ -258,3 +259,20 @@ def test_pose_and_face_inputs_reach_the_model_alike_from_the_cache_and_on_the_fl
         assert torch.allclose(batch.latents[POSE_LATENTS], expected_pose, atol=1e-5)
         assert torch.allclose(batch.latents[FACE_PIXELS], expected_face, atol=1e-6)
     assert len(losses[False]) == 2 and losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_a_masked_run_weights_the_reference_position_by_the_first_frames_mask(make_config, shapes_dataset, tmp_path):
+    """`training.masked_loss`: the mask reaches the latents' reference position too (the first frame's), so a
+    masked run trains; a mask white on the right half weights the right half of every latent frame."""
+    root = masked_dataset(shapes_dataset, tmp_path / "data", white=(0.5, 0.0, 1.0, 1.0))
+    entry = {"type": "pairs", "root": str(root), "inputs": {"mask": "masks.txt"}}
+    config = make_config(FAMILY, data={"root": None, "datasets": [entry]},
+                         training={"steps": 1, "masked_loss": True, "batch_size": 2})
+    trainer = build_trainer(config)
+    batch = next(trainer.set_up().source.batches(0))
+    weights = batch.latents[input_key("mask")]
+    assert weights.shape[2] == batch.latents["latents_mean"].shape[2]  # one more than the clip's latent frames
+    half = weights.shape[-1] // 2
+    # (the mask's edge is resized with the clip: a little grey at the middle)
+    assert weights[..., :half].max() < 0.05 and weights[..., half:].min() > 0.95
+    assert trainer.run().final_step == 1

@@ -135,7 +135,14 @@ class WanAnimateSpec(WanImageToVideoSpec):
             BLANK_POSE: black.expand(batch, -1, -1, -1, -1).to(dtype).contiguous(),
         }
 
-    # ----- per-clip inputs: pose and face videos ---------------------------------------------------------------
+    # ----- per-clip inputs: pose and face videos, masks ----------------------------------------------------------
+    def mask_to_latent_grid(self, mask: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """The clip's mask on its latent frames, and before them, at the reference image's position, the mask of
+        the clip's first frame (the reference image by default)."""
+        frames, height, width = grid
+        weights = super().mask_to_latent_grid(mask, (frames - 1, height, width))
+        return torch.cat([weights[:, :, :1], weights], dim=2)
+
     def optional_inputs(self, config: Config) -> tuple[str, ...]:
         return (*super().optional_inputs(config), "pose", "face")
 

@@ -121,7 +121,7 @@ def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSetti
     """Image-to-video families start from a first frame (or keyframes): those of the first dataset clip
     ([K, 3, H, W], read at `fps` like training clips). A family whose conditioning reads a control clip follows the
     first dataset clip's control clip, read like a training clip ([F, 3, H, W])."""
-    if spec.reads_control_clip:
+    if spec.reads_control_clip and not spec.sampling_inputs:  # not Wan Animate's pose: one of its own inputs
         return control_clip(spec, clips[0].control, settings, fps)
     if not spec.image_to_video:
         return None
@@ -137,6 +137,25 @@ def control_clip(spec: ModelSpec, path: Path | None, settings: SampleSettings, f
         raise VidtuneError(f"{spec.name} follows a control clip, and none was given.\nWhat to do: give the first "
                            "sample a control clip (controls.txt, control_column), or pass --control CLIP.")
     return read_clip(Path(path), ClipWindow(settings.frames, settings.height, settings.width, fps=fps, resize=resize))
+
+
+def clip_sampling_inputs(spec: ModelSpec, clip: Clip | None, settings: SampleSettings, fps: float | None = None,
+                         control: Path | None = None) -> dict[str, torch.Tensor] | None:
+    """The input videos ([3, F, H, W]) a family's pipeline takes beside the prompt (`spec.sampling_inputs`: Wan
+    Animate's pose and face) for a sample following `clip` (validation: the first dataset clip): each kind from the
+    clip's own inputs; the pose of a family that reads the control clip itself from `control`, else the clip's
+    control clip when it has no pose input. Read at `fps` with the samples' shape, as training reads them."""
+    if not spec.sampling_inputs:
+        return None
+    paths: dict[str, Path] = {}
+    if clip is not None:
+        paths = {kind: clip.inputs[kind][0] for kind in spec.sampling_inputs if kind in clip.inputs}
+    if spec.reads_control_clip and "pose" in spec.sampling_inputs:
+        pose = control or (None if clip is None or "pose" in paths else clip.control)
+        if pose is not None:
+            paths["pose"] = Path(pose)
+    window = ClipWindow(settings.frames, settings.height, settings.width, fps=fps)
+    return {kind: read_clip(path, window).transpose(0, 1) for kind, path in paths.items()} or None
 
 
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:
@@ -183,11 +202,13 @@ def stoppable(pipeline: Any, stop: Callable[[], bool] | None) -> Iterator[None]:
 def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleSettings, seed: int,
                   video_path: Path, *, reference: torch.Tensor | None = None, bf16: bool = False,
                   latents_path: Path | None = None, stop: Callable[[], bool] | None = None,
-                  step: int | None = None, given: Given | None = None) -> Path:
+                  step: int | None = None, given: Given | None = None,
+                  inputs: dict[str, torch.Tensor] | None = None) -> Path:
     """One sample with `pipeline`: `video_path` (mp4), its .png contact sheet (captioned with the prompt and, for a
     validation sample, the training `step`) and .txt prompt, and with `latents_path` the final latents. The denoiser
     is put in eval mode for sampling and back in the mode it had. `stop`: asked before each denoising step
-    (SamplingStopped when it says so). `given`: a conditioning mode's inputs, in place of `reference`."""
+    (SamplingStopped when it says so). `given`: a conditioning mode's inputs, in place of `reference`. `inputs`: the
+    sample's input videos (`ModelSpec.sampling_inputs`)."""
     denoiser = pipeline.transformer
     was_training = denoiser.training
     denoiser.eval()
@@ -204,7 +225,7 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
                                  width=settings.width, num_inference_steps=settings.num_inference_steps,
                                  guidance_scale=settings.guidance_scale, generator=torch.Generator().manual_seed(seed),
                                  reference=reference, callback=keep_latents if latents_path is not None else None,
-                                 **({"given": given} if given is not None else {}))
+                                 inputs=inputs, **({"given": given} if given is not None else {}))
     finally:
         denoiser.train(was_training)
     pixels = frames_to_uint8(sample.frames)
@@ -225,7 +246,7 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
 def render_samples(spec: ModelSpec, pipeline: Any, settings: SampleSettings, folder: Path, name: str, *,
                    reference: torch.Tensor | None = None, bf16: bool = False, progress: bool = False,
                    stop: Callable[[], bool] | None = None, step: int | None = None,
-                   given: Given | None = None) -> list[Path]:
+                   given: Given | None = None, inputs: dict[str, torch.Tensor] | None = None) -> list[Path]:
     """One sample per prompt (seed `settings.seed + number`), written as `folder/{name}-{number}.mp4`
     (+ .png contact sheet, + .txt prompt). `progress`: a bar of each sample's denoising steps; `stop`: asked
     before each sample and each denoising step (SamplingStopped when it says so)."""
@@ -239,7 +260,7 @@ def render_samples(spec: ModelSpec, pipeline: Any, settings: SampleSettings, fol
         try:
             written.append(render_sample(spec, pipeline, prompt, settings, settings.seed + number,
                                          folder / f"{name}-{number}.mp4", reference=reference, bf16=bf16, stop=stop,
-                                         step=step, given=given))
+                                         step=step, given=given, inputs=inputs))
         except SamplingStopped:
             raise SamplingStopped("sampling stopped", written) from None
     return written
@@ -433,10 +454,21 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
                                "What to do: pass --image PNG.") from None
         print(f"Starting from the first frame of {clips[0].video} (the run's first clip; --image to choose).",
               flush=True)
-    if spec.reads_control_clip:  # its conditioning follows a control clip: --control, else the first sample's
+    # A family whose pipeline's conditioning video is the control clip (Wan VACE); one that takes it among its own
+    # inputs (Wan Animate's pose) reads it with them below.
+    if spec.reads_control_clip and not spec.sampling_inputs:
         reference = family_control_clip(run, settings, control)
         control = None
     controlled = contextlib.nullcontext()
+    inputs = None
+    if spec.sampling_inputs:  # the pipeline's own inputs (Wan Animate's pose and face): the run's first clip's
+        given_pose = checked_control(control) if spec.reads_control_clip else None
+        inputs = clip_sampling_inputs(spec, first_clip(run), settings, config.data.fps, control=given_pose)
+        if inputs:
+            print(f"Following the {' and '.join(inputs)} video{'s' if len(inputs) > 1 else ''} of the run's first "
+                  "clip" + (" (the pose from --control)" if given_pose is not None else "") + ".", flush=True)
+        if spec.reads_control_clip:
+            control = None
     in_context = traits_of(config).in_context
     if control is not None and run.control is None and not in_context:
         raise VidtuneError(f"--control: {run.weights} was not trained with control clips (training.algorithm "
@@ -455,7 +487,22 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     output.parent.mkdir(parents=True, exist_ok=True)
     with controlled:
         return render_sample(spec, pipeline, prompt, settings, settings.seed, output, reference=reference,
-                             bf16=run.bf16, latents_path=latents, given=given)
+                             bf16=run.bf16, latents_path=latents, given=given, inputs=inputs)
+
+
+def checked_control(control: Path | None) -> Path | None:
+    """`--control`, refused when it names no file."""
+    if control is not None and not Path(control).is_file():
+        raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
+    return control
+
+
+def first_clip(run: RunPipeline) -> Clip | None:
+    """The run's first sample (the sources in order; nothing probed), or None when its data cannot be read."""
+    try:
+        return read_sources(run.config.data).clips[0]
+    except (VidtuneError, OSError, IndexError):
+        return None
 
 
 def run_control_latents(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:

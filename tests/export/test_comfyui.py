@@ -299,9 +299,34 @@ def wan_vace_layout(config: dict) -> dict[str, tuple[int, int]]:
     return layout
 
 
+def wan_animate_layout(config: dict) -> dict[str, tuple[int, int]]:
+    """ComfyUI's Wan Animate model (`AnimateWanModel`, comfy/ldm/wan/model_animate.py, on `WanModel` of
+    comfy/ldm/wan/model.py): Wan 2.1 image-to-video's blocks (`self_attn` / `cross_attn` q, k, v, o, the image
+    keys and values `k_img` / `v_img`, `ffn.0` / `ffn.2`), embedders (`text_embedding`, `time_embedding`,
+    `time_projection.1`, `img_emb.proj.1/3`) and `head.head`; a face adapter block `face_adapter.fuser_blocks.N`
+    (`linear1_q`, `linear1_kv` fusing key and value, `linear2`) after every `inject_face_latents_blocks` blocks;
+    the face encoder's `out_proj`. Weight shapes (out, in)."""
+    x, ffn, image = config["num_attention_heads"] * config["attention_head_dim"], config["ffn_dim"], config["image_dim"]
+    out = config["out_channels"] * config["patch_size"][0] * config["patch_size"][1] * config["patch_size"][2]
+    layout = {"text_embedding.0": (x, config["text_dim"]), "text_embedding.2": (x, x),
+              "time_embedding.0": (x, config["freq_dim"]), "time_embedding.2": (x, x), "time_projection.1": (6 * x, x),
+              "img_emb.proj.1": (image, image), "img_emb.proj.3": (x, image), "head.head": (out, x),
+              "face_encoder.out_proj": (x, config["face_encoder_hidden_dim"])}
+    for n in range(config["num_layers"]):
+        block = f"blocks.{n}"
+        layout |= {f"{block}.{attention}.{part}": (x, x) for attention in ("self_attn", "cross_attn")
+                   for part in "qkvo"}
+        layout |= {f"{block}.cross_attn.k_img": (x, x), f"{block}.cross_attn.v_img": (x, x),
+                   f"{block}.ffn.0": (ffn, x), f"{block}.ffn.2": (x, ffn)}
+    for n in range(config["num_layers"] // config["inject_face_latents_blocks"]):
+        block = f"face_adapter.fuser_blocks.{n}"
+        layout |= {f"{block}.linear1_q": (x, x), f"{block}.linear1_kv": (2 * x, x), f"{block}.linear2": (x, x)}
+    return layout
+
+
 LAYOUTS = {"mochi": mochi_layout, "hunyuan-video": hunyuan_video_layout, "hunyuan-video-1.5": hunyuan_video_layout,
            "hunyuan-video-1.5-i2v": hunyuan_video_layout, "kandinsky-5": kandinsky5_layout,
-           "kandinsky-5-i2v": kandinsky5_layout, "wan-vace": wan_vace_layout}
+           "kandinsky-5-i2v": kandinsky5_layout, "wan-vace": wan_vace_layout, "wan-animate": wan_animate_layout}
 # The families ComfyUI's core has a model for: those whose spec names ComfyUI's layers.
 COMFYUI_FAMILIES = [family for family in available_models()
                     if get_spec_class(family).comfyui_lora_rules is not ModelSpec.comfyui_lora_rules]

@@ -121,6 +121,9 @@ DENOISER_PARAMETERS = {
     "Wan-AI/Wan2.2-TI2V-5B-Diffusers": 5e9,
     "Wan-AI/Wan2.2-T2V-A14B-Diffusers": 14e9,  # each of the two experts
     "Wan-AI/Wan2.2-I2V-A14B-Diffusers": 14e9,
+    # Named 14B for its Wan 2.1 blocks; with the image cross-attention (as I2V-14B's 16.4B), the face adapters
+    # (0.84B) and the motion and face encoders: Comfy-Org's repackaged bf16 file is 34.55 GB, 17.3B parameters.
+    "Wan-AI/Wan2.2-Animate-14B-Diffusers": 17.3e9,
     "Lightricks/LTX-2": 19e9,  # the video and audio streams together
     "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers": 14.3e9,  # Wan 2.1 14B's architecture
     "Skywork/SkyReels-V2-T2V-14B-720P-Diffusers": 14.3e9,

@@ -37,12 +37,19 @@ if TYPE_CHECKING:
 
 def module_suffixes(names: Iterable[str]) -> list[str]:
     """Module paths as short peft target names: what follows the first block index
-    (`transformer_blocks.0.attn1.to_q` -> `attn1.to_q`), or the whole path outside the blocks."""
+    (`transformer_blocks.0.attn1.to_q` -> `attn1.to_q`), or the whole path outside the blocks. A short name that
+    would also end the path of a module holding some of them (Wan Animate's face adapter `to_out`, a Linear, and
+    its blocks' `attn1.to_out`, a list holding `to_out.0`) stays the whole path: peft adapts only what it names."""
+    names = list(names)
+    holders = {".".join(name.split(".")[:end]) for name in names for end in range(1, name.count(".") + 1)}
+    holders -= set(names)
     suffixes = set()
     for name in names:
         parts = name.split(".")
         index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-        suffixes.add(".".join(parts[index + 1:]) if index is not None and index + 1 < len(parts) else name)
+        short = ".".join(parts[index + 1:]) if index is not None and index + 1 < len(parts) else name
+        clashes = any(holder == short or holder.endswith(f".{short}") for holder in holders)
+        suffixes.add(name if clashes else short)
     return sorted(suffixes)
 
 

@@ -106,6 +106,17 @@ def wan21_vace(config: dict[str, Any]) -> ComfyUIModel:
     return ComfyUIModel("WAN21_Vace", frozenset({*base.weights, *vace, "vace_blocks.0.before_proj"}))
 
 
+def wan_animate(config: dict[str, Any]) -> ComfyUIModel:
+    """Wan Animate (`WAN22_Animate`, `AnimateWanModel` in comfy/ldm/wan/model_animate.py): Wan 2.1
+    image-to-video's layers, a face adapter block (`face_adapter.fuser_blocks.N`: `linear1_q`, the fused
+    `linear1_kv`, `linear2`) after every `inject_face_latents_blocks` blocks, and the face encoder's `out_proj`."""
+    adapters = config["num_layers"] // config.get("inject_face_latents_blocks", 5)
+    base = wan21(config)
+    weights = {*base.weights, "face_encoder.out_proj",
+               *_blocks("face_adapter.fuser_blocks", adapters, ["linear1_q", "linear1_kv", "linear2"])}
+    return ComfyUIModel("WAN22_Animate", frozenset(weights))
+
+
 def hunyuan_video(double: int, single: int = 0, refiner: int = 2, guidance: bool = False, vector: bool = False,
                   glyph: bool = False, image: bool = False) -> ComfyUIModel:
     """HunyuanVideo 1.0 and 1.5 (`HunyuanVideo`, `HunyuanVideo15`; one model class): Flux's double and single

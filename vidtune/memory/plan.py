@@ -485,9 +485,12 @@ def _count_step(model: TracedModel, config: Config, device: torch.device) -> _Co
 
 
 def _block_lists(denoiser: nn.Module) -> list[nn.ModuleList]:
-    """Every list of repeated transformer blocks (`...blocks` ModuleLists, an expert's included)."""
+    """Every list of repeated transformer blocks (`...blocks` ModuleLists, an expert's included): blocks of one
+    shape. A list whose blocks change the width as they go (Wan Animate's motion encoder `res_blocks`) cannot run
+    with fewer of them, and is traced whole."""
     return [module for name, module in denoiser.named_modules()
-            if isinstance(module, nn.ModuleList) and name.rpartition(".")[2].endswith("blocks")]
+            if isinstance(module, nn.ModuleList) and name.rpartition(".")[2].endswith("blocks")
+            and len({tuple(p.shape for p in block.parameters()) for block in module}) <= 1]
 
 
 @contextlib.contextmanager

@@ -110,6 +110,13 @@ WAN_22 = FamilyDefaults(frames=121, height=704, width=1280, fps=24.0, sigma_shif
         "TI2V-5B's sampling shift 5 (docs/wan22.md), drawn as kohya-ss/musubi-tuner's `--timestep_sampling shift` "
         "(`docs/wan.md`: logit-normal, then the shift)"))
 
+WAN_ANIMATE = FamilyDefaults(frames=81, height=480, width=832, fps=30.0, sigma_shift=5.0, source=(
+    "modelscope/DiffSynth-Studio `examples/wanvideo/model_training/lora/Wan2.2-Animate-14B.sh` (81 frames of "
+    "480x832); 30 fps: WanAnimatePipeline's example (`export_to_video(..., fps=30)`); guidance 1: the pipeline's "
+    "default (Wan Animate samples without guidance)"), noise_source=(
+        "Wan-Video/Wan2.2 `wan/configs/wan_animate_14B.py`: `sample_shift = 5.0`, drawn as kohya-ss/musubi-tuner's "
+        "`--timestep_sampling shift` (`docs/wan.md`: logit-normal, then the shift)"))
+
 SKYREELS_V2 = FamilyDefaults(frames=97, height=544, width=960, fps=24.0, source=(
     "the 540P checkpoints' recommended clip (SkyworkAI/SkyReels-V2 README: 544x960, 97 frames) at 24 fps, as "
     "SkyReelsV2Pipeline's defaults; guidance 6 (text-to-video) / 5 (image-to-video), the pipelines' and README's"),
@@ -159,6 +166,7 @@ FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "ltx-video": LTX_VIDEO, "ltx-video-i2v": LTX_VIDEO, "ltx-2": LTX_2, "ltx-2-i2v": LTX_2, "cogvideox": COGVIDEOX,
     "cogvideox-i2v": COGVIDEOX, "mochi": MOCHI, "hunyuan-video": HUNYUAN_VIDEO, "hunyuan-video-1.5": HUNYUAN_VIDEO_15,
     "hunyuan-video-1.5-i2v": HUNYUAN_VIDEO_15, "wan": WAN, "wan-i2v": WAN, "wan2.2": WAN_22, "wan2.2-i2v": WAN_22,
+    "wan-animate": WAN_ANIMATE,
     "skyreels-v2": SKYREELS_V2, "skyreels-v2-i2v": SKYREELS_V2, "skyreels-v2-df": SKYREELS_V2_DF,
     "sana-video": SANA_VIDEO, "sana-video-i2v": SANA_VIDEO,
     "kandinsky-5": KANDINSKY_5, "kandinsky-5-i2v": KANDINSKY_5,

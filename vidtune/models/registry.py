@@ -28,6 +28,7 @@ SPECS: dict[str, str] = {
     "wan-i2v": "vidtune.models.wan:WanImageToVideoSpec",
     "wan2.2": "vidtune.models.wan22:Wan22Spec",
     "wan2.2-i2v": "vidtune.models.wan22:Wan22ImageToVideoSpec",
+    "wan-animate": "vidtune.models.wan_animate:WanAnimateSpec",
     "skyreels-v2": "vidtune.models.skyreels_v2:SkyReelsV2Spec",
     "skyreels-v2-i2v": "vidtune.models.skyreels_v2:SkyReelsV2ImageToVideoSpec",
     "skyreels-v2-df": "vidtune.models.skyreels_v2:SkyReelsV2DiffusionForcingSpec",

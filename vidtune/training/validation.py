@@ -18,6 +18,7 @@ from vidtune.metrics import plot_loss_curve
 from vidtune.sampling import (
     SampleSettings,
     SamplingStopped,
+    clip_sampling_inputs,
     describe_samples,
     reference_clip,
     render_samples,
@@ -66,6 +67,7 @@ def validate(context: TrainingContext, part: AlgorithmPart, stop: StopSignals | 
                                     reference=reference_clip(spec, clips, settings, config.data.fps),
                                     given=validation_given(spec, config, clips, settings.frames, settings.height,
                                                            settings.width),
+                                    inputs=clip_sampling_inputs(spec, clips[0], settings, config.data.fps),
                                     bf16=context.bf16, progress=context.show_progress, step=step,
                                     stop=(lambda: stop.received is not None) if stop is not None else None)
     except SamplingStopped as stopped:

@@ -25,9 +25,10 @@ class Encoding(SpecBase):
     # Bump when the family's prepare_conditions / prepare_latents code changes what it computes, so that
     # precomputed entries made by the old code are not reused (see `condition_identity`).
     cache_version: ClassVar[int] = 1
-    # The family's own conditioning reads a control clip per sample (Wan VACE's control video), whatever the
-    # algorithm: the data path then reads and encodes each sample's control clip (`controls.txt`, `control_column`)
-    # beside it, on the fly and into the cache, and hands its latents to `forward` as `conditions[CONTROL_LATENTS]`.
+    # The family's own conditioning reads a control clip per sample, whatever the algorithm (Wan VACE's control
+    # video, Wan Animate's pose video): the data path then reads and encodes each sample's control clip
+    # (`controls.txt`, `control_column`) beside it, on the fly and into the cache, and hands its latents to `forward`
+    # as `conditions[CONTROL_LATENTS]`.
     reads_control_clip: ClassVar[bool] = False
 
     @abstractmethod

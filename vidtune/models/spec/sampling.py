@@ -5,7 +5,7 @@ the checks that what training teaches is what the pipeline samples (the final la
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -61,6 +61,9 @@ class Sampling(Encoding):
     # Image-to-video families sample from a first frame: `sample(..., reference=video)` hands it to
     # `pipeline_inputs`. A spec holds no per-run state, so the reference is always an argument.
     image_to_video: ClassVar[bool] = False
+    # The per-clip input kinds (vidtune/data's `pose`, `face`, ...) the family's pipeline call takes beside the
+    # reference: `sample(..., inputs={kind: [3, F, H, W] video})` hands them to `call_pipeline(..., inputs=...)`.
+    sampling_inputs: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
@@ -69,19 +72,27 @@ class Sampling(Encoding):
     def sample(self, pipeline: Any, prompt: str, *, frames: int, height: int, width: int, num_inference_steps: int,
                generator: torch.Generator, guidance_scale: float = 1.0, reference: torch.Tensor | None = None,
                callback: StepCallback | None = None, output: SampleOutput = "video",
-               given: Given | None = None) -> GeneratedSample:
+               given: Given | None = None, inputs: Mapping[str, torch.Tensor] | None = None) -> GeneratedSample:
         """One sample with the family's pipeline and its own scheduler. output="video": the decoded frames (and the
         sound of a family whose pipeline makes it); output="latents": the final latents in the training layout,
         normalised like `prepare_latents` output (with guidance_scale 1, what the trainer teaches is what this
         samples). `reference`: the clip ([F, 3, H, W] in [-1, 1]) an image-to-video family starts from.
         `callback(pipeline, step, timestep, {"latents": ...})` runs after each denoising step (it returns the
-        dict). `given`: a conditioning mode's frames (and mask) to sample from instead of `reference`."""
+        dict). `given`: a conditioning mode's frames (and mask) to sample from instead of `reference`. `inputs`: the
+        sample's own input videos ([3, F, H, W] in [-1, 1]) of the kinds in `sampling_inputs`."""
         if output not in SAMPLE_OUTPUTS:
             raise ValueError(f"sample(output={output!r}): output is one of {', '.join(SAMPLE_OUTPUTS)}")
-        extra = {}
+        unknown = sorted(set(inputs or {}) - set(self.sampling_inputs))
+        if unknown:
+            raise ModelError(f"{self.name} samples from no {', '.join(unknown)} input (it takes: "
+                             f"{', '.join(self.sampling_inputs) or 'none'}).\nWhat to do: leave those inputs out.")
+        # Only a family that takes them receives these keywords: the others' `call_pipeline` keeps its signature.
+        extra: dict[str, Any] = {}
         if given is not None:
             self.check_given(given)
-            extra = {"given": given}
+            extra["given"] = given
+        if inputs:
+            extra["inputs"] = dict(inputs)
         result = self.call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
                                     generator, "latent" if output == "latents" else "pt", reference, callback,
                                     **extra)

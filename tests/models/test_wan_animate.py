@@ -1,0 +1,292 @@
+"""Wan Animate: training hands the transformer exactly what WanAnimatePipeline hands it (reference condition, CLIP
+tokens, pose latents, face pixels); each sample's pose clip reaches the model alike from the cache and on the fly;
+runs resume bit for bit; trained on two (pose, target) pairs, the pipeline given each pose brings back its target."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.datasets import CONTROL_CAPTION, control_dataset, masked_dataset
+from tests.helpers.runs import run_stopped_at
+from vidtune.algorithms.lora import module_suffixes
+from vidtune.data.inputs import input_key
+from vidtune.data.video import ClipWindow, read_clip
+from vidtune.errors import ModelError
+from vidtune.models.registry import get_spec_class
+from vidtune.models.spec import CONTROL_LATENTS
+from vidtune.models.tiny import TINY_SHAPES
+from vidtune.models.wan_animate import BLANK_POSE, FACE_PIXELS, POSE_LATENTS
+from vidtune.trainers import build_trainer
+
+CPU = torch.device("cpu")
+FAMILY = "wan-animate"
+
+
+def _spec(config):
+    return get_spec_class(FAMILY)(config.model, frame_rate=config.frame_rate)
+
+
+def _transformer_inputs(denoiser: torch.nn.Module, call) -> dict[str, Any]:
+    """The keyword inputs of the first transformer call `call()` makes."""
+    seen: dict[str, Any] = {}
+
+    def record(module, args, kwargs):
+        if not seen:
+            seen.update(kwargs)
+
+    handle = denoiser.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            call()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_training_hands_the_transformer_what_the_pipeline_hands_it(make_config):
+    config = make_config(FAMILY)
+    spec = _spec(config)
+    text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU).eval()
+    frames, height, width = TINY_SHAPES[FAMILY]
+    generator = torch.Generator().manual_seed(0)
+    # Videos of byte levels, as decoded clips are: the pipeline is handed pictures (bytes) of them.
+    clip, pose, face = ((torch.randint(0, 256, (1, frames, 3, height, width), generator=generator) / 127.5 - 1)
+                        for _ in range(3))
+    pipeline = spec.pipeline(text, vae, denoiser)
+    pipeline.set_progress_bar_config(disable=True)
+    sampled = _transformer_inputs(denoiser, lambda: spec.sample(
+        pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=1,
+        generator=torch.Generator().manual_seed(0), reference=clip[0], output="latents",
+        inputs={"pose": pose[0].transpose(0, 1), "face": face[0].transpose(0, 1)}))
+
+    latents = spec.prepare_latents(vae, clip)
+    conditions = {**spec.prepare_conditions(text, ["a red circle"]), **latents,
+                  CONTROL_LATENTS: spec.prepare_latents(vae, pose)["latents_mean"],
+                  FACE_PIXELS: spec.face_pixels(face.transpose(1, 2))}
+    channels = latents["latents_mean"].shape[1]
+    noisy = sampled["hidden_states"][:, :channels]
+    assert noisy.shape == latents["latents_mean"].shape  # one latent frame more than the clip's: the reference's
+    trained = _transformer_inputs(denoiser, lambda: spec.forward(denoiser, conditions, noisy, sampled["timestep"]))
+    for key in ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_image", "pose_hidden_states",
+                "face_pixel_values", "timestep"):
+        assert trained[key].shape == sampled[key].shape, key
+        assert torch.allclose(trained[key].float(), sampled[key].float(), atol=1e-5), key
+    # The pose and the face do reach the model: other ones change its prediction.
+    with torch.no_grad():
+        prediction = spec.forward(denoiser, conditions, noisy, sampled["timestep"])
+        without_pose = spec.forward(denoiser, {k: v for k, v in conditions.items() if k != CONTROL_LATENTS}, noisy,
+                                    sampled["timestep"])
+        without_face = spec.forward(denoiser, {k: v for k, v in conditions.items() if k != FACE_PIXELS}, noisy,
+                                    sampled["timestep"])
+    assert (prediction - without_pose).abs().max() > 1e-4 and (prediction - without_face).abs().max() > 1e-4
+
+
+def test_without_pose_or_face_training_and_sampling_see_black_videos(make_config):
+    """A sample without a pose clip trains on the latents of a black pose video, and the pipeline given no pose
+    samples from the same; a pose video shorter than the sample is refused with what to do."""
+    config = make_config(FAMILY)
+    spec = _spec(config)
+    text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU).eval()
+    frames, height, width = TINY_SHAPES[FAMILY]
+    clip = torch.rand(1, frames, 3, height, width, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    pipeline = spec.pipeline(text, vae, denoiser)
+    pipeline.set_progress_bar_config(disable=True)
+
+    def sample(**inputs):
+        return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width,
+                           num_inference_steps=1, generator=torch.Generator().manual_seed(0), reference=clip[0],
+                           output="latents", inputs=inputs or None)
+
+    sampled = _transformer_inputs(denoiser, sample)
+    latents = spec.prepare_latents(vae, clip)
+    assert torch.allclose(sampled["pose_hidden_states"], latents[BLANK_POSE], atol=1e-5)
+    assert torch.equal(sampled["face_pixel_values"], torch.full_like(sampled["face_pixel_values"], -1.0))
+    with pytest.raises(ModelError, match=r"the pose video has shape \(3, 5, 32, 32\); it needs \[3, F, H, W\] with "
+                                         r"at least 9 frames"):
+        sample(pose=torch.zeros(3, 5, height, width))
+    with pytest.raises(ModelError, match=r"wan-animate samples from no mask input \(it takes: pose, face\)"):
+        sample(mask=torch.zeros(3, frames, height, width))
+
+
+def test_pose_clips_reach_the_model_alike_from_the_cache_and_on_the_fly(make_config, shapes_dataset, tmp_path):
+    """With plain LoRA training (no control algorithm), each sample's control clip is its pose: the cache encodes it
+    beside the clip, and a run from the cache logs the losses of a run encoding on the fly."""
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    batches, losses = {}, {}
+    for cached in (False, True):
+        config = make_config(FAMILY, data_root=root, training={"batch_size": 2, "steps": 2},
+                             # One clip per VAE call, as on the fly: the same computation, the same values.
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
+                             logging={"progress": False, "log_every": 1}, output_dir=str(tmp_path / f"run-{cached}"))
+        trainer = build_trainer(config)
+        batches[cached] = next(trainer.set_up().source.batches(0))
+        trainer.run()
+        metrics = (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()
+        losses[cached] = [json.loads(row)["loss"] for row in metrics if "loss" in json.loads(row)]
+    on_the_fly, from_cache = batches[False], batches[True]
+    pose = on_the_fly.latents[CONTROL_LATENTS]
+    assert pose.shape == on_the_fly.latents["latents_mean"].shape
+    assert torch.allclose(from_cache.latents[CONTROL_LATENTS], pose, atol=1e-6)
+    assert not torch.allclose(pose, on_the_fly.latents["latents_mean"], atol=1e-2)  # the pose clips', not targets'
+    assert len(losses[False]) == 2 and losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_a_resumed_run_ends_bit_for_bit_like_one_left_alone(make_config, shapes_dataset, tmp_path):
+    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
+    settings = {"training": {"steps": 5, "learning_rate": 1e-2}, "checkpoint": {"every": 2}}
+    build_trainer(make_config(FAMILY, data_root=root, **settings, output_dir=str(tmp_path / "reference"))).run()
+    trainer = build_trainer(make_config(FAMILY, data_root=root, **settings, output_dir=str(tmp_path / "stopped")))
+    run_stopped_at(trainer, 3)
+    resumed = {**settings, "checkpoint": {**settings["checkpoint"], "resume": "latest"}}
+    result = build_trainer(make_config(FAMILY, data_root=root, **resumed, output_dir=str(tmp_path / "stopped"))).run()
+    assert result.final_step == 5
+    expected, got = (load_file(tmp_path / run / "pytorch_lora_weights.safetensors") for run in ("reference", "stopped"))
+    assert expected.keys() == got.keys() and expected
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
+
+
+def test_short_lora_target_names_never_name_a_module_holding_others():
+    """Wan Animate's face adapters end in a Linear `to_out`, its blocks' attention in a list `to_out` holding
+    `to_out.0`: `all-linear` names the adapters' whole path, so peft wraps no list."""
+    names = ["blocks.0.attn1.to_q", "blocks.0.attn1.to_out.0", "face_adapter.0.to_q", "face_adapter.0.to_out",
+             "proj_out"]
+    assert module_suffixes(names) == ["attn1.to_out.0", "attn1.to_q", "face_adapter.0.to_out", "proj_out", "to_q"]
+
+
+def _sampled(spec, pipeline, vae, target: Path, pose: Path, steps: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the target clip's latents, what the pipeline samples from its first frame following `pose`)."""
+    frames, height, width = TINY_SHAPES[FAMILY]
+    clip = read_clip(target, ClipWindow(frames, height, width))
+    x0 = spec.prepare_latents(vae, clip[None])["latents_mean"]
+    pose_video = read_clip(pose, ClipWindow(frames, height, width)).transpose(0, 1)
+    with torch.no_grad():
+        sampled = spec.sample(pipeline, CONTROL_CAPTION, frames=frames, height=height, width=width,
+                              num_inference_steps=steps, generator=torch.Generator().manual_seed(1), reference=clip,
+                              inputs={"pose": pose_video}, output="latents").latents
+    return x0, sampled
+
+
+@pytest.mark.slow
+def test_two_pose_target_pairs_come_back_through_the_pipeline(make_config, shapes_dataset, tmp_path):
+    root, targets, poses = control_dataset(shapes_dataset, tmp_path / "data")
+    steps = 400
+    config = make_config(FAMILY, data_root=root,
+                         training={"algorithm": "full", "steps": steps, "learning_rate": 3e-3, "batch_size": 4,
+                                   "max_grad_norm": None, "sigma_sampling": "uniform", "sigma_shift": 1.0},
+                         optimizer={"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": steps // 10},
+                         precompute={"enabled": True, "cache_dir": str(tmp_path / "cache")},
+                         logging={"progress": False, "log_every": 100})
+    started = time.perf_counter()
+    result = build_trainer(config).run()
+    spec = _spec(config)
+    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
+    trained = spec.pipeline(text, vae, type(spec.load_denoiser(CPU)).from_pretrained(result.weights_path).eval())
+    base = spec.pipeline(text, vae, spec.load_denoiser(CPU).eval())
+    for pipeline in (trained, base):
+        pipeline.set_progress_bar_config(disable=True)
+    errors = {}
+    for name, target, pose in (("A", targets[0], poses[0]), ("B", targets[1], poses[1])):
+        x0, after = _sampled(spec, trained, vae, target, pose)
+        _, before = _sampled(spec, base, vae, target, pose)
+        other = spec.prepare_latents(vae, read_clip(targets[1 - "AB".index(name)],
+                                                    ClipWindow(*TINY_SHAPES[FAMILY]))[None])["latents_mean"]
+        errors[name] = (float((after - x0).norm() / x0.norm()), float((after - other).norm() / other.norm()),
+                        float((before - x0).norm() / x0.norm()))
+        print(f"{FAMILY}: target {name}: relative error {errors[name][0]:.3f} (to the other target "
+              f"{errors[name][1]:.3f}; untrained {errors[name][2]:.3f}) ({time.perf_counter() - started:.0f} s)")
+    for name, (own, other, untrained) in errors.items():
+        assert own < other, f"target {name}: nearer the other target ({own:.3f} vs {other:.3f})"
+        assert own < 0.3 * untrained, f"target {name}: {own:.3f} vs untrained {untrained:.3f}"
+
+
+def test_validation_samples_follow_the_first_clips_pose(make_config, shapes_dataset, tmp_path, monkeypatch):
+    """Validation hands the pipeline the first sample's control clip as its pose video, read at the samples' shape."""
+    root, _, poses = control_dataset(shapes_dataset, tmp_path / "data")
+    config = make_config(FAMILY, data_root=root, training={"steps": 1}, validation={"enabled": True})
+    trainer = build_trainer(config)
+    seen: list[dict[str, torch.Tensor] | None] = []
+    original = type(trainer.spec).sample
+
+    def recording(spec, *args, **kwargs):
+        seen.append(kwargs.get("inputs"))
+        return original(spec, *args, **kwargs)
+
+    monkeypatch.setattr(type(trainer.spec), "sample", recording)
+    trainer.run()
+    frames, height, width = TINY_SHAPES[FAMILY]
+    expected = read_clip(poses[0], ClipWindow(frames, height, width)).transpose(0, 1)
+    assert seen and all(inputs is not None and torch.equal(inputs["pose"], expected) for inputs in seen)
+
+
+def test_pose_and_face_inputs_reach_the_model_alike_from_the_cache_and_on_the_fly(make_config, shapes_dataset,
+                                                                                     tmp_path):
+    """A dataset's `pose` and `face` inputs (poses.txt, faces.txt beside videos.txt) are read with each clip's
+    window, encoded as the pipeline encodes them (the pose's argmax latents, the face at the motion encoder's size)
+    and cached under their own identity: from the cache, the same tensors and losses as on the fly."""
+    root, _, others = control_dataset(shapes_dataset, tmp_path / "data")
+    (root / "controls.txt").unlink()  # the pose comes from the inputs alone
+    (root / "poses.txt").write_text("".join(f"{path}\n" for path in others))
+    (root / "faces.txt").write_text("".join(f"{path}\n" for path in reversed(others)))
+    entry = {"type": "pairs", "root": str(root), "inputs": {"pose": "poses.txt", "face": "faces.txt"}}
+    batches, losses = {}, {}
+    for cached in (False, True):
+        config = make_config(FAMILY, data={"root": None, "datasets": [entry]},
+                             training={"batch_size": 2, "steps": 2},
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
+                             logging={"progress": False, "log_every": 1}, output_dir=str(tmp_path / f"run-{cached}"))
+        trainer = build_trainer(config)
+        batches[cached] = next(trainer.set_up().source.batches(0))
+        trainer.run()
+        metrics = (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()
+        losses[cached] = [json.loads(row)["loss"] for row in metrics if "loss" in json.loads(row)]
+    on_the_fly, from_cache = batches[False], batches[True]
+    spec = _spec(config)
+    vae = spec.load_vae(CPU)
+    frames, height, width = TINY_SHAPES[FAMILY]
+    order = on_the_fly.indices.tolist()
+    clips = {name: torch.stack([read_clip(paths[i], ClipWindow(frames, height, width)) for i in order])
+             for name, paths in (("pose", others), ("face", list(reversed(others))))}
+    expected_pose = spec.prepare_latents(vae, clips["pose"])["latents_mean"][:, :, 1:]
+    expected_face = spec.face_pixels(clips["face"].transpose(1, 2))
+    for batch in (on_the_fly, from_cache):
+        assert torch.allclose(batch.latents[POSE_LATENTS], expected_pose, atol=1e-5)
+        assert torch.allclose(batch.latents[FACE_PIXELS], expected_face, atol=1e-6)
+    assert len(losses[False]) == 2 and losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_a_masked_run_weights_the_reference_position_by_the_first_frames_mask(make_config, shapes_dataset, tmp_path):
+    """`training.masked_loss`: the mask reaches the latents' reference position too (the first frame's), so a
+    masked run trains; a mask white on the right half weights the right half of every latent frame."""
+    root = masked_dataset(shapes_dataset, tmp_path / "data", white=(0.5, 0.0, 1.0, 1.0))
+    entry = {"type": "pairs", "root": str(root), "inputs": {"mask": "masks.txt"}}
+    config = make_config(FAMILY, data={"root": None, "datasets": [entry]},
+                         training={"steps": 1, "masked_loss": True, "batch_size": 2})
+    trainer = build_trainer(config)
+    batch = next(trainer.set_up().source.batches(0))
+    weights = batch.latents[input_key("mask")]
+    assert weights.shape[2] == batch.latents["latents_mean"].shape[2]  # one more than the clip's latent frames
+    half = weights.shape[-1] // 2
+    # (the mask's edge is resized with the clip: a little grey at the middle)
+    assert weights[..., :half].max() < 0.05 and weights[..., half:].min() > 0.95
+    assert trainer.run().final_step == 1
+
+
+def test_vidtune_plan_traces_the_released_model_offline():
+    """`vidtune plan` for Wan2.2-Animate-14B from the shipped architecture: its motion encoder's blocks, which narrow
+    as they go, are traced whole (only the transformer's repeated blocks are traced in part)."""
+    from vidtune.config import build_config
+    from vidtune.memory.plan import GIB, plan_memory
+
+    config = build_config({"model": {"name": FAMILY, "pretrained": "Wan-AI/Wan2.2-Animate-14B-Diffusers"},
+                           "data": {"root": ".", "frames": 9, "height": 64, "width": 64},
+                           "lora": {"rank": 4, "alpha": 4}, "precompute": {"enabled": True}})
+    plan = plan_memory(config)
+    assert plan.peak > 17.3e9 * 2 / 1.08  # at least the bf16 transformer (17.3B parameters) is counted
+    print(f"planned peak {plan.peak / GIB:.1f} GiB")

@@ -1,0 +1,267 @@
+"""Wan Animate (Wan2.2-Animate-14B): Wan 2.1 image-to-video's text encoder, VAE, CLIP image encoder and blocks,
+animated by a pose video and a face video (WanAnimatePipeline, `mode="animate"`).
+
+Conventions taken from WanAnimatePipeline (one segment of `segment_frame_length` = the clip's frames):
+    latents: one latent frame more than the clip's: position 0 is the reference image's, then the clip's; the
+        pipeline decodes `latents[:, :, 1:]`. Training's target there is the reference image's own latents (its
+        first frame by default), as DiffSynth-Studio's Wan Animate training, whose clip starts with the reference;
+    reference condition (concatenated to the noisy latents on the channel dim): four mask channels of ones and the
+        normalised latents of the reference image (argmax), then, for the clip's frames, four mask channels of
+        zeros and the normalised latents of a mid-grey video (pixel 0: the pipeline's first segment in animate
+        mode has no previous frames);
+    image_embeds: the CLIP vision encoder's penultimate hidden states of the reference image;
+    pose: the pose video's normalised latents (argmax), added after the patch embedding of every frame but the
+        reference's. It comes from the sample's `pose` input, else its control clip (`controls.txt` /
+        `control_column`); without either the model sees a black pose video, what sampling without a pose gives;
+    face: the sample's `face` input at the motion encoder's size, which the transformer encodes itself (motion
+        encoder, face encoder, face adapters). Without one the model sees black frames (-1), the pipeline's own
+        "no face" (its unconditional branch).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+from diffusers import WanAnimatePipeline, WanAnimateTransformer3DModel
+from diffusers.pipelines.wan.image_processor import WanAnimateImageProcessor
+from diffusers.video_processor import VideoProcessor
+from torch import nn
+
+from vidtune.config import Config
+from vidtune.data.inputs import input_key
+from vidtune.errors import ModelError
+from vidtune.export.comfyui import Rule, fused
+from vidtune.export.comfyui_models import ComfyUIModel, wan_animate
+from vidtune.models.defaults import WAN_ANIMATE
+from vidtune.models.spec import CONTROL_LATENTS, Conditions, GeneratedSample, Latents, frames_to_pil
+from vidtune.models.spec.sampling import step_callback
+from vidtune.models.wan import WanImageEncoders, WanImageToVideoSpec, WanSpec
+
+logger = logging.getLogger(__name__)
+
+# The video-derived conditions `prepare_latents` returns beside the posterior.
+REFERENCE_CONDITION = "reference_condition"  # [B, 4 + C, 1 + F', H', W']: mask channels + reference / segment
+IMAGE_EMBEDS = "image_embeds"  # [B, tokens, width]: CLIP of the reference image
+BLANK_POSE = "blank_pose"  # [B, C, F', H', W']: the latents of a black pose video, used without a control clip
+# Each sample's own inputs (vidtune/data/inputs.py), as `encode_inputs` puts them beside its latents: the pose
+# video's latents [B, C, F', H', W'] and the face video at the motion encoder's size [B, 3, F, S, S].
+POSE_LATENTS = input_key("pose")
+FACE_PIXELS = input_key("face")
+
+
+class WanAnimateSpec(WanImageToVideoSpec):
+    """Wan Animate, animate mode. `sample`'s `reference` is the clip whose first frame is the character image;
+    `inputs` may give its `pose` and `face` videos ([3, F, H, W] in [-1, 1])."""
+
+    name = "wan-animate"
+    model_title = "Wan Animate"
+    defaults = WAN_ANIMATE
+    validation_guidance_scale = 1.0  # WanAnimatePipeline's default: Wan Animate samples without guidance
+    pipeline_class = WanAnimatePipeline
+    denoiser_class = WanAnimateTransformer3DModel
+    # diffusers has a converter for Wan-AI's original Animate file, but it is not checked against vidtune's
+    # single-file tests yet: `model.transformer_file` is refused for this family.
+    loads_single_file = False
+    control_input_layer = None
+    control_refusal = ("its pose video already conditions the model: give each clip its pose video (a `pose` input, "
+                       "or controls.txt) and train with `lora` or `full`.")
+    reads_control_clip = True  # the pose video of a clip without a `pose` input: its control clip
+    sampling_inputs = ("pose", "face")
+
+    # ----- encoding --------------------------------------------------------------------------------------------
+    def latent_identity(self) -> dict[str, Any]:
+        # The condition layout and the blank inputs are constants of this module: their version keys the cache.
+        return {**super().latent_identity(), "animate_conditions": 1}
+
+    @functools.cached_property
+    def _processors(self) -> tuple[WanAnimateImageProcessor, VideoProcessor]:
+        """The pipeline's reference-image and video processors (WanAnimatePipeline.__init__), for the VAE ratio
+        and patch size of this model: training prepares its images exactly as sampling does."""
+        spatial, _, patch = self.compression
+        image = WanAnimateImageProcessor(vae_scale_factor=spatial, spatial_patch_size=patch[1:], resample="bilinear",
+                                         fill_color=0)
+        return image, VideoProcessor(vae_scale_factor=spatial)
+
+    def motion_size(self) -> int:
+        """The side of the square face frames the motion encoder reads (the released model's: 512)."""
+        return int(self.load_config(self.denoiser_class, "transformer").get("motion_encoder_size", 512))
+
+    @torch.no_grad()
+    def reference_pixels(self, first_frames: torch.Tensor) -> torch.Tensor:
+        """Each reference image [B, 3, H, W] in [-1, 1] as the pipeline prepares the picture it is given (RGB
+        bytes, then its processor's fill resize to the clip's size), as [B, 3, 1, H, W]."""
+        processor, _ = self._processors
+        height, width = first_frames.shape[-2:]
+        pixels = processor.preprocess(frames_to_pil(first_frames), height=height, width=width, resize_mode="fill")
+        return pixels.unsqueeze(2)
+
+    @torch.no_grad()
+    def face_pixels(self, faces: torch.Tensor) -> torch.Tensor:
+        """Face videos [B, 3, F, H, W] in [-1, 1] resized to the motion encoder's square as the pipeline resizes
+        the frames it is given: [B, 3, F, S, S]."""
+        _, processor = self._processors
+        size = self.motion_size()
+        videos = [frames_to_pil(face.transpose(0, 1)) for face in faces]
+        return torch.cat([processor.preprocess_video(video, height=size, width=size) for video in videos])
+
+    def _vae_latents(self, vae: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """Normalised argmax latents of [B, 3, F, H, W] pixels, as the pipeline's `retrieve_latents(...,
+        sample_mode="argmax")` then `(z - mean) / std`."""
+        return self.normalise(vae, vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist.mode())
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: WanImageEncoders, videos: torch.Tensor) -> Latents:
+        batch, frames, _, height, width = videos.shape
+        clip = WanSpec.prepare_latents(self, vae.vae, videos)  # the clip's posterior, as text-to-video's
+        reference = self.reference_pixels(videos[:, 0])
+        reference_latents = self._vae_latents(vae.vae, reference)
+        # One grey segment and one black pose video serve the batch: they do not depend on the clip.
+        grey = self._vae_latents(vae.vae, reference.new_zeros(1, 3, frames, height, width))
+        black = self._vae_latents(vae.vae, reference.new_full((1, 3, frames, height, width), -1.0))
+        ones = reference_latents.new_ones(batch, 4, *reference_latents.shape[2:])
+        zeros = grey.new_zeros(batch, 4, *grey.shape[2:])
+        condition = torch.cat([torch.cat([ones, reference_latents], dim=1),
+                               torch.cat([zeros, grey.expand(batch, -1, -1, -1, -1)], dim=1)], dim=2)
+        dtype = clip["latents_mean"].dtype
+        return {
+            "latents_mean": torch.cat([reference_latents.to(dtype), clip["latents_mean"]], dim=2),
+            # The reference is encoded by its mode: no spread there.
+            "latents_std": torch.cat([torch.zeros_like(reference_latents, dtype=dtype), clip["latents_std"]], dim=2),
+            REFERENCE_CONDITION: condition.to(dtype),
+            IMAGE_EMBEDS: self.encode_image(vae, videos[:, 0]).to(dtype),
+            BLANK_POSE: black.expand(batch, -1, -1, -1, -1).to(dtype).contiguous(),
+        }
+
+    # ----- per-clip inputs: pose and face videos, masks ----------------------------------------------------------
+    def mask_to_latent_grid(self, mask: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """The clip's mask on its latent frames, and before them, at the reference image's position, the mask of
+        the clip's first frame (the reference image by default)."""
+        frames, height, width = grid
+        weights = super().mask_to_latent_grid(mask, (frames - 1, height, width))
+        return torch.cat([weights[:, :, :1], weights], dim=2)
+
+    def optional_inputs(self, config: Config) -> tuple[str, ...]:
+        return (*super().optional_inputs(config), "pose", "face")
+
+    def input_identity(self, kind: str) -> dict[str, Any]:
+        # The pose is encoded as the pipeline encodes `pose_video` (argmax), the face kept as the motion encoder's
+        # pixels: not the layer's default encoding, so their own identity.
+        identity = super().input_identity(kind)
+        if kind == "face":
+            return {**identity, "encoding": "motion encoder pixels", "size": self.motion_size()}
+        return {**identity, "encoding": "argmax latents"} if kind == "pose" else identity
+
+    def encode_inputs(self, vae: nn.Module | None, inputs: dict[str, Any], latents: Latents) -> dict[str, torch.Tensor]:
+        """The pose video's normalised argmax latents (the pipeline's `prepare_pose_latents`) and the face video at
+        the motion encoder's size (the pipeline's face preprocessing); other kinds as every family's."""
+        inputs = dict(inputs)
+        encoded: dict[str, torch.Tensor] = {}
+        if "face" in inputs:
+            encoded[FACE_PIXELS] = self.face_pixels(inputs.pop("face")).float().cpu()
+        if "pose" in inputs:
+            if vae is None:
+                raise ValueError("encode_inputs: the pose input is VAE-encoded; pass the VAE")
+            pose = self._vae_latents(getattr(vae, "vae", vae), inputs.pop("pose"))
+            encoded[POSE_LATENTS] = pose.detach().float().cpu()
+        return {**super().encode_inputs(vae, inputs, latents), **encoded}
+
+    # ----- denoising -------------------------------------------------------------------------------------------
+    def pose_latents(self, conditions: Conditions) -> torch.Tensor:
+        """The pose latents of each sample: its `pose` input's, else its control clip's (the clip's own frames,
+        without the reference position `prepare_latents` puts first), else a black pose video's."""
+        if POSE_LATENTS in conditions:
+            return conditions[POSE_LATENTS]
+        if CONTROL_LATENTS in conditions:
+            return conditions[CONTROL_LATENTS][:, :, 1:]
+        return conditions[BLANK_POSE]
+
+    def blank_faces(self, batch: int, latent_frames: int, like: torch.Tensor) -> torch.Tensor:
+        """Black face frames (-1), the pipeline's "no face", one per clip frame: [B, 3, F, S, S]."""
+        temporal = self.compression[1]
+        size = self.motion_size()
+        return like.new_full((batch, 3, (latent_frames - 1) * temporal + 1, size, size), -1.0)
+
+    def forward(
+        self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
+    ) -> torch.Tensor:
+        dtype = noisy_latents.dtype
+        batch, _, frames = noisy_latents.shape[:3]
+        hidden_states = torch.cat([noisy_latents, conditions[REFERENCE_CONDITION].to(dtype)], dim=1)
+        faces = conditions.get(FACE_PIXELS)
+        return denoiser(
+            hidden_states=hidden_states,
+            timestep=timesteps.to(noisy_latents.device),
+            encoder_hidden_states=conditions["prompt_embeds"].to(dtype),
+            encoder_hidden_states_image=conditions[IMAGE_EMBEDS].to(dtype),
+            pose_hidden_states=self.pose_latents(conditions).to(dtype),
+            face_pixel_values=(self.blank_faces(batch, frames - 1, noisy_latents) if faces is None
+                               else faces.to(dtype)),
+            return_dict=False,
+        )[0]
+
+    # ----- sampling --------------------------------------------------------------------------------------------
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: Any = None,
+                      inputs: dict[str, torch.Tensor] | None = None) -> Any:
+        """One segment of `frames` frames in animate mode: the reference clip's first frame as the character image,
+        the pose and face videos from `inputs` (black frames where missing, as training without them)."""
+        inputs = inputs or {}
+        size = self.motion_size()
+        pose = self.input_frames(inputs.get("pose"), frames, "pose", torch.full((frames, 3, height, width), -1.0))
+        face = self.input_frames(inputs.get("face"), frames, "face", torch.full((frames, 3, size, size), -1.0))
+        return pipeline(
+            **self.prompt_inputs(pipeline, prompt, guidance_scale),
+            image=self.first_frame_image(reference),
+            pose_video=frames_to_pil(pose),
+            face_video=frames_to_pil(face),
+            mode="animate",
+            segment_frame_length=frames,
+            height=height,
+            width=width,
+            num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale,
+            max_sequence_length=self.max_sequence_length,
+            generator=generator,
+            output_type=output_type,
+            **step_callback(callback),
+        )
+
+    def sampled_latents(self, pipeline: Any, result: Any, frames: int, height: int, width: int) -> GeneratedSample:
+        """WanAnimatePipeline's `output_type="latent"` result is denormalised (`z * std + mean`, what it decodes),
+        unlike its step latents: normalised back to the training layout."""
+        return GeneratedSample(latents=self.normalise(pipeline.vae, result.frames))
+
+    @staticmethod
+    def input_frames(video: torch.Tensor | None, frames: int, kind: str, blank: torch.Tensor) -> torch.Tensor:
+        """An input video [3, F, H, W] as the frames [F, 3, H, W] the pipeline is given (`blank` without one)."""
+        if video is None:
+            return blank
+        if video.ndim != 4 or video.shape[0] != 3 or video.shape[1] < frames:
+            raise ModelError(f"Wan Animate: the {kind} video has shape {tuple(video.shape)}; it needs [3, F, H, W] "
+                             f"with at least {frames} frames (the sample's).\nWhat to do: give a {kind} clip as long "
+                             "as the sample.")
+        return video[:, :frames].transpose(0, 1)
+
+    # ----- ComfyUI ---------------------------------------------------------------------------------------------
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """Wan 2.1's names, and the Animate parts as Wan-AI's original checkpoint (ComfyUI's AnimateWanModel)
+        names them: each face adapter is `face_adapter.fuser_blocks.N` with the key and value projections fused
+        into `linear1_kv`; the face encoder's output projection keeps its name."""
+        inner = self.load_config(self.denoiser_class, "transformer")
+        width = inner["num_attention_heads"] * inner["attention_head_dim"]
+        return [
+            *super().comfyui_lora_rules(),
+            Rule(r"face_adapter\.(\d+)\.to_q", r"face_adapter.fuser_blocks.\1.linear1_q"),
+            *fused([r"face_adapter\.(\d+)\.to_k", r"face_adapter\.(\d+)\.to_v"],
+                   r"face_adapter.fuser_blocks.\1.linear1_kv", [width, width]),
+            Rule(r"face_adapter\.(\d+)\.to_out", r"face_adapter.fuser_blocks.\1.linear2"),
+            Rule(r"face_encoder\.out_proj", "face_encoder.out_proj"),
+        ]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        return wan_animate(self.load_config(self.denoiser_class, "transformer"))
+

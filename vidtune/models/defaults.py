@@ -140,6 +140,13 @@ KANDINSKY_5 = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, sigma_
         "musubi-tuner's Kandinsky 5 trainer (sdbds/musubi-tuner `docs/kandinsky5.md`): `--timestep_sampling shift "
         "--discrete_flow_shift 5.0` (logit-normal, shift 5: kandinskylab/kandinsky-5's default `scheduler_scale`)"))
 
+MINIMAX_H3 = FamilyDefaults(frames=124, height=768, width=1344, fps=24.0, sigma_shift=12.0, source=(
+    "diffusers `modular_pipelines/minimax_h3`: MiniMaxH3PrepareLayoutStep's defaults (124 frames, the 16:9 canvas "
+    "768x1344), the model's fixed 24 fps; guidance-distilled (no guidance scale)"), noise_source=(
+    "the released schedulers (diffusers `MiniMaxH3ModularPipeline`: video `shift=12.0`, audio `shift=3.0`), drawn "
+    "logit-normal and shifted; the audio at the audio / video shift ratio. No peer trainer publishes a MiniMax H3 "
+    "training distribution at this release"))
+
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "ltx-video": LTX_VIDEO, "ltx-video-i2v": LTX_VIDEO, "ltx-2": LTX_2, "ltx-2-i2v": LTX_2, "cogvideox": COGVIDEOX,
@@ -148,6 +155,7 @@ FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "skyreels-v2": SKYREELS_V2, "skyreels-v2-i2v": SKYREELS_V2, "skyreels-v2-df": SKYREELS_V2_DF,
     "sana-video": SANA_VIDEO, "sana-video-i2v": SANA_VIDEO,
     "kandinsky-5": KANDINSKY_5, "kandinsky-5-i2v": KANDINSKY_5,
+    "minimax-h3": MINIMAX_H3,
 }
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.

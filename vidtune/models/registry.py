@@ -35,6 +35,7 @@ SPECS: dict[str, str] = {
     "sana-video-i2v": "vidtune.models.sana_video:SanaVideoImageToVideoSpec",
     "kandinsky-5": "vidtune.models.kandinsky5:Kandinsky5Spec",
     "kandinsky-5-i2v": "vidtune.models.kandinsky5:Kandinsky5ImageToVideoSpec",
+    "minimax-h3": "vidtune.models.minimax_h3:MiniMaxH3Spec",
 }
 
 

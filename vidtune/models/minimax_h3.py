@@ -87,7 +87,7 @@ from vidtune.objectives import NUM_TRAIN_TIMESTEPS, FlowMatching, Objective, flo
 TEXT_ENCODER_LAYER = 50  # `text_encoder_layer`: the Qwen3-VL hidden state the transformer reads
 PIXEL_MEAN = (0.485, 0.456, 0.406)  # `pixel_mean` / `pixel_std`: the video VAE's ImageNet convention
 PIXEL_STD = (0.229, 0.224, 0.225)
-MIN_SECONDS, MAX_SECONDS = 5.0, 15.0  # `min_duration` / `max_duration`: what the layout block samples
+MAX_SECONDS = 15.0  # `max_duration`: the longest video the layout block samples
 # The caption rows the cache holds per caption (the pipeline takes the prompt whole; longer captions are cut).
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
@@ -101,6 +101,16 @@ class TextOnlyTokenTypes:
         return [[0] * len(ids) for ids in input_ids]
 
 
+class MiniMaxH3Pipeline(MiniMaxH3ModularPipeline):
+    """MiniMaxH3ModularPipeline whose shortest video is one VAE chunk (17 + 5 frames) instead of 5 s: the released
+    model was trained on 5 to 15 s, and its layout block refuses anything shorter, but a LoRA trained on short clips
+    is previewed at their length (validation samples at the training shape). Every block is the pipeline's own."""
+
+    @property
+    def min_duration(self) -> float:
+        return (self.vae_frames_per_chunk + self.vae_latents_per_chunk) / self.fps
+
+
 class MiniMaxH3Autoencoders(VAEWithExtras):
     """What `MiniMaxH3Spec.load_vae` returns: the video VAE (which training encodes the frames with) and the audio VAE
     (which encodes the sound and renders a sample's). Opaque to trainers."""
@@ -111,16 +121,15 @@ class MiniMaxH3Autoencoders(VAEWithExtras):
 
 
 def layout(text_rows: int, latent_frames: int, latent_height: int, latent_width: int, audio_latents: int,
-           patch: tuple[int, int, int], device: torch.device) -> dict[str, torch.Tensor]:
+           patch: tuple[int, int, int]) -> dict[str, torch.Tensor]:
     """The packed sequence of one clip, built by the pipeline's layout block: `position_ids`, `token_tags` and the
-    rows of each modality."""
+    rows of each modality (host tensors)."""
     position_ids, token_tags, video_rows, audio_rows, text_indices, _, _ = (
         MiniMaxH3PrepareLayoutStep.build_packed_sequence(
             torch.full((text_rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long), latent_frames, latent_height,
             latent_width, audio_latents, patch, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG))
-    return {"position_ids": position_ids.to(device), "token_tags": token_tags.to(device),
-            "video_indices": video_rows.to(device), "audio_indices": audio_rows.to(device),
-            "text_indices": text_indices.to(device)}
+    return {"position_ids": position_ids, "token_tags": token_tags, "video_indices": video_rows,
+            "audio_indices": audio_rows, "text_indices": text_indices}
 
 
 def unpatchify(rows: torch.Tensor, shape: tuple[int, ...], patch: tuple[int, int, int]) -> torch.Tensor:
@@ -135,7 +144,7 @@ class MiniMaxH3Spec(ModelSpec):
     name = "minimax-h3"
     validation_guidance_scale = 1.0  # guidance-distilled: the pipeline takes no guidance scale
     defaults = MINIMAX_H3
-    pipeline_class = MiniMaxH3ModularPipeline
+    pipeline_class = MiniMaxH3Pipeline
     text_encoder_class = Qwen3VLForConditionalGeneration
     vae_class = AutoencoderKLMiniMaxH3
     denoiser_class = MiniMaxH3Transformer3DModel
@@ -174,17 +183,15 @@ class MiniMaxH3Spec(ModelSpec):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         spatial, clip_length, kept, patch = self.compression
         problems = side_problems(height, width, spatial * patch[1], spatial * patch[2])
-        lowest = math.ceil(MIN_SECONDS * MINIMAX_H3_FPS)
-        valid = [clip_length * n + kept for n in range(1, 64)
-                 if lowest <= clip_length * n + kept <= MAX_SECONDS * MINIMAX_H3_FPS]
+        valid = [clip_length * n + kept for n in range(1, 64) if clip_length * n + kept <= MAX_SECONDS * MINIMAX_H3_FPS]
         if frames not in valid:
             nearest = sorted(valid, key=lambda value: abs(value - frames))[:2]
-            problems.append(f"data.frames={frames} must be {clip_length}k+{kept} and last {MIN_SECONDS:g} to "
-                            f"{MAX_SECONDS:g} s at {MINIMAX_H3_FPS} fps (what the pipeline samples); nearest valid "
-                            f"values: {' or '.join(str(value) for value in sorted(nearest))}")
+            problems.append(f"data.frames={frames} must be {clip_length}k+{kept}, at most {MAX_SECONDS:g} s at "
+                            f"{MINIMAX_H3_FPS} fps (the longest video the pipeline samples); nearest valid values: "
+                            f"{' or '.join(str(value) for value in sorted(nearest))}")
         raise_shape_problems("MiniMax H3", problems, self,
-                             f"frames {clip_length}k+{kept} from {valid[0] if valid else '?'} to "
-                             f"{valid[-1] if valid else '?'}, sides multiples of {spatial * patch[1]}")
+                             f"frames {clip_length}k+{kept} up to {valid[-1] if valid else '?'}, sides multiples of "
+                             f"{spatial * patch[1]}")
 
     def check_training(self, config: Config) -> None:
         """The model runs at 24 fps, and its sound lasts frames / 24 s: another frame rate would pair a clip's frames
@@ -210,20 +217,19 @@ class MiniMaxH3Spec(ModelSpec):
         own `get_qwen3vl_prompt_embeds`, padded to `max_sequence_length` rows with zeros; the mask marks the real
         rows. An empty caption has none (the transformer then reads no text row)."""
         tokenizer, text_encoder = text["tokenizer"], text["text_encoder"]
-        dim = text_encoder.config.text_config.hidden_size
-        embeds = torch.zeros(len(captions), self.max_sequence_length, dim, dtype=text_encoder.dtype)
-        mask = torch.zeros(len(captions), self.max_sequence_length, dtype=torch.bool)
-        for row, caption in enumerate(captions):
-            ids = tokenizer(caption, add_special_tokens=False)["input_ids"][: self.max_sequence_length]
-            if not ids:
-                continue
-            hidden = get_qwen3vl_prompt_embeds(text_encoder, TextOnlyTokenTypes(), ids, {},
-                                               text_encoder_layer=TEXT_ENCODER_LAYER, device=text_encoder.device,
-                                               dtype=text_encoder.dtype)
-            embeds[row, : len(ids)] = hidden[0].cpu()
-            mask[row, : len(ids)] = True
-        device = text_encoder.device
-        return {"prompt_embeds": embeds.to(device), "prompt_attention_mask": mask.to(device)}
+        device, dim, length = text_encoder.device, text_encoder.config.text_config.hidden_size, self.max_sequence_length
+        embeds, masks = [], []
+        for caption in captions:
+            ids = tokenizer([caption], add_special_tokens=False, truncation=True, max_length=length)["input_ids"][0]
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+            hidden = torch.zeros(1, 0, dim, device=device, dtype=text_encoder.dtype)
+            if ids:
+                hidden = get_qwen3vl_prompt_embeds(text_encoder, TextOnlyTokenTypes(), ids, {},
+                                                   text_encoder_layer=TEXT_ENCODER_LAYER, device=device,
+                                                   dtype=text_encoder.dtype)
+            embeds.append(torch.nn.functional.pad(hidden[0], (0, 0, 0, length - len(ids))))
+            masks.append((torch.arange(length) < len(ids)).to(device))
+        return {"prompt_embeds": torch.stack(embeds), "prompt_attention_mask": torch.stack(masks)}
 
     def audio_format(self) -> AudioFormat:
         """The audio VAE's rate, in stereo (the pipeline's two channels), at the model's 24 fps."""
@@ -261,6 +267,10 @@ class MiniMaxH3Spec(ModelSpec):
         """[B, 2, samples] at the audio VAE's rate -> [B, 2, L, C]: each channel's posterior mode as the mono audio
         VAE gives it, normalised as the pipeline normalises audio latents, the first L = round(frames / 24 * 40)
         (silence where the sound is shorter)."""
+        if audio_vae.config.latents_mean is None or audio_vae.config.latents_std is None:
+            raise ModelError(f"{self.describe_file('audio_vae', 'config.json')} holds no latents_mean / latents_std, "
+                             "which the pipeline normalises the audio latents with.\nWhat to do: use the released "
+                             "MiniMax H3 audio VAE (its config.json holds both).")
         length = audio_latent_num_frames(frames)
         hop = audio_vae.hop_length
         missing = length * hop - waveforms.shape[-1]
@@ -327,13 +337,13 @@ class MiniMaxH3Spec(ModelSpec):
             _, frames, height, width = latents.shape[1:]
             audio_rows = noisy_audio[index].reshape(-1, noisy_audio.shape[-1]) if with_audio else \
                 noisy_audio.new_zeros(0, noisy_audio.shape[-1])
-            text_rows = int(mask[index].sum())
-            packed = layout(text_rows, frames, height, width, clean_audio.shape[2] if with_audio else 0, patch,
-                            latents.device)
+            text_rows = int(mask[index].cpu().sum())
+            packed = layout(text_rows, frames, height, width, clean_audio.shape[2] if with_audio else 0, patch)
             t_video = float(timesteps[index]) / NUM_TRAIN_TIMESTEPS
             unique, row_timesteps = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                packed["video_indices"].cpu(), packed["audio_indices"].cpu(), 0, 0, text_rows, t_video,
+                packed["video_indices"], packed["audio_indices"], 0, 0, text_rows, t_video,
                 1.0 - float(audio_sigmas[index]), t_video, 1.0)
+            packed = {key: value.to(latents.device) for key, value in packed.items()}
             video, audio = denoiser(
                 hidden_states=patchify_video_latents(latents, patch)[None],
                 audio_hidden_states=audio_rows[None].to(latents.dtype),
@@ -371,13 +381,13 @@ class MiniMaxH3Spec(ModelSpec):
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: MiniMaxH3Autoencoders, denoiser: nn.Module) -> Any:
-        """MiniMaxH3ModularPipeline with its text-to-video-and-audio blocks (layout, noise, the two schedules, the
+        """MiniMaxH3Pipeline with its text-to-video-and-audio blocks (layout, noise, the two schedules, the
         denoising loop, both decoders); the caption reaches it encoded (`prompt_inputs`), as the text encoder
         block needs Qwen3VLProcessor's image half only for keyframes."""
         blocks = MiniMaxH3Blocks()
         for name in ("before_encode", "text_encoder", "vae_encoder"):
             blocks.sub_blocks.pop(name)
-        pipeline = blocks.init_pipeline()
+        pipeline = self.pipeline_class(blocks=blocks)
         pipeline.update_components(transformer=denoiser, vae=vae.vae, audio_vae=vae.audio_vae,
                                    scheduler=self.load_scheduler(), audio_scheduler=self.load_audio_scheduler())
         pipeline.caption_encoder = text

@@ -29,8 +29,8 @@ from vidtune.models.tiny.common import (
     reference_videos,
 )
 
-# 124 frames (17 * 7 + 5): the shortest clip the pipeline samples (5.2 s at 24 fps), 37 latent frames of 2x2.
-SHAPE = (124, 32, 32)
+# 22 frames (17 + 5): one VAE chunk, 7 latent frames of 2x2 and 37 audio latents per channel.
+SHAPE = (22, 32, 32)
 TEXT_DIM = 16
 AUDIO_RATE = 1600  # hop 40 (2 * 4 * 5): 40 latents per second
 

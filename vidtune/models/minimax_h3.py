@@ -59,7 +59,7 @@ from transformers import Qwen3VLForConditionalGeneration
 
 from vidtune.config import Config, TrainingConfig
 from vidtune.data.audio import AudioBatch, AudioFormat
-from vidtune.errors import ConfigError
+from vidtune.errors import ConfigError, ModelError
 from vidtune.models.defaults import MINIMAX_H3
 from vidtune.models.sound import (
     AUDIO_LATENTS,

@@ -256,9 +256,10 @@ class MiniMaxH3Spec(ModelSpec):
         samples = self.audio_format().samples(frames)
         waveforms = torch.zeros(batch, MINIMAX_H3_AUDIO_CHANNELS, samples)
         present = torch.zeros(batch, 1, dtype=torch.bool)
-        if audio is not None:
-            waveforms[:, :, : audio.waveforms.shape[-1]] = audio.waveforms[:, :, :samples].float().cpu()
+        if audio is not None:  # a clip without a track is silence, whatever its waveform holds
             present[:, 0] = audio.present.cpu()
+            heard_waveforms = audio.waveforms[:, :, :samples].float().cpu() * present.view(batch, 1, 1)
+            waveforms[:, :, : heard_waveforms.shape[-1]] = heard_waveforms
         audio_latents = self.sound_latents(vae.audio_vae, waveforms, frames)
         return {**self.normalised_posterior(posterior, 1.0 / latent_std, latent_mean),
                 AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device)}

@@ -143,9 +143,9 @@ KANDINSKY_5 = FamilyDefaults(frames=121, height=512, width=768, fps=24.0, sigma_
 MINIMAX_H3 = FamilyDefaults(frames=124, height=768, width=1344, fps=24.0, sigma_shift=12.0, source=(
     "diffusers `modular_pipelines/minimax_h3`: MiniMaxH3PrepareLayoutStep's defaults (124 frames, the 16:9 canvas "
     "768x1344), the model's fixed 24 fps; guidance-distilled (no guidance scale)"), noise_source=(
-    "the released schedulers (diffusers `MiniMaxH3ModularPipeline`: video `shift=12.0`, audio `shift=3.0`), drawn "
-    "logit-normal and shifted; the audio at the audio / video shift ratio. No peer trainer publishes a MiniMax H3 "
-    "training distribution at this release"))
+    "the released video schedule (diffusers `MiniMaxH3ModularPipeline`: video `shift=12.0`; the audio's is 3.0), "
+    "drawn logit-normal and shifted; the audio's level drawn apart from the same distribution. No peer trainer "
+    "publishes a MiniMax H3 training distribution at this release"))
 
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {

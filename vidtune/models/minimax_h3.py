@@ -26,7 +26,6 @@ The checkpoint is guidance-distilled: the pipeline has no guidance scale and no 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, ClassVar
@@ -294,23 +293,12 @@ class MiniMaxH3Spec(ModelSpec):
                             uniform_fraction=training.sigma_uniform_fraction, weighting=training.loss_weighting,
                             frame_noise=self.checked_frame_noise(training))
 
-    @functools.cached_property
-    def audio_shift_ratio(self) -> float:
-        """The audio schedule's shift over the video's (the released schedulers: 3 / 12)."""
-        video = float(self.load_config(MiniMaxH3Scheduler, "scheduler").get("shift", 12.0))
-        audio = float(self.load_config(MiniMaxH3Scheduler, "audio_scheduler").get("shift", 3.0))
-        return audio / video
-
     def stream_noise(self, objective: Objective, latents: Latents,
                      generators: list[torch.Generator]) -> tuple[Conditions, dict[str, torch.Tensor]]:
-        """Each clip's audio sigma, drawn apart from the video's with the audio's token count and the audio schedule's
-        shift (training.sigma_shift times the released audio / video shift ratio: the pipeline steps the audio down
-        a shift-3 schedule beside the video's shift-12 one), and its audio noise, from the clip's generator."""
-        audio_objective = objective
-        if isinstance(objective, FlowMatching):
-            audio_objective = dataclasses.replace(objective, shift=objective.shift * self.audio_shift_ratio)
+        """Each clip's audio sigma, drawn apart from the video's from the same distribution with the audio's own token
+        count (its rows), and its audio noise, from the clip's generator (as LTX-2's)."""
         clean = latents[AUDIO_LATENTS]
-        return draw_audio_noise(audio_objective, latents, generators, clean.shape[1] * clean.shape[2])
+        return draw_audio_noise(objective, latents, generators, clean.shape[1] * clean.shape[2])
 
     def joint_forward(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                       timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -379,6 +367,12 @@ class MiniMaxH3Spec(ModelSpec):
         patch_t, patch_h, patch_w = self.compression[3]
         frames, height, width = (int(size) for size in latent_shape[-3:])
         return -(-frames // patch_t) * (height // patch_h) * (width // patch_w)
+
+    # ----- ComfyUI ----------------------------------------------------------------------------------------------
+    def comfyui_absent(self) -> str:
+        return ("ComfyUI's core runs MiniMax H3 (comfy/ldm/minimax), but vidtune does not write its LoRA key names "
+                "yet, so there is no ComfyUI file. The run's diffusers adapter file loads with "
+                "MiniMaxH3ModularPipeline's load_lora_weights, and with `vidtune sample`.")
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: MiniMaxH3Autoencoders, denoiser: nn.Module) -> Any:

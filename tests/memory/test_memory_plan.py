@@ -136,6 +136,8 @@ DENOISER_PARAMETERS = {
     "kandinskylab/Kandinsky-5.0-I2V-Lite-5s-Diffusers": 2e9,
     "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers": 19e9,
     "kandinskylab/Kandinsky-5.0-I2V-Pro-sft-5s-Diffusers": 19e9,
+    # 33.1B: the 61.7 GiB bf16 `transformer/` partition MiniMaxH3Blocks' description names.
+    "MiniMaxAI/MiniMax-H3": 33.1e9,
 }
 
 

@@ -63,9 +63,9 @@ def write_tiny_minimax_h3(folder: str | Path, *, latent_channels: int = 4, audio
     folder = Path(folder)
     torch.manual_seed(seed)
     transformer = MiniMaxH3Transformer3DModel(
-        num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1, ffn_dim=64,
+        num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=1, ffn_dim=128,
         in_channels=latent_channels, audio_in_channels=audio_channels, patch_size=(1, 2, 2), text_dim=TEXT_DIM,
-        freq_dim=32, time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)
+        freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=4)
     vae = AutoencoderKLMiniMaxH3(
         latent_channels=latent_channels, block_out_channels=(8, 8, 8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
         decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=8,

@@ -99,5 +99,5 @@ def write_tiny_minimax_h3(folder: str | Path, *, latent_channels: int = 4, audio
 
 
 TINY = {
-    "minimax-h3": TinyFamily(write_tiny_minimax_h3, SHAPE, OverfitSettings(steps=300, learning_rate=1e-2)),
+    "minimax-h3": TinyFamily(write_tiny_minimax_h3, SHAPE, OverfitSettings(steps=600, learning_rate=1e-2)),
 }

@@ -217,3 +217,32 @@ def test_both_streams_overfit_one_clip_and_sample_through_the_pipeline(folder, s
           f"{untrained[0]:.3f}, audio {untrained[1]:.3f})")
     assert trained[0] < 0.15 and trained[1] < 0.15, (trained, untrained)
     assert trained[0] < untrained[0] / 2 and trained[1] < untrained[1] / 2
+
+
+def test_a_run_with_sound_resumes_bitwise(folder, shapes_dataset, tmp_path):
+    """A LoRA run on a clip with sound, stopped after its third step and resumed, ends with the adapter of the run
+    that was never stopped: the sound's noise levels and noise come back with the clip's generator."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.runs import run_stopped_at
+    from vidtune import checkpoint
+
+    clip = pair_samples(shapes_dataset)[0]
+    data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
+    add_tone(data_root / clip.video.name, hz=300.0)
+
+    def config(out, **checkpointing):
+        return overfit_config("minimax-h3", folder, data_root, out, training={
+            "algorithm": "lora", "steps": 5, "batch_size": 2, "learning_rate": 1e-3},
+            checkpoint={"every": 10, "keep": 2, **checkpointing}, optimizer={"warmup_steps": 1})
+
+    build_trainer(config(tmp_path / "reference")).run()
+    reference = load_file(tmp_path / "reference" / "pytorch_lora_weights.safetensors")
+    stopped = tmp_path / "stopped"
+    run_stopped_at(build_trainer(config(stopped)), 3)
+    assert checkpoint.list_checkpoints(stopped / "checkpoints")
+    build_trainer(config(stopped, resume="latest")).run()
+    resumed = load_file(stopped / "pytorch_lora_weights.safetensors")
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(resumed[key], reference[key]), key

@@ -1,6 +1,6 @@
 """The tiny MiniMax H3 model: a Qwen3-VL built in code (51 text layers of width 16, as the pipeline reads
 `hidden_states[50]`), a byte-level tokenizer, the video VAE (its real 16x spatial and 17-frame chunk geometry, few
-channels), the mono audio VAE (40 latents per second, as the pipeline counts them, at 1600 Hz), a two-block
+channels), the mono audio VAE (40 latents per second, as the pipeline counts them, at 8 kHz), a two-block
 transformer and the two schedulers."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from vidtune.models.tiny.common import (
 # 22 frames (17 + 5): one VAE chunk, 7 latent frames of 2x2 and 37 audio latents per channel.
 SHAPE = (22, 32, 32)
 TEXT_DIM = 16
-AUDIO_RATE = 1600  # hop 40 (2 * 4 * 5): 40 latents per second
+AUDIO_RATE = 8000  # hop 200 (2 * 4 * 5 * 5): 40 latents per second, at a rate AAC takes (mp4 sound tracks)
 
 
 def build_tiny_qwen3_vl(seed: int = 0) -> Qwen3VLForConditionalGeneration:
@@ -72,8 +72,8 @@ def write_tiny_minimax_h3(folder: str | Path, *, latent_channels: int = 4, audio
         decoder_num_register_tokens=1, decoder_ffn_mult=2)
     calm_moments_posterior(vae.quant_conv, latent_channels)
     audio_vae = AutoencoderKLMiniMaxH3Audio(
-        encoder_dim=4, encoder_rates=(2, 4, 5), latent_dim=16, latent_channels=audio_channels, num_attention_heads=2,
-        decoder_dim=16, decoder_rates=(5, 4, 2), decoder_kernel_sizes=(9, 8, 4), resblock_kernel_sizes=(3,),
+        encoder_dim=4, encoder_rates=(2, 4, 5, 5), latent_dim=16, latent_channels=audio_channels, num_attention_heads=2,
+        decoder_dim=16, decoder_rates=(5, 5, 4, 2), decoder_kernel_sizes=(9, 9, 8, 4), resblock_kernel_sizes=(3,),
         resblock_dilation_sizes=((1,),), sampling_rate=AUDIO_RATE)
     with torch.no_grad():  # a narrow audio posterior, as a trained one (the head predicts the log std)
         audio_vae.logs_proj.weight.zero_()

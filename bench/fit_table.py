@@ -25,7 +25,7 @@ MODELS = ["Lightricks/LTX-Video", "Lightricks/LTX-Video-0.9.7-dev", "THUDM/CogVi
           "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers",
           "Efficient-Large-Model/SANA-Video_2B_480p_diffusers",
           "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers", "kandinskylab/Kandinsky-5.0-T2V-Pro-sft-5s-Diffusers",
-          "nvidia/Cosmos-Predict2.5-2B", "nvidia/Cosmos-Predict2.5-14B"]
+          "nvidia/Cosmos-Predict2.5-2B", "nvidia/Cosmos-Predict2.5-14B", "MiniMaxAI/MiniMax-H3"]
 SHORT = {"training.gradient_checkpointing=true": "checkpointing", "precompute.enabled=true": "",
          "memory.vae_tiling=true": "", "optimizer.name=adamw8bit": "adamw8bit",
          "optimizer.cpu_offload=true": "optimizer offload", "memory.activation_offload=true": "activation offload"}

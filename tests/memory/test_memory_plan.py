@@ -145,6 +145,8 @@ DENOISER_PARAMETERS = {
     "Wan-AI/Wan2.1-VACE-14B-diffusers": 17.3e9,
     "nvidia/Cosmos-Predict2.5-2B": 2e9,
     "nvidia/Cosmos-Predict2.5-14B": 14e9,
+    # 33.1B: the 61.7 GiB bf16 `transformer/` partition MiniMaxH3Blocks' description names.
+    "MiniMaxAI/MiniMax-H3": 33.1e9,
 }
 
 

@@ -141,12 +141,14 @@ class ModelConfig(Section):
     audio_loss_weight: float = Field(
         1.0,
         ge=0,
-        description="ltx-2: weight of the audio stream's flow-matching loss beside the video's (the loss is video + "
+        description="ltx-2, minimax-h3: weight of the audio stream's flow-matching loss beside the video's "
+        "(the loss is video + "
         "weight x audio; 0 leaves the audio stream untaught, which drifts from what it samples).",
     )
     clips_without_sound: Literal["video-only", "leave-out", "silence"] = Field(
         "video-only",
-        description="ltx-2: what a sample without an audio track does: `video-only` trains its video with the audio "
+        description="ltx-2, minimax-h3: what a sample without an audio track does: `video-only` trains its video "
+        "with the audio "
         "stream cut off (as ltx-trainer's video-only runs); `leave-out` drops it from the run, with one line saying "
         "how many (as ltx-trainer's audio runs); `silence` trains its video beside the audio stream noised silence, "
         "its audio error left out (the video learns with the audio stream present, as LTX2Pipeline samples).",

@@ -21,7 +21,8 @@ from vidtune.models.hub import looks_local
 
 ARCHITECTURES_FILE = Path(__file__).with_name("architectures.json")
 # Components whose settings file is not config.json.
-CONFIG_FILES = {"scheduler": "scheduler_config.json", "tokenizer": "tokenizer_config.json"}
+CONFIG_FILES = {"scheduler": "scheduler_config.json", "audio_scheduler": "scheduler_config.json",
+                "tokenizer": "tokenizer_config.json"}
 
 
 @functools.cache

@@ -160,6 +160,12 @@ COSMOS_PREDICT_25 = FamilyDefaults(frames=93, height=704, width=1280, fps=16.0, 
         "nvidia-cosmos/cosmos-predict2.5 `cosmos_predict2/_src/predict2/configs/video2world/experiment/"
         "reason_embeddings/model_2B_reason_1p1_rectified_flow.py`: `train_time_distribution=\"logitnormal\"` "
         "(sigmoid of a standard normal), `shift=5`"))
+MINIMAX_H3 = FamilyDefaults(frames=124, height=768, width=1344, fps=24.0, sigma_shift=12.0, source=(
+    "diffusers `modular_pipelines/minimax_h3`: MiniMaxH3PrepareLayoutStep's defaults (124 frames, the 16:9 canvas "
+    "768x1344), the model's fixed 24 fps; guidance-distilled (no guidance scale)"), noise_source=(
+    "the released video schedule (diffusers `MiniMaxH3ModularPipeline`: video `shift=12.0`; the audio's is 3.0), "
+    "drawn logit-normal and shifted; the audio's level drawn apart from the same distribution. No peer trainer "
+    "publishes a MiniMax H3 training distribution at this release"))
 
 # model.name -> its defaults (an image-to-video variant trains with its family's): every name of the registry.
 FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
@@ -172,6 +178,7 @@ FAMILY_DEFAULTS: dict[str, FamilyDefaults] = {
     "kandinsky-5": KANDINSKY_5, "kandinsky-5-i2v": KANDINSKY_5,
     "wan-vace": WAN_VACE,
     "cosmos-predict-2.5": COSMOS_PREDICT_25, "cosmos-predict-2.5-v2w": COSMOS_PREDICT_25,
+    "minimax-h3": MINIMAX_H3,
 }
 
 # (section, key) of the config -> the FamilyDefaults field that fills it when the config leaves it unset.

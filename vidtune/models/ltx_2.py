@@ -59,6 +59,15 @@ from vidtune.export.comfyui_models import ComfyUIModel, ltxav
 from vidtune.models import first_frame, in_context
 from vidtune.models.defaults import LTX_2
 from vidtune.models.ltx_video import vae_downsampling_steps
+from vidtune.models.sound import (
+    AUDIO_LATENTS,
+    AUDIO_NOISE,
+    AUDIO_PRESENT,
+    AUDIO_SIGMAS,
+    draw_audio_noise,
+    heard,
+    keyed_noise,
+)
 from vidtune.models.spec import (
     Conditions,
     GeneratedSample,
@@ -75,19 +84,12 @@ from vidtune.models.spec import (
 from vidtune.objectives import NUM_TRAIN_TIMESTEPS, Objective, flow_matching_noisy, flow_matching_target
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024  # LTX2Pipeline's default
-# `prepare_latents`'s key of the clip's audio latents [B, L, C * mel], normalised as LTX2Pipeline's.
-AUDIO_LATENTS = "audio_latents"
 # LTX2Pipeline's arguments that turn off its other guidances (spatio-temporal, modality, rescale, the audio's).
 UNGUIDED = {"stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_guidance_scale": 1.0,
             "audio_stg_scale": 0.0, "audio_modality_scale": 1.0, "audio_guidance_rescale": 0.0}
 # diffusers' names of the audio-video cross-attention modulations -> the original checkpoint's (`av_ca_*_adaln_single`).
 ORIGINAL_MODULATIONS = {"video_scale_shift": "video_scale_shift", "video_a2v_gate": "a2v_gate",
                         "audio_scale_shift": "audio_scale_shift", "audio_v2a_gate": "v2a_gate"}
-# `prepare_latents`'s key of which clips have sound [B, 1] (1.0, else 0.0: the clip trains video only).
-AUDIO_PRESENT = "audio_present"
-# `stream_noise`'s keys: each clip's audio sigma [B] and audio noise [B, L, C * mel], drawn apart from the video's.
-AUDIO_SIGMAS = "audio_sigmas"
-AUDIO_NOISE = "audio_noise"
 # In-context training's keys: each sample's reference latents [B, C, F, H', W'] (placed beside the noisy tokens), and
 # [B] set where every sample trains its video cut off from the audio stream (`control.with_audio: false`).
 REFERENCE_LATENTS = "reference_latents"
@@ -400,36 +402,17 @@ class LTX2Spec(ModelSpec):
         return weakref.WeakKeyDictionary()
 
     def audio_noise(self, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Noise for each clip's audio latents, from a generator keyed by the clip's timestep: the trainer draws
-        that timestep from the clip's own visit generator, so a resumed or re-batched run draws the same noise."""
-        noise = []
-        for timestep in timesteps.detach().double().cpu().tolist():
-            generator = torch.Generator().manual_seed(int(timestep * 1_000_000) % 2**63)
-            noise.append(torch.randn(like.shape[1:], generator=generator))
-        return torch.stack(noise).to(like)
+        """Noise for each clip's audio latents, keyed by the clip's timestep (vidtune/models/sound.py)."""
+        return keyed_noise(timesteps, like)
 
     def stream_noise(self, objective: Objective, latents: Conditions,
                      generators: list[torch.Generator]) -> tuple[Conditions, dict[str, torch.Tensor]]:
         """Each clip's audio sigma, drawn from the training distribution with the audio's own token count (its
         latent frames), and its audio noise, both from the clip's generator (ltx-trainer's `flexible` strategy
         draws the audio's sigma apart from the video's). A clip without sound logs no audio sigma (NaN)."""
-        clean_audio = latents[AUDIO_LATENTS]
-        tokens = clean_audio.shape[1]
-        sigmas, noise = [], []
-        for generator in generators:
-            sigmas.append(objective.sample_noise_levels(1, generator, tokens))
-            noise.append(torch.randn(clean_audio.shape[1:], generator=generator))
-        sigmas = torch.cat(sigmas)
-        heard = self.heard(latents, len(generators)).cpu()
-        return ({AUDIO_SIGMAS: sigmas, AUDIO_NOISE: torch.stack(noise).to(clean_audio.device)},
-                {AUDIO_SIGMAS: torch.where(heard, sigmas, torch.full_like(sigmas, float("nan")))})
+        return draw_audio_noise(objective, latents, generators, latents[AUDIO_LATENTS].shape[1])
 
-    @staticmethod
-    def heard(conditions: Conditions, batch: int) -> torch.Tensor:
-        """[B] bool: which clips have sound (all of them where the conditions do not say: the pipeline's case)."""
-        if AUDIO_PRESENT not in conditions:
-            return torch.ones(batch, dtype=torch.bool)
-        return conditions[AUDIO_PRESENT].flatten().float() > 0.5  # bool, or 0.0 / 1.0 in caches written before
+    heard = staticmethod(heard)
 
     def joint_forward(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                       timesteps: torch.Tensor, isolated: bool = False

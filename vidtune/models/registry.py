@@ -39,6 +39,7 @@ SPECS: dict[str, str] = {
     "wan-vace": "vidtune.models.wan_vace:WanVACESpec",
     "cosmos-predict-2.5": "vidtune.models.cosmos_predict25:CosmosPredict25Spec",
     "cosmos-predict-2.5-v2w": "vidtune.models.cosmos_predict25:CosmosPredict25VideoToWorldSpec",
+    "minimax-h3": "vidtune.models.minimax_h3:MiniMaxH3Spec",
 }
 
 

@@ -1,0 +1,248 @@
+"""MiniMax H3 specifics that must match what its modular pipeline does: the caption's Qwen3-VL hidden state, every
+input of the transformer's packed sequence (layout, rotary grid, modality tags, per-row timesteps), the sound's
+latents, the joint loss, and both streams overfit through the pipeline's own blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+from tests.helpers.datasets import one_clip_dataset, pair_samples
+from tests.helpers.runs import overfit_config
+from tests.helpers.sound import add_tone
+from vidtune.config import ModelConfig, TrainingConfig, build_config
+from vidtune.data.audio import AudioBatch
+from vidtune.data.video import ClipWindow, read_clip
+from vidtune.errors import ConfigError
+from vidtune.models.minimax_h3 import MiniMaxH3Spec, TextOnlyTokenTypes
+from vidtune.models.sound import AUDIO_LATENTS, AUDIO_NOISE, AUDIO_PRESENT, AUDIO_SIGMAS
+from vidtune.models.tiny.minimax_h3 import SHAPE, tone_waveforms
+from vidtune.trainers import build_trainer
+
+CPU = torch.device("cpu")
+FRAMES, HEIGHT, WIDTH = SHAPE
+
+
+def _spec(folder, **model) -> MiniMaxH3Spec:
+    return MiniMaxH3Spec(ModelConfig(name="minimax-h3", pretrained=str(folder), **model), frame_rate=24.0)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model_dir):
+    return tiny_model_dir("minimax-h3")
+
+
+@pytest.fixture(scope="module")
+def parts(folder):
+    spec = _spec(folder)
+    return spec, spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU).eval()
+
+
+def test_conditions_are_the_pipelines_qwen3_vl_hidden_state(parts):
+    spec, text, _, _ = parts
+    conditions = spec.prepare_conditions(text, ["a red circle", ""])
+    ids = text["tokenizer"]("a red circle", add_special_tokens=False)["input_ids"]
+    expected = get_qwen3vl_prompt_embeds(text["text_encoder"], TextOnlyTokenTypes(), ids, {}, text_encoder_layer=50,
+                                         device=CPU, dtype=torch.float32)
+    rows = int(conditions["prompt_attention_mask"][0].sum())
+    assert rows == len(ids) > 0
+    torch.testing.assert_close(conditions["prompt_embeds"][:1, :rows], expected)
+    assert not conditions["prompt_embeds"][0, rows:].any()  # padding the transformer never reads
+    assert int(conditions["prompt_attention_mask"][1].sum()) == 0  # the empty caption: no text row
+
+
+def test_training_feeds_the_transformer_what_the_pipeline_feeds_it(parts):
+    spec, text, vae, denoiser = parts
+    seen: list[dict] = []
+    hook = denoiser.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    try:
+        pipeline = spec.pipeline(text, vae, denoiser)
+        pipeline.set_progress_bar_config(disable=True)
+        sample = spec.sample(pipeline, "a red circle", frames=FRAMES, height=HEIGHT, width=WIDTH,
+                             num_inference_steps=2, generator=torch.Generator().manual_seed(0), output="latents")
+        assert len(seen) == 2  # guidance-distilled: one forward a step
+        from_pipeline = seen[0]
+        conditions = spec.prepare_conditions(text, ["a red circle"])
+        latents = spec.prepare_latents(vae, torch.zeros(1, FRAMES, 3, HEIGHT, WIDTH))
+        conditions[AUDIO_LATENTS] = latents[AUDIO_LATENTS]
+        # The pipeline's first step: pure noise for both streams, t = 0 (sigma 1), timestep 0 on vidtune's scale.
+        with torch.no_grad():
+            spec.forward(denoiser, conditions, torch.randn_like(latents["latents_mean"]), torch.tensor([0.0]))
+        from_training = seen[-1]
+    finally:
+        hook.remove()
+    assert sample.latents.shape == latents["latents_mean"].shape
+    assert sample.audio_latents.shape == latents[AUDIO_LATENTS].shape
+    torch.testing.assert_close(from_training["encoder_hidden_states"], from_pipeline["encoder_hidden_states"])
+    for key in ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices", "timestep",
+                "timestep_indices"):
+        torch.testing.assert_close(from_training[key].cpu(), from_pipeline[key].cpu(), msg=key)
+    for key in ("hidden_states", "audio_hidden_states"):
+        assert from_training[key].shape == from_pipeline[key].shape, key
+    assert float(from_pipeline["timestep"].max()) == 0.0  # unscaled t = 1 - sigma
+
+
+def test_the_objective_is_the_schedulers_data_ward_velocity(parts):
+    spec = parts[0]
+    objective = spec.objective(TrainingConfig())
+    x0, noise, sigma = torch.randn(1, 4), torch.randn(1, 4), torch.tensor([0.25])
+    noisy = objective.noisy(x0, noise, sigma)
+    scheduler = spec.load_scheduler()
+    scheduler.set_timesteps(sigmas=[0.25, 0.0])
+    t = objective.timesteps(sigma) / 1000.0
+    torch.testing.assert_close(t, 1.0 - sigma)
+    # The scheduler's one step to sigma 0 with the target as the prediction lands on the clean sample.
+    stepped = scheduler.step(objective.target(x0, noise, sigma), scheduler.timesteps[0], noisy).prev_sample
+    torch.testing.assert_close(stepped, x0)
+
+
+def test_a_clips_sound_becomes_its_audio_latents_and_silence_is_marked_absent(parts):
+    spec, _, vae, _ = parts
+    seconds = FRAMES / 24.0
+    tones = tone_waveforms(seconds)[:2]
+    latents = spec.prepare_latents(vae, torch.zeros(2, FRAMES, 3, HEIGHT, WIDTH),
+                                   AudioBatch(tones, torch.tensor([True, False])))
+    audio, present = latents[AUDIO_LATENTS], latents[AUDIO_PRESENT]
+    assert audio.shape == (2, 2, round(seconds * 40), 4)
+    assert present.flatten().tolist() == [True, False]
+    torch.testing.assert_close(audio[0], spec.sound_latents(vae.audio_vae, tones[:1], FRAMES)[0])
+    torch.testing.assert_close(audio[1], spec.sound_latents(vae.audio_vae, torch.zeros_like(tones[:1]), FRAMES)[0])
+    assert not torch.allclose(audio[0], audio[1])
+
+
+def test_the_loss_adds_the_audio_error_of_clips_with_sound_only(parts):
+    spec, text, vae, denoiser = parts
+    conditions = spec.prepare_conditions(text, ["a red circle", "a red circle"])
+    latents = spec.prepare_latents(vae, torch.zeros(2, FRAMES, 3, HEIGHT, WIDTH),
+                                   AudioBatch(tone_waveforms(FRAMES / 24.0)[:2], torch.tensor([True, False])))
+    objective = spec.objective(TrainingConfig())
+    drawn, metrics = spec.stream_noise(objective, latents, [torch.Generator().manual_seed(i) for i in range(2)])
+    assert torch.isnan(metrics[AUDIO_SIGMAS][1]) and not torch.isnan(metrics[AUDIO_SIGMAS][0])
+    conditions.update({AUDIO_LATENTS: latents[AUDIO_LATENTS], AUDIO_PRESENT: latents[AUDIO_PRESENT], **drawn})
+    x0 = latents["latents_mean"]
+    noise = torch.randn_like(x0)
+    sigmas = torch.tensor([0.5, 0.5])
+    noisy, target = objective.noisy(x0, noise, sigmas), objective.target(x0, noise, sigmas)
+    timesteps = objective.timesteps(sigmas)
+    with torch.no_grad():
+        error = spec.training_error(denoiser, conditions, noisy, timesteps, target)
+        video, audio, audio_target = spec.joint_forward(denoiser, conditions, noisy, timesteps)
+    video_error = (video - target).pow(2).flatten(1).mean(1)
+    audio_error = (audio - audio_target).pow(2).flatten(1).mean(1)
+    torch.testing.assert_close(error, video_error + torch.tensor([1.0, 0.0]) * audio_error)
+    torch.testing.assert_close(audio_target, latents[AUDIO_LATENTS] - conditions[AUDIO_NOISE])
+
+
+def test_the_audio_noise_level_is_drawn_apart_from_the_videos(parts):
+    spec, _, vae, _ = parts
+    latents = spec.prepare_latents(vae, torch.zeros(1, FRAMES, 3, HEIGHT, WIDTH))
+    objective = spec.objective(TrainingConfig())
+    generator = torch.Generator().manual_seed(3)
+    video = objective.sample_noise_levels(1, generator)
+    drawn, metrics = spec.stream_noise(objective, latents, [generator])
+    assert drawn[AUDIO_NOISE].shape == latents[AUDIO_LATENTS].shape
+    assert float(drawn[AUDIO_SIGMAS][0]) != float(video[0])
+    assert torch.isnan(metrics[AUDIO_SIGMAS]).all()  # the clip has no sound track: no audio level is logged
+
+
+def test_shapes_outside_the_vae_chunks_and_other_frame_rates_are_refused(folder, tmp_path):
+    spec = _spec(folder)
+    spec.check_video_shape(FRAMES, HEIGHT, WIDTH)
+    with pytest.raises(ConfigError, match=r"data.frames=21 must be 17k\+5.*22"):
+        spec.check_video_shape(21, HEIGHT, WIDTH)
+    with pytest.raises(ConfigError, match=r"data\.height=48 must be a multiple of 32"):
+        spec.check_video_shape(FRAMES, 48, WIDTH)
+    config = build_config({"model": {"name": "minimax-h3", "pretrained": str(folder), "frame_rate": 25.0},
+                           "data": {"root": str(tmp_path), "frames": FRAMES, "height": HEIGHT, "width": WIDTH}})
+    with pytest.raises(ConfigError, match="24 fps model"):
+        spec.check_training(config)
+
+
+def test_guidance_is_refused_by_the_distilled_pipeline(parts):
+    spec, text, vae, denoiser = parts
+    pipeline = spec.pipeline(text, vae, denoiser)
+    with pytest.raises(ConfigError, match="guidance-distilled"):
+        spec.sample(pipeline, "a red circle", frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=2,
+                    generator=torch.Generator().manual_seed(0), guidance_scale=5.0)
+
+
+def test_a_sample_has_frames_and_a_stereo_sound_track(parts):
+    spec, text, vae, denoiser = parts
+    pipeline = spec.pipeline(text, vae, denoiser)
+    pipeline.set_progress_bar_config(disable=True)
+    sample = spec.sample(pipeline, "a red circle", frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=2,
+                         generator=torch.Generator().manual_seed(0))
+    assert sample.frames.shape == (FRAMES, 3, HEIGHT, WIDTH)
+    assert sample.audio.shape[0] == 2 and sample.sample_rate == vae.audio_vae.config.sampling_rate
+    assert sample.audio.shape[1] == pytest.approx(FRAMES / 24.0 * sample.sample_rate, abs=vae.audio_vae.hop_length)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "the tiny model does not learn the sound stream yet: after 300-800 steps the sampled video latents are 0.06-0.17 "
+    "away but the audio latents 0.84-1.2, as far with a plain Euler loop over `joint_forward` as through the "
+    "pipeline's blocks (training and sampling agree; the tiny audio stream does not fit)"))
+def test_both_streams_overfit_one_clip_and_sample_through_the_pipeline(folder, shapes_dataset, tmp_path):
+    """A clip with a tone trains both streams (full fine-tune from the cache); the pipeline's blocks then sample its
+    video and audio latents close to the clip's, where the untrained model's are far."""
+    clip = pair_samples(shapes_dataset)[0]
+    data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
+    video = data_root / clip.video.name
+    add_tone(video, hz=200.0)
+    result = build_trainer(overfit_config("minimax-h3", folder, data_root, tmp_path / "run")).run()
+
+    spec = _spec(folder)
+    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
+    from vidtune.data.audio import read_audio
+
+    frames = read_clip(video, ClipWindow(FRAMES, HEIGHT, WIDTH))[None]
+    sound = read_audio(video, FRAMES, 0, spec.audio_format())
+    latents = spec.prepare_latents(vae, frames, AudioBatch(sound.waveform[None], torch.tensor([sound.present])))
+    assert sound.present
+    x0, audio0 = latents["latents_mean"], latents[AUDIO_LATENTS]
+
+    def sampled(transformer):
+        denoiser = _spec(folder, subfolders={"transformer": str(transformer)}).load_denoiser(CPU).eval()
+        pipeline = spec.pipeline(text, vae, denoiser)
+        pipeline.set_progress_bar_config(disable=True)
+        with torch.no_grad():
+            out = spec.sample(pipeline, clip.caption, frames=FRAMES, height=HEIGHT, width=WIDTH,
+                              num_inference_steps=30, generator=torch.Generator().manual_seed(1), output="latents")
+        return (float((out.latents - x0).norm() / x0.norm()),
+                float((out.audio_latents - audio0).norm() / audio0.norm()))
+
+    trained, untrained = sampled(result.weights_path), sampled(folder / "transformer")
+    print(f"minimax-h3: relative error video {trained[0]:.3f}, audio {trained[1]:.3f} (untrained: video "
+          f"{untrained[0]:.3f}, audio {untrained[1]:.3f})")
+    assert trained[0] < 0.15 and trained[1] < 0.15, (trained, untrained)
+    assert trained[0] < untrained[0] / 2 and trained[1] < untrained[1] / 2
+
+
+def test_a_run_with_sound_resumes_bitwise(folder, shapes_dataset, tmp_path):
+    """A LoRA run on a clip with sound, stopped after its third step and resumed, ends with the adapter of the run
+    that was never stopped: the sound's noise levels and noise come back with the clip's generator."""
+    from safetensors.torch import load_file
+
+    from tests.helpers.runs import run_stopped_at
+    from vidtune import checkpoint
+
+    clip = pair_samples(shapes_dataset)[0]
+    data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
+    add_tone(data_root / clip.video.name, hz=300.0)
+
+    def config(out, **checkpointing):
+        return overfit_config("minimax-h3", folder, data_root, out, training={
+            "algorithm": "lora", "steps": 5, "batch_size": 2, "learning_rate": 1e-3},
+            checkpoint={"every": 10, "keep": 2, **checkpointing}, optimizer={"warmup_steps": 1})
+
+    build_trainer(config(tmp_path / "reference")).run()
+    reference = load_file(tmp_path / "reference" / "pytorch_lora_weights.safetensors")
+    stopped = tmp_path / "stopped"
+    run_stopped_at(build_trainer(config(stopped)), 3)
+    assert checkpoint.list_checkpoints(stopped / "checkpoints")
+    build_trainer(config(stopped, resume="latest")).run()
+    resumed = load_file(stopped / "pytorch_lora_weights.safetensors")
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(resumed[key], reference[key]), key

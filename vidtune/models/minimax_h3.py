@@ -1,0 +1,425 @@
+"""MiniMax H3 (MiniMax): a Qwen3-VL text encoder, a video VAE and a mono audio VAE, and one transformer that denoises
+text, sound and picture as a single packed sequence (diffusers' MiniMaxH3ModularPipeline, text-to-video-and-audio).
+
+Training is joint, as sampling is: every step packs `[text | audio | video]` rows the way the pipeline's layout block
+does (the same function builds them, with its rotary grid and modality tags), and the transformer predicts both
+streams in one call. A clip with an audio track trains both: its window's sound (stereo, resampled to the audio VAE's
+rate) is encoded by the mono audio VAE channel by channel; the audio latents are noised at a level of their own,
+drawn apart from the video's with the audio's token count and the audio schedule's shift (`stream_noise`); the loss
+is the video's error plus `model.audio_loss_weight` times the audio's. A clip without sound follows
+`model.clips_without_sound` as LTX-2's does: `video-only` packs no audio rows (the video attends to none), `silence`
+packs the encoded silence and leaves its error out. Conventions taken from the modular pipeline's blocks:
+    text: the caption verbatim, no chat template and no special tokens, Qwen3-VL's `hidden_states[50]` (the
+        pipeline's `text_encoder_layer`); its rows carry the text tag, at rotary time 0..n-1; no padding reaches the
+        transformer (the cache pads, `prompt_attention_mask` says how many rows are real);
+    video latents: pixels in [0, 1] normalised with ImageNet's mean and std (the VAE's convention), the posterior
+        normalised per channel with the VAE's `latents_mean` / `latents_std`; 17 n + 5 frames give 5 n + 2 latent
+        frames, patched into rows frame-major;
+    audio latents: [B, 2, L, C], the stereo channels as two items of the mono audio VAE, its posterior mode normalised
+        with the audio VAE's `latents_mean` / `latents_std`; L = round(frames / 24 * 40) (the model's 24 fps and 40
+        audio latents per second), packed channel-major;
+    timesteps: the scheduler's t = 1 - sigma, unscaled in [0, 1], one per modality's rows (text rows share the
+        video's), and the prediction is the data-ward velocity x0 - noise (MiniMaxH3Scheduler.step:
+        x0 = x_t + sigma * v): vidtune's flow matching with inverted timesteps and a negated target.
+The checkpoint is guidance-distilled: the pipeline has no guidance scale and no negative prompt.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKLMiniMaxH3,
+    AutoencoderKLMiniMaxH3Audio,
+    MiniMaxH3ModularPipeline,
+    MiniMaxH3Scheduler,
+    MiniMaxH3Transformer3DModel,
+)
+from diffusers.modular_pipelines.minimax_h3.before_denoise import (
+    MiniMaxH3PrepareLayoutStep,
+    MiniMaxH3SetTimestepsStep,
+    patchify_video_latents,
+)
+from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Blocks
+from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
+    MINIMAX_H3_AUDIO_CHANNELS,
+    MINIMAX_H3_AUDIO_TAG,
+    MINIMAX_H3_FPS,
+    MINIMAX_H3_TEXT_TAG,
+    MINIMAX_H3_VIDEO_TAG,
+    audio_latent_num_frames,
+)
+from torch import nn
+from transformers import Qwen3VLForConditionalGeneration
+
+from vidtune.config import Config, TrainingConfig
+from vidtune.data.audio import AudioBatch, AudioFormat
+from vidtune.errors import ConfigError, ModelError
+from vidtune.models.defaults import MINIMAX_H3
+from vidtune.models.sound import (
+    AUDIO_LATENTS,
+    AUDIO_NOISE,
+    AUDIO_PRESENT,
+    AUDIO_SIGMAS,
+    draw_audio_noise,
+    heard,
+    keyed_noise,
+)
+from vidtune.models.spec import (
+    Conditions,
+    GeneratedSample,
+    Latents,
+    ModelSpec,
+    StepCallback,
+    TextComponents,
+    VAEWithExtras,
+    raise_shape_problems,
+    side_problems,
+)
+from vidtune.objectives import NUM_TRAIN_TIMESTEPS, FlowMatching, Objective, flow_matching_noisy
+
+# The pipeline's own constants (MiniMaxH3ModularPipeline's properties, fixed for the released model).
+TEXT_ENCODER_LAYER = 50  # `text_encoder_layer`: the Qwen3-VL hidden state the transformer reads
+PIXEL_MEAN = (0.485, 0.456, 0.406)  # `pixel_mean` / `pixel_std`: the video VAE's ImageNet convention
+PIXEL_STD = (0.229, 0.224, 0.225)
+MAX_SECONDS = 15.0  # `max_duration`: the longest video the layout block samples
+# The caption rows the cache holds per caption (the pipeline takes the prompt whole; longer captions are cut).
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+
+
+class TextOnlyTokenTypes:
+    """The one thing `get_qwen3vl_prompt_embeds` asks Qwen3VLProcessor for: the token types of a presentation,
+    all text (0) for a caption (a keyframe's vision block, which would need the image processor, never occurs)."""
+
+    @staticmethod
+    def create_mm_token_type_ids(input_ids: list[list[int]]) -> list[list[int]]:
+        return [[0] * len(ids) for ids in input_ids]
+
+
+class MiniMaxH3Pipeline(MiniMaxH3ModularPipeline):
+    """MiniMaxH3ModularPipeline whose shortest video is one VAE chunk (17 + 5 frames) instead of 5 s: the released
+    model was trained on 5 to 15 s, and its layout block refuses anything shorter, but a LoRA trained on short clips
+    is previewed at their length (validation samples at the training shape). Every block is the pipeline's own."""
+
+    @property
+    def min_duration(self) -> float:
+        return (self.vae_frames_per_chunk + self.vae_latents_per_chunk) / self.fps
+
+
+class MiniMaxH3Autoencoders(VAEWithExtras):
+    """What `MiniMaxH3Spec.load_vae` returns: the video VAE (which training encodes the frames with) and the audio VAE
+    (which encodes the sound and renders a sample's). Opaque to trainers."""
+
+    def __init__(self, vae: nn.Module, audio_vae: nn.Module) -> None:
+        super().__init__(vae)
+        self.audio_vae = audio_vae
+
+
+def layout(text_rows: int, latent_frames: int, latent_height: int, latent_width: int, audio_latents: int,
+           patch: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """The packed sequence of one clip, built by the pipeline's layout block: `position_ids`, `token_tags` and the
+    rows of each modality (host tensors)."""
+    position_ids, token_tags, video_rows, audio_rows, text_indices, _, _ = (
+        MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+            torch.full((text_rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long), latent_frames, latent_height,
+            latent_width, audio_latents, patch, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG))
+    return {"position_ids": position_ids, "token_tags": token_tags, "video_indices": video_rows,
+            "audio_indices": audio_rows, "text_indices": text_indices}
+
+
+def unpatchify(rows: torch.Tensor, shape: tuple[int, ...], patch: tuple[int, int, int]) -> torch.Tensor:
+    """Video rows [N, C * prod(patch)] back to latents [1, C, F, H, W] (the pipeline's after-denoise block)."""
+    channels, frames, height, width = shape
+    patch_t, patch_h, patch_w = patch
+    rows = rows.reshape(1, frames // patch_t, height // patch_h, width // patch_w, channels, patch_t, patch_h, patch_w)
+    return rows.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(1, channels, frames, height, width)
+
+
+class MiniMaxH3Spec(ModelSpec):
+    name = "minimax-h3"
+    validation_guidance_scale = 1.0  # guidance-distilled: the pipeline takes no guidance scale
+    defaults = MINIMAX_H3
+    pipeline_class = MiniMaxH3Pipeline
+    text_encoder_class = Qwen3VLForConditionalGeneration
+    vae_class = AutoencoderKLMiniMaxH3
+    denoiser_class = MiniMaxH3Transformer3DModel
+    scheduler_class = MiniMaxH3Scheduler
+    control_refusal: ClassVar[str] = (
+        "its transformer reads one packed sequence of text, sound and picture rows per clip, whose video rows a "
+        "widened input layer cannot tell from the others.")
+
+    # ----- loading ----------------------------------------------------------------------------------------------
+    def required_components(self) -> tuple[str, ...]:
+        return (*super().required_components(), "audio_vae", "audio_scheduler")
+
+    def load_vae(self, device: torch.device) -> MiniMaxH3Autoencoders:
+        vae = super().load_vae(device)
+        audio_vae = self.load_component(AutoencoderKLMiniMaxH3Audio, "audio_vae",
+                                        torch_dtype=self.component_dtype("vae", device))
+        return MiniMaxH3Autoencoders(vae, audio_vae.requires_grad_(False).eval().to(device))
+
+    def load_audio_scheduler(self) -> MiniMaxH3Scheduler:
+        return self.load_component(MiniMaxH3Scheduler, "audio_scheduler")
+
+    def native_max_sequence_length(self) -> int:
+        return DEFAULT_MAX_SEQUENCE_LENGTH
+
+    # ----- shapes -----------------------------------------------------------------------------------------------
+    @functools.cached_property
+    def compression(self) -> tuple[int, int, int, tuple[int, int, int]]:
+        """(VAE spatial ratio, pixel frames per VAE chunk, latent frames a chunk keeps, transformer patch (t, h, w))."""
+        vae = self.load_config(AutoencoderKLMiniMaxH3, "vae")
+        spatial = math.prod(vae.get("spatial_downsample_factors", (2, 2, 2, 2, 1, 1)))
+        temporal = math.prod(vae.get("temporal_downsample_factors", (1, 2, 2, 1, 1, 1)))
+        clip_length = int(vae.get("clip_length", 17))
+        transformer = self.load_config(MiniMaxH3Transformer3DModel, "transformer")
+        return spatial, clip_length, math.ceil(clip_length / temporal), tuple(transformer.get("patch_size", (1, 2, 2)))
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        spatial, clip_length, kept, patch = self.compression
+        problems = side_problems(height, width, spatial * patch[1], spatial * patch[2])
+        valid = [clip_length * n + kept for n in range(1, 64) if clip_length * n + kept <= MAX_SECONDS * MINIMAX_H3_FPS]
+        if frames not in valid:
+            nearest = sorted(valid, key=lambda value: abs(value - frames))[:2]
+            problems.append(f"data.frames={frames} must be {clip_length}k+{kept}, at most {MAX_SECONDS:g} s at "
+                            f"{MINIMAX_H3_FPS} fps (the longest video the pipeline samples); nearest valid values: "
+                            f"{' or '.join(str(value) for value in sorted(nearest))}")
+        raise_shape_problems("MiniMax H3", problems, self,
+                             f"frames {clip_length}k+{kept} up to {valid[-1] if valid else '?'}, sides multiples of "
+                             f"{spatial * patch[1]}")
+
+    def check_training(self, config: Config) -> None:
+        """The model runs at 24 fps, and its sound lasts frames / 24 s: another frame rate would pair a clip's frames
+        with sound of another length than the pipeline's."""
+        if config.frame_rate != MINIMAX_H3_FPS:
+            raise ConfigError(
+                f"model.frame_rate / data.fps = {config.frame_rate:g}: {self.name} is a {MINIMAX_H3_FPS} fps model "
+                f"(its pipeline samples {MINIMAX_H3_FPS} fps and pairs {MINIMAX_H3_FPS} frames with one second of "
+                f"sound).\nWhat to do: set data.fps={MINIMAX_H3_FPS} (clips are resampled to it) and remove "
+                "model.frame_rate.")
+
+    # ----- tensors ----------------------------------------------------------------------------------------------
+    def condition_identity(self) -> dict[str, Any]:
+        return {**super().condition_identity(), "text_encoder_layer": TEXT_ENCODER_LAYER, "template": None}
+
+    def latent_identity(self) -> dict[str, Any]:
+        return {**super().latent_identity(), "pixels": [PIXEL_MEAN, PIXEL_STD], "fps": MINIMAX_H3_FPS,
+                "audio": {"source": "clip", "channels": MINIMAX_H3_AUDIO_CHANNELS}}
+
+    @torch.no_grad()
+    def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
+        """Qwen3-VL's `hidden_states[50]` of each caption's tokens (no template, no special tokens) by the pipeline's
+        own `get_qwen3vl_prompt_embeds`, padded to `max_sequence_length` rows with zeros; the mask marks the real
+        rows. An empty caption has none (the transformer then reads no text row)."""
+        tokenizer, text_encoder = text["tokenizer"], text["text_encoder"]
+        device, dim, length = text_encoder.device, text_encoder.config.text_config.hidden_size, self.max_sequence_length
+        embeds, masks = [], []
+        for caption in captions:
+            ids = tokenizer([caption], add_special_tokens=False, truncation=True, max_length=length)["input_ids"][0]
+            ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+            hidden = torch.zeros(1, 0, dim, device=device, dtype=text_encoder.dtype)
+            if ids:
+                hidden = get_qwen3vl_prompt_embeds(text_encoder, TextOnlyTokenTypes(), ids, {},
+                                                   text_encoder_layer=TEXT_ENCODER_LAYER, device=device,
+                                                   dtype=text_encoder.dtype)
+            embeds.append(torch.nn.functional.pad(hidden[0], (0, 0, 0, length - len(ids))))
+            masks.append((torch.arange(length) < len(ids)).to(device))
+        return {"prompt_embeds": torch.stack(embeds), "prompt_attention_mask": torch.stack(masks)}
+
+    def audio_format(self) -> AudioFormat:
+        """The audio VAE's rate, in stereo (the pipeline's two channels), at the model's 24 fps."""
+        return self._audio_format
+
+    @functools.cached_property
+    def _audio_format(self) -> AudioFormat:
+        audio = self.load_config(AutoencoderKLMiniMaxH3Audio, "audio_vae")
+        return AudioFormat(int(audio.get("sampling_rate", 32000)), MINIMAX_H3_AUDIO_CHANNELS, float(MINIMAX_H3_FPS))
+
+    @torch.no_grad()
+    def prepare_latents(self, vae: MiniMaxH3Autoencoders, videos: torch.Tensor,
+                        audio: AudioBatch | None = None) -> Latents:
+        """The video posterior, the clip's audio latents and whether it has sound (`AUDIO_PRESENT`); a clip without
+        a track gets the latents of silence, marked absent."""
+        video_vae = vae.vae
+        mean = torch.tensor(PIXEL_MEAN).view(1, 1, 3, 1, 1)
+        std = torch.tensor(PIXEL_STD).view(1, 1, 3, 1, 1)
+        pixels = ((videos.float().cpu() + 1.0) / 2.0 - mean) / std
+        posterior = self.vae_posterior(video_vae, pixels)
+        latent_mean = torch.tensor(video_vae.config.latents_mean).view(1, -1, 1, 1, 1).to(posterior.mean)
+        latent_std = torch.tensor(video_vae.config.latents_std).view(1, -1, 1, 1, 1).to(posterior.mean)
+        batch, frames = videos.shape[:2]
+        samples = self.audio_format().samples(frames)
+        waveforms = torch.zeros(batch, MINIMAX_H3_AUDIO_CHANNELS, samples)
+        present = torch.zeros(batch, 1, dtype=torch.bool)
+        if audio is not None:  # a clip without a track is silence, whatever its waveform holds
+            present[:, 0] = audio.present.cpu()
+            heard_waveforms = audio.waveforms[:, :, :samples].float().cpu() * present.view(batch, 1, 1)
+            waveforms[:, :, : heard_waveforms.shape[-1]] = heard_waveforms
+        audio_latents = self.sound_latents(vae.audio_vae, waveforms, frames)
+        return {**self.normalised_posterior(posterior, 1.0 / latent_std, latent_mean),
+                AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device)}
+
+    def sound_latents(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int) -> torch.Tensor:
+        """[B, 2, samples] at the audio VAE's rate -> [B, 2, L, C]: each channel's posterior mode as the mono audio
+        VAE gives it, normalised as the pipeline normalises audio latents, the first L = round(frames / 24 * 40)
+        (silence where the sound is shorter)."""
+        if audio_vae.config.latents_mean is None or audio_vae.config.latents_std is None:
+            raise ModelError(f"{self.describe_file('audio_vae', 'config.json')} holds no latents_mean / latents_std, "
+                             "which the pipeline normalises the audio latents with.\nWhat to do: use the released "
+                             "MiniMax H3 audio VAE (its config.json holds both).")
+        length = audio_latent_num_frames(frames)
+        hop = audio_vae.hop_length
+        missing = length * hop - waveforms.shape[-1]
+        if missing > 0:
+            waveforms = torch.nn.functional.pad(waveforms, (0, missing))
+        batch, channels, samples = waveforms.shape
+        flat = waveforms.reshape(batch * channels, 1, samples).to(audio_vae.device, audio_vae.dtype)
+        latents = audio_vae.encode(flat).latent_dist.mode().float()[..., :length].transpose(1, 2)
+        mean = torch.tensor(audio_vae.config.latents_mean).view(1, 1, -1).to(latents)
+        std = torch.tensor(audio_vae.config.latents_std).view(1, 1, -1).to(latents)
+        return ((latents - mean) / std).reshape(batch, channels, length, -1)
+
+    # ----- objective and the audio stream -------------------------------------------------------------------
+    def objective(self, training: TrainingConfig) -> Objective:
+        """Flow matching told t = 1 - sigma with the data-ward velocity x0 - noise as its target: what
+        MiniMaxH3Scheduler steps with (it has no config flag to read this from)."""
+        return FlowMatching(sampling=training.sigma_sampling, logit_mean=training.logit_mean,
+                            logit_std=training.logit_std, shift=training.sigma_shift, invert_timesteps=True,
+                            negate_target=True, stretch=training.sigma_stretch,
+                            uniform_fraction=training.sigma_uniform_fraction, weighting=training.loss_weighting,
+                            frame_noise=self.checked_frame_noise(training))
+
+    def stream_noise(self, objective: Objective, latents: Latents,
+                     generators: list[torch.Generator]) -> tuple[Conditions, dict[str, torch.Tensor]]:
+        """Each clip's audio sigma, drawn apart from the video's from the same distribution with the audio's own token
+        count (its rows), and its audio noise, from the clip's generator (as LTX-2's)."""
+        clean = latents[AUDIO_LATENTS]
+        return draw_audio_noise(objective, latents, generators, clean.shape[1] * clean.shape[2])
+
+    def joint_forward(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                      timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The transformer on each clip's packed sequence: (video prediction [B, C, F, H, W], audio prediction
+        [B, 2, L, C], audio target). The audio is noised at the conditions' `AUDIO_SIGMAS` with their `AUDIO_NOISE`
+        (training); without them at the video's sigma with noise keyed by the timestep. A clip without sound packs no
+        audio rows under `model.clips_without_sound: video-only` (its audio prediction is zeros)."""
+        patch = tuple(denoiser.config.patch_size)
+        clean_audio = conditions[AUDIO_LATENTS].float()
+        if AUDIO_SIGMAS in conditions:
+            audio_sigmas = conditions[AUDIO_SIGMAS].detach().float().cpu()
+            audio_noise = conditions[AUDIO_NOISE].to(clean_audio)
+        else:
+            audio_sigmas = timesteps.detach().float().cpu() / NUM_TRAIN_TIMESTEPS
+            audio_sigmas = 1.0 - audio_sigmas  # timesteps are t = 1 - sigma
+            audio_noise = keyed_noise(timesteps, clean_audio)
+        noisy_audio = flow_matching_noisy(clean_audio, audio_noise, audio_sigmas)
+        present = heard(conditions, noisy_latents.shape[0])
+        silent_audio = self.config.clips_without_sound == "silence"
+        mask = conditions["prompt_attention_mask"]
+        video_predictions, audio_predictions = [], []
+        for index in range(noisy_latents.shape[0]):
+            with_audio = bool(present[index]) or silent_audio
+            latents = noisy_latents[index: index + 1]
+            _, frames, height, width = latents.shape[1:]
+            audio_rows = noisy_audio[index].reshape(-1, noisy_audio.shape[-1]) if with_audio else \
+                noisy_audio.new_zeros(0, noisy_audio.shape[-1])
+            text_rows = int(mask[index].cpu().sum())
+            packed = layout(text_rows, frames, height, width, clean_audio.shape[2] if with_audio else 0, patch)
+            t_video = float(timesteps[index]) / NUM_TRAIN_TIMESTEPS
+            unique, row_timesteps = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+                packed["video_indices"], packed["audio_indices"], 0, 0, text_rows, t_video,
+                1.0 - float(audio_sigmas[index]), t_video, 1.0)
+            packed = {key: value.to(latents.device) for key, value in packed.items()}
+            video, audio = denoiser(
+                hidden_states=patchify_video_latents(latents, patch)[None],
+                audio_hidden_states=audio_rows[None].to(latents.dtype),
+                encoder_hidden_states=conditions["prompt_embeds"][index: index + 1, :text_rows],
+                timestep=unique.to(latents.device),
+                timestep_indices=row_timesteps.to(latents.device),
+                return_dict=False,
+                **packed,
+            )
+            video_predictions.append(unpatchify(video[0], latents.shape[1:], patch))
+            audio_predictions.append(audio[0].reshape(clean_audio.shape[1:]) if with_audio else
+                                     torch.zeros_like(clean_audio[index]).to(video.dtype))
+        target = clean_audio - audio_noise  # the data-ward velocity, as the video's
+        return torch.cat(video_predictions), torch.stack(audio_predictions), target
+
+    def forward(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                timesteps: torch.Tensor) -> torch.Tensor:
+        """The video prediction (the audio stream runs beside it in the same sequence)."""
+        return self.joint_forward(denoiser, conditions, noisy_latents, timesteps)[0]
+
+    def training_error(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                       timesteps: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The video's mean squared error plus `model.audio_loss_weight` times the audio's, per clip; a clip without
+        sound adds no audio error."""
+        video, audio, audio_target = self.joint_forward(denoiser, conditions, noisy_latents, timesteps)
+        video_error = self.per_clip_error((video.float() - target).pow(2), conditions)
+        audio_error = (audio.float() - audio_target).pow(2).flatten(1).mean(dim=1)
+        present = heard(conditions, video.shape[0]).float().to(audio_error.device)
+        return video_error + self.config.audio_loss_weight * present * audio_error
+
+    def token_count(self, latent_shape: tuple[int, ...] | torch.Size) -> int:
+        patch_t, patch_h, patch_w = self.compression[3]
+        frames, height, width = (int(size) for size in latent_shape[-3:])
+        return -(-frames // patch_t) * (height // patch_h) * (width // patch_w)
+
+    # ----- ComfyUI ----------------------------------------------------------------------------------------------
+    def comfyui_absent(self) -> str:
+        return ("ComfyUI's core runs MiniMax H3 (comfy/ldm/minimax), but vidtune does not write its LoRA key names "
+                "yet, so there is no ComfyUI file. The run's diffusers adapter file loads with "
+                "MiniMaxH3ModularPipeline's load_lora_weights, and with `vidtune sample`.")
+
+    # ----- pipeline and outputs -----------------------------------------------------------------------------
+    def pipeline(self, text: TextComponents, vae: MiniMaxH3Autoencoders, denoiser: nn.Module) -> Any:
+        """MiniMaxH3Pipeline with its text-to-video-and-audio blocks (layout, noise, the two schedules, the
+        denoising loop, both decoders); the caption reaches it encoded (`prompt_inputs`), as the text encoder
+        block needs Qwen3VLProcessor's image half only for keyframes."""
+        blocks = MiniMaxH3Blocks()
+        for name in ("before_encode", "text_encoder", "vae_encoder"):
+            blocks.sub_blocks.pop(name)
+        pipeline = self.pipeline_class(blocks=blocks)
+        pipeline.update_components(transformer=denoiser, vae=vae.vae, audio_vae=vae.audio_vae,
+                                   scheduler=self.load_scheduler(), audio_scheduler=self.load_audio_scheduler())
+        pipeline.caption_encoder = text
+        return pipeline
+
+    def prompt_inputs(self, pipeline: Any, prompt: str, guidance_scale: float) -> dict[str, Any]:
+        conditions = self.prepare_conditions(pipeline.caption_encoder, [prompt])
+        rows = int(conditions["prompt_attention_mask"][0].sum())
+        return {"prompt_embeds": conditions["prompt_embeds"][:, :rows],
+                "text_token_tags": torch.full((rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)}
+
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
+        """One call of the modular pipeline (which takes no guidance scale and no step callback: with `callback`, the
+        callback gets the final latents once)."""
+        if guidance_scale != 1.0:
+            raise ConfigError(
+                f"validation.guidance_scale={guidance_scale:g}: {self.name} is guidance-distilled; its pipeline takes "
+                "no guidance scale.\nWhat to do: remove validation.guidance_scale (or set it to 1).")
+        # The pipeline steps num_inference_steps - 1 times (its schedule holds the terminal sigma): one more point
+        # gives the steps asked for.
+        result = pipeline(**self.prompt_inputs(pipeline, prompt, guidance_scale), num_frames=frames, height=height,
+                          width=width, num_inference_steps=num_inference_steps + 1, generator=generator,
+                          output_type="pt", output=["videos", "audio", "sampling_rate", "latents", "audio_latents"])
+        if callback is not None:
+            callback(pipeline, num_inference_steps - 1, None, {"latents": result["latents"]})
+        return result
+
+    def sampled_latents(self, pipeline: Any, result: Any, frames: int, height: int, width: int) -> GeneratedSample:
+        """The video latents [1, C, F, H, W] and the audio latents [1, 2, L, C], normalised as training normalises
+        them (the pipeline's own normalised latents, before its decoders)."""
+        return GeneratedSample(latents=result["latents"].float(),
+                               audio_latents=result["audio_latents"].float().transpose(1, 2)[None])
+
+    def sampled_video(self, pipeline: Any, result: Any) -> GeneratedSample:
+        """The frames and the stereo sound track the audio VAE decodes, at its rate, clamped to [-1, 1]."""
+        frames = result["videos"][0]
+        return GeneratedSample(frames.float() * 2.0 - 1.0, result["audio"][0].float().clamp(-1.0, 1.0),
+                               int(result["sampling_rate"]))

@@ -1,0 +1,103 @@
+"""The tiny MiniMax H3 model: a Qwen3-VL built in code (51 text layers of width 16, as the pipeline reads
+`hidden_states[50]`), a byte-level tokenizer, the video VAE (its real 16x spatial and 17-frame chunk geometry, few
+channels), the mono audio VAE (40 latents per second, as the pipeline counts them, at 8 kHz), a two-block
+transformer and the two schedulers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKLMiniMaxH3,
+    AutoencoderKLMiniMaxH3Audio,
+    MiniMaxH3Scheduler,
+    MiniMaxH3Transformer3DModel,
+)
+from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from vidtune.models.minimax_h3 import PIXEL_MEAN, PIXEL_STD
+from vidtune.models.tiny.common import (
+    TINY_VOCAB_SIZE,
+    OverfitSettings,
+    TinyFamily,
+    build_tiny_tokenizer,
+    calm_moments_posterior,
+    latent_statistics,
+    reference_videos,
+)
+
+# 22 frames (17 + 5): one VAE chunk, 7 latent frames of 2x2 and 37 audio latents per channel.
+SHAPE = (22, 32, 32)
+TEXT_DIM = 16
+AUDIO_RATE = 8000  # hop 200 (2 * 4 * 5 * 5): 40 latents per second, at a rate AAC takes (mp4 sound tracks)
+
+
+def build_tiny_qwen3_vl(seed: int = 0) -> Qwen3VLForConditionalGeneration:
+    """Qwen3-VL with 51 narrow text layers (the pipeline reads the 50th hidden state) and a one-block vision tower."""
+    torch.manual_seed(seed)
+    config = Qwen3VLConfig(
+        text_config={"vocab_size": TINY_VOCAB_SIZE, "hidden_size": TEXT_DIM, "intermediate_size": 32,
+                     "num_hidden_layers": 51, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+                     "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+                     "pad_token_id": 0},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                       "out_hidden_size": TEXT_DIM, "patch_size": 4, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": []},
+    )
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+def tone_waveforms(seconds: float, rate: int = AUDIO_RATE) -> torch.Tensor:
+    """A few stereo tones [B, 2, samples] to measure the tiny audio VAE's latent statistics on."""
+    time = torch.arange(int(seconds * rate)) / rate
+    tones = [torch.stack([0.5 * torch.sin(2 * math.pi * hz * time), 0.3 * torch.sin(2 * math.pi * hz * 1.5 * time)])
+             for hz in (110.0, 220.0, 330.0, 440.0)]
+    return torch.stack(tones)
+
+
+def write_tiny_minimax_h3(folder: str | Path, *, latent_channels: int = 4, audio_channels: int = 4,
+                          seed: int = 0) -> Path:
+    folder = Path(folder)
+    torch.manual_seed(seed)
+    transformer = MiniMaxH3Transformer3DModel(
+        num_attention_heads=2, attention_head_dim=32, hidden_size=64, num_layers=2, num_refiner_layers=1, ffn_dim=128,
+        in_channels=latent_channels, audio_in_channels=audio_channels, patch_size=(1, 2, 2), text_dim=TEXT_DIM,
+        freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32, rope_freq_dim=4)
+    vae = AutoencoderKLMiniMaxH3(
+        latent_channels=latent_channels, block_out_channels=(8, 8, 8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
+        decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=8,
+        decoder_num_register_tokens=1, decoder_ffn_mult=2)
+    calm_moments_posterior(vae.quant_conv, latent_channels)
+    audio_vae = AutoencoderKLMiniMaxH3Audio(
+        encoder_dim=4, encoder_rates=(2, 4, 5, 5), latent_dim=16, latent_channels=audio_channels, num_attention_heads=2,
+        decoder_dim=16, decoder_rates=(5, 5, 4, 2), decoder_kernel_sizes=(9, 9, 8, 4), resblock_kernel_sizes=(3,),
+        resblock_dilation_sizes=((1,),), sampling_rate=AUDIO_RATE)
+    with torch.no_grad():  # a narrow audio posterior, as a trained one (the head predicts the log std)
+        audio_vae.logs_proj.weight.zero_()
+        audio_vae.logs_proj.bias.fill_(-6.0)
+        pixels = ((reference_videos(SHAPE[0], SHAPE[1]) + 1.0) / 2.0 - torch.tensor(PIXEL_MEAN).view(1, 1, 3, 1, 1)) \
+            / torch.tensor(PIXEL_STD).view(1, 1, 3, 1, 1)
+        mean, std = latent_statistics(vae.encode(pixels.permute(0, 2, 1, 3, 4)).latent_dist.mean)
+        vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+        tones = tone_waveforms(SHAPE[0] / 24.0)
+        audio = audio_vae.encode(tones.reshape(-1, 1, tones.shape[-1])).latent_dist.mode()
+        audio_mean, audio_std = audio.mean(dim=(0, 2)), audio.std(dim=(0, 2)).clamp_min(1e-4)
+        audio_vae.register_to_config(latents_mean=audio_mean.tolist(), latents_std=audio_std.tolist())
+    components = {
+        "transformer": transformer, "vae": vae, "audio_vae": audio_vae, "text_encoder": build_tiny_qwen3_vl(seed),
+        "tokenizer": build_tiny_tokenizer(), "scheduler": MiniMaxH3Scheduler(shift=12.0),
+        "audio_scheduler": MiniMaxH3Scheduler(shift=3.0),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, component in components.items():
+        component.save_pretrained(folder / name)
+    (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "minimax-h3", "seed": seed}) + "\n")
+    return folder
+
+
+TINY = {
+    "minimax-h3": TinyFamily(write_tiny_minimax_h3, SHAPE, OverfitSettings(steps=600, learning_rate=1e-2)),
+}

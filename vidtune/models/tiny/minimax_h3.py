@@ -9,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import diffusers
 import torch
 from diffusers import (
     AutoencoderKLMiniMaxH3,
@@ -94,8 +95,22 @@ def write_tiny_minimax_h3(folder: str | Path, *, latent_channels: int = 4, audio
     folder.mkdir(parents=True, exist_ok=True)
     for name, component in components.items():
         component.save_pretrained(folder / name)
+    write_modular_index(folder, components)
     (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "minimax-h3", "seed": seed}) + "\n")
     return folder
+
+
+def write_modular_index(folder: Path, components: dict[str, object]) -> None:
+    """`modular_model_index.json`, as the released repository holds it: the modular pipeline's class and, per
+    component, where `ModularPipeline.from_pretrained(...).load_components()` reads it (this folder's subfolder)."""
+    index: dict[str, object] = {"_class_name": "MiniMaxH3ModularPipeline", "_blocks_class_name": "MiniMaxH3Blocks",
+                                "_diffusers_version": diffusers.__version__}
+    for name, component in components.items():
+        library = type(component).__module__.split(".")[0]
+        hint = [library, type(component).__name__]
+        index[name] = [*hint, {"pretrained_model_name_or_path": str(folder.absolute()), "revision": None,
+                               "subfolder": name, "type_hint": hint, "variant": None}]
+    (folder / "modular_model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 TINY = {

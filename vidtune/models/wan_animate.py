@@ -32,6 +32,7 @@ from torch import nn
 
 from vidtune.config import Config
 from vidtune.data.inputs import input_key
+from vidtune.data.sources import Clip
 from vidtune.errors import ModelError
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, wan_animate
@@ -70,6 +71,10 @@ class WanAnimateSpec(WanImageToVideoSpec):
                        "or controls.txt) and train with `lora` or `full`.")
     reads_control_clip = True  # the pose video of a clip without a `pose` input: its control clip
     sampling_inputs = ("pose", "face")
+
+    def check_clip_inputs(self, clips: list[Clip]) -> None:
+        """Nothing is required beside a clip: its pose is its `pose` input, else its control clip, else a black
+        pose video (what the pipeline samples from without one)."""
 
     # ----- encoding --------------------------------------------------------------------------------------------
     def latent_identity(self) -> dict[str, Any]:

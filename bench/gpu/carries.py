@@ -32,6 +32,8 @@ FEATURES = {
     "prodigyopt": "options",
     "pytorch-optimizer": "options",
     "deepspeed": "tests",
+    "fastapi": "tests",  # `vidtune studio` (its job queue is among the minimum-version tests)
+    "uvicorn": "tests",
 }
 
 

@@ -51,7 +51,18 @@ def mixed_config(make_config, tmp_path: Path, family: str, **sections):
     return make_config(family, data=data, **sections)
 
 
-@pytest.mark.parametrize("family", sorted(TINY_SHAPES))
+# Families the mixed sources cannot feed, and where their data path is tested instead.
+NOT_MIXED = {
+    "wan-vace": "follows a control clip per sample, which the mixed sources do not have "
+                "(tests/models/test_wan_vace.py trains it from clips with control clips)",
+    "minimax-h3": "its shortest clip is one VAE chunk, 22 frames; the mixed sources' clips have 18 to 20 "
+                  "(tests/models/test_minimax_h3.py)",
+}
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param(family, marks=pytest.mark.skip(reason=NOT_MIXED[family])) if family in NOT_MIXED else family
+    for family in sorted(TINY_SHAPES)])
 def test_every_family_trains_a_lora_on_mixed_sources_with_buckets(make_config, tmp_path, family):
     config = mixed_config(make_config, tmp_path, family, training={"steps": 2, "batch_size": 2,
                                                                    "learning_rate": 5e-2},

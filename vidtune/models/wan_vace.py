@@ -61,6 +61,8 @@ class WanVACESpec(EmbeddedPrompts, WanSpec):
     denoiser_class = WanVACETransformer3DModel
     defaults = WAN_VACE
     reads_control_clip = True
+    # The VACE blocks run first (their hints join the main blocks'), and are swapped like them.
+    block_lists = ("vace_blocks", "blocks")
 
     def check_training(self, config: Config) -> None:
         if traits_of(config).control:

@@ -57,8 +57,10 @@ def test_overfit_one_clip_then_sample_with_pipeline(family, tiny_model_dir, shap
         # A family that trains on sound (LTX-2) overfits a clip with sound: both streams train together, as its
         # pipeline samples them (a clip without sound trains its video with the audio stream cut off).
         add_tone(video)
-    if get_spec_class(family).reads_control_clip:
-        # A family that follows a control clip (Wan VACE) is given the clip itself, as it samples (`reference`).
+    spec_class = get_spec_class(family)
+    if spec_class.reads_control_clip and not spec_class.sampling_inputs:
+        # A family that follows a control clip (Wan VACE) is given the clip itself, as it samples (`reference`); one
+        # that takes it among its own inputs (Wan Animate's pose) trains and samples here without one (black pose).
         (data_root / "controls.txt").write_text(video.name + "\n")
     pretrained = tiny_model_dir(family)
     result = build_trainer(overfit_config(family, pretrained, data_root, tmp_path / "run")).run()

@@ -525,9 +525,9 @@ def run_control_source(run: RunPipeline, control: Path | None) -> tuple[Path, Pr
         except (VidtuneError, OSError, IndexError):
             control = None
         if control is None:
-            raise VidtuneError(f"{run.spec.name} was trained with control clips: without --control it follows the "
-                               "run's first clip's control clip, but the run's data cannot be read.\nWhat to do: "
-                               "pass --control CLIP.")
+            raise VidtuneError(f"{run.spec.name} follows a control clip: without --control it takes the run's "
+                               "first clip's control clip, but the run's data cannot be read.\nWhat to do: pass "
+                               "--control CLIP.")
         print(f"Following the control clip {control} (the run's first clip's; --control to choose).", flush=True)
     elif not Path(control).is_file():
         raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
@@ -536,19 +536,8 @@ def run_control_source(run: RunPipeline, control: Path | None) -> tuple[Path, Pr
 
 def family_control_clip(run: RunPipeline, settings: SampleSettings, control: Path | None) -> torch.Tensor:
     """The control clip a family that `reads_control_clip` samples from: `control`, or the run's first clip's."""
-    data = run.config.data
-    if control is None:
-        try:
-            control = read_sources(data).clips[0].control
-        except (VidtuneError, OSError, IndexError):
-            control = None
-        if control is None:
-            raise VidtuneError(f"{run.spec.name} follows a control clip: without --control it takes the run's first "
-                               "clip's, but the run's data cannot be read.\nWhat to do: pass --control CLIP.")
-        print(f"Following the control clip {control} (the run's first clip's; --control to choose).", flush=True)
-    elif not Path(control).is_file():
-        raise VidtuneError(f"--control: {control} is not a file.\nWhat to do: give the path of a video clip.")
-    return control_clip(run.spec, Path(control), settings, fps=data.fps, resize=data.resize)
+    source, _ = run_control_source(run, control)
+    return control_clip(run.spec, source, settings, fps=run.config.data.fps, resize=run.config.data.resize)
 
 
 def next_sample_path(run_dir: Path) -> Path:

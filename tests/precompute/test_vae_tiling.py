@@ -23,7 +23,10 @@ from vidtune.precompute import build_plan
 from vidtune.precompute.encode import build_spec, load_clips
 
 SMALL_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32, "tile_sample_stride_height": 16,
-               "tile_sample_stride_width": 16, "tile_overlap_factor_height": 0.5, "tile_overlap_factor_width": 0.5}
+               "tile_sample_stride_width": 16, "tile_overlap_factor_height": 0.5, "tile_overlap_factor_width": 0.5,
+               # VAEs that take a minimum overlap (MiniMax H3's): half a tile too. Their default (64 pixels) is more
+               # than a 32-pixel tile, and no count of such tiles covers a frame.
+               "tile_sample_min_overlap_height": 16, "tile_sample_min_overlap_width": 16}
 
 
 def _smooth_clip(frames: int, height: int, width: int) -> torch.Tensor:

@@ -207,7 +207,7 @@ class MiniMaxH3Spec(ModelSpec):
         return {**super().condition_identity(), "text_encoder_layer": TEXT_ENCODER_LAYER, "template": None}
 
     def latent_identity(self) -> dict[str, Any]:
-        return {**super().latent_identity(), "pixels": [PIXEL_MEAN, PIXEL_STD], "fps": MINIMAX_H3_FPS,
+        return {**super().latent_identity(), "pixels": [list(PIXEL_MEAN), list(PIXEL_STD)], "fps": MINIMAX_H3_FPS,
                 "audio": {"source": "clip", "channels": MINIMAX_H3_AUDIO_CHANNELS}}
 
     @torch.no_grad()

@@ -15,7 +15,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist the cores are shared by its workers: each computes with its share, and so do the runs it starts
+# (vidtune reads OMP_NUM_THREADS), so that no more threads than cores compete.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(_THREADS)
 
 from vidtune.config import Config, build_config  # noqa: E402
 from vidtune.data.synthetic import render_shapes_dataset  # noqa: E402

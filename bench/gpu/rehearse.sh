@@ -40,9 +40,10 @@ if [ "$(ls -d .gpu-wheels/"$TAG"/call* | wc -l)" != 1 ]; then
     echo "rehearse.sh: the wheels need more than one call; the rehearsal installs them all" >&2
 fi
 
-# The image's tools that the rehearsal uses: pytest for the tests, setuptools and wheel to build vidtune offline.
-# python-dateutil 2.9.0.post0: the image has no tzdata, which later releases need.
-IMAGE_TOOLS="pytest setuptools wheel python-dateutil==2.9.0.post0"
+# The image's tools that the rehearsal uses: pytest (with pytest-xdist and pytest-timeout, as the suite runs) for the
+# tests, setuptools and wheel to build vidtune offline. python-dateutil 2.9.0.post0: the image has no tzdata, which
+# later releases need.
+IMAGE_TOOLS="pytest pytest-xdist pytest-timeout setuptools wheel python-dateutil==2.9.0.post0"
 STAMP="$VENV/.image-stamp"
 WANT=$(echo "$IMAGE_TOOLS" | cat - bench/gpu/image_packages.txt .gpu-wheels/"$TAG"/image-constraints.txt .gpu-wheels/"$TAG"/image-needs.txt \
        | sha256sum)
@@ -85,7 +86,7 @@ if [ "$TESTS" = 1 ]; then
     if [ ! -d .gpu-site ]; then
         "$VENV/bin/python" -m pip install --quiet --no-index --no-deps --no-compile --target .gpu-site "$CALL"/*.whl
     fi
-    PYTHONPATH="$PWD:$PWD/.gpu-site:$PWD/bench/gpu" HF_HUB_OFFLINE=1 "$VENV/bin/python" -m pytest -q \
+    PYTHONPATH="$PWD:$PWD/.gpu-site:$PWD/bench/gpu" HF_HUB_OFFLINE=1 "$VENV/bin/python" -m pytest -q -n auto \
         -p no:cacheprovider -p module_check "${MINIMUM_TESTS[@]}"
 fi
 echo "rehearse.sh: done in $((SECONDS - START)) s"

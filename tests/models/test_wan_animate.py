@@ -111,7 +111,8 @@ def test_without_pose_or_face_training_and_sampling_see_black_videos(make_config
     with pytest.raises(ModelError, match=r"the pose video has shape \(3, 5, 32, 32\); it needs \[3, F, H, W\] with "
                                          r"at least 9 frames"):
         sample(pose=torch.zeros(3, 5, height, width))
-    with pytest.raises(ModelError, match=r"wan-animate samples from no mask input \(it takes: pose, face\)"):
+    with pytest.raises(ModelError, match=r"wan-animate samples from no mask input \(it takes: pose, face, "
+                                         r"reference_images\)"):
         sample(mask=torch.zeros(3, frames, height, width))
 
 
@@ -290,3 +291,89 @@ def test_vidtune_plan_traces_the_released_model_offline():
     plan = plan_memory(config)
     assert plan.peak > 17.3e9 * 2 / 1.08  # at least the bf16 transformer (17.3B parameters) is counted
     print(f"planned peak {plan.peak / GIB:.1f} GiB")
+
+
+def _byte_video(generator: torch.Generator, frames: int, height: int, width: int) -> torch.Tensor:
+    """[3, F, H, W] in [-1, 1] at byte levels, as a decoded input is."""
+    return torch.randint(0, 256, (3, frames, height, width), generator=generator) / 127.5 - 1
+
+
+def test_replace_mode_and_the_character_image_reach_the_transformer_as_the_pipeline_hands_them(make_config):
+    """Replace mode: the condition's clip part is the background's latents under the pipeline's mask channels of what
+    it keeps (a grey-level mask), and a `reference_images` input is the character image (latents at the reference
+    position of the condition and the target, CLIP tokens), exactly as WanAnimatePipeline(mode="replace") hands them
+    to the transformer; a mask does change the prediction."""
+    from vidtune.models.wan_animate import KEPT_MASK, REFERENCE_CONDITION
+
+    config = make_config(FAMILY, model={"animate_mode": "replace"})
+    spec = _spec(config)
+    text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU).eval()
+    frames, height, width = TINY_SHAPES[FAMILY]
+    generator = torch.Generator().manual_seed(0)
+    clip, pose, face, background = (_byte_video(generator, frames, height, width) for _ in range(4))
+    mask = _byte_video(generator, frames, height, width)  # grey levels: the pipeline keeps them
+    # The character image as the inputs layer reads it: fitted inside the clip's size (black bars) keeping its aspect.
+    character = _byte_video(generator, 1, height, width)
+    character[:, :, :, :6] = -1.0
+    inputs = {"pose": pose, "face": face, "background": background, "mask": mask, "reference_images": character}
+    pipeline = spec.pipeline(text, vae, denoiser)
+    pipeline.set_progress_bar_config(disable=True)
+    sampled = _transformer_inputs(denoiser, lambda: spec.sample(
+        pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=1,
+        generator=torch.Generator().manual_seed(0), reference=clip.transpose(0, 1), output="latents", inputs=inputs))
+
+    latents = spec.prepare_latents(vae, clip.transpose(0, 1)[None])
+    batch = {kind: [value[None]] if kind == "reference_images" else value[None] for kind, value in inputs.items()}
+    encoded = {**latents, **spec.encode_inputs(vae, batch, latents)}
+    conditions = {**spec.prepare_conditions(text, ["a red circle"]), **encoded}
+    channels = latents["latents_mean"].shape[1]
+    noisy = sampled["hidden_states"][:, :channels]
+    trained = _transformer_inputs(denoiser, lambda: spec.forward(denoiser, conditions, noisy, sampled["timestep"]))
+    for key in ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_image", "pose_hidden_states",
+                "face_pixel_values", "timestep"):
+        assert trained[key].shape == sampled[key].shape, key
+        assert torch.allclose(trained[key].float(), sampled[key].float(), atol=1e-5), key
+    # The character image, not the clip's first frame, is the target at the reference position.
+    assert torch.equal(encoded["latents_mean"][:, :, :1], encoded[REFERENCE_CONDITION][:, 4:, :1])
+    assert not torch.allclose(encoded["latents_mean"][:, :, :1], latents["latents_mean"][:, :, :1], atol=1e-3)
+    assert torch.equal(encoded["latents_mean"][:, :, 1:], latents["latents_mean"][:, :, 1:])
+    with torch.no_grad():
+        inverted = {**conditions, KEPT_MASK: 1 - conditions[KEPT_MASK]}
+        change = spec.forward(denoiser, conditions, noisy, sampled["timestep"]) - spec.forward(
+            denoiser, inverted, noisy, sampled["timestep"])
+    assert change.abs().max() > 1e-4
+
+
+def test_a_later_segment_is_conditioned_as_the_pipeline_conditions_it(make_config):
+    """`model.animate_segment_conditioning`: a sample drawn as a later segment is conditioned on its clip's first
+    `animate_segment_frames` frames as WanAnimatePipeline conditions a segment after the first on the previous
+    one's last frames (`prepare_prev_segment_cond_latents`); about that share of visits draw it; other families and
+    replace mode refuse the settings before loading."""
+    from vidtune.errors import ConfigError
+    from vidtune.models.wan_animate import LATER_SEGMENT, SEGMENT_CONDITION
+
+    for given in (1, 5):
+        config = make_config(FAMILY, model={"animate_segment_conditioning": 0.5, "animate_segment_frames": given})
+        spec = _spec(config)
+        vae = spec.load_vae(CPU)
+        frames, height, width = TINY_SHAPES[FAMILY]
+        clip = _byte_video(torch.Generator().manual_seed(given), frames, height, width)
+        latents = spec.prepare_latents(vae, clip.transpose(0, 1)[None])
+        pipeline = spec.pipeline(spec.load_text_components(CPU), vae, spec.load_denoiser(CPU))
+        with torch.no_grad():
+            expected = pipeline.prepare_prev_segment_cond_latents(
+                clip[None, :, :given], segment_frame_length=frames, start_frame=frames - given, height=height,
+                width=width, prev_segment_cond_frames=given, task="animate", device=CPU)
+        assert torch.allclose(latents[SEGMENT_CONDITION], expected, atol=1e-5)
+        conditions = {**latents, LATER_SEGMENT: torch.ones(1)}
+        assert torch.equal(spec.condition(conditions)[:, :, 1:], latents[SEGMENT_CONDITION])
+        assert torch.equal(spec.condition({**latents, LATER_SEGMENT: torch.zeros(1)}),
+                           spec.condition({k: v for k, v in latents.items() if k != SEGMENT_CONDITION}))
+    drawn = spec.visit_conditions(latents["latents_mean"].expand(400, -1, -1, -1, -1), torch.arange(400), 0)
+    assert 0.4 < float(drawn[LATER_SEGMENT].mean()) < 0.6
+    with pytest.raises(ConfigError, match="wan has no animate mode nor segments"):
+        other = make_config("wan", model={"animate_mode": "replace"})
+        get_spec_class("wan")(other.model).check_frame_settings(other, [])
+    with pytest.raises(ConfigError, match="animate_mode=replace: a later segment"):
+        replace = make_config(FAMILY, model={"animate_mode": "replace", "animate_segment_conditioning": 0.5})
+        _spec(replace).check_frame_settings(replace, [])

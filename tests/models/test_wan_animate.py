@@ -377,3 +377,131 @@ def test_a_later_segment_is_conditioned_as_the_pipeline_conditions_it(make_confi
     with pytest.raises(ConfigError, match="animate_mode=replace: a later segment"):
         replace = make_config(FAMILY, model={"animate_mode": "replace", "animate_segment_conditioning": 0.5})
         _spec(replace).check_frame_settings(replace, [])
+
+
+def _animate_dataset(shapes_dataset: Path, root: Path) -> tuple[dict[str, Any], list[Path]]:
+    """Two clips with a pose clip, a background clip, a mask (a still, white on the right half) and a character
+    image of another aspect each, as list files beside videos.txt. Returns (its dataset entry, the images)."""
+    from PIL import Image
+
+    from tests.helpers.datasets import write_mask
+
+    root, _, others = control_dataset(shapes_dataset, root)
+    (root / "controls.txt").unlink()
+    images = []
+    for number in range(2):
+        pixels = torch.randint(0, 256, (40, 24, 3), generator=torch.Generator().manual_seed(number), dtype=torch.uint8)
+        images.append(root / f"character{number}.png")
+        Image.fromarray(pixels.numpy()).save(images[-1])
+        write_mask(root / f"mask{number}.png", 48, 48, white=(0.5, 0.0, 1.0, 1.0))
+    (root / "poses.txt").write_text("".join(f"{path}\n" for path in others))
+    (root / "backgrounds.txt").write_text("".join(f"{path}\n" for path in reversed(others)))
+    (root / "masks.txt").write_text("mask0.png\nmask1.png\n")
+    (root / "references.txt").write_text("".join(f"{path.name}\n" for path in images))
+    inputs = {"pose": "poses.txt", "background": "backgrounds.txt", "mask": "masks.txt",
+              "reference_images": "references.txt"}
+    return {"type": "pairs", "root": str(root), "inputs": inputs}, images
+
+
+@pytest.mark.parametrize("mode", ["replace", "animate"])
+def test_replace_mode_and_later_segments_train_alike_from_the_cache_and_on_the_fly(
+        make_config, shapes_dataset, tmp_path, mode):
+    """Replace mode (background and mask inputs) and animate mode with later segments, each with a character image
+    per clip: the cache holds what on-the-fly training encodes (same tensors, same losses); validation in replace
+    mode samples from the first clip's pose, character image, background and mask."""
+    from vidtune.data.input_files import read_input
+    from vidtune.models.wan_animate import BACKGROUND_LATENTS, KEPT_MASK, SEGMENT_CONDITION
+    from vidtune.sampling import SampleSettings, clip_sampling_inputs
+
+    entry, _ = _animate_dataset(shapes_dataset, tmp_path / "data")
+    model = ({"animate_mode": "replace"} if mode == "replace"
+             else {"animate_segment_conditioning": 0.5, "animate_segment_frames": 5})
+    batches, losses = {}, {}
+    for cached in (False, True):
+        config = make_config(FAMILY, model=model, data={"root": None, "datasets": [entry]},
+                             training={"batch_size": 2, "steps": 2},
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
+                             logging={"progress": False, "log_every": 1}, output_dir=str(tmp_path / f"run-{cached}"))
+        trainer = build_trainer(config)
+        batches[cached] = next(trainer.set_up().source.batches(0))
+        trainer.run()
+        metrics = (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()
+        losses[cached] = [json.loads(row)["loss"] for row in metrics if "loss" in json.loads(row)]
+    on_the_fly, from_cache = batches[False], batches[True]
+    assert on_the_fly.latents.keys() == from_cache.latents.keys()
+    own = {BACKGROUND_LATENTS, KEPT_MASK} if mode == "replace" else {SEGMENT_CONDITION}
+    assert own <= on_the_fly.latents.keys()
+    for key, value in on_the_fly.latents.items():
+        assert torch.allclose(from_cache.latents[key], value, atol=1e-5), key
+    assert len(losses[False]) == 2 and losses[True] == pytest.approx(losses[False], rel=1e-5)
+    # Validation and `vidtune sample` read the first clip's inputs for the pipeline as training read them.
+    clip = trainer.context.clips[0]
+    settings = SampleSettings.from_config(config, trainer.spec, default_prompt=CONTROL_CAPTION)
+    sampling = clip_sampling_inputs(trainer.spec, clip, settings, config.data.fps)
+    assert sampling is not None
+    assert set(sampling) == {"pose", "reference_images", *(("background", "mask") if mode == "replace" else ())}
+    window = ClipWindow(settings.frames, settings.height, settings.width)
+    for kind, value in sampling.items():
+        read = read_input(clip, kind, window)
+        assert torch.equal(value, read[0] if kind == "reference_images" else read), kind
+
+
+def test_replace_mode_names_each_clip_without_a_background_before_loading(make_config, shapes_dataset, tmp_path):
+    from vidtune.errors import DataError
+
+    entry, _ = _animate_dataset(shapes_dataset, tmp_path / "data")
+    entry["inputs"].pop("background")
+    config = make_config(FAMILY, model={"animate_mode": "replace"}, data={"root": None, "datasets": [entry]})
+    with pytest.raises(DataError, match=r"videos.txt line 2.*it has no background, which this run needs"):
+        build_trainer(config).set_up()
+
+
+def test_the_lora_starts_from_the_base_model_in_wan_animate_pipeline(make_config, shapes_dataset, tmp_path):
+    """Step 0: the adapter as training starts (lora_B zero) loaded with WanAnimatePipeline.load_lora_weights samples
+    exactly what the base model samples; the trained one samples something else."""
+    config = make_config(FAMILY, training={"steps": 1, "learning_rate": 5e-2}, lora={"rank": 4, "alpha": 4})
+    build_trainer(config).run()
+    spec = _spec(config)
+    frames, height, width = TINY_SHAPES[FAMILY]
+    clip = _byte_video(torch.Generator().manual_seed(0), frames, height, width).transpose(0, 1)
+    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
+
+    def sample(weights: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU).eval())
+        pipeline.set_progress_bar_config(disable=True)
+        if weights is not None:
+            pipeline.load_lora_weights(weights)
+        return spec.sample(pipeline, CONTROL_CAPTION, frames=frames, height=height, width=width,
+                           num_inference_steps=2, generator=torch.Generator().manual_seed(0), reference=clip,
+                           output="latents").latents
+
+    trained = load_file(Path(config.output_dir) / "pytorch_lora_weights.safetensors")
+    plain = sample(None)
+    assert torch.equal(sample({key: torch.zeros_like(value) if "lora_B" in key else value
+                               for key, value in trained.items()}), plain)
+    assert (sample(trained) - plain).abs().max() > 1e-4
+
+
+def test_the_released_architecture_counts_the_published_14b_backbone_and_what_animate_adds():
+    """The shipped architecture of Wan2.2-Animate-14B (what `vidtune plan` reads) holds 17.27B parameters: the
+    published 14B of Wan 2.1's text-to-video backbone, Wan 2.1 I2V's image cross-attention (2.1B), the face
+    adapters (0.84B) and the motion and face encoders; as Comfy-Org's bf16 file of 34.55 GB."""
+    from diffusers import WanAnimateTransformer3DModel
+
+    from vidtune.memory.architectures import families  # noqa: F401  (the module that ships the file)
+
+    path = Path(__file__).parents[2] / "vidtune" / "memory" / "architectures.json"
+    config = json.loads(path.read_text())["Wan-AI/Wan2.2-Animate-14B-Diffusers"]["components"]["transformer"]
+    with torch.device("meta"):
+        model = WanAnimateTransformer3DModel(**{key: value for key, value in config.items() if key[0] != "_"})
+    counts = {"image": 0, "animate": 0, "backbone": 0}
+    for name, parameter in model.named_parameters():
+        part = ("animate" if name.split(".")[0] in ("face_adapter", "face_encoder", "motion_encoder",
+                                                     "pose_patch_embedding")
+                else "image" if any(key in name for key in ("add_k_proj", "add_v_proj", "norm_added_k",
+                                                            "image_embedder"))
+                else "backbone")
+        counts[part] += parameter.numel()
+    assert 17.25e9 < sum(counts.values()) < 17.30e9
+    assert 14.0e9 < counts["backbone"] < 14.4e9  # Wan 2.1 T2V-14B: 14.29B
+    assert 0.85e9 < counts["animate"] < 0.9e9 and 2.0e9 < counts["image"] < 2.2e9

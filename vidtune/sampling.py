@@ -476,6 +476,8 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     if spec.sampling_inputs:  # the pipeline's own inputs (Wan Animate's pose and face): the run's first clip's
         given_pose = checked_control(control) if spec.reads_control_clip else None
         inputs = clip_sampling_inputs(spec, first_clip(run), settings, config.data.fps, control=given_pose)
+        if image is not None and inputs:  # --image is the character image, over the first clip's reference image
+            inputs = {kind: value for kind, value in inputs.items() if kind != "reference_images"} or None
         if inputs:
             print(f"Following the {' and '.join(inputs)} video{'s' if len(inputs) > 1 else ''} of the run's first "
                   "clip" + (" (the pose from --control)" if given_pose is not None else "") + ".", flush=True)

@@ -405,7 +405,7 @@ def _animate_dataset(shapes_dataset: Path, root: Path) -> tuple[dict[str, Any], 
 
 @pytest.mark.parametrize("mode", ["replace", "animate"])
 def test_replace_mode_and_later_segments_train_alike_from_the_cache_and_on_the_fly(
-        make_config, shapes_dataset, tmp_path, mode):
+        make_config, shapes_dataset, tmp_path, monkeypatch, mode):
     """Replace mode (background and mask inputs) and animate mode with later segments, each with a character image
     per clip: the cache holds what on-the-fly training encodes (same tensors, same losses); validation in replace
     mode samples from the first clip's pose, character image, background and mask."""
@@ -413,7 +413,7 @@ def test_replace_mode_and_later_segments_train_alike_from_the_cache_and_on_the_f
     from vidtune.models.wan_animate import BACKGROUND_LATENTS, KEPT_MASK, SEGMENT_CONDITION
     from vidtune.sampling import SampleSettings, clip_sampling_inputs
 
-    entry, _ = _animate_dataset(shapes_dataset, tmp_path / "data")
+    entry, images = _animate_dataset(shapes_dataset, tmp_path / "data")
     model = ({"animate_mode": "replace"} if mode == "replace"
              else {"animate_segment_conditioning": 0.5, "animate_segment_frames": 5})
     batches, losses = {}, {}
@@ -444,6 +444,20 @@ def test_replace_mode_and_later_segments_train_alike_from_the_cache_and_on_the_f
     for kind, value in sampling.items():
         read = read_input(clip, kind, window)
         assert torch.equal(value, read[0] if kind == "reference_images" else read), kind
+    if mode == "animate":  # `vidtune sample --image`: that picture is the character image, not the clip's
+        from vidtune.cli import main as cli_main
+
+        seen: list[dict[str, torch.Tensor]] = []
+        original = type(trainer.spec).call_pipeline
+
+        def recording(spec, pipeline, *args, **kwargs):
+            seen.append(kwargs.get("inputs") or {})
+            return original(spec, pipeline, *args, **kwargs)
+
+        monkeypatch.setattr(type(trainer.spec), "call_pipeline", recording)
+        assert cli_main(["sample", config.output_dir, "--prompt", CONTROL_CAPTION, "--steps", "1", "--device", "cpu",
+                         "--image", str(images[1]), "--output", str(tmp_path / "s.mp4")]) == 0
+        assert seen and "reference_images" not in seen[0] and "pose" in seen[0]
 
 
 def test_replace_mode_names_each_clip_without_a_background_before_loading(make_config, shapes_dataset, tmp_path):

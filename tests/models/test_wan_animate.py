@@ -140,8 +140,10 @@ def test_pose_clips_reach_the_model_alike_from_the_cache_and_on_the_fly(make_con
 
 
 def test_a_resumed_run_ends_bit_for_bit_like_one_left_alone(make_config, shapes_dataset, tmp_path):
+    """Half the samples drawn as later segments: the draws follow the visits, so the resumed run draws alike."""
     root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
-    settings = {"training": {"steps": 5, "learning_rate": 1e-2}, "checkpoint": {"every": 2}}
+    settings = {"training": {"steps": 5, "learning_rate": 1e-2}, "checkpoint": {"every": 2},
+                "model": {"animate_segment_conditioning": 0.5}}
     build_trainer(make_config(FAMILY, data_root=root, **settings, output_dir=str(tmp_path / "reference"))).run()
     trainer = build_trainer(make_config(FAMILY, data_root=root, **settings, output_dir=str(tmp_path / "stopped")))
     run_stopped_at(trainer, 3)

@@ -462,13 +462,19 @@ def test_replace_mode_and_later_segments_train_alike_from_the_cache_and_on_the_f
         assert seen and "reference_images" not in seen[0] and "pose" in seen[0]
 
 
-def test_replace_mode_names_each_clip_without_a_background_before_loading(make_config, shapes_dataset, tmp_path):
+def test_clips_without_what_their_mode_needs_are_named_before_loading(make_config, shapes_dataset, tmp_path):
+    """Replace mode names each clip without a background (file and line); a clip with two character images is
+    named too (the pipeline animates one)."""
     from vidtune.errors import DataError
 
-    entry, _ = _animate_dataset(shapes_dataset, tmp_path / "data")
-    entry["inputs"].pop("background")
-    config = make_config(FAMILY, model={"animate_mode": "replace"}, data={"root": None, "datasets": [entry]})
+    entry, images = _animate_dataset(shapes_dataset, tmp_path / "data")
+    replace = {**entry, "inputs": {kind: file for kind, file in entry["inputs"].items() if kind != "background"}}
+    config = make_config(FAMILY, model={"animate_mode": "replace"}, data={"root": None, "datasets": [replace]})
     with pytest.raises(DataError, match=r"videos.txt line 2.*it has no background, which this run needs"):
+        build_trainer(config).set_up()
+    (Path(entry["root"]) / "references.txt").write_text(f"{images[0].name}\n{images[0].name}|{images[1].name}\n")
+    config = make_config(FAMILY, data={"root": None, "datasets": [entry]})
+    with pytest.raises(DataError, match=r"line 2 \(.*\) has 2 reference images"):
         build_trainer(config).set_up()
 
 

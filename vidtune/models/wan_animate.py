@@ -68,7 +68,6 @@ KEPT_MASK = "replace_kept_mask"
 # visit which samples train as one ([B] float, 1: a later segment).
 SEGMENT_CONDITION = "segment_condition"
 LATER_SEGMENT = "later_segment"
-MODES = ("animate", "replace")
 
 
 class WanAnimateSpec(WanImageToVideoSpec):

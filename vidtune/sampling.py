@@ -31,8 +31,10 @@ from vidtune import outputs
 from vidtune.algorithms import traits_of
 from vidtune.config import Config, load_config
 from vidtune.control import encode_control, has_control, load_control
+from vidtune.data.input_files import InputRead, frames_tensor
+from vidtune.data.inputs import INPUT_KINDS
 from vidtune.data.sources import Clip, read_sources
-from vidtune.data.video import ClipWindow, frames_to_uint8, read_clip, write_video
+from vidtune.data.video import ClipWindow, frames_to_uint8, is_image_path, read_clip, write_video
 from vidtune.errors import ConfigError, VidtuneError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.given_frames import given_from_files
@@ -155,7 +157,17 @@ def clip_sampling_inputs(spec: ModelSpec, clip: Clip | None, settings: SampleSet
         if pose is not None:
             paths["pose"] = Path(pose)
     window = ClipWindow(settings.frames, settings.height, settings.width, fps=fps)
-    return {kind: read_clip(path, window).transpose(0, 1) for kind, path in paths.items()} or None
+    return {kind: read_sampling_input(kind, path, window) for kind, path in paths.items()} or None
+
+
+def read_sampling_input(kind: str, path: Path, window: ClipWindow) -> torch.Tensor:
+    """One input as training reads it ([3, F, H, W]): a clip with the sample's window; a still as one frame
+    ([3, 1, H, W]), cropped and resized as the clip, or for an `images` kind fitted inside keeping its aspect."""
+    if not is_image_path(path):
+        return read_clip(path, window).transpose(0, 1)
+    fit = INPUT_KINDS[kind].media == "images"
+    read = InputRead(str(path), (0,), window.height, window.width, window.resize, fit_own_aspect=fit)
+    return frames_tensor(read.frames())
 
 
 def read_image(path: Path, height: int, width: int) -> torch.Tensor:
@@ -464,6 +476,8 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     if spec.sampling_inputs:  # the pipeline's own inputs (Wan Animate's pose and face): the run's first clip's
         given_pose = checked_control(control) if spec.reads_control_clip else None
         inputs = clip_sampling_inputs(spec, first_clip(run), settings, config.data.fps, control=given_pose)
+        if image is not None and inputs:  # --image is the character image, over the first clip's reference image
+            inputs = {kind: value for kind, value in inputs.items() if kind != "reference_images"} or None
         if inputs:
             print(f"Following the {' and '.join(inputs)} video{'s' if len(inputs) > 1 else ''} of the run's first "
                   "clip" + (" (the pose from --control)" if given_pose is not None else "") + ".", flush=True)

@@ -166,6 +166,26 @@ class ModelConfig(Section):
         "on, kept clean in training and given as images when sampling: [0] is image-to-video from the first "
         "frame; more are keyframes (e.g. [0, 48]). Ignored by other families.",
     )
+    animate_mode: Literal["animate", "replace"] | None = Field(
+        None,
+        description="wan-animate: `animate` (the default) moves the reference image's character by each clip's pose "
+        "and face videos on a blank scene; `replace` puts the character into each clip's `background` input where "
+        "its `mask` input is white (WanAnimatePipeline's `mode`), so every clip then needs both (docs/models.md, "
+        "\"Wan Animate\"). Other families: unset.",
+    )
+    animate_segment_conditioning: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="wan-animate: the share of samples trained as a later segment of a long video (the clip's "
+        "first `animate_segment_frames` frames given as the previous segment's last ones, as WanAnimatePipeline "
+        "generates clips longer than `segment_frame_length`); 0: every sample is a first segment. Animate mode only.",
+    )
+    animate_segment_frames: Literal[1, 5] = Field(
+        1,
+        description="wan-animate: the frames a later segment is given from the previous one "
+        "(WanAnimatePipeline's `prev_segment_conditioning_frames`: 1, its default, or 5).",
+    )
     attention_backend: str = Field(
         "auto",
         description="Attention kernel of the denoiser, through diffusers' attention dispatcher: `native` (torch's "

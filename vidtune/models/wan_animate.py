@@ -15,7 +15,15 @@ Conventions taken from WanAnimatePipeline (one segment of `segment_frame_length`
         `control_column`); without either the model sees a black pose video, what sampling without a pose gives;
     face: the sample's `face` input at the motion encoder's size, which the transformer encodes itself (motion
         encoder, face encoder, face adapters). Without one the model sees black frames (-1), the pipeline's own
-        "no face" (its unconditional branch).
+        "no face" (its unconditional branch);
+    character image: the sample's `reference_images` input (its one image) where given, else the clip's first frame:
+        its latents go first in the condition and in the target, its CLIP tokens to the image cross-attention;
+    replace mode (`model.animate_mode: replace`, the pipeline's `mode="replace"`): the clip's part of the condition
+        is the `background` input's argmax latents under the pipeline's mask channels of what is kept (1 - the `mask`
+        input, grey levels, nearest to the latent grid, first frame repeated over the VAE's temporal ratio);
+    later segments (`model.animate_segment_conditioning`, animate mode): the clip's first `animate_segment_frames`
+        frames stand for the previous segment's last ones: encoded with black after them, mask channels one on them,
+        as the pipeline conditions every segment after the first.
 """
 
 from __future__ import annotations
@@ -33,9 +41,10 @@ from torch import nn
 from vidtune.config import Config
 from vidtune.data.inputs import input_key
 from vidtune.data.sources import Clip
-from vidtune.errors import ModelError
+from vidtune.errors import ConfigError, DataError, ModelError
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, wan_animate
+from vidtune.models.conditioning import uniform_draws
 from vidtune.models.defaults import WAN_ANIMATE
 from vidtune.models.spec import CONTROL_LATENTS, Conditions, GeneratedSample, Latents, frames_to_pil
 from vidtune.models.spec.sampling import step_callback
@@ -51,6 +60,14 @@ BLANK_POSE = "blank_pose"  # [B, C, F', H', W']: the latents of a black pose vid
 # video's latents [B, C, F', H', W'] and the face video at the motion encoder's size [B, 3, F, S, S].
 POSE_LATENTS = input_key("pose")
 FACE_PIXELS = input_key("face")
+# Replace mode: the background video's argmax latents [B, C, F', H', W'], and beside a clip's mask (its loss weights,
+# `input_mask`) the pipeline's mask channels of what the background keeps [B, 4, F', H', W'].
+BACKGROUND_LATENTS = input_key("background")
+KEPT_MASK = "replace_kept_mask"
+# Later segments: the clip's part of the condition of a segment after the first [B, 4 + C, F', H', W'], and per
+# visit which samples train as one ([B] float, 1: a later segment).
+SEGMENT_CONDITION = "segment_condition"
+LATER_SEGMENT = "later_segment"
 
 
 class WanAnimateSpec(WanImageToVideoSpec):
@@ -70,16 +87,60 @@ class WanAnimateSpec(WanImageToVideoSpec):
     control_refusal = ("its pose video already conditions the model: give each clip its pose video (a `pose` input, "
                        "or controls.txt) and train with `lora` or `full`.")
     reads_control_clip = True  # the pose video of a clip without a `pose` input: its control clip
-    sampling_inputs = ("pose", "face")
+    takes_animate_settings = True
+
+    @property
+    def mode(self) -> str:
+        """`model.animate_mode`: `animate` (the default) or `replace`."""
+        return self.config.animate_mode or "animate"
+
+    @property
+    def segment_frames(self) -> int:
+        """The frames a later segment is given from the previous one; 0 when no sample trains as a later segment."""
+        return self.config.animate_segment_frames if self.config.animate_segment_conditioning > 0 else 0
+
+    @property
+    def sampling_inputs(self) -> tuple[str, ...]:  # type: ignore[override]
+        """The inputs the pipeline call takes: pose, face and the character image; in replace mode also the
+        background and its mask."""
+        return ("pose", "face", "reference_images", *(("background", "mask") if self.mode == "replace" else ()))
+
+    def check_frame_settings(self, config: Config, clips: list[Clip]) -> None:
+        super().check_frame_settings(config, clips)
+        if self.segment_frames and self.mode == "replace":
+            raise ConfigError(
+                f"model.animate_segment_conditioning={config.model.animate_segment_conditioning} with "
+                "model.animate_mode=replace: a later segment in replace mode is conditioned on the previous segment's "
+                "frames over the background video, which vidtune does not encode together yet.\nWhat to do: set "
+                "model.animate_segment_conditioning to 0, or train animate mode.")
+        if self.segment_frames and self.segment_frames >= config.data.frames:
+            raise ConfigError(
+                f"model.animate_segment_frames={self.segment_frames}: a later segment needs frames after the "
+                f"{self.segment_frames} it is given, and data.frames is {config.data.frames}.\nWhat to do: train "
+                "longer clips, or set model.animate_segment_conditioning to 0.")
 
     def check_clip_inputs(self, clips: list[Clip]) -> None:
-        """Nothing is required beside a clip: its pose is its `pose` input, else its control clip, else a black
-        pose video (what the pipeline samples from without one)."""
+        """Before anything loads: a clip's character image is one image (the pipeline takes one). Its pose is its
+        `pose` input, else its control clip, else a black pose video (what the pipeline samples from without one);
+        replace mode's `background` and `mask` are required inputs, checked with the data."""
+        several = [clip for clip in clips if len(clip.inputs.get("reference_images", ())) > 1]
+        if several:
+            raise DataError(
+                [f"{clip.where} ({clip.video.name}) has {len(clip.inputs['reference_images'])} reference images."
+                 for clip in several],
+                hint=f"{self.name} animates one character image per clip (WanAnimatePipeline's `image`): give each "
+                "clip one reference image.")
+
+    def required_inputs(self, config: Config) -> tuple[str, ...]:
+        """Replace mode reads each clip's background video and its mask (white: where the character goes)."""
+        replace = ("background", "mask") if (config.model.animate_mode or "animate") == "replace" else ()
+        return tuple(dict.fromkeys((*super().required_inputs(config), *replace)))
 
     # ----- encoding --------------------------------------------------------------------------------------------
     def latent_identity(self) -> dict[str, Any]:
         # The condition layout and the blank inputs are constants of this module: their version keys the cache.
-        return {**super().latent_identity(), "animate_conditions": 1}
+        identity = {**super().latent_identity(), "animate_conditions": 1}
+        return {**identity, "segment_frames": self.segment_frames} if self.segment_frames else identity
 
     @functools.cached_property
     def _processors(self) -> tuple[WanAnimateImageProcessor, VideoProcessor]:
@@ -95,13 +156,43 @@ class WanAnimateSpec(WanImageToVideoSpec):
         return int(self.load_config(self.denoiser_class, "transformer").get("motion_encoder_size", 512))
 
     @torch.no_grad()
-    def reference_pixels(self, first_frames: torch.Tensor) -> torch.Tensor:
-        """Each reference image [B, 3, H, W] in [-1, 1] as the pipeline prepares the picture it is given (RGB
-        bytes, then its processor's fill resize to the clip's size), as [B, 3, 1, H, W]."""
+    def reference_pixels(self, first_frames: torch.Tensor, height: int | None = None,
+                         width: int | None = None) -> torch.Tensor:
+        """Each reference image [B, 3, h, w] in [-1, 1] as the pipeline prepares the picture it is given (RGB
+        bytes, then its processor's fill resize to the clip's size, by default the image's own), as
+        [B, 3, 1, H, W]."""
         processor, _ = self._processors
-        height, width = first_frames.shape[-2:]
+        height, width = (height, width) if height and width else first_frames.shape[-2:]
         pixels = processor.preprocess(frames_to_pil(first_frames), height=height, width=width, resize_mode="fill")
         return pixels.unsqueeze(2)
+
+    @torch.no_grad()
+    def kept_mask(self, masks: torch.Tensor, frames: int, latent_grid: tuple[int, int]) -> torch.Tensor:
+        """Replace mode's mask channels from mask videos [B, 3, F, H, W] in [-1, 1] (F 1: a still for every frame),
+        as the pipeline makes them from `mask_video`: its grey levels in [0, 1] (the pipeline's mask processor on the
+        frames' pictures), 1 - that (what the background keeps), nearest to the latent grid, the first frame
+        repeated over the VAE's temporal ratio, then four frames a latent frame: [B, 4, F', H', W']."""
+        spatial, temporal, _ = self.compression
+        processor = VideoProcessor(vae_scale_factor=spatial, do_normalize=False, do_convert_grayscale=True)
+        height, width = masks.shape[-2:]
+        grey = torch.cat([processor.preprocess_video(frames_to_pil(mask.transpose(0, 1)), height=height, width=width)
+                          for mask in masks])
+        kept = (1 - grey).expand(-1, -1, frames, -1, -1) if grey.shape[2] == 1 else 1 - grey
+        batch = kept.shape[0]
+        kept = nn.functional.interpolate(kept.transpose(1, 2).flatten(0, 1), size=latent_grid, mode="nearest")
+        kept = kept.unflatten(0, (batch, -1)).transpose(1, 2)  # [B, 1, F, H', W']
+        kept = torch.cat([kept[:, :, :1].repeat_interleave(temporal, dim=2), kept[:, :, 1:]], dim=2)
+        return kept.view(batch, -1, temporal, *latent_grid).transpose(1, 2).contiguous()
+
+    def segment_mask(self, batch: int, frames: int, given: int, latent_grid: tuple[int, int],
+                     like: torch.Tensor) -> torch.Tensor:
+        """The mask channels of a segment whose first `given` frames are known (0: the first segment of animate
+        mode): [B, 4, F', H', W'], as the pipeline's `get_i2v_mask`."""
+        _, temporal, _ = self.compression
+        known = like.new_zeros(batch, 1, frames, *latent_grid)
+        known[:, :, :given] = 1
+        known = torch.cat([known[:, :, :1].repeat_interleave(temporal, dim=2), known[:, :, 1:]], dim=2)
+        return known.view(batch, -1, temporal, *latent_grid).transpose(1, 2).contiguous()
 
     @torch.no_grad()
     def face_pixels(self, faces: torch.Tensor) -> torch.Tensor:
@@ -131,7 +222,7 @@ class WanAnimateSpec(WanImageToVideoSpec):
         condition = torch.cat([torch.cat([ones, reference_latents], dim=1),
                                torch.cat([zeros, grey.expand(batch, -1, -1, -1, -1)], dim=1)], dim=2)
         dtype = clip["latents_mean"].dtype
-        return {
+        latents = {
             "latents_mean": torch.cat([reference_latents.to(dtype), clip["latents_mean"]], dim=2),
             # The reference is encoded by its mode: no spread there.
             "latents_std": torch.cat([torch.zeros_like(reference_latents, dtype=dtype), clip["latents_std"]], dim=2),
@@ -139,6 +230,14 @@ class WanAnimateSpec(WanImageToVideoSpec):
             IMAGE_EMBEDS: self.encode_image(vae, videos[:, 0]).to(dtype),
             BLANK_POSE: black.expand(batch, -1, -1, -1, -1).to(dtype).contiguous(),
         }
+        if self.segment_frames:  # a later segment: the clip's first frames, then black (pixel 0), as the pipeline
+            given = self.segment_frames
+            pixels = videos.transpose(1, 2).clone()
+            pixels[:, :, given:] = 0
+            known = self._vae_latents(vae.vae, pixels)
+            mask = self.segment_mask(batch, frames, given, tuple(known.shape[-2:]), known)
+            latents[SEGMENT_CONDITION] = torch.cat([mask, known], dim=1).to(dtype)
+        return latents
 
     # ----- per-clip inputs: pose and face videos, masks ----------------------------------------------------------
     def mask_to_latent_grid(self, mask: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
@@ -149,29 +248,65 @@ class WanAnimateSpec(WanImageToVideoSpec):
         return torch.cat([weights[:, :, :1], weights], dim=2)
 
     def optional_inputs(self, config: Config) -> tuple[str, ...]:
-        return (*super().optional_inputs(config), "pose", "face")
+        return (*super().optional_inputs(config), "pose", "face", "reference_images")
 
     def input_identity(self, kind: str) -> dict[str, Any]:
-        # The pose is encoded as the pipeline encodes `pose_video` (argmax), the face kept as the motion encoder's
-        # pixels: not the layer's default encoding, so their own identity.
+        # The pose and background are encoded as the pipeline encodes its videos (argmax), the face kept as the
+        # motion encoder's pixels, the character image as the pipeline's `image`, a mask also as replace mode's
+        # channels: not the layer's default encoding, so their own identity.
         identity = super().input_identity(kind)
         if kind == "face":
             return {**identity, "encoding": "motion encoder pixels", "size": self.motion_size()}
-        return {**identity, "encoding": "argmax latents"} if kind == "pose" else identity
+        own = {"pose": "argmax latents", "background": "argmax latents", "reference_images": "character image 1",
+               "mask": f"loss weights and {self.mode} mask channels"}
+        return {**identity, "encoding": own[kind]} if kind in own else identity
 
     def encode_inputs(self, vae: nn.Module | None, inputs: dict[str, Any], latents: Latents) -> dict[str, torch.Tensor]:
-        """The pose video's normalised argmax latents (the pipeline's `prepare_pose_latents`) and the face video at
-        the motion encoder's size (the pipeline's face preprocessing); other kinds as every family's."""
+        """The pose and background videos' normalised argmax latents (the pipeline's `prepare_pose_latents`,
+        `prepare_prev_segment_cond_latents`), the face video at the motion encoder's size (the pipeline's face
+        preprocessing), in replace mode a mask's channels beside its loss weights, and the character image in place
+        of the clip's first frame (`character_latents`); other kinds as every family's."""
         inputs = dict(inputs)
         encoded: dict[str, torch.Tensor] = {}
+        frames = (latents["latents_mean"].shape[2] - 2) * self.compression[1] + 1  # the clip's, after the reference
+        grid = tuple(int(size) for size in latents["latents_mean"].shape[-2:])
         if "face" in inputs:
             encoded[FACE_PIXELS] = self.face_pixels(inputs.pop("face")).float().cpu()
-        if "pose" in inputs:
-            if vae is None:
-                raise ValueError("encode_inputs: the pose input is VAE-encoded; pass the VAE")
-            pose = self._vae_latents(getattr(vae, "vae", vae), inputs.pop("pose"))
-            encoded[POSE_LATENTS] = pose.detach().float().cpu()
+        if "mask" in inputs and self.mode == "replace":
+            encoded[KEPT_MASK] = self.kept_mask(inputs["mask"], frames, grid).float().cpu()
+        for kind, key in (("pose", POSE_LATENTS), ("background", BACKGROUND_LATENTS)):
+            if kind in inputs:
+                if vae is None:
+                    raise ValueError(f"encode_inputs: the {kind} input is VAE-encoded; pass the VAE")
+                pixels = inputs.pop(kind)
+                pixels = pixels.expand(-1, -1, frames, -1, -1) if pixels.shape[2] == 1 else pixels  # a still
+                encoded[key] = self._vae_latents(getattr(vae, "vae", vae), pixels).detach().float().cpu()
+        if "reference_images" in inputs:
+            if not isinstance(vae, WanImageEncoders):
+                raise ValueError("encode_inputs: the character image is encoded with the VAE and the CLIP image "
+                                 "encoder; pass what load_vae returns")
+            images = torch.stack([sample[0][:, 0] for sample in inputs.pop("reference_images")])
+            encoded.update(self.character_latents(vae, images, latents))
         return {**super().encode_inputs(vae, inputs, latents), **encoded}
+
+    @torch.no_grad()
+    def character_latents(self, vae: WanImageEncoders, images: torch.Tensor, latents: Latents
+                          ) -> dict[str, torch.Tensor]:
+        """Clip latents whose reference position is the character image's: images [B, 3, h, w] in [-1, 1]
+        prepared as the pipeline prepares its `image` (fill to the clip's size), their argmax latents in the target
+        and the condition's reference position, their CLIP tokens for the image cross-attention."""
+        spatial = self.compression[0]
+        height, width = (int(size) * spatial for size in latents["latents_mean"].shape[-2:])
+        reference = self._vae_latents(vae.vae, self.reference_pixels(images, height, width)).float().cpu()
+        mean, std, condition = (latents[key].float().cpu() for key in ("latents_mean", "latents_std",
+                                                                        REFERENCE_CONDITION))
+        return {
+            "latents_mean": torch.cat([reference, mean[:, :, 1:]], dim=2),
+            "latents_std": torch.cat([torch.zeros_like(reference), std[:, :, 1:]], dim=2),
+            REFERENCE_CONDITION: torch.cat([torch.cat([condition[:, :4, :1], reference], dim=1), condition[:, :, 1:]],
+                                           dim=2),
+            IMAGE_EMBEDS: self.encode_image(vae, images).float().cpu(),
+        }
 
     # ----- denoising -------------------------------------------------------------------------------------------
     def pose_latents(self, conditions: Conditions) -> torch.Tensor:
@@ -189,12 +324,35 @@ class WanAnimateSpec(WanImageToVideoSpec):
         size = self.motion_size()
         return like.new_full((batch, 3, (latent_frames - 1) * temporal + 1, size, size), -1.0)
 
+    def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
+        """Which samples train as a later segment (`model.animate_segment_conditioning`), drawn per visit."""
+        conditions = super().visit_conditions(x0, positions, seed)
+        if not self.segment_frames:
+            return conditions
+        share = self.config.animate_segment_conditioning
+        later = torch.tensor([u < share for u in uniform_draws(positions, seed)], dtype=torch.float32)
+        return {**conditions, LATER_SEGMENT: later.to(x0.device)}
+
+    def condition(self, conditions: Conditions) -> torch.Tensor:
+        """What is concatenated to the noisy latents: the reference image's position, then the clip's part: the
+        background's in replace mode, else the first segment's of animate mode, or a later segment's where drawn."""
+        reference = conditions[REFERENCE_CONDITION]
+        segment = reference[:, :, 1:]
+        if BACKGROUND_LATENTS in conditions:
+            if KEPT_MASK not in conditions:
+                raise ValueError("replace mode: a sample has a background input but no mask input")
+            segment = torch.cat([conditions[KEPT_MASK].to(segment), conditions[BACKGROUND_LATENTS].to(segment)], dim=1)
+        if LATER_SEGMENT in conditions:
+            later = conditions[LATER_SEGMENT].to(segment).view(-1, 1, 1, 1, 1)
+            segment = later * conditions[SEGMENT_CONDITION].to(segment) + (1 - later) * segment
+        return torch.cat([reference[:, :, :1], segment], dim=2)
+
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
         dtype = noisy_latents.dtype
         batch, _, frames = noisy_latents.shape[:3]
-        hidden_states = torch.cat([noisy_latents, conditions[REFERENCE_CONDITION].to(dtype)], dim=1)
+        hidden_states = torch.cat([noisy_latents, self.condition(conditions).to(dtype)], dim=1)
         faces = conditions.get(FACE_PIXELS)
         return denoiser(
             hidden_states=hidden_states,
@@ -212,18 +370,32 @@ class WanAnimateSpec(WanImageToVideoSpec):
                       num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
                       reference: torch.Tensor | None = None, callback: Any = None,
                       inputs: dict[str, torch.Tensor] | None = None) -> Any:
-        """One segment of `frames` frames in animate mode: the reference clip's first frame as the character image,
-        the pose and face videos from `inputs` (black frames where missing, as training without them)."""
+        """One segment of `frames` frames in the run's mode: the `reference_images` input as the character image,
+        else the reference clip's first frame; the pose and face videos from `inputs` (black frames where missing,
+        as training without them); in replace mode the background and mask videos from `inputs`."""
         inputs = inputs or {}
         size = self.motion_size()
         pose = self.input_frames(inputs.get("pose"), frames, "pose", torch.full((frames, 3, height, width), -1.0))
         face = self.input_frames(inputs.get("face"), frames, "face", torch.full((frames, 3, size, size), -1.0))
+        replace: dict[str, Any] = {}
+        if self.mode == "replace":
+            missing = [kind for kind in ("background", "mask") if inputs.get(kind) is None]
+            if missing:
+                raise ModelError(f"Wan Animate in replace mode samples into a background video under a mask; the "
+                                 f"sample has no {' and no '.join(missing)} video.\nWhat to do: give the first clip "
+                                 "its `background` and `mask` inputs (docs/algorithms.md, \"Wan Animate\").")
+            replace = {f"{kind}_video": frames_to_pil(self.input_frames(inputs[kind], frames, kind, inputs[kind]))
+                       for kind in ("background", "mask")}
+        character = inputs.get("reference_images")
+        image = (frames_to_pil(character[:, 0][None])[0] if character is not None
+                 else self.first_frame_image(reference))
         return pipeline(
             **self.prompt_inputs(pipeline, prompt, guidance_scale),
-            image=self.first_frame_image(reference),
+            image=image,
             pose_video=frames_to_pil(pose),
             face_video=frames_to_pil(face),
-            mode="animate",
+            mode=self.mode,
+            **replace,
             segment_frame_length=frames,
             height=height,
             width=width,
@@ -242,9 +414,12 @@ class WanAnimateSpec(WanImageToVideoSpec):
 
     @staticmethod
     def input_frames(video: torch.Tensor | None, frames: int, kind: str, blank: torch.Tensor) -> torch.Tensor:
-        """An input video [3, F, H, W] as the frames [F, 3, H, W] the pipeline is given (`blank` without one)."""
+        """An input video [3, F, H, W] as the frames [F, 3, H, W] the pipeline is given (`blank` without one; a
+        still, [3, 1, H, W], for every frame)."""
         if video is None:
             return blank
+        if video.ndim == 4 and video.shape[1] == 1:
+            video = video.expand(-1, frames, -1, -1)
         if video.ndim != 4 or video.shape[0] != 3 or video.shape[1] < frames:
             raise ModelError(f"Wan Animate: the {kind} video has shape {tuple(video.shape)}; it needs [3, F, H, W] "
                              f"with at least {frames} frames (the sample's).\nWhat to do: give a {kind} clip as long "

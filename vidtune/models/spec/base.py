@@ -68,6 +68,8 @@ class SpecBase(ABC):
     # Conditioning modes beside first-frame conditioning that the family trains and samples (`model.conditioning`;
     # vidtune/models/conditioning.py); any other is refused before loading, saying `conditioning_refusal`.
     conditioning_modes: ClassVar[tuple[str, ...]] = ()
+    # The family reads `model.animate_*` (Wan Animate's mode and segments); any other refuses them before loading.
+    takes_animate_settings: ClassVar[bool] = False
     conditioning_refusal: ClassVar[str] = "its pipeline takes a text prompt, or a first image, only"
     # diffusers / transformers classes of the components, used by the default loaders, and the family's pipeline
     # (its `save_lora_weights` writes the LoRA format the family's tools read).

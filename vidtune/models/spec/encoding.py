@@ -207,6 +207,13 @@ class Encoding(SpecBase):
                 f"model.first_frame_conditioning={config.model.first_frame_conditioning}: {self.name} takes no "
                 "first-frame conditioning (the LTX families do).\nWhat to do: remove model.first_frame_conditioning."
             )
+        animate = {key: value for key, value in (("animate_mode", config.model.animate_mode),
+                                                   ("animate_segment_conditioning",
+                                                    config.model.animate_segment_conditioning or None)) if value}
+        if animate and not self.takes_animate_settings:
+            raise ConfigError(f"{', '.join(f'model.{key}={value}' for key, value in animate.items())}: {self.name} "
+                              "has no animate mode nor segments (wan-animate has).\nWhat to do: remove "
+                              f"{' and '.join(f'model.{key}' for key in animate)}.")
         self.check_conditioning_modes(config.model.conditioning)
         if self.audio_format() is None or config.training.batch_size == 1:
             return

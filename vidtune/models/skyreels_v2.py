@@ -73,8 +73,6 @@ class SkyReelsV2ImageToVideoSpec(WanImageToVideoSpec, SkyReelsV2Spec):
     """SkyReels V2 image-to-video: Wan 2.1 image-to-video's conditioning with SkyReels V2's transformer."""
 
     name = "skyreels-v2-i2v"
-    conditioning_refusal = ("SkyReelsV2ImageToVideoPipeline takes a first image, and a last one (`last_image`), "
-                            "whose image condition vidtune does not build yet; no clip to extend, no mask.")
     pipeline_class = SkyReelsV2ImageToVideoPipeline
     validation_guidance_scale = 5.0  # the README's and SkyReelsV2ImageToVideoPipeline's default
     image_encoder_classes: ClassVar[tuple[type, ...]] = (CLIPVisionModelWithProjection, CLIPVisionModel)

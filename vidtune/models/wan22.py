@@ -34,10 +34,12 @@ from vidtune import parallel
 from vidtune.algorithms import traits_of
 from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
+from vidtune.models.conditioning import MODE, Given, ModeName
 from vidtune.models.defaults import WAN_22
 from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
 from vidtune.models.wan import WanImageConditioning, WanSpec
+from vidtune.models.wan_modes import FIRST_LAST_CONDITION
 from vidtune.objectives import Objective
 from vidtune.outputs import LORA_WEIGHTS
 
@@ -343,11 +345,20 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
 
     name = "wan2.2-i2v"
     image_to_video = True
-    conditioning_refusal = ("WanImageToVideoPipeline gives Wan 2.2 a first image only (TI2V-5B in place of the "
-                            "first latent frame, A14B I2V as image-condition channels); no clip to extend, no "
-                            "last frame, no mask.")
     pipeline_class = WanImageToVideoPipeline
     published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 3.5}
+
+    def wan_modes(self) -> tuple[ModeName, ...]:
+        """A14B: extension, first-last (the pipeline's `last_image`: no CLIP tokens to give it) and inpainting, all
+        through its image condition; TI2V-5B: none (`conditioning_refusal`)."""
+        return () if self.expand_timesteps else ("extension", "first_last", "inpaint")
+
+    @property
+    def conditioning_refusal(self) -> str:  # type: ignore[override]
+        if self.expand_timesteps:
+            return ("WanImageToVideoPipeline gives TI2V-5B (`expand_timesteps`) its first image in place of the first "
+                    "latent frame and ignores `last_image`; it takes no clip to extend and no mask")
+        return "WanImageToVideoPipeline always takes a first image, so no last frame alone"
 
     def latent_identity(self) -> dict[str, Any]:
         # TI2V keeps the image's own latent; A14B builds Wan 2.1's mask + first-frame condition.
@@ -363,6 +374,9 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
             latents["first_frame_latents"] = self.normalise(vae, vae.encode(pixels).latent_dist.mode())
         else:
             latents["image_condition"] = self.image_condition(vae, first_frames, videos.shape[1])
+            if self.takes_first_last:  # the pipeline's `last_image` condition, for the samples drawing first-last
+                latents[FIRST_LAST_CONDITION] = self.image_condition(vae, first_frames, videos.shape[1],
+                                                                     videos[:, -1])
         return latents
 
     def with_first_frame(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
@@ -383,6 +397,7 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
             hidden_states = self.with_first_frame(conditions, noisy_latents)
             timesteps = self.token_timesteps(denoiser, timesteps, noisy_latents, clean_first_frame=True)
         else:
+            conditions = self.mode_conditions(conditions)
             hidden_states = torch.cat([noisy_latents, conditions["image_condition"].to(dtype)], dim=1)
         return denoiser(
             hidden_states=hidden_states,
@@ -393,25 +408,28 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
 
     def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """TI2V: the first frame is the image, not a prediction (the pipeline discards it): left out of the loss
-        (a still, one latent frame, trains unconditioned: all of it counts)."""
+        (a still, one latent frame, trains unconditioned: all of it counts). A14B's modes: `WanConditioningModes`."""
+        if MODE in conditions:
+            return super().per_clip_error(error, conditions)
         if self.expand_timesteps and error.shape[2] > 1:
             error = error[:, :, 1:]
         return error.flatten(1).mean(dim=1)
 
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
-        return WanImageToVideoPipeline(tokenizer=text["tokenizer"], text_encoder=text["text_encoder"], vae=vae,
+        return self.region_pipeline_class()(tokenizer=text["tokenizer"], text_encoder=text["text_encoder"], vae=vae,
                                        scheduler=self.load_scheduler(), image_processor=None, image_encoder=None,
                                        **self.pipeline_experts(denoiser))
 
     def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                       num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None,
+                      given: Given | None = None) -> Any:
         """TI2V: the pipeline puts the image's latent into the first frame only after its loop, so a step callback
         is shown the latents with that frame already in place (what the pipeline returns after the last step);
         the pipeline's own latents are left as they are."""
         if callback is None or not self.expand_timesteps:
             return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
-                                         guidance_scale, generator, output_type, reference, callback)
+                                         guidance_scale, generator, output_type, reference, callback, given)
         first = self.pipeline_first_frame(pipeline, reference, frames, height, width)
 
         def with_image(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:

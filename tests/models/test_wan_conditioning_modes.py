@@ -152,3 +152,7 @@ def test_a_clip_to_extend_that_does_not_fill_latent_frames_is_named(tiny_model_d
     spec = modes_spec("wan-i2v", tiny_model_dir("wan-i2v"), extension=0.5)
     with pytest.raises(ModelError, match="a clip to extend has k x 4 \\+ 1 frames"):
         spec.given_inputs(Given("extension", frames=clip[:4]), FRAMES, HEIGHT, WIDTH)
+    untrained = modes_spec("wan-i2v", tiny_model_dir("wan-i2v"), extension=0.5)  # inpainting not trained
+    with pytest.raises(ModelError, match=r"--inpaint samples through the image condition a run learns with "
+                                         r"model.conditioning.inpaint .* trained without it"):
+        untrained.check_given(Given("inpaint", frames=clip))

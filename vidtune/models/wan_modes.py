@@ -244,10 +244,24 @@ class WanConditioningModes:
         return super().per_clip_error(squared_error, conditions)
 
     # ----- sampling ------------------------------------------------------------------------------------------------
+    @property
+    def trains_region(self) -> bool:
+        """The run trains extension or inpainting (which the base model never saw: only such a run samples them)."""
+        return self.modes_on and any(mode in self.config.conditioning.enabled for mode in REGION_MODES)
+
     def region_pipeline_class(self) -> type:
-        """The family's pipeline, or its region subclass where the checkpoint takes extension and inpainting."""
-        return REGION_PIPELINES.get(self.pipeline_class, self.pipeline_class) if self.wan_modes() \
+        """The family's pipeline; its region subclass for a run that trains extension or inpainting."""
+        return REGION_PIPELINES.get(self.pipeline_class, self.pipeline_class) if self.trains_region \
             else self.pipeline_class
+
+    def check_given(self, given: Given) -> None:
+        super().check_given(given)
+        if given.mode in REGION_MODES and given.mode not in self.config.conditioning.enabled:
+            flag = "--extend" if given.mode == "extension" else "--inpaint"
+            raise ModelError(f"{self.name}: {flag} samples through the image condition a run learns with "
+                             f"model.conditioning.{given.mode} (the base model never saw it), and this run trained "
+                             f"without it.\nWhat to do: sample a run trained with model.conditioning.{given.mode}, "
+                             "or sample from a first frame (--image).")
 
     def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
         """The pipeline's inputs of a mode: the first image (and `last_image`, first-last); the clip to extend or

@@ -144,7 +144,7 @@ def test_a_mode_the_checkpoint_cannot_take_is_refused_before_loading(tiny_model_
 
 
 def test_a_clip_to_extend_that_does_not_fill_latent_frames_is_named(tiny_model_dir, a14b_dir, clip):
-    with pytest.raises(ConfigError, match=r"extension_frames=6: .*\(k x 4 \+ 1 frames\); use 5 or 9"):
+    with pytest.raises(ConfigError, match=r"extension_frames=6: .* takes a clip of k x 4 \+ 1 frames; use 5 or 9"):
         modes_spec("wan-i2v", tiny_model_dir("wan-i2v"), extension=0.5, extension_frames=6).check_video_shape(
             FRAMES, HEIGHT, WIDTH)
     with pytest.raises(ConfigError, match="nothing is left to learn"):
@@ -156,3 +156,37 @@ def test_a_clip_to_extend_that_does_not_fill_latent_frames_is_named(tiny_model_d
     with pytest.raises(ModelError, match=r"--inpaint samples through the image condition a run learns with "
                                          r"model.conditioning.inpaint .* trained without it"):
         untrained.check_given(Given("inpaint", frames=clip))
+
+
+def test_diffusion_forcing_extension_is_the_video_to_video_pipelines_prefix(tiny_model_dir, clip):
+    """skyreels-v2-df: the given frames' latents in place of the first latent frames at timestep 0, as
+    SkyReelsV2DiffusionForcingVideoToVideoPipeline gives its prefix; out of the loss; the sample is the window,
+    the given frames first."""
+    spec = modes_spec("skyreels-v2-df", tiny_model_dir("skyreels-v2-df"), extension=0.5)
+    spec.check_conditioning_modes(spec.config.conditioning)
+    spec.check_video_shape(FRAMES, HEIGHT, WIDTH)
+    text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
+    seen: list[dict] = []
+    denoiser.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    pipeline = spec.pipeline(text, vae, denoiser)
+    pipeline.set_progress_bar_config(disable=True)
+    sampled = spec.sample(pipeline, CAPTION, frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=2,
+                          generator=torch.Generator().manual_seed(0), given=given_of("extension", clip),
+                          output="latents")
+    video = spec.sample(pipeline, CAPTION, frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=2,
+                        generator=torch.Generator().manual_seed(0), given=given_of("extension", clip))
+    assert video.frames is not None and video.frames.shape[0] == FRAMES  # the window, not the given clip before it
+    from_pipeline = seen[0]
+    assert from_pipeline["timestep"].tolist()[0][:2] == [0, 0] and float(from_pipeline["timestep"][0, 2]) > 900
+    conditions = mode_conditions(spec, text, vae, clip, "extension")
+    with torch.no_grad():
+        spec.forward(denoiser, conditions, from_pipeline["hidden_states"], from_pipeline["timestep"][:, 2].float())
+    from_training = seen[-1]
+    torch.testing.assert_close(from_training["hidden_states"], from_pipeline["hidden_states"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(from_training["timestep"].float(), from_pipeline["timestep"].float())
+    given = spec.given_region(conditions, conditions[conditioning.LATENTS].shape)
+    assert float(given[:, :, :2].min()) == 1 and float(given[:, :, 2:].max()) == 0
+    torch.testing.assert_close(sampled.latents[:, :, :2], conditions[conditioning.LATENTS][:, :, :2], atol=1e-4,
+                               rtol=1e-4)
+    error = 100.0 * given.expand_as(sampled.latents).clone() + (1 - given)
+    assert float(spec.per_clip_error(error, conditions)) == pytest.approx(1.0)

@@ -1,7 +1,7 @@
-"""Conditioning modes of the Wan image-to-video families in whole runs (wan-i2v; Wan 2.2 I2V-A14B with first-last
-too): the same losses from the cache and on the fly, step 0 the base model's loss, a stopped run resumed bit for bit,
-validation and `vidtune sample` sampling in the mode through the family's pipeline, and (slow) an overfit of two
-clips with one caption where each mode's sample brings back the clip it is given."""
+"""Conditioning modes of the Wan families in whole runs (wan-i2v; Wan 2.2 I2V-A14B with first-last too;
+skyreels-v2-df's extension): the same losses from the cache and on the fly, step 0 the base model's loss, a stopped
+run resumed bit for bit, validation and `vidtune sample` sampling in the mode through the family's pipeline, and
+(slow) an overfit of two clips with one caption where each mode's sample brings back the clip it is given."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ CAPTION = "a shape moving"
 CPU = torch.device("cpu")
 # Each family's modes: every one drawn in a run of a few steps (a sample drawing none is plain image-to-video).
 MODES = {"wan-i2v": {"extension": 0.4, "inpaint": 0.4, "extension_frames": 5},
-         "wan2.2-i2v": {"extension": 0.3, "first_last": 0.3, "inpaint": 0.3, "extension_frames": 5}}
+         "wan2.2-i2v": {"extension": 0.3, "first_last": 0.3, "inpaint": 0.3, "extension_frames": 5},
+         "skyreels-v2-df": {"extension": 0.6, "extension_frames": 5}}
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +58,12 @@ def drawn_modes(trainer) -> list[float]:
     return seen
 
 
-@pytest.mark.parametrize("family", ["wan-i2v", "wan2.2-i2v"])
+@pytest.mark.parametrize("family", list(MODES))
 def test_the_same_losses_from_the_cache_and_on_the_fly(make_config, a14b_dir, tmp_path, family):
     losses, modes = [], []
     for enabled in (False, True):
         trainer = build_trainer(modes_config(make_config, a14b_dir, tmp_path, family, f"run-{enabled}",
-                                             training={"steps": 4, "batch_size": 1},
+                                             training={"steps": 3, "batch_size": 1},
                                              precompute={"enabled": enabled, "batch_size": 1,
                                                          "cache_dir": str(tmp_path / "cache")}))
         modes.append(drawn_modes(trainer))
@@ -71,7 +72,7 @@ def test_the_same_losses_from_the_cache_and_on_the_fly(make_config, a14b_dir, tm
     assert modes[0] == modes[1] and len(set(modes[0])) >= 2, modes[0]
 
 
-@pytest.mark.parametrize("family", ["wan-i2v", "wan2.2-i2v"])
+@pytest.mark.parametrize("family", list(MODES))
 def test_step_0_is_the_base_models_loss(make_config, a14b_dir, tmp_path, family):
     """The adapter starts as the base model: under the same drawn modes (two clips a batch, mixed modes), the first
     batch's loss with it equals the base model's exactly."""

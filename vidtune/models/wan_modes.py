@@ -167,19 +167,10 @@ class WanConditioningModes:
 
     def mode_problems(self, frames: int) -> list[str]:
         """What keeps `model.conditioning`'s modes from clips of `frames` frames."""
-        modes = self.config.conditioning
-        if not self.modes_on or modes.extension <= 0:
+        if not self.modes_on:
             return []
-        temporal, problems = self.temporal_ratio, []
-        if (modes.extension_frames - 1) % temporal:
-            problems.append(f"model.conditioning.extension_frames={modes.extension_frames}: the given frames fill "
-                            f"whole latent frames of {self.name} (k x {temporal} + 1 frames); use "
-                            f"{(modes.extension_frames - 1) // temporal * temporal + 1} or "
-                            f"{-(-(modes.extension_frames - 1) // temporal) * temporal + 1}")
-        if frames > 1 and modes.extension_frames >= frames:
-            problems.append(f"model.conditioning.extension_frames={modes.extension_frames} gives all {frames} frames "
-                            "of a clip (data.frames): nothing is left to learn; give fewer frames")
-        return problems
+        return conditioning.extension_problems(self.config.conditioning, self.temporal_ratio, frames,
+                                               f"{self.name}'s image condition (whole latent frames)")
 
     def optional_inputs(self, config: Config) -> tuple[str, ...]:
         """Inpainting keeps what each clip's `mask` input leaves black, where the data gives one; clips without one
@@ -195,13 +186,7 @@ class WanConditioningModes:
         """Each sample's mode (vidtune/models/conditioning.py); a sample drawing none is plain image-to-video."""
         if not self.modes_on:
             return super().visit_conditions(x0, positions, seed)
-        frames = x0.shape[2]
-        allowed = {mode: frames > 1 for mode in conditioning.MODES}
-        allowed["extension"] = self.extension_latent_frames < frames
-        allowed["inpaint"] = True
-        mode_shares = conditioning.shares(self.config.conditioning, 0.0)
-        codes = conditioning.draw_modes(mode_shares, positions, seed, allowed)
-        return {conditioning.MODE: codes.to(x0.device), conditioning.LATENTS: x0}
+        return conditioning.draw_visit(self.config.conditioning, x0, positions, seed, self.extension_latent_frames)
 
     def given_region(self, conditions: Conditions, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """[B, 1, F, H, W]: what each sample's extension or inpainting keeps (1.0); nothing for the other modes,

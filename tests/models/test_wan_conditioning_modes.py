@@ -131,7 +131,7 @@ def test_the_kept_region_is_out_of_the_loss_and_in_the_condition(tiny_model_dir,
 @pytest.mark.parametrize(("family", "modes", "refused", "why"), [
     ("wan-i2v", {"first_last": 0.2, "inpaint": 0.3}, "first-last", "only the FLF2V transformer reads"),
     ("skyreels-v2-i2v", {"last_frame": 0.2}, "last-frame", "always takes a first image"),
-    ("wan2.2-i2v", {"extension": 0.2}, "extension", "TI2V-5B (`expand_timesteps`)"),
+    ("wan2.2-i2v", {"first_last": 0.2}, "first-last", "TI2V-5B (`expand_timesteps`)"),
 ])
 def test_a_mode_the_checkpoint_cannot_take_is_refused_before_loading(tiny_model_dir, family, modes, refused, why):
     spec = modes_spec(family, tiny_model_dir(family), **modes)  # the tiny wan2.2-i2v is a TI2V-5B
@@ -189,4 +189,40 @@ def test_diffusion_forcing_extension_is_the_video_to_video_pipelines_prefix(tiny
     torch.testing.assert_close(sampled.latents[:, :, :2], conditions[conditioning.LATENTS][:, :, :2], atol=1e-4,
                                rtol=1e-4)
     error = 100.0 * given.expand_as(sampled.latents).clone() + (1 - given)
+    assert float(spec.per_clip_error(error, conditions)) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("mode", ["extension", "inpaint"])
+def test_ti2v_is_given_the_kept_region_in_place_as_its_pipeline_gives_it(tiny_model_dir, shapes_dataset, mode):
+    """Wan 2.2 TI2V-5B (`expand_timesteps`): the kept latents in place and their tokens at timestep 0, as
+    WanImageToVideoPipeline gives its first image (the region pipeline's `first_frame_mask`); out of the loss and
+    back in place after the last step. The right half is kept (whole tokens of 2 x 2 latent cells)."""
+    spec = modes_spec("wan2.2-i2v", tiny_model_dir("wan2.2-i2v"), **{mode: 0.5},
+                      mask_rectangle=(0.0, 0.0, 0.5, 1.0))
+    spec.check_conditioning_modes(spec.config.conditioning)
+    frames, height, width = FRAMES, 64, 64
+    spec.check_video_shape(frames, height, width)
+    clip = read_clip(pair_samples(shapes_dataset)[0].video, ClipWindow(frames, height, width))
+    text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
+    seen: list[dict] = []
+    denoiser.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    pipeline = spec.pipeline(text, vae, denoiser)
+    pipeline.set_progress_bar_config(disable=True)
+    sampled = spec.sample(pipeline, CAPTION, frames=frames, height=height, width=width, num_inference_steps=2,
+                          generator=torch.Generator().manual_seed(0), given=given_of(mode, clip), output="latents")
+    from_pipeline = seen[0]
+    conditions = mode_conditions(spec, text, vae, clip, mode)
+    clean = conditions[conditioning.LATENTS]
+    given = spec.given_region(conditions, clean.shape)
+    expected = {"extension": 2 * 16, "inpaint": 3 * 8}[mode]  # latent grid 3 x 4 x 4
+    assert float(given.sum()) == expected
+    with torch.no_grad():
+        spec.forward(denoiser, conditions, from_pipeline["hidden_states"],
+                     torch.full((1,), float(from_pipeline["timestep"].max())))
+    from_training = seen[-1]
+    torch.testing.assert_close(from_training["hidden_states"], from_pipeline["hidden_states"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(from_training["timestep"].float(), from_pipeline["timestep"].float())
+    assert int((from_training["timestep"] == 0).sum()) == expected // 4  # one token a 2 x 2 patch
+    torch.testing.assert_close(sampled.latents * given, clean * given, atol=1e-4, rtol=1e-4)
+    error = 100.0 * given.expand_as(clean).clone() + (1 - given)
     assert float(spec.per_clip_error(error, conditions)) == pytest.approx(1.0)

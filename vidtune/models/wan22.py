@@ -34,12 +34,12 @@ from vidtune import parallel
 from vidtune.algorithms import traits_of
 from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
-from vidtune.models.conditioning import MODE, Given, ModeName
+from vidtune.models.conditioning import LATENTS, MODE, Given, ModeName, give, is_mode
 from vidtune.models.defaults import WAN_22
 from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
 from vidtune.models.wan import WanImageConditioning, WanSpec
-from vidtune.models.wan_modes import FIRST_LAST_CONDITION
+from vidtune.models.wan_modes import FIRST_LAST_CONDITION, REGION_MODES
 from vidtune.objectives import Objective
 from vidtune.outputs import LORA_WEIGHTS
 
@@ -350,15 +350,46 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
 
     def wan_modes(self) -> tuple[ModeName, ...]:
         """A14B: extension, first-last (the pipeline's `last_image`: no CLIP tokens to give it) and inpainting, all
-        through its image condition; TI2V-5B: none (`conditioning_refusal`)."""
-        return () if self.expand_timesteps else ("extension", "first_last", "inpaint")
+        through its image condition. TI2V-5B: extension and inpainting in place, as it takes its first image (the
+        given latents where the pipeline's `first_frame_mask` is 0, their tokens at timestep 0)."""
+        return REGION_MODES if self.expand_timesteps else ("extension", "first_last", "inpaint")
 
     @property
     def conditioning_refusal(self) -> str:  # type: ignore[override]
         if self.expand_timesteps:
-            return ("WanImageToVideoPipeline gives TI2V-5B (`expand_timesteps`) its first image in place of the first "
-                    "latent frame and ignores `last_image`; it takes no clip to extend and no mask")
+            return ("WanImageToVideoPipeline gives TI2V-5B (`expand_timesteps`) what it keeps in place and ignores "
+                    "`last_image`, so no last frame")
         return "WanImageToVideoPipeline always takes a first image, so no last frame alone"
+
+    def given_region(self, conditions: Conditions, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """TI2V: the kept region in whole tokens (a token runs at one timestep: given only when all its cells are),
+        and the first latent frame of a sample drawing no mode (plain image-to-video: the image in place)."""
+        region = super().given_region(conditions, shape)
+        if not self.expand_timesteps:
+            return region
+        _, patch_h, patch_w = self.compression[2]
+        frames, height, width = shape[-3:]
+        whole = -torch.nn.functional.max_pool3d(-region, (1, patch_h, patch_w))
+        region = whole.repeat_interleave(patch_h, dim=3).repeat_interleave(patch_w, dim=4)[..., :height, :width]
+        plain = ~is_mode(conditions[MODE].flatten(), REGION_MODES).to(region.device)
+        if frames > 1:  # a still trains unconditioned, as without modes
+            region[:, :, 0] = torch.where(plain.view(-1, 1, 1, 1), torch.ones_like(region[:, :, 0]),
+                                          region[:, :, 0])
+        return region
+
+    def in_place_modes(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                       timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TI2V with drawn modes: the noisy latents with each sample's given region clean (the image's own latent as
+        the first frame of a plain sample), and a timestep per token, 0 on the given tokens."""
+        given = self.given_region(conditions, noisy_latents.shape)
+        clean = conditions[LATENTS].to(noisy_latents)
+        if noisy_latents.shape[2] > 1:
+            plain = ~is_mode(conditions[MODE].flatten(), REGION_MODES).to(clean.device).view(-1, 1, 1, 1, 1)
+            first = torch.where(plain, conditions["first_frame_latents"].to(clean), clean[:, :, :1])
+            clean = torch.cat([first, clean[:, :, 1:]], dim=2)
+        _, patch_h, patch_w = denoiser.config.patch_size
+        learnt = (1.0 - given[:, 0, :, ::patch_h, ::patch_w]).flatten(1)
+        return give(noisy_latents, clean, given), learnt * timesteps.to(learnt).view(-1, 1)
 
     def latent_identity(self) -> dict[str, Any]:
         # TI2V keeps the image's own latent; A14B builds Wan 2.1's mask + first-frame condition.
@@ -389,7 +420,9 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
         dtype = noisy_latents.dtype
-        if self.expand_timesteps and noisy_latents.shape[2] == 1:
+        if self.expand_timesteps and MODE in conditions:
+            hidden_states, timesteps = self.in_place_modes(denoiser, conditions, noisy_latents, timesteps)
+        elif self.expand_timesteps and noisy_latents.shape[2] == 1:
             # A still (one latent frame) would be the image itself: it trains unconditioned, as text-to-image.
             hidden_states = noisy_latents
             timesteps = self.token_timesteps(denoiser, timesteps, noisy_latents, clean_first_frame=False)
@@ -427,7 +460,7 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
         """TI2V: the pipeline puts the image's latent into the first frame only after its loop, so a step callback
         is shown the latents with that frame already in place (what the pipeline returns after the last step);
         the pipeline's own latents are left as they are."""
-        if callback is None or not self.expand_timesteps:
+        if callback is None or not self.expand_timesteps or given is not None:
             return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
                                          guidance_scale, generator, output_type, reference, callback, given)
         first = self.pipeline_first_frame(pipeline, reference, frames, height, width)

@@ -75,7 +75,7 @@ class GivenRegionPipeline:
                                            num_frames, dtype, device, generator, latents, last_image)
         if self._given_region is None or self._given_video is None:
             return prepared
-        noise, condition = prepared
+        noise, condition = prepared[:2]
         vae = self.vae
         pixels = self._given_video.permute(1, 0, 2, 3)[None].to(device=vae.device, dtype=vae.dtype)
         encoded = vae.encode(pixels).latent_dist.mode()
@@ -87,6 +87,8 @@ class GivenRegionPipeline:
         clean[:, :, : encoded.shape[2]] = encoded[:, :, : noise.shape[2]]
         region = self._given_region.to(clean)
         self._given_latents = clean * region
+        if len(prepared) == 3:  # `expand_timesteps` (TI2V-5B): in place, where its `first_frame_mask` is 0
+            return noise, self._given_latents.to(condition), (1.0 - region).to(prepared[2])
         mask_channels = condition.shape[1] - channels
         built = region_condition(region, clean, mask_channels)
         return noise, built.expand(noise.shape[0], -1, -1, -1, -1).to(condition)
@@ -135,7 +137,7 @@ class WanConditioningModes:
     @property
     def conditioning_refusal(self) -> str:
         if not self.wan_modes():
-            return f"{self.pipeline_class.__name__} takes a first image only"
+            return f"{self.pipeline_class.__name__} takes no clip to extend, no last frame and no mask"
         return (f"{self.pipeline_class.__name__} always takes a first image, so no last frame alone; a last one "
                 "(`last_image`) reaches Wan 2.1 and SkyReels V2 image-to-video also as CLIP image tokens, which only "
                 "the FLF2V transformer reads (two images' tokens for every sample)")

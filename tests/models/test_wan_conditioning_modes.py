@@ -124,6 +124,11 @@ def test_the_kept_region_is_out_of_the_loss_and_in_the_condition(tiny_model_dir,
         assert (spec.forward(denoiser, changed, noisy, torch.tensor([600.0])) - first).abs().max() > 1e-4
     error = 100.0 * given.expand_as(clean).clone() + (1 - given)
     assert float(spec.per_clip_error(error, conditions)) == pytest.approx(1.0)
+    if mode == "inpaint":  # a clip's mask input (1: generated; here the left half) decides instead of the rectangle
+        mask = torch.zeros(1, 1, 1, HEIGHT, WIDTH)
+        mask[..., : WIDTH // 2] = 1.0
+        kept = spec.given_region({**conditions, conditioning.INPUT_MASK: mask}, clean.shape)
+        assert float(kept[..., :2].max()) == 0 and float(kept[..., 2:].min()) == 1
     plain = {key: value for key, value in conditions.items() if key != conditioning.MODE}
     assert float(spec.per_clip_error(error, plain)) > 1.0
 
@@ -141,6 +146,13 @@ def test_a_mode_the_checkpoint_cannot_take_is_refused_before_loading(tiny_model_
     with pytest.raises(ModelError, match=f"{family} cannot sample {refused}"):
         spec.check_given(Given(refused.replace("-", "_"), frames=torch.zeros(5, 3, HEIGHT, WIDTH),
                                last=torch.zeros(1, 3, HEIGHT, WIDTH)))
+
+
+def test_inpainting_reads_each_clips_mask(make_config):
+    config = make_config("wan-i2v", model={"conditioning": {"inpaint": 0.5}})
+    assert "mask" in get_spec_class("wan-i2v")(config.model, frame_rate=24.0).optional_inputs(config)
+    plain = make_config("wan-i2v")
+    assert "mask" not in get_spec_class("wan-i2v")(plain.model, frame_rate=24.0).optional_inputs(plain)
 
 
 def test_a_clip_to_extend_that_does_not_fill_latent_frames_is_named(tiny_model_dir, a14b_dir, clip):

@@ -24,9 +24,11 @@ from vidtune.trainers import build_trainer
 LORA_FILE = "pytorch_lora_weights.safetensors"
 CAPTION = "a shape moving"
 CPU = torch.device("cpu")
-# Each family's modes: every one drawn in a run of a few steps (a sample drawing none is plain image-to-video).
+# Each model's modes: every one drawn in a run of a few steps (a sample drawing none is plain image-to-video).
+# `wan2.2-i2v` is an I2V-A14B, `wan2.2-ti2v` the tiny wan2.2-i2v (a TI2V-5B, whose modes keep the right half).
 MODES = {"wan-i2v": {"extension": 0.4, "inpaint": 0.4, "extension_frames": 5},
          "wan2.2-i2v": {"extension": 0.3, "first_last": 0.3, "inpaint": 0.3, "extension_frames": 5},
+         "wan2.2-ti2v": {"extension": 0.4, "inpaint": 0.4, "extension_frames": 5, "mask_rectangle": [0, 0, 0.5, 1]},
          "skyreels-v2-df": {"extension": 0.6, "extension_frames": 5}}
 
 
@@ -36,9 +38,10 @@ def a14b_dir(tmp_path_factory):
                             boundary_ratio=0.5)
 
 
-def modes_config(make_config, a14b_dir, tmp_path, family: str, name: str, **sections):
-    model = {"conditioning": MODES[family], **sections.pop("model", {})}
-    if family == "wan2.2-i2v":
+def modes_config(make_config, a14b_dir, tmp_path, model_id: str, name: str, **sections):
+    model = {"conditioning": MODES[model_id], **sections.pop("model", {})}
+    family = "wan2.2-i2v" if model_id == "wan2.2-ti2v" else model_id
+    if model_id == "wan2.2-i2v":
         model["pretrained"] = str(a14b_dir)
         sections["data"] = {"frames": 9, "height": 32, "width": 32, **sections.get("data", {})}
     training = {"steps": 3, "batch_size": 2, "seed": 0, **sections.pop("training", {})}
@@ -58,11 +61,12 @@ def drawn_modes(trainer) -> list[float]:
     return seen
 
 
-@pytest.mark.parametrize("family", list(MODES))
-def test_the_same_losses_from_the_cache_and_on_the_fly(make_config, a14b_dir, tmp_path, family):
+# TI2V's modes read nothing from the cache beyond its plain image-to-video (the clip's and the image's latents).
+@pytest.mark.parametrize("model_id", ["wan-i2v", "wan2.2-i2v", "skyreels-v2-df"])
+def test_the_same_losses_from_the_cache_and_on_the_fly(make_config, a14b_dir, tmp_path, model_id):
     losses, modes = [], []
     for enabled in (False, True):
-        trainer = build_trainer(modes_config(make_config, a14b_dir, tmp_path, family, f"run-{enabled}",
+        trainer = build_trainer(modes_config(make_config, a14b_dir, tmp_path, model_id, f"run-{enabled}",
                                              training={"steps": 3, "batch_size": 1},
                                              precompute={"enabled": enabled, "batch_size": 1,
                                                          "cache_dir": str(tmp_path / "cache")}))
@@ -72,13 +76,13 @@ def test_the_same_losses_from_the_cache_and_on_the_fly(make_config, a14b_dir, tm
     assert modes[0] == modes[1] and len(set(modes[0])) >= 2, modes[0]
 
 
-@pytest.mark.parametrize("family", list(MODES))
-def test_step_0_is_the_base_models_loss(make_config, a14b_dir, tmp_path, family):
+@pytest.mark.parametrize("model_id", list(MODES))
+def test_step_0_is_the_base_models_loss(make_config, a14b_dir, tmp_path, model_id):
     """The adapter starts as the base model: under the same drawn modes (two clips a batch, mixed modes), the first
     batch's loss with it equals the base model's exactly."""
     losses = []
     for algorithm in ("lora", "full"):
-        trainer = build_trainer(modes_config(make_config, a14b_dir, tmp_path, family, algorithm,
+        trainer = build_trainer(modes_config(make_config, a14b_dir, tmp_path, model_id, algorithm,
                                              training={"algorithm": algorithm}))
         trainer.set_up()
         batch = next(trainer.context.source.batches(0))
@@ -88,11 +92,12 @@ def test_step_0_is_the_base_models_loss(make_config, a14b_dir, tmp_path, family)
 
 
 def test_a_stopped_run_resumes_bit_for_bit(make_config, a14b_dir, tmp_path):
-    settings = {"training": {"steps": 4}, "checkpoint": {"every": 2}}
+    settings = {"training": {"steps": 4, "batch_size": 1}, "checkpoint": {"every": 2}}
     reference = build_trainer(modes_config(make_config, a14b_dir, tmp_path, "wan-i2v", "reference", **settings)).run()
     run_stopped_at(build_trainer(modes_config(make_config, a14b_dir, tmp_path, "wan-i2v", "stopped", **settings)), 3)
     resumed = build_trainer(modes_config(make_config, a14b_dir, tmp_path, "wan-i2v", "stopped",
-                                         training={"steps": 4}, checkpoint={"every": 2, "resume": "latest"})).run()
+                                         training={"steps": 4, "batch_size": 1},
+                                         checkpoint={"every": 2, "resume": "latest"})).run()
     assert resumed.final_step == 4
     ours, theirs = load_file(tmp_path / "stopped" / LORA_FILE), load_file(tmp_path / "reference" / LORA_FILE)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)

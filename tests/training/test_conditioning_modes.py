@@ -149,8 +149,8 @@ def test_validation_and_sample_use_the_mode(make_config, tmp_path, shapes_datase
 
 
 def test_a_family_without_the_mode_refuses_to_sample_it(make_config):
-    spec = build_trainer(make_config("wan-i2v")).spec
-    with pytest.raises(ModelError, match="wan-i2v cannot sample extension conditioning: WanImageToVideoPipeline"):
+    spec = build_trainer(make_config("sana-video-i2v")).spec
+    with pytest.raises(ModelError, match="sana-video-i2v cannot sample extension conditioning: SanaImageToVideo"):
         spec.sample(None, "a red circle", frames=9, height=32, width=32, num_inference_steps=2,
                     generator=torch.Generator(), given=Given("extension", frames=torch.zeros(5, 3, 32, 32)))
 

@@ -77,6 +77,35 @@ def draw_modes(mode_shares: dict[ModeName, float], positions: torch.Tensor, seed
     return torch.tensor(codes, dtype=torch.float32)
 
 
+def draw_visit(config: ConditioningConfig, x0: torch.Tensor, positions: torch.Tensor, seed: int,
+               extension_latent_frames: int, first_frame: float = 0.0) -> dict[str, torch.Tensor]:
+    """The conditions of a visit's drawn modes: each sample's code (`MODE`) and its clean latents (`LATENTS`); a
+    still takes no mode but inpainting, a clip no longer than the extension's given latent frames no extension."""
+    frames = x0.shape[2]
+    allowed: dict[ModeName, bool] = {mode: frames > 1 for mode in MODES}
+    allowed["extension"] = extension_latent_frames < frames
+    allowed["inpaint"] = True
+    codes = draw_modes(shares(config, first_frame), positions, seed, allowed)
+    return {MODE: codes.to(x0.device), LATENTS: x0}
+
+
+def extension_problems(config: ConditioningConfig, temporal: int, frames: int, takes: str) -> list[str]:
+    """What keeps `extension_frames` from clips of `frames` frames when the given frames fill whole latent frames of
+    a VAE compressing time `temporal` times (`takes`: who says so, e.g. the pipeline)."""
+    if config.extension <= 0:
+        return []
+    problems = []
+    count = config.extension_frames
+    if (count - 1) % temporal:
+        problems.append(f"model.conditioning.extension_frames={count}: {takes} takes a clip of k x {temporal} + 1 "
+                        f"frames; use {(count - 1) // temporal * temporal + 1} or "
+                        f"{-(-(count - 1) // temporal) * temporal + 1}")
+    if frames > 1 and count >= frames:
+        problems.append(f"model.conditioning.extension_frames={count} gives all {frames} frames of a clip "
+                        "(data.frames): nothing is left to learn; give fewer frames")
+    return problems
+
+
 def is_mode(codes: torch.Tensor, modes: tuple[ModeName, ...]) -> torch.Tensor:
     """[B] bool: which samples' mode is one of `modes`."""
     wanted = torch.tensor([code(mode) for mode in modes], dtype=codes.dtype, device=codes.device)

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 from diffusers import (
     SkyReelsV2DiffusionForcingPipeline,
+    SkyReelsV2DiffusionForcingVideoToVideoPipeline,
     SkyReelsV2ImageToVideoPipeline,
     SkyReelsV2Pipeline,
     SkyReelsV2Transformer3DModel,
@@ -39,8 +40,10 @@ from transformers import CLIPImageProcessor, CLIPProcessor, CLIPVisionModel, CLI
 from vidtune.algorithms import traits_of
 from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
+from vidtune.models import conditioning
+from vidtune.models.conditioning import Given
 from vidtune.models.defaults import SKYREELS_V2, SKYREELS_V2_DF
-from vidtune.models.spec import Conditions
+from vidtune.models.spec import Conditions, StepCallback, frames_to_pil
 from vidtune.models.wan import EmbeddedPrompts, WanImageToVideoSpec, WanSpec
 
 
@@ -73,8 +76,6 @@ class SkyReelsV2ImageToVideoSpec(WanImageToVideoSpec, SkyReelsV2Spec):
     """SkyReels V2 image-to-video: Wan 2.1 image-to-video's conditioning with SkyReels V2's transformer."""
 
     name = "skyreels-v2-i2v"
-    conditioning_refusal = ("SkyReelsV2ImageToVideoPipeline takes a first image, and a last one (`last_image`), "
-                            "whose image condition vidtune does not build yet; no clip to extend, no mask.")
     pipeline_class = SkyReelsV2ImageToVideoPipeline
     validation_guidance_scale = 5.0  # the README's and SkyReelsV2ImageToVideoPipeline's default
     image_encoder_classes: ClassVar[tuple[type, ...]] = (CLIPVisionModelWithProjection, CLIPVisionModel)
@@ -90,6 +91,11 @@ class SkyReelsV2DiffusionForcingSpec(SkyReelsV2Spec):
     frame_timesteps = True
     # The 1.3B model embeds a frame-rate class: each clip's own rate reaches `forward`, as the pipeline's `fps`.
     frame_rate_conditioned = True
+    # Video extension as SkyReelsV2DiffusionForcingVideoToVideoPipeline continues a clip: the given frames' latents
+    # in place of the first latent frames at timestep 0 (its prefix latents, `addnoise_condition` 0), out of the loss.
+    conditioning_modes = ("extension",)
+    conditioning_refusal = ("its pipelines continue a clip (SkyReelsV2DiffusionForcingVideoToVideoPipeline) or start "
+                            "from text; no last frame and no mask")
 
     def check_no_sample_info(self) -> None:
         """The diffusion-forcing pipeline gives a transformer with `inject_sample_info` its frame rate."""
@@ -123,6 +129,38 @@ class SkyReelsV2DiffusionForcingSpec(SkyReelsV2Spec):
         """The transformer's frame-rate classes, as the pipeline computes them from its `fps`: 0 for 16, else 1."""
         return [0 if round(float(rate)) == 16 else 1 for rate in rates]
 
+    # ----- video extension ---------------------------------------------------------------------------------------
+    @property
+    def extension_latent_frames(self) -> int:
+        """Latent frames of the `extension_frames` given frames (the pipeline's `overlap_history` latent frames)."""
+        return (self.config.conditioning.extension_frames - 1) // self.compression[1] + 1
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        super().check_video_shape(frames, height, width)
+        problems = conditioning.extension_problems(self.config.conditioning, self.compression[1], frames,
+                                                   "SkyReelsV2DiffusionForcingVideoToVideoPipeline's prefix")
+        if problems:
+            raise ConfigError("model.conditioning does not fit the clips:\n" + "\n".join(f"  - {p}" for p in problems)
+                              + "\nWhat to do: fix model.conditioning as said above.")
+
+    def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
+        """With `model.conditioning.extension`, which samples continue their first frames (the others: text)."""
+        if not self.config.conditioning.enabled:
+            return super().visit_conditions(x0, positions, seed)
+        return conditioning.draw_visit(self.config.conditioning, x0, positions, seed, self.extension_latent_frames)
+
+    def given_region(self, conditions: Conditions, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """[B, 1, F, H, W]: the first latent frames of each sample drawing extension (1.0)."""
+        device = conditions[conditioning.LATENTS].device
+        return conditioning.region(conditions[conditioning.MODE], shape, self.extension_latent_frames,
+                                   torch.zeros(1, 1, *shape[-3:], device=device))
+
+    def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
+        """The given frames are the pipeline's prefix, not a prediction: out of the loss."""
+        if conditioning.MODE in conditions:
+            return conditioning.per_clip_error(error, self.given_region(conditions, error.shape))
+        return super().per_clip_error(error, conditions)
+
     def forward(
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
@@ -130,6 +168,11 @@ class SkyReelsV2DiffusionForcingSpec(SkyReelsV2Spec):
         timesteps = timesteps.to(noisy_latents.device)
         if timesteps.ndim == 1:  # one level for the clip: every frame gets it (the pipeline's synchronous steps)
             timesteps = timesteps[:, None].expand(batch, frames)
+        if conditioning.MODE in conditions:  # the given frames clean, at timestep 0 (the pipeline's prefix)
+            given = self.given_region(conditions, noisy_latents.shape)
+            noisy_latents = conditioning.give(noisy_latents, conditions[conditioning.LATENTS], given)
+            kept = given[:, 0, :: self.frames_per_token, 0, 0].to(timesteps.device)
+            timesteps = torch.where(kept > 0, torch.zeros_like(timesteps), timesteps)
         text = conditions["prompt_embeds"].to(noisy_latents.dtype)
         rates = self.frame_rate_classes(self.frame_rates(conditions, batch))
         # diffusers 0.42 adds the frame-rate embedding of a diffusion-forcing step correctly for one sample only
@@ -152,3 +195,33 @@ class SkyReelsV2DiffusionForcingSpec(SkyReelsV2Spec):
         """The frame rate (the pipeline's `fps`, of which the transformer sees the class) and synchronous sampling
         (`ar_step` 0, the pipeline's default: every frame at one level, as validation compares with training)."""
         return {"fps": round(float(self.frame_rate)), "ar_step": 0}
+
+    def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
+        """SkyReelsV2DiffusionForcingVideoToVideoPipeline's inputs continuing `given.frames`: the clip as `video`,
+        all of it the prefix (`overlap_history`), in one window of the sampled frames (`base_num_frames`)."""
+        assert given.frames is not None
+        count, temporal = given.frames.shape[0], self.compression[1]
+        if (count - 1) % temporal or count >= frames:
+            raise ModelError(f"{self.name}: a clip to extend has k x {temporal} + 1 frames, fewer than the {frames} "
+                             f"sampled, not {count}.\nWhat to do: give {(count - 1) // temporal * temporal + 1} "
+                             "frames, or sample more.")
+        return {**self.pipeline_inputs(), "video": frames_to_pil(given.frames), "overlap_history": count,
+                "base_num_frames": frames}
+
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None,
+                      given: Given | None = None) -> Any:
+        """Extension: the video-to-video pipeline on the same components. Its video output is the given clip
+        followed by the whole window (the given frames again, decoded); the sample is the window."""
+        if given is None:
+            return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
+                                         guidance_scale, generator, output_type, reference, callback)
+        continuing = SkyReelsV2DiffusionForcingVideoToVideoPipeline(**pipeline.components)
+        continuing.set_progress_bar_config(**getattr(pipeline, "_progress_bar_config", {}))
+        result = super().call_pipeline(continuing, prompt, frames, height, width, num_inference_steps,
+                                       guidance_scale, generator, output_type, reference, callback, given)
+        if output_type != "latent":
+            assert given.frames is not None
+            result.frames = result.frames[:, given.frames.shape[0]:]
+        return result

@@ -54,6 +54,7 @@ from vidtune.models.spec import (
     shape_rule,
     side_problems,
 )
+from vidtune.models.wan_modes import WanConditioningModes
 from vidtune.objectives import SUPPORTED_SCHEDULERS
 
 logger = logging.getLogger(__name__)
@@ -247,24 +248,29 @@ class EmbeddedPrompts:
         return inputs
 
 
-class WanImageConditioning(EmbeddedPrompts):
+class WanImageConditioning(WanConditioningModes, EmbeddedPrompts):
     """What WanImageToVideoPipeline's families share (Wan 2.1 image-to-video, Wan 2.2 I2V-A14B, SkyReels V2
     image-to-video), mixed into a `WanSpec` subclass (it uses the spec's `normalise` and `prepare_conditions`): the
-    first frame as mask channels + latents concatenated to the input, and prompts handed to the pipeline as
-    embeddings."""
+    first frame as mask channels + latents concatenated to the input, the conditioning modes
+    (vidtune/models/wan_modes.py), and prompts handed to the pipeline as embeddings."""
 
     @torch.no_grad()
-    def image_condition(self, vae: nn.Module, first_frames: torch.Tensor, frames: int) -> torch.Tensor:
-        """Mask channels + normalised latents of [first frame, zeros...], as WanImageToVideoPipeline.prepare_latents."""
+    def image_condition(self, vae: nn.Module, first_frames: torch.Tensor, frames: int,
+                        last_frames: torch.Tensor | None = None) -> torch.Tensor:
+        """Mask channels + normalised latents of [first frame, zeros...] (or [first frame, zeros..., last frame]),
+        as WanImageToVideoPipeline.prepare_latents builds them from `image` (and `last_image`)."""
         batch, channels, height, width = first_frames.shape
         pixels = first_frames.to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
-        video = torch.cat([pixels, pixels.new_zeros(batch, channels, frames - 1, height, width)], dim=2)
-        latents = self.normalise(vae, vae.encode(video).latent_dist.mode())
+        last = [] if last_frames is None else [last_frames.to(pixels).unsqueeze(2)]
+        blank = pixels.new_zeros(batch, channels, frames - 1 - len(last), height, width)
+        latents = self.normalise(vae, vae.encode(torch.cat([pixels, blank, *last], dim=2)).latent_dist.mode())
         temporal = vae.config.scale_factor_temporal
         _, _, latent_frames, latent_height, latent_width = latents.shape
         # One mask value per pixel frame, the first repeated `temporal` times, folded into `temporal` channels.
         mask = torch.zeros(batch, 1, frames + temporal - 1, latent_height, latent_width, device=latents.device)
         mask[:, :, :temporal] = 1
+        if last:
+            mask[:, :, -1] = 1
         mask = mask.view(batch, latent_frames, temporal, latent_height, latent_width).transpose(1, 2)
         return torch.cat([mask.to(latents.dtype), latents], dim=1)
 
@@ -275,9 +281,6 @@ class WanImageToVideoSpec(WanImageConditioning, WanSpec):
 
     name = "wan-i2v"
     image_to_video = True
-    conditioning_refusal = ("WanImageToVideoPipeline takes a first image, and a last one (`last_image`) only for "
-                            "the FLF2V checkpoints, whose image condition vidtune does not build yet; it takes no "
-                            "clip to extend and no mask.")
     pipeline_class = WanImageToVideoPipeline
     # The classes the pipeline's image encoder and processor may be (the checkpoint's model_index.json says which).
     image_encoder_classes: ClassVar[tuple[type, ...]] = (CLIPVisionModel,)
@@ -336,6 +339,7 @@ class WanImageToVideoSpec(WanImageConditioning, WanSpec):
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
         dtype = noisy_latents.dtype
+        conditions = self.mode_conditions(conditions)
         hidden_states = torch.cat([noisy_latents, conditions["image_condition"].to(dtype)], dim=1)
         return denoiser(
             hidden_states=hidden_states,
@@ -346,7 +350,7 @@ class WanImageToVideoSpec(WanImageConditioning, WanSpec):
         )[0]
 
     def pipeline(self, text: TextComponents, vae: WanImageEncoders, denoiser: nn.Module) -> Any:
-        return self.pipeline_class(
+        return self.region_pipeline_class()(
             tokenizer=text["tokenizer"],
             text_encoder=text["text_encoder"],
             vae=vae.vae,

@@ -34,10 +34,12 @@ from vidtune import parallel
 from vidtune.algorithms import traits_of
 from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
+from vidtune.models.conditioning import LATENTS, MODE, Given, ModeName, give, is_mode
 from vidtune.models.defaults import WAN_22
 from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
 from vidtune.models.wan import WanImageConditioning, WanSpec
+from vidtune.models.wan_modes import FIRST_LAST_CONDITION, REGION_MODES
 from vidtune.objectives import Objective
 from vidtune.outputs import LORA_WEIGHTS
 
@@ -343,11 +345,51 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
 
     name = "wan2.2-i2v"
     image_to_video = True
-    conditioning_refusal = ("WanImageToVideoPipeline gives Wan 2.2 a first image only (TI2V-5B in place of the "
-                            "first latent frame, A14B I2V as image-condition channels); no clip to extend, no "
-                            "last frame, no mask.")
     pipeline_class = WanImageToVideoPipeline
     published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 3.5}
+
+    def wan_modes(self) -> tuple[ModeName, ...]:
+        """A14B: extension, first-last (the pipeline's `last_image`: no CLIP tokens to give it) and inpainting, all
+        through its image condition. TI2V-5B: extension and inpainting in place, as it takes its first image (the
+        given latents where the pipeline's `first_frame_mask` is 0, their tokens at timestep 0)."""
+        return REGION_MODES if self.expand_timesteps else ("extension", "first_last", "inpaint")
+
+    @property
+    def conditioning_refusal(self) -> str:  # type: ignore[override]
+        if self.expand_timesteps:
+            return ("WanImageToVideoPipeline gives TI2V-5B (`expand_timesteps`) what it keeps in place and ignores "
+                    "`last_image`, so no last frame")
+        return "WanImageToVideoPipeline always takes a first image, so no last frame alone"
+
+    def given_region(self, conditions: Conditions, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """TI2V: the kept region in whole tokens (a token runs at one timestep: given only when all its cells are),
+        and the first latent frame of a sample drawing no mode (plain image-to-video: the image in place)."""
+        region = super().given_region(conditions, shape)
+        if not self.expand_timesteps:
+            return region
+        _, patch_h, patch_w = self.compression[2]
+        frames, height, width = shape[-3:]
+        whole = -torch.nn.functional.max_pool3d(-region, (1, patch_h, patch_w))
+        region = whole.repeat_interleave(patch_h, dim=3).repeat_interleave(patch_w, dim=4)[..., :height, :width]
+        plain = ~is_mode(conditions[MODE].flatten(), REGION_MODES).to(region.device)
+        if frames > 1:  # a still trains unconditioned, as without modes
+            region[:, :, 0] = torch.where(plain.view(-1, 1, 1, 1), torch.ones_like(region[:, :, 0]),
+                                          region[:, :, 0])
+        return region
+
+    def in_place_modes(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                       timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TI2V with drawn modes: the noisy latents with each sample's given region clean (the image's own latent as
+        the first frame of a plain sample), and a timestep per token, 0 on the given tokens."""
+        given = self.given_region(conditions, noisy_latents.shape)
+        clean = conditions[LATENTS].to(noisy_latents)
+        if noisy_latents.shape[2] > 1:
+            plain = ~is_mode(conditions[MODE].flatten(), REGION_MODES).to(clean.device).view(-1, 1, 1, 1, 1)
+            first = torch.where(plain, conditions["first_frame_latents"].to(clean), clean[:, :, :1])
+            clean = torch.cat([first, clean[:, :, 1:]], dim=2)
+        _, patch_h, patch_w = denoiser.config.patch_size
+        learnt = (1.0 - given[:, 0, :, ::patch_h, ::patch_w]).flatten(1)
+        return give(noisy_latents, clean, given), learnt * timesteps.to(learnt).view(-1, 1)
 
     def latent_identity(self) -> dict[str, Any]:
         # TI2V keeps the image's own latent; A14B builds Wan 2.1's mask + first-frame condition.
@@ -363,6 +405,9 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
             latents["first_frame_latents"] = self.normalise(vae, vae.encode(pixels).latent_dist.mode())
         else:
             latents["image_condition"] = self.image_condition(vae, first_frames, videos.shape[1])
+            if self.takes_first_last:  # the pipeline's `last_image` condition, for the samples drawing first-last
+                latents[FIRST_LAST_CONDITION] = self.image_condition(vae, first_frames, videos.shape[1],
+                                                                     videos[:, -1])
         return latents
 
     def with_first_frame(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
@@ -375,7 +420,9 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
         self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
     ) -> torch.Tensor:
         dtype = noisy_latents.dtype
-        if self.expand_timesteps and noisy_latents.shape[2] == 1:
+        if self.expand_timesteps and MODE in conditions:
+            hidden_states, timesteps = self.in_place_modes(denoiser, conditions, noisy_latents, timesteps)
+        elif self.expand_timesteps and noisy_latents.shape[2] == 1:
             # A still (one latent frame) would be the image itself: it trains unconditioned, as text-to-image.
             hidden_states = noisy_latents
             timesteps = self.token_timesteps(denoiser, timesteps, noisy_latents, clean_first_frame=False)
@@ -383,6 +430,7 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
             hidden_states = self.with_first_frame(conditions, noisy_latents)
             timesteps = self.token_timesteps(denoiser, timesteps, noisy_latents, clean_first_frame=True)
         else:
+            conditions = self.mode_conditions(conditions)
             hidden_states = torch.cat([noisy_latents, conditions["image_condition"].to(dtype)], dim=1)
         return denoiser(
             hidden_states=hidden_states,
@@ -393,25 +441,28 @@ class Wan22ImageToVideoSpec(WanImageConditioning, Wan22Spec):
 
     def per_clip_error(self, error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """TI2V: the first frame is the image, not a prediction (the pipeline discards it): left out of the loss
-        (a still, one latent frame, trains unconditioned: all of it counts)."""
+        (a still, one latent frame, trains unconditioned: all of it counts). A14B's modes: `WanConditioningModes`."""
+        if MODE in conditions:
+            return super().per_clip_error(error, conditions)
         if self.expand_timesteps and error.shape[2] > 1:
             error = error[:, :, 1:]
         return error.flatten(1).mean(dim=1)
 
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:
-        return WanImageToVideoPipeline(tokenizer=text["tokenizer"], text_encoder=text["text_encoder"], vae=vae,
+        return self.region_pipeline_class()(tokenizer=text["tokenizer"], text_encoder=text["text_encoder"], vae=vae,
                                        scheduler=self.load_scheduler(), image_processor=None, image_encoder=None,
                                        **self.pipeline_experts(denoiser))
 
     def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                       num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None,
+                      given: Given | None = None) -> Any:
         """TI2V: the pipeline puts the image's latent into the first frame only after its loop, so a step callback
         is shown the latents with that frame already in place (what the pipeline returns after the last step);
         the pipeline's own latents are left as they are."""
-        if callback is None or not self.expand_timesteps:
+        if callback is None or not self.expand_timesteps or given is not None:
             return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps,
-                                         guidance_scale, generator, output_type, reference, callback)
+                                         guidance_scale, generator, output_type, reference, callback, given)
         first = self.pipeline_first_frame(pipeline, reference, frames, height, width)
 
         def with_image(pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:

@@ -182,6 +182,11 @@ class MiniMaxH3Spec(ModelSpec):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         spatial, clip_length, kept, patch = self.compression
         problems = side_problems(height, width, spatial * patch[1], spatial * patch[2])
+        if width < 2 * spatial * patch[2]:
+            # The sound's two channels sit at the two ends of the video's width grid: on a canvas one patch wide they
+            # share every rotary position, and the transformer cannot tell left from right.
+            problems.append(f"data.width={width} must be at least {2 * spatial * patch[2]} (two patch columns): the "
+                            "pipeline places the sound's left and right channels at the first and last column")
         valid = [clip_length * n + kept for n in range(1, 64) if clip_length * n + kept <= MAX_SECONDS * MINIMAX_H3_FPS]
         if frames not in valid:
             nearest = sorted(valid, key=lambda value: abs(value - frames))[:2]

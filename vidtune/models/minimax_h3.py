@@ -59,6 +59,8 @@ from transformers import Qwen3VLForConditionalGeneration
 from vidtune.config import Config, TrainingConfig
 from vidtune.data.audio import AudioBatch, AudioFormat
 from vidtune.errors import ConfigError, ModelError
+from vidtune.export.comfyui import Rule
+from vidtune.export.comfyui_models import ComfyUIModel, minimax_h3
 from vidtune.models.defaults import MINIMAX_H3
 from vidtune.models.sound import (
     AUDIO_LATENTS,
@@ -373,11 +375,40 @@ class MiniMaxH3Spec(ModelSpec):
         frames, height, width = (int(size) for size in latent_shape[-3:])
         return -(-frames // patch_t) * (height // patch_h) * (width // patch_w)
 
-    # ----- ComfyUI ----------------------------------------------------------------------------------------------
-    def comfyui_absent(self) -> str:
-        return ("ComfyUI's core runs MiniMax H3 (comfy/ldm/minimax), but vidtune does not write its LoRA key names "
-                "yet, so there is no ComfyUI file. The run's diffusers adapter file loads with "
-                "MiniMaxH3ModularPipeline's load_lora_weights, and with `vidtune sample`.")
+    # ----- ComfyUI ---------------------------------------------------------------------------------------------
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """MiniMax's names, which ComfyUI's model keeps (diffusers' single-file converter, read backwards): q, k and
+        v fused as `[q; k; v]` in `attn.qkv_proj`; the SwiGLU input `mlp.fc1` holding `[gate; value]` where diffusers'
+        holds `[value; gate]`; `transformer_blocks` -> `blocks`, `token_refiner.refiner_blocks` ->
+        `token_refiner.blocks`; the final layer's modulation and heads under `final_layer`."""
+        config = self.load_config(MiniMaxH3Transformer3DModel, "transformer")
+        inner = int(config.get("num_attention_heads", 56)) * int(config.get("attention_head_dim", 128))
+        blocks = []
+        renamed = (("transformer_blocks", "blocks"), (r"token_refiner\.refiner_blocks", "token_refiner.blocks"))
+        for source, target in renamed:
+            block, comfy_block = rf"{source}\.(\d+)", rf"{target}.\1"
+            blocks += [
+                *[Rule(rf"{block}\.attn\.to_{x}", f"{comfy_block}.attn.qkv_proj", part, (inner,) * 3)
+                  for part, x in enumerate("qkv")],
+                Rule(rf"{block}\.attn\.to_out\.0", f"{comfy_block}.attn.out_proj"),
+                Rule(rf"{block}\.ff\.net\.0\.proj", f"{comfy_block}.mlp.fc1", swap_halves=True),
+                Rule(rf"{block}\.ff\.net\.2", f"{comfy_block}.mlp.fc2"),
+                Rule(rf"{block}\.adaln_proj\.linear", f"{comfy_block}.adaln_proj.linear"),
+            ]
+        return [
+            *blocks,
+            Rule(r"proj_in", "video_patch_proj"),
+            Rule(r"audio_proj_in", "audio_patch_proj"),
+            Rule(r"context_embedder", "condition_proj"),
+            Rule(r"time_embedder\.linear_1", "time_embedder.proj_in"),
+            Rule(r"time_embedder\.linear_2", "time_embedder.proj_out"),
+            Rule(r"norm_out\.linear", "final_layer.adaln_proj.linear"),
+            Rule(r"proj_out", "final_layer.video_out"),
+            Rule(r"audio_proj_out", "final_layer.audio_out"),
+        ]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        return minimax_h3(self.load_config(MiniMaxH3Transformer3DModel, "transformer"))
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: MiniMaxH3Autoencoders, denoiser: nn.Module) -> Any:

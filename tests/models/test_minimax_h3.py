@@ -207,3 +207,19 @@ def test_a_run_with_sound_resumes_bitwise(folder, shapes_dataset, tmp_path):
     assert resumed.keys() == reference.keys()
     for key in reference:
         assert torch.equal(resumed[key], reference[key]), key
+
+
+def test_float8_base_weights_are_never_suggested_and_refused_with_the_reason(folder, tmp_path):
+    """The transformer casts layers' inputs to their weight dtype: `vidtune plan` offers int8 and nf4, not fp8, and
+    fp8 is refused before any long work."""
+    from vidtune.memory.suggest import _training_changes
+
+    config = build_config({"model": {"name": "minimax-h3", "pretrained": str(folder)},
+                           "data": {"root": str(tmp_path), "frames": FRAMES, "height": HEIGHT, "width": WIDTH},
+                           "training": {"algorithm": "lora"}})
+    offered = {change for combo in _training_changes(config) for change in combo}
+    assert {"memory.base_weights=int8", "memory.base_weights=nf4"} <= offered
+    assert "memory.base_weights=fp8" not in offered
+    fp8 = config.model_copy(update={"memory": config.memory.model_copy(update={"base_weights": "fp8"})})
+    with pytest.raises(ConfigError, match=r"memory\.base_weights=fp8: minimax-h3's transformer casts .* float8"):
+        _spec(folder).check_training(fp8)

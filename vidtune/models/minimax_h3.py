@@ -150,6 +150,13 @@ class MiniMaxH3Spec(ModelSpec):
     vae_class = AutoencoderKLMiniMaxH3
     denoiser_class = MiniMaxH3Transformer3DModel
     scheduler_class = MiniMaxH3Scheduler
+    # MiniMax's original layout and ComfyUI's MiniMax H3 files: q, k and v stacked `[q; k; v]` as every published
+    # single file holds them (diffusers' converter cannot tell a file merged by hand from MiniMaxAI's per-head
+    # interleaved shards from one, and reads the stacked order); the pruned files (`adaln_t_table` in place of the
+    # time embedder) are refused by the converter with that reason.
+    loads_single_file = True
+    float8_refusal = ("transformer casts each layer's input to that layer's weight dtype (its caption projection and "
+                      "modulations), so float8 storage would make it compute in float8")
     control_refusal: ClassVar[str] = (
         "its transformer reads one packed sequence of text, sound and picture rows per clip, whose video rows a "
         "widened input layer cannot tell from the others.")
@@ -201,7 +208,13 @@ class MiniMaxH3Spec(ModelSpec):
 
     def check_training(self, config: Config) -> None:
         """The model runs at 24 fps, and its sound lasts frames / 24 s: another frame rate would pair a clip's frames
-        with sound of another length than the pipeline's."""
+        with sound of another length than the pipeline's. Its frozen weights cannot be stored in float8: the
+        transformer casts its inputs to the dtype of the layer that reads them (the caption projection, each
+        block's modulation), which would then be float8."""
+        if config.memory.base_weights == "fp8":
+            raise ConfigError(f"memory.base_weights=fp8: {self.name}'s {self.float8_refusal}.\nWhat to do: set "
+                              "memory.base_weights=int8 or nf4 (or auto); a float8 file (model.transformer_file) is "
+                              "then upcast exactly.")
         if config.frame_rate != MINIMAX_H3_FPS:
             raise ConfigError(
                 f"model.frame_rate / data.fps = {config.frame_rate:g}: {self.name} is a {MINIMAX_H3_FPS} fps model "

@@ -69,6 +69,9 @@ class SpecBase(ABC):
     # vidtune/models/conditioning.py); any other is refused before loading, saying `conditioning_refusal`.
     conditioning_modes: ClassVar[tuple[str, ...]] = ()
     conditioning_refusal: ClassVar[str] = "its pipeline takes a text prompt, or a first image, only"
+    # Why the denoiser's frozen weights cannot be stored in float8 (`memory.base_weights: fp8`, refused with it and
+    # never suggested by `vidtune plan`); None: they can.
+    float8_refusal: ClassVar[str | None] = None
     # diffusers / transformers classes of the components, used by the default loaders, and the family's pipeline
     # (its `save_lora_weights` writes the LoRA format the family's tools read).
     pipeline_class: ClassVar[Any]

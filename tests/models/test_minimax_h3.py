@@ -14,7 +14,7 @@ from tests.helpers.runs import overfit_config
 from tests.helpers.sound import add_tone
 from vidtune.config import ModelConfig, TrainingConfig, build_config
 from vidtune.data.audio import AudioBatch
-from vidtune.errors import ConfigError
+from vidtune.errors import ConfigError, ModelError
 from vidtune.models.minimax_h3 import MiniMaxH3Spec, TextOnlyTokenTypes
 from vidtune.models.sound import AUDIO_LATENTS, AUDIO_NOISE, AUDIO_PRESENT, AUDIO_SIGMAS
 from vidtune.models.tiny.minimax_h3 import SHAPE, tone_waveforms
@@ -223,3 +223,14 @@ def test_float8_base_weights_are_never_suggested_and_refused_with_the_reason(fol
     fp8 = config.model_copy(update={"memory": config.memory.model_copy(update={"base_weights": "fp8"})})
     with pytest.raises(ConfigError, match=r"memory\.base_weights=fp8: minimax-h3's transformer casts .* float8"):
         _spec(folder).check_training(fp8)
+
+
+def test_keyframe_conditioning_is_refused_naming_the_pipelines_keyframe_workflow(folder):
+    from vidtune.config.schema import ConditioningConfig
+    from vidtune.models.conditioning import Given
+
+    spec = _spec(folder)
+    with pytest.raises(ConfigError, match=r"cannot train first-last conditioning: .*keyframe workflow \(`fl2va`"):
+        spec.check_conditioning_modes(ConditioningConfig(first_last=0.5))
+    with pytest.raises(ModelError, match=r"cannot sample first-frame conditioning: .*Qwen3-VL vision block"):
+        spec.check_given(Given("first_frame", frames=torch.zeros(1, 3, HEIGHT, WIDTH)))

@@ -157,6 +157,11 @@ class MiniMaxH3Spec(ModelSpec):
     loads_single_file = True
     float8_refusal = ("transformer casts each layer's input to that layer's weight dtype (its caption projection and "
                       "modulations), so float8 storage would make it compute in float8")
+    conditioning_refusal: ClassVar[str] = (
+        "vidtune trains and samples its text-to-video-and-audio workflow only; the pipeline's keyframe workflow "
+        "(`fl2va`: first and last frames) puts each keyframe both in the caption, as a Qwen3-VL vision block, and "
+        "in front of the generated rows as an anchor noised to t = 0.999, and its reference workflow (`ref2va`) reads "
+        "a second transformer (`transformer_ref`): neither is trained yet")
     control_refusal: ClassVar[str] = (
         "its transformer reads one packed sequence of text, sound and picture rows per clip, whose video rows a "
         "widened input layer cannot tell from the others.")

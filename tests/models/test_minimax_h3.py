@@ -234,3 +234,12 @@ def test_keyframe_conditioning_is_refused_naming_the_pipelines_keyframe_workflow
         spec.check_conditioning_modes(ConditioningConfig(first_last=0.5))
     with pytest.raises(ModelError, match=r"cannot sample first-frame conditioning: .*Qwen3-VL vision block"):
         spec.check_given(Given("first_frame", frames=torch.zeros(1, 3, HEIGHT, WIDTH)))
+
+
+@pytest.mark.parametrize("option", ["int8", "nf4"])
+def test_int8_and_nf4_base_weights_train(make_config, option):
+    """The frozen transformer stored in int8 or nf4 (what is offered in place of fp8) trains: finite losses."""
+    import math
+
+    result = build_trainer(make_config("minimax-h3", memory={"base_weights": option}, training={"steps": 2})).run()
+    assert len(result.losses) == 2 and all(math.isfinite(loss) for loss in result.losses)

@@ -4,9 +4,9 @@ converters reading it back.
 Every family's file, for the default preset and for `all-linear`, must be read whole by the ComfyUI model of its
 family: its key names are built here from ComfyUI's published state-dict layouts and key map (no ComfyUI needed).
 diffusers ships converters for non-diffusers LoRAs (`diffusion_model.` keys with the original checkpoint's module
-names) for LTX-Video, Wan and HunyuanVideo: each family's `load_lora_weights` applies them, and the pipeline with
-the ComfyUI file must then produce what it produces with the diffusers file. Mochi and HunyuanVideo 1.5 have no such
-converter: their files are checked against the module names and shapes of ComfyUI's model.
+names) for LTX-Video, Wan, HunyuanVideo and MiniMax H3: each family's `load_lora_weights` applies them, and the
+pipeline with the ComfyUI file must then produce what it produces with the diffusers file. Mochi and HunyuanVideo
+1.5 have no such converter: their files are checked against the module names and shapes of ComfyUI's model.
 """
 
 from __future__ import annotations
@@ -142,6 +142,10 @@ ROUND_TRIP_TARGETS = {
     # are covered by the layout of ComfyUI's model below).
     "wan-vace": ["blocks.0.attn1.to_q", "blocks.0.attn2.to_v", "blocks.1.attn1.to_out.0", "blocks.1.ffn.net.0.proj",
                  "blocks.1.ffn.net.2", "condition_embedder.time_proj"],
+    # MiniMax H3: every layer diffusers' converter maps (fused q, k, v; SwiGLU halves swapped; the final layer).
+    "minimax-h3": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "adaln_proj.linear", "proj_in",
+                   "audio_proj_in", "context_embedder", "time_embedder.linear_1", "norm_out.linear", "proj_out",
+                   "audio_proj_out"],
     "hunyuan-video": ["transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k",
                       "transformer_blocks.0.attn.to_v", "transformer_blocks.0.attn.to_out.0", "add_q_proj",
                       "add_k_proj", "add_v_proj", "to_add_out", "transformer_blocks.0.ff.net.0.proj",
@@ -324,9 +328,34 @@ def wan_animate_layout(config: dict) -> dict[str, tuple[int, int]]:
     return layout
 
 
+def minimax_h3_layout(config: dict) -> dict[str, tuple[int, int]]:
+    """ComfyUI's MiniMax H3 (`MiniMaxH3Model`, comfy/ldm/minimax/model.py, MiniMax's names): width x, attention
+    width a, SwiGLU width f; `video_patch_proj` reads a (1, 2, 2) patch of the latents, `audio_patch_proj` one audio
+    latent; the unpruned time embedder `proj_in` / `proj_out`; text refiner and main blocks with a fused `qkv_proj`
+    (3 x a), `out_proj`, `mlp.fc1` (2 x f: gate and value) and `fc2`; a main block's `adaln_proj.linear` gives six
+    parameters for each of three modalities (18 x x); the final layer's `adaln_proj.linear` (2 x x) and its video
+    and audio heads. Weight shapes (out, in)."""
+    x, f, t = config["hidden_size"], config["ffn_dim"], config["time_embed_dim"]
+    a = config["num_attention_heads"] * config["attention_head_dim"]
+    video, audio = config["in_channels"] * config["patch_size"][0] * config["patch_size"][1] * \
+        config["patch_size"][2], config["audio_in_channels"]
+    layout = {"video_patch_proj": (x, video), "audio_patch_proj": (x, audio), "condition_proj": (x, config["text_dim"]),
+              "time_embedder.proj_in": (config["time_embed_hidden_dim"], config["freq_dim"]),
+              "time_embedder.proj_out": (t, config["time_embed_hidden_dim"]),
+              "final_layer.adaln_proj.linear": (2 * x, t), "final_layer.video_out": (video, x),
+              "final_layer.audio_out": (audio, x)}
+    block = {"attn.qkv_proj": (3 * a, x), "attn.out_proj": (x, a), "mlp.fc1": (2 * f, x), "mlp.fc2": (x, f)}
+    for n in range(config["num_refiner_layers"]):
+        layout |= {f"token_refiner.blocks.{n}.{name}": shape for name, shape in block.items()}
+    for n in range(config["num_layers"]):
+        layout |= {f"blocks.{n}.{name}": shape for name, shape in {**block, "adaln_proj.linear": (18 * x, t)}.items()}
+    return layout
+
+
 LAYOUTS = {"mochi": mochi_layout, "hunyuan-video": hunyuan_video_layout, "hunyuan-video-1.5": hunyuan_video_layout,
            "hunyuan-video-1.5-i2v": hunyuan_video_layout, "kandinsky-5": kandinsky5_layout,
-           "kandinsky-5-i2v": kandinsky5_layout, "wan-vace": wan_vace_layout, "wan-animate": wan_animate_layout}
+           "kandinsky-5-i2v": kandinsky5_layout, "wan-vace": wan_vace_layout, "wan-animate": wan_animate_layout,
+           "minimax-h3": minimax_h3_layout}
 # The families ComfyUI's core has a model for: those whose spec names ComfyUI's layers.
 COMFYUI_FAMILIES = [family for family in available_models()
                     if get_spec_class(family).comfyui_lora_rules is not ModelSpec.comfyui_lora_rules]

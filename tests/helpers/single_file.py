@@ -145,6 +145,28 @@ def _mochi_unfused(state: Tensors) -> Tensors:
     return out
 
 
+# MiniMax H3: MiniMax's names, which ComfyUI's files keep (the converter's renames, reversed).
+MINIMAX_H3 = [(r"^transformer_blocks\.", "blocks."), (r"^token_refiner\.refiner_blocks\.", "token_refiner.blocks."),
+              (r"^time_embedder\.linear_1\.", "time_embedder.proj_in."),
+              (r"^time_embedder\.linear_2\.", "time_embedder.proj_out."), (r"^proj_in\.", "video_patch_proj."),
+              (r"^audio_proj_in\.", "audio_patch_proj."), (r"^context_embedder\.", "condition_proj."),
+              (r"^norm_out\.norm\.", "final_layer.norm."), (r"^norm_out\.linear\.", "final_layer.adaln_proj.linear."),
+              (r"^proj_out\.", "final_layer.video_out."), (r"^audio_proj_out\.", "final_layer.audio_out."),
+              (r"\.attn\.norm_q\.", ".attn.q_norm."), (r"\.attn\.norm_k\.", ".attn.k_norm."),
+              (r"\.attn\.to_out\.0\.", ".attn.out_proj."), (r"\.ff\.net\.0\.proj\.", ".mlp.fc1."),
+              (r"\.ff\.net\.2\.", ".mlp.fc2.")]
+RENAMES["minimax-h3"] = MINIMAX_H3
+
+
+def _minimax_h3_unfused(state: Tensors) -> Tensors:
+    """MiniMax H3's original tensors that the diffusers layout splits or reorders: q, k and v stacked in one
+    `qkv_proj` (`[q; k; v]`, the published single files' order) and the SwiGLU input's halves as `[gate; value]`."""
+    out = _fused(state, (".attn.to_q.", ".attn.to_k.", ".attn.to_v."), ".attn.qkv_proj.")
+    for key in [key for key in out if ".ff.net.0.proj." in key]:
+        out[key] = _swapped_halves(out[key])
+    return out
+
+
 def original_layout(family: str, state: Tensors, prefix: str = "") -> Tensors:
     """`state` (a diffusers state dict of the family's transformer) under its original names, each with `prefix`
     (ComfyUI's files: `model.diffusion_model.`)."""
@@ -152,6 +174,8 @@ def original_layout(family: str, state: Tensors, prefix: str = "") -> Tensors:
         state = _hunyuan_unfused(state)
     if family == "mochi":
         state = _mochi_unfused(state)
+    if family == "minimax-h3":
+        state = _minimax_h3_unfused(state)
     renamed = _renamed(state, RENAMES[family])
     return {f"{prefix}{key}": tensor for key, tensor in renamed.items()}
 

@@ -18,18 +18,24 @@ from tests.helpers.datasets import one_clip_dataset, pair_samples
 from tests.helpers.runs import FRAME_RATE, overfit_config
 from tests.helpers.sound import add_tone
 from vidtune.config import ModelConfig
+from vidtune.data.audio import AudioBatch, read_audio
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.models.registry import available_models, get_spec_class, tiny_family
-from vidtune.models.spec import ModelSpec
+from vidtune.models.sound import AUDIO_LATENTS
+from vidtune.models.spec import GeneratedSample, Latents, ModelSpec
 from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
 
 
+def trains_sound(family: str) -> bool:
+    return get_spec_class(family).audio_format is not ModelSpec.audio_format
+
+
 def sample_with_pipeline(family: str, pretrained: Path, transformer: Path | None, video: Path, caption: str,
-                         frames: int | None = None):
-    """The clip's latents (posterior mean) and what the family's pipeline samples for its caption with the trained
-    transformer (None: the untrained one), both in the training layout."""
+                         frames: int | None = None) -> tuple[Latents, GeneratedSample]:
+    """The clip's latents (and, for a family that trains on sound, its sound's) and what the family's pipeline samples
+    for its caption with the trained transformer (None: the untrained one), both in the training layout."""
     tiny_frames, height, width = tiny_family(family).shape
     frames = frames or tiny_frames
     subfolders = {"transformer": str(transformer)} if transformer is not None else {}
@@ -37,14 +43,19 @@ def sample_with_pipeline(family: str, pretrained: Path, transformer: Path | None
     spec = get_spec_class(family)(model, FRAME_RATE)
     text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
     clip = read_clip(video, ClipWindow(frames, height, width))[None]
-    x0 = spec.prepare_latents(vae, clip)["latents_mean"]
+    sound = AudioBatch.stack([read_audio(video, frames, 0, spec.audio_format())]) if trains_sound(family) else None
+    latents = spec.prepare_latents(vae, clip, sound) if sound is not None else spec.prepare_latents(vae, clip)
     pipeline = spec.pipeline(text, vae, denoiser.eval())
     pipeline.set_progress_bar_config(disable=True)
     with torch.no_grad():
         # Image-to-video families sample from the clip's first frame; a family following a control clip, the clip.
         sampled = spec.sample(pipeline, caption, frames=frames, height=height, width=width, num_inference_steps=30,
-                              generator=torch.Generator().manual_seed(1), reference=clip[0], output="latents").latents
-    return x0, sampled
+                              generator=torch.Generator().manual_seed(1), reference=clip[0], output="latents")
+    return latents, sampled
+
+
+def relative(sampled: torch.Tensor, clean: torch.Tensor) -> float:
+    return float((sampled - clean).norm() / clean.norm())
 
 
 @pytest.mark.slow
@@ -53,9 +64,10 @@ def test_overfit_one_clip_then_sample_with_pipeline(family, tiny_model_dir, shap
     clip = pair_samples(shapes_dataset)[0]
     data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
     video = data_root / clip.video.name
-    if get_spec_class(family).audio_format is not ModelSpec.audio_format:  # a family that trains on sound
-        # A family that trains on sound (LTX-2) overfits a clip with sound: both streams train together, as its
-        # pipeline samples them (a clip without sound trains its video with the audio stream cut off).
+    if trains_sound(family):
+        # A family that trains on sound (LTX-2, MiniMax H3) overfits a clip with a stereo tone: both streams train
+        # together, as its pipeline samples them, and the sound's latents are held to the video's bound where the
+        # family's tiny model says so.
         add_tone(video)
     spec_class = get_spec_class(family)
     if spec_class.reads_control_clip and not spec_class.sampling_inputs:
@@ -67,21 +79,33 @@ def test_overfit_one_clip_then_sample_with_pipeline(family, tiny_model_dir, shap
     assert result.final_step == tiny_family(family).overfit.steps
 
     torch.manual_seed(0)
-    x0, sampled = sample_with_pipeline(family, pretrained, result.weights_path, video, clip.caption)
+    latents, sample = sample_with_pipeline(family, pretrained, result.weights_path, video, clip.caption)
+    x0, sampled = latents["latents_mean"], sample.latents
     assert sampled.shape == x0.shape
-    bound = tiny_family(family).overfit.bound
-    relative_error = float((sampled - x0).norm() / x0.norm())
-    random_error = float((torch.randn_like(x0) - x0).norm() / x0.norm())
+    settings = tiny_family(family).overfit
+    bound = settings.bound
+    relative_error = relative(sampled, x0)
+    random_error = relative(torch.randn_like(x0), x0)
     # The untrained model through the same pipeline, seed and caption: what training brought the error down from.
     _, untrained = sample_with_pipeline(family, pretrained, pretrained / "transformer", video, clip.caption)
-    untrained_error = float((untrained - x0).norm() / x0.norm())
+    untrained_error = relative(untrained.latents, x0)
+    sound = ""
+    if settings.audio_bound is not None:
+        audio = latents[AUDIO_LATENTS]
+        assert sample.audio_latents.shape == audio.shape
+        audio_error, untrained_audio = relative(sample.audio_latents, audio), relative(untrained.audio_latents, audio)
+        sound = (f"; audio latents {audio_error:.3f} (bound {settings.audio_bound}; untrained model: "
+                 f"{untrained_audio:.3f})")
     print(f"{family}: relative error {relative_error:.3f} (bound {bound}; untrained model: {untrained_error:.3f}; "
-          f"random latent: {random_error:.3f})")
+          f"random latent: {random_error:.3f}){sound}")
     assert relative_error < bound, (
         f"{family}: sampled latents are {relative_error:.3f} away (untrained: {untrained_error:.2f}, random: "
         f"{random_error:.2f})"
     )
     assert relative_error < untrained_error / 2
+    if settings.audio_bound is not None:
+        assert audio_error < settings.audio_bound, f"{family}: sampled audio latents are {audio_error:.3f} away{sound}"
+        assert audio_error < untrained_audio / 2
 
 
 def overfit_odd_latent_count(family: str, pretrained: Path, shapes_dataset: Path, tmp_path: Path,
@@ -92,11 +116,12 @@ def overfit_odd_latent_count(family: str, pretrained: Path, shapes_dataset: Path
     data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
     result = build_trainer(overfit_config(family, pretrained, data_root, tmp_path / "run", frames)).run()
     torch.manual_seed(0)
-    x0, sampled = sample_with_pipeline(family, pretrained, result.weights_path, clip.video, clip.caption, frames)
-    assert sampled.shape == x0.shape
+    latents, sampled = sample_with_pipeline(family, pretrained, result.weights_path, clip.video, clip.caption, frames)
+    x0 = latents["latents_mean"]
+    assert sampled.latents.shape == x0.shape
     _, untrained = sample_with_pipeline(family, pretrained, pretrained / "transformer", clip.video, clip.caption,
                                         frames)
-    return x0, float((sampled - x0).norm() / x0.norm()), float((untrained - x0).norm() / x0.norm())
+    return x0, relative(sampled.latents, x0), relative(untrained.latents, x0)
 
 
 @pytest.mark.slow

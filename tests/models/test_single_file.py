@@ -29,7 +29,7 @@ from vidtune.trainers import build_trainer
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 # Families whose denoiser diffusers converts from a single file.
-CONVERTED = ["ltx-video", "ltx-2", "wan", "hunyuan-video", "mochi", "skyreels-v2"]
+CONVERTED = ["ltx-video", "ltx-2", "wan", "hunyuan-video", "mochi", "skyreels-v2", "minimax-h3"]
 CPU = torch.device("cpu")
 
 
@@ -98,8 +98,9 @@ def _assert_same_run(first, second) -> None:
 @pytest.mark.parametrize("family", CONVERTED)
 def test_the_original_layout_loads_back_with_diffusers_from_single_file(converted_model_dir, tmp_path, family):
     folder = converted_model_dir(family)
-    # diffusers' HunyuanVideo converter reads the original names without ComfyUI's prefix (vidtune drops it first).
-    prefix = "" if family == "hunyuan-video" else COMFYUI_PREFIX
+    # diffusers' HunyuanVideo and MiniMax H3 converters read the original names without ComfyUI's prefix (vidtune
+    # drops it first).
+    prefix = "" if family in ("hunyuan-video", "minimax-h3") else COMFYUI_PREFIX
     path = write_original_layout(family, folder, tmp_path / "transformer.safetensors", prefix=prefix)
     cls = get_spec_class(family).denoiser_class
     loaded = cls.from_single_file(str(path), config=str(folder), subfolder="transformer").state_dict()
@@ -174,6 +175,24 @@ def test_a_float8_file_keeps_its_values_as_fp8_base_weights(make_config, tiny_mo
     _assert_same_run(reference, _train(make_config, family, tmp_path / "file", folder, path, base_weights="fp8"))
 
 
+def test_a_minimax_h3_float8_file_is_upcast_exactly_and_fp8_base_weights_are_refused_with_the_reason(tiny_model_dir,
+                                                                                                   tmp_path):
+    """MiniMax H3's fp8 file trains from its float8 values upcast (exact); as fp8 base weights it is refused before
+    training: the transformer casts layers' inputs to their weight dtype, which would be float8."""
+    folder = tiny_model_dir("minimax-h3")
+    path = write_original_layout("minimax-h3", folder, tmp_path / "minimax_fp8_e4m3fn.safetensors",
+                                 cast=float8_weights())
+    denoiser = _spec("minimax-h3", folder, path).load_denoiser(CPU)
+    expected = transformer_state(dequantised_folder(folder, tmp_path / "rounded", _float8_values(torch.float8_e4m3fn)))
+    assert denoiser.state_dict().keys() == expected.keys()
+    assert all(torch.equal(denoiser.state_dict()[key], expected[key]) for key in expected)
+    assert not torch.equal(expected["context_embedder.weight"], transformer_state(folder)["context_embedder.weight"])
+    config = build_config({"model": {"name": "minimax-h3", "pretrained": str(folder), "transformer_file": str(path)},
+                           "data": {"root": str(tmp_path)}, "memory": {"base_weights": "fp8"}})
+    with pytest.raises(ConfigError, match=r"memory\.base_weights=fp8: minimax-h3's transformer casts"):
+        _spec("minimax-h3", folder, path, base_weights="fp8").check_training(config)
+
+
 @pytest.mark.parametrize("base_weights", ["fp8", "auto"])
 def test_e5m2_weights_are_kept_as_they_are_or_upcast_exactly(tiny_model_dir, tmp_path, base_weights):
     from vidtune.memory import prepare_base_weights
@@ -196,7 +215,7 @@ def test_e5m2_weights_are_kept_as_they_are_or_upcast_exactly(tiny_model_dir, tmp
         assert torch.equal(layer.weight, stored.to(torch.float32))
 
 
-@pytest.mark.parametrize("family", ["wan", "skyreels-v2"])
+@pytest.mark.parametrize("family", ["wan", "skyreels-v2", "minimax-h3"])
 @pytest.mark.usefixtures("aligned_weights")
 def test_scaled_fp8_is_dequantised_weight_times_scale(make_config, tiny_model_dir, tmp_path, family):
     scale = 0.03
@@ -213,7 +232,7 @@ def test_scaled_fp8_is_dequantised_weight_times_scale(make_config, tiny_model_di
     denoiser = _spec(family, folder, path).load_denoiser(CPU)
     expected = transformer_state(reference_folder)
     assert all(torch.equal(denoiser.state_dict()[key], expected[key]) for key in expected)
-    key = "blocks.0.attn1.to_q.weight"
+    key = next(key for key in expected if key.endswith("attn1.to_q.weight") or key.endswith("attn.to_q.weight"))
     assert not torch.equal(expected[key], transformer_state(folder)[key])  # the file's values, not the folder's
     reference = _train(make_config, family, tmp_path / "folder", reference_folder)
     _assert_same_run(reference, _train(make_config, family, tmp_path / "file", folder, path))
@@ -336,6 +355,18 @@ def test_families_without_a_diffusers_converter_are_refused_with_the_reason(tiny
     save_file({"x": torch.zeros(1)}, str(path))
     with pytest.raises(ModelError, match=r"cannot load its transformer from a single file: diffusers has no converter"):
         _spec(family, tiny_model_dir(family), path).check_source()
+
+
+def test_a_pruned_minimax_h3_file_is_refused_with_diffusers_reason(tiny_model_dir, tmp_path):
+    """The pruned MiniMax H3 files hold a table of time embeddings (`adaln_t_table`) in place of the time embedder,
+    which diffusers' transformer has no place for: refused before any weight is read, saying so."""
+    folder = tiny_model_dir("minimax-h3")
+    full = write_original_layout("minimax-h3", folder, tmp_path / "full.safetensors")
+    pruned = {key: tensor for key, tensor in load_file(str(full)).items() if not key.startswith("time_embedder.")}
+    save_file({**pruned, "adaln_t_table": torch.zeros(8, 32)}, str(tmp_path / "pruned.safetensors"))
+    with pytest.raises(ModelError, match=r"model\.transformer_file: .*pruned.safetensors is not a minimax-h3 "
+                                         r"transformer.*pruned MiniMax-H3 checkpoint.*adaln_t_table"):
+        _spec("minimax-h3", folder, tmp_path / "pruned.safetensors").load_denoiser(CPU)
 
 
 @pytest.mark.parametrize("family, reason", [("mochi", "48 blocks"), ("hunyuan-video", "width 3072")])

@@ -8,8 +8,8 @@ also under the original checkpoint's names (`img_attn_qkv` for `img_attn.qkv`, `
 half-applies. Each function below lists the linear layers of one ComfyUI model (its class's module tree, read from
 ComfyUI's source: `comfy/ldm/lightricks/model.py` and `av_model.py`, `comfy/ldm/wan/model.py`,
 `comfy/ldm/hunyuan_video/model.py` with `comfy/ldm/flux/layers.py`, `comfy/ldm/genmo/joint_model/
-asymm_models_joint.py`) for the sizes in a diffusers transformer config; `ComfyUIModel.lora_names` applies the
-key map. CogVideoX has no model in ComfyUI's core, so it has none here.
+asymm_models_joint.py`, `comfy/ldm/minimax/model.py`) for the sizes in a diffusers transformer config;
+`ComfyUIModel.lora_names` applies the key map. CogVideoX has no model in ComfyUI's core, so it has none here.
 """
 
 from __future__ import annotations
@@ -163,3 +163,17 @@ def kandinsky5(config: dict[str, Any]) -> ComfyUIModel:
                "out_layer.out_layer", *_blocks("text_transformer_blocks", config["num_text_blocks"], text),
                *_blocks("visual_transformer_blocks", config["num_visual_blocks"], visual)}
     return ComfyUIModel("Kandinsky5", frozenset(weights))
+
+
+def minimax_h3(config: dict[str, Any]) -> ComfyUIModel:
+    """MiniMax H3 (`MiniMaxH3`, `MiniMaxH3Model` in comfy/ldm/minimax/model.py, MiniMax's names): the video and audio
+    patch projections, the caption projection `condition_proj`, the time embedder (`proj_in` / `proj_out`: the
+    unpruned checkpoint's; the pruned one replaces it with a table), the text refiner and main blocks with a fused
+    `attn.qkv_proj`, `attn.out_proj` and a SwiGLU `mlp.fc1` / `mlp.fc2` (main blocks with `adaln_proj.linear`), and
+    the final layer's modulation and two output heads."""
+    block = ["attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"]
+    weights = {"video_patch_proj", "audio_patch_proj", "condition_proj", "time_embedder.proj_in",
+               "time_embedder.proj_out", "final_layer.adaln_proj.linear", "final_layer.video_out",
+               "final_layer.audio_out", *_blocks("token_refiner.blocks", config["num_refiner_layers"], block),
+               *_blocks("blocks", config["num_layers"], [*block, "adaln_proj.linear"])}
+    return ComfyUIModel("MiniMaxH3", frozenset(weights))

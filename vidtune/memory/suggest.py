@@ -165,7 +165,9 @@ def _training_changes(config: Config) -> list[list[str]]:
     if not config.training.gradient_checkpointing:
         options.append(["", "training.gradient_checkpointing=true"])
     if _adapter_only(config) and config.memory.base_weights == "auto" and not config.lora.use_dora:
-        options.append(["", "memory.base_weights=fp8", "memory.base_weights=int8", "memory.base_weights=nf4"])
+        float8 = get_spec_class(config.model.name).float8_refusal is None  # a family that cannot is not offered it
+        options.append(["", *(["memory.base_weights=fp8"] if float8 else []), "memory.base_weights=int8",
+                        "memory.base_weights=nf4"])
     if config.optimizer.name == "adamw":
         options.append(["", "optimizer.name=adamw8bit"])
     if not config.optimizer.cpu_offload:

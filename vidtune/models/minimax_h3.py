@@ -59,6 +59,8 @@ from transformers import Qwen3VLForConditionalGeneration
 from vidtune.config import Config, TrainingConfig
 from vidtune.data.audio import AudioBatch, AudioFormat
 from vidtune.errors import ConfigError, ModelError
+from vidtune.export.comfyui import Rule
+from vidtune.export.comfyui_models import ComfyUIModel, minimax_h3
 from vidtune.models.defaults import MINIMAX_H3
 from vidtune.models.sound import (
     AUDIO_LATENTS,
@@ -148,6 +150,18 @@ class MiniMaxH3Spec(ModelSpec):
     vae_class = AutoencoderKLMiniMaxH3
     denoiser_class = MiniMaxH3Transformer3DModel
     scheduler_class = MiniMaxH3Scheduler
+    # MiniMax's original layout and ComfyUI's MiniMax H3 files: q, k and v stacked `[q; k; v]` as every published
+    # single file holds them (diffusers' converter cannot tell a file merged by hand from MiniMaxAI's per-head
+    # interleaved shards from one, and reads the stacked order); the pruned files (`adaln_t_table` in place of the
+    # time embedder) are refused by the converter with that reason.
+    loads_single_file = True
+    float8_refusal = ("transformer casts each layer's input to that layer's weight dtype (its caption projection and "
+                      "modulations), so float8 storage would make it compute in float8")
+    conditioning_refusal: ClassVar[str] = (
+        "vidtune trains and samples its text-to-video-and-audio workflow only; the pipeline's keyframe workflow "
+        "(`fl2va`: first and last frames) puts each keyframe both in the caption, as a Qwen3-VL vision block, and "
+        "in front of the generated rows as an anchor noised to t = 0.999, and its reference workflow (`ref2va`) reads "
+        "a second transformer (`transformer_ref`): neither is trained yet")
     control_refusal: ClassVar[str] = (
         "its transformer reads one packed sequence of text, sound and picture rows per clip, whose video rows a "
         "widened input layer cannot tell from the others.")
@@ -182,6 +196,11 @@ class MiniMaxH3Spec(ModelSpec):
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         spatial, clip_length, kept, patch = self.compression
         problems = side_problems(height, width, spatial * patch[1], spatial * patch[2])
+        if width < 2 * spatial * patch[2]:
+            # The sound's two channels sit at the two ends of the video's width grid: on a canvas one patch wide they
+            # share every rotary position, and the transformer cannot tell left from right.
+            problems.append(f"data.width={width} must be at least {2 * spatial * patch[2]} (two patch columns): the "
+                            "pipeline places the sound's left and right channels at the first and last column")
         valid = [clip_length * n + kept for n in range(1, 64) if clip_length * n + kept <= MAX_SECONDS * MINIMAX_H3_FPS]
         if frames not in valid:
             nearest = sorted(valid, key=lambda value: abs(value - frames))[:2]
@@ -194,7 +213,13 @@ class MiniMaxH3Spec(ModelSpec):
 
     def check_training(self, config: Config) -> None:
         """The model runs at 24 fps, and its sound lasts frames / 24 s: another frame rate would pair a clip's frames
-        with sound of another length than the pipeline's."""
+        with sound of another length than the pipeline's. Its frozen weights cannot be stored in float8: the
+        transformer casts its inputs to the dtype of the layer that reads them (the caption projection, each
+        block's modulation), which would then be float8."""
+        if config.memory.base_weights == "fp8":
+            raise ConfigError(f"memory.base_weights=fp8: {self.name}'s {self.float8_refusal}.\nWhat to do: set "
+                              "memory.base_weights=int8 or nf4 (or auto); a float8 file (model.transformer_file) is "
+                              "then upcast exactly.")
         if config.frame_rate != MINIMAX_H3_FPS:
             raise ConfigError(
                 f"model.frame_rate / data.fps = {config.frame_rate:g}: {self.name} is a {MINIMAX_H3_FPS} fps model "
@@ -368,11 +393,40 @@ class MiniMaxH3Spec(ModelSpec):
         frames, height, width = (int(size) for size in latent_shape[-3:])
         return -(-frames // patch_t) * (height // patch_h) * (width // patch_w)
 
-    # ----- ComfyUI ----------------------------------------------------------------------------------------------
-    def comfyui_absent(self) -> str:
-        return ("ComfyUI's core runs MiniMax H3 (comfy/ldm/minimax), but vidtune does not write its LoRA key names "
-                "yet, so there is no ComfyUI file. The run's diffusers adapter file loads with "
-                "MiniMaxH3ModularPipeline's load_lora_weights, and with `vidtune sample`.")
+    # ----- ComfyUI ---------------------------------------------------------------------------------------------
+    def comfyui_lora_rules(self) -> list[Rule]:
+        """MiniMax's names, which ComfyUI's model keeps (diffusers' single-file converter, read backwards): q, k and
+        v fused as `[q; k; v]` in `attn.qkv_proj`; the SwiGLU input `mlp.fc1` holding `[gate; value]` where diffusers'
+        holds `[value; gate]`; `transformer_blocks` -> `blocks`, `token_refiner.refiner_blocks` ->
+        `token_refiner.blocks`; the final layer's modulation and heads under `final_layer`."""
+        config = self.load_config(MiniMaxH3Transformer3DModel, "transformer")
+        inner = int(config.get("num_attention_heads", 56)) * int(config.get("attention_head_dim", 128))
+        blocks = []
+        renamed = (("transformer_blocks", "blocks"), (r"token_refiner\.refiner_blocks", "token_refiner.blocks"))
+        for source, target in renamed:
+            block, comfy_block = rf"{source}\.(\d+)", rf"{target}.\1"
+            blocks += [
+                *[Rule(rf"{block}\.attn\.to_{x}", f"{comfy_block}.attn.qkv_proj", part, (inner,) * 3)
+                  for part, x in enumerate("qkv")],
+                Rule(rf"{block}\.attn\.to_out\.0", f"{comfy_block}.attn.out_proj"),
+                Rule(rf"{block}\.ff\.net\.0\.proj", f"{comfy_block}.mlp.fc1", swap_halves=True),
+                Rule(rf"{block}\.ff\.net\.2", f"{comfy_block}.mlp.fc2"),
+                Rule(rf"{block}\.adaln_proj\.linear", f"{comfy_block}.adaln_proj.linear"),
+            ]
+        return [
+            *blocks,
+            Rule(r"proj_in", "video_patch_proj"),
+            Rule(r"audio_proj_in", "audio_patch_proj"),
+            Rule(r"context_embedder", "condition_proj"),
+            Rule(r"time_embedder\.linear_1", "time_embedder.proj_in"),
+            Rule(r"time_embedder\.linear_2", "time_embedder.proj_out"),
+            Rule(r"norm_out\.linear", "final_layer.adaln_proj.linear"),
+            Rule(r"proj_out", "final_layer.video_out"),
+            Rule(r"audio_proj_out", "final_layer.audio_out"),
+        ]
+
+    def comfyui_model(self) -> ComfyUIModel:
+        return minimax_h3(self.load_config(MiniMaxH3Transformer3DModel, "transformer"))
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: MiniMaxH3Autoencoders, denoiser: nn.Module) -> Any:

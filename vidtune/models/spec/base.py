@@ -71,6 +71,9 @@ class SpecBase(ABC):
     # The family reads `model.animate_*` (Wan Animate's mode and segments); any other refuses them before loading.
     takes_animate_settings: ClassVar[bool] = False
     conditioning_refusal: ClassVar[str] = "its pipeline takes a text prompt, or a first image, only"
+    # Why the denoiser's frozen weights cannot be stored in float8 (`memory.base_weights: fp8`, refused with it and
+    # never suggested by `vidtune plan`); None: they can.
+    float8_refusal: ClassVar[str | None] = None
     # diffusers / transformers classes of the components, used by the default loaders, and the family's pipeline
     # (its `save_lora_weights` writes the LoRA format the family's tools read).
     pipeline_class: ClassVar[Any]

@@ -27,12 +27,15 @@ class OverfitSettings:
     cache): optimizer steps, peak learning rate (linear warm-up over a tenth of the steps, then cosine decay),
     clips per step (the one clip, visited `batch_size` times with its own noise), and the bound on the relative
     error of the latents the family's pipeline samples afterwards. Never raise the bound to pass: a failure means
-    training and the pipeline disagree (target, timestep direction, packing, normalisation, rotary embeddings)."""
+    training and the pipeline disagree (target, timestep direction, packing, normalisation, rotary embeddings).
+    `audio_bound`: for a family that trains sound with the picture, the bound on the sampled audio latents' relative
+    error (None: the sound stream is tested elsewhere)."""
 
     steps: int
     learning_rate: float
     batch_size: int = 4
     bound: float = 0.15
+    audio_bound: float | None = None
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,9 @@ from vidtune.models.tiny.common import (
     reference_videos,
 )
 
-# 22 frames (17 + 5): one VAE chunk, 7 latent frames of 2x2 and 37 audio latents per channel.
-SHAPE = (22, 32, 32)
+# 22 frames (17 + 5): one VAE chunk, 7 latent frames of 2x4 and 37 audio latents per channel. Two patch columns: the
+# sound's two channels sit at the width grid's two ends, and on one column they would share every rotary position.
+SHAPE = (22, 32, 64)
 TEXT_DIM = 16
 AUDIO_RATE = 8000  # hop 200 (2 * 4 * 5 * 5): 40 latents per second, at a rate AAC takes (mp4 sound tracks)
 
@@ -114,5 +115,6 @@ def write_modular_index(folder: Path, components: dict[str, object]) -> None:
 
 
 TINY = {
-    "minimax-h3": TinyFamily(write_tiny_minimax_h3, SHAPE, OverfitSettings(steps=600, learning_rate=1e-2)),
+    "minimax-h3": TinyFamily(write_tiny_minimax_h3, SHAPE,
+                             OverfitSettings(steps=600, learning_rate=1e-2, audio_bound=0.15)),
 }

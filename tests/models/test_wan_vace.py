@@ -1,6 +1,8 @@
-"""Wan VACE: the control context training builds is the one WanVACEPipeline builds; the per-stack LoRA presets adapt
-what they say; each sample's control clip reaches training on the fly and from the cache alike; a run resumes bit
-for bit; the LoRA samples through WanVACEPipeline; two (control, target) pairs with one caption are told apart."""
+"""Wan VACE: the control context training builds is the one WanVACEPipeline builds (with masks and reference images
+too); the per-stack LoRA presets adapt what they say; each sample's control clip, mask and reference images reach
+training on the fly and from the cache alike; bad masks and reference images are named before anything loads; a run
+resumes bit for bit; the LoRA samples through WanVACEPipeline; two (control, target) pairs with one caption are told
+apart."""
 
 from __future__ import annotations
 
@@ -12,15 +14,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.datasets import CONTROL_CAPTION, control_dataset
+from tests.helpers.datasets import CONTROL_CAPTION, control_dataset, write_mask
 from tests.helpers.runs import run_stopped_at
 from vidtune.algorithms.build import build_part, build_spec
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError, DataError
 from vidtune.models.registry import get_spec_class
-from vidtune.models.spec import CONTROL_LATENTS, POSTERIOR_KEYS, frames_to_pil
+from vidtune.models.spec import CONTROL_INPUT, CONTROL_LATENTS, POSTERIOR_KEYS, frames_to_pil
 from vidtune.models.tiny import TINY_SHAPES
-from vidtune.models.wan_vace import INACTIVE_LATENTS
+from vidtune.models.wan_vace import FOLDED_MASK, INACTIVE_LATENTS, MASKED_CONTROL, REFERENCE_LATENTS
 from vidtune.sampling import load_pipeline
 from vidtune.trainers import build_trainer
 
@@ -63,6 +65,48 @@ def test_the_control_context_is_the_pipelines(make_config):
     bare = spec.control_context({INACTIVE_LATENTS: latents[INACTIVE_LATENTS]}, latents["latents_mean"])
     channels = latents["latents_mean"].shape[1]
     assert torch.equal(bare[:, channels : 2 * channels], latents[INACTIVE_LATENTS])
+
+
+def test_a_masked_control_with_reference_images_is_the_pipelines(make_config):
+    """With a mask and two reference images, the context training builds (`encode_inputs` then `control_context`)
+    equals WanVACEPipeline's from the same tensors: the control video split by the binarised mask, the mask folded,
+    each reference image encoded alone and put in front (the last first) with zero reactive latents and a zero mask.
+    A still mask is the same mask on every frame. The clean latents start with the references' latents, as the
+    pipeline's latents start with their positions."""
+    _, spec = _spec(make_config)
+    text, vae, denoiser = spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
+    generator = torch.Generator().manual_seed(0)
+    video = _on_uint8_grid(torch.rand(1, FRAMES, 3, HEIGHT, WIDTH, generator=generator) * 2 - 1)
+    control = _on_uint8_grid(torch.rand(FRAMES, 3, HEIGHT, WIDTH, generator=generator) * 2 - 1)
+    mask = -torch.ones(FRAMES, 3, HEIGHT, WIDTH)
+    mask[:, :, :, WIDTH // 4 :] = 1.0  # white (generate) on the right three quarters
+    mask[FRAMES // 2 :, :, : HEIGHT // 2] = 1.0  # and the top half from the middle frame on
+    images = [_on_uint8_grid(torch.rand(3, 1, HEIGHT, WIDTH, generator=generator) * 2 - 1) for _ in range(2)]
+    latents = spec.prepare_latents(vae, video)
+    encoded = spec.encode_inputs(vae, {"mask": mask.transpose(0, 1)[None], "reference_images": [images],
+                                       CONTROL_INPUT: control.transpose(0, 1)[None]}, latents)
+    assert encoded.keys() >= {MASKED_CONTROL, FOLDED_MASK, REFERENCE_LATENTS}
+    trained = spec.training_latents({**latents, **encoded})
+    assert trained["latents_mean"].shape[2] == latents["latents_mean"].shape[2] + 2
+    ours = spec.control_context(trained, trained["latents_mean"])
+    pipeline = spec.pipeline(text, vae, denoiser)
+    pictures = [frames_to_pil(image.transpose(0, 1))[0] for image in images]
+    pixels, masks, references = pipeline.preprocess_conditions(frames_to_pil(control), frames_to_pil(mask), pictures,
+                                                                1, HEIGHT, WIDTH, FRAMES, torch.float32, CPU)
+    theirs = torch.cat([pipeline.prepare_video_latents(pixels, masks, references, None, CPU),
+                        pipeline.prepare_masks(masks, references, None)], dim=1)
+    assert ours.shape == theirs.shape
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    # The clean latents' reference positions are the references' own latents, in the context's order.
+    channels = latents["latents_mean"].shape[1]
+    assert torch.equal(trained["latents_mean"][:, :, :2], ours[:, :channels, :2])
+    assert torch.equal(trained["latents_std"][:, :, :2], torch.zeros_like(trained["latents_std"][:, :, :2]))
+    # A still: the mask of its one frame on every frame.
+    still = spec.encode_inputs(vae, {"mask": mask[:1].transpose(0, 1)[None],
+                                     CONTROL_INPUT: control.transpose(0, 1)[None]}, latents)
+    every = spec.encode_inputs(vae, {"mask": mask[:1].expand(FRAMES, -1, -1, -1).transpose(0, 1)[None],
+                                     CONTROL_INPUT: control.transpose(0, 1)[None]}, latents)
+    assert all(torch.equal(still[key], every[key]) for key in (MASKED_CONTROL, FOLDED_MASK))
 
 
 def test_the_control_clip_reaches_the_prediction_once_the_branch_trains(make_config):
@@ -146,6 +190,98 @@ def test_cached_batches_equal_those_encoded_on_the_fly(make_config, shapes_datas
         assert torch.allclose(from_cache.latents[key], value, atol=1e-6), key
     # The control latents are the control clips', not the targets'.
     assert not torch.allclose(on_the_fly.latents[CONTROL_LATENTS], on_the_fly.latents[POSTERIOR_KEYS[0]], atol=1e-2)
+
+
+def _reference_image(path: Path, height: int, width: int, seed: int) -> Path:
+    from PIL import Image
+
+    pixels = torch.randint(0, 256, (height, width, 3), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    Image.fromarray(pixels.numpy()).save(path)
+    return path
+
+
+def _vace_dataset(shapes_dataset: Path, root: Path) -> dict:
+    """The two (control, target) pairs with a mask each (a still; the second's white on its right half) and two
+    reference images each (the second of another aspect), from masks.txt and references.txt."""
+    root, _, _ = control_dataset(shapes_dataset, root)
+    masks = [write_mask(root / "mask0.png", 48, 48, white=(0.0, 0.0, 1.0, 0.5)),
+             write_mask(root / "mask1.png", 48, 48, white=(0.5, 0.0, 1.0, 1.0))]
+    references = [[_reference_image(root / f"ref{clip}{number}.png", 48, 48 - 16 * number, 2 * clip + number)
+                   for number in range(2)] for clip in range(2)]
+    (root / "masks.txt").write_text("".join(f"{mask.name}\n" for mask in masks))
+    (root / "references.txt").write_text("".join(" | ".join(path.name for path in refs) + "\n" for refs in references))
+    return {"type": "pairs", "root": str(root), "inputs": {"mask": "masks.txt", "reference_images": "references.txt"}}
+
+
+def test_masks_and_reference_images_train_alike_from_the_cache_and_on_the_fly(make_config, shapes_dataset, tmp_path,
+                                                                                monkeypatch):
+    """Each clip's mask and reference images (masks.txt, references.txt) reach training encoded as the pipeline
+    encodes them, alike on the fly and from the cache (the same batches and losses); validation hands the first
+    clip's mask and reference images to the pipeline; the mask changes what is trained; a changed mask is encoded
+    again alone."""
+    entry = _vace_dataset(shapes_dataset, tmp_path / "data")
+    batches, losses, adapters, configs = {}, {}, {}, {}
+    seen: list = []
+    original = get_spec_class(FAMILY).sample
+
+    def recording(spec, *args, **kwargs):
+        seen.append(kwargs.get("inputs"))
+        return original(spec, *args, **kwargs)
+
+    monkeypatch.setattr(get_spec_class(FAMILY), "sample", recording)
+    runs = {"on the fly": (entry, False), "cached": (entry, True),
+            "without masks": ({**entry, "inputs": {"reference_images": "references.txt"}}, False)}
+    for name, (source, cached) in runs.items():
+        output = tmp_path / name.replace(" ", "-")
+        config = make_config(FAMILY, data={"root": None, "datasets": [source]},
+                             training={"batch_size": 2, "steps": 2, "learning_rate": 5e-2},
+                             lora={"rank": 4, "alpha": 4, "target_modules": "vace-blocks"},
+                             precompute={"enabled": cached, "cache_dir": str(tmp_path / "cache"), "batch_size": 1},
+                             validation={"enabled": name == "on the fly", "every": 2, "num_inference_steps": 1},
+                             logging={"progress": False, "log_every": 1}, output_dir=str(output))
+        trainer, configs[name] = build_trainer(config), config
+        batches[name] = next(trainer.set_up().source.batches(0))
+        trainer.run()
+        losses[name] = [json.loads(row)["loss"] for row in (output / "metrics.jsonl").read_text().splitlines()
+                        if "loss" in json.loads(row)]
+        adapters[name] = load_file(output / "pytorch_lora_weights.safetensors")
+    on_the_fly, from_cache = batches["on the fly"], batches["cached"]
+    assert on_the_fly.latents.keys() == from_cache.latents.keys() >= {MASKED_CONTROL, FOLDED_MASK, REFERENCE_LATENTS}
+    for key, value in on_the_fly.latents.items():
+        assert torch.allclose(from_cache.latents[key], value, atol=1e-6), key
+    assert len(losses["on the fly"]) == 2 and losses["cached"] == pytest.approx(losses["on the fly"], rel=1e-5)
+    # Two reference latent frames each; the second clip's mask keeps its left half (zero in the folded mask)
+    assert on_the_fly.latents[REFERENCE_LATENTS].shape[2] == 2
+    second = on_the_fly.indices.tolist().index(1)
+    folded = on_the_fly.latents[FOLDED_MASK][second]
+    # (resized with its clip, the mask's edge turns a little grey)
+    assert folded[..., : folded.shape[-1] // 2].max() < 0.1 and folded[..., folded.shape[-1] // 2 :].min() > 0.9
+    # The mask changes what the VACE blocks learn.
+    without = adapters["without masks"]
+    assert any(not torch.equal(value, without[key]) for key, value in adapters["on the fly"].items())
+    # Validation sampled with the first clip's mask (a still) and its two reference images fitted to the shape.
+    assert seen and all(inputs is not None and set(inputs) == {"mask", "reference_images"} for inputs in seen)
+    assert tuple(seen[0]["mask"].shape) == (3, 1, HEIGHT, WIDTH)
+    assert tuple(seen[0]["reference_images"].shape) == (3, 2, HEIGHT, WIDTH)
+    # Changing one mask encodes that mask again, alone.
+    from vidtune.precompute import precompute
+
+    write_mask(Path(entry["root"]) / "mask1.png", 48, 48, white=(0.0, 0.5, 1.0, 1.0))
+    summary = precompute(configs["cached"], progress=False)
+    assert (summary.latents_computed, summary.inputs_computed) == (0, 1)
+
+
+def test_bad_masks_and_reference_images_are_named_before_anything_loads(make_config, shapes_dataset, tmp_path):
+    entry = _vace_dataset(shapes_dataset, tmp_path / "data")
+    root = Path(entry["root"])
+    write_mask(root / "mask1.png", 48, 24)  # another aspect than its clip's
+    (root / "ref01.png").write_bytes(b"not a picture")
+    config = make_config(FAMILY, data={"root": None, "datasets": [entry]})
+    with pytest.raises(DataError) as raised:
+        build_trainer(config).run()
+    message = str(raised.value)
+    assert "videos.txt line 1" in message and "ref01.png cannot be read" in message
+    assert "videos.txt line 2" in message and "mask1.png is 48x24, another shape than the clip's" in message
 
 
 def test_a_resumed_run_ends_bit_for_bit_like_one_left_alone(make_config, shapes_dataset, tmp_path):

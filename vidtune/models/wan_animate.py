@@ -71,6 +71,7 @@ class WanAnimateSpec(WanImageToVideoSpec):
                        "or controls.txt) and train with `lora` or `full`.")
     reads_control_clip = True  # the pose video of a clip without a `pose` input: its control clip
     sampling_inputs = ("pose", "face")
+    control_input_kind = "pose"
 
     def check_clip_inputs(self, clips: list[Clip]) -> None:
         """Nothing is required beside a clip: its pose is its `pose` input, else its control clip, else a black

@@ -284,6 +284,50 @@ def test_bad_masks_and_reference_images_are_named_before_anything_loads(make_con
     assert "videos.txt line 2" in message and "mask1.png is 48x24, another shape than the clip's" in message
 
 
+def test_wan_2_2_vace_fun_trains_both_experts_and_samples_through_wan_vace_pipeline(make_config, shapes_dataset,
+                                                                                     tmp_path):
+    """A Wan 2.2 VACE-Fun A14B folder (two experts and a boundary in model_index.json) is the same family: each
+    expert gets its adapter, with masks and reference images, and both load into WanVACEPipeline's `transformer` and
+    `transformer_2`; a 5B layout (per-token timesteps) is refused by name before anything loads."""
+    from vidtune.models.tiny.wan_vace import write_tiny_wan_vace
+
+    folder = write_tiny_wan_vace(tmp_path / "a14b", two_experts=True, boundary_ratio=0.5)
+    entry = _vace_dataset(shapes_dataset, tmp_path / "data")
+    config = make_config(FAMILY, model={"pretrained": str(folder)}, data={"root": None, "datasets": [entry]},
+                         training={"batch_size": 2, "steps": 2, "learning_rate": 5e-2}, lora={"rank": 4, "alpha": 4})
+    trainer = build_trainer(config)
+    trainer.run()
+    spec = trainer.spec
+    assert spec.two_experts and set(spec.denoiser_parts(trainer.context.denoiser)) == {"transformer", "transformer_2"}
+    output = Path(config.output_dir)
+    assert {"pytorch_lora_weights.safetensors", "pytorch_lora_weights_transformer_2.safetensors"} <= \
+        {path.name for path in output.iterdir()}
+    clip = trainer.context.clips[0]
+    window = ClipWindow(FRAMES, HEIGHT, WIDTH)
+    inputs = {"mask": read_clip(clip.inputs["mask"][0], ClipWindow(1, HEIGHT, WIDTH)).transpose(0, 1),
+              "reference_images": torch.cat([read_clip(path, ClipWindow(1, HEIGHT, WIDTH, resize="fit"))
+                                             for path in clip.inputs["reference_images"]]).transpose(0, 1)}
+
+    def sample(pipeline) -> torch.Tensor:
+        pipeline.set_progress_bar_config(disable=True)
+        return spec.sample(pipeline, CONTROL_CAPTION, frames=FRAMES, height=HEIGHT, width=WIDTH,
+                           num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                           reference=read_clip(clip.control, window), inputs=inputs, output="latents").latents
+
+    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
+    plain = spec.pipeline(text, vae, spec.load_denoiser(CPU))
+    assert plain.transformer_2 is not None and plain.config.boundary_ratio == 0.5
+    adapted = spec.pipeline(text, vae, spec.load_denoiser(CPU))
+    spec.load_lora(adapted, output)
+    before, after = sample(plain), sample(adapted)
+    assert before.shape[2] == (FRAMES - 1) // 4 + 1 + 2  # the two reference images' positions first
+    assert (after - before).abs().max() > 1e-4
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    with pytest.raises(ConfigError, match=r"expand_timesteps .*no 5B VACE model loads"):
+        build_trainer(config.model_copy(update={"output_dir": str(tmp_path / "refused")})).run()
+
+
 def test_a_resumed_run_ends_bit_for_bit_like_one_left_alone(make_config, shapes_dataset, tmp_path):
     root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
     settings = {"training": {"steps": 5, "learning_rate": 1e-2, "ema_decay": 0.8}, "checkpoint": {"every": 2},

@@ -51,7 +51,8 @@ from vidtune.models.spec import (
     frames_to_pil,
 )
 from vidtune.models.spec.sampling import step_callback
-from vidtune.models.wan import WAN_FEED_FORWARD_TARGETS, EmbeddedPrompts, WanSpec
+from vidtune.models.wan import WAN_FEED_FORWARD_TARGETS, EmbeddedPrompts
+from vidtune.models.wan22 import Wan22Spec
 
 # The latents of the inactive video (a black clip when no mask is given), beside each clip's posterior.
 INACTIVE_LATENTS = "vace_inactive"
@@ -69,12 +70,19 @@ BLOCK_LAYERS = tuple(f"{attention}.{target}" for attention in ("attn1", "attn2")
     WAN_FEED_FORWARD_TARGETS
 
 
-class WanVACESpec(EmbeddedPrompts, WanSpec):
+class WanVACESpec(EmbeddedPrompts, Wan22Spec):
     """Wan VACE: Wan 2.1 with VACE blocks that follow each sample's control clip (see the module docstring).
-    Prompts reach the pipeline as embeddings (WanVACEPipeline cleans text with ftfy unconditionally)."""
+    Prompts reach the pipeline as embeddings (WanVACEPipeline cleans text with ftfy unconditionally).
+
+    A folder whose model_index.json names a `transformer_2` and a `boundary_ratio` is Wan 2.2 VACE-Fun A14B
+    (alibaba-pai's, in diffusers' layout): two experts of Wan 2.1 VACE 14B's shape, each with its VACE blocks,
+    handled as Wan 2.2 A14B's (`model.experts`, `model.expert_routing`, one adapter file per expert: see
+    vidtune/models/wan22.py). WanVACEPipeline takes no per-token timesteps, so Wan 2.2's 5B (TI2V) layout has no VACE
+    model it can load: `expand_timesteps` is refused by name."""
 
     name = "wan-vace"
     model_title: ClassVar[str] = "Wan VACE"
+    published_guidance: ClassVar[dict[str, float]] = {"ti2v": 5.0, "two_experts": 5.0}  # WanVACEPipeline's default
     pipeline_class = WanVACEPipeline
     denoiser_class = WanVACETransformer3DModel
     defaults = WAN_VACE
@@ -84,7 +92,24 @@ class WanVACESpec(EmbeddedPrompts, WanSpec):
     # The VACE blocks run first (their hints join the main blocks'), and are swapped like them.
     block_lists = ("vace_blocks", "blocks")
 
+    @functools.cached_property
+    def pipeline_config(self) -> dict[str, Any]:
+        """model_index.json (`boundary_ratio` and `transformer_2` of a Wan 2.2 VACE-Fun A14B folder); without one,
+        one transformer (Wan 2.1 VACE)."""
+        return self.model_index
+
+    def check_source(self) -> None:
+        super().check_source()
+        if self.expand_timesteps:
+            raise ConfigError(
+                f"model.pretrained={self.config.pretrained}: its model_index.json sets expand_timesteps (one timestep "
+                "per latent token, Wan 2.2's 5B / TI2V layout), which WanVACEPipeline does not take: no 5B VACE model "
+                "loads in it.\nWhat to do: train Wan 2.1 VACE (1.3B / 14B) or Wan 2.2 VACE-Fun A14B (e.g. "
+                "linoyts/Wan2.2-VACE-Fun-14B-diffusers) with model.name wan-vace, or the 5B model as wan2.2."
+            )
+
     def check_training(self, config: Config) -> None:
+        super().check_training(config)  # two experts: Wan 2.2's refusals
         if traits_of(config).control:
             raise ConfigError(
                 f"training.algorithm={config.training.algorithm}: {self.name} follows its control clip through its "
@@ -263,6 +288,13 @@ class WanVACESpec(EmbeddedPrompts, WanSpec):
         )[0]
 
     # ----- sampling ------------------------------------------------------------------------------------
+    def pipeline(self, text: Any, vae: nn.Module, denoiser: nn.Module) -> Any:
+        """WanVACEPipeline with the denoiser, or both experts and the boundary (Wan 2.2 VACE-Fun A14B)."""
+        experts = self.pipeline_experts(denoiser)
+        experts.pop("expand_timesteps", None)  # one transformer: Wan 2.1 VACE (5B layouts are refused)
+        return WanVACEPipeline(tokenizer=text["tokenizer"], text_encoder=text["text_encoder"], vae=vae,
+                               scheduler=self.load_scheduler(), **experts)
+
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
         """The control clip (`reference`, [F, 3, H, W] in [-1, 1]: validation gives the first sample's, `vidtune
         sample` its --control) as the pipeline's `video`, as pictures; without one the pipeline's black video."""
@@ -331,3 +363,4 @@ class WanVACESpec(EmbeddedPrompts, WanSpec):
 
     def comfyui_model(self) -> ComfyUIModel:
         return wan21_vace(self.load_config(self.denoiser_class, "transformer"))
+

@@ -107,6 +107,29 @@ def test_a_masked_control_with_reference_images_is_the_pipelines(make_config):
     every = spec.encode_inputs(vae, {"mask": mask[:1].expand(FRAMES, -1, -1, -1).transpose(0, 1)[None],
                                      CONTROL_INPUT: control.transpose(0, 1)[None]}, latents)
     assert all(torch.equal(still[key], every[key]) for key in (MASKED_CONTROL, FOLDED_MASK))
+    # Sampling hands the same mask and pictures to the pipeline: `sample(inputs=...)` is the pipeline's own call
+    # with `video`, `mask` and `reference_images`, and (once the VACE branch holds weights) the mask matters.
+    with torch.no_grad():
+        for block in denoiser.vace_blocks:
+            for projection in (block.proj_in, block.proj_out):
+                if projection is not None:
+                    projection.weight.normal_(0, 0.2, generator=generator)
+    pipeline.set_progress_bar_config(disable=True)
+    inputs = {"mask": mask.transpose(0, 1), "reference_images": torch.cat(images, dim=1)}
+
+    def sampled(given: dict) -> torch.Tensor:
+        return spec.sample(pipeline, CONTROL_CAPTION, frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=2,
+                           generator=torch.Generator().manual_seed(0), reference=control, inputs=given,
+                           output="latents").latents
+
+    direct = pipeline(prompt_embeds=spec.prepare_conditions(text, [CONTROL_CAPTION])["prompt_embeds"],
+                      guidance_scale=1.0, video=frames_to_pil(control), mask=frames_to_pil(mask),
+                      reference_images=pictures, num_frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=2,
+                      generator=torch.Generator().manual_seed(0), output_type="latent").frames
+    ours_sampled = sampled(inputs)
+    assert ours_sampled.shape[2] == latents["latents_mean"].shape[2] + 2
+    assert torch.allclose(ours_sampled, direct, atol=1e-5)
+    assert not torch.allclose(ours_sampled, sampled({"reference_images": inputs["reference_images"]}), atol=1e-4)
 
 
 def test_the_control_clip_reaches_the_prediction_once_the_branch_trains(make_config):
@@ -329,14 +352,16 @@ def test_wan_2_2_vace_fun_trains_both_experts_and_samples_through_wan_vace_pipel
 
 
 def test_a_resumed_run_ends_bit_for_bit_like_one_left_alone(make_config, shapes_dataset, tmp_path):
-    root, _, _ = control_dataset(shapes_dataset, tmp_path / "data")
-    settings = {"training": {"steps": 5, "learning_rate": 1e-2, "ema_decay": 0.8}, "checkpoint": {"every": 2},
+    """With control clips, masks and reference images."""
+    entry = _vace_dataset(shapes_dataset, tmp_path / "data")
+    settings = {"data": {"root": None, "datasets": [entry]},
+                "training": {"steps": 5, "learning_rate": 1e-2, "ema_decay": 0.8}, "checkpoint": {"every": 2},
                 "lora": {"dropout": 0.1, "target_modules": "vace-blocks"}}
-    build_trainer(make_config(FAMILY, data_root=root, **settings, output_dir=str(tmp_path / "reference"))).run()
+    build_trainer(make_config(FAMILY, **settings, output_dir=str(tmp_path / "reference"))).run()
     stopped = tmp_path / "stopped"
-    run_stopped_at(build_trainer(make_config(FAMILY, data_root=root, **settings, output_dir=str(stopped))), 3)
+    run_stopped_at(build_trainer(make_config(FAMILY, **settings, output_dir=str(stopped))), 3)
     resumed = {**settings, "checkpoint": {**settings["checkpoint"], "resume": "latest"}}
-    assert build_trainer(make_config(FAMILY, data_root=root, **resumed, output_dir=str(stopped))).run().final_step == 5
+    assert build_trainer(make_config(FAMILY, **resumed, output_dir=str(stopped))).run().final_step == 5
     for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_ema.safetensors"):
         expected, got = load_file(tmp_path / "reference" / name), load_file(stopped / name)
         assert expected and expected.keys() == got.keys()

@@ -453,8 +453,11 @@ def test_the_lora_loads_in_wan_vace_pipeline_and_starts_from_the_base_model(make
 def test_vidtune_sample_follows_the_control_clip_it_is_given(make_config, shapes_dataset, tmp_path, capsys):
     from vidtune.cli import main as cli_main
 
-    root, _, controls = control_dataset(shapes_dataset, tmp_path / "data")
-    config = make_config(FAMILY, data_root=root, training={"steps": 2, "learning_rate": 0.1},
+    """With the run's first sample's mask and reference images (its samples' latents start with the two references'
+    positions), whichever control clip it follows."""
+    entry = _vace_dataset(shapes_dataset, tmp_path / "data")
+    controls = [Path(line) for line in (Path(entry["root"]) / "controls.txt").read_text().splitlines()]
+    config = make_config(FAMILY, data={"root": None, "datasets": [entry]}, training={"steps": 2, "learning_rate": 0.1},
                          lora={"rank": 4, "alpha": 4, "target_modules": "vace-blocks"})
     build_trainer(config).run()
     latents = []
@@ -465,7 +468,10 @@ def test_vidtune_sample_follows_the_control_clip_it_is_given(make_config, shapes
                          "--output", str(output), "--latents", str(path), *extra]) == 0
         assert output.is_file()
         latents.append(load_file(path)["latents"])
-    assert "Following the control clip" in capsys.readouterr().out  # without --control: the first clip's
+    out = capsys.readouterr().out
+    assert "Following the control clip" in out  # without --control: the first clip's
+    assert "Following the mask and reference images of the run's first clip" in out
+    assert latents[0].shape[2] == (FRAMES - 1) // 4 + 1 + 2
     assert not torch.equal(latents[0], latents[1])  # another control clip, another sample
     assert torch.equal(latents[0], latents[2])
     assert cli_main(["sample", config.output_dir, "--prompt", "x", "--control", str(tmp_path / "no.mp4"),

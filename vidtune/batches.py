@@ -39,7 +39,15 @@ from vidtune.data.dataset import VideoCaptionDataset, collate_samples
 from vidtune.data.encoded_store import EncodedStore
 from vidtune.data.frame_store import FrameStore
 from vidtune.data.sources import Clip, draw_weights
-from vidtune.models.spec import CONTROL_LATENTS, FRAME_RATE, Conditions, Latents, ModelSpec, TextComponents
+from vidtune.models.spec import (
+    CONTROL_INPUT,
+    CONTROL_LATENTS,
+    FRAME_RATE,
+    Conditions,
+    Latents,
+    ModelSpec,
+    TextComponents,
+)
 from vidtune.precompute import (
     CachedClips,
     collate_cached,
@@ -200,8 +208,7 @@ class EncodedBatches(BatchSource):
                     latents = [{**item, CONTROL_LATENTS: control["latents_mean"]}
                                for item, control in zip(latents, controls, strict=True)]
                 if "inputs" in raw:  # per-clip inputs, each encoded as the precompute stage encodes it
-                    latents = [{**item, **encode_clip_inputs(self.spec, self.vae, {kind: values[pick] for kind, values
-                                                                                   in raw["inputs"].items()}, item)}
+                    latents = [{**item, **encode_clip_inputs(self.spec, self.vae, self.clip_inputs(raw, pick), item)}
                                for pick, item in zip(chosen, latents, strict=True)]
                 if rate is not None:  # each sample's rate goes beside its latents, as the cache stores it
                     latents = [{**item, FRAME_RATE: torch.tensor([rate], dtype=torch.float64)} for item in latents]
@@ -214,6 +221,14 @@ class EncodedBatches(BatchSource):
                                                    raw["start"].tolist(), strict=True)]
         conditions = self.encoded.items([("caption", caption) for caption in captions], encode_captions_at)
         return stack_items(conditions), stack_items(self.encoded.items(windows, encode_windows_at))
+
+    def clip_inputs(self, raw: dict[str, Any], pick: int) -> dict[str, Any]:
+        """One sample's inputs as `encode_clip_inputs` takes them; with its control clip ([3, F, H, W]) when one of
+        them is encoded with it (`ModelSpec.inputs_with_control`)."""
+        inputs = {kind: values[pick] for kind, values in raw["inputs"].items()}
+        if "control" in raw and any(kind in self.spec.inputs_with_control for kind in inputs):
+            inputs[CONTROL_INPUT] = raw["control"][pick].transpose(0, 1)
+        return inputs
 
     def preservation(self, raw: dict[str, Any]) -> Conditions:
         options, seed = self.config.training.preserve_base, self.config.training.seed

@@ -123,7 +123,7 @@ def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSetti
     """Image-to-video families start from a first frame (or keyframes): those of the first dataset clip
     ([K, 3, H, W], read at `fps` like training clips). A family whose conditioning reads a control clip follows the
     first dataset clip's control clip, read like a training clip ([F, 3, H, W])."""
-    if spec.reads_control_clip and not spec.sampling_inputs:  # not Wan Animate's pose: one of its own inputs
+    if spec.reads_control_clip and spec.control_input_kind is None:  # not Wan Animate's pose: one of its own inputs
         return control_clip(spec, clips[0].control, settings, fps)
     if not spec.image_to_video:
         return None
@@ -143,26 +143,37 @@ def control_clip(spec: ModelSpec, path: Path | None, settings: SampleSettings, f
 
 def clip_sampling_inputs(spec: ModelSpec, clip: Clip | None, settings: SampleSettings, fps: float | None = None,
                          control: Path | None = None) -> dict[str, torch.Tensor] | None:
-    """The input videos ([3, F, H, W]) a family's pipeline takes beside the prompt (`spec.sampling_inputs`: Wan
-    Animate's pose and face) for a sample following `clip` (validation: the first dataset clip): each kind from the
-    clip's own inputs; the pose of a family that reads the control clip itself from `control`, else the clip's
-    control clip when it has no pose input. Read at `fps` with the samples' shape, as training reads them."""
+    """The inputs ([3, F, H, W]) a family's pipeline takes beside the prompt (`spec.sampling_inputs`: Wan Animate's
+    pose and face, Wan VACE's mask and reference images) for a sample following `clip` (validation: the first dataset
+    clip): each kind from the clip's own inputs; the control input of a family that takes its control clip as one
+    (`spec.control_input_kind`: Wan Animate's pose) from `control`, else the clip's control clip when it has no such
+    input. Read at `fps` with the samples' shape, as training reads them: a still is one frame; an `images` kind's
+    pictures each fitted inside the shape (keeping their aspect), one a frame."""
     if not spec.sampling_inputs:
         return None
-    paths: dict[str, Path] = {}
+    paths: dict[str, tuple[Path, ...]] = {}
     if clip is not None:
-        paths = {kind: clip.inputs[kind][0] for kind in spec.sampling_inputs if kind in clip.inputs}
-    if spec.reads_control_clip and "pose" in spec.sampling_inputs:
-        pose = control or (None if clip is None or "pose" in paths else clip.control)
-        if pose is not None:
-            paths["pose"] = Path(pose)
+        paths = {kind: clip.inputs[kind] for kind in spec.sampling_inputs if kind in clip.inputs}
+    kind = spec.control_input_kind
+    if spec.reads_control_clip and kind is not None:
+        source = control or (None if clip is None or kind in paths else clip.control)
+        if source is not None:
+            paths[kind] = (Path(source),)
     window = ClipWindow(settings.frames, settings.height, settings.width, fps=fps)
-    return {kind: read_sampling_input(kind, path, window) for kind, path in paths.items()} or None
+    return {kind: sampling_input(kind, files, window) for kind, files in paths.items()} or None
+
+
+def sampling_input(kind: str, paths: tuple[Path, ...], window: ClipWindow) -> torch.Tensor:
+    """One input as training reads it, [3, F, H, W] in [-1, 1]: a clip with the sample's window; a still as one frame,
+    cropped and resized as the clip; an `images` kind's pictures each fitted inside keeping its aspect, one a frame."""
+    if INPUT_KINDS[kind].media == "images":
+        return torch.cat([read_sampling_input(kind, path, window) for path in paths], dim=1)
+    return read_sampling_input(kind, paths[0], window)
 
 
 def read_sampling_input(kind: str, path: Path, window: ClipWindow) -> torch.Tensor:
-    """One input as training reads it ([3, F, H, W]): a clip with the sample's window; a still as one frame
-    ([3, 1, H, W]), cropped and resized as the clip, or for an `images` kind fitted inside keeping its aspect."""
+    """One file of an input as training reads it ([3, F, H, W]): a clip with the sample's window; a still as one
+    frame ([3, 1, H, W]), cropped and resized as the clip, or for an `images` kind fitted inside keeping its aspect."""
     if not is_image_path(path):
         return read_clip(path, window).transpose(0, 1)
     fit = INPUT_KINDS[kind].media == "images"
@@ -468,19 +479,21 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
               flush=True)
     # A family whose pipeline's conditioning video is the control clip (Wan VACE); one that takes it among its own
     # inputs (Wan Animate's pose) reads it with them below.
-    if spec.reads_control_clip and not spec.sampling_inputs:
+    if spec.reads_control_clip and spec.control_input_kind is None:
         reference = family_control_clip(run, settings, control)
         control = None
     controlled = contextlib.nullcontext()
     inputs = None
     if spec.sampling_inputs:  # the pipeline's own inputs (Wan Animate's pose and face): the run's first clip's
-        given_pose = checked_control(control) if spec.reads_control_clip else None
+        given_pose = checked_control(control) if spec.reads_control_clip and spec.control_input_kind else None
         inputs = clip_sampling_inputs(spec, first_clip(run), settings, config.data.fps, control=given_pose)
         if image is not None and inputs:  # --image is the character image, over the first clip's reference image
             inputs = {kind: value for kind, value in inputs.items() if kind != "reference_images"} or None
         if inputs:
-            print(f"Following the {' and '.join(inputs)} video{'s' if len(inputs) > 1 else ''} of the run's first "
-                  "clip" + (" (the pose from --control)" if given_pose is not None else "") + ".", flush=True)
+            named = " and ".join(kind.replace("_", " ") for kind in inputs)
+            print(f"Following the {named} of the run's first clip"
+                  + (f" (the {spec.control_input_kind} from --control)" if given_pose is not None else "") + ".",
+                  flush=True)
         if spec.reads_control_clip:
             control = None
     in_context = traits_of(config).in_context

@@ -143,6 +143,7 @@ DENOISER_PARAMETERS = {
     # output projection, the first with its input one) and the control patch embedding: 0.73B / 3.05B.
     "Wan-AI/Wan2.1-VACE-1.3B-diffusers": 2.15e9,
     "Wan-AI/Wan2.1-VACE-14B-diffusers": 17.3e9,
+    "linoyts/Wan2.2-VACE-Fun-14B-diffusers": 17.3e9,  # each of its two experts: Wan 2.1 VACE 14B's shape
     "nvidia/Cosmos-Predict2.5-2B": 2e9,
     "nvidia/Cosmos-Predict2.5-14B": 14e9,
     # 33.1B: the 61.7 GiB bf16 `transformer/` partition MiniMaxH3Blocks' description names.

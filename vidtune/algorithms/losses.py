@@ -124,13 +124,14 @@ def noisy_inputs(context: LossContext, batch: Batch) -> NoisyInputs:
     config, spec = context.config, context.spec
     seed = config.training.seed
     generators = [visit_generator(seed, int(position)) for position in batch.positions]
-    tokens = spec.token_count(batch.latents[POSTERIOR_KEYS[0]].shape[1:])  # one bucket shape a batch
+    latents = spec.training_latents(batch.latents)
+    tokens = spec.token_count(latents[POSTERIOR_KEYS[0]].shape[1:])  # one bucket shape a batch
     # The step's noise levels: the family may narrow them per step, alike on every rank (vidtune/models/spec/hooks.py).
     objective = spec.step_objective(context.objective, config, context.step, tokens)
-    frames = batch.latents[POSTERIOR_KEYS[0]].shape[2]  # latent frames, for per-frame noise levels
+    frames = latents[POSTERIOR_KEYS[0]].shape[2]  # latent frames, for per-frame noise levels
     levels = torch.cat([objective.sample_noise_levels(1, g, tokens, frames=frames) for g in generators])
     x0 = torch.cat([
-        draw_latent({k: batch.latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
+        draw_latent({k: latents[k][i : i + 1] for k in POSTERIOR_KEYS}, g) for i, g in enumerate(generators)
     ]).float()
     noise = torch.cat([torch.randn(x0.shape[1:], generator=g).unsqueeze(0) for g in generators]).to(x0.device)
     conditions = batch.conditions
@@ -140,7 +141,7 @@ def noisy_inputs(context: LossContext, batch: Batch) -> NoisyInputs:
         conditions = apply_caption_dropout(context, conditions, drop)
     # Video-derived conditions (e.g. first-frame latents) never take part in caption dropout, nor do the other
     # streams' noise, drawn last from each visit's generator.
-    conditions = {**conditions, **{k: v for k, v in batch.latents.items() if k not in POSTERIOR_KEYS},
+    conditions = {**conditions, **{k: v for k, v in latents.items() if k not in POSTERIOR_KEYS},
                   **spec.visit_conditions(x0, batch.positions, seed)}
     conditions = with_loss_mask(config, conditions)
     stream_inputs, stream_levels = (spec.stream_noise(objective, batch.latents, generators)

@@ -118,6 +118,7 @@ class WanAnimateSpec(WanImageToVideoSpec):
                 f"model.animate_segment_frames={self.segment_frames}: a later segment needs frames after the "
                 f"{self.segment_frames} it is given, and data.frames is {config.data.frames}.\nWhat to do: train "
                 "longer clips, or set model.animate_segment_conditioning to 0.")
+    control_input_kind = "pose"
 
     def check_clip_inputs(self, clips: list[Clip]) -> None:
         """Before anything loads: a clip's character image is one image (the pipeline takes one). Its pose is its

@@ -42,9 +42,9 @@ from vidtune.data.audio import AudioBatch, ClipAudio, sound_line
 from vidtune.data.buckets import check_bucket_shapes
 from vidtune.data.sources import Clip, load_dataset
 from vidtune.models.registry import get_spec_class
-from vidtune.models.spec import FRAME_RATE, POSTERIOR_KEYS, ModelSpec, TextComponents, draw_latent
+from vidtune.models.spec import CONTROL_INPUT, FRAME_RATE, POSTERIOR_KEYS, ModelSpec, TextComponents, draw_latent
 from vidtune.precompute.cache import CacheStore, CorruptEntryError
-from vidtune.precompute.plan import CachePlan, Preprocess, build_plan, cache_root
+from vidtune.precompute.plan import CachePlan, InputEntry, Preprocess, build_plan, cache_root
 from vidtune.processors import with_reference_controls
 
 logger = logging.getLogger(__name__)
@@ -513,7 +513,7 @@ def run_input_encoders(spec: ModelSpec, plan: CachePlan, keys: list[str], progre
     if not keys:
         return
     vae = None
-    if any(plan.inputs[key].kind != "mask" for key in keys):
+    if any(needs_vae(plan.inputs[key]) for key in keys):
         with _LOAD_LOCK:
             vae = spec.load_vae(plan.vae_devices[0])
     for key in tqdm(keys, desc="inputs", unit="input", disable=not progress, dynamic_ncols=True):
@@ -528,9 +528,19 @@ def write_input_entry(spec: ModelSpec, plan: CachePlan, vae: torch.nn.Module | N
         latents = plan.cache.read("latents", entry.latent_key)
     except (FileNotFoundError, CorruptEntryError):  # gone since: computed again first
         latents = recompute_entry_latents(spec, plan, entry.latent_key)
-    item = encode_clip_inputs(spec, vae, {entry.kind: entry.pixels()}, as_posterior(latents))
+    pixels: dict[str, Any] = {entry.kind: entry.pixels()}
+    if entry.control_key is not None:  # the window's control clip, read as its own entry reads it: [3, F, H, W]
+        control = plan.latent_preprocess[entry.control_key].read(plan.latents[entry.control_key])
+        pixels[CONTROL_INPUT] = control.transpose(0, 1)
+    item = encode_clip_inputs(spec, vae, pixels, as_posterior(latents))
     plan.cache.write("inputs", key, item, plan.input_info[key])
     return item
+
+
+def needs_vae(entry: InputEntry) -> bool:
+    """A mask alone is pooled onto the latent grid; any other input, or a mask encoded with its control clip, is
+    VAE-encoded."""
+    return entry.kind != "mask" or entry.control_key is not None
 
 
 def recompute_entry_latents(spec: ModelSpec, plan: CachePlan, key: str) -> Tensors:
@@ -547,7 +557,7 @@ def recompute_entry(config: Config, spec: ModelSpec, plan: CachePlan, kind: str,
     component it needed, and return it."""
     if kind == "inputs":
         vae = None
-        if plan.inputs[key].kind != "mask":
+        if needs_vae(plan.inputs[key]):
             with _LOAD_LOCK:
                 vae = spec.load_vae(plan.vae_devices[0])
         item = write_input_entry(spec, plan, vae, key)

@@ -168,6 +168,9 @@ class InputEntry:
     reads: tuple[InputRead, ...]
     latent_key: str
     where: str  # the clip's file and line, for messages
+    # A kind the spec encodes with the clip's control clip (`inputs_with_control`): the control window's latent
+    # entry, whose clip and preprocessing give its pixels.
+    control_key: str | None = None
 
     def pixels(self) -> torch.Tensor | list[torch.Tensor]:
         """What the dataset gives for it: [3, F, H, W] in [-1, 1], a list of [3, 1, H, W] for an `images` kind."""
@@ -210,23 +213,29 @@ class CachePlan:
 
 
 def plan_inputs(plan: CachePlan, spec: ModelSpec, clip: Clip, kinds: tuple[str, ...], windows: list[ClipWindow],
-                latent_keys: list[str], latent_parts: dict[str, Any]) -> dict[str, list[str]]:
+                latent_keys: list[str], latent_parts: dict[str, Any],
+                control_keys: list[str] | None = None) -> dict[str, list[str]]:
     """The entries of a clip's inputs, one per window: keyed by the input files' content, how they are read (the
     window's frames, size, resize), how the spec encodes the kind and on which latent grid (the window's shape
-    under the latents' own identity), so a changed mask is computed again alone."""
+    under the latents' own identity), so a changed mask is computed again alone; a kind encoded with the control
+    clip (`spec.inputs_with_control`) by that window's control entry too (`control_keys`)."""
     found: dict[str, list[str]] = {}
     for kind in kinds:
         if kind not in clip.inputs and not (kind == "mask" and clip.mask_rect is not None):
             continue
-        for window, latent_key in zip(windows, latent_keys, strict=True):
+        with_control = kind in spec.inputs_with_control and bool(control_keys)
+        for number, (window, latent_key) in enumerate(zip(windows, latent_keys, strict=True)):
             reads = input_reads(clip, kind, window)
             described = [{**one.describe(), "file": plan.cache.fingerprints.file(one.path) if one.path else None}
                          for one in reads]
             parts = {**latent_parts, "spec": spec.input_identity(kind), "reads": described,
                      "grid": {"frames": window.frames, "height": window.height, "width": window.width}}
+            control_key = control_keys[number] if with_control and control_keys else None
+            if control_key is not None:
+                parts["control"] = control_key
             key = entry_key("inputs", parts)
             found.setdefault(kind, []).append(key)
-            plan.inputs.setdefault(key, InputEntry(kind, reads, latent_key, clip.where))
+            plan.inputs.setdefault(key, InputEntry(kind, reads, latent_key, clip.where, control_key))
             plan.input_info.setdefault(key, {"kind": kind, "clip": str(clip.video), "reads": described})
     return found
 
@@ -341,7 +350,8 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         plan.latent_windows.append(keys[0])
         plan.control_windows.append(keys[1] if len(keys) > 1 else [])
         windows = [ClipWindow(frames, height, width, data.fps, start, data.resize) for start in starts]
-        plan.input_windows.append(plan_inputs(plan, spec, clip, input_kinds, windows, keys[0], latent_parts))
+        plan.input_windows.append(plan_inputs(plan, spec, clip, input_kinds, windows, keys[0], latent_parts,
+                                              keys[1] if len(keys) > 1 else None))
     plan.prompt_keys = {prompt: condition(prompt) for prompt in extra_prompts(config)}
     if preserve is not None and preserve.prompts:
         plan.preserve_keys = {prompt: condition(prompt) for prompt in preserve.prompts}

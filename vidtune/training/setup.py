@@ -262,6 +262,7 @@ def set_up_held_out(config: Config, spec: ModelSpec, inputs: Inputs, device: tor
     text, vae = (encoders.text, encoders.vae) if encoders.loaded else (None, None)
     with own_rng(device):
         items = encode_held_out(config, spec, inputs.eval_clips, device, text, vae, progress=show_progress(config))
+    items = [(conditions, spec.training_latents(latents)) for conditions, latents in items]  # as training draws them
     return HeldOut(HeldOutSet.from_config(config, inputs.eval_clips, items))
 
 

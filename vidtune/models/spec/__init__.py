@@ -17,6 +17,7 @@ imported from `vidtune.models.spec` is re-exported here.
 from __future__ import annotations
 
 from vidtune.models.spec.base import (
+    CONTROL_INPUT,
     CONTROL_LATENTS,
     FRAME_RATE,
     LOSS_MASK,
@@ -65,6 +66,7 @@ class ModelSpec(Denoising, Sampling, Formats, Loading, Encoding, DenoiserHooks):
 __all__ = [
     "ALL_LINEAR",
     "ATTENTION_TARGETS",
+    "CONTROL_INPUT",
     "CONTROL_LATENTS",
     "FEED_FORWARD_TARGETS",
     "FRAME_RATE",

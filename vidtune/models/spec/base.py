@@ -30,6 +30,9 @@ Latents = dict[str, torch.Tensor]
 POSTERIOR_KEYS = ("latents_mean", "latents_std")
 # Control training: the key of a batch's control latents (the control clips' posterior means, [B, C, F, H, W]).
 CONTROL_LATENTS = "control_latents"
+# The key of a clip's control clip pixels ([B, 3, F, H, W] in [-1, 1]) among the inputs `encode_inputs` receives, for
+# the input kinds a family encodes with its control clip (`Encoding.inputs_with_control`).
+CONTROL_INPUT = "control"
 # `training.masked_loss`: the key of each clip's loss weights on the latent grid ([B, 1, F, H, W] in [0, 1], from its
 # `mask` input), which `Denoising.clip_error` weights each clip's error by.
 LOSS_MASK = "loss_mask"

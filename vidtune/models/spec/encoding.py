@@ -30,6 +30,10 @@ class Encoding(SpecBase):
     # (`controls.txt`, `control_column`) beside it, on the fly and into the cache, and hands its latents to `forward`
     # as `conditions[CONTROL_LATENTS]`.
     reads_control_clip: ClassVar[bool] = False
+    # The input kinds whose encoding reads the clip's control clip too (Wan VACE's mask splits the control video):
+    # `encode_inputs` then finds the control clip's pixels, read with the same window, under `CONTROL_INPUT`, and the
+    # cache keys such an input by its control clip as well.
+    inputs_with_control: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
@@ -110,6 +114,11 @@ class Encoding(SpecBase):
         """What `encode_inputs` computes for `kind` depends on besides the pixels, the VAE and the latent grid (the
         cache adds those): part of each cached input's key. Bump the version when the encoding changes."""
         return {"input": kind, "version": 1, "latents": self.latent_identity()}
+
+    def training_latents(self, latents: Latents) -> Latents:
+        """A batch's latents as training draws its clean latents and conditions from them (by default as they are;
+        Wan VACE puts its reference images' latents before the clip's)."""
+        return latents
 
     def latent_frame_groups(self, frames: int, latent_frames: int) -> list[range]:
         """The clip frames each latent frame encodes. By default a causal VAE's (LTX, Wan, HunyuanVideo, CogVideoX,

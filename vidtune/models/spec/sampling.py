@@ -64,6 +64,9 @@ class Sampling(Encoding):
     # The per-clip input kinds (vidtune/data's `pose`, `face`, ...) the family's pipeline call takes beside the
     # reference: `sample(..., inputs={kind: [3, F, H, W] video})` hands them to `call_pipeline(..., inputs=...)`.
     sampling_inputs: ClassVar[tuple[str, ...]] = ()
+    # The sampling input a family that `reads_control_clip` takes its control clip as (Wan Animate: its pose video);
+    # None: the control clip is the pipeline's conditioning video, handed over as `reference` (Wan VACE).
+    control_input_kind: ClassVar[str | None] = None
 
     @abstractmethod
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

@@ -243,3 +243,25 @@ def test_int8_and_nf4_base_weights_train(make_config, option):
 
     result = build_trainer(make_config("minimax-h3", memory={"base_weights": option}, training={"steps": 2})).run()
     assert len(result.losses) == 2 and all(math.isfinite(loss) for loss in result.losses)
+
+
+@pytest.mark.parametrize("frames", [22, 39])
+def test_each_latent_frame_names_the_frames_the_vae_encodes_into_it(parts, frames):
+    """Chunks of 17 frames, each padded in front to whole groups of 4, the last three latent frames dropped: a
+    chunk's first latent frame holds its first frame alone. As many groups as the VAE gives latent frames, and a
+    clip changed only in one group's frames changes only that latent frame (and the causal ones after it)."""
+    spec, vae = parts[0], parts[2]
+    clip = torch.zeros(1, frames, 3, SHAPE[1], SHAPE[2])
+    with torch.no_grad():
+        base = spec.prepare_latents(vae, clip, audio=None)["latents_mean"]
+    groups = spec.latent_frame_groups(frames, base.shape[2])
+    assert len(groups) == base.shape[2]
+    assert [frame for group in groups for frame in group] == list(range(frames))
+    assert groups[:2] == [range(0, 1), range(1, 5)] and groups[5] == range(17, 18)
+    for index in (1, 5):  # a chunk's middle group, a second chunk's first frame
+        changed = clip.clone()
+        changed[:, groups[index].start:groups[index].stop] = 0.5
+        with torch.no_grad():
+            latents = spec.prepare_latents(vae, changed, audio=None)["latents_mean"]
+        differs = (latents - base).abs().amax(dim=(0, 1, 3, 4)) > 1e-6
+        assert not differs[:index].any() and differs[index]

@@ -193,6 +193,25 @@ class MiniMaxH3Spec(ModelSpec):
         transformer = self.load_config(MiniMaxH3Transformer3DModel, "transformer")
         return spatial, clip_length, math.ceil(clip_length / temporal), tuple(transformer.get("patch_size", (1, 2, 2)))
 
+    def latent_frame_groups(self, frames: int, latent_frames: int) -> list[range]:
+        """The VAE encodes `clip_length`-frame chunks (the last padded with its last frame), each causally padded in
+        front to whole groups of the temporal ratio, and drops the last latent frames of the whole: a chunk's first
+        latent frame is its first frame alone (or fewer padding frames), each next one the following ratio's frames."""
+        _, clip_length, kept, _ = self.compression
+        vae = self.load_config(AutoencoderKLMiniMaxH3, "vae")
+        ratio = math.prod(vae.get("temporal_downsample_factors", (1, 2, 2, 1, 1, 1)))
+        front = kept * ratio - clip_length  # the causal padding in front of each chunk
+        groups = []
+        for start in range(0, frames, clip_length):
+            for index in range(kept):
+                low = start + max(0, index * ratio - front)
+                high = start + min(clip_length, (index + 1) * ratio - front)
+                # Past the clip: the padding repeats its last frame.
+                groups.append(range(low, min(high, frames)) if low < frames else range(frames - 1, frames))
+        if len(groups) < latent_frames:
+            return super().latent_frame_groups(frames, latent_frames)
+        return groups[:latent_frames]
+
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         spatial, clip_length, kept, patch = self.compression
         problems = side_problems(height, width, spatial * patch[1], spatial * patch[2])

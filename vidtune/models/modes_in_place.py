@@ -11,7 +11,7 @@ batch mixing the two token layouts runs as two groups (`by_token_layout`), put b
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from vidtune.config import Config, ModelConfig
 
 Conditions = dict[str, torch.Tensor]
+Prediction = TypeVar("Prediction", torch.Tensor, tuple[torch.Tensor, ...])
 
 
 def take_samples(conditions: Conditions, index: torch.Tensor, batch: int) -> Conditions:
@@ -102,25 +103,30 @@ class InPlaceModes:
         source's `mask_rect`); clips without one keep what `model.conditioning.mask_rectangle` leaves."""
         return ("mask",) if config.model.conditioning.inpaint > 0 else ()
 
-    def by_token_layout(self, run: Callable[[Conditions, torch.Tensor, torch.Tensor], torch.Tensor],
+    def by_token_layout(self, run: Callable[[Conditions, torch.Tensor, torch.Tensor], Prediction],
                         conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
-                        ) -> torch.Tensor | None:
+                        ) -> Prediction | None:
         """`run(conditions, noisy latents, timesteps)` once per token layout where a batch mixes samples with and
-        without a last frame's extra tokens, the predictions put back in order; None where the batch has one
-        layout (the caller runs it whole)."""
+        without a last frame's extra tokens, its prediction (a tensor, or a tuple of tensors, each per sample) put
+        back in order; None where the batch has one layout (the caller runs it whole)."""
         batch = noisy_latents.shape[0]
         last = conditioning.is_mode(conditions[conditioning.MODE], conditioning.LAST_FRAME_MODES)
         if bool(last.all()) or not bool(last.any()):
             return None
-        prediction: torch.Tensor | None = None
+        parts, tupled = [], False
         for group in (last, ~last):
             index = group.nonzero().flatten()
             part = run(take_samples(conditions, index, batch), noisy_latents[index],
                        timesteps[index] if timesteps.ndim and timesteps.shape[0] == batch else timesteps)
-            prediction = part.new_empty(batch, *part.shape[1:]) if prediction is None else prediction
-            prediction[index] = part
-        assert prediction is not None
-        return prediction
+            tupled = isinstance(part, tuple)
+            parts.append((index, part if isinstance(part, tuple) else (part,)))
+        joined = []
+        for item, first in enumerate(parts[0][1]):
+            whole = first.new_empty(batch, *first.shape[1:])
+            for index, part in parts:
+                whole[index.to(whole.device)] = part[item]
+            joined.append(whole)
+        return tuple(joined) if tupled else joined[0]  # type: ignore[return-value]
 
     # ----- sampling ---------------------------------------------------------------------------------------------
     def latent_grid(self, frames: int, height: int, width: int) -> tuple[int, int, int]:

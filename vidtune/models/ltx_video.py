@@ -25,7 +25,7 @@ from vidtune.export.comfyui_models import ComfyUIModel, ltxv
 from vidtune.models import conditioning, first_frame
 from vidtune.models.conditioning import Given
 from vidtune.models.defaults import LTX_VIDEO
-from vidtune.models.modes_in_place import InPlaceModes
+from vidtune.models.given_modes import InPlaceModes
 from vidtune.models.spec import (
     Conditions,
     Latents,

@@ -64,6 +64,23 @@ class ModeSettings:
         frames are what encoding those frames alone gives)."""
         return (self.config.conditioning.extension_frames - 1) // self.compression[1] + 1
 
+    def inpaint_region(self, conditions: Conditions, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """[1 or B, 1, F, H, W]: what inpainting keeps: what the clip's mask leaves black, else what
+        `model.conditioning.mask_rectangle` leaves."""
+        frames, height, width = shape[-3:]
+        if conditioning.INPUT_MASK in conditions:
+            kept = conditioning.mask_region(conditions[conditioning.INPUT_MASK], frames, height, width)
+        else:
+            modes = self.config.conditioning
+            kept = conditioning.rectangle_region(modes.mask_rectangle, modes.mask_rectangle_generated,
+                                                 frames, height, width)
+        return kept.to(conditions[conditioning.LATENTS].device)
+
+    def given_region(self, conditions: Conditions, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """[B, 1, F, H, W]: what each sample of a modes batch is given in place (1.0), by its drawn mode."""
+        return conditioning.region(conditions[conditioning.MODE], shape, self.extension_latent_frames,
+                                   self.inpaint_region(conditions, shape))
+
     def extension_problems(self, frames: int) -> list[str]:
         """What keeps `model.conditioning.extension` from clips of `frames` frames."""
         modes, temporal = self.config.conditioning, self.compression[1]
@@ -128,19 +145,6 @@ class InPlaceModes(ModeSettings):
         mode_shares = conditioning.shares(self.config.conditioning, first_frame_probability)
         codes = conditioning.draw_modes(mode_shares, positions, seed, allowed)
         return {conditioning.MODE: codes.to(x0.device), conditioning.LATENTS: x0}
-
-    def given_region(self, conditions: Conditions, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        """[B, 1, F, H, W]: what each sample of a modes batch is given in place (1.0), by its drawn mode; inpainting
-        keeps what the clip's mask leaves black, else what `model.conditioning.mask_rectangle` leaves."""
-        frames, height, width = shape[-3:]
-        if conditioning.INPUT_MASK in conditions:
-            inpaint = conditioning.mask_region(conditions[conditioning.INPUT_MASK], frames, height, width)
-        else:
-            modes = self.config.conditioning
-            inpaint = conditioning.rectangle_region(modes.mask_rectangle, modes.mask_rectangle_generated,
-                                                    frames, height, width)
-        inpaint = inpaint.to(conditions[conditioning.LATENTS].device)
-        return conditioning.region(conditions[conditioning.MODE], shape, self.extension_latent_frames, inpaint)
 
     def modes_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """Each clip's mean squared error [B] over what it learns: its drawn mode's given region left out."""

@@ -30,7 +30,9 @@ FAMILY = "ltx-video-i2v"
 # tokens beside in-place regions) too.
 MODES = {"extension": 0.25, "extension_frames": 5, "last_frame": 0.2, "first_last": 0.2, "inpaint": 0.25}
 # The other families with modes: each once (two clips a batch) in the run tests below.
-OTHER_FAMILIES = ["ltx-2"]
+OTHER_FAMILIES = ["ltx-2", "cogvideox-i2v", "hunyuan-video-1.5-i2v"]
+# The modes each family takes, where they are not all of them (CogVideoX has no mask channel to inpaint with).
+FAMILY_MODES = {"cogvideox-i2v": {"extension": 0.3, "extension_frames": 5, "last_frame": 0.3, "first_last": 0.3}}
 LTX_2_OVERFIT_STEPS = 300
 LORA_FILE = "pytorch_lora_weights.safetensors"
 CAPTION = "a shape moving"
@@ -39,8 +41,8 @@ CPU = torch.device("cpu")
 
 def modes_config(make_config, tmp_path, name: str, family: str = FAMILY, **sections):
     training = {"steps": 3, "batch_size": 2, "seed": 0, **sections.pop("training", {})}
-    return make_config(family, model={"conditioning": MODES, **sections.pop("model", {})}, training=training,
-                       output_dir=str(tmp_path / name), **sections)
+    return make_config(family, model={"conditioning": FAMILY_MODES.get(family, MODES), **sections.pop("model", {})},
+                       training=training, output_dir=str(tmp_path / name), **sections)
 
 
 def drawn_modes(trainer) -> list[float]:
@@ -57,15 +59,14 @@ def drawn_modes(trainer) -> list[float]:
     return seen
 
 
-@pytest.mark.parametrize(("family", "batch_size"), [(FAMILY, 1), (FAMILY, 2),
-                                                   *((family, 2) for family in OTHER_FAMILIES)])
-def test_the_same_losses_from_the_cache_and_on_the_fly(make_config, tmp_path, family, batch_size):
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_the_same_losses_from_the_cache_and_on_the_fly(make_config, tmp_path, batch_size):
     """One clip a batch, encoded one by one into the cache: exactly the losses of encoding on the fly. Two: the
     cache encodes clips in its own order, a training batch pairs them otherwise, and the VAE's float32 rounding
     depends on which clips it encodes together, so the losses agree to that rounding."""
     losses, modes = [], []
     for enabled in (False, True):
-        trainer = build_trainer(modes_config(make_config, tmp_path, f"run-{enabled}", family,
+        trainer = build_trainer(modes_config(make_config, tmp_path, f"run-{enabled}",
                                              training={"steps": 4, "batch_size": batch_size},
                                              precompute={"enabled": enabled, "batch_size": batch_size,
                                                          "cache_dir": str(tmp_path / "cache")}))
@@ -78,17 +79,39 @@ def test_the_same_losses_from_the_cache_and_on_the_fly(make_config, tmp_path, fa
     assert modes[0] == modes[1] and len(set(modes[0])) >= 3, modes[0]  # several modes, drawn alike
 
 
-@pytest.mark.parametrize("family", [FAMILY, *OTHER_FAMILIES])
-def test_a_stopped_run_resumes_bit_for_bit(make_config, tmp_path, family):
+def test_a_stopped_run_resumes_bit_for_bit(make_config, tmp_path):
     settings = {"training": {"steps": 4}, "checkpoint": {"every": 2}}
-    reference = build_trainer(modes_config(make_config, tmp_path, "reference", family, **settings)).run()
-    run_stopped_at(build_trainer(modes_config(make_config, tmp_path, "stopped", family, **settings)), 3)
-    resumed = build_trainer(modes_config(make_config, tmp_path, "stopped", family, training={"steps": 4},
+    reference = build_trainer(modes_config(make_config, tmp_path, "reference", **settings)).run()
+    run_stopped_at(build_trainer(modes_config(make_config, tmp_path, "stopped", **settings)), 3)
+    resumed = build_trainer(modes_config(make_config, tmp_path, "stopped", training={"steps": 4},
                                          checkpoint={"every": 2, "resume": "latest"})).run()
     assert resumed.final_step == 4
     ours, theirs = load_file(tmp_path / "stopped" / LORA_FILE), load_file(tmp_path / "reference" / LORA_FILE)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
     assert resumed.losses[-1] == reference.losses[-1]
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_the_cache_trains_as_on_the_fly_and_a_stopped_run_resumes_bit_for_bit(make_config, tmp_path, family):
+    """Each other family, one clip a batch: a run encoding on the fly and one from the cache draw the same modes and
+    the same losses (to the VAE's float rounding, see above); a run from the cache stopped at step 2 and resumed ends
+    with the uninterrupted run's weights bit for bit."""
+    settings = {"training": {"steps": 3, "batch_size": 1}, "checkpoint": {"every": 2}}
+    cached = {"precompute": {"enabled": True, "cache_dir": str(tmp_path / "cache")}}
+    on_the_fly = build_trainer(modes_config(make_config, tmp_path, "on-the-fly", family, **settings))
+    modes = drawn_modes(on_the_fly)
+    fly_losses = on_the_fly.run().losses
+    reference = build_trainer(modes_config(make_config, tmp_path, "reference", family, **settings, **cached))
+    cached_modes = drawn_modes(reference)
+    cached_losses = reference.run().losses
+    assert cached_modes == modes and len(set(modes)) >= 2, modes
+    torch.testing.assert_close(torch.tensor(cached_losses), torch.tensor(fly_losses), rtol=1e-6, atol=0)
+    run_stopped_at(build_trainer(modes_config(make_config, tmp_path, "stopped", family, **settings, **cached)), 2)
+    resumed = build_trainer(modes_config(make_config, tmp_path, "stopped", family, training=settings["training"],
+                                         checkpoint={"every": 2, "resume": "latest"}, **cached)).run()
+    assert resumed.final_step == 3 and resumed.losses[-1] == cached_losses[-1]
+    ours, theirs = load_file(tmp_path / "stopped" / LORA_FILE), load_file(tmp_path / "reference" / LORA_FILE)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
 
 
 @pytest.mark.parametrize("family", [FAMILY, *OTHER_FAMILIES])
@@ -241,8 +264,9 @@ def test_inpainting_keeps_what_each_clips_mask_leaves_black(make_config, shapes_
 def test_validation_and_sample_use_the_mode_in_each_family(make_config, tmp_path, shapes_dataset, family):
     """Validation samples in the configured mode, `vidtune sample --last-frame / --inpaint` in the others, each
     through the family's `given_inputs` (LTX-2: LTX2ConditionPipeline's conditions)."""
+    modes = FAMILY_MODES.get(family, MODES)
     config = modes_config(make_config, tmp_path, "run", family, training={"steps": 1, "batch_size": 1},
-                          model={"conditioning": {**MODES, "validation_mode": "first_last"}},
+                          model={"conditioning": {**modes, "validation_mode": "first_last"}},
                           validation={"enabled": True, "every": 1, "num_inference_steps": 2})
     spec_class = get_spec_class(family)
     calls: list[dict] = []
@@ -262,9 +286,11 @@ def test_validation_and_sample_use_the_mode_in_each_family(make_config, tmp_path
         Image.new("RGB", (32, 32), (200, 30, 30)).save(frame)
         clip = pair_samples(shapes_dataset)[0].video
         for flags, mode in (({"last_frame": frame}, "last_frame"), ({"inpaint": clip}, "inpaint")):
+            if mode not in modes:
+                continue
             written = sample_run(run, "a red circle", tmp_path / f"{mode}.mp4", num_inference_steps=2, **flags)
             assert written.is_file() and calls[-1]["mode"] == mode
-        assert 0 < float(calls[-1]["given_region"].sum()) < calls[-1]["given_region"].numel()  # the rectangle
+        assert "inpaint" not in modes or calls[-1]["given_region"].shape[2] == 3  # the rectangle on the latent grid
     finally:
         spec_class.given_inputs = original
 

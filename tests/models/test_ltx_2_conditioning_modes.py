@@ -136,3 +136,20 @@ def test_an_extension_that_does_not_fit_the_clip_is_named(tiny_model_dir):
         spec(extension=0.5, extension_frames=6).check_video_shape(FRAMES, HEIGHT, WIDTH)
     with pytest.raises(ConfigError, match="nothing is left to learn"):
         spec(extension=0.5, extension_frames=9).check_video_shape(FRAMES, HEIGHT, WIDTH)
+
+
+def test_modes_with_an_in_context_run_or_last_frames_with_context_parallelism_are_refused(make_config):
+    """Before anything loads: an in-context LoRA samples through LTX2InContextPipeline (no modes); a last frame's
+    keyframe tokens cannot be split into the equal parts of context parallelism."""
+    config = make_config("ltx-2", model={"conditioning": {"extension": 0.5, "last_frame": 0.3}})
+    spec = LTX2Spec(config.model, frame_rate=24.0)
+    spec.check_frame_settings(config, [])  # a plain run takes them
+    in_context = config.model_copy(update={"training": config.training.model_copy(
+        update={"algorithm": "in-context-lora"})})
+    with pytest.raises(ConfigError, match=r"model.conditioning \(extension, last_frame\) with training.algorithm="
+                                          r"in-context-lora: .*LTX2InContextPipeline"):
+        spec.check_frame_settings(in_context, [])
+    split = config.model_copy(update={"parallel": config.parallel.model_copy(update={
+        "context": config.parallel.context.model_copy(update={"ulysses": 2})})})
+    with pytest.raises(ConfigError, match=r"last_frame / first_last with parallel\.context"):
+        spec.check_frame_settings(split, [])

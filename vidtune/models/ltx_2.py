@@ -61,7 +61,10 @@ from diffusers.utils.torch_utils import randn_tensor
 from torch import nn
 from transformers import AutoTokenizer, Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
 
+from vidtune.algorithms import traits_of
+from vidtune.config import Config
 from vidtune.data.audio import AudioBatch, AudioFormat, log_mel_spectrogram
+from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
@@ -381,6 +384,25 @@ class LTX2Spec(InPlaceModes, ModelSpec):
         if problems:
             raise ConfigError("The conditioning modes do not fit:\n" + "\n".join(f"  - {p}" for p in problems)
                               + "\nWhat to do: fix model.conditioning as said above.")
+
+    def check_frame_settings(self, config: Config, clips: list[Clip]) -> None:
+        """Also, before anything loads: the modes sample through LTX2ConditionPipeline, which takes no reference clip
+        (an in-context run samples through LTX2InContextPipeline); and a last frame's keyframe tokens lengthen some
+        samples' sequences, which a context-parallel split of equal parts cannot follow."""
+        super().check_frame_settings(config, clips)
+        enabled = config.model.conditioning.enabled
+        if enabled and traits_of(config).in_context:
+            raise ConfigError(
+                f"model.conditioning ({', '.join(enabled)}) with training.algorithm={config.training.algorithm}: "
+                "an in-context LoRA samples through LTX2InContextPipeline, which takes a reference clip and no "
+                "conditioning mode.\nWhat to do: remove model.conditioning (model.first_frame_conditioning gives a "
+                "share of the samples their first frame beside the reference), or train the modes in a run of "
+                "their own.")
+        if self.takes_last_frame and config.parallel.context.degree > 1:
+            raise ConfigError(
+                "model.conditioning.last_frame / first_last with parallel.context: the last frame's keyframe tokens "
+                "make some samples' sequences longer than others, which context parallelism cannot split into equal "
+                "parts.\nWhat to do: remove parallel.context, or train the last-frame modes without it.")
 
     # ----- loading ------------------------------------------------------------------------------------------
     def load_text_components(self, device: torch.device) -> TextComponents:

@@ -28,7 +28,7 @@ only, as ltx-trainer's video-only runs: the video stream does not attend to the 
         tokens at timestep 0; a condition at a later latent index (the last frame, index -1) encoded alone and appended
         after the video's tokens as a keyframe, clean, at the rotary time of that latent frame's first pixel frame
         ((index - 1) x temporal ratio + 1, one frame long); inpainting keeps a region in place the same way
-        (`LTX2RegionConditionPipeline`). The given latents stay out of the loss (vidtune.models.given_modes.py).
+        (`LTX2RegionConditionPipeline`). The given latents stay out of the loss (vidtune/models/given_modes.py).
 """
 
 from __future__ import annotations

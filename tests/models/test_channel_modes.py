@@ -16,24 +16,39 @@ from vidtune.models.cogvideox import GIVEN_EXTENSION, GIVEN_FIRST, GIVEN_LAST, C
 from vidtune.models.conditioning import Given
 from vidtune.models.hunyuan_video15 import HunyuanVideo15ImageToVideoSpec
 from vidtune.models.tiny import TINY_SHAPES, reference_videos
+from vidtune.models.tiny.cogvideox import write_tiny_cogvideox
 
 CPU = torch.device("cpu")
 CAPTION = "a red circle"
 MODES = {"extension": 0.3, "extension_frames": 5, "last_frame": 0.3, "first_last": 0.3}
 
 
-@pytest.fixture(scope="module")
-def cogvideox(tiny_model_dir):
-    spec = CogVideoXI2VSpec(ModelConfig(name="cogvideox-i2v", pretrained=str(tiny_model_dir("cogvideox-i2v")),
-                                        conditioning=MODES))
+def cogvideox_parts(folder):
+    spec = CogVideoXI2VSpec(ModelConfig(name="cogvideox-i2v", pretrained=str(folder), conditioning=MODES))
     spec.image_noise_log_sigma = None  # compare without the training-time noise augmentation
     return spec, spec.load_text_components(CPU), spec.load_vae(CPU), spec.load_denoiser(CPU)
 
 
-@pytest.mark.parametrize(("mode", "given_frames"), [("extension", [0, 1]), ("last_frame", [2]),
-                                                    ("first_last", [0, 2]), ("first_frame", [0])])
-def test_cogvideox_is_given_each_modes_latents_as_its_pipeline_gives_them(cogvideox, mode, given_frames):
-    spec, text, vae, denoiser = cogvideox
+@pytest.fixture(scope="module")
+def cogvideox(tiny_model_dir):
+    return cogvideox_parts(tiny_model_dir("cogvideox-i2v"))
+
+
+@pytest.fixture(scope="module")
+def cogvideox_15(tmp_path_factory):
+    return cogvideox_parts(write_tiny_cogvideox(tmp_path_factory.mktemp("cogvideox-1.5-i2v"), image_to_video=True,
+                                                version_1_5=True))
+
+
+# CogVideoX 1.5 pads its 3 latent frames to 4 (a frame in front, which the pipeline drops after denoising): the first
+# frame sits there, as the pipeline's image does; the frames to extend over the clip's own, the first copied in front.
+@pytest.mark.parametrize(("version", "mode", "given_frames"), [
+    ("1.0", "extension", [0, 1]), ("1.0", "last_frame", [2]), ("1.0", "first_last", [0, 2]),
+    ("1.0", "first_frame", [0]), ("1.5", "extension", [0, 1, 2]), ("1.5", "last_frame", [3]),
+    ("1.5", "first_last", [0, 3]),
+])
+def test_cogvideox_is_given_each_modes_latents_as_its_pipeline_gives_them(request, version, mode, given_frames):
+    spec, text, vae, denoiser = request.getfixturevalue("cogvideox" if version == "1.0" else "cogvideox_15")
     frames, size, _ = TINY_SHAPES["cogvideox-i2v"]
     clip = reference_videos(frames, size)[0]  # [F, 3, H, W]
     seen: list[dict] = []

@@ -57,29 +57,26 @@ from vidtune.outputs import LORA_WEIGHTS
 
 logger = logging.getLogger(__name__)
 
-# The keys of a modes run's conditions, each [B, C, F, H, W] in the pipeline's layout of the condition channels (zeros
-# where it gives nothing): the first frame, the clip to extend and the last frame, each encoded alone.
+# The keys of a modes run's conditions, each [B, C, F, H, W] over the latent frames the denoiser takes (zeros where it
+# gives nothing): the first frame, the clip to extend and the last frame, each encoded alone. CogVideoX 1.5 pads an
+# odd count with a frame in front (the pipeline drops it after denoising), where the pipeline places its image; the
+# frames to extend sit over the clip's own latent frames, their first copied into the padding as the clip's is.
 GIVEN_FIRST = "given_first_latents"
 GIVEN_EXTENSION = "given_extension_latents"
 GIVEN_LAST = "given_last_latents"
-
-
-def pipeline_layout(condition: torch.Tensor, latent_frames: int) -> torch.Tensor:
-    """A condition [B, C, F, H, W] over the clip's own latent frames in CogVideoXImageToVideoPipeline's layout of
-    `latent_frames` frames: CogVideoX 1.5 pads an odd count with the condition's first frame(s) in front."""
-    padding = latent_frames - condition.shape[2]
-    return torch.cat([condition[:, :, :padding], condition], dim=2) if padding else condition
 
 
 class CogVideoXGivenFramesPipeline(CogVideoXImageToVideoPipeline):
     """CogVideoXImageToVideoPipeline given a conditioning mode's latents in its image condition: `given_frames` ([B,
     3, K, H, W] in [-1, 1]: the first frame, or a clip to extend) in the first latent frames and `given_last` ([B, 3,
     1, H, W]) in the last, each encoded alone as the pipeline encodes its image (a posterior sample, scaled), zeros
-    elsewhere; its `image` is then read for nothing else. Everything else is the pipeline's."""
+    elsewhere; a clip to extend sits over the clip's own latent frames, after `given_padding` frames in front
+    (CogVideoX 1.5), which take its first. Its `image` is then read for nothing else. Everything else is the
+    pipeline's."""
 
     def __call__(self, *args: Any, given_frames: torch.Tensor | None = None, given_last: torch.Tensor | None = None,
-                 **kwargs: Any) -> Any:
-        self._given = (given_frames, given_last)
+                 given_padding: int | None = None, **kwargs: Any) -> Any:
+        self._given = (given_frames, given_last, given_padding)
         try:
             return super().__call__(*args, **kwargs)
         finally:
@@ -99,18 +96,20 @@ class CogVideoXGivenFramesPipeline(CogVideoXImageToVideoPipeline):
         latents, image_latents = super().prepare_latents(image, batch_size, num_channels_latents, num_frames, height,
                                                          width, dtype, device, generator, latents)
         given = getattr(self, "_given", None)
-        if given is None or given == (None, None):
+        if given is None or given[:2] == (None, None):
             return latents, image_latents
-        frames, last = given
-        own_frames = (num_frames - 1) // self.vae_scale_factor_temporal + 1
-        condition = image_latents.new_zeros(batch_size, own_frames, *image_latents.shape[2:])
+        frames, last, padding = given
+        condition = torch.zeros_like(image_latents)  # [B, F, C, H, W], as the image's: F padded for CogVideoX 1.5
         if frames is not None:
-            encoded = self.encode_given(frames, generator)
-            condition[:, : encoded.shape[1]] = encoded.to(condition)
+            encoded = self.encode_given(frames, generator).to(condition)
+            if padding is None:  # the first frame, where the pipeline places its image
+                condition[:, : encoded.shape[1]] = encoded
+            else:  # the frames to extend over the clip's own latent frames (`given_padding` in front)
+                condition[:, padding: padding + encoded.shape[1]] = encoded
+                condition[:, :padding] = encoded[:, :1]
         if last is not None:
             condition[:, -1:] = self.encode_given(last, generator).to(condition)
-        placed = pipeline_layout(condition.transpose(1, 2), image_latents.shape[1]).transpose(1, 2)
-        return latents, placed
+        return latents, condition
 
 
 class CogVideoXSpec(ModelSpec):
@@ -369,21 +368,20 @@ class CogVideoXI2VSpec(ChannelModes, CogVideoXSpec):
         frames = latents["latents_mean"].shape[2]
         padding = image.new_zeros(*image.shape[:2], frames - 1, *image.shape[3:])
         latents["image_latents"] = torch.cat([image, padding], dim=2)
-        if self.modes_on:  # each mode's condition, in the pipeline's layout (see CogVideoXGivenFramesPipeline)
-            own = frames - self.latent_padding((videos.shape[1] - 1) // self.compression[1] + 1)
-            empty = image.new_zeros(*image.shape[:2], own, *image.shape[3:])
-            first = empty.clone()
-            first[:, :, :1] = image
-            latents[GIVEN_FIRST] = pipeline_layout(first, frames)
-            if self.config.conditioning.extension > 0 and self.extension_latent_frames < own:
+        if self.modes_on:  # each mode's condition, as CogVideoXGivenFramesPipeline places it
+            empty = torch.zeros_like(latents["image_latents"])
+            latents[GIVEN_FIRST] = latents["image_latents"]
+            if self.config.conditioning.extension > 0 and self.extension_latent_frames < frames:
                 extension = empty.clone()
-                count = self.config.conditioning.extension_frames
-                extension[:, :, : self.extension_latent_frames] = self.given_latents(vae, videos[:, :count])
-                latents[GIVEN_EXTENSION] = pipeline_layout(extension, frames)
+                given = self.given_latents(vae, videos[:, : self.config.conditioning.extension_frames])
+                padding = self.latent_padding((videos.shape[1] - 1) // self.compression[1] + 1)
+                extension[:, :, padding: padding + given.shape[2]] = given
+                extension[:, :, :padding] = given[:, :, :1]
+                latents[GIVEN_EXTENSION] = extension
             if self.takes_last_frame:
                 last = empty.clone()
                 last[:, :, -1:] = self.given_latents(vae, videos[:, -1:])
-                latents[GIVEN_LAST] = pipeline_layout(last, frames)
+                latents[GIVEN_LAST] = last
         return latents
 
     def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
@@ -432,6 +430,8 @@ class CogVideoXI2VSpec(ChannelModes, CogVideoXSpec):
         inputs = self.pipeline_inputs(pictures)
         if given.frames is not None:
             inputs["given_frames"] = given.frames.permute(1, 0, 2, 3).unsqueeze(0).float()
+        if given.mode == "extension":
+            inputs["given_padding"] = self.latent_padding(self.latent_grid(frames, height, width)[0])
         if given.last is not None:
             inputs["given_last"] = given.last[-1:].permute(1, 0, 2, 3).unsqueeze(0).float()
         return inputs

@@ -445,9 +445,9 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     (num_inference_steps, guidance_scale, seed, frames, height, width); the rest are the run's validation
     settings. An image-to-video family starts from `image`, else from the run's first clip (as validation); a
     control run follows the control clip `control`, else the run's first clip's control clip (as validation). A
-    conditioning mode (ltx-video-i2v, model.conditioning): `image` with `last_frame` (first-last), `last_frame`,
-    `extend` (a clip to extend) or `inpaint` (a clip whose region outside `mask`, else the configured rectangle, is
-    kept). `progress`: a bar of the denoising steps."""
+    conditioning mode (a family with `conditioning_modes`, model.conditioning): `image` with `last_frame`
+    (first-last), `last_frame`, `extend` (a clip to extend) or `inpaint` (a clip whose region outside `mask`, else the
+    configured rectangle, is kept). `progress`: a bar of the denoising steps."""
     spec, config = run.spec, run.config
     settings = SampleSettings.from_config(config, spec, default_prompt=prompt)
     settings = replace(settings, prompts=(prompt,), **{k: v for k, v in overrides.items() if v is not None})

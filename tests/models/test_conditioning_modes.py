@@ -168,7 +168,7 @@ def test_a_batch_mixing_token_layouts_runs_each_sample_as_alone(tiny_model_dir, 
 @pytest.mark.parametrize(("family", "why"), [
     ("ltx-video", "LTXPipeline"),
     ("sana-video-i2v", "first image"),  # the Wan families: tests/models/test_wan_conditioning_modes.py
-    ("cogvideox-i2v", "first image"),
+    ("kandinsky-5-i2v", "first image"),
 ])
 def test_a_family_without_a_mode_is_refused_before_loading(tiny_model_dir, family, why):
     spec = get_spec_class(family)(ModelConfig(name=family, pretrained=str(tiny_model_dir(family)),

@@ -1,6 +1,7 @@
-"""Conditioning modes in whole runs (ltx-video-i2v with model.conditioning): the same losses from the cache and on
-the fly, a stopped run resumed bit for bit, step 0 the base model's loss, and validation / `vidtune sample` sampling
-in the mode through LTXConditionPipeline."""
+"""Conditioning modes in whole runs (ltx-video-i2v, and each other family with model.conditioning): the same losses
+from the cache and on the fly, a stopped run resumed bit for bit, step 0 the base model's loss, and validation /
+`vidtune sample` sampling in the mode through the family's condition pipeline (LTXConditionPipeline,
+LTX2ConditionPipeline)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from vidtune.given_frames import from_clip, validation_given
 from vidtune.models import conditioning
 from vidtune.models.conditioning import Given
 from vidtune.models.ltx_video import LTXVideoImageToVideoSpec
+from vidtune.models.registry import get_spec_class
 from vidtune.sampling import load_pipeline, sample_run
 from vidtune.trainers import build_trainer
 
@@ -27,15 +29,20 @@ FAMILY = "ltx-video-i2v"
 # Every mode drawn in a run of a few steps: two clips a batch, so batches mix token layouts (a last frame's extra
 # tokens beside in-place regions) too.
 MODES = {"extension": 0.25, "extension_frames": 5, "last_frame": 0.2, "first_last": 0.2, "inpaint": 0.25}
+# The other families with modes: each once (two clips a batch) in the run tests below.
+OTHER_FAMILIES = ["ltx-2", "cogvideox-i2v", "hunyuan-video-1.5-i2v"]
+# The modes each family takes, where they are not all of them (CogVideoX has no mask channel to inpaint with).
+FAMILY_MODES = {"cogvideox-i2v": {"extension": 0.3, "extension_frames": 5, "last_frame": 0.3, "first_last": 0.3}}
+LTX_2_OVERFIT_STEPS = 300
 LORA_FILE = "pytorch_lora_weights.safetensors"
 CAPTION = "a shape moving"
 CPU = torch.device("cpu")
 
 
-def modes_config(make_config, tmp_path, name: str, **sections):
+def modes_config(make_config, tmp_path, name: str, family: str = FAMILY, **sections):
     training = {"steps": 3, "batch_size": 2, "seed": 0, **sections.pop("training", {})}
-    return make_config(FAMILY, model={"conditioning": MODES, **sections.pop("model", {})}, training=training,
-                       output_dir=str(tmp_path / name), **sections)
+    return make_config(family, model={"conditioning": FAMILY_MODES.get(family, MODES), **sections.pop("model", {})},
+                       training=training, output_dir=str(tmp_path / name), **sections)
 
 
 def drawn_modes(trainer) -> list[float]:
@@ -84,12 +91,38 @@ def test_a_stopped_run_resumes_bit_for_bit(make_config, tmp_path):
     assert resumed.losses[-1] == reference.losses[-1]
 
 
-def test_step_0_is_the_base_models_loss(make_config, tmp_path):
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_the_cache_trains_as_on_the_fly_and_a_stopped_run_resumes_bit_for_bit(make_config, tmp_path, family):
+    """Each other family, one clip a batch: a run encoding on the fly and one from the cache draw the same modes and
+    the same losses (to float32 rounding: the cache's encoders run in their own stage, and the weights end ~1e-7
+    apart); a run from the cache stopped at step 2 and resumed ends with the uninterrupted run's weights bit for
+    bit."""
+    settings = {"training": {"steps": 3, "batch_size": 1}, "checkpoint": {"every": 2}}
+    cached = {"precompute": {"enabled": True, "cache_dir": str(tmp_path / "cache")}}
+    on_the_fly = build_trainer(modes_config(make_config, tmp_path, "on-the-fly", family, **settings))
+    modes = drawn_modes(on_the_fly)
+    fly_losses = on_the_fly.run().losses
+    reference = build_trainer(modes_config(make_config, tmp_path, "reference", family, **settings, **cached))
+    cached_modes = drawn_modes(reference)
+    cached_losses = reference.run().losses
+    assert cached_modes == modes and len(set(modes)) >= 2, modes
+    torch.testing.assert_close(torch.tensor(cached_losses), torch.tensor(fly_losses), rtol=1e-6, atol=0)
+    run_stopped_at(build_trainer(modes_config(make_config, tmp_path, "stopped", family, **settings, **cached)), 2)
+    resumed = build_trainer(modes_config(make_config, tmp_path, "stopped", family, training=settings["training"],
+                                         checkpoint={"every": 2, "resume": "latest"}, **cached)).run()
+    assert resumed.final_step == 3 and resumed.losses[-1] == cached_losses[-1]
+    ours, theirs = load_file(tmp_path / "stopped" / LORA_FILE), load_file(tmp_path / "reference" / LORA_FILE)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+@pytest.mark.parametrize("family", [FAMILY, *OTHER_FAMILIES])
+def test_step_0_is_the_base_models_loss(make_config, tmp_path, family):
     """The adapter starts as the base model: the first batch's loss with it equals the base model's (a full
     fine-tune before its first step) exactly, under the same drawn modes."""
     losses = []
     for algorithm in ("lora", "full"):
-        trainer = build_trainer(modes_config(make_config, tmp_path, algorithm, training={"algorithm": algorithm}))
+        trainer = build_trainer(modes_config(make_config, tmp_path, algorithm, family,
+                                             training={"algorithm": algorithm}))
         trainer.set_up()
         batch = next(trainer.context.source.batches(0))
         with torch.no_grad():
@@ -226,3 +259,81 @@ def test_inpainting_keeps_what_each_clips_mask_leaves_black(make_config, shapes_
     sampled = validation_given(trainer.spec, config, trainer.context.clips, 9, 32, 32)
     assert sampled is not None and sampled.mode == "inpaint" and sampled.mask is not None
     assert float(sampled.mask[:, :, :14].min()) > 0.9 and float(sampled.mask[:, :, 18:].max()) < 0.1
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_validation_and_sample_use_the_mode_in_each_family(make_config, tmp_path, shapes_dataset, family):
+    """Validation samples in the configured mode, `vidtune sample --last-frame / --inpaint` in the others, each
+    through the family's `given_inputs` (LTX-2: LTX2ConditionPipeline's conditions)."""
+    modes = FAMILY_MODES.get(family, MODES)
+    config = modes_config(make_config, tmp_path, "run", family, training={"steps": 1, "batch_size": 1},
+                          model={"conditioning": {**modes, "validation_mode": "first_last"}},
+                          validation={"enabled": True, "every": 1, "num_inference_steps": 2})
+    spec_class = get_spec_class(family)
+    calls: list[dict] = []
+    original = spec_class.given_inputs
+
+    def recorded(self, given, frames, height, width):
+        inputs = original(self, given, frames, height, width)
+        calls.append({"mode": given.mode, **inputs})
+        return inputs
+
+    spec_class.given_inputs = recorded
+    try:
+        result = build_trainer(config).run()
+        assert result.sample_paths and [call["mode"] for call in calls] == ["first_last"]
+        run = load_pipeline(config.output_dir, device="cpu")
+        frame = tmp_path / "last.png"
+        Image.new("RGB", (32, 32), (200, 30, 30)).save(frame)
+        clip = pair_samples(shapes_dataset)[0].video
+        for flags, mode in (({"last_frame": frame}, "last_frame"), ({"inpaint": clip}, "inpaint")):
+            if mode not in modes:
+                continue
+            written = sample_run(run, "a red circle", tmp_path / f"{mode}.mp4", num_inference_steps=2, **flags)
+            assert written.is_file() and calls[-1]["mode"] == mode
+        assert "inpaint" not in modes or calls[-1]["given_region"].shape[2] == 3  # the rectangle on the latent grid
+    finally:
+        spec_class.given_inputs = original
+
+
+@pytest.mark.slow
+def test_ltx_2_brings_back_the_clip_it_is_given(make_config, shapes_dataset, tmp_path):
+    """LTX-2, two clips with one caption, a full fine-tune extending each: sampled through LTX2ConditionPipeline from
+    each clip's first frames, what the sample learns (its last latent frame) is nearer that clip than the other, and
+    well below the untrained model's error; only the conditioning tells the two apart."""
+    root = captioned_dataset(shapes_dataset, tmp_path / "data", [CAPTION, CAPTION])
+    steps = LTX_2_OVERFIT_STEPS
+    config = make_config("ltx-2", data_root=root,
+                         # Both streams train together, as the pipeline samples them (silence beside each clip).
+                         model={"conditioning": {"extension": 1.0, "extension_frames": 5},
+                                "clips_without_sound": "silence"},
+                         training={"algorithm": "full", "steps": steps, "learning_rate": 1e-2, "batch_size": 2,
+                                   "max_grad_norm": None, "sigma_sampling": "uniform", "sigma_shift": 1.0},
+                         optimizer={"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": steps // 10},
+                         logging={"progress": False, "log_every": 100})
+    started = time.perf_counter()
+    build_trainer(config).run()
+    trained = load_pipeline(config.output_dir, device="cpu")
+    spec = trained.spec
+    untouched = get_spec_class("ltx-2")(config.model, frame_rate=config.frame_rate)  # the base transformer
+    base = spec.pipeline(untouched.load_text_components(CPU), trained.vae, untouched.load_denoiser(CPU).eval())
+    frames, height, width = config.data.frames, config.data.height, config.data.width
+    clips = [read_clip(clip.video, ClipWindow(frames, height, width)) for clip in pair_samples(root)]
+    targets = [spec.prepare_latents(trained.vae, clip[None])["latents_mean"] for clip in clips]
+    for pipeline in (trained.pipeline, base):
+        pipeline.set_progress_bar_config(disable=True)
+    for mode in ("extension",):
+        code = torch.tensor([float(conditioning.code(mode))])
+        learnt = 1 - conditioning.region(code, targets[0].shape, 2, torch.zeros(1, 1, *targets[0].shape[2:]))
+        for own in (0, 1):
+            given = from_clip(mode, clips[own], 5)
+            with torch.no_grad():
+                after, before = (spec.sample(pipeline, CAPTION, frames=frames, height=height, width=width,
+                                             num_inference_steps=20, generator=torch.Generator().manual_seed(1),
+                                             given=given, output="latents").latents
+                                 for pipeline in (trained.pipeline, base))
+            error, other = learnt_error(after, targets[own], learnt), learnt_error(after, targets[1 - own], learnt)
+            untrained = learnt_error(before, targets[own], learnt)
+            print(f"{mode}, clip {own}: relative error {error:.3f} (to the other clip {other:.3f}; untrained "
+                  f"{untrained:.3f}) ({time.perf_counter() - started:.0f} s)")
+            assert error < other and error < 0.5 * untrained, (mode, own, error, other, untrained)

@@ -11,6 +11,11 @@ Every convention below is read from CogVideoXPipeline / CogVideoXImageToVideoPip
   * 3D rotary embeddings, when `use_rotary_positional_embeddings`, computed by the pipeline's own function.
   * image-to-video: first-frame latents padded with zeros to the latent frame count and concatenated to the
     noisy latents on the channel dim; `ofs` = 2.0 where the transformer has an ofs embedding.
+  * conditioning modes (image-to-video, `model.conditioning`): extension, last frame and first-last, each as latents
+    placed in those channels (vidtune/models/given_modes.py, `ChannelModes`): the first frames of a clip encoded
+    alone in its first latent frames, the last frame encoded alone in the last latent frame, zeros elsewhere, and
+    sampled through CogVideoXImageToVideoPipeline given those latents (`CogVideoXGivenFramesPipeline`). Inpainting
+    is refused: the condition has no mask channel, so a kept region's latents could not be told from zeros.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from torch import nn
 from transformers import T5EncoderModel
 
 from vidtune.errors import ConfigError, ModelError
+from vidtune.models import conditioning, in_context
+from vidtune.models.conditioning import Given
 from vidtune.models.defaults import COGVIDEOX
+from vidtune.models.given_modes import ChannelModes, compose
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -48,6 +56,60 @@ from vidtune.models.spec import (
 from vidtune.outputs import LORA_WEIGHTS
 
 logger = logging.getLogger(__name__)
+
+# The keys of a modes run's conditions, each [B, C, F, H, W] over the latent frames the denoiser takes (zeros where it
+# gives nothing): the first frame, the clip to extend and the last frame, each encoded alone. CogVideoX 1.5 pads an
+# odd count with a frame in front (the pipeline drops it after denoising), where the pipeline places its image; the
+# frames to extend sit over the clip's own latent frames, their first copied into the padding as the clip's is.
+GIVEN_FIRST = "given_first_latents"
+GIVEN_EXTENSION = "given_extension_latents"
+GIVEN_LAST = "given_last_latents"
+
+
+class CogVideoXGivenFramesPipeline(CogVideoXImageToVideoPipeline):
+    """CogVideoXImageToVideoPipeline given a conditioning mode's latents in its image condition: `given_frames` ([B,
+    3, K, H, W] in [-1, 1]: the first frame, or a clip to extend) in the first latent frames and `given_last` ([B, 3,
+    1, H, W]) in the last, each encoded alone as the pipeline encodes its image (a posterior sample, scaled), zeros
+    elsewhere; a clip to extend sits over the clip's own latent frames, after `given_padding` frames in front
+    (CogVideoX 1.5), which take its first. Its `image` is then read for nothing else. Everything else is the
+    pipeline's."""
+
+    def __call__(self, *args: Any, given_frames: torch.Tensor | None = None, given_last: torch.Tensor | None = None,
+                 given_padding: int | None = None, **kwargs: Any) -> Any:
+        self._given = (given_frames, given_last, given_padding)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self._given = None
+
+    def encode_given(self, pixels: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """[B, F', C, H, W] latents of pixels [B, 3, K, H, W], as `prepare_latents` encodes the image."""
+        latents = self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)).latent_dist.sample(generator)
+        scale = self.vae_scaling_factor_image
+        latents = latents / scale if self.vae.config.invert_scale_latents else latents * scale
+        return latents.permute(0, 2, 1, 3, 4)
+
+    def prepare_latents(self, image: torch.Tensor, batch_size: int = 1, num_channels_latents: int = 16,
+                        num_frames: int = 13, height: int = 60, width: int = 90, dtype: torch.dtype | None = None,
+                        device: torch.device | None = None, generator: torch.Generator | None = None,
+                        latents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        latents, image_latents = super().prepare_latents(image, batch_size, num_channels_latents, num_frames, height,
+                                                         width, dtype, device, generator, latents)
+        given = getattr(self, "_given", None)
+        if given is None or given[:2] == (None, None):
+            return latents, image_latents
+        frames, last, padding = given
+        condition = torch.zeros_like(image_latents)  # [B, F, C, H, W], as the image's: F padded for CogVideoX 1.5
+        if frames is not None:
+            encoded = self.encode_given(frames, generator).to(condition)
+            if padding is None:  # the first frame, where the pipeline places its image
+                condition[:, : encoded.shape[1]] = encoded
+            else:  # the frames to extend over the clip's own latent frames (`given_padding` in front)
+                condition[:, padding: padding + encoded.shape[1]] = encoded
+                condition[:, :padding] = encoded[:, :1]
+        if last is not None:
+            condition[:, -1:] = self.encode_given(last, generator).to(condition)
+        return latents, condition
 
 
 class CogVideoXSpec(ModelSpec):
@@ -198,7 +260,7 @@ class CogVideoXSpec(ModelSpec):
         _, _, frames, height, width = noisy_latents.shape
         hidden = noisy_latents.permute(0, 2, 1, 3, 4)  # [B, F, C, H, W], the transformer's layout
         if "image_latents" in conditions:  # image-to-video: first-frame latents on the channel dim
-            image = conditions["image_latents"].permute(0, 2, 1, 3, 4).to(hidden)
+            image = self.image_condition(conditions, noisy_latents).permute(0, 2, 1, 3, 4).to(hidden)
             hidden = torch.cat([hidden, image], dim=2)
         ofs = None if denoiser.config.ofs_embed_dim is None else hidden.new_full((1,), 2.0)
         prediction = denoiser(
@@ -230,6 +292,10 @@ class CogVideoXSpec(ModelSpec):
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
         return latents.permute(0, 2, 1, 3, 4)  # [B, F, C, H, W] -> [B, C, F, H, W]
 
+    def image_condition(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
+        """[B, C, F, H, W]: the image-to-video latents on the channels beside the noisy ones."""
+        return conditions["image_latents"].to(noisy_latents)
+
 
 def _content_generator(frame: torch.Tensor) -> torch.Generator:
     """A generator seeded from a frame's pixels: the same clip always gets the same draw."""
@@ -237,7 +303,7 @@ def _content_generator(frame: torch.Tensor) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") % 2**63)
 
 
-class CogVideoXI2VSpec(CogVideoXSpec):
+class CogVideoXI2VSpec(ChannelModes, CogVideoXSpec):
     """CogVideoX image-to-video (CogVideoXImageToVideoPipeline conventions).
 
     Training condition (`prepare_latents` key "image_latents", layout [B, C, F, H, W] like the latents):
@@ -254,8 +320,12 @@ class CogVideoXI2VSpec(CogVideoXSpec):
 
     name = "cogvideox-i2v"
     image_to_video = True
-    conditioning_refusal = ("CogVideoXImageToVideoPipeline takes one first image, as channels beside the first "
-                            "latent frame (zeros after it); no other frame, clip or mask.")
+    conditioning_refusal = ("its condition is latents on channels beside the noisy ones with no mask channel, so a "
+                            "kept region (inpainting) could not be told from latents that are zero; it takes the "
+                            "first frames of a clip and the last frame (CogVideoXImageToVideoPipeline with those "
+                            "latents placed).")
+    conditioning_modes = ("extension", "last_frame", "first_last")
+    modes_pipeline = "CogVideoXImageToVideoPipeline"
     # CogVideoX 1.5 I2V: an odd latent frame count is padded like the text-to-video latents (the first latent frame
     # in front). CogVideoXImageToVideoPipeline then denoises one latent frame more, with the image condition in
     # latent frame 0 and zeros after it, and drops the first frame before decoding: `prepare_latents` builds that
@@ -265,32 +335,104 @@ class CogVideoXI2VSpec(CogVideoXSpec):
 
     def latent_identity(self) -> dict[str, Any]:
         noise = self.image_noise_log_sigma
-        return {**super().latent_identity(), "image_noise_log_sigma": None if noise is None else list(noise)}
+        identity = {**super().latent_identity(), "image_noise_log_sigma": None if noise is None else list(noise)}
+        if self.modes_on:
+            identity["given_latents"] = {"extension_frames": self.config.conditioning.extension_frames,
+                                         "last_frame": self.takes_last_frame}
+        return identity
+
+    def given_latents(self, vae: nn.Module, pictures: torch.Tensor) -> torch.Tensor:
+        """[B, C, F', h, w]: pictures [B, K, 3, H, W] encoded alone as the pipeline encodes its image, after CogVideoX's
+        own noise augmentation (see the class), its draws from a generator seeded by the pictures' content."""
+        noisy, generators = [], []
+        for picture in pictures:
+            picture = picture.float().cpu()  # [K, 3, H, W]
+            generator = _content_generator(picture)
+            if self.image_noise_log_sigma is not None:
+                mean, std = self.image_noise_log_sigma
+                sigma = torch.exp(torch.randn(1, generator=generator) * std + mean)
+                picture = picture + torch.randn(picture.shape, generator=generator) * sigma
+            noisy.append(picture)
+            generators.append(generator)
+        pixels = torch.stack(noisy).to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)  # [B, 3, K, H, W]
+        posterior = vae.encode(pixels).latent_dist
+        eps = torch.cat([torch.randn(posterior.mean.shape[1:], generator=g).unsqueeze(0) for g in generators])
+        latents = posterior.mean + posterior.std * eps.to(posterior.mean)  # a posterior sample, like the pipeline's
+        scale = vae.config.scaling_factor
+        return latents / scale if vae.config.get("invert_scale_latents", False) else latents * scale
 
     @torch.no_grad()
     def prepare_latents(self, vae: nn.Module, videos: torch.Tensor) -> Latents:
         latents = super().prepare_latents(vae, videos)
-        firsts, generators = [], []
-        for video in videos:
-            first = video[:1].float().cpu()  # [1, 3, H, W]
-            generator = _content_generator(first)
-            if self.image_noise_log_sigma is not None:
-                mean, std = self.image_noise_log_sigma
-                sigma = torch.exp(torch.randn(1, generator=generator) * std + mean)
-                first = first + torch.randn(first.shape, generator=generator) * sigma
-            firsts.append(first)
-            generators.append(generator)
-        pixels = torch.stack(firsts).to(device=vae.device, dtype=vae.dtype).permute(0, 2, 1, 3, 4)  # [B, 3, 1, H, W]
-        posterior = vae.encode(pixels).latent_dist  # the first frame alone, as the pipeline encodes its image
-        eps = torch.cat([torch.randn(posterior.mean.shape[1:], generator=g).unsqueeze(0) for g in generators])
-        image = posterior.mean + posterior.std * eps.to(posterior.mean)  # a posterior sample, like the pipeline's
-        scale = vae.config.scaling_factor
-        image = image / scale if vae.config.get("invert_scale_latents", False) else image * scale
-        padding = image.new_zeros(*image.shape[:2], latents["latents_mean"].shape[2] - 1, *image.shape[3:])
+        image = self.given_latents(vae, videos[:, :1])  # the first frame alone, as the pipeline encodes its image
+        frames = latents["latents_mean"].shape[2]
+        padding = image.new_zeros(*image.shape[:2], frames - 1, *image.shape[3:])
         latents["image_latents"] = torch.cat([image, padding], dim=2)
+        if self.modes_on:  # each mode's condition, as CogVideoXGivenFramesPipeline places it
+            empty = torch.zeros_like(latents["image_latents"])
+            latents[GIVEN_FIRST] = latents["image_latents"]
+            if self.config.conditioning.extension > 0 and self.extension_latent_frames < frames:
+                extension = empty.clone()
+                given = self.given_latents(vae, videos[:, : self.config.conditioning.extension_frames])
+                padding = self.latent_padding((videos.shape[1] - 1) // self.compression[1] + 1)
+                extension[:, :, padding: padding + given.shape[2]] = given
+                extension[:, :, :padding] = given[:, :, :1]
+                latents[GIVEN_EXTENSION] = extension
+            if self.takes_last_frame:
+                last = empty.clone()
+                last[:, :, -1:] = self.given_latents(vae, videos[:, -1:])
+                latents[GIVEN_LAST] = last
         return latents
+
+    def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
+        """With `model.conditioning`, each sample's mode (the first frame for the rest)."""
+        return self.draw_channel_modes(x0, positions, seed) if self.modes_on else {}
+
+    def image_condition(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
+        """[B, C, F, H, W]: the latents on the channels beside the noisy ones: the first frame's, or each sample's by
+        its drawn mode."""
+        if conditioning.MODE not in conditions:
+            return conditions["image_latents"].to(noisy_latents)
+        return compose(conditions[conditioning.MODE], conditions[GIVEN_FIRST].to(noisy_latents),
+                       conditions.get(GIVEN_EXTENSION), conditions.get(GIVEN_LAST))
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        super().check_video_shape(frames, height, width)
+        problems = self.extension_problems(frames) if self.modes_on else []
+        if problems:
+            raise ConfigError("The conditioning modes do not fit:\n" + "\n".join(f"  - {p}" for p in problems)
+                              + "\nWhat to do: fix model.conditioning as said above.")
 
     def pipeline_inputs(self, reference: torch.Tensor | None = None) -> dict[str, Any]:
         # The pipeline takes images in [0, 1] (it resizes them if needed) and normalises them to [-1, 1] itself.
         first_frame = self.given_reference(reference)[0].detach().float().cpu()
         return {"image": ((first_frame + 1.0) / 2.0).clamp(0.0, 1.0).unsqueeze(0)}
+
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: Any = None, given: Given | None = None) -> Any:
+        """A conditioning mode samples through CogVideoXGivenFramesPipeline over the components of `pipeline`."""
+        if given is not None and given.mode != "first_frame":
+            placing = in_context.pipeline_like(CogVideoXGivenFramesPipeline, pipeline)
+            placing.set_progress_bar_config(**getattr(pipeline, "_progress_bar_config", {}))
+            pipeline = placing
+        return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                     generator, output_type, reference, callback, given=given)
+
+    def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
+        """The pipeline's `image` (the first given picture: it needs one) and the mode's pictures, [1, 3, K, H, W]:
+        the first frame or the clip to extend (`given_frames`), the last frame (`given_last`)."""
+        if given.mode == "first_frame":
+            return self.pipeline_inputs(given.frames)
+        self.check_given_frames(given, frames)
+        pictures = given.frames if given.frames is not None else given.last
+        assert pictures is not None
+        inputs = self.pipeline_inputs(pictures)
+        if given.frames is not None:
+            inputs["given_frames"] = given.frames.permute(1, 0, 2, 3).unsqueeze(0).float()
+        if given.mode == "extension":
+            inputs["given_padding"] = self.latent_padding(self.latent_grid(frames, height, width)[0])
+        if given.last is not None:
+            inputs["given_last"] = given.last[-1:].permute(1, 0, 2, 3).unsqueeze(0).float()
+        return inputs
+

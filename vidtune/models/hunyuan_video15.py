@@ -12,7 +12,13 @@ and a dual-stream DiT that reads the text, the glyph text and (image-to-video) S
         text-to-video; for image-to-video the first frame's latents (its VAE mode, scaled) in latent frame 0 and a
         mask of ones there; image tokens are SigLIP's last hidden state of the first frame (all zeros, hence
         masked out, for text-to-video);
-    guidance: true classifier-free guidance through the pipeline's `guider` (no guidance embedding).
+    guidance: true classifier-free guidance through the pipeline's `guider` (no guidance embedding);
+    conditioning modes (image-to-video, `model.conditioning`): the condition channels and their mask carry other
+        latents (vidtune/models/given_modes.py, `ChannelModes`): a clip's first frames encoded alone in its first
+        latent frames, the last frame encoded alone in the last one, or a kept region of the clip (inpainting: the mask
+        1 on its cells); the image tokens are SigLIP's of the first given picture (the first frame; the last frame
+        for last-frame conditioning). Sampled through HunyuanVideo15ImageToVideoPipeline given those latents
+        (`HunyuanVideo15GivenPipeline`).
 The pipelines have no `load_lora_weights` in diffusers 0.42: `pipeline_class` adds diffusers' plain transformer
 LoRA loader (the file is the standard `transformer.`-prefixed peft format, which `transformer.load_lora_adapter`
 also reads), and they take no step callback: `call_pipeline` hands the final latents to a callback once.
@@ -34,6 +40,7 @@ from diffusers import (
     HunyuanVideo15Transformer3DModel,
 )
 from diffusers.loaders.lora_pipeline import CogVideoXLoraLoaderMixin
+from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import retrieve_latents
 from diffusers.pipelines.hunyuan_video1_5.pipeline_output import HunyuanVideo15PipelineOutput
 from torch import nn
 from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcessor, SiglipVisionModel, T5EncoderModel
@@ -41,7 +48,10 @@ from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcesso
 from vidtune.errors import ConfigError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
+from vidtune.models import conditioning, in_context
+from vidtune.models.conditioning import Given
 from vidtune.models.defaults import HUNYUAN_VIDEO_15
+from vidtune.models.given_modes import ChannelModes, compose
 from vidtune.models.hunyuan_comfyui import shared_rules
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -95,7 +105,55 @@ class HunyuanVideo15ImageToVideoLoraPipeline(CogVideoXLoraLoaderMixin, HunyuanVi
     """HunyuanVideo15ImageToVideoPipeline with diffusers' plain transformer LoRA loader."""
 
 
+class HunyuanVideo15GivenPipeline(HunyuanVideo15ImageToVideoLoraPipeline):
+    """HunyuanVideo15ImageToVideoPipeline given a conditioning mode's latents in its condition channels and mask:
+    `given_frames` ([1, 3, K, H, W] in [-1, 1]: a clip to extend, in its first latent frames; with `given_region`, a
+    clip whose region ([1, 1, F, H, W] on the latent grid, 1.0 kept) is kept) and `given_last` ([1, 3, 1, H, W], in
+    the last latent frame), each encoded alone as the pipeline encodes its image (the VAE's mode, scaled), the mask
+    1 where they are; its `image` gives the image tokens. Everything else is the pipeline's."""
+
+    def __call__(self, *args: Any, given_frames: torch.Tensor | None = None, given_last: torch.Tensor | None = None,
+                 given_region: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        self._given = (given_frames, given_last, given_region)
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self._given = None
+
+    def encode_given(self, pixels: torch.Tensor) -> torch.Tensor:
+        latents = retrieve_latents(self.vae.encode(pixels.to(self.vae.device, self.vae.dtype)), sample_mode="argmax")
+        return latents * self.vae.config.scaling_factor
+
+    def prepare_cond_latents_and_mask(self, latents: torch.Tensor, image: Any, batch_size: int, height: int,
+                                      width: int, dtype: torch.dtype, device: torch.device
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        given = getattr(self, "_given", None)
+        if given is None or given == (None, None, None):
+            return super().prepare_cond_latents_and_mask(latents, image, batch_size, height, width, dtype, device)
+        frames, last, region = given
+        condition = torch.zeros_like(latents)
+        mask = torch.zeros_like(latents[:, :1])
+        if frames is not None:
+            encoded = self.encode_given(frames).to(condition)
+            if region is not None:
+                region = region.to(condition).expand_as(mask)
+                condition, mask = region * encoded, region.clone()
+            else:
+                condition[:, :, : encoded.shape[2]] = encoded
+                mask[:, :, : encoded.shape[2]] = 1.0
+        if last is not None:
+            condition[:, :, -1:] = self.encode_given(last).to(condition)
+            mask[:, :, -1:] = 1.0
+        return condition.to(device, dtype), mask.to(device, dtype)
+
+
 HV15_FEED_FORWARD_TARGETS = (*FEED_FORWARD_TARGETS, "ff_context.net.0.proj", "ff_context.net.2")
+
+# The keys of a modes run's latents: the first frames of the clip to extend [B, C, k, H, W] and the last frame
+# [B, C, 1, H, W], each encoded alone, and the last frame's image tokens.
+GIVEN_EXTENSION = "given_extension_latents"
+LAST_IMAGE = "last_image_latents"
+LAST_EMBEDS = "last_image_embeds"
 
 
 class HunyuanVideo15Spec(ModelSpec):
@@ -285,7 +343,8 @@ class HunyuanVideo15Spec(ModelSpec):
 
     def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                       num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None,
+                      given: Given | None = None) -> Any:
         """One call with the guider at `guidance_scale`. The pipeline has no step callback: with `callback`, it
         returns its final latents, the callback gets them once, and they are decoded as the pipeline decodes."""
         pipeline.register_modules(guider=self.guider(guidance_scale))
@@ -296,7 +355,7 @@ class HunyuanVideo15Spec(ModelSpec):
             generator=generator,
             output_type="latent" if callback is not None else output_type,
             **self.pipeline_size(height, width),
-            **self.pipeline_inputs(reference),
+            **(self.pipeline_inputs(reference) if given is None else self.given_inputs(given, frames, height, width)),
         )
         if callback is None or output_type == "latent":
             if callback is not None:
@@ -319,15 +378,17 @@ class HunyuanVideo15ImageEncoders(VAEWithExtras):
         self.feature_extractor = feature_extractor
 
 
-class HunyuanVideo15ImageToVideoSpec(HunyuanVideo15Spec):
+class HunyuanVideo15ImageToVideoSpec(ChannelModes, HunyuanVideo15Spec):
     """HunyuanVideo 1.5 image-to-video: the first frame's latents and SigLIP tokens condition every clip. The
     pipeline picks its output size from the image (its `target_size` buckets), so samples have the clip's size
     only where that bucket is the clip's size (checked before sampling)."""
 
     name = "hunyuan-video-1.5-i2v"
     image_to_video = True
-    conditioning_refusal = ("HunyuanVideo15ImageToVideoPipeline takes one first image (its latent as condition "
-                            "channels of the first frame, and its vision embedding); no other frame, clip or mask.")
+    conditioning_refusal = ("HunyuanVideo15ImageToVideoPipeline takes latents and a mask on condition channels "
+                            "(HunyuanVideo15GivenPipeline places each mode's there).")
+    conditioning_modes = ("extension", "last_frame", "first_last", "inpaint")
+    modes_pipeline = "HunyuanVideo15ImageToVideoPipeline"
     pipeline_class = HunyuanVideo15ImageToVideoLoraPipeline
 
     def required_components(self) -> tuple[str, ...]:
@@ -353,19 +414,103 @@ class HunyuanVideo15ImageToVideoSpec(HunyuanVideo15Spec):
                                                                        image, vae.device)
                   for image in frames_to_pil(first_frames)]
         latents["image_embeds"] = torch.cat(embeds).to(latents["latents_mean"].dtype)
+        dtype = latents["latents_mean"].dtype
+        if self.modes_on and self.config.conditioning.extension > 0:  # the first frames alone, as the pipeline would
+            count = self.config.conditioning.extension_frames
+            clips = videos[:, :count].to(device=vae.device, dtype=vae.dtype).transpose(1, 2)
+            latents[GIVEN_EXTENSION] = (vae.vae.encode(clips).latent_dist.mode()
+                                        * vae.vae.config.scaling_factor).to(dtype)
+        if self.modes_on and self.takes_last_frame:  # the last frame as the pipeline encodes an image
+            last = videos[:, -1].to(device=vae.device, dtype=vae.dtype).unsqueeze(2)
+            latents[LAST_IMAGE] = (vae.vae.encode(last).latent_dist.mode() * vae.vae.config.scaling_factor).to(dtype)
+            embeds = [HunyuanVideo15ImageToVideoPipeline._get_image_embeds(vae.image_encoder, vae.feature_extractor,
+                                                                           image, vae.device)
+                      for image in frames_to_pil(videos[:, -1])]
+            latents[LAST_EMBEDS] = torch.cat(embeds).to(dtype)
         return latents
+
+    def latent_identity(self) -> dict[str, Any]:
+        identity = super().latent_identity()
+        if self.modes_on:
+            identity["given_latents"] = {"extension_frames": self.config.conditioning.extension_frames,
+                                         "last_frame": self.takes_last_frame}
+        return identity
+
+    def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
+        """With `model.conditioning`, each sample's mode (the first frame for the rest)."""
+        return self.draw_channel_modes(x0, positions, seed) if self.modes_on else {}
+
+    def check_video_shape(self, frames: int, height: int, width: int) -> None:
+        super().check_video_shape(frames, height, width)
+        problems = self.extension_problems(frames) if self.modes_on else []
+        if problems:
+            raise ConfigError("The conditioning modes do not fit:\n" + "\n".join(f"  - {p}" for p in problems)
+                              + "\nWhat to do: fix model.conditioning as said above.")
 
     def condition_input(self, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
         """The first frame's latents in latent frame 0 (zeros after) and a mask of ones there, as
-        HunyuanVideo15ImageToVideoPipeline.prepare_cond_latents_and_mask."""
+        HunyuanVideo15ImageToVideoPipeline.prepare_cond_latents_and_mask; with drawn modes each sample's given
+        latents where its mode puts them, the mask 1 there (HunyuanVideo15GivenPipeline)."""
         condition = torch.zeros_like(noisy_latents)
         condition[:, :, :1] = conditions["image_latents"].to(noisy_latents)
         mask = torch.zeros_like(noisy_latents[:, :1])
         mask[:, :, 0] = 1.0
-        return torch.cat([condition, mask], dim=1)
+        if conditioning.MODE not in conditions:
+            return torch.cat([condition, mask], dim=1)
+        codes = conditions[conditioning.MODE]
+        pieces: dict[str, tuple[torch.Tensor, torch.Tensor] | None] = {"extension": None, "last": None}
+        if GIVEN_EXTENSION in conditions:
+            given = conditions[GIVEN_EXTENSION].to(noisy_latents)
+            extension, where = torch.zeros_like(noisy_latents), torch.zeros_like(mask)
+            extension[:, :, : given.shape[2]], where[:, :, : given.shape[2]] = given, 1.0
+            pieces["extension"] = (extension, where)
+        if LAST_IMAGE in conditions:
+            last, where = torch.zeros_like(noisy_latents), torch.zeros_like(mask)
+            last[:, :, -1:], where[:, :, -1:] = conditions[LAST_IMAGE].to(noisy_latents), 1.0
+            pieces["last"] = (last, where)
+        kept = self.inpaint_region(conditions, noisy_latents.shape).to(noisy_latents)
+        inpaint = kept * conditions[conditioning.LATENTS].to(noisy_latents)
+        latents = compose(codes, condition, *(piece and piece[0] for piece in pieces.values()), inpaint)
+        masks = compose(codes, mask, *(piece and piece[1] for piece in pieces.values()), kept)
+        return torch.cat([latents, masks], dim=1)
 
     def image_tokens(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor) -> torch.Tensor:
-        return conditions["image_embeds"]
+        """SigLIP's tokens of the first frame, or (last-frame conditioning) of the last frame."""
+        if conditioning.MODE not in conditions or LAST_EMBEDS not in conditions:
+            return conditions["image_embeds"]
+        last = conditioning.is_mode(conditions[conditioning.MODE], ("last_frame",)).view(-1, 1, 1)
+        return torch.where(last.to(conditions["image_embeds"].device), conditions[LAST_EMBEDS],
+                           conditions["image_embeds"])
+
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None,
+                      given: Given | None = None) -> Any:
+        """A conditioning mode samples through HunyuanVideo15GivenPipeline over the components of `pipeline`."""
+        if given is not None and given.mode != "first_frame":
+            placing = in_context.pipeline_like(HunyuanVideo15GivenPipeline, pipeline)
+            placing.set_progress_bar_config(**getattr(pipeline, "_progress_bar_config", {}))
+            pipeline = placing
+        return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                     generator, output_type, reference, callback, given=given)
+
+    def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
+        """The pipeline's `image` (the first given picture: the image tokens' source) and the mode's pictures,
+        [1, 3, K, H, W]: the clip to extend or inpaint (`given_frames`, with the kept region `given_region`), the
+        last frame (`given_last`)."""
+        if given.mode == "first_frame":
+            return self.pipeline_inputs(given.frames)
+        self.check_given_frames(given, frames)
+        pictures = given.frames if given.frames is not None else given.last
+        assert pictures is not None
+        inputs = self.pipeline_inputs(pictures)
+        if given.frames is not None:  # the first frame (first-last), the clip to extend or to inpaint
+            inputs["given_frames"] = given.frames.permute(1, 0, 2, 3).unsqueeze(0).float()
+        if given.mode == "inpaint":
+            inputs["given_region"] = self.sampling_region(given, frames, height, width)
+        if given.last is not None:
+            inputs["given_last"] = given.last[-1:].permute(1, 0, 2, 3).unsqueeze(0).float()
+        return inputs
 
     def pipeline(self, text: TextComponents, vae: HunyuanVideo15ImageEncoders, denoiser: nn.Module) -> Any:
         return HunyuanVideo15ImageToVideoLoraPipeline(

@@ -22,7 +22,13 @@ only, as ltx-trainer's video-only runs: the video stream does not attend to the 
     rotary positions: the transformer's own, from the latent grids and the frame rate (`fps`, per sample);
     frame_rate: each clip's own (`ModelSpec.clip_frame_rate`), for its positions and its sound's length L, as the
         official trainer cuts a clip's sound to its frames / fps;
-    first-frame conditioning (`model.first_frame_conditioning`): see vidtune/models/first_frame.py.
+    first-frame conditioning (`model.first_frame_conditioning`): see vidtune/models/first_frame.py;
+    conditioning modes (`model.conditioning`: extension, last frame, first and last, inpainting), as
+        LTX2ConditionPipeline gives them: a latent-index-0 condition (the first frame, a clip to extend) in place, its
+        tokens at timestep 0; a condition at a later latent index (the last frame, index -1) encoded alone and appended
+        after the video's tokens as a keyframe, clean, at the rotary time of that latent frame's first pixel frame
+        ((index - 1) x temporal ratio + 1, one frame long); inpainting keeps a region in place the same way
+        (`LTX2RegionConditionPipeline`). The given latents stay out of the loss (vidtune/models/given_modes.py).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     FlowMatchEulerDiscreteScheduler,
+    LTX2ConditionPipeline,
     LTX2ImageToVideoPipeline,
     LTX2InContextPipeline,
     LTX2Pipeline,
@@ -48,16 +55,23 @@ from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import (
     LATENT_DOWNSAMPLE_FACTOR as AUDIO_LATENT_DOWNSAMPLING,
 )
 from diffusers.pipelines.ltx2 import LTX2ReferenceCondition, LTX2TextConnectors
+from diffusers.pipelines.ltx2.pipeline_ltx2_condition import LTX2VideoCondition, retrieve_latents
 from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
+from diffusers.utils.torch_utils import randn_tensor
 from torch import nn
 from transformers import AutoTokenizer, Gemma3ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration
 
+from vidtune.algorithms import traits_of
+from vidtune.config import Config
 from vidtune.data.audio import AudioBatch, AudioFormat, log_mel_spectrogram
-from vidtune.errors import ModelError
+from vidtune.data.sources import Clip
+from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
-from vidtune.models import first_frame, in_context
+from vidtune.models import conditioning, first_frame, in_context
+from vidtune.models.conditioning import Given
 from vidtune.models.defaults import LTX_2
+from vidtune.models.given_modes import InPlaceModes
 from vidtune.models.ltx_video import vae_downsampling_steps
 from vidtune.models.sound import (
     AUDIO_LATENTS,
@@ -94,6 +108,9 @@ ORIGINAL_MODULATIONS = {"video_scale_shift": "video_scale_shift", "video_a2v_gat
 # [B] set where every sample trains its video cut off from the audio stream (`control.with_audio: false`).
 REFERENCE_LATENTS = "reference_latents"
 VIDEO_ONLY = "video_only"
+# The key of the last frame encoded alone [B, C, 1, h, w] (a run with a last-frame mode): LTX2ConditionPipeline encodes
+# an image condition by itself.
+LAST_FRAME = "last_frame_latents"
 # LTX-2's audio processing (its audio encoder's settings; diffusers' audio VAE config does not hold them): the STFT
 # window, and the log-mel floor (log(clamp(mel, 1e-5))): silence is this value in every bin.
 N_FFT = 1024
@@ -164,10 +181,71 @@ class CrossModalGate:
                                "load_denoiser)")
 
 
-class LTX2Spec(ModelSpec):
+def keyframe_coords(denoiser: nn.Module, batch: int, height: int, width: int, pixel_frame: int, fps: Any,
+                    spatial: int) -> torch.Tensor:
+    """[B, 3, tokens, 2] rotary coordinates of a one-frame keyframe of `height` x `width` latents placed at
+    `pixel_frame`, as LTX2ConditionPipeline places an image at a latent index above 0: in pixels, each patch's start
+    and end, the time axis one frame long, [k, k + 1), in seconds (divided by `fps`: a float, or [B, 1, 1] per
+    sample), the rows and columns times the VAE's spatial ratio, with no causal shift."""
+    config = denoiser.config
+    patch = config.patch_size
+    device = denoiser.device
+    rows = torch.arange(0, height, patch, dtype=torch.float32, device=device)
+    columns = torch.arange(0, width, patch, dtype=torch.float32, device=device)
+    row, column = (grid.flatten() for grid in torch.meshgrid(rows, columns, indexing="ij"))
+    time = torch.tensor([pixel_frame, pixel_frame + 1], dtype=torch.float32, device=device)
+    time = (time.view(1, 1, 2) / fps).expand(batch, row.numel(), 2)
+    rows = torch.stack([row, row + patch], dim=-1) * spatial
+    columns = torch.stack([column, column + patch], dim=-1) * spatial
+    return torch.stack([time, rows.expand(batch, -1, -1), columns.expand(batch, -1, -1)], dim=1)
+
+
+class LTX2RegionConditionPipeline(LTX2ConditionPipeline):
+    """LTX2ConditionPipeline given a region of a clip to keep (inpainting / outpainting): `given_region` ([1, 1, F, H,
+    W] on the latent grid, 1.0 kept) with the clip as its one condition, at latent index 0. The kept latents (the
+    clip encoded as the pipeline encodes a condition) start clean, and the pipeline's own per-token conditioning mask
+    (1 on the kept tokens) runs them at timestep 0 and keeps them through the steps; everything else is the
+    pipeline's."""
+
+    def __call__(self, *args: Any, given_region: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        self._given_region = given_region
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self._given_region = None
+
+    def prepare_latents(self, conditions: Any = None, batch_size: int = 1, num_channels_latents: int = 128,
+                        height: int = 512, width: int = 768, num_frames: int = 121, frame_rate: float = 24.0,
+                        noise_scale: float = 1.0, dtype: torch.dtype | None = None,
+                        device: torch.device | None = None, generator: torch.Generator | None = None,
+                        latents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        region = getattr(self, "_given_region", None)
+        if region is None:
+            return super().prepare_latents(conditions, batch_size, num_channels_latents, height, width, num_frames,
+                                           frame_rate, noise_scale, dtype, device, generator, latents)
+        conditions = [conditions] if isinstance(conditions, LTX2VideoCondition) else list(conditions or [])
+        if len(conditions) != 1 or conditions[0].index != 0 or latents is not None:
+            raise ValueError("a given region takes the clip it keeps as the one condition, at index 0")
+        (pixels,), _, _, _ = self.preprocess_conditions(conditions, height, width, num_frames, device=device)
+        clean = retrieve_latents(self.vae.encode(pixels), generator=generator, sample_mode="argmax")
+        clean = self._normalize_latents(clean, self.vae.latents_mean, self.vae.latents_std).to(device, dtype=dtype)
+        patch, patch_t = self.transformer_spatial_patch_size, self.transformer_temporal_patch_size
+        clean = self._pack_latents(clean, patch, patch_t).expand(batch_size, -1, -1)
+        mask = self._pack_latents(region.to(device, dtype=dtype).expand(batch_size, -1, -1, -1, -1), patch,
+                                  patch_t).amin(dim=-1, keepdim=True)
+        noise = randn_tensor(clean.shape, generator=generator, device=device, dtype=dtype)
+        scaled = (1.0 - mask) * noise_scale  # as the pipeline noises a condition of strength `mask`
+        return noise * scaled + clean * (1.0 - scaled), mask, clean * mask, None
+
+
+class LTX2Spec(InPlaceModes, ModelSpec):
     name = "ltx-2"
-    conditioning_refusal = ("vidtune trains LTX-2 with a first frame only so far (LTX2ImageToVideoPipeline); "
-                            "LTX2ConditionPipeline's frame-indexed conditions are not wired in yet.")
+    conditioning_refusal = ("ltx-2 samples from text, or in a mode with LTX2ConditionPipeline; ltx-2-i2v (the same "
+                            "checkpoints) samples from a first frame with LTX2ImageToVideoPipeline.")
+    # Each as LTX2ConditionPipeline samples it (see the module): extension and inpainting in place, the last frame as
+    # a keyframe's extra tokens.
+    conditioning_modes = ("extension", "last_frame", "first_last", "inpaint")
+    modes_pipeline = "LTX2ConditionPipeline"
     control_input_layer = "proj_in"  # the video stream's Linear over packed patches [B, F*H*W, C*pt*p*p]
     validation_guidance_scale = 3.0  # LTX2Pipeline's default
     frame_rate_conditioned = True
@@ -243,8 +321,11 @@ class LTX2Spec(ModelSpec):
     def latent_identity(self) -> dict[str, Any]:
         # The audio track's length follows the frame rate the clip is told about; its latents come from the clip's
         # own sound through the log-mel settings below (earlier caches held silence for every clip: other keys).
-        return {**super().latent_identity(), "frame_rate": self.frame_rate,
-                "audio": {"source": "clip", "n_fft": N_FFT, "mel_floor": MEL_FLOOR}}
+        identity = {**super().latent_identity(), "frame_rate": self.frame_rate,
+                    "audio": {"source": "clip", "n_fft": N_FFT, "mel_floor": MEL_FLOOR}}
+        if self.takes_last_frame:
+            identity["last_frame"] = "encoded alone"
+        return identity
 
     def audio_format(self) -> AudioFormat:
         """The audio VAE's sample rate and channels (LTX-2's: 16 kHz stereo), at the frame rate the clip is told."""
@@ -299,6 +380,29 @@ class LTX2Spec(ModelSpec):
         raise_shape_problems("LTX-2", [
             frame_count_problem(frames, temporal, patch_t), *side_problems(height, width, vae_spatial * patch)
         ], self, shape_rule(temporal, patch_t, vae_spatial * patch))
+        problems = self.extension_problems(frames) if self.modes_on else []
+        if problems:
+            raise ConfigError("The conditioning modes do not fit:\n" + "\n".join(f"  - {p}" for p in problems)
+                              + "\nWhat to do: fix model.conditioning as said above.")
+
+    def check_frame_settings(self, config: Config, clips: list[Clip]) -> None:
+        """Also, before anything loads: the modes sample through LTX2ConditionPipeline, which takes no reference clip
+        (an in-context run samples through LTX2InContextPipeline); and a last frame's keyframe tokens lengthen some
+        samples' sequences, which a context-parallel split of equal parts cannot follow."""
+        super().check_frame_settings(config, clips)
+        enabled = config.model.conditioning.enabled
+        if enabled and traits_of(config).in_context:
+            raise ConfigError(
+                f"model.conditioning ({', '.join(enabled)}) with training.algorithm={config.training.algorithm}: "
+                "an in-context LoRA samples through LTX2InContextPipeline, which takes a reference clip and no "
+                "conditioning mode.\nWhat to do: remove model.conditioning (model.first_frame_conditioning gives a "
+                "share of the samples their first frame beside the reference), or train the modes in a run of "
+                "their own.")
+        if self.takes_last_frame and config.parallel.context.degree > 1:
+            raise ConfigError(
+                "model.conditioning.last_frame / first_last with parallel.context: the last frame's keyframe tokens "
+                "make some samples' sequences longer than others, which context parallelism cannot split into equal "
+                "parts.\nWhat to do: remove parallel.context, or train the last-frame modes without it.")
 
     # ----- loading ------------------------------------------------------------------------------------------
     def load_text_components(self, device: torch.device) -> TextComponents:
@@ -357,8 +461,12 @@ class LTX2Spec(ModelSpec):
             heard = audio.present.nonzero().flatten().tolist()  # silence is encoded once per length, not per clip
             audio_latents[heard] = self.sound_latents(vae.audio_vae, audio.waveforms[heard], frames, rate)
             present[heard] = True
-        return {**self.normalised_posterior(posterior, scale, mean_shift), AUDIO_LATENTS: audio_latents,
-                AUDIO_PRESENT: present.to(audio_latents.device)}
+        latents = {**self.normalised_posterior(posterior, scale, mean_shift), AUDIO_LATENTS: audio_latents,
+                   AUDIO_PRESENT: present.to(audio_latents.device)}
+        if self.takes_last_frame:  # the last frame as LTX2ConditionPipeline encodes an image condition: alone
+            last = self.vae_posterior(video_vae, videos[:, -1:])
+            latents[LAST_FRAME] = self.normalised_posterior(last, scale, mean_shift)["latents_mean"]
+        return latents
 
     def log_mel(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int,
                 frame_rate: float | None = None) -> torch.Tensor:
@@ -435,16 +543,21 @@ class LTX2Spec(ModelSpec):
         timesteps = timesteps.to(noisy_latents.device)
         audio_timesteps = (audio_sigmas * NUM_TRAIN_TIMESTEPS).to(timesteps)
         mask = conditions["prompt_attention_mask"]
-        noisy_latents, given = first_frame.give(noisy_latents, conditions)
-        tokens = LTX2Pipeline._pack_latents(noisy_latents, patch, patch_t)
-        # Timestep 0 on a given first frame's tokens (as LTX2ImageToVideoPipeline's `timestep * (1 - mask)`); the
-        # audio keeps the clip's.
-        video_timesteps = first_frame.token_timesteps(timesteps, given, (height // patch) * (width // patch),
-                                                      tokens.shape[1]) if bool(given.any()) else timesteps
         rates = self.frame_rates(conditions, batch)
         # One rate: a float, as the pipelines pass it; several: [B, 1, 1], dividing each sample's time coordinates.
-        fps = float(rates[0]) if bool((rates == rates[0]).all()) else rates.float().to(tokens.device).view(-1, 1, 1)
-        target_tokens, placed = tokens.shape[1], {}
+        fps = float(rates[0]) if bool((rates == rates[0]).all()) \
+            else rates.float().to(noisy_latents.device).view(-1, 1, 1)
+        if conditioning.MODE in conditions:  # a drawn mode's given latents, as LTX2ConditionPipeline gives them
+            tokens, video_timesteps, placed, target_tokens = self.place_given(denoiser, conditions, noisy_latents,
+                                                                              timesteps, fps)
+        else:
+            noisy_latents, given = first_frame.give(noisy_latents, conditions)
+            tokens = LTX2Pipeline._pack_latents(noisy_latents, patch, patch_t)
+            # Timestep 0 on a given first frame's tokens (as LTX2ImageToVideoPipeline's `timestep * (1 - mask)`);
+            # the audio keeps the clip's.
+            video_timesteps = first_frame.token_timesteps(timesteps, given, (height // patch) * (width // patch),
+                                                          tokens.shape[1]) if bool(given.any()) else timesteps
+            target_tokens, placed = tokens.shape[1], {}
         if REFERENCE_LATENTS in conditions:  # in-context: the reference's clean tokens after the video's
             tokens, video_timesteps, placed = in_context.append_reference(
                 denoiser, tokens, video_timesteps, conditions[REFERENCE_LATENTS].to(tokens), (frames, height, width),
@@ -474,10 +587,44 @@ class LTX2Spec(ModelSpec):
                                                         height // patch, width // patch, patch, patch_t)
         return video_prediction, audio_prediction, flow_matching_target(clean_audio, audio_noise)
 
+    def place_given(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
+                    timesteps: torch.Tensor, fps: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any], int]:
+        """(tokens, per-token timesteps, the denoiser's `video_coords` where keyframe tokens are appended, the video's
+        token count) of a batch of drawn modes in one token layout: each sample's given region clean in place at
+        timestep 0 (LTX2ConditionPipeline's `t * (1 - conditioning_mask)`), and, where the batch's samples are given
+        their last frame, its latents encoded alone appended as a keyframe at the last latent frame (index -1)."""
+        patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
+        batch, _, frames, height, width = noisy_latents.shape
+        given = self.given_region(conditions, noisy_latents.shape)
+        clean = conditions[conditioning.LATENTS].to(noisy_latents)
+        tokens = LTX2Pipeline._pack_latents(conditioning.give(noisy_latents, clean, given), patch, patch_t)
+        token_mask = LTX2Pipeline._pack_latents(given.to(tokens), patch, patch_t).amin(dim=-1)
+        if timesteps.ndim == 0:
+            timesteps = timesteps.expand(batch)
+        video_timesteps = timesteps.to(token_mask)[:, None] * (1.0 - token_mask)
+        video_tokens = tokens.shape[1]
+        last = conditioning.is_mode(conditions[conditioning.MODE], conditioning.LAST_FRAME_MODES)
+        if not bool(last.all()):
+            return tokens, video_timesteps, {}, video_tokens
+        keyframe = LTX2Pipeline._pack_latents(conditions[LAST_FRAME].to(tokens), patch, patch_t)
+        pixel_frame = (frames - 2) * self.compression[1] + 1  # the pipeline's (latent index - 1) x ratio + 1
+        video_coords = denoiser.rope.prepare_video_coords(batch, frames // patch_t, height // patch, width // patch,
+                                                          tokens.device, fps=fps)
+        coords = keyframe_coords(denoiser, batch, height, width, pixel_frame, fps, self.compression[0])
+        return (torch.cat([tokens, keyframe], dim=1), torch.cat([video_timesteps, video_timesteps.new_zeros(
+            batch, keyframe.shape[1])], dim=1), {"video_coords": torch.cat([video_coords, coords.to(video_coords)],
+                                                                           dim=2)}, video_tokens)
+
     def predict(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                 timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`joint_forward` with the clips with sound joint and those without kept from the audio stream (isolated,
-        or gated by `cross_modal_gate` where a micro-batch holds both)."""
+        or gated by `cross_modal_gate` where a micro-batch holds both). A batch of drawn modes mixing token layouts
+        (a last frame's keyframe tokens beside samples without) runs as one call per layout."""
+        if conditioning.MODE in conditions:
+            grouped = self.by_token_layout(functools.partial(self.predict, denoiser), conditions, noisy_latents,
+                                           timesteps)
+            if grouped is not None:
+                return grouped
         heard = self.heard(conditions, noisy_latents.shape[0])
         if VIDEO_ONLY in conditions:  # in-context training without `control.with_audio`: video alone
             return self.joint_forward(denoiser, conditions, noisy_latents, timesteps, isolated=True)
@@ -509,8 +656,18 @@ class LTX2Spec(ModelSpec):
         return video_error + self.audio_loss_weight * heard * audio_error
 
     def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
-        """A first frame given clean (first-frame conditioning) is not predicted: it stays out of the loss."""
+        """A first frame given clean (first-frame conditioning) is not predicted: it stays out of the loss; so does a
+        drawn mode's given region."""
+        if conditioning.MODE in conditions:
+            return self.modes_error(squared_error, conditions)
         return first_frame.per_clip_error(squared_error, conditions)
+
+    def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
+        """With `model.conditioning`, each sample's mode (its first frame among them); else first-frame
+        conditioning's draw."""
+        if self.modes_on:
+            return self.draw_modes(x0, positions, seed, self.first_frame_probability)
+        return super().visit_conditions(x0, positions, seed)
 
     def in_context_conditions(self, conditions: Conditions, reference: torch.Tensor, with_audio: bool) -> Conditions:
         """The reference latents beside the conditions (`joint_forward` places their tokens as
@@ -573,12 +730,46 @@ class LTX2Spec(ModelSpec):
         return {"frame_rate": self.frame_rate}
 
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
-        """A step's latents (packed tokens, normalised) in the training layout."""
+        """A step's latents (packed tokens, normalised; LTX2ConditionPipeline's with keyframe tokens after the
+        video's) in the training layout."""
         spatial, temporal, patch, patch_t = self.compression
-        return LTX2Pipeline._unpack_latents(
-            latents, ((frames - 1) // temporal + 1) // patch_t, height // spatial // patch,
-            width // spatial // patch, patch, patch_t,
-        )
+        latent_frames = ((frames - 1) // temporal + 1) // patch_t
+        rows, columns = height // spatial // patch, width // spatial // patch
+        return LTX2Pipeline._unpack_latents(latents[:, :latent_frames * rows * columns], latent_frames, rows, columns,
+                                            patch, patch_t)
+
+    def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
+                      num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
+                      reference: torch.Tensor | None = None, callback: Any = None, given: Given | None = None) -> Any:
+        """A conditioning mode samples through LTX2ConditionPipeline (its region-keeping subclass) over the
+        components of `pipeline`; the rest through `pipeline` itself."""
+        if given is not None and given.mode != "first_frame":
+            condition = in_context.pipeline_like(LTX2RegionConditionPipeline, pipeline)
+            condition.set_progress_bar_config(**getattr(pipeline, "_progress_bar_config", {}))
+            pipeline = condition
+        return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
+                                     generator, output_type, reference, callback, given=given)
+
+    def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
+        """LTX2ConditionPipeline's conditions of a mode, each at a latent index: the first frame (an image) and the
+        clip to extend (a video) at 0, the last frame (an image) at -1, the last latent frame; inpainting: the clip at
+        0 with the region it keeps (`given_region`: its mask's black cells on the latent grid, else the rectangle)."""
+        if given.mode == "first_frame":
+            return self.pipeline_inputs(given.frames)
+        self.check_given_frames(given, frames)
+        conditions: list[LTX2VideoCondition] = []
+        inputs: dict[str, Any] = {"frame_rate": self.frame_rate}
+        if given.mode in conditioning.FIRST_FRAME_MODES:
+            conditions.append(LTX2VideoCondition(frames=self.first_frame_image(given.frames), index=0))
+        if given.mode in ("extension", "inpaint"):
+            assert given.frames is not None
+            conditions.append(LTX2VideoCondition(frames=frames_to_pil(given.frames), index=0))
+        if given.mode == "inpaint":
+            inputs["given_region"] = self.sampling_region(given, frames, height, width)
+        if given.mode in conditioning.LAST_FRAME_MODES:
+            assert given.last is not None
+            conditions.append(LTX2VideoCondition(frames=frames_to_pil(given.last[-1:])[0], index=-1))
+        return {**inputs, "conditions": conditions}
 
     def sampled_latents(self, pipeline: Any, result: Any, frames: int, height: int, width: int) -> GeneratedSample:
         """The video latents [B, C, F, H, W] and the audio latents [B, L, C * mel], normalised as training normalises

@@ -19,13 +19,13 @@ from diffusers.pipelines.ltx.pipeline_ltx_condition import LTXVideoCondition, re
 from torch import nn
 from transformers import T5EncoderModel
 
-from vidtune.config import Config
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
 from vidtune.models import conditioning, first_frame
 from vidtune.models.conditioning import Given
 from vidtune.models.defaults import LTX_VIDEO
+from vidtune.models.given_modes import InPlaceModes
 from vidtune.models.spec import (
     Conditions,
     Latents,
@@ -75,12 +75,6 @@ def predict_video(denoiser: nn.Module, conditions: Conditions, inputs: torch.Ten
     )[0]
     prediction = prediction[:, inputs.shape[1] - video_tokens:]
     return LTXPipeline._unpack_latents(prediction, frames // patch_t, height // patch, width // patch, patch, patch_t)
-
-def take_samples(conditions: Conditions, index: torch.Tensor, batch: int) -> Conditions:
-    """The conditions of the samples at `index` of a batch of `batch` (tensors of another first size kept)."""
-    return {key: value[index.to(value.device)] if value.ndim and value.shape[0] == batch else value
-            for key, value in conditions.items()}
-
 
 class LTXRegionConditionPipeline(LTXConditionPipeline):
     """LTXConditionPipeline given a region of a clip to keep (inpainting / outpainting): `given_region` ([1, 1, F, H,
@@ -268,7 +262,7 @@ class LTXVideoSpec(ModelSpec):
         return {**plan, "": {**plan[""], "timestep": ContextParallelInput(split_dim=1, expected_dims=2)}}
 
 
-class LTXVideoImageToVideoSpec(LTXVideoSpec):
+class LTXVideoImageToVideoSpec(InPlaceModes, LTXVideoSpec):
     """LTX-Video conditioned on frames of the clip (`model.condition_frames`: the first frame, or keyframes).
 
     Trained the way the pipelines sample: each condition frame is encoded on its own (a one-frame clip), and its
@@ -291,6 +285,7 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
     # the last frame as a keyframe's extra tokens (an image condition at the last frame), and a kept region in place
     # (the pipeline's per-token conditioning mask, given the region: `LTXRegionConditionPipeline`).
     conditioning_modes = ("extension", "last_frame", "first_last", "inpaint")
+    modes_pipeline = "LTXConditionPipeline"
 
     @classmethod
     def context_parallel_plan(cls) -> dict[str, Any] | str:
@@ -313,21 +308,6 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         """The condition frames of a clip with `latent_frames` latent frames: none for a still (one latent frame,
         nothing after it to predict: it trains unconditioned, as text-to-image), else `condition_frames`."""
         return [] if latent_frames == 1 else self.condition_frames
-
-    @property
-    def modes_on(self) -> bool:
-        """Conditioning modes beside the first frame are drawn (`model.conditioning`)."""
-        return bool(self.config.conditioning.enabled)
-
-    @property
-    def takes_last_frame(self) -> bool:
-        return any(mode in self.config.conditioning.enabled for mode in conditioning.LAST_FRAME_MODES)
-
-    @property
-    def extension_latent_frames(self) -> int:
-        """Latent frames of the `extension_frames` given frames (the VAE is causal in time: the clip's first latent
-        frames are what encoding those frames alone gives)."""
-        return (self.config.conditioning.extension_frames - 1) // self.compression[1] + 1
 
     def keyframes(self, latent_frames: int) -> list[int]:
         """The condition frames after the first: extra tokens rather than the first latent frame."""
@@ -363,7 +343,6 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         """What keeps `model.conditioning`'s modes from clips of `frames` frames."""
         if not self.modes_on:
             return []
-        modes = self.config.conditioning
         problems = []
         if self.condition_frames != [0]:
             problems.append(f"model.conditioning with model.condition_frames={self.condition_frames}: the modes "
@@ -372,21 +351,7 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
             problems.append(f"model.conditioning: the model at {self.config.pretrained} samples with "
                             "LTXImageToVideoPipeline (a dynamic-shifting scheduler, LTX-Video 0.9.0 / 0.9.1), which "
                             "takes a first frame only; use a 0.9.5+ checkpoint for the modes")
-        temporal = self.compression[1]
-        if modes.extension > 0 and (modes.extension_frames - 1) % temporal:
-            problems.append(f"model.conditioning.extension_frames={modes.extension_frames}: LTXConditionPipeline "
-                            f"takes a clip of k x {temporal} + 1 frames; use "
-                            f"{(modes.extension_frames - 1) // temporal * temporal + 1} or "
-                            f"{-(-(modes.extension_frames - 1) // temporal) * temporal + 1}")
-        if modes.extension > 0 and frames > 1 and modes.extension_frames >= frames:
-            problems.append(f"model.conditioning.extension_frames={modes.extension_frames} gives all {frames} frames "
-                            "of a clip (data.frames): nothing is left to learn; give fewer frames")
-        return problems
-
-    def optional_inputs(self, config: Config) -> tuple[str, ...]:
-        """Inpainting keeps what each clip's `mask` input leaves black, where the data gives one (a mask file or a
-        source's `mask_rect`); clips without one keep what `model.conditioning.mask_rectangle` leaves."""
-        return ("mask",) if config.model.conditioning.inpaint > 0 else ()
+        return problems + self.extension_problems(frames)
 
     def latent_identity(self) -> dict[str, Any]:
         identity = {**super().latent_identity(), "condition_frames": self.condition_frames}
@@ -399,13 +364,7 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         condition is the first frame encoded alone (`condition_latents`), as the pipelines encode the image. With
         `model.conditioning`, each sample's mode (vidtune/models/conditioning.py)."""
         if self.modes_on:
-            frames = x0.shape[2]
-            allowed = {mode: frames > 1 for mode in conditioning.MODES}
-            allowed["extension"] = self.extension_latent_frames < frames
-            allowed["inpaint"] = True
-            mode_shares = conditioning.shares(self.config.conditioning, self.first_frame_probability)
-            codes = conditioning.draw_modes(mode_shares, positions, seed, allowed)
-            return {conditioning.MODE: codes.to(x0.device), conditioning.LATENTS: x0}
+            return self.draw_modes(x0, positions, seed, self.first_frame_probability)
         probability = self.first_frame_probability
         if probability >= 1:
             return {}
@@ -472,38 +431,19 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
                              **position)
 
     # ----- conditioning modes --------------------------------------------------------------------------------
-    def given_region(self, conditions: Conditions, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        """[B, 1, F, H, W]: what each sample of a modes batch is given in place (1.0), by its drawn mode."""
-        frames, height, width = shape[-3:]
-        if conditioning.INPUT_MASK in conditions:
-            inpaint = conditioning.mask_region(conditions[conditioning.INPUT_MASK], frames, height, width)
-        else:
-            modes = self.config.conditioning
-            inpaint = conditioning.rectangle_region(modes.mask_rectangle, modes.mask_rectangle_generated,
-                                                    frames, height, width)
-        inpaint = inpaint.to(conditions[conditioning.LATENTS].device)
-        return conditioning.region(conditions[conditioning.MODE], shape, self.extension_latent_frames, inpaint)
-
     def forward_modes(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                       timesteps: torch.Tensor) -> torch.Tensor:
         """The denoiser on a batch of drawn modes, as LTXConditionPipeline gives each: the given region in place at
         timestep 0 (the first frame encoded alone, as the pipeline encodes an image), the last frame as a keyframe's
         extra tokens at the clip's last frame. A batch mixing samples with and without those extra tokens runs as
         two groups (one token layout each) and is put back in order."""
+        grouped = self.by_token_layout(functools.partial(self.forward_modes, denoiser), conditions, noisy_latents,
+                                       timesteps)
+        if grouped is not None:
+            return grouped
         batch, _, frames, height, width = noisy_latents.shape
         codes = conditions[conditioning.MODE].flatten()
         last = conditioning.is_mode(codes, conditioning.LAST_FRAME_MODES)
-        if bool(last.any()) and not bool(last.all()):
-            prediction: torch.Tensor | None = None
-            for group in (last, ~last):
-                index = group.nonzero().flatten()
-                part = self.forward_modes(denoiser, take_samples(conditions, index, batch), noisy_latents[index],
-                                          timesteps[index] if timesteps.ndim and timesteps.shape[0] == batch
-                                          else timesteps)
-                prediction = part.new_empty(batch, *part.shape[1:]) if prediction is None else prediction
-                prediction[index] = part
-            assert prediction is not None
-            return prediction
         patch, patch_t = denoiser.config.patch_size, denoiser.config.patch_size_t
         given = self.given_region(conditions, noisy_latents.shape)
         clean = conditions[conditioning.LATENTS].to(noisy_latents)
@@ -556,7 +496,7 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         """The clean first latent frame is given, not predicted: it stays out of the loss (where it is given); so
         does a drawn mode's given region."""
         if conditioning.MODE in conditions:
-            return conditioning.per_clip_error(squared_error, self.given_region(conditions, squared_error.shape))
+            return self.modes_error(squared_error, conditions)
         batch, frames = squared_error.shape[0], squared_error.shape[2]
         given = self.first_frame_given(conditions, batch, frames, squared_error.device)
         whole = squared_error.flatten(1).mean(dim=1)
@@ -609,30 +549,16 @@ class LTXVideoImageToVideoSpec(LTXVideoSpec):
         clip as a video at frame 0 with the region it keeps (the mask on the latent grid, else the rectangle)."""
         if given.mode == "first_frame":
             return self.pipeline_inputs(given.frames)
-        assert given.frames is not None or given.mode == "last_frame"
-        spatial, temporal, _, _ = self.compression
+        self.check_given_frames(given, frames)
         conditions: list[LTXVideoCondition] = []
         inputs: dict[str, Any] = {"frame_rate": self.frame_rate}
         if given.mode in conditioning.FIRST_FRAME_MODES:
             conditions.append(LTXVideoCondition(image=self.first_frame_image(given.frames), frame_index=0))
-        if given.mode == "extension":
-            if (given.frames.shape[0] - 1) % temporal or given.frames.shape[0] >= frames:
-                raise ModelError(f"{self.name}: a clip to extend has k x {temporal} + 1 frames, fewer than the "
-                                 f"{frames} sampled, not {given.frames.shape[0]}.\nWhat to do: give "
-                                 f"{(given.frames.shape[0] - 1) // temporal * temporal + 1} frames, or sample more.")
+        if given.mode in ("extension", "inpaint"):
+            assert given.frames is not None
             conditions.append(LTXVideoCondition(video=frames_to_pil(given.frames), frame_index=0))
         if given.mode == "inpaint":
-            if given.frames.shape[0] != frames:
-                raise ModelError(f"{self.name}: inpainting keeps a region of a clip of the {frames} frames sampled, "
-                                 f"not {given.frames.shape[0]}.\nWhat to do: give a clip of {frames} frames.")
-            conditions.append(LTXVideoCondition(video=frames_to_pil(given.frames), frame_index=0))
-            shape = ((frames - 1) // temporal + 1, height // spatial, width // spatial)
-            if given.mask is not None:
-                region = conditioning.mask_region(given.mask[None, None], *shape)
-            else:
-                modes = self.config.conditioning
-                region = conditioning.rectangle_region(modes.mask_rectangle, modes.mask_rectangle_generated, *shape)
-            inputs["given_region"] = region
+            inputs["given_region"] = self.sampling_region(given, frames, height, width)
         if given.mode in conditioning.LAST_FRAME_MODES:
             assert given.last is not None
             conditions.append(LTXVideoCondition(image=frames_to_pil(given.last[-1:])[0], frame_index=frames - 1))

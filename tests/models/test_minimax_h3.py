@@ -265,3 +265,50 @@ def test_each_latent_frame_names_the_frames_the_vae_encodes_into_it(parts, frame
             latents = spec.prepare_latents(vae, changed, audio=None)["latents_mean"]
         differs = (latents - base).abs().amax(dim=(0, 1, 3, 4)) > 1e-6
         assert not differs[:index].any() and differs[index]
+
+
+def test_a_keyframe_anchor_is_fed_as_the_pipelines_keyframe_workflow_feeds_it(parts):
+    """The keyframe workflow's first step with a first image, against training's forward given that image's anchor:
+    the anchor's rows lead the video rows (clean latents of the picture encoded alone, noised to t = 0.999 with the
+    request's first draw), at the first frame's rotary time, held at t = 0.999 while the clip is at t = 0, and they
+    stay out of the prediction. Both are given the same caption rows (the caption's encoding with the picture's
+    vision block is not built: docs/models.md)."""
+    from PIL import Image
+
+    from vidtune.models.minimax_h3 import KEYFRAME_LATENTS, KEYFRAME_NOISE, keyframe_latents
+
+    spec, text, vae, denoiser = parts
+    picture = torch.randint(0, 256, (HEIGHT, WIDTH, 3), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    frame = picture.permute(2, 0, 1).float() / 127.5 - 1.0
+    seen: list[dict] = []
+    hook = denoiser.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    try:
+        pipeline = spec.pipeline(text, vae, denoiser)
+        pipeline.set_progress_bar_config(disable=True)
+        generator = torch.Generator().manual_seed(0)
+        result = pipeline(**spec.prompt_inputs(pipeline, "a red circle", 1.0), image=Image.fromarray(picture.numpy()),
+                          num_frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=3, generator=generator,
+                          output_type="pt", output=["latents"])
+        from_pipeline = seen[0]
+        conditions = spec.prepare_conditions(text, ["a red circle"])
+        latents = spec.prepare_latents(vae, torch.zeros(1, FRAMES, 3, HEIGHT, WIDTH))
+        anchor = keyframe_latents(vae.vae, frame[None])
+        conditions.update({AUDIO_LATENTS: latents[AUDIO_LATENTS], KEYFRAME_LATENTS: anchor,
+                           KEYFRAME_NOISE: torch.randn(anchor.shape, generator=torch.Generator().manual_seed(0))})
+        with torch.no_grad():
+            prediction = spec.forward(denoiser, conditions, torch.randn_like(latents["latents_mean"]),
+                                      torch.tensor([0.0]))
+        from_training = seen[-1]
+    finally:
+        hook.remove()
+    assert anchor.shape == (1, *latents["latents_mean"].shape[1:2], 1, *latents["latents_mean"].shape[3:])
+    assert prediction.shape == result["latents"].shape == latents["latents_mean"].shape  # no anchor in the output
+    anchor_rows = anchor.shape[-2] * anchor.shape[-1] // 4  # (1, 2, 2) patches
+    assert from_pipeline["hidden_states"].shape == from_training["hidden_states"].shape
+    torch.testing.assert_close(from_training["hidden_states"][:, :anchor_rows],
+                               from_pipeline["hidden_states"][:, :anchor_rows])
+    torch.testing.assert_close(from_training["encoder_hidden_states"], from_pipeline["encoder_hidden_states"])
+    for key in ("position_ids", "token_tags", "video_indices", "audio_indices", "text_indices", "timestep",
+                "timestep_indices"):
+        torch.testing.assert_close(from_training[key].cpu(), from_pipeline[key].cpu(), msg=key)
+    assert from_pipeline["timestep"].tolist() == pytest.approx([0.0, 0.999])  # the clip at t = 0, the anchor held

@@ -43,7 +43,7 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     MiniMaxH3SetTimestepsStep,
     patchify_video_latents,
 )
-from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition, get_qwen3vl_prompt_embeds
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Blocks
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MINIMAX_H3_AUDIO_CHANNELS,
@@ -89,6 +89,14 @@ TEXT_ENCODER_LAYER = 50  # `text_encoder_layer`: the Qwen3-VL hidden state the t
 PIXEL_MEAN = (0.485, 0.456, 0.406)  # `pixel_mean` / `pixel_std`: the video VAE's ImageNet convention
 PIXEL_STD = (0.229, 0.224, 0.225)
 MAX_SECONDS = 15.0  # `max_duration`: the longest video the layout block samples
+# The keyframe workflow's (`fl2va`) anchor recipe (the pipeline's `keyframe_noise_aug` and `keyframe_encode_seed`):
+# an anchor is noised to t = 0.999 and held at max(t, 0.999); its posterior is sampled under its own seed 42.
+KEYFRAME_T = 0.999
+KEYFRAME_SEED = 42
+# Keys of a keyframe anchor in the conditions: the clean first-frame latents [B, C, 1, H, W] (normalised as the
+# pipeline's keyframe encoder normalises them) and the noise [B, C, 1, H, W] the anchor is noised with.
+KEYFRAME_LATENTS = "keyframe_latents"
+KEYFRAME_NOISE = "keyframe_noise"
 # The caption rows the cache holds per caption (the pipeline takes the prompt whole; longer captions are cut).
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
@@ -122,15 +130,31 @@ class MiniMaxH3Autoencoders(VAEWithExtras):
 
 
 def layout(text_rows: int, latent_frames: int, latent_height: int, latent_width: int, audio_latents: int,
-           patch: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+           patch: tuple[int, int, int], keyframe_anchors: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """The packed sequence of one clip, built by the pipeline's layout block: `position_ids`, `token_tags` and the
-    rows of each modality (host tensors)."""
+    rows of each modality (host tensors); with `keyframe_anchors` ("first" / "last"), one anchor frame's rows per
+    keyframe lead the video rows, as the keyframe workflow lays them out."""
     position_ids, token_tags, video_rows, audio_rows, text_indices, _, _ = (
         MiniMaxH3PrepareLayoutStep.build_packed_sequence(
             torch.full((text_rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long), latent_frames, latent_height,
-            latent_width, audio_latents, patch, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG))
+            latent_width, audio_latents, patch, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG,
+            keyframe_anchors))
     return {"position_ids": position_ids, "token_tags": token_tags, "video_indices": video_rows,
             "audio_indices": audio_rows, "text_indices": text_indices}
+
+
+def keyframe_latents(vae: nn.Module, frames: torch.Tensor) -> torch.Tensor:
+    """Keyframes [B, 3, H, W] in [-1, 1] -> their anchor latents [B, C, 1, H', W'] as the pipeline's keyframe encoder
+    makes them (`encode_vae_condition`): the 8-bit picture a user hands it, encoded alone, its posterior sampled
+    under the keyframe seed, rounded to float16 and normalised."""
+    pixels = ((frames.float().cpu() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return torch.cat([encode_vae_condition(vae, picture[None, :, None].to(vae.device), PIXEL_MEAN, PIXEL_STD,
+                                           KEYFRAME_SEED) for picture in pixels])
+
+
+def noised_anchor(clean: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """An anchor at the keyframe level: t * x0 + (1 - t) * noise with t = 0.999 (MiniMaxH3Scheduler.scale_noise)."""
+    return KEYFRAME_T * clean + (1.0 - KEYFRAME_T) * noise
 
 
 def unpatchify(rows: torch.Tensor, shape: tuple[int, ...], patch: tuple[int, int, int]) -> torch.Tensor:
@@ -158,10 +182,12 @@ class MiniMaxH3Spec(ModelSpec):
     float8_refusal = ("transformer casts each layer's input to that layer's weight dtype (its caption projection and "
                       "modulations), so float8 storage would make it compute in float8")
     conditioning_refusal: ClassVar[str] = (
-        "vidtune trains and samples its text-to-video-and-audio workflow only; the pipeline's keyframe workflow "
+        "vidtune trains and samples its text-to-video-and-audio workflow only. The pipeline's keyframe workflow "
         "(`fl2va`: first and last frames) puts each keyframe both in the caption, as a Qwen3-VL vision block, and "
-        "in front of the generated rows as an anchor noised to t = 0.999, and its reference workflow (`ref2va`) reads "
-        "a second transformer (`transformer_ref`): neither is trained yet")
+        "in front of the generated rows as an anchor noised to t = 0.999: vidtune builds the anchor as the pipeline "
+        "does, but its cache encodes a caption once for every clip that has it, and the keyframe caption is encoded "
+        "with the clip's own picture. Its reference workflow (`ref2va`) reads a second transformer "
+        "(`transformer_ref`), with its own weights and layout, which vidtune does not load")
     control_refusal: ClassVar[str] = (
         "its transformer reads one packed sequence of text, sound and picture rows per clip, whose video rows a "
         "widened input layer cannot tell from the others.")
@@ -371,14 +397,23 @@ class MiniMaxH3Spec(ModelSpec):
             audio_rows = noisy_audio[index].reshape(-1, noisy_audio.shape[-1]) if with_audio else \
                 noisy_audio.new_zeros(0, noisy_audio.shape[-1])
             text_rows = int(mask[index].cpu().sum())
-            packed = layout(text_rows, frames, height, width, clean_audio.shape[2] if with_audio else 0, patch)
+            video_rows = patchify_video_latents(latents, patch)
+            anchors: tuple[str, ...] = ()
+            if KEYFRAME_LATENTS in conditions:  # the keyframe workflow: the first frame's anchor leads the video rows
+                anchor = noised_anchor(conditions[KEYFRAME_LATENTS][index: index + 1].float(),
+                                       conditions[KEYFRAME_NOISE][index: index + 1].float())
+                video_rows = torch.cat([patchify_video_latents(anchor.to(latents), patch), video_rows])
+                anchors = ("first",)
+            anchor_rows = video_rows.shape[0] - (frames * height * width) // math.prod(patch)
+            packed = layout(text_rows, frames, height, width, clean_audio.shape[2] if with_audio else 0, patch,
+                            anchors)
             t_video = float(timesteps[index]) / NUM_TRAIN_TIMESTEPS
             unique, row_timesteps = MiniMaxH3SetTimestepsStep.build_row_timesteps(
-                packed["video_indices"], packed["audio_indices"], 0, 0, text_rows, t_video,
-                1.0 - float(audio_sigmas[index]), t_video, 1.0)
+                packed["video_indices"], packed["audio_indices"], anchor_rows, 0, text_rows, t_video,
+                1.0 - float(audio_sigmas[index]), max(t_video, KEYFRAME_T), 1.0)
             packed = {key: value.to(latents.device) for key, value in packed.items()}
             video, audio = denoiser(
-                hidden_states=patchify_video_latents(latents, patch)[None],
+                hidden_states=video_rows[None],
                 audio_hidden_states=audio_rows[None].to(latents.dtype),
                 encoder_hidden_states=conditions["prompt_embeds"][index: index + 1, :text_rows],
                 timestep=unique.to(latents.device),
@@ -386,7 +421,7 @@ class MiniMaxH3Spec(ModelSpec):
                 return_dict=False,
                 **packed,
             )
-            video_predictions.append(unpatchify(video[0], latents.shape[1:], patch))
+            video_predictions.append(unpatchify(video[0, anchor_rows:], latents.shape[1:], patch))  # no anchor
             audio_predictions.append(audio[0].reshape(clean_audio.shape[1:]) if with_audio else
                                      torch.zeros_like(clean_audio[index]).to(video.dtype))
         target = clean_audio - audio_noise  # the data-ward velocity, as the video's
@@ -449,12 +484,12 @@ class MiniMaxH3Spec(ModelSpec):
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: MiniMaxH3Autoencoders, denoiser: nn.Module) -> Any:
-        """MiniMaxH3Pipeline with its text-to-video-and-audio blocks (layout, noise, the two schedules, the
-        denoising loop, both decoders); the caption reaches it encoded (`prompt_inputs`), as the text encoder
-        block needs Qwen3VLProcessor's image half only for keyframes."""
+        """MiniMaxH3Pipeline with its blocks but the text encoder's (layout, noise, the two schedules, the denoising
+        loop, both decoders, and the keyframe workflow's resize and keyframe encoder, which run only when a keyframe
+        is passed); the caption reaches it encoded (`prompt_inputs`), as the text encoder block needs
+        Qwen3VLProcessor's image half only for keyframes."""
         blocks = MiniMaxH3Blocks()
-        for name in ("before_encode", "text_encoder", "vae_encoder"):
-            blocks.sub_blocks.pop(name)
+        blocks.sub_blocks.pop("text_encoder")
         pipeline = self.pipeline_class(blocks=blocks)
         pipeline.update_components(transformer=denoiser, vae=vae.vae, audio_vae=vae.audio_vae,
                                    scheduler=self.load_scheduler(), audio_scheduler=self.load_audio_scheduler())

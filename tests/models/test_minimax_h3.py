@@ -312,3 +312,45 @@ def test_a_keyframe_anchor_is_fed_as_the_pipelines_keyframe_workflow_feeds_it(pa
                 "timestep_indices"):
         torch.testing.assert_close(from_training[key].cpu(), from_pipeline[key].cpu(), msg=key)
     assert from_pipeline["timestep"].tolist() == pytest.approx([0.0, 0.999])  # the clip at t = 0, the anchor held
+
+
+def test_a_keyframe_reaches_the_caption_as_the_pipelines_keyframe_text_encoder_presents_it(parts):
+    """Sampling from a clip's first frame (an image-to-video spec): the caption's presentation is
+    `"<Picture 1>: "`, the frame's Qwen3-VL vision block (tagged as video), then the caption; the caption's rows read
+    the picture (they differ from the caption encoded alone), and the transformer reads those rows with the anchor in
+    front of the generated ones. A text-to-video spec ignores the reference clip."""
+    from vidtune.models.minimax_h3 import KEYFRAME_T
+
+    spec, text, vae, denoiser = parts
+    clip = torch.rand(1, 3, HEIGHT, WIDTH, generator=torch.Generator().manual_seed(4)) * 2.0 - 1.0
+    keyframe = spec.first_frame_image(clip)
+    inputs = spec.keyframe_prompt_inputs(text, "a red circle", keyframe, HEIGHT, WIDTH)
+    tokenizer = text["tokenizer"]
+    label = len(tokenizer("<Picture 1>: ", add_special_tokens=False)["input_ids"])
+    caption = spec.prepare_conditions(text, ["a red circle"])
+    caption_rows = int(caption["prompt_attention_mask"][0].sum())
+    vision_rows = (HEIGHT // 4) * (WIDTH // 4) // 4 + 2  # patch 4, merged 2 x 2, between vision start and end
+    tags = inputs["text_token_tags"]
+    assert tags.tolist() == [1] * label + [0] * vision_rows + [1] * caption_rows  # text 1, the vision block video 0
+    assert inputs["prompt_embeds"].shape[1] == tags.numel()
+    assert not torch.allclose(inputs["prompt_embeds"][0, -caption_rows:], caption["prompt_embeds"][0, :caption_rows])
+    seen: list[dict] = []
+    hook = denoiser.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True)
+    keyframed = type("KeyframedMiniMaxH3", (MiniMaxH3Spec,), {"image_to_video": True})(spec.config, frame_rate=24.0)
+    try:
+        pipeline = keyframed.pipeline(text, vae, denoiser)
+        pipeline.set_progress_bar_config(disable=True)
+        sample = keyframed.sample(pipeline, "a red circle", frames=FRAMES, height=HEIGHT, width=WIDTH,
+                                  num_inference_steps=2, generator=torch.Generator().manual_seed(0), output="latents",
+                                  reference=clip)
+        assert len(seen) == 2
+        spec.sample(pipeline, "a red circle", frames=FRAMES, height=HEIGHT, width=WIDTH, num_inference_steps=2,
+                    generator=torch.Generator().manual_seed(0), output="latents", reference=clip)
+    finally:
+        hook.remove()
+    first = seen[0]
+    torch.testing.assert_close(first["encoder_hidden_states"], inputs["prompt_embeds"])
+    assert first["token_tags"][: tags.numel()].tolist() == tags.tolist()
+    assert first["timestep"].tolist() == pytest.approx([0.0, KEYFRAME_T])
+    assert sample.latents.shape[2] == 7  # the generated frames only
+    assert seen[2]["timestep"].tolist() == [0.0]  # text to video ignores the reference clip: no anchor

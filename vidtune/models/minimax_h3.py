@@ -22,6 +22,10 @@ packs the encoded silence and leaves its error out. Conventions taken from the m
         video's), and the prediction is the data-ward velocity x0 - noise (MiniMaxH3Scheduler.step:
         x0 = x_t + sigma * v): vidtune's flow matching with inverted timesteps and a negated target.
 The checkpoint is guidance-distilled: the pipeline has no guidance scale and no negative prompt.
+The keyframe workflow (`fl2va`) gives a first frame twice, both built with the pipeline's own functions and blocks: as
+an anchor whose rows lead the video rows (`keyframe_latents`, noised to t = 0.999 and held there, out of the
+prediction), and in the caption's presentation as a Qwen3-VL vision block (`keyframe_prompt_inputs`). Training does
+not take it yet: the cache encodes a caption once for all its clips, and this caption reads the clip's own picture.
 """
 
 from __future__ import annotations
@@ -43,7 +47,12 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import (
     MiniMaxH3SetTimestepsStep,
     patchify_video_latents,
 )
-from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition, get_qwen3vl_prompt_embeds
+from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3ResizeStep
+from diffusers.modular_pipelines.minimax_h3.encoders import (
+    MiniMaxH3FL2VATextEncoderStep,
+    encode_vae_condition,
+    get_qwen3vl_prompt_embeds,
+)
 from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import MiniMaxH3Blocks
 from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MINIMAX_H3_AUDIO_CHANNELS,
@@ -53,8 +62,10 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     MINIMAX_H3_VIDEO_TAG,
     audio_latent_num_frames,
 )
+from diffusers.modular_pipelines.modular_pipeline import SequentialPipelineBlocks
+from PIL import Image
 from torch import nn
-from transformers import Qwen3VLForConditionalGeneration
+from transformers import AutoImageProcessor, ProcessorMixin, Qwen3VLForConditionalGeneration
 
 from vidtune.config import Config, TrainingConfig
 from vidtune.data.audio import AudioBatch, AudioFormat
@@ -108,6 +119,19 @@ class TextOnlyTokenTypes:
     @staticmethod
     def create_mm_token_type_ids(input_ids: list[list[int]]) -> list[list[int]]:
         return [[0] * len(ids) for ids in input_ids]
+
+
+class KeyframeTokenTypes:
+    """What the pipeline's keyframe text encoder asks Qwen3VLProcessor for: its image processor, and the token types
+    of a presentation by Qwen3-VL's own rule (`create_mm_token_type_ids`: 1 on image tokens, 2 on video tokens).
+    Stands in for Qwen3VLProcessor, whose video half (never used for a keyframe) needs torchvision."""
+
+    def __init__(self, image_processor: Any, image_token_id: int, video_token_id: int) -> None:
+        self.image_processor = image_processor
+        self.image_token_ids, self.video_token_ids, self.audio_token_ids = [image_token_id], [video_token_id], []
+
+    def create_mm_token_type_ids(self, input_ids: list[list[int]]) -> list[list[int]]:
+        return ProcessorMixin.create_mm_token_type_ids(self, input_ids)  # type: ignore[arg-type]
 
 
 class MiniMaxH3Pipeline(MiniMaxH3ModularPipeline):
@@ -184,7 +208,7 @@ class MiniMaxH3Spec(ModelSpec):
     conditioning_refusal: ClassVar[str] = (
         "vidtune trains and samples its text-to-video-and-audio workflow only. The pipeline's keyframe workflow "
         "(`fl2va`: first and last frames) puts each keyframe both in the caption, as a Qwen3-VL vision block, and "
-        "in front of the generated rows as an anchor noised to t = 0.999: vidtune builds the anchor as the pipeline "
+        "in front of the generated rows as an anchor noised to t = 0.999: vidtune builds both as the pipeline "
         "does, but its cache encodes a caption once for every clip that has it, and the keyframe caption is encoded "
         "with the clip's own picture. Its reference workflow (`ref2va`) reads a second transformer "
         "(`transformer_ref`), with its own weights and layout, which vidtune does not load")
@@ -502,18 +526,40 @@ class MiniMaxH3Spec(ModelSpec):
         return {"prompt_embeds": conditions["prompt_embeds"][:, :rows],
                 "text_token_tags": torch.full((rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)}
 
+    def keyframe_prompt_inputs(self, text: TextComponents, prompt: str, keyframe: Image.Image, height: int,
+                               width: int) -> dict[str, Any]:
+        """The caption as the keyframe workflow presents it (`"<Picture 1>: "`, the keyframe's Qwen3-VL vision block,
+        then the caption), encoded by the pipeline's own blocks: its resize step puts the keyframe on the canvas, its
+        keyframe text encoder encodes the presentation and tags the vision rows as video."""
+        encoder = SequentialPipelineBlocks.from_blocks_dict(
+            {"resize": MiniMaxH3ResizeStep(), "text_encoder": MiniMaxH3FL2VATextEncoderStep()}).init_pipeline()
+        text_encoder = text["text_encoder"]
+        image_processor = self.load_component(AutoImageProcessor, "processor")
+        encoder.update_components(text_encoder=text_encoder, tokenizer=text["tokenizer"], processor=KeyframeTokenTypes(
+            image_processor, text_encoder.config.image_token_id, text_encoder.config.video_token_id))
+        state = encoder(prompt=prompt, image=keyframe, height=height, width=width,
+                        output=["prompt_embeds", "text_token_tags"])
+        return {"prompt_embeds": state["prompt_embeds"], "text_token_tags": state["text_token_tags"]}
+
     def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                       num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
                       reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
         """One call of the modular pipeline (which takes no guidance scale and no step callback: with `callback`, the
-        callback gets the final latents once)."""
+        callback gets the final latents once). An image-to-video spec hands its `reference` clip's first frame to
+        the pipeline's keyframe workflow: in the caption's presentation and as the first frame's anchor (a
+        text-to-video one ignores it, as every text-to-video family does)."""
         if guidance_scale != 1.0:
             raise ConfigError(
                 f"validation.guidance_scale={guidance_scale:g}: {self.name} is guidance-distilled; its pipeline takes "
                 "no guidance scale.\nWhat to do: remove validation.guidance_scale (or set it to 1).")
         # The pipeline steps num_inference_steps - 1 times (its schedule holds the terminal sigma): one more point
         # gives the steps asked for.
-        result = pipeline(**self.prompt_inputs(pipeline, prompt, guidance_scale), num_frames=frames, height=height,
+        inputs = self.prompt_inputs(pipeline, prompt, guidance_scale)
+        if self.image_to_video and reference is not None:
+            keyframe = self.first_frame_image(reference)
+            inputs = {**self.keyframe_prompt_inputs(pipeline.caption_encoder, prompt, keyframe, height, width),
+                      "image": keyframe}
+        result = pipeline(**inputs, num_frames=frames, height=height,
                           width=width, num_inference_steps=num_inference_steps + 1, generator=generator,
                           output_type="pt", output=["videos", "audio", "sampling_rate", "latents", "audio_latents"])
         if callback is not None:

@@ -1,5 +1,6 @@
 """The tiny MiniMax H3 model: a Qwen3-VL built in code (51 text layers of width 16, as the pipeline reads
-`hidden_states[50]`), a byte-level tokenizer, the video VAE (its real 16x spatial and 17-frame chunk geometry, few
+`hidden_states[50]`, with a one-block vision tower for keyframes), a byte-level tokenizer with Qwen3-VL's vision
+tokens and Qwen3-VL's image processor, the video VAE (its real 16x spatial and 17-frame chunk geometry, few
 channels), the mono audio VAE (40 latents per second, as the pipeline counts them, at 8 kHz), a two-block
 transformer and the two schedulers."""
 
@@ -17,7 +18,12 @@ from diffusers import (
     MiniMaxH3Scheduler,
     MiniMaxH3Transformer3DModel,
 )
-from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2VLImageProcessor,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
 
 from vidtune.models.minimax_h3 import PIXEL_MEAN, PIXEL_STD
 from vidtune.models.tiny.common import (
@@ -34,6 +40,9 @@ from vidtune.models.tiny.common import (
 # sound's two channels sit at the width grid's two ends, and on one column they would share every rotary position.
 SHAPE = (22, 32, 64)
 TEXT_DIM = 16
+# Qwen3-VL's vision tokens, which a keyframe's caption block is made of, appended to the byte-level vocabulary (ids
+# 384 to 387) and named in the text encoder's config.
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 AUDIO_RATE = 8000  # hop 200 (2 * 4 * 5 * 5): 40 latents per second, at a rate AAC takes (mp4 sound tracks)
 
 
@@ -48,8 +57,27 @@ def build_tiny_qwen3_vl(seed: int = 0) -> Qwen3VLForConditionalGeneration:
         vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
                        "out_hidden_size": TEXT_DIM, "patch_size": 4, "spatial_merge_size": 2,
                        "temporal_patch_size": 2, "num_position_embeddings": 16, "deepstack_visual_indexes": []},
+        vision_start_token_id=TINY_VOCAB_SIZE, image_token_id=TINY_VOCAB_SIZE + 1,
+        vision_end_token_id=TINY_VOCAB_SIZE + 2, video_token_id=TINY_VOCAB_SIZE + 3,
     )
-    return Qwen3VLForConditionalGeneration(config).eval()
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    # Rows for the vision tokens, added after every other weight is drawn (the text rows stay the seed's).
+    model.resize_token_embeddings(TINY_VOCAB_SIZE + len(VISION_TOKENS), mean_resizing=False)
+    return model
+
+
+def build_tiny_keyframe_processor() -> Qwen2VLImageProcessor:
+    """Qwen3-VL's image processor at the tiny vision tower's patch (4), merge (2) and temporal patch (2): a keyframe
+    of the tiny canvas (32 x 64) becomes 8 x 16 patches, 32 vision tokens."""
+    return Qwen2VLImageProcessor(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16,
+                                 max_pixels=64 * 128)
+
+
+def build_tiny_qwen_tokenizer() -> PreTrainedTokenizerFast:
+    """The byte-level tokenizer with Qwen3-VL's vision tokens."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    return tokenizer
 
 
 def tone_waveforms(seconds: float, rate: int = AUDIO_RATE) -> torch.Tensor:
@@ -90,13 +118,15 @@ def write_tiny_minimax_h3(folder: str | Path, *, latent_channels: int = 4, audio
         audio_vae.register_to_config(latents_mean=audio_mean.tolist(), latents_std=audio_std.tolist())
     components = {
         "transformer": transformer, "vae": vae, "audio_vae": audio_vae, "text_encoder": build_tiny_qwen3_vl(seed),
-        "tokenizer": build_tiny_tokenizer(), "scheduler": MiniMaxH3Scheduler(shift=12.0),
-        "audio_scheduler": MiniMaxH3Scheduler(shift=3.0),
+        "tokenizer": build_tiny_qwen_tokenizer(), "processor": build_tiny_keyframe_processor(),
+        "scheduler": MiniMaxH3Scheduler(shift=12.0), "audio_scheduler": MiniMaxH3Scheduler(shift=3.0),
     }
     folder.mkdir(parents=True, exist_ok=True)
     for name, component in components.items():
         component.save_pretrained(folder / name)
-    write_modular_index(folder, components)
+    # The released index names Qwen3VLProcessor, whose video half needs torchvision; the tiny folder holds its image
+    # processor only, which the keyframe caption reads from `processor/`.
+    write_modular_index(folder, {name: value for name, value in components.items() if name != "processor"})
     (folder / "vidtune_tiny.json").write_text(json.dumps({"family": "minimax-h3", "seed": seed}) + "\n")
     return folder
 

@@ -232,6 +232,9 @@ def test_keyframe_conditioning_is_refused_naming_the_pipelines_keyframe_workflow
     spec = _spec(folder)
     with pytest.raises(ConfigError, match=r"cannot train first-last conditioning: .*keyframe workflow \(`fl2va`"):
         spec.check_conditioning_modes(ConditioningConfig(first_last=0.5))
+    # What is missing for keyframes, and the reference workflow's own reason.
+    with pytest.raises(ConfigError, match=r"(?s)caption once .* own picture.*`ref2va`.*transformer_ref"):
+        spec.check_conditioning_modes(ConditioningConfig(first_last=0.5))
     with pytest.raises(ModelError, match=r"cannot sample first-frame conditioning: .*Qwen3-VL vision block"):
         spec.check_given(Given("first_frame", frames=torch.zeros(1, 3, HEIGHT, WIDTH)))
 

@@ -26,18 +26,20 @@ KEEP = "vidtune_keep_tokens"
 class KeyMask:
     """The hooks of one denoiser (see the module); `attach` once, before the denoiser is wrapped or sharded."""
 
-    def __init__(self, self_attention: str) -> None:
-        self.self_attention = self_attention  # the last name of each block's self-attention module
+    def __init__(self, *attentions: str) -> None:
+        # The last names of the attention modules whose keys are the padded tokens: each block's self-attention,
+        # and any attention of another stream that reads them as its keys (LTX-2's video-to-audio).
+        self.attentions = attentions
         self.keep: torch.Tensor | None = None
-        self.used = 0  # self-attentions masked in the current call
+        self.used = 0  # attentions masked in the current call
 
     def attach(self, denoiser: nn.Module) -> None:
         denoiser.register_forward_pre_hook(self._read, with_kwargs=True)
-        attentions = [module for name, module in denoiser.named_modules()
-                      if name.rsplit(".", 1)[-1] == self.self_attention]
-        if not attentions:
-            raise RuntimeError(f"the denoiser has no `{self.self_attention}` modules to mask")
-        for module in attentions:
+        modules = [module for name, module in denoiser.named_modules()
+                   if name.rsplit(".", 1)[-1] in self.attentions]
+        if not modules:
+            raise RuntimeError(f"the denoiser has no {' / '.join(self.attentions)} modules to mask")
+        for module in modules:
             module.register_forward_pre_hook(self._mask, with_kwargs=True)
 
     def _read(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -48,13 +50,18 @@ class KeyMask:
     def _mask(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
         if self.keep is None:
             return None
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        if hidden.shape[:2] != self.keep.shape:
-            raise RuntimeError(f"a key mask of {tuple(self.keep.shape)} (batch, tokens) cannot mask "
-                               f"{tuple(hidden.shape[:2])} tokens (split over ranks by context parallelism?)")
+        keys = kwargs.get("encoder_hidden_states")
+        if keys is None:
+            keys = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        if keys.shape[:2] != self.keep.shape:
+            raise RuntimeError(f"a key mask of {tuple(self.keep.shape)} (batch, tokens) cannot mask keys of "
+                               f"{tuple(keys.shape[:2])} (split over ranks by context parallelism?)")
         self.used += 1
-        # [B, 1, tokens]: the attention processors repeat it over the heads and queries.
-        return args, {**kwargs, "attention_mask": self.keep[:, None, :].to(hidden.device)}
+        keep = self.keep[:, None, :].to(keys.device)  # [B, 1, keys]: the processors repeat it over heads, queries
+        given = kwargs.get("attention_mask")
+        # A mask the call gives already (an additive bias) keeps its values on the kept keys.
+        mask = keep if given is None else given.masked_fill(~keep, float("-inf"))
+        return args, {**kwargs, "attention_mask": mask}
 
 
 def padded_call(keep: torch.Tensor) -> dict[str, Any]:

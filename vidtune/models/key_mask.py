@@ -10,7 +10,9 @@ tokens' own outputs stay out of the prediction and the loss.
 
 The keep mask travels with the call as `attention_kwargs[KEEP]` ([B, tokens] bool, True where a token takes part):
 a pre-hook on the denoiser reads it (or None) at each call, hooks on the self-attentions add it as their mask. It
-stays in place until the next call, so a gradient checkpoint recomputing a block in the backward sees it too.
+stays in place until the next call, so a gradient checkpoint recomputing a block in the backward sees it too. A
+masked attention runs on torch's scaled_dot_product_attention (diffusers' `native` backend) where the denoiser's
+backend takes no mask (FlashAttention); the other calls keep the configured backend.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 KEEP = "vidtune_keep_tokens"
+NATIVE = "native"  # diffusers' backend name of torch's scaled_dot_product_attention, which takes a mask
 
 
 class KeyMask:
@@ -41,6 +44,7 @@ class KeyMask:
             raise RuntimeError(f"the denoiser has no {' / '.join(self.attentions)} modules to mask")
         for module in modules:
             module.register_forward_pre_hook(self._mask, with_kwargs=True)
+            module.register_forward_hook(self._restore)
 
     def _read(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         extra = dict(kwargs.get("attention_kwargs") or {})
@@ -57,11 +61,22 @@ class KeyMask:
             raise RuntimeError(f"a key mask of {tuple(self.keep.shape)} (batch, tokens) cannot mask keys of "
                                f"{tuple(keys.shape[:2])} (split over ranks by context parallelism?)")
         self.used += 1
+        processor = getattr(module, "processor", None)
+        backend = getattr(processor, "_attention_backend", None)
+        if backend is not None and not str(getattr(backend, "value", backend)).lstrip("_").startswith("native"):
+            # FlashAttention takes no mask: this call's masked attention runs on torch's own kernel.
+            module._vidtune_backend = backend
+            processor._attention_backend = NATIVE
         keep = self.keep[:, None, :].to(keys.device)  # [B, 1, keys]: the processors repeat it over heads, queries
         given = kwargs.get("attention_mask")
         # A mask the call gives already (an additive bias) keeps its values on the kept keys.
         mask = keep if given is None else given.masked_fill(~keep, float("-inf"))
         return args, {**kwargs, "attention_mask": mask}
+
+    def _restore(self, module: nn.Module, args: Any, output: Any) -> None:
+        backend = module.__dict__.pop("_vidtune_backend", None)
+        if backend is not None:
+            module.processor._attention_backend = backend
 
 
 def padded_call(keep: torch.Tensor) -> dict[str, Any]:

@@ -26,8 +26,9 @@ def _takes_last_frame(positions: list[int]) -> list[bool]:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_train_micro_batches_mixing_token_layouts_like_one_process(make_config, tmp_path, strategy):
-    """Before: DDP matched, FSDP hung (a rank with a mixed micro-batch gathered the weights for a second forward
-    its peer never ran). FSDP with gradient checkpointing: the recomputed blocks see the same key mask."""
+    """One call per micro-batch: under FSDP a second call on a rank with a mixed micro-batch would gather the
+    weights for a forward its peer never runs (the ranks hang). FSDP with gradient checkpointing: the blocks
+    recomputed in the backward see the same key mask."""
     settings = {"family": "ltx-video-i2v", "model": {"conditioning": MODES}, "parallel": {"strategy": strategy},
                 "training": {"steps": 2, "batch_size": 2, "learning_rate": 1e-2, "seed": SEED,
                              "gradient_checkpointing": strategy == "fsdp"}}

@@ -100,16 +100,20 @@ def rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], out: st
 
 
 def two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, atol: float = 1e-4,
-                                  files: tuple[str, ...] = (LORA_FILE,)) -> None:
-    """Train `settings` on two spawned ranks x batch 1 and in this process with batch 2: the same adapter files
-    `files` (within rtol 1e-3 / `atol`), each trained, and on both ranks the same logged losses (rel 1e-4)."""
+                                  files: tuple[str, ...] = (LORA_FILE,)) -> list[dict]:
+    """Train `settings` on two spawned ranks x its batch (`training.batch_size`, 1 unless set) and in this process
+    with twice that batch: the same adapter files `files` (within rtol 1e-3 / `atol`), each trained, and on both
+    ranks the same logged losses (rel 1e-4). Returns each rank's results (`_train`'s)."""
     runs = [("ddp", make_config(output_dir=str(tmp_path / "ddp"), **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
     mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for result in ranks:
+        assert "error" not in result["ddp"], result["ddp"]
+    batch = settings["training"].get("batch_size", 1)
     single = make_config(output_dir=str(tmp_path / "single"), **{
-        **settings, "training": {**settings["training"], "batch_size": 2}})
+        **settings, "training": {**settings["training"], "batch_size": 2 * batch}})
     single_result = build_trainer(single).run()
     for name in files:
         expected, trained = (load_file(tmp_path / run / name) for run in ("single", "ddp"))
@@ -118,8 +122,8 @@ def two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, a
         for key in expected:
             torch.testing.assert_close(trained[key], expected[key], rtol=1e-3, atol=atol)
     for result in ranks:
-        assert "error" not in result["ddp"], result["ddp"]
         assert result["ddp"]["losses"] == pytest.approx(single_result.losses, rel=1e-4)
+    return [result["ddp"] for result in ranks]
 
 
 def deepspeed_rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], out: str) -> None:

@@ -14,6 +14,7 @@ from vidtune.errors import ConfigError
 from vidtune.models import conditioning
 from vidtune.models.conditioning import Given
 from vidtune.models.ltx_2 import AUDIO_LATENTS, LAST_FRAME, LTX2Spec
+from vidtune.models.sound import AUDIO_PRESENT
 
 CPU = torch.device("cpu")
 FRAMES, HEIGHT, WIDTH = 9, 32, 32
@@ -110,12 +111,15 @@ def test_the_given_latents_are_clean_and_out_of_the_loss(parts, clip, mode):
     assert float(spec.per_clip_error(error, conditions)) == pytest.approx(1.0)
 
 
-def test_a_batch_mixing_token_layouts_runs_each_sample_as_alone(parts, clip):
-    """A last-frame sample (keyframe tokens) beside an extension sample: both streams predicted as alone."""
+@pytest.mark.parametrize("sound", [False, True])
+def test_a_batch_mixing_token_layouts_runs_each_sample_as_alone(parts, clip, sound):
+    """A last-frame sample (keyframe tokens) beside an extension sample, in one call: both streams predicted as
+    alone. With sound, the audio attends to the video: not to the other sample's keyframe padding either."""
     spec, text, vae, denoiser = parts
     conditions = training_conditions(spec, text, vae, torch.stack([clip, clip.flip(0)]), [CAPTION, "a blue square"],
                                      ["last_frame", "extension"])
     assert conditions[AUDIO_LATENTS].shape[0] == 2
+    conditions[AUDIO_PRESENT] = torch.full((2, 1), sound)  # the shapes clips are silent: both heard, or neither
     noisy = torch.randn(2, 8, *LATENT, generator=torch.Generator().manual_seed(1))
     timesteps = torch.tensor([300.0, 800.0])
     with torch.no_grad():

@@ -3,7 +3,8 @@ vidtune/models/conditioning.py. Two ways of giving a sample its latents:
 
 - in place (the LTX families, `InPlaceModes`): the given latents replace the noisy ones, their tokens run at
   timestep 0 and stay out of the loss; the last frame is a keyframe's extra tokens, which only some samples of a batch
-  may carry: a batch mixing the two token layouts runs as two groups (`by_token_layout`), put back in order;
+  may carry: a batch mixing the two token layouts runs in one call, the extra tokens of the samples without one
+  padding hidden from their attention (vidtune/models/key_mask.py);
 - on channels (CogVideoX and HunyuanVideo 1.5 image-to-video, `ChannelModes`): the pipelines concatenate a condition
   beside the noisy latents on the channel dimension, the first frame's latents in latent frame 0 and zeros after it
   (HunyuanVideo 1.5 with a mask channel saying where). A mode puts other latents there: a clip to extend in its first
@@ -19,8 +20,7 @@ called with the given latents, and the pipeline that samples each mode (`modes_p
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -32,13 +32,6 @@ if TYPE_CHECKING:
     from vidtune.config import Config, ModelConfig
 
 Conditions = dict[str, torch.Tensor]
-Prediction = TypeVar("Prediction", torch.Tensor, tuple[torch.Tensor, ...])
-
-
-def take_samples(conditions: Conditions, index: torch.Tensor, batch: int) -> Conditions:
-    """The conditions of the samples at `index` of a batch of `batch` (tensors of another first size kept)."""
-    return {key: value[index.to(value.device)] if value.ndim and value.shape[0] == batch else value
-            for key, value in conditions.items()}
 
 
 class ModeSettings:
@@ -149,31 +142,6 @@ class InPlaceModes(ModeSettings):
     def modes_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """Each clip's mean squared error [B] over what it learns: its drawn mode's given region left out."""
         return conditioning.per_clip_error(squared_error, self.given_region(conditions, squared_error.shape))
-
-    def by_token_layout(self, run: Callable[[Conditions, torch.Tensor, torch.Tensor], Prediction],
-                        conditions: Conditions, noisy_latents: torch.Tensor, timesteps: torch.Tensor
-                        ) -> Prediction | None:
-        """`run(conditions, noisy latents, timesteps)` once per token layout where a batch mixes samples with and
-        without a last frame's extra tokens, its prediction (a tensor, or a tuple of tensors, each per sample) put
-        back in order; None where the batch has one layout (the caller runs it whole)."""
-        batch = noisy_latents.shape[0]
-        last = conditioning.is_mode(conditions[conditioning.MODE], conditioning.LAST_FRAME_MODES)
-        if bool(last.all()) or not bool(last.any()):
-            return None
-        parts, tupled = [], False
-        for group in (last, ~last):
-            index = group.nonzero().flatten()
-            part = run(take_samples(conditions, index, batch), noisy_latents[index],
-                       timesteps[index] if timesteps.ndim and timesteps.shape[0] == batch else timesteps)
-            tupled = isinstance(part, tuple)
-            parts.append((index, part if isinstance(part, tuple) else (part,)))
-        joined = []
-        for item, first in enumerate(parts[0][1]):
-            whole = first.new_empty(batch, *first.shape[1:])
-            for index, part in parts:
-                whole[index.to(whole.device)] = part[item]
-            joined.append(whole)
-        return tuple(joined) if tupled else joined[0]  # type: ignore[return-value]
 
 
 class ChannelModes(ModeSettings):

@@ -68,7 +68,7 @@ from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
-from vidtune.models import conditioning, first_frame, in_context
+from vidtune.models import conditioning, first_frame, in_context, key_mask
 from vidtune.models.conditioning import Given
 from vidtune.models.defaults import LTX_2
 from vidtune.models.given_modes import InPlaceModes
@@ -308,7 +308,13 @@ class LTX2Spec(InPlaceModes, ModelSpec):
         denoiser.leaves_parameters_unused = self.config.clips_without_sound == "video-only"
         if denoiser.leaves_parameters_unused:
             self.cross_modal_gate.attach(denoiser)
+        if self.takes_last_frame:  # a batch may mix samples with and without the last frame's keyframe tokens
+            self.key_mask.attach(denoiser)
         return denoiser
+
+    @functools.cached_property
+    def key_mask(self) -> key_mask.KeyMask:
+        return key_mask.KeyMask("attn1", "video_to_audio_attn")
 
     @functools.cached_property
     def cross_modal_gate(self) -> CrossModalGate:
@@ -583,6 +589,8 @@ class LTX2Spec(InPlaceModes, ModelSpec):
             return_dict=False,
             **placed,
         )
+        if "attention_kwargs" in placed and not self.key_mask.used:  # the padding would be attended to
+            raise RuntimeError("ltx-2's key mask is not on this denoiser (load it with the spec's load_denoiser)")
         video_prediction = LTX2Pipeline._unpack_latents(video_prediction[:, :target_tokens], frames // patch_t,
                                                         height // patch, width // patch, patch, patch_t)
         return video_prediction, audio_prediction, flow_matching_target(clean_audio, audio_noise)
@@ -604,27 +612,29 @@ class LTX2Spec(InPlaceModes, ModelSpec):
         video_timesteps = timesteps.to(token_mask)[:, None] * (1.0 - token_mask)
         video_tokens = tokens.shape[1]
         last = conditioning.is_mode(conditions[conditioning.MODE], conditioning.LAST_FRAME_MODES)
-        if not bool(last.all()):
+        if not bool(last.any()):
             return tokens, video_timesteps, {}, video_tokens
         keyframe = LTX2Pipeline._pack_latents(conditions[LAST_FRAME].to(tokens), patch, patch_t)
         pixel_frame = (frames - 2) * self.compression[1] + 1  # the pipeline's (latent index - 1) x ratio + 1
         video_coords = denoiser.rope.prepare_video_coords(batch, frames // patch_t, height // patch, width // patch,
                                                           tokens.device, fps=fps)
         coords = keyframe_coords(denoiser, batch, height, width, pixel_frame, fps, self.compression[0])
+        placed: dict[str, Any] = {"video_coords": torch.cat([video_coords, coords.to(video_coords)], dim=2)}
+        if not bool(last.all()):
+            # Both layouts in one call: the keyframe's tokens of the samples not given it are padding, out of the
+            # keys of their video self-attention and of the audio's attention to the video.
+            keep = torch.cat([torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device),
+                              last.to(tokens.device)[:, None].expand(-1, keyframe.shape[1])], dim=1)
+            placed.update(key_mask.padded_call(keep))
         return (torch.cat([tokens, keyframe], dim=1), torch.cat([video_timesteps, video_timesteps.new_zeros(
-            batch, keyframe.shape[1])], dim=1), {"video_coords": torch.cat([video_coords, coords.to(video_coords)],
-                                                                           dim=2)}, video_tokens)
+            batch, keyframe.shape[1])], dim=1), placed, video_tokens)
 
     def predict(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                 timesteps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`joint_forward` with the clips with sound joint and those without kept from the audio stream (isolated,
         or gated by `cross_modal_gate` where a micro-batch holds both). A batch of drawn modes mixing token layouts
-        (a last frame's keyframe tokens beside samples without) runs as one call per layout."""
-        if conditioning.MODE in conditions:
-            grouped = self.by_token_layout(functools.partial(self.predict, denoiser), conditions, noisy_latents,
-                                           timesteps)
-            if grouped is not None:
-                return grouped
+        (a last frame's keyframe tokens beside samples without) runs in one call, the padding masked (`place_given`).
+        """
         heard = self.heard(conditions, noisy_latents.shape[0])
         if VIDEO_ONLY in conditions:  # in-context training without `control.with_audio`: video alone
             return self.joint_forward(denoiser, conditions, noisy_latents, timesteps, isolated=True)

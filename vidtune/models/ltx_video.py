@@ -22,7 +22,7 @@ from transformers import T5EncoderModel
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
-from vidtune.models import conditioning, first_frame
+from vidtune.models import conditioning, first_frame, key_mask
 from vidtune.models.conditioning import Given
 from vidtune.models.defaults import LTX_VIDEO
 from vidtune.models.given_modes import InPlaceModes
@@ -292,6 +292,18 @@ class LTXVideoImageToVideoSpec(InPlaceModes, LTXVideoSpec):
         return ("its condition frames are encoded apart and keyframes appended as extra tokens with rotary "
                 "coordinates of their own, which the plan does not split")
 
+    def load_denoiser(self, device: torch.device, load_on: torch.device | None = None) -> nn.Module:
+        """With a last-frame mode drawn, a batch may mix samples with and without a keyframe's extra tokens: the
+        denoiser takes the key mask that hides the padding of those without (`forward_modes`)."""
+        denoiser = super().load_denoiser(device, load_on)
+        if self.takes_last_frame:
+            self.key_mask.attach(denoiser)
+        return denoiser
+
+    @functools.cached_property
+    def key_mask(self) -> key_mask.KeyMask:
+        return key_mask.KeyMask("attn1")
+
     # ----- which pipeline, and the condition frames -------------------------------------------------------------
     @functools.cached_property
     def uses_condition_pipeline(self) -> bool:
@@ -435,12 +447,9 @@ class LTXVideoImageToVideoSpec(InPlaceModes, LTXVideoSpec):
                       timesteps: torch.Tensor) -> torch.Tensor:
         """The denoiser on a batch of drawn modes, as LTXConditionPipeline gives each: the given region in place at
         timestep 0 (the first frame encoded alone, as the pipeline encodes an image), the last frame as a keyframe's
-        extra tokens at the clip's last frame. A batch mixing samples with and without those extra tokens runs as
-        two groups (one token layout each) and is put back in order."""
-        grouped = self.by_token_layout(functools.partial(self.forward_modes, denoiser), conditions, noisy_latents,
-                                       timesteps)
-        if grouped is not None:
-            return grouped
+        extra tokens at the clip's last frame. A batch mixing samples with and without those extra tokens runs in
+        one call: every sample takes them, hidden from the attention of the samples without (vidtune/models/
+        key_mask.py), which thus predict what they predict alone."""
         batch, _, frames, height, width = noisy_latents.shape
         codes = conditions[conditioning.MODE].flatten()
         last = conditioning.is_mode(codes, conditioning.LAST_FRAME_MODES)
@@ -454,7 +463,7 @@ class LTXVideoImageToVideoSpec(InPlaceModes, LTXVideoSpec):
         tokens = LTXPipeline._pack_latents(conditioning.give(noisy_latents, clean, given), patch, patch_t)
         # A token is given when all its cells are (the LTX-Video transformers patch 1 x 1 x 1: one cell a token).
         token_mask = LTXPipeline._pack_latents(given.to(noisy_latents), patch, patch_t).amin(dim=-1)
-        keyframes = [(frames - 1) * self.compression[1]] if bool(last.all()) else []
+        keyframes = [(frames - 1) * self.compression[1]] if bool(last.any()) else []
         extra = [LTXPipeline._pack_latents(conditions[LAST_FRAME].to(noisy_latents), patch, patch_t)] \
             if keyframes else []
         inputs = torch.cat([*extra, tokens], dim=1)
@@ -462,8 +471,19 @@ class LTXVideoImageToVideoSpec(InPlaceModes, LTXVideoSpec):
         per_token = torch.minimum(timesteps.to(mask)[:, None], (1.0 - mask) * 1000.0)
         position = self.rotary_inputs(batch, frames, height, width, patch, patch_t, inputs.device,
                                       self.frame_rates(conditions, batch), keyframes)
-        return predict_video(denoiser, conditions, inputs, per_token, tokens.shape[1], frames, height, width,
-                             **position)
+        if bool(last.all()) or not keyframes:
+            return predict_video(denoiser, conditions, inputs, per_token, tokens.shape[1], frames, height, width,
+                                 **position)
+        # Both layouts: the keyframe's tokens of the samples not given it are padding, out of their attention.
+        keep = torch.cat([last.to(inputs.device)[:, None].expand(-1, extra[0].shape[1]),
+                          torch.ones(tokens.shape[:2], dtype=torch.bool, device=inputs.device)], dim=1)
+        self.key_mask.used = 0
+        prediction = predict_video(denoiser, conditions, inputs, per_token, tokens.shape[1], frames, height, width,
+                                   **position, **key_mask.padded_call(keep))
+        if not self.key_mask.used:  # a denoiser not loaded by this spec: the padding would be attended to
+            raise RuntimeError(f"{self.name}'s key mask is not on this denoiser (load it with the spec's "
+                               "load_denoiser)")
+        return prediction
 
     def rotary_inputs(self, batch: int, frames: int, height: int, width: int, patch: int, patch_t: int,
                       device: torch.device, frame_rates: torch.Tensor,

@@ -70,9 +70,10 @@ def test_overfit_one_clip_then_sample_with_pipeline(family, tiny_model_dir, shap
         # family's tiny model says so.
         add_tone(video)
     spec_class = get_spec_class(family)
-    if spec_class.reads_control_clip and not spec_class.sampling_inputs:
+    if spec_class.reads_control_clip and spec_class.control_input_kind is None:
         # A family that follows a control clip (Wan VACE) is given the clip itself, as it samples (`reference`); one
-        # that takes it among its own inputs (Wan Animate's pose) trains and samples here without one (black pose).
+        # that takes it as one of its own inputs (Wan Animate's pose) trains and samples here without one (black
+        # pose).
         (data_root / "controls.txt").write_text(video.name + "\n")
     pretrained = tiny_model_dir(family)
     result = build_trainer(overfit_config(family, pretrained, data_root, tmp_path / "run")).run()

@@ -82,11 +82,12 @@ if [ "$RUN" = 1 ]; then
 fi
 
 if [ "$TESTS" = 1 ]; then
-    echo "+ the tests on the minimum versions: ${MINIMUM_TESTS[*]}"
+    # Their quick tests (the slow ones, whole runs and real-size plans, run in the suite on the newest versions).
+    echo "+ the quick tests on the minimum versions: ${MINIMUM_TESTS[*]}"
     if [ ! -d .gpu-site ]; then
         "$VENV/bin/python" -m pip install --quiet --no-index --no-deps --no-compile --target .gpu-site "$CALL"/*.whl
     fi
     PYTHONPATH="$PWD:$PWD/.gpu-site:$PWD/bench/gpu" HF_HUB_OFFLINE=1 "$VENV/bin/python" -m pytest -q -n auto \
-        -p no:cacheprovider -p module_check "${MINIMUM_TESTS[@]}"
+        -m "not slow" -p no:cacheprovider -p module_check "${MINIMUM_TESTS[@]}"
 fi
 echo "rehearse.sh: done in $((SECONDS - START)) s"

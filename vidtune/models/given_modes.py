@@ -20,13 +20,14 @@ called with the given latents, and the pipeline that samples each mode (`modes_p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from vidtune.errors import ModelError
 from vidtune.models import conditioning
 from vidtune.models.conditioning import Given
+from vidtune.models.spec import frames_to_pil
 
 if TYPE_CHECKING:
     from vidtune.config import Config, ModelConfig
@@ -138,6 +139,33 @@ class InPlaceModes(ModeSettings):
         mode_shares = conditioning.shares(self.config.conditioning, first_frame_probability)
         codes = conditioning.draw_modes(mode_shares, positions, seed, allowed)
         return {conditioning.MODE: codes.to(x0.device), conditioning.LATENTS: x0}
+
+    def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
+        """The condition pipeline's conditions of a mode (`frame_condition` makes each in its pipeline's terms): the
+        first frame (an image) and the clip to extend (a video) at the start, the last frame (an image) at the end;
+        inpainting: the clip at the start with the region it keeps (`given_region`: its mask's black cells on the
+        latent grid, else the rectangle)."""
+        if given.mode == "first_frame":
+            return self.pipeline_inputs(given.frames)
+        self.check_given_frames(given, frames)
+        conditions: list[Any] = []
+        inputs: dict[str, Any] = {"frame_rate": self.frame_rate}
+        if given.mode in conditioning.FIRST_FRAME_MODES:
+            conditions.append(self.frame_condition(self.first_frame_image(given.frames), last=False, frames=frames))
+        if given.mode in ("extension", "inpaint"):
+            assert given.frames is not None
+            conditions.append(self.frame_condition(frames_to_pil(given.frames), last=False, frames=frames))
+        if given.mode == "inpaint":
+            inputs["given_region"] = self.sampling_region(given, frames, height, width)
+        if given.mode in conditioning.LAST_FRAME_MODES:
+            assert given.last is not None
+            conditions.append(self.frame_condition(frames_to_pil(given.last[-1:])[0], last=True, frames=frames))
+        return {**inputs, "conditions": conditions}
+
+    def frame_condition(self, picture: Any, last: bool, frames: int) -> Any:
+        """One condition of the family's condition pipeline: `picture` (a PIL image, or a list of them: a clip) at
+        the first frame, or at the last when `last`."""
+        raise NotImplementedError
 
     def modes_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:
         """Each clip's mean squared error [B] over what it learns: its drawn mode's given region left out."""

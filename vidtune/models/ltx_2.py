@@ -760,26 +760,9 @@ class LTX2Spec(InPlaceModes, ModelSpec):
         return super().call_pipeline(pipeline, prompt, frames, height, width, num_inference_steps, guidance_scale,
                                      generator, output_type, reference, callback, given=given)
 
-    def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
-        """LTX2ConditionPipeline's conditions of a mode, each at a latent index: the first frame (an image) and the
-        clip to extend (a video) at 0, the last frame (an image) at -1, the last latent frame; inpainting: the clip at
-        0 with the region it keeps (`given_region`: its mask's black cells on the latent grid, else the rectangle)."""
-        if given.mode == "first_frame":
-            return self.pipeline_inputs(given.frames)
-        self.check_given_frames(given, frames)
-        conditions: list[LTX2VideoCondition] = []
-        inputs: dict[str, Any] = {"frame_rate": self.frame_rate}
-        if given.mode in conditioning.FIRST_FRAME_MODES:
-            conditions.append(LTX2VideoCondition(frames=self.first_frame_image(given.frames), index=0))
-        if given.mode in ("extension", "inpaint"):
-            assert given.frames is not None
-            conditions.append(LTX2VideoCondition(frames=frames_to_pil(given.frames), index=0))
-        if given.mode == "inpaint":
-            inputs["given_region"] = self.sampling_region(given, frames, height, width)
-        if given.mode in conditioning.LAST_FRAME_MODES:
-            assert given.last is not None
-            conditions.append(LTX2VideoCondition(frames=frames_to_pil(given.last[-1:])[0], index=-1))
-        return {**inputs, "conditions": conditions}
+    def frame_condition(self, picture: Any, last: bool, frames: int) -> LTX2VideoCondition:
+        """LTX2ConditionPipeline's condition at a latent index: 0, or -1 (the last latent frame) for the last frame."""
+        return LTX2VideoCondition(frames=picture, index=-1 if last else 0)
 
     def sampled_latents(self, pipeline: Any, result: Any, frames: int, height: int, width: int) -> GeneratedSample:
         """The video latents [B, C, F, H, W] and the audio latents [B, L, C * mel], normalised as training normalises

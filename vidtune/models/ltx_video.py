@@ -563,26 +563,10 @@ class LTXVideoImageToVideoSpec(InPlaceModes, LTXVideoSpec):
                              f"{given.mode.replace('_', '-')} conditioning.\nWhat to do: sample from a first frame "
                              "(--image), or use a 0.9.5+ checkpoint.")
 
-    def given_inputs(self, given: Given, frames: int, height: int, width: int) -> dict[str, Any]:
-        """LTXConditionPipeline's frame-indexed conditions of a mode: the first frame as an image at frame 0, the
-        clip to extend as a video at frame 0, the last frame as an image at the clip's last frame; inpainting: the
-        clip as a video at frame 0 with the region it keeps (the mask on the latent grid, else the rectangle)."""
-        if given.mode == "first_frame":
-            return self.pipeline_inputs(given.frames)
-        self.check_given_frames(given, frames)
-        conditions: list[LTXVideoCondition] = []
-        inputs: dict[str, Any] = {"frame_rate": self.frame_rate}
-        if given.mode in conditioning.FIRST_FRAME_MODES:
-            conditions.append(LTXVideoCondition(image=self.first_frame_image(given.frames), frame_index=0))
-        if given.mode in ("extension", "inpaint"):
-            assert given.frames is not None
-            conditions.append(LTXVideoCondition(video=frames_to_pil(given.frames), frame_index=0))
-        if given.mode == "inpaint":
-            inputs["given_region"] = self.sampling_region(given, frames, height, width)
-        if given.mode in conditioning.LAST_FRAME_MODES:
-            assert given.last is not None
-            conditions.append(LTXVideoCondition(image=frames_to_pil(given.last[-1:])[0], frame_index=frames - 1))
-        return {**inputs, "conditions": conditions}
+    def frame_condition(self, picture: Any, last: bool, frames: int) -> LTXVideoCondition:
+        """LTXConditionPipeline's frame-indexed condition: an image or a video, at frame 0 or the clip's last frame."""
+        kind = "video" if isinstance(picture, list) else "image"
+        return LTXVideoCondition(**{kind: picture}, frame_index=frames - 1 if last else 0)
 
     def latents_from_pipeline(self, latents: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
         if latents.ndim == 5:

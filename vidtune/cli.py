@@ -324,7 +324,8 @@ def command_sample(args: argparse.Namespace) -> int:
 def command_caption(args: argparse.Namespace) -> int:
     from vidtune.captioning.command import resolve_data, with_options
 
-    sources, settings = resolve_data(args.data, args.overrides, args.prompts, args.video_column, args.caption_column)
+    sources, settings, progress = resolve_data(args.data, args.overrides, args.prompts, args.video_column,
+                                               args.caption_column)
     settings = with_options(settings, {
         "model": args.model, "fps": args.fps, "max_frames": args.max_frames, "max_pixels": args.max_pixels,
         "instruction": args.instruction, "prefix": args.prefix, "max_new_tokens": args.max_new_tokens,
@@ -343,7 +344,8 @@ def command_caption(args: argparse.Namespace) -> int:
         print(f"Loading {settings.model} ...", flush=True)
         return load_captioner(settings)
 
-    summary = caption_all(files, settings, load, overwrite=args.overwrite, dry_run=args.dry_run)
+    summary = caption_all(files, settings, load, overwrite=args.overwrite, dry_run=args.dry_run,
+                          progress=progress)
     lines = summary.lines()
     print(lines[0])
     if summary.skipped:

@@ -82,7 +82,7 @@ def test_the_tiny_vlm_captions_each_layout_through_the_command(layout: str, tiny
         target.write_text("".join(json.dumps({"video": name}) + "\n" for name in ("a.mp4", "b.png", "c.mp4")))
     assert main(["caption", str(target), "--model", str(tiny_vlm), "--batch-size", "2", *FAST]) == 0
     assert "wrote 3, kept 0" in capsys.readouterr().out
-    files = open_sources(resolve_data(str(target), [])[0])
+    files = open_sources(resolve_data(str(target), []).sources)
     captions = [slot.caption for source in files for slot in source.slots]
     assert len(captions) == 3 and all(captions), captions
 

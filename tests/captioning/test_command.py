@@ -17,13 +17,13 @@ def test_data_is_read_as_the_layout_it_names(tmp_path: Path):
     (tmp_path / "folder").mkdir()
     (tmp_path / "takes.txt").write_text("a.mp4\n")
     (tmp_path / "sheet.csv").write_text("file\n")
-    [pairs], _ = resolve_data(str(tmp_path / "pairs"), [])
+    [pairs] = resolve_data(str(tmp_path / "pairs"), []).sources
     assert (pairs.type, pairs.root, pairs.prompts) == ("pairs", str(tmp_path / "pairs"), "prompts.txt")
-    [folder], _ = resolve_data(str(tmp_path / "folder"), [])
+    [folder] = resolve_data(str(tmp_path / "folder"), []).sources
     assert folder.type == "folder"
-    [listed], _ = resolve_data(str(tmp_path / "takes.txt"), [], prompts="takes-captions.txt")
+    [listed] = resolve_data(str(tmp_path / "takes.txt"), [], prompts="takes-captions.txt").sources
     assert (listed.type, listed.videos, listed.prompts) == ("pairs", "takes.txt", "takes-captions.txt")
-    [sheet], settings = resolve_data(str(tmp_path / "sheet.csv"), [], video_column="file", caption_column="text")
+    [sheet], settings, _ = resolve_data(str(tmp_path / "sheet.csv"), [], video_column="file", caption_column="text")
     assert (sheet.type, sheet.video_column, sheet.caption_column) == ("metadata", "file", "text")
     assert settings == CaptionConfig()
 
@@ -32,7 +32,9 @@ def test_a_config_gives_its_sources_and_caption_section(tmp_path: Path):
     config = tmp_path / "my.yaml"
     config.write_text("data:\n  datasets:\n    - {type: folder, root: clips}\n    - {type: metadata, path: s.jsonl}\n"
                       "caption: {model: ./vlm, prefix: vtstyle}\n")
-    sources, settings = resolve_data(str(config), ["caption.fps=1"])
+    sources, settings, progress = resolve_data(str(config), ["caption.fps=1"])
+    assert progress
+    assert not resolve_data(str(config), ["logging.progress=false"]).progress
     assert [source.type for source in sources] == ["folder", "metadata"]
     assert sources[0].root == str(tmp_path / "clips")  # relative to the file, as for training
     assert (settings.model, settings.prefix, settings.fps) == (str(tmp_path / "vlm"), "vtstyle", 1.0)

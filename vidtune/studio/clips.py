@@ -73,7 +73,7 @@ class ClipsView:
 def open_sources(path: Path) -> tuple[list, Config | None, DataConfig]:
     """The sources `vidtune caption` reads for `path`, the config when `path` is one (None otherwise) and the data
     section whose buckets and rates the cards show."""
-    sources, _ = resolve_data(str(path), [])
+    sources = resolve_data(str(path), []).sources
     if path.suffix.lower() in CONFIG_SUFFIXES:
         from vidtune.config import load_config
         from vidtune.config_docs import NOT_SET

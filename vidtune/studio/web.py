@@ -3,6 +3,7 @@ config files under the root, and reading a request's JSON body and paths."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,6 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import HTMLResponse
 
-from vidtune import outputs
 from vidtune.errors import VidtuneError
 from vidtune.studio import runs
 from vidtune.studio.jobs import JobQueue
@@ -42,15 +42,22 @@ class Studio:
                                             page=name.split(".")[0], **values))
 
     def configs(self) -> list[str]:
-        """The YAML configs under the root (hidden folders and run folders' own copies left out)."""
-        found = []
-        for suffix in CONFIG_SUFFIXES:
-            for path in self.place.folder.rglob(f"*{suffix}"):
-                relative = path.relative_to(self.place.folder)
-                if not any(part.startswith(".") for part in relative.parts) \
-                        and not runs.is_run_folder(path.parent) and outputs.CHECKPOINTS not in relative.parts:
-                    found.append(relative.as_posix())
-        return sorted(found)
+        return configs_under(self.place.folder)
+
+
+def configs_under(root: Path) -> list[str]:
+    """The YAML configs under `root`, relative to it (hidden folders, run folders' own copies, checkpoints and
+    samples left out). The runs page asks for them every few seconds, so the walk never enters a left-out folder
+    (a cache or checkpoints can hold thousands of files)."""
+    found = []
+    for folder, children, files in os.walk(root):
+        children[:] = sorted(name for name in children if not name.startswith(".") and name not in runs.SKIPPED)
+        here = Path(folder)
+        if runs.is_run_folder(here):
+            continue
+        found.extend((here / name).relative_to(root).as_posix() for name in files
+                     if name.endswith(CONFIG_SUFFIXES) and not name.startswith("."))
+    return sorted(found)
 
 
 def templates() -> jinja2.Environment:

@@ -199,7 +199,7 @@ class ControlInput:
             raise ModelError("this denoiser takes a control input, but it was called without control latents "
                              "(or with hidden_states given by position).\nWhat to do: call it within "
                              "`ControlInput.given(latents)` (`vidtune sample --control CLIP` does).")
-        control, dim = self.spec.pack_control(latents.to(device=hidden.device, dtype=hidden.dtype), module)
+        control, dim = self.spec.pack_control(latents.to(device=hidden.device, dtype=hidden.dtype), module, hidden)
         if control.shape[0] != hidden.shape[0]:  # classifier-free guidance batches [uncond, cond]
             control = control.repeat(hidden.shape[0] // control.shape[0], *([1] * (control.ndim - 1)))
         return args, {**kwargs, "hidden_states": torch.cat([hidden, control], dim=dim)}

@@ -8,6 +8,7 @@ import torch
 
 from vidtune.control import ControlInput, input_layer
 from vidtune.errors import ConfigError
+from vidtune.models import conditioning
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.spec import POSTERIOR_KEYS, draw_latent
 from vidtune.models.tiny import TINY_SHAPES
@@ -71,3 +72,35 @@ def test_a_family_without_an_input_layer_is_refused(make_config, monkeypatch):
     spec = spec_class(config.model, frame_rate=config.frame_rate)
     with pytest.raises(ConfigError, match=r"wan cannot take a control input: a reason\.\nWhat to do:"):
         input_layer(spec, spec.load_denoiser(CPU))
+
+
+@pytest.mark.parametrize(("family", "extra_first"), [("ltx-video-i2v", True), ("ltx-2", False)])
+def test_a_drawn_keyframes_extra_tokens_take_a_zero_control(make_config, family, extra_first):
+    """A last-frame mode gives its keyframe as extra tokens beside the clip's (LTX-Video puts them first, LTX-2
+    last), and the batch's other samples pad to the same count: each clip token meets its own control, the extra
+    tokens a zero one, and the widened denoiser still computes the base's at step 0."""
+    config = make_config(family, model={"conditioning": {"last_frame": 0.5}})
+    spec = get_spec_class(family)(config.model, frame_rate=config.frame_rate)
+    conditions, noisy, timesteps, control = _inputs(spec, config, family)
+    codes = torch.tensor([conditioning.code("last_frame"), conditioning.code("first_frame")], dtype=torch.float)
+    conditions = {**conditions, conditioning.MODE: codes, conditioning.LATENTS: noisy}
+    denoiser = spec.load_denoiser(CPU).eval()
+    seen: list[torch.Tensor] = []
+    with torch.no_grad():
+        base = spec.forward(denoiser, conditions, noisy, timesteps)
+        widened = ControlInput.attach(spec, denoiser)
+        widened.layer.register_forward_pre_hook(lambda module, args: seen.append(args[0][..., widened.in_features:]))
+        with widened.given(control):
+            controlled = spec.forward(denoiser, conditions, noisy, timesteps)
+    assert float((controlled - base).abs().max()) <= 1e-6
+    [given] = seen
+    frames, height, width = control.shape[2:]
+    patch = denoiser.config.patch_size
+    clip_tokens = frames * (height // patch) * (width // patch) // getattr(denoiser.config, "patch_size_t", 1)
+    extra = given.shape[1] - clip_tokens
+    assert extra == (height // patch) * (width // patch)  # one latent frame's tokens
+    clip_rows, extra_rows = (given[:, extra:], given[:, :extra]) if extra_first else (given[:, :clip_tokens],
+                                                                                         given[:, clip_tokens:])
+    assert float(extra_rows.abs().max()) == 0
+    packed, _ = spec.pack_control(control, denoiser, control.new_zeros(1, clip_tokens, 1))
+    assert torch.equal(clip_rows, packed)

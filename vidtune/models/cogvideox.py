@@ -250,7 +250,8 @@ class CogVideoXSpec(ModelSpec):
         view = SimpleNamespace(vae_scale_factor_spatial=1, transformer=denoiser)
         return CogVideoXPipeline._prepare_rotary_positional_embeddings(view, height, width, frames, device)
 
-    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module,
+                     hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The transformer reads [B, F, C, H, W]: channels on dimension 2."""
         return control.permute(0, 2, 1, 3, 4), 2
 

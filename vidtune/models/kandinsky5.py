@@ -232,7 +232,8 @@ class Kandinsky5Spec(ModelSpec):
     def control_channels(self, denoiser: nn.Module) -> int:
         return int(denoiser.config.out_visual_dim)
 
-    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module,
+                     hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Channels last, as the transformer's `hidden_states`: appended after the condition channels, they join each
         patch position's channels, where the widened inputs of `visual_embeddings.in_layer` are."""
         return control.permute(0, 2, 3, 4, 1), -1

@@ -701,10 +701,14 @@ class LTX2Spec(InPlaceModes, ModelSpec):
                 "reference_downscale_factor": downscale_factor,
                 "conditioning_attention_strength": attention_strength}
 
-    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
-        """Packed like the video latents, channels on the last dimension (as LTX-Video)."""
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module,
+                     hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Packed like the video latents, channels on the last dimension (as LTX-Video), before zero controls for a
+        keyframe's extra tokens, which follow the clip's (they take no control)."""
         config = denoiser.config
-        return LTX2Pipeline._pack_latents(control, config.patch_size, config.patch_size_t), -1
+        packed = LTX2Pipeline._pack_latents(control, config.patch_size, config.patch_size_t)
+        extra = hidden.shape[1] - packed.shape[1]
+        return torch.cat([packed, packed.new_zeros(packed.shape[0], extra, packed.shape[2])], dim=1), -1
 
     def comfyui_lora_rules(self) -> list[Rule]:
         """The original LTX-2 checkpoint's names (Lightricks' ltx-core, which ComfyUI loads), as diffusers' LTX-2

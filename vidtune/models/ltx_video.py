@@ -188,7 +188,8 @@ class LTXVideoSpec(ModelSpec):
             return (temporal / rate, spatial, spatial)
         return ((temporal / frame_rates.float()).view(-1, 1, 1, 1, 1), spatial, spatial)
 
-    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module,
+                     hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Packed like the latents ([B, tokens, C * patch volume], channels most significant): appended on the
         last dimension, the control's patches meet the widened inputs of `proj_in`."""
         config = denoiser.config
@@ -504,12 +505,12 @@ class LTXVideoImageToVideoSpec(InPlaceModes, LTXVideoSpec):
         video_coords[:, 0] = video_coords[:, 0] / frame_rates.float().to(device).view(-1, 1)
         return {"video_coords": video_coords}
 
-    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
-        """As LTX-Video packs it, behind zero controls for the keyframes' extra tokens (they take no control)."""
-        packed, dim = super().pack_control(control, denoiser)
-        config = denoiser.config
-        extra = len(self.keyframes(control.shape[2])) * (control.shape[3] // config.patch_size) \
-            * (control.shape[4] // config.patch_size)
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module,
+                     hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """As LTX-Video packs it, behind zero controls for the keyframes' extra tokens, which lead the clip's (those
+        of `model.condition_frames`, or of a drawn mode's keyframes: they take no control)."""
+        packed, dim = super().pack_control(control, denoiser, hidden)
+        extra = hidden.shape[1] - packed.shape[1]
         return torch.cat([packed.new_zeros(packed.shape[0], extra, packed.shape[2]), packed], dim=1), dim
 
     def per_clip_error(self, squared_error: torch.Tensor, conditions: Conditions) -> torch.Tensor:

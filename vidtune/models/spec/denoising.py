@@ -159,9 +159,11 @@ class Denoising(Loading):
         config = denoiser.config
         return int(config.out_channels or config.in_channels)
 
-    def pack_control(self, control: torch.Tensor, denoiser: nn.Module) -> tuple[torch.Tensor, int]:
-        """A control latent [B, C, F, H, W] in the layout of the denoiser's `hidden_states`, and the dimension
-        its channels are on (the control is concatenated last there). By default the VAE's layout, channels 1."""
+    def pack_control(self, control: torch.Tensor, denoiser: nn.Module,
+                     hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A control latent [B, C, F, H, W] in the layout of the denoiser's `hidden_states` (`hidden`: with the
+        tokens a call adds beside the clip's, e.g. a keyframe's, which take a zero control), and the dimension its
+        channels are on (the control is concatenated last there). By default the VAE's layout, channels 1."""
         return control, 1
 
     def in_context_conditions(self, conditions: Conditions, reference: torch.Tensor, with_audio: bool) -> Conditions:

@@ -225,18 +225,22 @@ def test_float8_base_weights_are_never_suggested_and_refused_with_the_reason(fol
         _spec(folder).check_training(fp8)
 
 
-def test_keyframe_conditioning_is_refused_naming_the_pipelines_keyframe_workflow(folder):
+def test_other_keyframes_are_refused_naming_the_pipelines_keyframe_workflow(folder):
+    """The keyframe workflow trains from a first frame (tests/models/test_minimax_h3_keyframes.py): a last frame is
+    refused with what is missing, the reference workflow with its own reason; a run not trained in the keyframe
+    workflow does not sample from a first frame."""
     from vidtune.config.schema import ConditioningConfig
     from vidtune.models.conditioning import Given
 
     spec = _spec(folder)
     with pytest.raises(ConfigError, match=r"cannot train first-last conditioning: .*keyframe workflow \(`fl2va`"):
         spec.check_conditioning_modes(ConditioningConfig(first_last=0.5))
-    # What is missing for keyframes, and the reference workflow's own reason.
-    with pytest.raises(ConfigError, match=r"(?s)caption once .* own picture.*`ref2va`.*transformer_ref"):
-        spec.check_conditioning_modes(ConditioningConfig(first_last=0.5))
-    with pytest.raises(ModelError, match=r"cannot sample first-frame conditioning: .*Qwen3-VL vision block"):
+    with pytest.raises(ConfigError, match=r"(?s)last frame is not trained.*`ref2va`.*transformer_ref"):
+        spec.check_conditioning_modes(ConditioningConfig(last_frame=0.5))
+    with pytest.raises(ModelError, match=r"cannot sample first-frame conditioning: .*model.first_frame_conditioning"):
         spec.check_given(Given("first_frame", frames=torch.zeros(1, 3, HEIGHT, WIDTH)))
+    _spec(folder, first_frame_conditioning=0.5).check_given(Given("first_frame", frames=torch.zeros(1, 3, HEIGHT,
+                                                                                                      WIDTH)))
 
 
 @pytest.mark.parametrize("option", ["int8", "nf4"])

@@ -222,10 +222,10 @@ class EncodedBatches(BatchSource):
                                                    raw["start"].tolist(), strict=True)]
         conditions = self.encoded.items([("caption", caption) for caption in captions], encode_captions_at)
         latents = self.encoded.items(windows, encode_windows_at)
-        if self.spec.reads_clip_in_conditions:  # each caption with its window's first frame, beside the latents
+        if self.spec.reads_clip_in_conditions:  # each caption with its window's pictures, beside the latents
             def encode_with_frames_at(picks: list[int]) -> list[Conditions]:
                 return encode_clip_captions(self.spec, self.text, [captions[i] for i in picks],
-                                            [raw["video"][i, 0] for i in picks], batch_size=len(picks), device="cpu")
+                                            [raw["video"][i] for i in picks], batch_size=len(picks), device="cpu")
 
             with_clip = self.encoded.items([("clip caption", caption, *window) for caption, window in
                                             zip(captions, windows, strict=True)], encode_with_frames_at)

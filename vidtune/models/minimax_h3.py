@@ -22,13 +22,15 @@ packs the encoded silence and leaves its error out. Conventions taken from the m
         video's), and the prediction is the data-ward velocity x0 - noise (MiniMaxH3Scheduler.step:
         x0 = x_t + sigma * v): vidtune's flow matching with inverted timesteps and a negated target.
 The checkpoint is guidance-distilled: the pipeline has no guidance scale and no negative prompt.
-The keyframe workflow (`fl2va`) gives a first frame twice, both built with the pipeline's own functions and blocks: as
-an anchor whose rows lead the video rows (`keyframe_latents`, noised to t = 0.999 and held there, out of the
-prediction), and in the caption's presentation as a Qwen3-VL vision block (`keyframe_prompt_inputs`). Training takes it
-as a share of the samples (`model.first_frame_conditioning`, drawn per visit): the clip's first frame at the bucket
-size is the keyframe; its anchor latents are encoded beside the clip's latents, and the caption is encoded with it per
-caption and clip window (`prepare_clip_conditions`, cached as its own entry kind). A sample drawn text-only reads the
-plain caption. Each clip of a micro-batch runs as its own packed sequence, so a micro-batch mixes the two freely.
+The keyframe workflow (`fl2va`) gives a first and / or a last frame twice each, built with the pipeline's own functions
+and blocks: as an anchor whose rows lead the video rows (`keyframe_latents`, noised to t = 0.999 and held there, out of
+the prediction), and in the caption's presentation as a Qwen3-VL vision block (`keyframe_prompt_inputs`). Training
+takes it as conditioning modes, each a share of the samples drawn per visit: the first frame
+(`model.first_frame_conditioning`), the last frame and both (`model.conditioning.last_frame` / `first_last`). The
+clip window's own first / last frame is the keyframe; its anchor latents are encoded beside the clip's latents, and
+the caption is encoded with the mode's keyframes per caption and clip window (`prepare_clip_conditions`, cached as its
+own entry kind). A sample drawn text-only reads the plain caption. Each clip of a micro-batch runs as its own packed
+sequence, so a micro-batch mixes the modes freely.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, minimax_h3
 from vidtune.models import conditioning
+from vidtune.models.conditioning import Given
 from vidtune.models.defaults import MINIMAX_H3
 from vidtune.models.sound import (
     AUDIO_LATENTS,
@@ -111,17 +114,27 @@ KEYFRAME_T = 0.999
 KEYFRAME_SEED = 42
 # Training's anchor noise comes from a generator of the visit's stream position under this offset of the seed.
 ANCHOR_SEED_OFFSET = 13
-# Keys of a keyframe anchor in the conditions: the clean first-frame latents [B, C, 1, H, W] (normalised as the
-# pipeline's keyframe encoder normalises them) and the noise [B, C, 1, H, W] the anchor is noised with.
+# Keys of keyframe anchors in the conditions: the clean first-frame and last-frame latents [B, C, 1, H, W] (normalised
+# as the pipeline's keyframe encoder normalises them), and the noise [B, C, A, H, W] a sample's A anchors are noised
+# with, in packed order (the pipeline's one draw per condition).
 KEYFRAME_LATENTS = "keyframe_latents"
+KEYFRAME_LAST_LATENTS = "keyframe_last_latents"
 KEYFRAME_NOISE = "keyframe_noise"
+# The keyframe workflow's modes: which ends of the video each anchors, in the pipeline's packed order (`image` then
+# `last_image`, MiniMaxH3ResizeStep).
+KEYFRAME_MODES: dict[str, tuple[str, ...]] = {"first_frame": ("first",), "last_frame": ("last",),
+                                              "first_last": ("first", "last")}
 # The caption rows the cache holds per caption (the pipeline takes the prompt whole; longer captions are cut).
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
-# Keys of a caption encoded with its clip's first frame (`prepare_clip_conditions`): the keyframe presentation's hidden
-# states [B, L, D] (padded), which rows are real [B, L], and each row's modality tag [B, L] (the vision block's video).
-KEYFRAME_PROMPT_EMBEDS = "keyframe_prompt_embeds"
-KEYFRAME_PROMPT_MASK = "keyframe_prompt_attention_mask"
-KEYFRAME_TEXT_TAGS = "keyframe_text_token_tags"
+
+
+def presentation_keys(mode: str) -> tuple[str, str, str]:
+    """Keys of a caption encoded with a keyframe mode's pictures (`prepare_clip_conditions`): the presentation's hidden
+    states [B, L, D] (padded), which rows are real [B, L], and each row's modality tag [B, L] (vision blocks: video)."""
+    return f"{mode}_prompt_embeds", f"{mode}_prompt_attention_mask", f"{mode}_text_token_tags"
+
+
+KEYFRAME_PROMPT_EMBEDS, KEYFRAME_PROMPT_MASK, KEYFRAME_TEXT_TAGS = presentation_keys("first_frame")
 
 
 class TextOnlyTokenTypes:
@@ -224,12 +237,12 @@ class MiniMaxH3Spec(ModelSpec):
     # Off by default; a share above 0 trains that share of the samples in the keyframe workflow (`fl2va`) from the
     # clip's first frame, which validation and `vidtune sample --image` then sample with.
     first_frame_conditioning = 0.0
+    conditioning_modes = ("last_frame", "first_last")  # the keyframe workflow's `last_image`, alone or after `image`
     conditioning_refusal: ClassVar[str] = (
-        "vidtune trains and samples its text-to-video-and-audio workflow and, with model.first_frame_conditioning, "
-        "the keyframe workflow (`fl2va`) from a first frame. The keyframe workflow's last frame is not trained yet: "
-        "each keyframe is a Qwen3-VL vision block in the caption and an anchor in front of the generated rows, and "
-        "vidtune builds and caches the first frame's only. Its reference workflow (`ref2va`) reads a second "
-        "transformer (`transformer_ref`), with its own weights and layout, which vidtune does not load")
+        "its pipeline's keyframe workflow (`fl2va`) takes a first and / or a last frame, each as a Qwen3-VL vision "
+        "block in the caption and an anchor in front of the generated rows; it has no clip to extend and no mask "
+        "(extension, inpainting). Its reference workflow (`ref2va`) reads a second transformer (`transformer_ref`), "
+        "with its own weights and layout, which vidtune does not load")
     control_refusal: ClassVar[str] = (
         "its transformer reads one packed sequence of text, sound and picture rows per clip, whose video rows a "
         "widened input layer cannot tell from the others.")
@@ -322,14 +335,28 @@ class MiniMaxH3Spec(ModelSpec):
         identity = {**super().latent_identity(), "pixels": [list(PIXEL_MEAN), list(PIXEL_STD)], "fps": MINIMAX_H3_FPS,
                     "audio": {"source": "clip", "channels": MINIMAX_H3_AUDIO_CHANNELS}}
         if self.reads_clip_in_conditions:  # only then: the keys of text-to-video caches stay as they were
-            identity["keyframe"] = {"anchor": "first frame, 8-bit, encoded alone", "seed": KEYFRAME_SEED}
+            identity["keyframe"] = {"anchors": list(self.anchored_ends), "pixels": "8-bit, encoded alone",
+                                    "seed": KEYFRAME_SEED}
         return identity
 
     # ----- the keyframe workflow's caption ---------------------------------------------------------------------
     @property
+    def keyframe_modes(self) -> tuple[str, ...]:
+        """The keyframe workflow's modes a share of the samples trains: first frame (`model.first_frame_conditioning`),
+        last frame and both (`model.conditioning`)."""
+        first = ("first_frame",) if self.first_frame_probability > 0 else ()
+        return first + tuple(mode for mode in ("last_frame", "first_last") if mode in self.config.conditioning.enabled)
+
+    @property
+    def anchored_ends(self) -> tuple[str, ...]:
+        """The ends of a clip ("first", "last") whose anchor latents the trained modes read."""
+        ends = {end for mode in self.keyframe_modes for end in KEYFRAME_MODES[mode]}
+        return tuple(end for end in ("first", "last") if end in ends)
+
+    @property
     def reads_clip_in_conditions(self) -> bool:
-        """A share of the samples trains the keyframe workflow: its caption is encoded with the clip's first frame."""
-        return self.first_frame_probability > 0
+        """A share of the samples trains the keyframe workflow: its caption is encoded with the clip's keyframes."""
+        return bool(self.keyframe_modes)
 
     @property
     def samples_from_image(self) -> bool:
@@ -340,43 +367,53 @@ class MiniMaxH3Spec(ModelSpec):
         return ("processor",)  # Qwen3-VL's image processor: the keyframe's vision block
 
     def clip_condition_identity(self) -> dict[str, Any]:
-        return {"presentation": "fl2va", "keyframes": ["first"], "label": "<Picture 1>: "}
+        return {"presentation": "fl2va", "modes": {mode: list(KEYFRAME_MODES[mode]) for mode in self.keyframe_modes},
+                "label": "<Picture i>: "}
 
     @functools.cached_property
     def image_processor(self) -> Any:
         return self.load_component(AutoImageProcessor, "processor")
 
     @torch.no_grad()
-    def prepare_clip_conditions(self, text: TextComponents, captions: list[str], first_frames: torch.Tensor
+    def prepare_clip_conditions(self, text: TextComponents, captions: list[str], windows: torch.Tensor
                                 ) -> Conditions:
-        """Each caption in the keyframe workflow's presentation with its clip's first frame (`keyframe_prompt_inputs`:
-        the pipeline's resize and keyframe text encoder blocks), padded with zeros to the presentation's rows before
-        the caption plus `max_sequence_length` (one length per clip size); a longer caption is cut there, which the
-        causal encoder's rows before the cut do not notice. `KEYFRAME_TEXT_TAGS` holds each row's modality tag."""
-        height, width = first_frames.shape[-2:]
+        """Each caption in the keyframe workflow's presentation with each trained mode's keyframes, the window's first
+        and / or last frame (`keyframe_prompt_inputs`: the pipeline's resize and keyframe text encoder blocks), padded
+        with zeros to the presentation's rows before the caption plus `max_sequence_length` (one length per clip
+        size); a longer caption is cut there, which the causal encoder's rows before the cut do not notice. Keys by
+        mode (`presentation_keys`), with each row's modality tag."""
+        height, width = windows.shape[-2:]
         tokenizer = text["tokenizer"]
-        embeds, masks, tags = [], [], []
-        for caption, picture in zip(captions, frames_to_pil(first_frames), strict=True):
-            inputs = self.keyframe_prompt_inputs(text, caption, picture, height, width)
-            rows = inputs["prompt_embeds"].shape[1]
-            caption_rows = len(tokenizer(caption, add_special_tokens=False)["input_ids"]) if caption else 0
-            length = rows - caption_rows + self.max_sequence_length
-            kept = min(rows, length)
-            embeds.append(torch.nn.functional.pad(inputs["prompt_embeds"][0, :kept], (0, 0, 0, length - kept)))
-            masks.append(torch.arange(length) < kept)
-            tags.append(torch.nn.functional.pad(inputs["text_token_tags"][:kept].cpu(), (0, length - kept),
-                                                value=MINIMAX_H3_TEXT_TAG))
-        return {KEYFRAME_PROMPT_EMBEDS: torch.stack(embeds), KEYFRAME_PROMPT_MASK: torch.stack(masks),
-                KEYFRAME_TEXT_TAGS: torch.stack(tags)}
+        pictures = {"first": frames_to_pil(windows[:, 0]), "last": frames_to_pil(windows[:, -1])}
+        found: Conditions = {}
+        for mode in self.keyframe_modes:
+            ends = KEYFRAME_MODES[mode]
+            embeds, masks, tags = [], [], []
+            for index, caption in enumerate(captions):
+                inputs = self.keyframe_prompt_inputs(
+                    text, caption, pictures["first"][index] if "first" in ends else None, height, width,
+                    last=pictures["last"][index] if "last" in ends else None)
+                rows = inputs["prompt_embeds"].shape[1]
+                caption_rows = len(tokenizer(caption, add_special_tokens=False)["input_ids"]) if caption else 0
+                length = rows - caption_rows + self.max_sequence_length
+                kept = min(rows, length)
+                embeds.append(torch.nn.functional.pad(inputs["prompt_embeds"][0, :kept], (0, 0, 0, length - kept)))
+                masks.append(torch.arange(length) < kept)
+                tags.append(torch.nn.functional.pad(inputs["text_token_tags"][:kept].cpu(), (0, length - kept),
+                                                    value=MINIMAX_H3_TEXT_TAG))
+            embeds_key, mask_key, tags_key = presentation_keys(mode)
+            found.update({embeds_key: torch.stack(embeds), mask_key: torch.stack(masks), tags_key: torch.stack(tags)})
+        return found
 
     def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
-        """With `model.first_frame_conditioning` above 0: each sample's mode (the first frame's, or none), drawn from
-        its stream position, and the noise its anchor is noised with (from a generator of its own)."""
-        if self.first_frame_probability <= 0:
+        """With a keyframe mode trained: each sample's mode (or none), drawn from its stream position, and the noise
+        its anchors are noised with, in packed order (from a generator of its own)."""
+        if not self.keyframe_modes:
             return {}
         mode_shares = conditioning.shares(self.config.conditioning, self.first_frame_probability)
         codes = conditioning.draw_modes(mode_shares, positions, seed, {})
-        anchor_shape = (x0.shape[1], 1, *x0.shape[3:])
+        anchors = max(len(KEYFRAME_MODES[mode]) for mode in self.keyframe_modes)
+        anchor_shape = (x0.shape[1], anchors, *x0.shape[3:])
         noise = torch.stack([torch.randn(anchor_shape, generator=conditioning.visit_generator(seed + ANCHOR_SEED_OFFSET,
                                                                                             int(position)))
                              for position in positions.tolist()])
@@ -433,8 +470,9 @@ class MiniMaxH3Spec(ModelSpec):
             waveforms[:, :, : heard_waveforms.shape[-1]] = heard_waveforms
         audio_latents = self.sound_latents(vae.audio_vae, waveforms, frames)
         keyframe = {}
-        if self.reads_clip_in_conditions:  # the keyframe workflow's anchor: the first frame as a user's picture
-            keyframe[KEYFRAME_LATENTS] = keyframe_latents(video_vae, videos[:, 0]).to(audio_latents.device)
+        for end in self.anchored_ends:  # the keyframe workflow's anchors: the first / last frame as a user's picture
+            keyframe[KEYFRAME_LATENTS if end == "first" else KEYFRAME_LAST_LATENTS] = keyframe_latents(
+                video_vae, videos[:, 0 if end == "first" else -1]).to(audio_latents.device)
         return {**self.normalised_posterior(posterior, 1.0 / latent_std, latent_mean),
                 AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device), **keyframe}
 
@@ -493,7 +531,7 @@ class MiniMaxH3Spec(ModelSpec):
         noisy_audio = flow_matching_noisy(clean_audio, audio_noise, audio_sigmas)
         present = heard(conditions, noisy_latents.shape[0])
         silent_audio = self.config.clips_without_sound == "silence"
-        keyframed = self.keyframed(conditions, noisy_latents.shape[0])
+        modes = self.keyframe_modes_drawn(conditions, noisy_latents.shape[0])
         video_predictions, audio_predictions = [], []
         for index in range(noisy_latents.shape[0]):
             with_audio = bool(present[index]) or silent_audio
@@ -502,14 +540,15 @@ class MiniMaxH3Spec(ModelSpec):
             audio_rows = noisy_audio[index].reshape(-1, noisy_audio.shape[-1]) if with_audio else \
                 noisy_audio.new_zeros(0, noisy_audio.shape[-1])
             video_rows = patchify_video_latents(latents, patch)
-            anchors: tuple[str, ...] = ()
-            if keyframed[index]:  # the keyframe workflow: the first frame's anchor leads the video rows
-                anchor = noised_anchor(conditions[KEYFRAME_LATENTS][index: index + 1].float(),
-                                       conditions[KEYFRAME_NOISE][index: index + 1].float())
-                video_rows = torch.cat([patchify_video_latents(anchor.to(latents), patch), video_rows])
-                anchors = ("first",)
+            anchors = KEYFRAME_MODES[modes[index]] if modes[index] else ()
+            if anchors:  # the keyframe workflow: the anchors lead the video rows, in packed order
+                noise = conditions[KEYFRAME_NOISE][index: index + 1].float()
+                rows = [patchify_video_latents(noised_anchor(
+                    conditions[KEYFRAME_LATENTS if end == "first" else KEYFRAME_LAST_LATENTS][index: index + 1].float(),
+                    noise[:, :, number: number + 1]).to(latents), patch) for number, end in enumerate(anchors)]
+                video_rows = torch.cat([*rows, video_rows])
             anchor_rows = video_rows.shape[0] - (frames * height * width) // math.prod(patch)
-            text, text_tags = self.caption_rows(conditions, index, keyframed[index])
+            text, text_tags = self.caption_rows(conditions, index, modes[index])
             text_rows = text.shape[0]
             packed = layout(text_tags, frames, height, width, clean_audio.shape[2] if with_audio else 0, patch,
                             anchors)
@@ -534,28 +573,31 @@ class MiniMaxH3Spec(ModelSpec):
         return torch.cat(video_predictions), torch.stack(audio_predictions), target
 
     @staticmethod
-    def keyframed(conditions: Conditions, batch: int) -> list[bool]:
-        """Which samples run in the keyframe workflow: those drawn into the first frame's mode (`visit_conditions`),
-        or every sample given an anchor and its noise without a draw."""
-        if KEYFRAME_NOISE not in conditions or KEYFRAME_LATENTS not in conditions:
-            return [False] * batch
+    def keyframe_modes_drawn(conditions: Conditions, batch: int) -> list[str | None]:
+        """Each sample's keyframe mode (None: text only): its drawn mode (`visit_conditions`); without a draw, the
+        first frame's for every sample given a first-frame anchor and its noise."""
+        if KEYFRAME_NOISE not in conditions:
+            return [None] * batch
         if conditioning.MODE not in conditions:
-            return [True] * batch
-        return conditioning.is_mode(conditions[conditioning.MODE], conditioning.FIRST_FRAME_MODES).tolist()
+            return ["first_frame" if KEYFRAME_LATENTS in conditions else None] * batch
+        codes = conditions[conditioning.MODE].flatten().tolist()
+        names = [conditioning.MODES[int(code) - 1] if int(code) != conditioning.NONE else None for code in codes]
+        return [name if name in KEYFRAME_MODES else None for name in names]
 
     @staticmethod
-    def caption_rows(conditions: Conditions, index: int, keyframed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sample's text rows [N, D] and their modality tags [N]: its caption's, or in the keyframe workflow the
-        caption encoded with its first frame. A dropped caption (caption dropout) keeps the keyframe's label and
-        vision block: with the `empty` technique without the caption's rows (the pipeline's presentation of an empty
-        prompt: the causal encoder's rows before the caption do not read it), with `zero` the caption's rows zeroed."""
+    def caption_rows(conditions: Conditions, index: int, mode: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sample's text rows [N, D] and their modality tags [N]: its caption's, or in a keyframe mode the caption
+        encoded with the mode's keyframes. A dropped caption (caption dropout) keeps the keyframes' labels and vision
+        blocks: with the `empty` technique without the caption's rows (the pipeline's presentation of an empty prompt:
+        the causal encoder's rows before the caption do not read it), with `zero` the caption's rows zeroed."""
         plain_rows = int(conditions["prompt_attention_mask"][index].sum())
         plain = conditions["prompt_embeds"][index, :plain_rows]
-        if not keyframed or KEYFRAME_PROMPT_EMBEDS not in conditions:
+        embeds_key, mask_key, tags_key = presentation_keys(mode or "")
+        if mode is None or embeds_key not in conditions:
             return plain, torch.full((plain_rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
-        rows = int(conditions[KEYFRAME_PROMPT_MASK][index].sum())
-        text = conditions[KEYFRAME_PROMPT_EMBEDS][index, :rows]
-        tags = conditions[KEYFRAME_TEXT_TAGS][index, :rows].cpu().long()
+        rows = int(conditions[mask_key][index].sum())
+        text = conditions[embeds_key][index, :rows]
+        tags = conditions[tags_key][index, :rows].cpu().long()
         vision = (tags != MINIMAX_H3_TEXT_TAG).nonzero()
         caption_start = int(vision[-1]) + 1 if len(vision) else 0
         if plain_rows == 0:  # dropped (`empty`), or an empty caption: the presentation before the caption
@@ -639,27 +681,30 @@ class MiniMaxH3Spec(ModelSpec):
         return {"prompt_embeds": conditions["prompt_embeds"][:, :rows],
                 "text_token_tags": torch.full((rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)}
 
-    def keyframe_prompt_inputs(self, text: TextComponents, prompt: str, keyframe: Image.Image, height: int,
-                               width: int) -> dict[str, Any]:
-        """The caption as the keyframe workflow presents it (`"<Picture 1>: "`, the keyframe's Qwen3-VL vision block,
-        then the caption), encoded by the pipeline's own blocks: its resize step puts the keyframe on the canvas, its
-        keyframe text encoder encodes the presentation and tags the vision rows as video."""
+    def keyframe_prompt_inputs(self, text: TextComponents, prompt: str, keyframe: Image.Image | None, height: int,
+                               width: int, last: Image.Image | None = None) -> dict[str, Any]:
+        """The caption as the keyframe workflow presents it (`"<Picture i>: "` and the Qwen3-VL vision block of each
+        keyframe, the first then the `last`, then the caption), encoded by the pipeline's own blocks: its resize step
+        puts the keyframes on the canvas, its keyframe text encoder encodes the presentation and tags the vision rows
+        as video."""
         encoder = SequentialPipelineBlocks.from_blocks_dict(
             {"resize": MiniMaxH3ResizeStep(), "text_encoder": MiniMaxH3FL2VATextEncoderStep()}).init_pipeline()
         text_encoder = text["text_encoder"]
         encoder.update_components(text_encoder=text_encoder, tokenizer=text["tokenizer"], processor=KeyframeTokenTypes(
             self.image_processor, text_encoder.config.image_token_id, text_encoder.config.video_token_id))
-        state = encoder(prompt=prompt, image=keyframe, height=height, width=width,
+        state = encoder(prompt=prompt, image=keyframe, last_image=last, height=height, width=width,
                         output=["prompt_embeds", "text_token_tags"])
         return {"prompt_embeds": state["prompt_embeds"], "text_token_tags": state["text_token_tags"]}
 
     def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                       num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None,
+                      given: Given | None = None) -> Any:
         """One call of the modular pipeline (which takes no guidance scale and no step callback: with `callback`, the
         callback gets the final latents once). An image-to-video spec hands its `reference` clip's first frame to
         the pipeline's keyframe workflow: in the caption's presentation and as the first frame's anchor (as does a spec
-        trained in the keyframe workflow, `model.first_frame_conditioning`; a text-to-video one ignores it)."""
+        trained in the keyframe workflow, `model.first_frame_conditioning`; a text-to-video one ignores it); `given`:
+        a keyframe mode's first and / or last frame, handed over the same way."""
         if guidance_scale != 1.0:
             raise ConfigError(
                 f"validation.guidance_scale={guidance_scale:g}: {self.name} is guidance-distilled; its pipeline takes "
@@ -667,10 +712,15 @@ class MiniMaxH3Spec(ModelSpec):
         # The pipeline steps num_inference_steps - 1 times (its schedule holds the terminal sigma): one more point
         # gives the steps asked for.
         inputs = self.prompt_inputs(pipeline, prompt, guidance_scale)
-        if self.samples_from_image and reference is not None:
-            keyframe = self.first_frame_image(reference)
-            inputs = {**self.keyframe_prompt_inputs(pipeline.caption_encoder, prompt, keyframe, height, width),
-                      "image": keyframe}
+        first = last = None
+        if given is not None:  # a keyframe mode: its first and / or last frame
+            first = frames_to_pil(given.frames[:1])[0] if given.mode in ("first_frame", "first_last") else None
+            last = frames_to_pil(given.last[-1:])[0] if given.mode in ("last_frame", "first_last") else None
+        elif self.samples_from_image and reference is not None:
+            first = self.first_frame_image(reference)
+        if first is not None or last is not None:
+            inputs = {**self.keyframe_prompt_inputs(pipeline.caption_encoder, prompt, first, height, width, last),
+                      "image": first, "last_image": last}
         result = pipeline(**inputs, num_frames=frames, height=height,
                           width=width, num_inference_steps=num_inference_steps + 1, generator=generator,
                           output_type="pt", output=["videos", "audio", "sampling_rate", "latents", "audio_latents"])

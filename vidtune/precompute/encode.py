@@ -100,16 +100,16 @@ def encode_captions(spec: ModelSpec, text: TextComponents, captions: Sequence[st
 
 @torch.no_grad()
 def encode_clip_captions(spec: ModelSpec, text: TextComponents, captions: Sequence[str],
-                         first_frames: torch.Tensor | Sequence[torch.Tensor], batch_size: int = 8,
+                         windows: torch.Tensor | Sequence[torch.Tensor], batch_size: int = 8,
                          device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[Tensors]:
-    """Captions encoded with their clips' first frames ([3, H, W] in [-1, 1] each; the spec's
+    """Captions encoded with pictures of their clip windows ([F, 3, H, W] in [-1, 1] each, of one shape; the spec's
     `prepare_clip_conditions`), one dict per caption: the one way both the cache and on-the-fly training encode
     them."""
-    if len(captions) != len(first_frames):
-        raise ValueError(f"{len(captions)} captions for {len(first_frames)} first frames")
+    if len(captions) != len(windows):
+        raise ValueError(f"{len(captions)} captions for {len(windows)} clip windows")
     items: list[Tensors] = []
     for start in range(0, len(captions), batch_size):
-        frames = torch.stack([first_frames[i] for i in range(start, min(start + batch_size, len(captions)))])
+        frames = torch.stack([windows[i] for i in range(start, min(start + batch_size, len(captions)))])
         chunk = list(captions[start:start + batch_size])
         items.extend(split_items(spec.prepare_clip_conditions(text, chunk, frames), len(chunk), device, dtype))
     return items
@@ -271,7 +271,7 @@ class PrecomputeSummary:
     sound: str | None = None  # which clips train with their sound (a family that trains on it; `sound_line`)
     inputs_computed: int = 0  # per-clip inputs (masks, references, ...; vidtune/data/inputs.py)
     inputs_reused: int = 0
-    clip_conditions_computed: int = 0  # captions encoded with their clip's first frame (MiniMax H3's keyframes)
+    clip_conditions_computed: int = 0  # captions encoded with their clip's pictures (MiniMax H3's keyframes)
     clip_conditions_reused: int = 0
 
     def line(self) -> str:
@@ -375,7 +375,7 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
                  batch_size: int, decode_workers: int, progress: bool = True,
                  clip_condition_keys: Sequence[str] = ()) -> list[WorkerReport]:
     """Compute and write the given entries: text and VAE workers concurrently, decoding ahead of the VAEs. The text
-    worker also encodes the captions read with their clip's first frame (`clip_condition_keys`), decoding it."""
+    worker also encodes the captions read with their clip window's pictures (`clip_condition_keys`), decoding it."""
     cache, stage = plan.cache, _Stage()
     clip_condition_keys = list(clip_condition_keys)
     bars = {
@@ -471,11 +471,11 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
 
 
 def write_clip_conditions(spec: ModelSpec, plan: CachePlan, text: TextComponents, keys: Sequence[str]) -> list[Tensors]:
-    """Encode captions with their clip window's first frame (read as the window's latents read it), write them and
+    """Encode captions with their clip window's pictures (read as the window's latents read it), write them and
     return them."""
     entries = [plan.clip_conditions[key] for key in keys]
     items = encode_clip_captions(spec, text, [entry.caption for entry in entries],
-                                 [entry.first_frame() for entry in entries], batch_size=len(entries))
+                                 [entry.frames() for entry in entries], batch_size=len(entries))
     for key, item in zip(keys, items, strict=True):
         plan.cache.write("clip_conditions", key, item, plan.clip_condition_info[key])
     return items

@@ -13,7 +13,7 @@ content hash, the storage mode and `memory.vae_tiling` when on. A clip has one e
 else is in a key: settings that do not change the tensors (validation, LoRA, the optimizer) keep the cache,
 and a change that touches only one kind re-encodes only that kind.
 
-A caption encoded with its clip's first frame (a family whose `reads_clip_in_conditions`) has a key of its own,
+A caption encoded with pictures of its clip window (a family whose `reads_clip_in_conditions`) has a key of its own,
 covering the condition's parts, `clip_condition_identity()` and its components, the caption, the clip's content hash
 and the window it is read with (frames, size, resize, fps, start): editing a caption or a clip re-encodes only the
 entries that read it.
@@ -185,16 +185,16 @@ class InputEntry:
 
 @dataclass(frozen=True)
 class ClipConditionEntry:
-    """One caption encoded with one clip window's first frame (`ModelSpec.prepare_clip_conditions`): the caption,
-    and the clip and window its frame is read from, as the window's latents read it."""
+    """One caption encoded with pictures of one clip window (`ModelSpec.prepare_clip_conditions`): the caption, and
+    the clip and window its pictures are read from, as the window's latents read it."""
 
     caption: str
     clip: Path
     preprocess: Preprocess
 
-    def first_frame(self) -> torch.Tensor:
-        """The window's first frame [3, H, W] in [-1, 1], from the window its latents are encoded from."""
-        return self.preprocess.read(self.clip)[0]
+    def frames(self) -> torch.Tensor:
+        """The window's frames [F, 3, H, W] in [-1, 1], read as its latents read them."""
+        return self.preprocess.read(self.clip)
 
 
 @dataclass
@@ -330,7 +330,7 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
                                            for name in spec.clip_condition_components()}}
 
     def clip_condition(caption: str, path: Path, content_hash: str, preprocess: Preprocess) -> str:
-        """A caption encoded with a window's first frame: keyed by the caption, the text components, the clip's
+        """A caption encoded with a window's pictures: keyed by the caption, the text components, the clip's
         content and the window it is read with (editing either re-encodes only the entries that read it)."""
         window = preprocess.describe()
         key = entry_key("clip_conditions", {**clip_text_parts, "caption": caption, "clip": content_hash,

@@ -259,3 +259,42 @@ def test_a_run_in_the_keyframe_workflow_resumes_bitwise(keyframe_config, tmp_pat
     assert resumed.keys() == reference.keys()
     for key in reference:
         assert torch.equal(resumed[key], reference[key]), key
+
+
+def test_step_0_is_the_base_model_and_validation_and_sample_take_the_keyframes(keyframe_config, tmp_path,
+                                                                              monkeypatch):
+    """A LoRA's first keyframed batch has the base model's loss (a full fine-tune before its first step) exactly;
+    validation samples the mode of the largest share from the first clip (its first frame here), and `vidtune sample`
+    takes a first frame (--image), a last one (--last-frame), or both, each reaching the keyframe workflow."""
+    from PIL import Image
+
+    from vidtune.sampling import load_pipeline, sample_run
+
+    losses = []
+    for algorithm in ("lora", "full"):
+        trainer = build_trainer(keyframe_config(training={"algorithm": algorithm},
+                                                output_dir=str(tmp_path / algorithm)))
+        trainer.set_up()
+        batch = next(trainer.context.source.batches(0))
+        with torch.no_grad():
+            losses.append(trainer.context.loss(trainer.context, batch).total)
+    assert torch.equal(losses[0], losses[1])
+
+    calls: list[tuple[str | None, bool]] = []
+    original = MiniMaxH3Spec.keyframe_prompt_inputs
+
+    def recorded(self, text, prompt, keyframe, height, width, last=None):
+        calls.append((keyframe is not None, last is not None))
+        return original(self, text, prompt, keyframe, height, width, last)
+
+    monkeypatch.setattr(MiniMaxH3Spec, "keyframe_prompt_inputs", recorded)
+    config = keyframe_config(training={"steps": 1}, output_dir=str(tmp_path / "run"),
+                             validation={"enabled": True, "every": 1, "num_inference_steps": 2})
+    assert build_trainer(config).run().sample_paths
+    assert calls == [(True, False)]  # the first frame's mode: the largest share
+    run = load_pipeline(config.output_dir, device="cpu")
+    frame = tmp_path / "frame.png"
+    Image.new("RGB", (WIDTH, HEIGHT), (200, 30, 30)).save(frame)
+    for flags in ({"image": frame}, {"last_frame": frame}, {"image": frame, "last_frame": frame}):
+        written = sample_run(run, CAPTION, tmp_path / f"{'-'.join(flags)}.mp4", num_inference_steps=2, **flags)
+        assert written.is_file() and calls[-1] == ("image" in flags, "last_frame" in flags)

@@ -230,6 +230,15 @@ def test_validation_samples_from_the_first_clips_first_frame_once_the_workflow_i
     assert given is not None and given.mode == "first_last" and given.last is not None
 
 
+def test_base_preservation_is_refused_with_the_keyframe_workflow(keyframe_config):
+    from vidtune.errors import ConfigError
+    from vidtune.precompute.encode import build_spec
+
+    config = keyframe_config(training={"preserve_base": {"weight": 1.0, "prompts": ["a shape"]}})
+    with pytest.raises(ConfigError, match=r"training\.preserve_base with the keyframe workflow"):
+        build_spec(config).check_training(config)
+
+
 def test_a_run_in_the_keyframe_workflow_resumes_bitwise(keyframe_config, tmp_path):
     """Samples in each keyframe mode and text only: a run stopped after its second step and resumed ends with the
     adapter of the run never stopped (the modes and anchor noise come back with the stream positions)."""

@@ -315,11 +315,18 @@ class MiniMaxH3Spec(ModelSpec):
         """The model runs at 24 fps, and its sound lasts frames / 24 s: another frame rate would pair a clip's frames
         with sound of another length than the pipeline's. Its frozen weights cannot be stored in float8: the
         transformer casts its inputs to the dtype of the layer that reads them (the caption projection, each
-        block's modulation), which would then be float8."""
+        block's modulation), which would then be float8. Base-model preservation does not take the keyframe
+        workflow: its captions are encoded alone."""
         if config.memory.base_weights == "fp8":
             raise ConfigError(f"memory.base_weights=fp8: {self.name}'s {self.float8_refusal}.\nWhat to do: set "
                               "memory.base_weights=int8 or nf4 (or auto); a float8 file (model.transformer_file) is "
                               "then upcast exactly.")
+        if self.reads_clip_in_conditions and config.training.preserve_base is not None:
+            raise ConfigError(
+                "training.preserve_base with the keyframe workflow (model.first_frame_conditioning / "
+                f"model.conditioning): {self.name}'s keyframed samples read their caption encoded with their "
+                "keyframes, and the preservation captions are encoded alone.\nWhat to do: remove "
+                "training.preserve_base, or train the text-to-video-and-audio workflow alone (no keyframe share).")
         if config.frame_rate != MINIMAX_H3_FPS:
             raise ConfigError(
                 f"model.frame_rate / data.fps = {config.frame_rate:g}: {self.name} is a {MINIMAX_H3_FPS} fps model "

@@ -28,6 +28,7 @@ from vidtune.models.minimax_h3 import (
 from vidtune.models.sound import AUDIO_LATENTS
 from vidtune.models.tiny.minimax_h3 import SHAPE
 from vidtune.precompute import encode_clip_captions, precompute
+from vidtune.precompute.encode import build_spec, recompute_entry
 from vidtune.trainers import build_trainer
 
 CPU = torch.device("cpu")
@@ -189,6 +190,14 @@ def test_captions_read_with_their_clip_come_from_the_cache_as_on_the_fly_and_edi
     assert live.keys() == cached.keys() and {*presentations, KEYFRAME_LATENTS, KEYFRAME_LAST_LATENTS} <= live.keys()
     for key in live:
         assert torch.equal(live[key], cached[key]), key
+    # An entry gone since is computed again, from the same window, when training reads it.
+    plan = first.plan
+    entry = next(iter(plan.clip_conditions))
+    stored = plan.cache.read("clip_conditions", entry)
+    plan.cache.remove("clip_conditions", entry)
+    again = recompute_entry(config, build_spec(config), plan, "clip_conditions", entry)
+    assert again.keys() == stored.keys() and all(torch.equal(again[key], stored[key]) for key in stored)
+    assert plan.cache.exists("clip_conditions", entry)
 
     data = keyframe_config.data
     captions = (data / "prompts.txt").read_text().splitlines()
@@ -211,7 +220,6 @@ def test_validation_samples_from_the_first_clips_first_frame_once_the_workflow_i
     from vidtune.data.sources import read_sources
     from vidtune.data.video import ClipWindow, read_clip
     from vidtune.given_frames import validation_given
-    from vidtune.precompute.encode import build_spec
     from vidtune.sampling import SampleSettings, reference_clip
 
     for share, expected in ((0.0, False), (0.5, True)):
@@ -232,7 +240,6 @@ def test_validation_samples_from_the_first_clips_first_frame_once_the_workflow_i
 
 def test_base_preservation_is_refused_with_the_keyframe_workflow(keyframe_config):
     from vidtune.errors import ConfigError
-    from vidtune.precompute.encode import build_spec
 
     config = keyframe_config(training={"preserve_base": {"weight": 1.0, "prompts": ["a shape"]}})
     with pytest.raises(ConfigError, match=r"training\.preserve_base with the keyframe workflow"):

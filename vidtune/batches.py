@@ -52,6 +52,7 @@ from vidtune.precompute import (
     CachedClips,
     collate_cached,
     encode_captions,
+    encode_clip_captions,
     encode_clip_inputs,
     encode_videos,
     stack_items,
@@ -220,7 +221,16 @@ class EncodedBatches(BatchSource):
         windows = [("window", *key) for key in zip(raw["index"].tolist(), raw["bucket"].tolist(),
                                                    raw["start"].tolist(), strict=True)]
         conditions = self.encoded.items([("caption", caption) for caption in captions], encode_captions_at)
-        return stack_items(conditions), stack_items(self.encoded.items(windows, encode_windows_at))
+        latents = self.encoded.items(windows, encode_windows_at)
+        if self.spec.reads_clip_in_conditions:  # each caption with its window's pictures, beside the latents
+            def encode_with_frames_at(picks: list[int]) -> list[Conditions]:
+                return encode_clip_captions(self.spec, self.text, [captions[i] for i in picks],
+                                            [raw["video"][i] for i in picks], batch_size=len(picks), device="cpu")
+
+            with_clip = self.encoded.items([("clip caption", caption, *window) for caption, window in
+                                            zip(captions, windows, strict=True)], encode_with_frames_at)
+            latents = [{**item, **extra} for item, extra in zip(latents, with_clip, strict=True)]
+        return stack_items(conditions), stack_items(latents)
 
     def clip_inputs(self, raw: dict[str, Any], pick: int) -> dict[str, Any]:
         """One sample's inputs as `encode_clip_inputs` takes them; with its control clip ([3, F, H, W]) when one of

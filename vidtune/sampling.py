@@ -125,7 +125,7 @@ def reference_clip(spec: ModelSpec, clips: Sequence[Clip], settings: SampleSetti
     first dataset clip's control clip, read like a training clip ([F, 3, H, W])."""
     if spec.reads_control_clip and spec.control_input_kind is None:  # not Wan Animate's pose: one of its own inputs
         return control_clip(spec, clips[0].control, settings, fps)
-    if not spec.image_to_video:
+    if not spec.samples_from_image:
         return None
     window = ClipWindow(spec.reference_frame_count(settings.frames), settings.height, settings.width, fps=fps)
     return read_clip(clips[0].video, window)
@@ -463,7 +463,7 @@ def sample_run(run: RunPipeline, prompt: str, output: Path, *, image: Path | Non
     if given is not None:
         image = None  # the mode's inputs replace the first frame
     if image is not None:
-        if not spec.image_to_video:
+        if not spec.samples_from_image:
             raise VidtuneError(f"--image: {spec.name} generates from text alone; it takes no image.\n"
                                "What to do: leave out --image.")
         reference = read_image(image, settings.height, settings.width)

@@ -225,18 +225,24 @@ def test_float8_base_weights_are_never_suggested_and_refused_with_the_reason(fol
         _spec(folder).check_training(fp8)
 
 
-def test_keyframe_conditioning_is_refused_naming_the_pipelines_keyframe_workflow(folder):
+def test_modes_outside_the_keyframe_workflow_are_refused_naming_it(folder):
+    """The keyframe workflow trains (tests/models/test_minimax_h3_keyframes.py): the modes it has no input for are
+    refused with the reason, the reference workflow with its own; a run not trained from a first frame does not sample
+    from one."""
     from vidtune.config.schema import ConditioningConfig
     from vidtune.models.conditioning import Given
 
     spec = _spec(folder)
-    with pytest.raises(ConfigError, match=r"cannot train first-last conditioning: .*keyframe workflow \(`fl2va`"):
-        spec.check_conditioning_modes(ConditioningConfig(first_last=0.5))
-    # What is missing for keyframes, and the reference workflow's own reason.
-    with pytest.raises(ConfigError, match=r"(?s)caption once .* own picture.*`ref2va`.*transformer_ref"):
-        spec.check_conditioning_modes(ConditioningConfig(first_last=0.5))
-    with pytest.raises(ModelError, match=r"cannot sample first-frame conditioning: .*Qwen3-VL vision block"):
+    spec.check_conditioning_modes(ConditioningConfig(last_frame=0.3, first_last=0.3))
+    with pytest.raises(ConfigError, match=r"(?s)cannot train extension conditioning: .*keyframe workflow \(`fl2va`"
+                                          r".*no clip to extend.*`ref2va`.*transformer_ref"):
+        spec.check_conditioning_modes(ConditioningConfig(extension=0.5))
+    with pytest.raises(ConfigError, match=r"cannot train inpaint conditioning: .*no mask"):
+        spec.check_conditioning_modes(ConditioningConfig(inpaint=0.5))
+    with pytest.raises(ModelError, match=r"cannot sample first-frame conditioning: .*`fl2va`"):
         spec.check_given(Given("first_frame", frames=torch.zeros(1, 3, HEIGHT, WIDTH)))
+    _spec(folder, first_frame_conditioning=0.5).check_given(Given("first_frame", frames=torch.zeros(1, 3, HEIGHT,
+                                                                                                      WIDTH)))
 
 
 @pytest.mark.parametrize("option", ["int8", "nf4"])

@@ -113,7 +113,8 @@ class ModelConfig(Section):
         le=1,
         description="LTX families: the probability that a training sample is given its first latent frame clean "
         "(timestep 0 there, left out of the loss), as image-to-video sampling gives it. Default: the family's "
-        "(ltx-video, ltx-2: 0.1; ltx-2-i2v: 0.5; ltx-video-i2v: 1; docs/models.md). Other families: unset.",
+        "(ltx-video, ltx-2: 0.1; ltx-2-i2v: 0.5; ltx-video-i2v: 1; docs/models.md). minimax-h3 (default 0): the "
+        "share of samples trained in its keyframe workflow from their first frame. Other families: unset.",
     )
     experts: Literal["both", "high_noise", "low_noise"] | None = Field(
         None,

@@ -22,10 +22,15 @@ packs the encoded silence and leaves its error out. Conventions taken from the m
         video's), and the prediction is the data-ward velocity x0 - noise (MiniMaxH3Scheduler.step:
         x0 = x_t + sigma * v): vidtune's flow matching with inverted timesteps and a negated target.
 The checkpoint is guidance-distilled: the pipeline has no guidance scale and no negative prompt.
-The keyframe workflow (`fl2va`) gives a first frame twice, both built with the pipeline's own functions and blocks: as
-an anchor whose rows lead the video rows (`keyframe_latents`, noised to t = 0.999 and held there, out of the
-prediction), and in the caption's presentation as a Qwen3-VL vision block (`keyframe_prompt_inputs`). Training does
-not take it yet: the cache encodes a caption once for all its clips, and this caption reads the clip's own picture.
+The keyframe workflow (`fl2va`) gives a first and / or a last frame twice each, built with the pipeline's own functions
+and blocks: as an anchor whose rows lead the video rows (`keyframe_latents`, noised to t = 0.999 and held there, out of
+the prediction), and in the caption's presentation as a Qwen3-VL vision block (`keyframe_prompt_inputs`). Training
+takes it as conditioning modes, each a share of the samples drawn per visit: the first frame
+(`model.first_frame_conditioning`), the last frame and both (`model.conditioning.last_frame` / `first_last`). The
+clip window's own first / last frame is the keyframe; its anchor latents are encoded beside the clip's latents, and
+the caption is encoded with the mode's keyframes per caption and clip window (`prepare_clip_conditions`, cached as its
+own entry kind). A sample drawn text-only reads the plain caption. Each clip of a micro-batch runs as its own packed
+sequence, so a micro-batch mixes the modes freely.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ from vidtune.data.audio import AudioBatch, AudioFormat
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, minimax_h3
+from vidtune.models import conditioning
+from vidtune.models.conditioning import Given
 from vidtune.models.defaults import MINIMAX_H3
 from vidtune.models.sound import (
     AUDIO_LATENTS,
@@ -90,6 +97,7 @@ from vidtune.models.spec import (
     StepCallback,
     TextComponents,
     VAEWithExtras,
+    frames_to_pil,
     raise_shape_problems,
     side_problems,
 )
@@ -104,12 +112,29 @@ MAX_SECONDS = 15.0  # `max_duration`: the longest video the layout block samples
 # an anchor is noised to t = 0.999 and held at max(t, 0.999); its posterior is sampled under its own seed 42.
 KEYFRAME_T = 0.999
 KEYFRAME_SEED = 42
-# Keys of a keyframe anchor in the conditions: the clean first-frame latents [B, C, 1, H, W] (normalised as the
-# pipeline's keyframe encoder normalises them) and the noise [B, C, 1, H, W] the anchor is noised with.
+# Training's anchor noise comes from a generator of the visit's stream position under this offset of the seed.
+ANCHOR_SEED_OFFSET = 13
+# Keys of keyframe anchors in the conditions: the clean first-frame and last-frame latents [B, C, 1, H, W] (normalised
+# as the pipeline's keyframe encoder normalises them), and the noise [B, C, A, H, W] a sample's A anchors are noised
+# with, in packed order (the pipeline's one draw per condition).
 KEYFRAME_LATENTS = "keyframe_latents"
+KEYFRAME_LAST_LATENTS = "keyframe_last_latents"
 KEYFRAME_NOISE = "keyframe_noise"
+# The keyframe workflow's modes: which ends of the video each anchors, in the pipeline's packed order (`image` then
+# `last_image`, MiniMaxH3ResizeStep).
+KEYFRAME_MODES: dict[str, tuple[str, ...]] = {"first_frame": ("first",), "last_frame": ("last",),
+                                              "first_last": ("first", "last")}
 # The caption rows the cache holds per caption (the pipeline takes the prompt whole; longer captions are cut).
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
+
+
+def presentation_keys(mode: str) -> tuple[str, str, str]:
+    """Keys of a caption encoded with a keyframe mode's pictures (`prepare_clip_conditions`): the presentation's hidden
+    states [B, L, D] (padded), which rows are real [B, L], and each row's modality tag [B, L] (vision blocks: video)."""
+    return f"{mode}_prompt_embeds", f"{mode}_prompt_attention_mask", f"{mode}_text_token_tags"
+
+
+KEYFRAME_PROMPT_EMBEDS, KEYFRAME_PROMPT_MASK, KEYFRAME_TEXT_TAGS = presentation_keys("first_frame")
 
 
 class TextOnlyTokenTypes:
@@ -153,14 +178,18 @@ class MiniMaxH3Autoencoders(VAEWithExtras):
         self.audio_vae = audio_vae
 
 
-def layout(text_rows: int, latent_frames: int, latent_height: int, latent_width: int, audio_latents: int,
-           patch: tuple[int, int, int], keyframe_anchors: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def layout(text_tags: torch.Tensor | int, latent_frames: int, latent_height: int, latent_width: int,
+           audio_latents: int, patch: tuple[int, int, int], keyframe_anchors: tuple[str, ...] = ()
+           ) -> dict[str, torch.Tensor]:
     """The packed sequence of one clip, built by the pipeline's layout block: `position_ids`, `token_tags` and the
-    rows of each modality (host tensors); with `keyframe_anchors` ("first" / "last"), one anchor frame's rows per
-    keyframe lead the video rows, as the keyframe workflow lays them out."""
+    rows of each modality (host tensors). `text_tags`: each text row's modality tag (the keyframe presentation's
+    vision block is tagged video), or a count of caption rows (all text). With `keyframe_anchors` ("first" /
+    "last"), one anchor frame's rows per keyframe lead the video rows, as the keyframe workflow lays them out."""
+    if isinstance(text_tags, int):
+        text_tags = torch.full((text_tags,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
     position_ids, token_tags, video_rows, audio_rows, text_indices, _, _ = (
         MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-            torch.full((text_rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long), latent_frames, latent_height,
+            text_tags.cpu().long(), latent_frames, latent_height,
             latent_width, audio_latents, patch, MINIMAX_H3_AUDIO_CHANNELS, MINIMAX_H3_AUDIO_TAG, MINIMAX_H3_VIDEO_TAG,
             keyframe_anchors))
     return {"position_ids": position_ids, "token_tags": token_tags, "video_indices": video_rows,
@@ -205,13 +234,15 @@ class MiniMaxH3Spec(ModelSpec):
     loads_single_file = True
     float8_refusal = ("transformer casts each layer's input to that layer's weight dtype (its caption projection and "
                       "modulations), so float8 storage would make it compute in float8")
+    # Off by default; a share above 0 trains that share of the samples in the keyframe workflow (`fl2va`) from the
+    # clip's first frame, which validation and `vidtune sample --image` then sample with.
+    first_frame_conditioning = 0.0
+    conditioning_modes = ("last_frame", "first_last")  # the keyframe workflow's `last_image`, alone or after `image`
     conditioning_refusal: ClassVar[str] = (
-        "vidtune trains and samples its text-to-video-and-audio workflow only. The pipeline's keyframe workflow "
-        "(`fl2va`: first and last frames) puts each keyframe both in the caption, as a Qwen3-VL vision block, and "
-        "in front of the generated rows as an anchor noised to t = 0.999: vidtune builds both as the pipeline "
-        "does, but its cache encodes a caption once for every clip that has it, and the keyframe caption is encoded "
-        "with the clip's own picture. Its reference workflow (`ref2va`) reads a second transformer "
-        "(`transformer_ref`), with its own weights and layout, which vidtune does not load")
+        "its pipeline's keyframe workflow (`fl2va`) takes a first and / or a last frame, each as a Qwen3-VL vision "
+        "block in the caption and an anchor in front of the generated rows; it has no clip to extend and no mask "
+        "(extension, inpainting). Its reference workflow (`ref2va`) reads a second transformer (`transformer_ref`), "
+        "with its own weights and layout, which vidtune does not load")
     control_refusal: ClassVar[str] = (
         "its transformer reads one packed sequence of text, sound and picture rows per clip, whose video rows a "
         "widened input layer cannot tell from the others.")
@@ -284,11 +315,18 @@ class MiniMaxH3Spec(ModelSpec):
         """The model runs at 24 fps, and its sound lasts frames / 24 s: another frame rate would pair a clip's frames
         with sound of another length than the pipeline's. Its frozen weights cannot be stored in float8: the
         transformer casts its inputs to the dtype of the layer that reads them (the caption projection, each
-        block's modulation), which would then be float8."""
+        block's modulation), which would then be float8. Base-model preservation does not take the keyframe
+        workflow: its captions are encoded alone."""
         if config.memory.base_weights == "fp8":
             raise ConfigError(f"memory.base_weights=fp8: {self.name}'s {self.float8_refusal}.\nWhat to do: set "
                               "memory.base_weights=int8 or nf4 (or auto); a float8 file (model.transformer_file) is "
                               "then upcast exactly.")
+        if self.reads_clip_in_conditions and config.training.preserve_base is not None:
+            raise ConfigError(
+                "training.preserve_base with the keyframe workflow (model.first_frame_conditioning / "
+                f"model.conditioning): {self.name}'s keyframed samples read their caption encoded with their "
+                "keyframes, and the preservation captions are encoded alone.\nWhat to do: remove "
+                "training.preserve_base, or train the text-to-video-and-audio workflow alone (no keyframe share).")
         if config.frame_rate != MINIMAX_H3_FPS:
             raise ConfigError(
                 f"model.frame_rate / data.fps = {config.frame_rate:g}: {self.name} is a {MINIMAX_H3_FPS} fps model "
@@ -301,8 +339,92 @@ class MiniMaxH3Spec(ModelSpec):
         return {**super().condition_identity(), "text_encoder_layer": TEXT_ENCODER_LAYER, "template": None}
 
     def latent_identity(self) -> dict[str, Any]:
-        return {**super().latent_identity(), "pixels": [list(PIXEL_MEAN), list(PIXEL_STD)], "fps": MINIMAX_H3_FPS,
-                "audio": {"source": "clip", "channels": MINIMAX_H3_AUDIO_CHANNELS}}
+        identity = {**super().latent_identity(), "pixels": [list(PIXEL_MEAN), list(PIXEL_STD)], "fps": MINIMAX_H3_FPS,
+                    "audio": {"source": "clip", "channels": MINIMAX_H3_AUDIO_CHANNELS}}
+        if self.reads_clip_in_conditions:  # only then: the keys of text-to-video caches stay as they were
+            identity["keyframe"] = {"anchors": list(self.anchored_ends), "pixels": "8-bit, encoded alone",
+                                    "seed": KEYFRAME_SEED}
+        return identity
+
+    # ----- the keyframe workflow's caption ---------------------------------------------------------------------
+    @property
+    def keyframe_modes(self) -> tuple[str, ...]:
+        """The keyframe workflow's modes a share of the samples trains: first frame (`model.first_frame_conditioning`),
+        last frame and both (`model.conditioning`)."""
+        first = ("first_frame",) if self.first_frame_probability > 0 else ()
+        return first + tuple(mode for mode in ("last_frame", "first_last") if mode in self.config.conditioning.enabled)
+
+    @property
+    def anchored_ends(self) -> tuple[str, ...]:
+        """The ends of a clip ("first", "last") whose anchor latents the trained modes read."""
+        ends = {end for mode in self.keyframe_modes for end in KEYFRAME_MODES[mode]}
+        return tuple(end for end in ("first", "last") if end in ends)
+
+    @property
+    def reads_clip_in_conditions(self) -> bool:
+        """A share of the samples trains the keyframe workflow: its caption is encoded with the clip's keyframes."""
+        return bool(self.keyframe_modes)
+
+    @property
+    def samples_from_image(self) -> bool:
+        """Trained in the keyframe workflow, validation and `vidtune sample --image` sample it from a first frame."""
+        return self.image_to_video or self.first_frame_probability > 0
+
+    def clip_condition_components(self) -> tuple[str, ...]:
+        return ("processor",)  # Qwen3-VL's image processor: the keyframe's vision block
+
+    def clip_condition_identity(self) -> dict[str, Any]:
+        return {"presentation": "fl2va", "modes": {mode: list(KEYFRAME_MODES[mode]) for mode in self.keyframe_modes},
+                "label": "<Picture i>: "}
+
+    @functools.cached_property
+    def image_processor(self) -> Any:
+        return self.load_component(AutoImageProcessor, "processor")
+
+    @torch.no_grad()
+    def prepare_clip_conditions(self, text: TextComponents, captions: list[str], windows: torch.Tensor
+                                ) -> Conditions:
+        """Each caption in the keyframe workflow's presentation with each trained mode's keyframes, the window's first
+        and / or last frame (`keyframe_prompt_inputs`: the pipeline's resize and keyframe text encoder blocks), padded
+        with zeros to the presentation's rows before the caption plus `max_sequence_length` (one length per clip
+        size); a longer caption is cut there, which the causal encoder's rows before the cut do not notice. Keys by
+        mode (`presentation_keys`), with each row's modality tag."""
+        height, width = windows.shape[-2:]
+        tokenizer = text["tokenizer"]
+        pictures = {"first": frames_to_pil(windows[:, 0]), "last": frames_to_pil(windows[:, -1])}
+        found: Conditions = {}
+        for mode in self.keyframe_modes:
+            ends = KEYFRAME_MODES[mode]
+            embeds, masks, tags = [], [], []
+            for index, caption in enumerate(captions):
+                inputs = self.keyframe_prompt_inputs(
+                    text, caption, pictures["first"][index] if "first" in ends else None, height, width,
+                    last=pictures["last"][index] if "last" in ends else None)
+                rows = inputs["prompt_embeds"].shape[1]
+                caption_rows = len(tokenizer(caption, add_special_tokens=False)["input_ids"]) if caption else 0
+                length = rows - caption_rows + self.max_sequence_length
+                kept = min(rows, length)
+                embeds.append(torch.nn.functional.pad(inputs["prompt_embeds"][0, :kept], (0, 0, 0, length - kept)))
+                masks.append(torch.arange(length) < kept)
+                tags.append(torch.nn.functional.pad(inputs["text_token_tags"][:kept].cpu(), (0, length - kept),
+                                                    value=MINIMAX_H3_TEXT_TAG))
+            embeds_key, mask_key, tags_key = presentation_keys(mode)
+            found.update({embeds_key: torch.stack(embeds), mask_key: torch.stack(masks), tags_key: torch.stack(tags)})
+        return found
+
+    def visit_conditions(self, x0: torch.Tensor, positions: torch.Tensor, seed: int) -> Conditions:
+        """With a keyframe mode trained: each sample's mode (or none), drawn from its stream position, and the noise
+        its anchors are noised with, in packed order (from a generator of its own)."""
+        if not self.keyframe_modes:
+            return {}
+        mode_shares = conditioning.shares(self.config.conditioning, self.first_frame_probability)
+        codes = conditioning.draw_modes(mode_shares, positions, seed, {})
+        anchors = max(len(KEYFRAME_MODES[mode]) for mode in self.keyframe_modes)
+        anchor_shape = (x0.shape[1], anchors, *x0.shape[3:])
+        noise = torch.stack([torch.randn(anchor_shape, generator=conditioning.visit_generator(seed + ANCHOR_SEED_OFFSET,
+                                                                                            int(position)))
+                             for position in positions.tolist()])
+        return {conditioning.MODE: codes.to(x0.device), KEYFRAME_NOISE: noise.to(x0.device)}
 
     @torch.no_grad()
     def prepare_conditions(self, text: TextComponents, captions: list[str]) -> Conditions:
@@ -354,8 +476,12 @@ class MiniMaxH3Spec(ModelSpec):
             heard_waveforms = audio.waveforms[:, :, :samples].float().cpu() * present.view(batch, 1, 1)
             waveforms[:, :, : heard_waveforms.shape[-1]] = heard_waveforms
         audio_latents = self.sound_latents(vae.audio_vae, waveforms, frames)
+        keyframe = {}
+        for end in self.anchored_ends:  # the keyframe workflow's anchors: the first / last frame as a user's picture
+            keyframe[KEYFRAME_LATENTS if end == "first" else KEYFRAME_LAST_LATENTS] = keyframe_latents(
+                video_vae, videos[:, 0 if end == "first" else -1]).to(audio_latents.device)
         return {**self.normalised_posterior(posterior, 1.0 / latent_std, latent_mean),
-                AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device)}
+                AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device), **keyframe}
 
     def sound_latents(self, audio_vae: nn.Module, waveforms: torch.Tensor, frames: int) -> torch.Tensor:
         """[B, 2, samples] at the audio VAE's rate -> [B, 2, L, C]: each channel's posterior mode as the mono audio
@@ -412,7 +538,7 @@ class MiniMaxH3Spec(ModelSpec):
         noisy_audio = flow_matching_noisy(clean_audio, audio_noise, audio_sigmas)
         present = heard(conditions, noisy_latents.shape[0])
         silent_audio = self.config.clips_without_sound == "silence"
-        mask = conditions["prompt_attention_mask"]
+        modes = self.keyframe_modes_drawn(conditions, noisy_latents.shape[0])
         video_predictions, audio_predictions = [], []
         for index in range(noisy_latents.shape[0]):
             with_audio = bool(present[index]) or silent_audio
@@ -420,16 +546,18 @@ class MiniMaxH3Spec(ModelSpec):
             _, frames, height, width = latents.shape[1:]
             audio_rows = noisy_audio[index].reshape(-1, noisy_audio.shape[-1]) if with_audio else \
                 noisy_audio.new_zeros(0, noisy_audio.shape[-1])
-            text_rows = int(mask[index].cpu().sum())
             video_rows = patchify_video_latents(latents, patch)
-            anchors: tuple[str, ...] = ()
-            if KEYFRAME_LATENTS in conditions:  # the keyframe workflow: the first frame's anchor leads the video rows
-                anchor = noised_anchor(conditions[KEYFRAME_LATENTS][index: index + 1].float(),
-                                       conditions[KEYFRAME_NOISE][index: index + 1].float())
-                video_rows = torch.cat([patchify_video_latents(anchor.to(latents), patch), video_rows])
-                anchors = ("first",)
+            anchors = KEYFRAME_MODES[modes[index]] if modes[index] else ()
+            if anchors:  # the keyframe workflow: the anchors lead the video rows, in packed order
+                noise = conditions[KEYFRAME_NOISE][index: index + 1].float()
+                rows = [patchify_video_latents(noised_anchor(
+                    conditions[KEYFRAME_LATENTS if end == "first" else KEYFRAME_LAST_LATENTS][index: index + 1].float(),
+                    noise[:, :, number: number + 1]).to(latents), patch) for number, end in enumerate(anchors)]
+                video_rows = torch.cat([*rows, video_rows])
             anchor_rows = video_rows.shape[0] - (frames * height * width) // math.prod(patch)
-            packed = layout(text_rows, frames, height, width, clean_audio.shape[2] if with_audio else 0, patch,
+            text, text_tags = self.caption_rows(conditions, index, modes[index])
+            text_rows = text.shape[0]
+            packed = layout(text_tags, frames, height, width, clean_audio.shape[2] if with_audio else 0, patch,
                             anchors)
             t_video = float(timesteps[index]) / NUM_TRAIN_TIMESTEPS
             unique, row_timesteps = MiniMaxH3SetTimestepsStep.build_row_timesteps(
@@ -439,7 +567,7 @@ class MiniMaxH3Spec(ModelSpec):
             video, audio = denoiser(
                 hidden_states=video_rows[None],
                 audio_hidden_states=audio_rows[None].to(latents.dtype),
-                encoder_hidden_states=conditions["prompt_embeds"][index: index + 1, :text_rows],
+                encoder_hidden_states=text[None],
                 timestep=unique.to(latents.device),
                 timestep_indices=row_timesteps.to(latents.device),
                 return_dict=False,
@@ -450,6 +578,40 @@ class MiniMaxH3Spec(ModelSpec):
                                      torch.zeros_like(clean_audio[index]).to(video.dtype))
         target = clean_audio - audio_noise  # the data-ward velocity, as the video's
         return torch.cat(video_predictions), torch.stack(audio_predictions), target
+
+    @staticmethod
+    def keyframe_modes_drawn(conditions: Conditions, batch: int) -> list[str | None]:
+        """Each sample's keyframe mode (None: text only): its drawn mode (`visit_conditions`); without a draw, the
+        first frame's for every sample given a first-frame anchor and its noise."""
+        if KEYFRAME_NOISE not in conditions:
+            return [None] * batch
+        if conditioning.MODE not in conditions:
+            return ["first_frame" if KEYFRAME_LATENTS in conditions else None] * batch
+        codes = conditions[conditioning.MODE].flatten().tolist()
+        names = [conditioning.MODES[int(code) - 1] if int(code) != conditioning.NONE else None for code in codes]
+        return [name if name in KEYFRAME_MODES else None for name in names]
+
+    @staticmethod
+    def caption_rows(conditions: Conditions, index: int, mode: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sample's text rows [N, D] and their modality tags [N]: its caption's, or in a keyframe mode the caption
+        encoded with the mode's keyframes. A dropped caption (caption dropout) keeps the keyframes' labels and vision
+        blocks: with the `empty` technique without the caption's rows (the pipeline's presentation of an empty prompt:
+        the causal encoder's rows before the caption do not read it), with `zero` the caption's rows zeroed."""
+        plain_rows = int(conditions["prompt_attention_mask"][index].sum())
+        plain = conditions["prompt_embeds"][index, :plain_rows]
+        embeds_key, mask_key, tags_key = presentation_keys(mode or "")
+        if mode is None or embeds_key not in conditions:
+            return plain, torch.full((plain_rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
+        rows = int(conditions[mask_key][index].sum())
+        text = conditions[embeds_key][index, :rows]
+        tags = conditions[tags_key][index, :rows].cpu().long()
+        vision = (tags != MINIMAX_H3_TEXT_TAG).nonzero()
+        caption_start = int(vision[-1]) + 1 if len(vision) else 0
+        if plain_rows == 0:  # dropped (`empty`), or an empty caption: the presentation before the caption
+            return text[:caption_start], tags[:caption_start]
+        if not bool(plain.any()):  # dropped (`zero`): the caption's rows zeroed
+            text = torch.cat([text[:caption_start], torch.zeros_like(text[caption_start:])])
+        return text, tags
 
     def forward(self, denoiser: nn.Module, conditions: Conditions, noisy_latents: torch.Tensor,
                 timesteps: torch.Tensor) -> torch.Tensor:
@@ -526,28 +688,30 @@ class MiniMaxH3Spec(ModelSpec):
         return {"prompt_embeds": conditions["prompt_embeds"][:, :rows],
                 "text_token_tags": torch.full((rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)}
 
-    def keyframe_prompt_inputs(self, text: TextComponents, prompt: str, keyframe: Image.Image, height: int,
-                               width: int) -> dict[str, Any]:
-        """The caption as the keyframe workflow presents it (`"<Picture 1>: "`, the keyframe's Qwen3-VL vision block,
-        then the caption), encoded by the pipeline's own blocks: its resize step puts the keyframe on the canvas, its
-        keyframe text encoder encodes the presentation and tags the vision rows as video."""
+    def keyframe_prompt_inputs(self, text: TextComponents, prompt: str, keyframe: Image.Image | None, height: int,
+                               width: int, last: Image.Image | None = None) -> dict[str, Any]:
+        """The caption as the keyframe workflow presents it (`"<Picture i>: "` and the Qwen3-VL vision block of each
+        keyframe, the first then the `last`, then the caption), encoded by the pipeline's own blocks: its resize step
+        puts the keyframes on the canvas, its keyframe text encoder encodes the presentation and tags the vision rows
+        as video."""
         encoder = SequentialPipelineBlocks.from_blocks_dict(
             {"resize": MiniMaxH3ResizeStep(), "text_encoder": MiniMaxH3FL2VATextEncoderStep()}).init_pipeline()
         text_encoder = text["text_encoder"]
-        image_processor = self.load_component(AutoImageProcessor, "processor")
         encoder.update_components(text_encoder=text_encoder, tokenizer=text["tokenizer"], processor=KeyframeTokenTypes(
-            image_processor, text_encoder.config.image_token_id, text_encoder.config.video_token_id))
-        state = encoder(prompt=prompt, image=keyframe, height=height, width=width,
+            self.image_processor, text_encoder.config.image_token_id, text_encoder.config.video_token_id))
+        state = encoder(prompt=prompt, image=keyframe, last_image=last, height=height, width=width,
                         output=["prompt_embeds", "text_token_tags"])
         return {"prompt_embeds": state["prompt_embeds"], "text_token_tags": state["text_token_tags"]}
 
     def call_pipeline(self, pipeline: Any, prompt: str, frames: int, height: int, width: int,
                       num_inference_steps: int, guidance_scale: float, generator: torch.Generator, output_type: str,
-                      reference: torch.Tensor | None = None, callback: StepCallback | None = None) -> Any:
+                      reference: torch.Tensor | None = None, callback: StepCallback | None = None,
+                      given: Given | None = None) -> Any:
         """One call of the modular pipeline (which takes no guidance scale and no step callback: with `callback`, the
         callback gets the final latents once). An image-to-video spec hands its `reference` clip's first frame to
-        the pipeline's keyframe workflow: in the caption's presentation and as the first frame's anchor (a
-        text-to-video one ignores it, as every text-to-video family does)."""
+        the pipeline's keyframe workflow: in the caption's presentation and as the first frame's anchor (as does a spec
+        trained in the keyframe workflow, `model.first_frame_conditioning`; a text-to-video one ignores it); `given`:
+        a keyframe mode's first and / or last frame, handed over the same way."""
         if guidance_scale != 1.0:
             raise ConfigError(
                 f"validation.guidance_scale={guidance_scale:g}: {self.name} is guidance-distilled; its pipeline takes "
@@ -555,10 +719,15 @@ class MiniMaxH3Spec(ModelSpec):
         # The pipeline steps num_inference_steps - 1 times (its schedule holds the terminal sigma): one more point
         # gives the steps asked for.
         inputs = self.prompt_inputs(pipeline, prompt, guidance_scale)
-        if self.image_to_video and reference is not None:
-            keyframe = self.first_frame_image(reference)
-            inputs = {**self.keyframe_prompt_inputs(pipeline.caption_encoder, prompt, keyframe, height, width),
-                      "image": keyframe}
+        first = last = None
+        if given is not None:  # a keyframe mode: its first and / or last frame
+            first = frames_to_pil(given.frames[:1])[0] if given.mode in ("first_frame", "first_last") else None
+            last = frames_to_pil(given.last[-1:])[0] if given.mode in ("last_frame", "first_last") else None
+        elif self.samples_from_image and reference is not None:
+            first = self.first_frame_image(reference)
+        if first is not None or last is not None:
+            inputs = {**self.keyframe_prompt_inputs(pipeline.caption_encoder, prompt, first, height, width, last),
+                      "image": first, "last_image": last}
         result = pipeline(**inputs, num_frames=frames, height=height,
                           width=width, num_inference_steps=num_inference_steps + 1, generator=generator,
                           output_type="pt", output=["videos", "audio", "sampling_rate", "latents", "audio_latents"])

@@ -3,6 +3,8 @@
 Layout of a cache folder (default `<data.root>/.vidtune-cache`):
 
     conditions/ab/abcdef....safetensors   one caption's text-encoder outputs
+    clip_conditions/cd/cdef....safetensors  one caption encoded with one clip window's first frame (a family whose
+                                          captions read their clip: `ModelSpec.reads_clip_in_conditions`)
     latents/12/123456....safetensors      one clip's VAE posterior (or one sampled latent)
     fingerprints/<stat-hash>              memoised content hashes of clips and weight files
 
@@ -39,7 +41,7 @@ from vidtune.files import TEMPORARY_SUFFIX, atomic_write_bytes
 
 # Bump when what an entry holds, or how it is computed, changes in a way its key does not capture.
 FORMAT_VERSION = 1
-KINDS = ("conditions", "latents", "inputs")
+KINDS = ("conditions", "latents", "inputs", "clip_conditions")
 SUFFIX = ".safetensors"
 _CHUNK = 1 << 20
 

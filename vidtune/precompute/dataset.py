@@ -89,6 +89,9 @@ class CachedClips(Dataset):
                                      for name, value in self.read("inputs", keys[window]).items()}}
         variants = self.plan.condition_variants[item]
         variant = variant_of_visit(len(variants), self.config.training.seed, position)
+        if self.plan.clip_condition_windows:  # the caption encoded with this window's pictures, beside the latents
+            key = self.plan.clip_condition_windows[item][window][variant]
+            latents = {**latents, **self.read("clip_conditions", key)}
         found = {
             "conditions": self.conditions(variants[variant]),
             "latents": latents,

@@ -98,6 +98,23 @@ def encode_captions(spec: ModelSpec, text: TextComponents, captions: Sequence[st
     return items
 
 
+@torch.no_grad()
+def encode_clip_captions(spec: ModelSpec, text: TextComponents, captions: Sequence[str],
+                         windows: torch.Tensor | Sequence[torch.Tensor], batch_size: int = 8,
+                         device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> list[Tensors]:
+    """Captions encoded with pictures of their clip windows ([F, 3, H, W] in [-1, 1] each, of one shape; the spec's
+    `prepare_clip_conditions`), one dict per caption: the one way both the cache and on-the-fly training encode
+    them."""
+    if len(captions) != len(windows):
+        raise ValueError(f"{len(captions)} captions for {len(windows)} clip windows")
+    items: list[Tensors] = []
+    for start in range(0, len(captions), batch_size):
+        frames = torch.stack([windows[i] for i in range(start, min(start + batch_size, len(captions)))])
+        chunk = list(captions[start:start + batch_size])
+        items.extend(split_items(spec.prepare_clip_conditions(text, chunk, frames), len(chunk), device, dtype))
+    return items
+
+
 def read_clips(clips: Sequence[ClipSource], preprocess: Preprocess | None, workers: int = 2,
                lookahead: int = 8) -> Iterator[Decoded]:
     """Clips as ([F, 3, H, W] tensor, its sound or None) in order, decoded by `workers` threads up to `lookahead`
@@ -254,12 +271,17 @@ class PrecomputeSummary:
     sound: str | None = None  # which clips train with their sound (a family that trains on it; `sound_line`)
     inputs_computed: int = 0  # per-clip inputs (masks, references, ...; vidtune/data/inputs.py)
     inputs_reused: int = 0
+    clip_conditions_computed: int = 0  # captions encoded with their clip's pictures (MiniMax H3's keyframes)
+    clip_conditions_reused: int = 0
 
     def line(self) -> str:
         inputs = (f"; inputs: {self.inputs_computed} computed, {self.inputs_reused} reused"
                   if self.inputs_computed or self.inputs_reused else "")
+        with_clips = (f"; captions with their clip: {self.clip_conditions_computed} computed, "
+                      f"{self.clip_conditions_reused} reused"
+                      if self.clip_conditions_computed or self.clip_conditions_reused else "")
         return (f"conditions: {self.conditions_computed} computed, {self.conditions_reused} reused; "
-                f"latents: {self.latents_computed} computed, {self.latents_reused} reused{inputs}")
+                f"latents: {self.latents_computed} computed, {self.latents_reused} reused{inputs}{with_clips}")
 
 
 def build_spec(config: Config) -> ModelSpec:
@@ -350,12 +372,16 @@ def _put(items: queue.Queue, value: Any, stop: threading.Event) -> bool:
 
 
 def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], latent_keys: list[str], *,
-                 batch_size: int, decode_workers: int, progress: bool = True) -> list[WorkerReport]:
-    """Compute and write the given entries: text and VAE workers concurrently, decoding ahead of the VAEs."""
+                 batch_size: int, decode_workers: int, progress: bool = True,
+                 clip_condition_keys: Sequence[str] = ()) -> list[WorkerReport]:
+    """Compute and write the given entries: text and VAE workers concurrently, decoding ahead of the VAEs. The text
+    worker also encodes the captions read with their clip window's pictures (`clip_condition_keys`), decoding it."""
     cache, stage = plan.cache, _Stage()
+    clip_condition_keys = list(clip_condition_keys)
     bars = {
-        "conditions": tqdm(total=len(condition_keys), desc="conditions", unit="caption", position=0,
-                           disable=not progress or not condition_keys, dynamic_ncols=True),
+        "conditions": tqdm(total=len(condition_keys) + len(clip_condition_keys), desc="conditions", unit="caption",
+                           position=0, disable=not progress or not (condition_keys or clip_condition_keys),
+                           dynamic_ncols=True),
         "latents": tqdm(total=len(latent_keys), desc="latents", unit="clip", position=1,
                         disable=not progress or not latent_keys, dynamic_ncols=True),
     }
@@ -375,6 +401,12 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
             items = encode_captions(spec, text, [plan.conditions[k] for k in chunk], batch_size=len(chunk))
             for key, item in zip(chunk, items, strict=True):
                 cache.write("conditions", key, item, plan.condition_info[key])
+            report.items += len(chunk)
+            advance("conditions", len(chunk))
+        for chunk in _chunks(clip_condition_keys, batch_size):
+            if stage.stop.is_set():
+                return
+            write_clip_conditions(spec, plan, text, chunk)
             report.items += len(chunk)
             advance("conditions", len(chunk))
         del text
@@ -420,7 +452,7 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
         del vae
 
     try:
-        if condition_keys:
+        if condition_keys or clip_condition_keys:
             stage.start("text", str(plan.text_device), text_worker)
         if latent_keys:
             stage.start("decode", "cpu", producer)
@@ -436,6 +468,17 @@ def run_encoders(spec: ModelSpec, plan: CachePlan, condition_keys: list[str], la
     if any(ref() is not None for ref in stage.loaded):
         gc.collect()
     return stage.reports
+
+
+def write_clip_conditions(spec: ModelSpec, plan: CachePlan, text: TextComponents, keys: Sequence[str]) -> list[Tensors]:
+    """Encode captions with their clip window's pictures (read as the window's latents read it), write them and
+    return them."""
+    entries = [plan.clip_conditions[key] for key in keys]
+    items = encode_clip_captions(spec, text, [entry.caption for entry in entries],
+                                 [entry.frames() for entry in entries], batch_size=len(entries))
+    for key, item in zip(keys, items, strict=True):
+        plan.cache.write("clip_conditions", key, item, plan.clip_condition_info[key])
+    return items
 
 
 def _same_shape_chunks(keys: list[str], plan: CachePlan, size: int) -> Iterator[list[str]]:
@@ -485,16 +528,20 @@ def precompute(config: Config, clips: list[Clip] | None = None, *, progress: boo
             cache, "conditions", shard(list(plan.conditions), rank, world))
         latent_todo, latent_reused, bad_latents = _check_existing(
             cache, "latents", shard(list(plan.latents), rank, world))
+        clip_todo, clip_reused, bad_clip_conditions = _check_existing(
+            cache, "clip_conditions", shard(list(plan.clip_conditions), rank, world))
         reports = run_encoders(spec, plan, condition_todo, latent_todo, batch_size=config.precompute.batch_size,
-                               decode_workers=max(1, config.data.num_workers), progress=progress)
+                               decode_workers=max(1, config.data.num_workers), progress=progress,
+                               clip_condition_keys=clip_todo)
         input_todo, input_reused, bad_inputs = _check_existing(cache, "inputs", shard(list(plan.inputs), rank, world))
         if input_todo and distributed:
             parallel.barrier()  # an input is encoded on its clip's latent grid, which another rank may have written
         run_input_encoders(spec, plan, input_todo, progress=progress)
-        if condition_todo or latent_todo or input_todo:
+        if condition_todo or latent_todo or input_todo or clip_todo:
             release_memory([plan.text_device, *plan.vae_devices])
         counts = [len(condition_todo), condition_reused, len(latent_todo), latent_reused,
-                  bad_conditions + bad_latents + bad_inputs, len(input_todo), input_reused]
+                  bad_conditions + bad_latents + bad_inputs + bad_clip_conditions, len(input_todo), input_reused,
+                  len(clip_todo), clip_reused]
         if distributed:
             # Also waits for every rank: all entries exist after this.
             counts = [int(v) for v in parallel.all_reduce_sum(counts, dtype=torch.long)]
@@ -502,8 +549,10 @@ def precompute(config: Config, clips: list[Clip] | None = None, *, progress: boo
 
     return PrecomputeSummary(
         *counts[:5], seconds=time.perf_counter() - started, rank=rank, world=world, cache_dir=cache.root,
-        workers=reports, computed_keys={"conditions": condition_todo, "latents": latent_todo, "inputs": input_todo},
+        workers=reports, computed_keys={"conditions": condition_todo, "latents": latent_todo, "inputs": input_todo,
+                                        "clip_conditions": clip_todo},
         plan=plan, sound=sound, inputs_computed=counts[5], inputs_reused=counts[6],
+        clip_conditions_computed=counts[7], clip_conditions_reused=counts[8],
     )
 
 
@@ -564,6 +613,13 @@ def recompute_entry(config: Config, spec: ModelSpec, plan: CachePlan, kind: str,
         del vae
         release_memory([plan.text_device, *plan.vae_devices])
         return dict(item)
+    if kind == "clip_conditions":
+        with _LOAD_LOCK:
+            text = spec.load_text(plan.text_device)
+        (item,) = write_clip_conditions(spec, plan, text, [key])
+        del text
+        release_memory([plan.text_device, *plan.vae_devices])
+        return {k: v.detach().cpu() for k, v in item.items()}
     if kind == "conditions":
         with _LOAD_LOCK:
             text = spec.load_text(plan.text_device)

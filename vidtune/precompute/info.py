@@ -31,8 +31,10 @@ class CacheReport:
     damaged: dict[str, int] = field(default_factory=dict)
 
     def kinds(self) -> list[str]:
-        """The kinds to list: per-clip inputs only where there are some (on disk or needed)."""
-        return [kind for kind in KINDS if kind != "inputs" or self.entries.get(kind) or self.needed.get(kind)]
+        """The kinds to list: per-clip inputs and captions read with their clip only where there are some (on disk
+        or needed)."""
+        optional = ("inputs", "clip_conditions")
+        return [kind for kind in KINDS if kind not in optional or self.entries.get(kind) or self.needed.get(kind)]
 
     def lines(self) -> list[str]:
         total = sum(self.sizes.values())
@@ -71,7 +73,7 @@ def cache_report(config: Config | None = None, root: str | Path | None = None, v
     spec = build_spec(config)
     plan = build_plan(config, spec, load_clips(config, spec, progress=progress), cache)
     for kind, keys in (("conditions", list(plan.conditions)), ("latents", list(plan.latents)),
-                       ("inputs", list(plan.inputs))):
+                       ("inputs", list(plan.inputs)), ("clip_conditions", list(plan.clip_conditions))):
         report.needed[kind] = len(keys)
         report.cached[kind] = report.damaged[kind] = 0
         for key in keys:

@@ -13,6 +13,11 @@ content hash, the storage mode and `memory.vae_tiling` when on. A clip has one e
 else is in a key: settings that do not change the tensors (validation, LoRA, the optimizer) keep the cache,
 and a change that touches only one kind re-encodes only that kind.
 
+A caption encoded with pictures of its clip window (a family whose `reads_clip_in_conditions`) has a key of its own,
+covering the condition's parts, `clip_condition_identity()` and its components, the caption, the clip's content hash
+and the window it is read with (frames, size, resize, fps, start): editing a caption or a clip re-encodes only the
+entries that read it.
+
 A component's identity is its hub id + commit (or revision), or, for a local folder, a hash of the contents
 of its files; a clip's identity is the hash of its content, not its name. Hashes are memoised in the cache
 folder by (path, size, mtime, ctime, inode), so only new or changed files are read.
@@ -178,6 +183,20 @@ class InputEntry:
         return read if INPUT_KINDS[self.kind].media == "images" else read[0]
 
 
+@dataclass(frozen=True)
+class ClipConditionEntry:
+    """One caption encoded with pictures of one clip window (`ModelSpec.prepare_clip_conditions`): the caption, and
+    the clip and window its pictures are read from, as the window's latents read it."""
+
+    caption: str
+    clip: Path
+    preprocess: Preprocess
+
+    def frames(self) -> torch.Tensor:
+        """The window's frames [F, 3, H, W] in [-1, 1], read as its latents read them."""
+        return self.preprocess.read(self.clip)
+
+
 @dataclass
 class CachePlan:
     """Per-sample keys and the unique entries they point to, for one config and dataset."""
@@ -210,6 +229,11 @@ class CachePlan:
     empty_key: str | None = None  # the empty prompt, for caption dropout technique `empty`
     # Every prompt the run reads beyond the clips' captions (prompt -> key): see `extra_prompts`.
     prompt_keys: dict[str, str] = field(default_factory=dict)
+    # A family whose captions read their clip (`spec.reads_clip_in_conditions`): key -> what it is made of, and per
+    # sample, per window, the key of each of its caption variants (empty otherwise).
+    clip_conditions: dict[str, ClipConditionEntry] = field(default_factory=dict)
+    clip_condition_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    clip_condition_windows: list[list[list[str]]] = field(default_factory=list)
 
 
 def plan_inputs(plan: CachePlan, spec: ModelSpec, clip: Clip, kinds: tuple[str, ...], windows: list[ClipWindow],
@@ -301,6 +325,21 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         plan.condition_info.setdefault(key, {"caption": caption})
         return key
 
+    clip_text_parts = {**text_parts, "clip_spec": spec.clip_condition_identity(),
+                       "clip_components": {name: component_identity(spec, name, fingerprints)
+                                           for name in spec.clip_condition_components()}}
+
+    def clip_condition(caption: str, path: Path, content_hash: str, preprocess: Preprocess) -> str:
+        """A caption encoded with a window's pictures: keyed by the caption, the text components, the clip's
+        content and the window it is read with (editing either re-encodes only the entries that read it)."""
+        window = preprocess.describe()
+        key = entry_key("clip_conditions", {**clip_text_parts, "caption": caption, "clip": content_hash,
+                                            "window": window})
+        plan.clip_conditions.setdefault(key, ClipConditionEntry(caption, Path(path), preprocess))
+        plan.clip_condition_info.setdefault(key, {"caption": caption, "clip": str(path), "clip_sha256": content_hash,
+                                                  **window})
+        return key
+
     seed, shuffles, preserve = config.training.seed, options.caption_shuffles, config.training.preserve_base
     for clip in clips:
         # A clip whose tags are shuffled offers fixed shuffles, one drawn per visit (vidtune/data/captions.py).
@@ -350,6 +389,12 @@ def build_plan(config: Config, spec: ModelSpec, clips: list[Clip], cache: CacheS
         plan.latent_windows.append(keys[0])
         plan.control_windows.append(keys[1] if len(keys) > 1 else [])
         windows = [ClipWindow(frames, height, width, data.fps, start, data.resize) for start in starts]
+        if spec.reads_clip_in_conditions:
+            plan.clip_condition_windows.append([
+                [clip_condition(clip_text, clip.video, clip_hash, Preprocess(frames, height, width, data.fps,
+                                                                             data.resize, start))
+                 for clip_text in (clip.style.with_trigger(text) for text in untriggered)]
+                for start in starts])
         plan.input_windows.append(plan_inputs(plan, spec, clip, input_kinds, windows, keys[0], latent_parts,
                                               keys[1] if len(keys) > 1 else None))
     plan.prompt_keys = {prompt: condition(prompt) for prompt in extra_prompts(config)}

@@ -66,6 +66,30 @@ class Encoding(SpecBase):
         for each window and hands to `prepare_latents` as `audio=`; None (the default): no sound is decoded."""
         return None
 
+    # ----- captions that read their clip ---------------------------------------------------------------------
+    @property
+    def reads_clip_in_conditions(self) -> bool:
+        """Whether a sample's caption is also encoded together with pictures of its clip window (MiniMax H3's
+        keyframe presentation: its first and last frames): the data path then encodes `prepare_clip_conditions` per
+        caption and clip window, on the fly and into the cache (its own entry kind, `clip_conditions`), and hands it
+        to `forward` beside the latents."""
+        return False
+
+    def clip_condition_components(self) -> tuple[str, ...]:
+        """Components beside the text encoders that `prepare_clip_conditions` reads (an image processor): their
+        identity is in each entry's key."""
+        return ()
+
+    def clip_condition_identity(self) -> dict[str, Any]:
+        """The constants `prepare_clip_conditions` reads beyond `condition_identity` (how the frame is presented)."""
+        return {}
+
+    def prepare_clip_conditions(self, text: TextComponents, captions: list[str], windows: torch.Tensor) -> Conditions:
+        """Captions encoded with pictures of their clip windows ([B, F, 3, H, W] in [-1, 1], read as the windows'
+        latents read them), padded to one length per clip shape; only a family that `reads_clip_in_conditions` has
+        them."""
+        raise NotImplementedError(f"{self.name} encodes its captions alone")
+
     def empty_conditions(self, conditions: Conditions) -> Conditions:
         """The `zero` caption-dropout technique: same shapes, zero embedding (masks kept)."""
         return {k: (torch.zeros_like(v) if v.is_floating_point() else v) for k, v in conditions.items()}

@@ -145,9 +145,15 @@ class Sampling(Encoding):
         `reference`: the clip ([F, 3, H, W] in [-1, 1]) whose first frame image-to-video families start from."""
         return {}
 
+    @property
+    def samples_from_image(self) -> bool:
+        """Whether sampling starts from a first frame (validation's first clip, `vidtune sample --image`): an
+        image-to-video family's, or one a run trained to take it (MiniMax H3's keyframe workflow)."""
+        return self.image_to_video
+
     def check_given(self, given: Given) -> None:
         """A mode the family samples: first-frame for image-to-video families, else one of `conditioning_modes`."""
-        takes = (("first_frame",) if self.image_to_video else ()) + tuple(self.conditioning_modes)
+        takes = (("first_frame",) if self.samples_from_image else ()) + tuple(self.conditioning_modes)
         if given.mode not in takes:
             raise ModelError(f"{self.name} cannot sample {given.mode.replace('_', '-')} conditioning: "
                              f"{self.conditioning_refusal}\nWhat to do: sample it with "

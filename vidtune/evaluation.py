@@ -308,9 +308,10 @@ def best_line(history: EvalHistory, checkpoints_root: Path) -> tuple[str, Path |
 
 
 def plot_eval_curve(metrics: Path, output: Path) -> Path | None:
-    """eval_loss.png: the held-out score over steps, in total and per noise level, the best checkpoint marked."""
+    """eval_loss.png: the held-out score over steps, in total and per noise level, the best checkpoint marked; None
+    (nothing drawn) before there are two scores: one is no curve (the console and metrics.jsonl show it)."""
     rows = read_eval_rows(metrics)
-    if not rows:
+    if len(rows) < 2:
         return None
     # A Figure of its own, not pyplot's: no global figure manager to import, select a backend for, or close.
     from matplotlib import colormaps

@@ -380,7 +380,7 @@ def print_summary(result, seconds: float) -> None:
     print(f"  checkpoints  {outputs.checkpoints_root(result.output_dir)}")
     print(f"  metrics      {result.output_dir / outputs.METRICS}")
     print(f"  loss curve   {result.output_dir / outputs.LOSS_PLOT}")
-    if result.held_out:
+    if result.held_out and (result.output_dir / outputs.EVAL_PLOT).is_file():  # drawn from the second score on
         print(f"  eval curve   {result.output_dir / outputs.EVAL_PLOT}")
     samples = result.every_sample or result.sample_paths
     by_step = result.output_dir / outputs.SAMPLES_BY_STEP

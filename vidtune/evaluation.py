@@ -308,17 +308,18 @@ def best_line(history: EvalHistory, checkpoints_root: Path) -> tuple[str, Path |
 
 
 def plot_eval_curve(metrics: Path, output: Path) -> Path | None:
-    """eval_loss.png: the held-out score over steps, in total and per noise level, the best checkpoint marked."""
+    """eval_loss.png: the held-out score over steps, in total and per noise level, the best checkpoint marked; None
+    (nothing drawn) before there are two scores: one is no curve (the console and metrics.jsonl show it)."""
     rows = read_eval_rows(metrics)
-    if not rows:
+    if len(rows) < 2:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot's: no global figure manager to import, select a backend for, or close.
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
 
     steps = [row["step"] for row in rows]
-    figure, (total_axis, level_axis) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    figure = Figure(figsize=(12, 4.5), dpi=100)
+    total_axis, level_axis = figure.subplots(1, 2)
     total_axis.plot(steps, [row[EVAL_ROW_KEY] for row in rows], color="#1f4e79", linewidth=2, marker="o",
                     markersize=3, label="mean over noise levels")
     best = EvalHistory(rows).best()
@@ -328,7 +329,7 @@ def plot_eval_curve(metrics: Path, output: Path) -> Path | None:
     total_axis.set_title("Held-out score")
     # Each level relative to its first score: levels differ in size, what matters is how each moves.
     labels = list(rows[-1]["eval_loss_by_noise"])
-    colours = plt.get_cmap("viridis")
+    colours = colormaps["viridis"]
     for number, label in enumerate(labels):
         values = [row["eval_loss_by_noise"].get(label, float("nan")) for row in rows]
         first = next((value for value in values if math.isfinite(value) and value != 0), float("nan"))
@@ -345,5 +346,4 @@ def plot_eval_curve(metrics: Path, output: Path) -> Path | None:
     figure.tight_layout()
     with atomic_path(output) as temporary:
         figure.savefig(temporary, format="png")
-    plt.close(figure)
     return output

@@ -7,6 +7,7 @@ A step's row also holds its samples' noise levels ("sigmas", or "timesteps" for 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -123,17 +124,16 @@ def loss_figure(rows: list[dict[str, Any]]) -> Any:
     """The matplotlib figure of loss.png: the loss per step with a moving average; beside it, where the rows hold
     noise levels, the mean loss by noise level for the first and the second half of the logged steps (which part of
     the noise range the run learnt) with the samples drawn per level."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot's: no global figure manager to import, select a backend for, or close.
+    from matplotlib.figure import Figure
 
     steps = np.array([row["step"] for row in rows])
     losses = np.array([row["loss"] for row in rows])
     window = max(1, len(losses) // 20)
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
     binned = loss_by_noise_level(rows)
-    figure, axes = plt.subplots(1, 2 if binned else 1, figsize=(14 if binned else 8, 4.5), dpi=100, squeeze=False)
+    figure = Figure(figsize=(14 if binned else 8, 4.5), dpi=100)
+    axes = figure.subplots(1, 2 if binned else 1, squeeze=False)
     axis = axes[0][0]
     axis.plot(steps, losses, color="#9bbbd4", linewidth=0.8, label="loss")
     axis.plot(steps[window - 1 :], smooth, color="#1f4e79", linewidth=2, label=f"mean of {window}")
@@ -167,18 +167,36 @@ def loss_figure(rows: list[dict[str, Any]]) -> Any:
     return figure
 
 
+# The PNG text key under which loss.png records a digest of the rows it was drawn from.
+ROWS_DIGEST_KEY = "vidtune-rows"
+
+
 def plot_loss_curve(metrics_path: Path, output: Path) -> Path | None:
-    """loss.png from metrics.jsonl (see `loss_figure`)."""
+    """loss.png from metrics.jsonl (see `loss_figure`); left as it is when it already shows these very rows (the
+    run's last checkpoint drew it, and the finished run would draw the same picture again)."""
     if not metrics_path.is_file():
         return None
     # A held-out score's rows have their own picture (eval_loss.png).
-    rows = [row for _, row in metrics_lines(metrics_path) if "loss" in row]
-    if not rows:
+    lines = [(text, row) for text, row in metrics_lines(metrics_path) if "loss" in row]
+    if not lines:
         return None
-    figure = loss_figure(rows)  # selects the Agg backend before pyplot is imported here
-    import matplotlib.pyplot as plt
-
+    rows = [row for _, row in lines]
+    digest = hashlib.sha256("\n".join(text for text, _ in lines).encode("utf-8")).hexdigest()
+    if drawn_digest(output) == digest:
+        return output
+    figure = loss_figure(rows)
     with atomic_path(output) as temporary:
-        figure.savefig(temporary, format="png")
-    plt.close(figure)
+        figure.savefig(temporary, format="png", metadata={ROWS_DIGEST_KEY: digest})
     return output
+
+
+def drawn_digest(picture: Path) -> str | None:
+    """The rows digest a loss.png was drawn with; None when there is no such picture or it holds none (an older
+    run's, or one cut short)."""
+    from PIL import Image
+
+    try:
+        with Image.open(picture) as image:
+            return getattr(image, "text", {}).get(ROWS_DIGEST_KEY)
+    except (OSError, SyntaxError):  # no file, or not a picture PIL can read: draw it afresh
+        return None

@@ -4,7 +4,7 @@ with buckets, on the fly and from the cache; a bucketed run resumes bit for bit.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -35,18 +35,26 @@ def accepted_buckets(config) -> list[list[int]]:
     return found
 
 
-_RENDERED: dict[Path, list[dict]] = {}
+@pytest.fixture(scope="module")
+def mixed_sources(tmp_path_factory) -> Callable[[bool], list[dict]]:
+    """mixed_sources(stills) -> the mixed dataset's sources, with or without stills: rendered once per module and
+    only read by the runs (their caches are their own), so runs compared bit for bit read the same files."""
+    rendered: dict[bool, list[dict]] = {}
+
+    def get(stills: bool) -> list[dict]:
+        if stills not in rendered:
+            rendered[stills] = render_mixed_dataset(tmp_path_factory.mktemp("mixed") / "data", stills=stills)
+        return rendered[stills]
+
+    return get
 
 
-def mixed_config(make_config, tmp_path: Path, family: str, **sections):
-    """A config on the mixed dataset (rendered once per test: runs compared bit for bit read the same files) with
-    every bucket the family accepts, frames drawn at random per visit."""
+def mixed_config(make_config, mixed_sources, family: str, **sections):
+    """A config on the mixed dataset with every bucket the family accepts, frames drawn at random per visit."""
     probe = make_config(family)
     buckets = accepted_buckets(probe)
     stills = any(bucket[0] == 1 for bucket in buckets)
-    if tmp_path not in _RENDERED:
-        _RENDERED[tmp_path] = render_mixed_dataset(tmp_path / "data", stills=stills)
-    data = {"datasets": _RENDERED[tmp_path], "buckets": buckets, "root": None, "frame_sampling": "random",
+    data = {"datasets": mixed_sources(stills), "buckets": buckets, "root": None, "frame_sampling": "random",
             **sections.pop("data", {})}
     return make_config(family, data=data, **sections)
 
@@ -63,8 +71,8 @@ NOT_MIXED = {
 @pytest.mark.parametrize("family", [
     pytest.param(family, marks=pytest.mark.skip(reason=NOT_MIXED[family])) if family in NOT_MIXED else family
     for family in sorted(TINY_SHAPES)])
-def test_every_family_trains_a_lora_on_mixed_sources_with_buckets(make_config, tmp_path, family):
-    config = mixed_config(make_config, tmp_path, family, training={"steps": 2, "batch_size": 2,
+def test_every_family_trains_a_lora_on_mixed_sources_with_buckets(make_config, mixed_sources, family):
+    config = mixed_config(make_config, mixed_sources, family, training={"steps": 2, "batch_size": 2,
                                                                    "learning_rate": 5e-2},
                           lora={"rank": 4, "alpha": 4})
     trainer = build_trainer(config)
@@ -85,8 +93,8 @@ def test_every_family_trains_a_lora_on_mixed_sources_with_buckets(make_config, t
     assert len(used) > 1 or len(config.data.buckets) == 1
 
 
-def test_mixed_buckets_from_the_cache_train_and_the_cache_holds_each_bucket(make_config, tmp_path):
-    config = mixed_config(make_config, tmp_path, "ltx-video", training={"steps": 3, "batch_size": 2},
+def test_mixed_buckets_from_the_cache_train_and_the_cache_holds_each_bucket(make_config, mixed_sources, tmp_path):
+    config = mixed_config(make_config, mixed_sources, "ltx-video", training={"steps": 3, "batch_size": 2},
                           precompute={"enabled": True, "cache_dir": str(tmp_path / "cache"), "windows_per_clip": 2})
     trainer = build_trainer(config)
     result = trainer.run()
@@ -99,17 +107,17 @@ def test_mixed_buckets_from_the_cache_train_and_the_cache_holds_each_bucket(make
     assert [plan.latent_preprocess[k].start for k in plan.latent_windows[long]] == [0, 120 - 9]
 
 
-def test_a_bucketed_run_with_accumulation_resumes_bit_for_bit(make_config, tmp_path):
+def test_a_bucketed_run_with_accumulation_resumes_bit_for_bit(make_config, mixed_sources, tmp_path):
     settings = {"training": {"steps": 4, "batch_size": 2, "gradient_accumulation": 2},
                 "checkpoint": {"every": 2}}
-    reference = build_trainer(mixed_config(make_config, tmp_path, "ltx-video", **settings,
+    reference = build_trainer(mixed_config(make_config, mixed_sources, "ltx-video", **settings,
                                            output_dir=str(tmp_path / "reference")))
     reference.run()
-    first = build_trainer(mixed_config(make_config, tmp_path, "ltx-video",
+    first = build_trainer(mixed_config(make_config, mixed_sources, "ltx-video",
                                        training={**settings["training"], "steps": 2},
                                        checkpoint={"every": 2}, output_dir=str(tmp_path / "resumed")))
     first.run()
-    resumed = build_trainer(mixed_config(make_config, tmp_path, "ltx-video", training=settings["training"],
+    resumed = build_trainer(mixed_config(make_config, mixed_sources, "ltx-video", training=settings["training"],
                                          checkpoint={"every": 2, "resume": "latest"},
                                          output_dir=str(tmp_path / "resumed")))
     resumed.run()

@@ -16,7 +16,7 @@ from tests.helpers.runs import run_stopped_at
 from vidtune import checkpoint
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.errors import ConfigError
-from vidtune.evaluation import HeldOutSet, Score
+from vidtune.evaluation import HeldOutSet, Score, plot_eval_curve
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
 from vidtune.training.held_out import held_out_losses
@@ -64,6 +64,17 @@ def test_the_same_weights_score_the_same_and_other_weights_score_otherwise(algor
     with torch.no_grad():
         trained[0].add_(0.05)
     assert score_now(trainer).total != first.total
+
+
+def test_the_eval_curve_is_drawn_from_the_second_score_on(tmp_path):
+    metrics, picture = tmp_path / "metrics.jsonl", tmp_path / "eval_loss.png"
+    rows = [{"step": step, "eval_loss": 1.0 / (step + 1), "eval_loss_by_noise": {"0.5": 1.0 / (step + 1)},
+             "eval_checkpoint": step > 0, "eval_best_step": step or None} for step in (0, 2)]
+    metrics.write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n" + json.dumps(rows[0]) + "\n")
+    assert plot_eval_curve(metrics, picture) is None and not picture.exists()  # one score: no curve yet
+    with metrics.open("a") as handle:
+        handle.write(json.dumps(rows[1]) + "\n")
+    assert plot_eval_curve(metrics, picture) == picture and picture.stat().st_size > 10_000
 
 
 def test_the_held_out_clip_is_not_trained_on(make_config, capsys):

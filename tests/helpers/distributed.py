@@ -4,10 +4,12 @@ against one-process comparison."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -99,6 +101,19 @@ def rank_main(rank: int, world: int, runs: list[tuple[str, dict, dict]], out: st
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
+# What every spawned rank imports before it runs: loaded once by the forkserver, which forks each rank from itself.
+RANK_IMPORTS = ["torch", "torch.distributed", "vidtune.trainers", "tests.helpers.distributed"]
+
+
+def spawn_ranks(function: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """`mp.spawn` with the forkserver start method: the ranks are forked from a server process that imported
+    RANK_IMPORTS once (per test process), instead of each fresh interpreter importing torch, diffusers and peft
+    again (seconds per rank). The server never ran torch code, so its forks start with no threads or process group
+    of its own."""
+    multiprocessing.set_forkserver_preload(RANK_IMPORTS)
+    mp.start_processes(function, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, atol: float = 1e-4,
                                   files: tuple[str, ...] = (LORA_FILE,)) -> list[dict]:
     """Train `settings` on two spawned ranks x its batch (`training.batch_size`, 1 unless set) and in this process
@@ -107,7 +122,7 @@ def two_ranks_against_one_process(make_config, tmp_path: Path, settings: dict, a
     runs = [("ddp", make_config(output_dir=str(tmp_path / "ddp"), **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for result in ranks:
         assert "error" not in result["ddp"], result["ddp"]

@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from tests.helpers.distributed import LORA_FILE, rank_main
+from tests.helpers.distributed import LORA_FILE, rank_main, spawn_ranks
 from vidtune.data.audio import AudioBatch, AudioFormat, read_audio
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.data.video import read_frames, write_video
@@ -240,7 +239,7 @@ def test_two_ranks_train_micro_batches_mixing_clips_with_and_without_sound(make_
     runs = [("ddp", make_config("ltx-2", output_dir=str(tmp_path / "ddp"), **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for result in ranks:
         assert "error" not in result["ddp"], result["ddp"]

@@ -7,10 +7,9 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from tests.helpers.distributed import LORA_FILE, rank_main
+from tests.helpers.distributed import LORA_FILE, rank_main, spawn_ranks
 from vidtune.trainers import build_trainer
 
 # The eager two-rank tests' bounds: ranks change the order of float additions (gradient averaging, sharding);
@@ -27,7 +26,7 @@ def test_compiled_blocks_train_under_ddp_and_fsdp_what_one_eager_process_trains(
             for strategy in ("ddp", "fsdp")]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
     single = build_trainer(make_config(training={"steps": STEPS, "batch_size": 2, "learning_rate": 1e-2},

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
-from tests.helpers.distributed import rank_main
+from tests.helpers.distributed import rank_main, spawn_ranks
 from tests.models.test_ltx_2_audio import CLIP_FRAMES, FPS, write_tone
 from vidtune.data.synthetic import render_shapes_dataset
 from vidtune.trainers import build_trainer
@@ -118,7 +117,7 @@ def test_two_context_ranks_train_what_one_process_trains(make_config, tmp_path):
                                         parallel={"context": case[2]}).to_dict(), {}) for case in CASES]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for family, algorithm, split in CASES:
         name = _case_name(family, algorithm, split)
@@ -142,7 +141,7 @@ def test_two_data_by_two_context_ranks_train_what_one_process_trains_with_twice_
                    parallel={"strategy": "fsdp", "context": {"ulysses": 2}})
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(4, [("mesh", mesh.to_dict(), {})], str(out)), nprocs=4, join=True)
+    spawn_ranks(rank_main, (4, [("mesh", mesh.to_dict(), {})], str(out)), nprocs=4)
     ranks = [json.loads((out / f"rank{r}.json").read_text())["mesh"] for r in range(4)]
     assert all("error" not in result for result in ranks), ranks
     # The ranks of a group read the same samples, the two groups different ones.

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
 from tests.helpers.datasets import control_dataset
-from tests.helpers.distributed import deepspeed_rank_main, free_port
+from tests.helpers.distributed import deepspeed_rank_main, free_port, spawn_ranks
 from vidtune import checkpoint
 from vidtune.config import build_config
 from vidtune.data.video import ClipWindow, read_clip
@@ -79,7 +78,7 @@ def test_zero_2_and_3_on_two_ranks_train_what_one_process_trains_with_twice_the_
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(deepspeed_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(deepspeed_rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for result in ranks:
         for name, outcome in result.items():
@@ -220,7 +219,7 @@ def test_control_and_distillation_on_two_ranks_train_what_one_process_trains_wit
         **settings[name]).to_dict(), {}) for name, stage in (("control", 3), ("distillation", 2), ("distillation", 3))]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(deepspeed_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(deepspeed_rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     single = {name: build_trainer(make_config(output_dir=str(tmp_path / name), **{
         **values, "training": {**values["training"], "batch_size": 2}})).run() for name, values in settings.items()}

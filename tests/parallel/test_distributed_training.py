@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
@@ -24,6 +23,7 @@ from tests.helpers.distributed import (
     LORA_FILE,
     LORA_FILE_2,
     rank_main,
+    spawn_ranks,
     two_ranks_against_one_process,
 )
 from tests.helpers.wan22 import record_routing
@@ -62,7 +62,7 @@ def test_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_confi
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
     # One process, batch 2: the same samples, the same noise, the same steps.

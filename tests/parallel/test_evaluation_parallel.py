@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
-from tests.helpers.distributed import rank_main
+from tests.helpers.distributed import rank_main, spawn_ranks
 from vidtune.config import build_config
 from vidtune.trainers import build_trainer
 
@@ -35,7 +34,7 @@ def test_two_ranks_score_what_one_process_scores_with_twice_the_batch(make_confi
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(rank_main, (2, runs, str(out)), nprocs=2)
     for rank in range(2):
         results = json.loads((out / f"rank{rank}.json").read_text())
         assert all("losses" in result for result in results.values()), results
@@ -67,7 +66,7 @@ def test_zero_2_and_3_on_two_ranks_score_what_one_process_scores(make_config, tm
             for stage in (2, 3)]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(deepspeed_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(deepspeed_rank_main, (2, runs, str(out)), nprocs=2)
     for rank in range(2):
         results = json.loads((out / f"rank{rank}.json").read_text())
         assert all("losses" in result for result in results.values()), results

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
 from tests.helpers.datasets import control_dataset
-from tests.helpers.distributed import LORA_FILE, free_port, rank_main
+from tests.helpers.distributed import LORA_FILE, free_port, rank_main, spawn_ranks
 from vidtune import checkpoint
 from vidtune.control import CONTROL_WEIGHTS
 from vidtune.export.command import export_checkpoint
@@ -89,7 +88,7 @@ def test_two_fsdp_ranks_train_what_one_process_trains_and_resume_in_one(make_con
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_recording_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(_recording_rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
     # Rank 1 sharded a denoiser without weights (each block, then the rest) in every run but `every-rank`; rank 0
@@ -238,7 +237,7 @@ def test_fsdp_in_bf16_with_cpu_offload_on_two_gpus(make_config, tmp_path, algori
                                 **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     single = build_trainer(make_config(output_dir=str(tmp_path / "single"), **{
         **settings, "training": {**settings["training"], "batch_size": 2}})).run()
@@ -293,7 +292,7 @@ def test_a_quantized_base_stays_whole_on_every_rank_and_trains_what_one_process_
     ]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_recording_storage, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(_rank_recording_storage, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     storage = [json.loads((out / f"storage{r}.json").read_text()) for r in range(2)]
 
@@ -336,7 +335,7 @@ def test_an_nf4_base_stays_whole_on_each_of_two_gpus(make_config, tmp_path):
                                 **settings).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_recording_storage, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(_rank_recording_storage, (2, runs, str(out)), nprocs=2)
     for rank in range(2):
         (held,) = json.loads((out / f"storage{rank}.json").read_text())
         assert held["base"].startswith("Params4bit:") and not held["base_sharded"]
@@ -379,7 +378,7 @@ def test_control_and_distillation_under_fsdp_train_like_one_process_and_resume_i
                                **settings).to_dict(), {}) for name, settings in algorithms.items()]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_recording_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(_recording_rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
     # Each run shards its denoiser (every block, then the rest), the full student's run its teacher too; rank 1

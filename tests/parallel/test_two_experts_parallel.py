@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from tests.helpers.datasets import control_dataset
@@ -19,6 +18,7 @@ from tests.helpers.distributed import (
     LORA_FILE_2,
     deepspeed_rank_main,
     rank_main,
+    spawn_ranks,
     two_ranks_against_one_process,
 )
 from tests.helpers.wan22 import record_routing
@@ -71,7 +71,7 @@ def test_two_fsdp_ranks_train_two_experts_like_one_process_routed_per_step(make_
         folder, parallel={"strategy": "fsdp"}, validation=validation, checkpoint={"every": 2})).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     losses = _one_process_with_step_routing(make_config, tmp_path, folder, monkeypatch)
     for result in ranks:
@@ -103,7 +103,7 @@ def test_deepspeed_zero_2_trains_two_experts_routed_per_step(make_config, tmp_pa
         folder, parallel={"strategy": "deepspeed", "zero_stage": 2})).to_dict(), {})]
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(deepspeed_rank_main, args=(2, runs, str(out)), nprocs=2, join=True)
+    spawn_ranks(deepspeed_rank_main, (2, runs, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     losses = _one_process_with_step_routing(make_config, tmp_path, folder, monkeypatch)
     for result in ranks:

@@ -31,7 +31,7 @@ ALGORITHMS = {
     "guidance-distillation": (*LORA, {"distillation": {"guidance_scale": 3.0}}),
     "step-distillation": (*LORA, {"distillation": {"student_steps": 2, "teacher_steps": 4}}),
 }
-STEPS, EVERY = 8, 2
+STEPS, EVERY = 8, 4
 
 
 def _config(tmp_path: Path, tiny: Path, data: Path, algorithm: str) -> Path:

@@ -65,7 +65,7 @@ class Studio:
             value = check()
             if value:
                 return value
-            time.sleep(0.5)
+            time.sleep(0.1)  # a local server: each poll is a few milliseconds
         raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
     def job(self, number: int) -> dict:

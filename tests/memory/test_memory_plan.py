@@ -365,35 +365,46 @@ def test_the_suggestion_search_traces_the_denoiser_once(plan_config, fresh_trace
     assert fresh_traces["passes"] == 2  # the tiny model's two blocks are traced whole
 
 
-@pytest.mark.parametrize("hub_id", ["Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-                                    pytest.param("hunyuanvideo-community/HunyuanVideo", marks=pytest.mark.slow)])
-def test_a_step_traced_with_a_few_blocks_counts_as_the_whole_model(hub_id, fresh_traces, monkeypatch):
-    """Each list of blocks traced with 2, 3 and 4 of them and carried on to all gives the whole model's counts
-    (HunyuanVideo: two lists of blocks), with and without gradient checkpointing."""
+@pytest.mark.parametrize(("hub_id", "size", "more", "every_operator"), [
+    ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", 64, (0, 0), True),
+    # Without checkpointing its offload peak grows evenly from the third block on (at this size).
+    ("Lightricks/LTX-2", 128, (1, 0), False),
+    pytest.param("hunyuanvideo-community/HunyuanVideo", 64, (0, 0), True, marks=pytest.mark.slow),
+])
+def test_a_step_traced_with_a_few_blocks_counts_as_the_whole_model(hub_id, size, more, every_operator, fresh_traces,
+                                                                   monkeypatch):
+    """Each list of blocks traced with 2, 3 and 4 of them (and `more` when the counts do not grow evenly yet) and
+    carried on to all gives the whole model's counts (HunyuanVideo: two lists of blocks), with and without gradient
+    checkpointing; with `every_operator` the whole model is traced running every operator (no `RepeatedOps`)."""
     import vidtune.memory.plan as planner
+    from vidtune.memory import repeated
 
     family = families(hub_id)[0]
     config = build_config({"model": {"name": family, "pretrained": hub_id},
-                           "data": {"root": ".", "frames": 9, "height": 64, "width": 64},
+                           "data": {"root": ".", "frames": 9, "height": size, "width": size},
                            "precompute": {"enabled": True}})
     config, _ = planner.resolve_architecture(config)
     device = torch.device("cuda")
     model = planner._traced_model(config, device, planner._encoders(config, device))
     lists = [len(blocks) for blocks in planner._block_lists(model.denoiser) if len(blocks) > 4]
     assert len(lists) == (2 if "Hunyuan" in hub_id else 1)
-    for checkpointing in (False, True):
+    for checkpointing, extra in zip((False, True), more, strict=True):
         fresh_traces["passes"] = 0
         partial = planner.trace_step(model, config, device, checkpointing)
-        assert fresh_traces["passes"] == 1 + 2 * len(lists)
+        assert fresh_traces["passes"] == 1 + 2 * len(lists) + extra
         monkeypatch.setattr(planner, "TRACED_BLOCKS", 1000)  # no list is long enough: the whole model
+        monkeypatch.setattr(repeated, "ENABLED", not every_operator)
         whole = planner.trace_step(model, config, device, checkpointing)
         monkeypatch.setattr(planner, "TRACED_BLOCKS", 2)
+        monkeypatch.setattr(repeated, "ENABLED", True)
         for field in ("live_peak", "host_activations", "traced_grad_bytes"):
             assert getattr(partial, field) == getattr(whole, field), (checkpointing, field)
         # Under activation offload the device's peak may be one block's working memory: carried on as if each
         # block's gradients added to it, never below the whole model's, above it by less than the gradients.
         assert whole.offload_peak <= partial.offload_peak <= whole.offload_peak + whole.traced_grad_bytes
         assert partial.live_peak > 0 and partial.host_activations > 0
+    if not every_operator:
+        return  # (the fallback below is the same code for every model)
     # A model that cannot run with fewer blocks (it reads one by index) is traced whole.
     original = planner._first_blocks
 

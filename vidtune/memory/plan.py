@@ -38,6 +38,7 @@ from vidtune.memory import single_file as single_files
 from vidtune.memory.architectures import architecture_folder
 from vidtune.memory.context import split_activations
 from vidtune.memory.meta import META, autocast_on_meta, components_on_meta
+from vidtune.memory.repeated import RepeatedOps
 from vidtune.memory.tracking import LiveMemory, fused_attention, pinned_size
 from vidtune.memory.values import KnownValues, UnknownValue
 from vidtune.models.registry import get_spec_class
@@ -379,6 +380,8 @@ class TracedStep:
 # Lists of blocks are traced with this many blocks and one and two more (see `trace_step`): the first block is
 # unlike the others (its input carries no gradient), so the counts grow evenly from the second on.
 TRACED_BLOCKS = 2
+# Blocks traced beyond 4 at most, one at a time, while the counts do not grow evenly yet (see `_partial_counts`).
+MORE_BLOCKS = 3
 
 
 def build_traced_model(config: Config, conditions: dict, latent_shape: tuple[int, ...],
@@ -404,8 +407,9 @@ def trace_step(model: TracedModel, config: Config, device: torch.device, checkpo
 
     Transformer blocks repeat: each block after the first keeps what the one before it kept, so the counts grow
     by the same amount with each block. Each long list of blocks is traced with 2, 3 and 4 of its blocks (the
-    others left out), and the growth is carried on to all N; when the three do not lie on a line (or the model
-    cannot run with fewer blocks), the whole model is traced instead. Where the peak of a few blocks is one
+    others left out; a few more when the first counts do not grow evenly yet), and the growth is carried on to all
+    N; when no three in a row lie on a line (or the model cannot run with fewer blocks), the whole model is traced
+    instead. Where the peak of a few blocks is one
     block's working memory rather than what piles up, the device's peaks are carried on by the blocks' gradients
     (an upper bound, by at most the gradients' bytes: tests/memory/test_memory_plan.py)."""
     denoiser = model.denoiser
@@ -428,28 +432,36 @@ def trace_step(model: TracedModel, config: Config, device: torch.device, checkpo
 
 def _partial_counts(model: TracedModel, config: Config, device: torch.device,
                     lists: list[nn.ModuleList]) -> _Counts | None:
-    """The counts of the whole model from steps with 2 to 4 blocks of each list (None: they are not linear in the
-    number of blocks, or the model does not run with fewer blocks)."""
+    """The counts of the whole model from steps with a few blocks of each list (None: they are not linear in the
+    number of blocks, or the model does not run with fewer blocks).
+
+    Each list is traced with 2, 3 and 4 of its blocks, the others at 2. Where the first blocks' counts do not grow
+    evenly yet (the peak with 2 blocks is one block's working memory, with more the blocks' gradients piling up), one
+    more block at a time is traced, up to `MORE_BLOCKS` more, until three in a row grow by the same amount."""
     base = [TRACED_BLOCKS] * len(lists)
     try:
         with _first_blocks(lists, base):
             first = _count_step(model, config, device)
         total = first
         for index, blocks in enumerate(lists):
-            steps = []
-            for more in (1, 2):
-                with _first_blocks(lists, [count + more if i == index else count for i, count in enumerate(base)]):
+            steps = [first]
+            for count in range(TRACED_BLOCKS + 1, min(len(blocks), TRACED_BLOCKS + 2 + MORE_BLOCKS) + 1):
+                with _first_blocks(lists, [count if i == index else c for i, c in enumerate(base)]):
                     steps.append(_count_step(model, config, device))
-            per_block = steps[0] - first
-            if steps[1] - steps[0] != per_block:
+                if len(steps) >= 3 and steps[-1] - steps[-2] == steps[-2] - steps[-3]:
+                    break
+            else:
                 return None
+            per_block = steps[-1] - steps[-2]
             # A peak of a few blocks may be one block's working memory (the same for any number of blocks) where
             # many blocks' gradients, which pile up in the backward pass, would exceed it: the device's peaks grow
             # at least by a block's gradients (at most the gradients' bytes over the true peak).
             grown = max(per_block.grad_bytes, 0)
             per_block = _Counts(max(per_block.live_peak, grown), max(per_block.offload_peak, grown),
                                 per_block.host_activations, per_block.grad_bytes)
-            total = total.plus(per_block, len(blocks) - TRACED_BLOCKS)
+            # This list's share: what it added up to the first of the three even steps, the growth from there on.
+            start = TRACED_BLOCKS + len(steps) - 3
+            total = total.plus(steps[-3] - first, 1).plus(per_block, len(blocks) - start)
     except (IndexError, KeyError, ValueError):  # the model reads blocks beyond those left (e.g. by index)
         for parameter in model.parameters:  # the whole model is traced next, from no gradients
             parameter.grad = None
@@ -464,7 +476,7 @@ def _count_step(model: TracedModel, config: Config, device: torch.device) -> _Co
     denoiser.train()
     batch = config.training.batch_size
     values = KnownValues()
-    with fused_attention(device.type), autocast_on_meta(), live, _saved_tensors_counted(live), values:
+    with RepeatedOps(), fused_attention(device.type), autocast_on_meta(), live, _saved_tensors_counted(live), values:
         noisy = torch.zeros((batch, *model.latent_shape[1:]), dtype=denoiser.dtype, device=META)
         timesteps = torch.full((batch,), 500.0, device=META)
         batch_conditions = {key: _batched(value, batch) for key, value in model.conditions.items()}
@@ -674,7 +686,7 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
                                         skip_modules_pattern=skip_patterns(encoder))
         live = LiveMemory()
         live.known([t for encoder in encoders for t in (*encoder.parameters(), *encoder.buffers())])
-        with fused_attention(device.type), live, KnownValues():
+        with RepeatedOps(), fused_attention(device.type), live, KnownValues():
             conditions = spec.prepare_conditions(text, ["a"] * config.precompute.batch_size)
         text_weights = _module_bytes(encoders, option)
         text_bytes = text_weights + live.peak
@@ -690,7 +702,7 @@ def trace_encoders(config: Config, device: torch.device) -> EncoderTrace:
     # The clips are real (zeros) host tensors, as decoded clips are: image-to-video families read the first frame's
     # pixels (an image processor, a seed from its content). Only the device's copy of them is counted.
     videos = torch.zeros(batch, frames, 3, height, width)
-    with fused_attention(device.type), live, KnownValues():
+    with RepeatedOps(), fused_attention(device.type), live, KnownValues():
         latents = spec.prepare_latents(vae, videos)
         latents = {key: value[:1] for key, value in latents.items()}
     vae_weights = _module_bytes(vae_modules)

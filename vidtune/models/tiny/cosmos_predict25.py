@@ -84,6 +84,7 @@ def _no_checker(*args: Any, **kwargs: Any) -> None:
 TINY = {
     "cosmos-predict-2.5": TinyFamily(write_tiny_cosmos_predict25, SHAPE,
                                      OverfitSettings(steps=1500, learning_rate=3e-3)),
+    # Sampled 0.088 away (untrained: 0.92).
     "cosmos-predict-2.5-v2w": TinyFamily(write_tiny_cosmos_predict25, SHAPE,
-                                         OverfitSettings(steps=1000, learning_rate=3e-3)),
+                                         OverfitSettings(steps=500, learning_rate=3e-3, batch_size=8)),
 }

@@ -31,9 +31,9 @@ class OverfitSettings:
     `audio_bound`: for a family that trains sound with the picture, the bound on the sampled audio latents' relative
     error (None: the sound stream is tested elsewhere).
 
-    On the tiny models a step costs mostly its fixed overhead (a step of eight visits takes about 1.3 times the CPU
-    time of a step of four), so eight visits a step with half the steps (and, at 3e-3, twice the peak rate) reach
-    the bound with margin in about two thirds of the time where a family declares `batch_size=8`."""
+    On the tiny models much of a step's cost is its fixed overhead, so where a family declares `batch_size=8` eight
+    visits a step with half the steps (and, from 3e-3, twice the peak rate) reach the bound with margin in less
+    time than four visits a step did."""
 
     steps: int
     learning_rate: float

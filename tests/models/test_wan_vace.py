@@ -392,9 +392,9 @@ def test_each_control_clip_brings_back_its_target(make_config, shapes_dataset, t
     each control video, each target comes back, nearer its own target than the other's and well below the untrained
     model's error; the step-0 adapter samples exactly what the base model does."""
     root, targets, controls = control_dataset(shapes_dataset, tmp_path / "data")
-    steps = 1500
+    steps = 750
     config = make_config(FAMILY, data_root=root,
-                         training={"algorithm": "full", "steps": steps, "learning_rate": 3e-3, "batch_size": 4,
+                         training={"algorithm": "full", "steps": steps, "learning_rate": 6e-3, "batch_size": 8,
                                    "max_grad_norm": None, "sigma_sampling": "uniform", "sigma_shift": 1.0},
                          optimizer={"weight_decay": 0.0, "lr_scheduler": "cosine", "warmup_steps": steps // 10},
                          logging={"progress": False, "log_every": 100})

@@ -82,8 +82,10 @@ def _no_checker(*args: Any, **kwargs: Any) -> None:
 
 
 TINY = {
+    # Sampled 0.097 away (750 steps of eight at 3e-3: 0.173).
     "cosmos-predict-2.5": TinyFamily(write_tiny_cosmos_predict25, SHAPE,
-                                     OverfitSettings(steps=1500, learning_rate=3e-3)),
+                                     OverfitSettings(steps=750, learning_rate=6e-3, batch_size=8)),
+    # Sampled 0.088 away (untrained: 0.92).
     "cosmos-predict-2.5-v2w": TinyFamily(write_tiny_cosmos_predict25, SHAPE,
-                                         OverfitSettings(steps=1000, learning_rate=3e-3)),
+                                         OverfitSettings(steps=500, learning_rate=3e-3, batch_size=8)),
 }

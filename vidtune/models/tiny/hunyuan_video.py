@@ -204,4 +204,6 @@ def write_tiny_hunyuan_video(
     return save_tiny(pipeline, folder, "hunyuan-video", seed)
 
 
-TINY = {"hunyuan-video": TinyFamily(write_tiny_hunyuan_video, SHAPE, OverfitSettings(steps=800, learning_rate=5e-3))}
+# Sampled 0.075 away (800 steps of four visits: 0.054).
+TINY = {"hunyuan-video": TinyFamily(write_tiny_hunyuan_video, SHAPE,
+                                    OverfitSettings(steps=400, learning_rate=5e-3, batch_size=8))}

@@ -62,5 +62,6 @@ def write_tiny_wan_vace(
 
 
 TINY = {
-    "wan-vace": TinyFamily(write_tiny_wan_vace, SHAPE, OverfitSettings(steps=1500, learning_rate=3e-3)),
+    # Sampled 0.067 away (750 steps of eight at 3e-3: 0.111).
+    "wan-vace": TinyFamily(write_tiny_wan_vace, SHAPE, OverfitSettings(steps=750, learning_rate=6e-3, batch_size=8)),
 }

@@ -107,16 +107,14 @@ def train(context: TrainingContext, name: str | None = None) -> TrainResult:
             # the best one is kept by the pruning.
             if stopped_by is None and held_out.enabled and held_out.last_step() != state.step:
                 held_out.evaluate(context, checkpoint=True)
-            # The final checkpoint draws loss.png as of the last step: the final files need not draw it again.
-            loss_curve_drawn = state.saved_step != state.step
-            if loss_curve_drawn:
+            if state.saved_step != state.step:
                 save_checkpoint(context)
             stopped_by = agreed_stop(stop)
             if stopped_by is not None:
                 raise TrainingInterrupted(interrupted_message(context, stopped_by), SIGNAL_EXIT_CODES[stopped_by])
         # FSDP, ZeRO-3: every rank gathers the whole weights for rank 0 to save and sample.
         with context.strategy.gathered(context.denoiser, everything=True):
-            weights, samples = parallel.on_main(lambda: write_results(context, name, loss_curve=not loss_curve_drawn))
+            weights, samples = parallel.on_main(lambda: write_results(context, name))
     every = sample_files(context.output_dir / outputs.SAMPLES) if parallel.is_main() else []
     result = TrainResult(context.output_dir, state.step, log.losses, weights, samples, every,
                          first_step=context.first_step)

@@ -87,14 +87,11 @@ def validate_in_place(context: TrainingContext, stop: StopSignals | None = None)
         return validate(context, part, stop)
 
 
-def write_results(context: TrainingContext, name: str | None = None,
-                  loss_curve: bool = True) -> tuple[Path, list[Path]]:
-    """What a finished run leaves: the weights, the loss curve (`loss_curve`: unless the last checkpoint drew it
-    already), the validation samples (rank 0 only); `name`: what files named after the run are called (default: the
-    output folder's name)."""
+def write_results(context: TrainingContext, name: str | None = None) -> tuple[Path, list[Path]]:
+    """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only); `name`: what
+    files named after the run are called (default: the output folder's name)."""
     weights = context.part.save_final(context.output_dir, context.average.average, name)
-    if loss_curve:
-        plot_loss_curve(context.output_dir / outputs.METRICS, context.output_dir / outputs.LOSS_PLOT)
+    plot_loss_curve(context.output_dir / outputs.METRICS, context.output_dir / outputs.LOSS_PLOT)
     if not context.config.validation.enabled:
         return weights, []
     with StopSignals("stopping the validation samples (the trained weights are saved). Send {key} again to "

@@ -92,12 +92,20 @@ def test_shape_rules_name_nearest_valid_values(make_config, family, bad):
                                height + 1 if bad == "height" else height, width)
 
 
-def _base_pipeline(trainer, family: str) -> tuple[Any, Callable[[], torch.Tensor]]:
-    """The family's diffusers pipeline on the base weights, and a function sampling two steps of it (the first
-    training clip's first frame as its image, for image-to-video) with a fixed seed."""
+@pytest.fixture(scope="module")
+def base_samples() -> dict[str, torch.Tensor]:
+    """Each family's sample on its base weights, made once per module: every adapter kind is compared with it."""
+    return {}
+
+
+def _base_pipeline(trainer, family: str,
+                   base_samples: dict[str, torch.Tensor]) -> tuple[Any, Callable[[], torch.Tensor], torch.Tensor]:
+    """The family's diffusers pipeline on the base weights (the run's own text encoders and VAE, which training
+    leaves as they are, and a fresh denoiser), a function sampling two steps of it (the first training clip's first
+    frame as its image, for image-to-video) with a fixed seed, and that sample on the base weights."""
     spec = trainer.spec
-    text, vae = spec.load_text_components(CPU), spec.load_vae(CPU)
-    pipeline = spec.pipeline(text, vae, spec.load_denoiser(CPU))
+    encoders = trainer.context.encoders
+    pipeline = spec.pipeline(encoders.text, encoders.vae, spec.load_denoiser(CPU))
     pipeline.set_progress_bar_config(disable=True)
     frames, height, width = TINY_SHAPES[family]
     reference = read_clip(trainer.context.clips[0].video, ClipWindow(1, height, width)) if spec.image_to_video else None
@@ -106,11 +114,13 @@ def _base_pipeline(trainer, family: str) -> tuple[Any, Callable[[], torch.Tensor
         return spec.sample(pipeline, "a red circle", frames=frames, height=height, width=width, num_inference_steps=2,
                            generator=torch.Generator().manual_seed(0), reference=reference).frames
 
-    return pipeline, sample
+    if family not in base_samples:
+        base_samples[family] = sample()
+    return pipeline, sample, base_samples[family]
 
 
-def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_config, family):
-    config = make_config(family, training={"steps": 2, "learning_rate": 5e-2}, lora={"rank": 4, "alpha": 4})
+def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_config, family, base_samples):
+    config = make_config(family, training={"steps": 1, "learning_rate": 5e-2}, lora={"rank": 4, "alpha": 4})
     trainer = build_trainer(config)
     result = trainer.run()
     fresh = trainer.spec.load_denoiser(CPU).state_dict()
@@ -128,8 +138,7 @@ def test_lora_step_changes_only_adapter_and_adapter_loads_in_pipeline(make_confi
     assert saved and all(k.startswith("transformer.") and "lora_" in k for k in saved)
 
     # The adapter loads into the family's own diffusers pipeline and changes what it produces.
-    pipeline, sample = _base_pipeline(trainer, family)
-    plain = sample()
+    pipeline, sample, plain = _base_pipeline(trainer, family, base_samples)
     pipeline.load_lora_weights(config.output_dir)
     adapted = sample()
     assert plain.shape == adapted.shape
@@ -149,7 +158,7 @@ def test_full_fine_tune_saves_a_transformer_the_family_class_loads(make_config, 
 
 
 @pytest.mark.parametrize("kind", ["lokr", "loha"])
-def test_lokr_and_loha_train_and_load_in_the_pipeline(make_config, family, kind):
+def test_lokr_and_loha_train_and_load_in_the_pipeline(make_config, family, kind, base_samples):
     """Each LyCORIS kind trains on every family (only its own tensors change), and its file loads into the family's
     pipeline (through peft: diffusers' video pipelines load LoRA files only) and changes what it produces."""
     config = make_config(family, training={"steps": 1, "learning_rate": 5e-2}, lora={"rank": 2, "alpha": 2},
@@ -163,8 +172,7 @@ def test_lokr_and_loha_train_and_load_in_the_pipeline(make_config, family, kind)
     saved = load_file(result.weights_path)
     assert saved and all(k.startswith("transformer.") and prefix in k for k in saved)
 
-    pipeline, sample = _base_pipeline(trainer, family)
-    plain = sample()
+    pipeline, sample, plain = _base_pipeline(trainer, family, base_samples)
     trainer.spec.load_lora(pipeline, result.weights_path.parent, result.weights_path.name)
     loaded = {k: v for k, v in pipeline.transformer.state_dict().items() if prefix in k}
     assert loaded.keys() == adapter.keys() and all(torch.equal(loaded[k], adapter[k]) for k in adapter)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -9,11 +12,14 @@ from torch import nn
 
 from vidtune.algorithms.build import build_part, build_spec
 from vidtune.algorithms.lora import LoRAPart, linear_module_names
+from vidtune.batches import Batch
+from vidtune.config import Config
 from vidtune.errors import ConfigError
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.spec import ALL_LINEAR, ModelSpec
 from vidtune.trainers import build_trainer
-from vidtune.training import loop
+from vidtune.training import loop, setup
+from vidtune.training.context import TrainingContext
 
 CPU = torch.device("cpu")
 
@@ -23,20 +29,40 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
-def run_noting_parameters_without_gradient(trainer, monkeypatch) -> list[str]:
-    """Run `trainer`; the names of the trained parameters without a gradient when its steps clip them."""
-    unused: list[str] = []
-    clip = loop.clip_gradients
+def parameters_without_gradient(context: TrainingContext, batch: Batch) -> list[str]:
+    """The names of the trained parameters the backward pass of `batch`'s loss leaves without a gradient, taken as
+    the run's loop takes it."""
+    loop.forward_backward(context, batch, sync=True, notes=[])
+    names = {id(p): name for name, p in context.denoiser.named_parameters()}
+    return [names[id(p)] for p in context.parameters if p.grad is None]
 
-    def record(context):
-        names = {id(p): name for name, p in context.denoiser.named_parameters()}
-        unused.extend(names[id(p)] for p in context.parameters if p.grad is None)
-        return clip(context)
 
-    monkeypatch.setattr(loop, "clip_gradients", record)
-    trainer.run()
-    monkeypatch.undo()
-    return unused
+def first_batch(context: TrainingContext) -> Batch:
+    with contextlib.closing(context.batches()) as stream:
+        return next(stream)
+
+
+def first_step_parameters_without_gradient(trainer) -> list[str]:
+    """Set `trainer`'s run up and take the backward pass of its first micro-batch (nothing is saved: the question is
+    only which parameters the loss reaches); the names of the trained parameters left without a gradient."""
+    context = trainer.set_up()
+    return parameters_without_gradient(context, first_batch(context))
+
+
+def trained_names(context: TrainingContext) -> list[str]:
+    names = {id(p): name for name, p in context.denoiser.named_parameters()}
+    return sorted(names[id(p)] for p in context.parameters)
+
+
+def with_lora_targets(context: TrainingContext, config: Config) -> TrainingContext:
+    """`context` with the denoiser `config`'s LoRA targets adapt, set up by the run's own `load_denoiser` (the same
+    samples, encoders and strategy)."""
+    part = build_part(config, context.spec)
+    denoiser, parameters = setup.load_denoiser(config, context.spec, part, context.inputs, context.device,
+                                               context.strategy)
+    denoiser.train()
+    return dataclasses.replace(context, config=config, part=part, denoiser=denoiser, trained_denoiser=denoiser,
+                               parameters=parameters)
 
 
 @pytest.mark.parametrize("family", available_models())
@@ -103,7 +129,7 @@ def test_linear_module_names_are_the_linear_layers():
 
 
 @pytest.mark.parametrize("family", available_models())
-def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family, tmp_path, monkeypatch):
+def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family, tmp_path):
     """Training on several GPUs (DDP) needs every trainable parameter in the graph: no preset may adapt a layer
     whose output the loss never sees."""
     # LTX-2's clips here have no sound: by default they train with the audio stream cut off, which leaves the
@@ -111,21 +137,27 @@ def test_every_adapter_a_preset_adds_takes_part_in_the_loss(make_config, family,
     # stream present (`silence`), every adapter of every preset must take part.
     sound = {"clips_without_sound": "silence"} if get_spec_class(family).audio_format is not ModelSpec.audio_format \
         else {}
-    for preset in ("attention", "attention+ffn", ALL_LINEAR):
-        trainer = build_trainer(make_config(family, model=sound, training={"steps": 1},
-                                            lora={"target_modules": preset, "rank": 2},
-                                            output_dir=str(tmp_path / preset)))
-        unused = run_noting_parameters_without_gradient(trainer, monkeypatch)
+    configs = {preset: make_config(family, model=sound, training={"steps": 1},
+                                   lora={"target_modules": preset, "rank": 2}, output_dir=str(tmp_path / preset))
+               for preset in ("attention", "attention+ffn", ALL_LINEAR)}
+    # One run set up (its samples encoded once); each preset's denoiser set up as a run of that preset sets it up,
+    # which for the run's own preset trains what the run trains.
+    context = build_trainer(configs["attention"]).set_up()
+    batch = first_batch(context)
+    for preset, config in configs.items():
+        adapted = with_lora_targets(context, config)
+        if preset == "attention":
+            assert trained_names(adapted) == trained_names(context)
+        unused = parameters_without_gradient(adapted, batch)
         assert not unused, f"{family} {preset}: {unused[:5]}"
 
 
-def test_ltx_2_clips_without_sound_tell_ddp_of_the_cross_attention_they_leave_out(make_config, tmp_path,
-                                                                                  monkeypatch):
+def test_ltx_2_clips_without_sound_tell_ddp_of_the_cross_attention_they_leave_out(make_config, tmp_path):
     """A micro-batch of clips without sound trains with the audio stream cut off: its audio-video cross-attention
     adapters get no gradient, so the denoiser declares it and DDP looks for unused parameters."""
     trainer = build_trainer(make_config("ltx-2", training={"steps": 1}, lora={"target_modules": "attention",
                                                                               "rank": 2}))
-    unused = run_noting_parameters_without_gradient(trainer, monkeypatch)
+    unused = first_step_parameters_without_gradient(trainer)
     assert unused and all("audio_to_video_attn" in name or "video_to_audio_attn" in name for name in unused), unused
     assert trainer.context.denoiser.leaves_parameters_unused
     silence = build_trainer(make_config("ltx-2", model={"clips_without_sound": "silence"},

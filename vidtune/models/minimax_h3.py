@@ -597,12 +597,13 @@ class MiniMaxH3Spec(ModelSpec):
         encoded with the mode's keyframes. A dropped caption (caption dropout) keeps the keyframes' labels and vision
         blocks: with the `empty` technique without the caption's rows (the pipeline's presentation of an empty prompt:
         the causal encoder's rows before the caption do not read it), with `zero` the caption's rows zeroed."""
-        plain_rows = int(conditions["prompt_attention_mask"][index].sum())
+        # Read on the host: `vidtune plan` traces on the meta device and knows the mask only as a host copy.
+        plain_rows = int(conditions["prompt_attention_mask"][index].cpu().sum())
         plain = conditions["prompt_embeds"][index, :plain_rows]
         embeds_key, mask_key, tags_key = presentation_keys(mode or "")
         if mode is None or embeds_key not in conditions:
             return plain, torch.full((plain_rows,), MINIMAX_H3_TEXT_TAG, dtype=torch.long)
-        rows = int(conditions[mask_key][index].sum())
+        rows = int(conditions[mask_key][index].cpu().sum())
         text = conditions[embeds_key][index, :rows]
         tags = conditions[tags_key][index, :rows].cpu().long()
         vision = (tags != MINIMAX_H3_TEXT_TAG).nonzero()

@@ -7,6 +7,7 @@ import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,28 @@ def run_stopped_at(trainer, number: int) -> None:
     trainer.loss = interrupting
     with pytest.raises(TrainingInterrupted):
         trainer.run()
+
+
+def assert_resume_is_bitwise(config: Callable[..., Any], root: Path, stop_at: int,
+                             weights: str = "pytorch_lora_weights.safetensors") -> None:
+    """`config(output_dir, **checkpoint_settings)` run whole, and run stopped at micro-batch `stop_at` then resumed
+    from its checkpoint: the same `weights` file, bit for bit."""
+    import torch
+    from safetensors.torch import load_file
+
+    from vidtune import checkpoint
+    from vidtune.trainers import build_trainer
+
+    build_trainer(config(root / "reference")).run()
+    reference = load_file(root / "reference" / weights)
+    stopped = root / "stopped"
+    run_stopped_at(build_trainer(config(stopped)), stop_at)
+    assert checkpoint.list_checkpoints(stopped / "checkpoints")
+    build_trainer(config(stopped, resume="latest")).run()
+    resumed = load_file(stopped / weights)
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(resumed[key], reference[key]), key
 
 
 def overfit_config(family: str, pretrained: Path, data_root: Path, output_dir: Path, frames: int | None = None,

@@ -183,10 +183,8 @@ def test_a_sample_has_frames_and_a_stereo_sound_track(parts):
 def test_a_run_with_sound_resumes_bitwise(folder, shapes_dataset, tmp_path):
     """A LoRA run on a clip with sound, stopped after its third step and resumed, ends with the adapter of the run
     that was never stopped: the sound's noise levels and noise come back with the clip's generator."""
-    from safetensors.torch import load_file
 
-    from tests.helpers.runs import run_stopped_at
-    from vidtune import checkpoint
+    from tests.helpers.runs import assert_resume_is_bitwise
 
     clip = pair_samples(shapes_dataset)[0]
     data_root = one_clip_dataset(clip.video, clip.caption, tmp_path / "data")
@@ -197,16 +195,7 @@ def test_a_run_with_sound_resumes_bitwise(folder, shapes_dataset, tmp_path):
             "algorithm": "lora", "steps": 5, "batch_size": 2, "learning_rate": 1e-3},
             checkpoint={"every": 10, "keep": 2, **checkpointing}, optimizer={"warmup_steps": 1})
 
-    build_trainer(config(tmp_path / "reference")).run()
-    reference = load_file(tmp_path / "reference" / "pytorch_lora_weights.safetensors")
-    stopped = tmp_path / "stopped"
-    run_stopped_at(build_trainer(config(stopped)), 3)
-    assert checkpoint.list_checkpoints(stopped / "checkpoints")
-    build_trainer(config(stopped, resume="latest")).run()
-    resumed = load_file(stopped / "pytorch_lora_weights.safetensors")
-    assert resumed.keys() == reference.keys()
-    for key in reference:
-        assert torch.equal(resumed[key], reference[key]), key
+    assert_resume_is_bitwise(config, tmp_path, 3)
 
 
 def test_float8_base_weights_are_never_suggested_and_refused_with_the_reason(folder, tmp_path):

@@ -249,10 +249,8 @@ def test_base_preservation_is_refused_with_the_keyframe_workflow(keyframe_config
 def test_a_run_in_the_keyframe_workflow_resumes_bitwise(keyframe_config, tmp_path):
     """Samples in each keyframe mode and text only: a run stopped after its second step and resumed ends with the
     adapter of the run never stopped (the modes and anchor noise come back with the stream positions)."""
-    from safetensors.torch import load_file
 
-    from tests.helpers.runs import run_stopped_at
-    from vidtune import checkpoint
+    from tests.helpers.runs import assert_resume_is_bitwise
 
     def config(out, **checkpointing):
         return keyframe_config(model={"first_frame_conditioning": 0.3, "conditioning": {"last_frame": 0.2,
@@ -265,16 +263,7 @@ def test_a_run_in_the_keyframe_workflow_resumes_bitwise(keyframe_config, tmp_pat
     spec = _spec(keyframe_config.data, 0.3, last_frame=0.2, first_last=0.2)
     codes = spec.visit_conditions(torch.zeros(8, 4, 2, 2, 4), torch.arange(8), seed)[conditioning.MODE]
     assert len(set(codes.tolist())) >= 3  # the kinds mix within the run
-    build_trainer(config(tmp_path / "reference")).run()
-    reference = load_file(tmp_path / "reference" / "pytorch_lora_weights.safetensors")
-    stopped = tmp_path / "stopped"
-    run_stopped_at(build_trainer(config(stopped)), 2)
-    assert checkpoint.list_checkpoints(stopped / "checkpoints")
-    build_trainer(config(stopped, resume="latest")).run()
-    resumed = load_file(stopped / "pytorch_lora_weights.safetensors")
-    assert resumed.keys() == reference.keys()
-    for key in reference:
-        assert torch.equal(resumed[key], reference[key]), key
+    assert_resume_is_bitwise(config, tmp_path, 2)
 
 
 def test_step_0_is_the_base_model_and_validation_and_sample_take_the_keyframes(keyframe_config, tmp_path,

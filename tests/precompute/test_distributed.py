@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from tests.helpers.distributed import spawn_ranks
 from vidtune.config import build_config
 from vidtune.precompute import precompute
 
@@ -51,7 +51,7 @@ def test_two_ranks_share_the_work(config_for, tmp_path):
     config = config_for().to_dict()
     out = tmp_path / "results"
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, (_free_port(), _free_port()), config, str(out)), nprocs=2, join=True)
+    spawn_ranks(_rank_main, (2, (_free_port(), _free_port()), config, str(out)), nprocs=2)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for result in ranks:
         # Counts are of the whole dataset, the same on every rank.

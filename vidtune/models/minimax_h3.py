@@ -120,6 +120,7 @@ ANCHOR_SEED_OFFSET = 13
 KEYFRAME_LATENTS = "keyframe_latents"
 KEYFRAME_LAST_LATENTS = "keyframe_last_latents"
 KEYFRAME_NOISE = "keyframe_noise"
+ANCHOR_LATENTS = {"first": KEYFRAME_LATENTS, "last": KEYFRAME_LAST_LATENTS}  # each end's anchor key
 # The keyframe workflow's modes: which ends of the video each anchors, in the pipeline's packed order (`image` then
 # `last_image`, MiniMaxH3ResizeStep).
 KEYFRAME_MODES: dict[str, tuple[str, ...]] = {"first_frame": ("first",), "last_frame": ("last",),
@@ -392,6 +393,9 @@ class MiniMaxH3Spec(ModelSpec):
         height, width = windows.shape[-2:]
         tokenizer = text["tokenizer"]
         pictures = {"first": frames_to_pil(windows[:, 0]), "last": frames_to_pil(windows[:, -1])}
+        # The caption's own rows: the presentation's rows before them do not depend on it.
+        caption_rows = [len(tokenizer(caption, add_special_tokens=False)["input_ids"]) if caption else 0
+                        for caption in captions]
         found: Conditions = {}
         for mode in self.keyframe_modes:
             ends = KEYFRAME_MODES[mode]
@@ -401,8 +405,7 @@ class MiniMaxH3Spec(ModelSpec):
                     text, caption, pictures["first"][index] if "first" in ends else None, height, width,
                     last=pictures["last"][index] if "last" in ends else None)
                 rows = inputs["prompt_embeds"].shape[1]
-                caption_rows = len(tokenizer(caption, add_special_tokens=False)["input_ids"]) if caption else 0
-                length = rows - caption_rows + self.max_sequence_length
+                length = rows - caption_rows[index] + self.max_sequence_length
                 kept = min(rows, length)
                 embeds.append(torch.nn.functional.pad(inputs["prompt_embeds"][0, :kept], (0, 0, 0, length - kept)))
                 masks.append(torch.arange(length) < kept)
@@ -478,7 +481,7 @@ class MiniMaxH3Spec(ModelSpec):
         audio_latents = self.sound_latents(vae.audio_vae, waveforms, frames)
         keyframe = {}
         for end in self.anchored_ends:  # the keyframe workflow's anchors: the first / last frame as a user's picture
-            keyframe[KEYFRAME_LATENTS if end == "first" else KEYFRAME_LAST_LATENTS] = keyframe_latents(
+            keyframe[ANCHOR_LATENTS[end]] = keyframe_latents(
                 video_vae, videos[:, 0 if end == "first" else -1]).to(audio_latents.device)
         return {**self.normalised_posterior(posterior, 1.0 / latent_std, latent_mean),
                 AUDIO_LATENTS: audio_latents, AUDIO_PRESENT: present.to(audio_latents.device), **keyframe}
@@ -551,7 +554,7 @@ class MiniMaxH3Spec(ModelSpec):
             if anchors:  # the keyframe workflow: the anchors lead the video rows, in packed order
                 noise = conditions[KEYFRAME_NOISE][index: index + 1].float()
                 rows = [patchify_video_latents(noised_anchor(
-                    conditions[KEYFRAME_LATENTS if end == "first" else KEYFRAME_LAST_LATENTS][index: index + 1].float(),
+                    conditions[ANCHOR_LATENTS[end]][index: index + 1].float(),
                     noise[:, :, number: number + 1]).to(latents), patch) for number, end in enumerate(anchors)]
                 video_rows = torch.cat([*rows, video_rows])
             anchor_rows = video_rows.shape[0] - (frames * height * width) // math.prod(patch)
@@ -722,8 +725,9 @@ class MiniMaxH3Spec(ModelSpec):
         inputs = self.prompt_inputs(pipeline, prompt, guidance_scale)
         first = last = None
         if given is not None:  # a keyframe mode: its first and / or last frame
-            first = frames_to_pil(given.frames[:1])[0] if given.mode in ("first_frame", "first_last") else None
-            last = frames_to_pil(given.last[-1:])[0] if given.mode in ("last_frame", "first_last") else None
+            ends = KEYFRAME_MODES[given.mode]
+            first = frames_to_pil(given.frames[:1])[0] if "first" in ends else None
+            last = frames_to_pil(given.last[-1:])[0] if "last" in ends else None
         elif self.samples_from_image and reference is not None:
             first = self.first_frame_image(reference)
         if first is not None or last is not None:

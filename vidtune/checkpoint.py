@@ -5,6 +5,10 @@ states (one entry per rank; the LR schedule is a function of the step, see `vidt
 position, and the resolved config. It is written under a temporary name and renamed into place only when
 complete (`vidtune.files.atomic_folder`), so a folder named `step-*` is always whole; a write that fails
 (a full disk) removes its temporary folder and leaves the checkpoints already there untouched.
+
+Its last file is a digest manifest (`manifest.json`: every file's size and SHA-256, `vidtune.storage.manifest`), so
+a checkpoint damaged on disk afterwards (a flipped bit, a truncated copy, a file lost) is found before it is resumed
+or exported: `verify` names the file, `newest_intact` skips it for the newest checkpoint that is whole.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from vidtune.config import Config, write_resolved_config
 from vidtune.files import atomic_folder, follow_umask, fsync_tree, incomplete_folder, recover_folders, replace_folder
 from vidtune.parallel.dcp import EMA_KEY, has_entry, read_weights
+from vidtune.storage.manifest import Verdict, verify_folder, write_manifest
 
 WEIGHTS = "weights.safetensors"
 EMA_WEIGHTS = "ema_weights.safetensors"  # with training.ema_decay: the moving average, in the format of WEIGHTS
@@ -119,6 +124,7 @@ def save(
         write_resolved_config(config, temporary)
         if shards is not None:
             shutil.move(shards, temporary / ZERO_SHARDS)
+        write_manifest(temporary)  # last: it describes every other file
         fsync_tree(temporary)
     prune(root, keep, protect)
     return final
@@ -143,6 +149,7 @@ def finish_sharded(root: Path, temporary: Path, *, step: int, extra: dict[str, A
         torch.save({"format": FORMAT, "step": step, "sharded": True, "rng": rng, **extra}, temporary / STATE)
         write_resolved_config(config, temporary)
         follow_umask(*(path for path in temporary.rglob("*") if path.is_file()))
+        write_manifest(temporary)  # last: it describes every other file, every rank's shards included
         fsync_tree(temporary)
         replace_folder(temporary, final)
     except BaseException:
@@ -165,6 +172,32 @@ def _has_files(folder: Path) -> bool:
 def is_complete(folder: Path) -> bool:
     """A checkpoint folder renamed into place with every file; nothing else is ever listed or loaded."""
     return folder.name.startswith(PREFIX) and folder.name[len(PREFIX):].isdigit() and _has_files(folder)
+
+
+def is_step_folder(path: Path) -> bool:
+    """A folder named as a checkpoint (renamed into place), whole or not."""
+    return path.is_dir() and path.name.startswith(PREFIX) and path.name[len(PREFIX):].isdigit()
+
+
+def verify(folder: Path, digests: bool = True, progress: bool = False) -> Verdict:
+    """Whether a checkpoint folder is whole: its files against its manifest (`digests`: their SHA-256 too, else
+    their sizes), and the files every checkpoint has. A checkpoint written before checkpoints carried a manifest
+    is unverified (`Verdict.verified` False), not damaged."""
+    weights = SHARDS if (folder / SHARDS).is_dir() else WEIGHTS
+    return verify_folder(folder, digests, progress, required=(STATE, CONFIG, weights))
+
+
+def newest_intact(root: Path, progress: bool = False, digests: bool = True) -> tuple[Path | None, list[Verdict]]:
+    """The newest checkpoint under `root` that is whole, and the verdicts on the newer ones skipped (damaged);
+    `digests`: check the files' SHA-256 (else only that each is there, of its size)."""
+    skipped = []
+    folders = sorted((path for path in root.iterdir() if is_step_folder(path)), key=step_of) if root.is_dir() else []
+    for folder in reversed(folders):
+        verdict = verify(folder, digests, progress)
+        if verdict.intact:
+            return folder, skipped
+        skipped.append(verdict)
+    return None, skipped
 
 
 def step_of(folder: Path) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vidtune import outputs
-from vidtune.errors import ConfigError, VidtuneError
+from vidtune.errors import ConfigError, StorageError, VidtuneError
 from vidtune.models.folders import check_folder_exists
 from vidtune.models.registry import SPECS, get_spec_class
 
@@ -78,6 +78,9 @@ def command_train(args: argparse.Namespace) -> int:
     except TrainingInterrupted as stopped:
         again = resume_command(*_split_config_and_overrides(args.config), verbose=args.verbose)
         raise TrainingInterrupted(f"{stopped}\nWhat to do: to continue, run {again}", stopped.exit_code) from None
+    except StorageError as fault:  # a full disk, a read-only or vanished folder: the run's own command continues it
+        again = resume_command(*_split_config_and_overrides(args.config), verbose=args.verbose)
+        raise fault.with_notes(advice=f"{fault.advice}:\n  {again}") from None
     if parallel.is_main():  # under torchrun, once
         print_summary(result, time.perf_counter() - started)
     return 0
@@ -184,6 +187,16 @@ def command_cache_info(args: argparse.Namespace) -> int:
     report = cache_report(config, root=args.cache_dir, verify=args.verify, progress=config is not None)
     print("\n".join(report.lines()))
     return 0
+
+
+def command_checkpoint_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when every checkpoint and weights file of the run is whole (or cannot be checked), 1 when one is
+    damaged."""
+    from vidtune.training.verify import report, verify_run
+
+    text, whole = report(Path(args.run), verify_run(Path(args.run)))
+    print(text, file=sys.stdout if whole else sys.stderr)
+    return 0 if whole else 1
 
 
 def command_config_show(args: argparse.Namespace) -> int:
@@ -494,6 +507,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--cache-dir", help="the cache folder (default: the config's precompute.cache_dir)")
     info.add_argument("--verify", action="store_true", help="read and checksum every entry the config needs")
     info.set_defaults(handler=command_cache_info)
+
+    checkpoint = commands.add_parser("checkpoint", help="checkpoint tools")
+    checkpoint_commands = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
+    verify = checkpoint_commands.add_parser(
+        "verify", help="check every checkpoint and final weights file of a run against the digests written with them",
+        description="Check each checkpoint of RUN against its digest manifest and each final weights file against "
+        "the digest in its metadata; exit 1 when one is damaged.")
+    verify.add_argument("run", metavar="RUN", help="a run's output_dir, or one checkpoint folder")
+    verify.set_defaults(handler=command_checkpoint_verify)
 
     config = commands.add_parser("config", help="config tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)

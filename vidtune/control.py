@@ -40,6 +40,7 @@ from vidtune.errors import ConfigError, ModelError
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.models.experts import expert_file
 from vidtune.processors import ProcessorChoice, apply_processor
+from vidtune.storage.digests import stamp_digest
 
 CONTROL_CONFIG = "control.json"
 CONTROL_WEIGHTS = "control_input.safetensors"
@@ -235,6 +236,7 @@ def save_control(control: ControlInput | ExpertsControlInput, folder: Path, dtyp
             tensors = {key.removeprefix(key_start): value.to(dtype or value.dtype).cpu().contiguous()
                        for key, value in state.items() if key.startswith(key_start)}
             save_file(tensors, temporary, metadata={"format": "pt"})
+            stamp_digest(temporary)
             follow_umask(temporary)
         written.append(target)
     atomic_write_text(folder / CONTROL_CONFIG, json.dumps(control.describe(), indent=2) + "\n")

@@ -35,7 +35,7 @@ from vidtune.checkpoint import PREFIX
 from vidtune.config import Config
 from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError, DataError
-from vidtune.files import atomic_path
+from vidtune.files import append_line, atomic_path
 from vidtune.metrics import metrics_lines
 from vidtune.models.spec import POSTERIOR_KEYS, Conditions, Latents, ModelSpec, TextComponents, draw_latent
 from vidtune.precompute import CachedClips, precompute
@@ -273,8 +273,7 @@ def read_eval_rows(metrics: Path) -> list[dict[str, Any]]:
 
 
 def append_row(metrics: Path, row: dict[str, Any]) -> None:
-    with metrics.open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(row) + "\n")
+    append_line(metrics, json.dumps(row))
 
 
 def tracker_values(score: Score) -> dict[str, float]:

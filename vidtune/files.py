@@ -7,6 +7,10 @@ with a plain `open`, so what lands follows the user's umask like any other file 
 A folder that replaces an existing one is swapped in two renames, never deleted first: `replace_folder`.
 A kill between the two leaves `.stale-NAME-PID` beside a missing `NAME`; `recover_folders` finishes the
 swap (or drops the leftover), so nothing that was complete is ever lost.
+
+A write that fails on its disk (full, read-only, no permission, the folder gone) raises a `StorageError` naming the
+folder and what to do (`vidtune.storage.faults`); the temporary file is gone by then, so the final name holds the
+previous complete file or nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+from vidtune.errors import StorageError
+from vidtune.storage.faults import storage_error, storage_faults
 
 INCOMPLETE = ".incomplete-"
 STALE = ".stale-"
@@ -37,7 +44,8 @@ def atomic_path(path: str | os.PathLike[str], durable: bool = False) -> Iterator
     removed when it fails. `durable`: fsync the file before the rename (a power cut then cannot leave a
     renamed but empty file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with storage_faults(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
     temporary = temporary_name(path)
     try:
         yield temporary
@@ -45,8 +53,13 @@ def atomic_path(path: str | os.PathLike[str], durable: bool = False) -> Iterator
             with temporary.open("rb") as handle:
                 os.fsync(handle.fileno())
         os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
+    except BaseException as error:
+        # Told apart before the temporary file goes: torch.save's failure is recognised by the space left.
+        fault = storage_error(error, path) if isinstance(error, Exception) else None
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # its folder may be gone with it
+            temporary.unlink(missing_ok=True)
+        if fault is not None:
+            raise fault from error
         raise
 
 
@@ -90,16 +103,54 @@ def atomic_folder(target: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield an empty temporary folder to fill; when the block succeeds it replaces `target` (see
     `replace_folder`), when it fails it is removed and `target` is untouched."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    with storage_faults(target):
+        target.parent.mkdir(parents=True, exist_ok=True)
     temporary = incomplete_folder(target)
     shutil.rmtree(temporary, ignore_errors=True)
     try:
         temporary.mkdir()
         yield temporary
-    except BaseException:
+    except BaseException as error:
+        fault = storage_error(error, target) if isinstance(error, Exception) else None
         shutil.rmtree(temporary, ignore_errors=True)
+        if fault is not None:
+            raise fault from error
         raise
-    replace_folder(temporary, target)
+    with storage_faults(target):
+        replace_folder(temporary, target)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Add one line to a log file (metrics.jsonl); a write the disk refuses leaves the file as it was (no row cut
+    short) and raises a StorageError."""
+    data = memoryview((line + "\n").encode("utf-8"))
+    with storage_faults(path):
+        handle = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            start = os.fstat(handle).st_size
+            try:
+                while data:
+                    data = data[os.write(handle, data):]
+            except OSError:
+                os.ftruncate(handle, start)
+                raise
+        finally:
+            os.close(handle)
+
+
+def check_writable(folder: Path, setting: str) -> None:
+    """Before any long work: `folder` (made if missing) takes a file, or a StorageError says why not, naming the
+    `setting` that chose it."""
+    probe = folder / f".vidtune-write-test-{os.getpid()}"
+    try:
+        with storage_faults(probe, what=f"a test file ({setting})"):
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+    except StorageError as fault:
+        raise fault.with_notes("Nothing was started.") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
 
 
 def replace_folder(temporary: Path, target: Path) -> None:

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.files import atomic_path, follow_umask
 from vidtune.processors import ProcessorChoice, apply_processor
+from vidtune.storage.digests import stamp_digest
 
 # The safetensors metadata key of the reference downscale factor (Lightricks' IC-LoRA files).
 FACTOR_KEY = "reference_downscale_factor"
@@ -67,6 +68,7 @@ def record_factor(path: Path | None, factor: int) -> None:
     metadata[FACTOR_KEY] = str(factor)
     with atomic_path(Path(path)) as temporary:
         save_file(tensors, str(temporary), metadata=metadata)
+        stamp_digest(temporary)
         follow_umask(temporary)
 
 

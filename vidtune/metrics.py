@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from vidtune import parallel
-from vidtune.files import atomic_path, atomic_write_text
+from vidtune.files import append_line, atomic_path, atomic_write_text
 from vidtune.trackers import Tracker, step_values
 
 
@@ -48,8 +48,7 @@ class StepLog:
                 row["compile_seconds"] = compile_seconds
             for key, values in (noise or {}).items():
                 row[key] = [None if math.isnan(value) else value for value in values]
-            with self.path.open("a", encoding="utf-8") as handle:
-                handle.write(json.dumps(row) + "\n")
+            append_line(self.path, json.dumps(row))
         for tracker in self.trackers:
             tracker.log_metrics(step, {**step_values(loss, lr, grad_norm, seconds, samples), **parts})
         self.losses.append(loss)

@@ -19,6 +19,7 @@ from vidtune.config import Config, build_config
 from vidtune.errors import CheckpointError, ConfigError
 from vidtune.files import INCOMPLETE, recover_folders
 from vidtune.outputs import FINAL_OUTPUTS, checkpoints_root
+from vidtune.storage.manifest import Verdict
 
 # Changes a checkpoint cannot follow, whatever the algorithm; algorithm parts add their own (`resume_fixed_keys`).
 FIXED_KEYS = (
@@ -44,23 +45,67 @@ def existing_run(output_dir: Path) -> list[str]:
     return found
 
 
-def find_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """A checkpoint folder, a run's `checkpoints` folder or a run folder -> a complete checkpoint folder."""
+def find_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> Path:
+    """A checkpoint folder, a run's `checkpoints` folder or a run folder -> a whole checkpoint folder, checked
+    against its digest manifest. A named checkpoint that is damaged is refused (naming the file, and the whole ones
+    beside it); in a run folder the newest whole one is taken, saying which newer ones were skipped and why."""
     folder = Path(path).expanduser()
-    if checkpoints.is_complete(folder):
-        return folder
+    if checkpoints.is_step_folder(folder):
+        return checked(folder, progress)
     if not folder.exists():
         raise CheckpointError(f"{folder} does not exist; give a checkpoint folder (.../checkpoints/step-XXXXXXXX) "
                               "or a run's output_dir.")
-    for root in (folder, checkpoints_root(folder)):
-        newest = checkpoints.latest(root)
-        if newest is not None:
-            return newest
-    if folder.name.startswith(checkpoints.PREFIX) or folder.name.startswith(INCOMPLETE):
+    if folder.name.startswith(INCOMPLETE):
         raise CheckpointError(f"{folder} is not a complete checkpoint (it was not fully written); use an earlier "
                               f"one from {folder.parent}.")
+    for root in (folder, checkpoints_root(folder)):
+        if step_folders(root):
+            return newest_whole(root, progress, f"{folder}")
     raise CheckpointError(f"{folder} holds no complete checkpoint (looked for step-XXXXXXXX folders in it and in "
                           f"{checkpoints_root(folder)}).")
+
+
+def step_folders(root: Path) -> list[Path]:
+    return [path for path in root.iterdir() if checkpoints.is_step_folder(path)] if root.is_dir() else []
+
+
+def checked(folder: Path, progress: bool = False) -> Path:
+    """`folder` if it is a whole checkpoint; else a CheckpointError naming what is wrong and the whole ones beside."""
+    verdict = checkpoints.verify(folder, progress=progress)
+    if not verdict.intact:
+        others = [path for path in sorted(step_folders(folder.parent), key=checkpoints.step_of, reverse=True)
+                  if path != folder and checkpoints.verify(path).intact]
+        instead = (f"name a whole one instead, e.g. {others[0]} (whole checkpoints there: "
+                   f"{', '.join(path.name for path in others)}), or checkpoint.resume=latest to take the newest "
+                   "whole one" if others
+                   else "no other checkpoint beside it is whole: start a new run in another output_dir")
+        raise CheckpointError(f"{folder} is not a complete checkpoint: {verdict.reason()}. It was not loaded.\n"
+                              f"What to do: {instead}.")
+    note_unverified(verdict)
+    return folder
+
+
+def newest_whole(root: Path, progress: bool, setting: str) -> Path:
+    """The newest whole checkpoint under `root`, saying which newer ones were skipped and why; a CheckpointError
+    naming each when none is whole (`setting`: what chose `root`, for the message)."""
+    chosen, skipped = checkpoints.newest_intact(root, progress)
+    for verdict in skipped:
+        print(f"Skipped the checkpoint {verdict.folder}: {verdict.reason()}.", flush=True)
+    if chosen is None:
+        lines = "\n".join(f"  - {verdict.folder.name}: {verdict.reason()}" for verdict in skipped)
+        raise CheckpointError(f"{setting}: no checkpoint under {root} is whole; nothing was loaded or changed:\n"
+                              f"{lines}\nWhat to do: restore the run folder from a backup, or start a new run in "
+                              "another output_dir.")
+    if skipped:
+        print(f"Continuing from the newest whole checkpoint, {chosen}.", flush=True)
+    note_unverified(checkpoints.verify(chosen, digests=False))
+    return chosen
+
+
+def note_unverified(verdict: Verdict) -> None:
+    if not verdict.verified:
+        print(f"The checkpoint {verdict.folder} has no digest manifest (it was written by an earlier vidtune), so "
+              "its files could not be checked.", flush=True)
 
 
 def resolve_resume(config: Config) -> Path | None:
@@ -81,16 +126,18 @@ def resolve_resume(config: Config) -> Path | None:
                 "continue this one, add checkpoint.resume=latest (or delete that folder yourself)."
             )
         return None
+    progress = config.logging.progress
     if resume == "latest":
-        newest = checkpoints.latest(root)
+        if step_folders(root):
+            return newest_whole(root, progress, "checkpoint.resume=latest")
         finished = [name for name in FINAL_OUTPUTS if (output_dir / name).exists()]
-        if newest is None and finished:
+        if finished:
             raise CheckpointError(
                 f"checkpoint.resume=latest: output_dir {output_dir} holds {', '.join(finished)} but no checkpoint "
                 "to continue from; nothing was changed. Choose another output_dir to start a new run."
             )
-        return newest
-    return find_checkpoint(resume)
+        return None
+    return find_checkpoint(resume, progress)
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:

@@ -30,11 +30,14 @@ from vidtune import parallel
 from vidtune.checkpoint import SavedState
 from vidtune.config import Config
 from vidtune.ema import EMA
-from vidtune.errors import CheckpointError, ConfigError, TrainingError
+from vidtune.errors import CheckpointError, ConfigError, StorageError, TrainingError
 from vidtune.optim import build_lr_scheduler, build_optimizer, group_settings
+from vidtune.outputs import CHECKPOINTS
 from vidtune.parallel.checkpointers import Record, TrainedParts
 from vidtune.parallel.strategy import Strategy
-from vidtune.resume import FIXED_KEYS, compare_configs, saved_config
+from vidtune.resume import FIXED_KEYS, compare_configs, saved_config, step_folders
+from vidtune.storage.faults import storage_faults
+from vidtune.storage.space import CheckpointSpace
 
 T = TypeVar("T")
 Weights = dict[str, torch.Tensor]
@@ -51,7 +54,11 @@ def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tu
             weights, state = checkpoints.load(folder)
             ema_weights = checkpoints.load_ema(folder)
     except (OSError, RuntimeError, ValueError) as error:
-        raise CheckpointError(f"Could not read the checkpoint {folder}: {error}") from None
+        others = [path for path in sorted(step_folders(folder.parent), key=checkpoints.step_of, reverse=True)
+                  if path != folder and checkpoints.verify(path).intact]
+        instead = (f"resume from an earlier whole checkpoint: checkpoint.resume={others[0]}" if others
+                   else "no other checkpoint beside it is whole: start a new run in another output_dir")
+        raise CheckpointError(f"Could not read the checkpoint {folder}: {error}\nWhat to do: {instead}.") from None
     if (folder / checkpoints.ZERO_SHARDS).is_dir() and config.parallel.strategy != "deepspeed":
         raise CheckpointError(f"The checkpoint {folder} was written with parallel.strategy=deepspeed, whose "
                               "optimizer state only DeepSpeed reads. What to do: resume it with "
@@ -87,6 +94,8 @@ class TrainingState:
         self.samples_consumed = 0
         self.nonfinite_skipped = 0
         self.saved_step: int | None = None  # the step of the newest checkpoint of this run
+        # The disk space its checkpoints and final files take (estimated, then measured with the first checkpoint).
+        self.space: CheckpointSpace | None = None
         self.keep_steps: set[int] = set()  # checkpoints the pruning keeps beyond the newest (the best held-out score)
         # What writes the weights, optimizer state and average in the strategy's format, and reads them back.
         self.checkpointer = self.strategy.checkpointer()
@@ -121,14 +130,27 @@ class TrainingState:
         rng = dict(enumerate(parallel.gather_objects(checkpoints.rng_state())))
         record = Record(step=self.step, extra=self._extra(len(rng)), config=self.config,
                         keep=self.config.checkpoint.keep, protect=frozenset(self.keep_steps), rng=rng)
+        what = f"the checkpoint of step {self.step}"
         try:
-            folder = self.checkpointer.save(root, record, self.trained)
+            with storage_faults(root / f"{checkpoints.PREFIX}{self.step:08d}", what):
+                folder = self.checkpointer.save(root, record, self.trained)
+        except StorageError as fault:  # a full disk, a read-only or vanished folder: said of the checkpoint
+            raise fault.restated(what, root) from fault
         except (OSError, RuntimeError, SafetensorError) as error:
-            # A full disk reaches here as OSError (config), SafetensorError (weights), RuntimeError (torch.save) or
-            # DCP's CheckpointException (a RuntimeError).
+            # Anything else that stops a write: DCP's CheckpointException (a RuntimeError), a zip writer's error.
             raise self._write_failed(root, error) from error
         self.saved_step = self.step
+        if self.space is not None and not self.space.measured and parallel.is_main():
+            self.space = self.space.measure(folder)
         return folder
+
+    def checkpoints_to_come(self) -> tuple[int, int]:
+        """(checkpoints on disk now, checkpoints still to write: every `checkpoint.every` steps and one at the
+        end), for the space they take."""
+        every, steps = self.config.checkpoint.every, self.config.training.steps
+        between = (steps - 1) // every - self.step // every if every else 0
+        to_write = between + 1 if self.step < steps else 0
+        return len(checkpoints.list_checkpoints(Path(self.config.output_dir) / CHECKPOINTS)), to_write
 
     def _extra(self, world: int) -> dict[str, Any]:
         """What a checkpoint holds beside the weights, optimizer and RNG states."""

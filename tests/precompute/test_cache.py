@@ -107,8 +107,8 @@ def test_fingerprints_hash_contents_once_and_notice_changes(tmp_path, monkeypatc
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(b"first version")
     reads = []
-    real = cache_module._sha256_file
-    monkeypatch.setattr(cache_module, "_sha256_file", lambda path: reads.append(path) or real(path))
+    real = cache_module.file_sha256
+    monkeypatch.setattr(cache_module, "file_sha256", lambda path: reads.append(path) or real(path))
 
     first = Fingerprints(tmp_path / "memo").file(clip)
     assert Fingerprints(tmp_path / "memo").file(clip) == first  # a new process: read from the memo folder

@@ -21,6 +21,7 @@ from vidtune.ema import EMA
 from vidtune.errors import ConfigError
 from vidtune.files import atomic_folder, follow_umask
 from vidtune.outputs import TRANSFORMER_EMA_FOLDER, TRANSFORMER_FOLDER
+from vidtune.storage.digests import stamp_digest
 
 if TYPE_CHECKING:
     from vidtune.config import Config
@@ -122,6 +123,8 @@ class FullPart(AlgorithmPart):
                 parameter.data = parameter.data.to(self.base_dtype)
             with atomic_folder(target) as temporary:
                 module.save_pretrained(temporary, safe_serialization=True)
+                for shard in temporary.glob("*.safetensors"):  # each shard carries the digest of its tensors
+                    stamp_digest(shard)
                 follow_umask(*(path for path in temporary.rglob("*") if path.is_file()))
         finally:
             for parameter, data in zip(cast, originals, strict=True):

@@ -164,12 +164,22 @@ def _damaged_image_reason(error: Exception) -> str:
 
 
 def _check_file(path: Path, what: str = "video") -> None:
-    if not path.exists():
-        raise VideoDecodeError(path, "the file does not exist.")
-    if path.is_dir():
-        raise VideoDecodeError(path, f"this is a folder, not a {what} file.")
-    if path.stat().st_size == 0:
-        raise VideoDecodeError(path, f"the file is empty (0 bytes). Copy or export the {what} again.")
+    try:
+        if not path.exists():
+            raise VideoDecodeError(path, "the file does not exist.")
+        if path.is_dir():
+            raise VideoDecodeError(path, f"this is a folder, not a {what} file.")
+        if path.stat().st_size == 0:
+            raise VideoDecodeError(path, f"the file is empty (0 bytes). Copy or export the {what} again.")
+        with path.open("rb"):  # a file that cannot be read is named as such, not as a damaged one
+            pass
+    except PermissionError:
+        raise VideoDecodeError(path, "permission denied: you may not read this file (or a folder above it). Give "
+                               f"yourself read permission (chmod u+r on the file) or copy the {what} somewhere you "
+                               "can read it.") from None
+    except OSError as error:
+        raise VideoDecodeError(path, f"the disk would not give it back ({error.strerror or error}). Check the disk "
+                               f"it is on, or copy the {what} to another one.") from None
 
 
 def _damaged_reason(error: Exception) -> str:

@@ -47,6 +47,7 @@ from vidtune.algorithms.adapters import LORA, AdapterKind, by_module, kind_of
 from vidtune.errors import ConfigError
 from vidtune.files import atomic_path, follow_umask
 from vidtune.outputs import LORA_WEIGHTS, comfyui_lora_weights
+from vidtune.storage.digests import stamp_digest
 
 if TYPE_CHECKING:
     from vidtune.export.comfyui_models import ComfyUIModel
@@ -290,6 +291,7 @@ def write_comfyui_lora(path: str | os.PathLike[str], tensors: dict[str, torch.Te
     """Write the ComfyUI LoRA file atomically: a kill never leaves a cut-short file over a complete one."""
     with atomic_path(path) as temporary:
         save_file(tensors, temporary, metadata={"format": "pt"})
+        stamp_digest(temporary)  # the digest of its tensors in its metadata: `vidtune checkpoint verify` reads it
         follow_umask(temporary)
     return Path(path)
 

@@ -36,14 +36,14 @@ import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from vidtune.errors import CacheError
+from vidtune.errors import CacheError, StorageError
 from vidtune.files import TEMPORARY_SUFFIX, atomic_write_bytes
+from vidtune.storage.digests import data_section, file_sha256
 
 # Bump when what an entry holds, or how it is computed, changes in a way its key does not capture.
 FORMAT_VERSION = 1
 KINDS = ("conditions", "latents", "inputs", "clip_conditions")
 SUFFIX = ".safetensors"
-_CHUNK = 1 << 20
 
 
 class CorruptEntryError(CacheError):
@@ -70,14 +70,6 @@ def entry_key(kind: str, parts: dict[str, Any]) -> str:
     description = {"format": FORMAT_VERSION, "kind": kind, **parts}
     text = json.dumps(description, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Fingerprints:
@@ -111,7 +103,7 @@ class Fingerprints:
             text = memo.read_text(encoding="ascii").strip()
             digest = text if len(text) == 64 else None
         if digest is None:
-            digest = _sha256_file(path)
+            digest = file_sha256(path)
             if memo is not None:  # a memo lost in a power cut is only hashed again: no fsync needed
                 atomic_write_bytes(memo, (digest + "\n").encode("ascii"), durable=False)
         with self._lock:
@@ -125,21 +117,6 @@ class Fingerprints:
         for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
             digest.update(f"{path.relative_to(folder).as_posix()}\0{self.file(path)}\n".encode())
         return digest.hexdigest()
-
-
-def _data_section(blob: bytes) -> tuple[dict[str, Any], bytes]:
-    """(header, tensor bytes) of a serialised safetensors file; ValueError when it is cut off."""
-    if len(blob) < 8:
-        raise ValueError(f"{len(blob)} bytes, shorter than a header")
-    length = int.from_bytes(blob[:8], "little")
-    if 8 + length > len(blob):
-        raise ValueError("the header runs past the end of the file")
-    header = json.loads(blob[8 : 8 + length])
-    ends = [info["data_offsets"][1] for name, info in header.items() if name != "__metadata__"]
-    data = blob[8 + length :]
-    if len(data) != max(ends, default=0):
-        raise ValueError(f"{len(data)} bytes of tensor data, the header says {max(ends, default=0)}")
-    return header, data
 
 
 @dataclass(frozen=True)
@@ -184,7 +161,7 @@ class CacheStore:
     def write(self, kind: str, key: str, tensors: dict[str, torch.Tensor], info: dict[str, Any] | None = None) -> Path:
         """Store one entry atomically, with the SHA-256 of its tensor bytes in the metadata."""
         tensors = {name: value.detach().to("cpu").contiguous().clone() for name, value in tensors.items()}
-        _, data = _data_section(save_tensors(tensors))
+        _, data = data_section(save_tensors(tensors))
         metadata = {
             "format": str(FORMAT_VERSION),
             "kind": kind,
@@ -194,12 +171,16 @@ class CacheStore:
             "written": f"{time.time():.3f}",
         }
         blob = save_tensors(tensors, metadata=metadata)
-        if _data_section(blob)[1] != data:  # the checksum must describe exactly the bytes written
+        if data_section(blob)[1] != data:  # the checksum must describe exactly the bytes written
             raise RuntimeError("safetensors laid out the same tensors differently twice")
         path = self.path(kind, key)
         try:
             atomic_write_bytes(path, blob)
-        except OSError as error:  # typically a full disk; nothing is left behind (see atomic_write_bytes)
+        except StorageError as fault:  # a full disk, lost permissions: nothing is left behind
+            raise fault.with_notes("The cache entries already written are whole and are reused when it runs again.",
+                                   advice=f"{fault.advice} (precompute.cache_dir chooses the cache's folder), then "
+                                   "run the same command again") from fault
+        except OSError as error:
             raise CacheWriteError(path, error) from error
         return path
 
@@ -208,7 +189,7 @@ class CacheStore:
         path = self.path(kind, key)
         blob = path.read_bytes()
         try:
-            header, data = _data_section(blob)
+            header, data = data_section(blob)
         except (ValueError, UnicodeDecodeError) as error:
             raise CorruptEntryError(path, f"truncated or not a safetensors file: {error}") from None
         metadata = header.get("__metadata__") or {}

@@ -280,8 +280,9 @@ def validation_due(context: TrainingContext) -> bool:
 def save_checkpoint(context: TrainingContext) -> None:
     """A checkpoint of the current step, and loss.png as of it (rank 0), to look at while the run goes on."""
     context.state.save(context.checkpoints_root)
-    if parallel.is_main():
-        plot_loss_curve(context.output_dir / outputs.METRICS, context.output_dir / outputs.LOSS_PLOT)
+    # On rank 0; a failure (a full disk) stops every rank, not rank 0 alone.
+    parallel.on_main(lambda: plot_loss_curve(context.output_dir / outputs.METRICS,
+                                             context.output_dir / outputs.LOSS_PLOT))
 
 
 def due(context: TrainingContext, every: int | None, final: bool = False) -> bool:

@@ -30,8 +30,9 @@ from vidtune.data.buckets import check_bucket_shapes
 from vidtune.data.overview import write_dataset_overview
 from vidtune.data.sources import Clip, load_dataset
 from vidtune.ema import EMA
-from vidtune.errors import ConfigError
+from vidtune.errors import ConfigError, StorageError
 from vidtune.evaluation import EvalHistory, HeldOutSet, check_evaluation, encode_held_out, held_out_line, hold_out
+from vidtune.files import check_writable
 from vidtune.memory import check_base_weights
 from vidtune.metrics import StepLog, truncate_metrics
 from vidtune.offload import (
@@ -46,9 +47,11 @@ from vidtune.parallel.choose import choose_strategy
 from vidtune.parallel.context import check_context_tokens
 from vidtune.parallel.deepspeed import check_deepspeed
 from vidtune.precompute import CachedClips, precompute
+from vidtune.precompute.plan import cache_root
 from vidtune.processors import with_reference_controls
 from vidtune.resume import resolve_resume
 from vidtune.state import SavedState, TrainingState, read_checkpoint, restore_rng, resume_stream
+from vidtune.storage.space import CheckpointSpace, check_space, optimizer_state_bytes
 from vidtune.trackers import check_trackers, open_trackers
 from vidtune.training.context import Average, Encoders, Inputs, NoAverage, TrainingContext
 from vidtune.training.held_out import HeldOut, NoHeldOut, own_rng
@@ -80,6 +83,8 @@ def set_up(config: Config, spec: ModelSpec, part: AlgorithmPart, loss: LossFunct
            device: torch.device) -> TrainingContext:
     """Everything a run needs, checked, loaded and restored (see the module's docstring)."""
     saved = find_checkpoint(config, part)
+    # A read-only, full or missing output folder is named now, not after the data checks and the model's loading.
+    parallel.on_main(lambda: check_writable(Path(config.output_dir), "output_dir"))
     inputs = check_inputs(config, spec, part, device, saved)
     strategy = choose_strategy(config, device)
     parallel.on_main(lambda: prepare_output_dir(config, spec, inputs.clips))
@@ -90,7 +95,7 @@ def set_up(config: Config, spec: ModelSpec, part: AlgorithmPart, loss: LossFunct
     # one group (parallel.context) alike.
     seed_everything(config.training.seed + parallel.data_rank(config.parallel.context.degree))
     encoders = Encoders(spec, device, load_now=not config.precompute.enabled)
-    source = open_batch_source(config, spec, inputs, device, encoders)
+    source = open_batch_source(config, spec, inputs, device, encoders, resuming=saved is not None)
     empty_caption = empty_caption_of(config, source)
     denoiser, parameters = load_denoiser(config, spec, part, inputs, device, strategy, resuming=saved is not None)
     part.prepare_inputs(source)  # e.g. a teacher's negative prompt
@@ -100,12 +105,14 @@ def set_up(config: Config, spec: ModelSpec, part: AlgorithmPart, loss: LossFunct
     strategy.ema = average.average
     state = TrainingState(config, part.traits.name, parameters, len(inputs.clips), part.state_dict,
                           part.load_state_dict, average.average, strategy)
+    state.space = checkpoint_space(config, spec, part, parameters)
     trained = denoiser
     if strategy.wraps_before_restore:  # DeepSpeed: each rank restores its own shards into the engine
         trained = strategy.wrap(denoiser, parameters, state.optimizer)
     if saved is not None:
         state.restore(saved, device)
     first_step = state.step
+    parallel.on_main(lambda: say_space(config, state))  # before the first step: the disk holds what the run writes
     if not strategy.wraps_before_restore:
         # Under torchrun, DDP starts every rank from rank 0's weights and averages the gradients over ranks.
         trained = strategy.wrap(denoiser, parameters, state.optimizer)
@@ -199,21 +206,56 @@ def prepare_output_dir(config: Config, spec: ModelSpec, clips: list[Clip]) -> No
 
 # ----- the models ------------------------------------------------------------------------------------------------
 def open_batch_source(config: Config, spec: ModelSpec, inputs: Inputs, device: torch.device,
-                      encoders: Encoders) -> BatchSource:
+                      encoders: Encoders, resuming: bool = False) -> BatchSource:
     """From the cache (`precompute.enabled`: missing entries are computed first, with the encoders loaded and
-    released by that stage, so training never holds them), or encoded on the fly (the encoders loaded already)."""
+    released by that stage, so training never holds them), or encoded on the fly (the encoders loaded already).
+    A resumed run whose cache folder is gone is refused (`resuming`): an unmounted drive, not a cache to rebuild."""
     if spec.audio_format() is not None and parallel.is_main():
         video_only = traits_of(config).in_context and not config.control.with_audio
         print(f"{spec.name}: every sample trains video only, cut off from the audio stream (control.with_audio: "
               "false)." if video_only else sound_line(spec.name, inputs.clips), flush=True)
     if not config.precompute.enabled:
         return EncodedBatches(config, inputs.clips, device, spec, encoders.text, encoders.vae)
+    if resuming:
+        parallel.on_main(lambda: check_cache_still_there(cache_root(config)))
     # The held-out samples' entries too: their encoders load once, with training's (vidtune/evaluation.py).
     summary = precompute(config, [*inputs.clips, *inputs.eval_clips], progress=show_progress(config))
     if summary.rank == 0:
         print(summary.line(), flush=True)
     cached = CachedClips(config, spec, summary.plan, inputs.clips)
     return CachedBatches(config, inputs.clips, device, cached)
+
+
+def check_cache_still_there(root: Path) -> None:
+    """A resumed run trained from the cache in `root`: when that folder is gone, a drive is unmounted (or the cache
+    was removed), and computing it all again on whatever disk is there now is not what its user expects."""
+    if root.is_dir():
+        return
+    raise StorageError(
+        f"precompute.cache_dir: the cache folder {root} is gone (a drive unmounted, or the folder removed), though "
+        "the checkpoint this run continues was trained from it. Nothing was computed or trained.",
+        f"mount the drive again; or, to compute the cache again there, create the folder (mkdir -p {root}) and run "
+        "the same command again", folder=root)
+
+
+def checkpoint_space(config: Config, spec: ModelSpec, part: AlgorithmPart,
+                     parameters: list[nn.Parameter]) -> CheckpointSpace:
+    """The disk space this run's checkpoints and final files take, estimated from the trained weights and the
+    optimizer's state per weight (measured after the first checkpoint)."""
+    elements = sum(p.numel() for p in parameters)
+    element_size = max((p.element_size() for p in parameters), default=4)
+    formats = 1 if part.traits.trains_base_weights else 1 + bool(spec.comfyui_lora_rules())
+    return CheckpointSpace.estimate(elements * element_size,
+                                    optimizer_state_bytes(config.optimizer.name, elements, element_size),
+                                    config.training.ema_decay is not None, config.checkpoint.keep, formats)
+
+
+def say_space(config: Config, state: TrainingState) -> None:
+    """Refuse a run whose output folder cannot hold one checkpoint; warn when it cannot hold the rest of the run."""
+    existing, to_write = state.checkpoints_to_come()
+    warning = check_space(Path(config.output_dir), state.space, existing, to_write)
+    if warning is not None:
+        print(f"Warning: {warning}", flush=True)
 
 
 def empty_caption_of(config: Config, source: BatchSource) -> Conditions:

@@ -20,6 +20,7 @@ from vidtune.export.comfyui_models import ComfyUIModel
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.spec.base import SpecBase
 from vidtune.outputs import LORA_WEIGHTS, TRANSFORMER_FOLDER
+from vidtune.storage.digests import stamp_digest
 
 # LoRA target presets (`lora.target_modules: attention`): module-name suffixes, as peft matches them (a name matches
 # every module whose path ends with it). A family declares its own where its denoiser names modules otherwise.
@@ -66,6 +67,7 @@ class Formats(SpecBase):
                 scratch, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata,
                 weight_name=weight_name,
             )
+            stamp_digest(written)  # the digest of its tensors in its metadata: `vidtune checkpoint verify` reads it
             follow_umask(written)
             os.replace(written, target)
         return target

@@ -357,8 +357,13 @@ def command_caption(args: argparse.Namespace) -> int:
         print(f"Loading {settings.model} ...", flush=True)
         return load_captioner(settings)
 
-    summary = caption_all(files, settings, load, overwrite=args.overwrite, dry_run=args.dry_run,
-                          progress=progress)
+    try:
+        summary = caption_all(files, settings, load, overwrite=args.overwrite, dry_run=args.dry_run,
+                              progress=progress)
+    except StorageError as fault:  # a caption is written as soon as it is made: a rerun captions the rest
+        raise fault.with_notes("Every caption made before it is written; a caption file is never left cut short.",
+                               advice=f"{fault.advice}; then run the same command again (it captions the rest)"
+                               ) from None
     lines = summary.lines()
     print(lines[0])
     if summary.skipped:

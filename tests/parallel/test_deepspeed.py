@@ -28,7 +28,7 @@ from tests.helpers.distributed import deepspeed_rank_main, free_port, spawn_rank
 from vidtune import checkpoint
 from vidtune.config import build_config
 from vidtune.data.video import ClipWindow, read_clip
-from vidtune.errors import CheckpointError, TrainingError
+from vidtune.errors import CheckpointError, StorageError
 from vidtune.models.tiny import TINY_SHAPES
 from vidtune.trainers import build_trainer
 
@@ -354,10 +354,10 @@ def test_a_failed_write_of_the_engine_shards_keeps_the_previous_checkpoint(make_
         return real(self, save_dir, *args, **kwargs)
 
     monkeypatch.setattr(DeepSpeedEngine, "save_checkpoint", filling_the_disk)
-    with pytest.raises(TrainingError, match="Could not write the checkpoint of step 4") as error:
+    with pytest.raises(StorageError, match=r"Could not write the checkpoint of step 4 .*: the disk is full") as error:
         build_trainer(make_config(checkpoint={"every": 2}, **settings)).run()
     monkeypatch.undo()
-    assert "No space left on device" in str(error.value) and "step-00000002 is intact" in str(error.value)
+    assert "the newest checkpoint, " in str(error.value) and "step-00000002, is whole" in str(error.value)
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]
     resumed = build_trainer(make_config(checkpoint={"every": 2, "resume": "latest"}, **settings)).run()
     assert resumed.first_step == 2 and resumed.final_step == 4

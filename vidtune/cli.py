@@ -165,7 +165,10 @@ def command_precompute(args: argparse.Namespace) -> int:
     from vidtune.precompute import precompute
 
     configure_cpu_threads(config)
-    summary = precompute(config)
+    try:
+        summary = precompute(config)
+    except StorageError as fault:  # entries already written are whole: a rerun computes only the rest
+        raise fault.with_notes(advice=f"{fault.advice}; then run the same command again") from None
     if summary.rank == 0:
         print(f"Cache: {summary.cache_dir} ({summary.seconds:.1f} s)")
         print(summary.line())

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import yaml
 
+from tests.helpers.storage import full_disk_at, leftovers
 from vidtune.config import load_config
 from vidtune.errors import ConfigError
 from vidtune.memory.plan import GIB, plan_memory
@@ -100,6 +101,20 @@ def test_a_caption_is_edited_where_each_layout_keeps_it(studio, layout):
     assert stale.status_code == 400 and "changed on disk" in stale.json()["error"]
     if layout == "pairs":
         (studio.root / "clips" / "prompts.txt").write_bytes(before[studio.root / "clips" / "prompts.txt"])
+
+
+def test_a_caption_the_disk_refuses_is_a_plain_message_and_the_file_is_unchanged(studio, monkeypatch):
+    prompts = studio.root / "clips" / "prompts.txt"
+    before = prompts.read_bytes()
+    card = studio.get("/api/clips", data="clips").json()["cards"][0]
+    disk = full_disk_at(monkeypatch, "prompts.txt")
+    answer = studio.post("/api/caption", {"data": "clips", "source": card["source"], "slot": card["slot"],
+                                          "caption": "a caption that does not fit", "previous": card["caption"]})
+    monkeypatch.undo()
+    assert disk.failed and answer.status_code == 400, answer.text
+    message = answer.json()["error"]
+    assert f"Could not write prompts.txt in {prompts.parent}: the disk is full" in message and "What to do:" in message
+    assert prompts.read_bytes() == before and not leftovers(prompts.parent)
 
 
 def test_the_form_is_the_schema_and_validates_with_the_command_lines_messages(studio):

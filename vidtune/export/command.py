@@ -23,6 +23,7 @@ from vidtune.algorithms.lora import base_weights_for
 from vidtune.config import load_config, write_resolved_config
 from vidtune.errors import CheckpointError
 from vidtune.export.comfyui import save_comfyui_lora
+from vidtune.files import check_writable
 from vidtune.outputs import (
     CHECKPOINTS,
     FINAL_OUTPUTS,
@@ -77,7 +78,7 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     except (OSError, RuntimeError, ValueError) as error:
         raise CheckpointError(f"Could not read {weights_file or folder}: {error}\n"
                               "What to do: export another checkpoint of the run, or the run's folder.") from None
-    output.mkdir(parents=True, exist_ok=True)
+    check_writable(output, "--output")
     spec = build_spec(config)
     if format == "comfyui":
         return save_comfyui_lora(spec, output, weights, config.lora.alpha, name, rank=config.lora.rank,

@@ -177,9 +177,10 @@ class CacheStore:
         try:
             atomic_write_bytes(path, blob)
         except StorageError as fault:  # a full disk, lost permissions: nothing is left behind
-            raise fault.restated(f"the cache entry {path.name}", path.parent).with_notes("The cache entries already written are whole and are reused when it runs again.",
-                                   advice=f"{fault.advice} (precompute.cache_dir chooses the cache's folder), then "
-                                   "run the same command again") from fault
+            restated = fault.restated(f"the cache entry {path.name}", path.parent)
+            raise restated.with_notes(
+                "The cache entries already written are whole and are reused when it runs again.",
+                advice=f"{fault.advice} (precompute.cache_dir chooses the cache's folder)") from fault
         except OSError as error:
             raise CacheWriteError(path, error) from error
         return path

@@ -20,6 +20,7 @@ from vidtune.data.buckets import visit_window
 from vidtune.data.captions import preservation_caption, variant_of_visit
 from vidtune.data.encoded_store import EncodedStore
 from vidtune.data.sources import Clip
+from vidtune.errors import StorageError
 from vidtune.models.spec import CONTROL_LATENTS, ModelSpec
 from vidtune.precompute.cache import CorruptEntryError
 from vidtune.precompute.encode import Tensors, as_posterior, recompute_entry, stack_items
@@ -53,6 +54,11 @@ class CachedClips(Dataset):
         except CorruptEntryError as error:
             logger.warning("%s; computing it again.", error)
         except FileNotFoundError as error:
+            root = self.plan.cache.root
+            if not root.is_dir():  # not one entry lost: the whole folder, as with a drive unmounted
+                raise StorageError(
+                    f"precompute.cache_dir: the cache folder {root} is gone (a drive unmounted, or the folder "
+                    "removed) while the run reads from it.", "mount the drive again", folder=root) from None
             logger.warning("The cache entry %s is gone; computing it again.", error.filename)
         with self._lock:
             return recompute_entry(self.config, self.spec, self.plan, kind, key)

@@ -21,6 +21,7 @@ from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.spec.base import SpecBase
 from vidtune.outputs import LORA_WEIGHTS, TRANSFORMER_FOLDER
 from vidtune.storage.digests import stamp_digest
+from vidtune.storage.faults import storage_faults
 
 # LoRA target presets (`lora.target_modules: attention`): module-name suffixes, as peft matches them (a name matches
 # every module whose path ends with it). A family declares its own where its denoiser names modules otherwise.
@@ -60,16 +61,17 @@ class Formats(SpecBase):
         """Write the adapter (`folder/weight_name`) in the format the family's `load_lora_weights` reads."""
         # Written beside and renamed into place: a kill never leaves a cut-short adapter over a complete one.
         target = Path(folder) / weight_name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent, prefix=INCOMPLETE) as scratch:
-            written = Path(scratch) / weight_name
-            self.pipeline_class.save_lora_weights(
-                scratch, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata,
-                weight_name=weight_name,
-            )
-            stamp_digest(written)  # the digest of its tensors in its metadata: `vidtune checkpoint verify` reads it
-            follow_umask(written)
-            os.replace(written, target)
+        with storage_faults(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent, prefix=INCOMPLETE) as scratch:
+                written = Path(scratch) / weight_name
+                self.pipeline_class.save_lora_weights(
+                    scratch, transformer_lora_layers=state_dict, transformer_lora_adapter_metadata=metadata,
+                    weight_name=weight_name,
+                )
+                stamp_digest(written)  # the digest of its tensors in its metadata: `vidtune checkpoint verify` reads it
+                follow_umask(written)
+                os.replace(written, target)
         return target
 
     def load_lora(self, pipeline: Any, folder: Path, weight_name: str = LORA_WEIGHTS) -> None:

@@ -139,12 +139,21 @@ def append_line(path: Path, line: str) -> None:
 
 
 def check_writable(folder: Path, setting: str) -> None:
-    """Before any long work: `folder` (made if missing) takes a file, or a StorageError says why not, naming the
-    `setting` that chose it."""
+    """Before any long work: `folder` takes a file (tried with an empty one), or, not there yet, the folder it will
+    be made in may be written (nothing is made yet); else a StorageError says why, naming the `setting` that chose
+    it."""
+    folder = Path(folder).absolute()
+    what = f"a test file ({setting})"
     probe = folder / f".vidtune-write-test-{os.getpid()}"
+    above = next((path for path in folder.parents if path.exists()), None)
+    if not folder.exists() and above is not None and above.is_dir():
+        if not os.access(above, os.W_OK | os.X_OK):
+            code = errno.EROFS if os.statvfs(above).f_flag & os.ST_RDONLY else errno.EACCES
+            fault = storage_error(OSError(code, os.strerror(code), str(above)), probe, what)
+            raise fault.with_notes("Nothing was started.") if fault is not None else OSError(code, str(above))
+        return
     try:
-        with storage_faults(probe, what=f"a test file ({setting})"):
-            folder.mkdir(parents=True, exist_ok=True)
+        with storage_faults(probe, what=what):
             probe.write_bytes(b"")
     except StorageError as fault:
         raise fault.with_notes("Nothing was started.") from None

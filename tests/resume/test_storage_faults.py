@@ -168,6 +168,7 @@ def test_a_run_knows_its_checkpoints_size_before_the_first_and_refuses_a_disk_to
 def test_a_read_only_output_folder_is_named_before_anything_loads(tmp_path, tiny_model_dir, shapes_dataset,
                                                                   monkeypatch, capsys):
     config = _config_file(tmp_path, tiny_model_dir("ltx-video"), shapes_dataset)
+    (tmp_path / "run").mkdir()  # a folder on a drive mounted read-only
     real = Path.write_bytes
 
     def read_only(self, data):
@@ -180,7 +181,13 @@ def test_a_read_only_output_folder_is_named_before_anything_loads(tmp_path, tiny
     error = capsys.readouterr().err
     assert f"Could not write a test file (output_dir) in {tmp_path / 'run'}: the file system is read-only" in error
     assert "Nothing was started." in error and "choose a folder on a writable disk" in error
-    assert not (tmp_path / "run" / "config.yaml").exists()
+    assert list((tmp_path / "run").iterdir()) == []
+    # Not there yet, in a folder that may not be written: said as such, and nothing is made.
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    assert main(["train", str(config), f"output_dir={tmp_path / 'new-run'}"]) == 2
+    error = capsys.readouterr().err
+    assert f"in {tmp_path / 'new-run'}: permission denied" in error and "Nothing was started." in error
+    assert not (tmp_path / "new-run").exists()
 
 
 def test_a_cache_folder_that_vanished_is_named_not_rebuilt(make_config, tmp_path):

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from vidtune.errors import StorageError
-from vidtune.storage.faults import storage_error, storage_faults
+from vidtune.storage.faults import FAULTS, storage_error, storage_faults
 
 INCOMPLETE = ".incomplete-"
 STALE = ".stale-"
@@ -148,9 +148,9 @@ def check_writable(folder: Path, setting: str) -> None:
     above = next((path for path in folder.parents if path.exists()), None)
     if not folder.exists() and above is not None and above.is_dir():
         if not os.access(above, os.W_OK | os.X_OK):
-            code = errno.EROFS if os.statvfs(above).f_flag & os.ST_RDONLY else errno.EACCES
-            fault = storage_error(OSError(code, os.strerror(code), str(above)), probe, what)
-            raise fault.with_notes("Nothing was started.") if fault is not None else OSError(code, str(above))
+            reason, advice = FAULTS[errno.EROFS if os.statvfs(above).f_flag & os.ST_RDONLY else errno.EACCES]
+            raise StorageError(f"Could not write {what} in {folder}: {reason}.\nNothing was started.", advice,
+                               folder=folder, reason=reason)
         return
     try:
         with storage_faults(probe, what=what):

@@ -73,8 +73,7 @@ def checked(folder: Path, progress: bool = False) -> Path:
     """`folder` if it is a whole checkpoint; else a CheckpointError naming what is wrong and the whole ones beside."""
     verdict = checkpoints.verify(folder, progress=progress)
     if not verdict.intact:
-        others = [path for path in sorted(step_folders(folder.parent), key=checkpoints.step_of, reverse=True)
-                  if path != folder and checkpoints.verify(path).intact]
+        others = whole_beside(folder)
         instead = (f"name a whole one instead, e.g. {others[0]} (whole checkpoints there: "
                    f"{', '.join(path.name for path in others)}), or checkpoint.resume=latest to take the newest "
                    "whole one" if others
@@ -83,6 +82,12 @@ def checked(folder: Path, progress: bool = False) -> Path:
                               f"What to do: {instead}.")
     note_unverified(verdict)
     return folder
+
+
+def whole_beside(folder: Path) -> list[Path]:
+    """The whole checkpoints in `folder`'s folder but `folder`, newest first."""
+    return [path for path in sorted(step_folders(folder.parent), key=checkpoints.step_of, reverse=True)
+            if path != folder and checkpoints.verify(path).intact]
 
 
 def newest_whole(root: Path, progress: bool, setting: str) -> Path:

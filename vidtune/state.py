@@ -35,7 +35,7 @@ from vidtune.optim import build_lr_scheduler, build_optimizer, group_settings
 from vidtune.outputs import CHECKPOINTS
 from vidtune.parallel.checkpointers import Record, TrainedParts
 from vidtune.parallel.strategy import Strategy
-from vidtune.resume import FIXED_KEYS, compare_configs, saved_config, step_folders
+from vidtune.resume import FIXED_KEYS, compare_configs, saved_config, whole_beside
 from vidtune.storage.faults import storage_faults
 from vidtune.storage.space import CheckpointSpace
 
@@ -54,8 +54,7 @@ def read_checkpoint(folder: Path, config: Config, algorithm: str, fixed_keys: tu
             weights, state = checkpoints.load(folder)
             ema_weights = checkpoints.load_ema(folder)
     except (OSError, RuntimeError, ValueError) as error:
-        others = [path for path in sorted(step_folders(folder.parent), key=checkpoints.step_of, reverse=True)
-                  if path != folder and checkpoints.verify(path).intact]
+        others = whole_beside(folder)
         instead = (f"resume from an earlier whole checkpoint: checkpoint.resume={others[0]}" if others
                    else "no other checkpoint beside it is whole: start a new run in another output_dir")
         raise CheckpointError(f"Could not read the checkpoint {folder}: {error}\nWhat to do: {instead}.") from None

@@ -10,14 +10,7 @@ from vidtune.errors import CacheError
 from vidtune.precompute.cache import KINDS, CacheStore, CorruptEntryError
 from vidtune.precompute.encode import build_spec, load_clips
 from vidtune.precompute.plan import build_plan, cache_root
-
-
-def human_size(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError
+from vidtune.storage.space import human_size
 
 
 @dataclass

@@ -10,7 +10,7 @@ from vidtune.config import Config
 from vidtune.config_docs import NOT_SET
 from vidtune.errors import ConfigError
 from vidtune.memory.plan import GIB, MemoryPlan, plan_memory, traces_kept_on_disk
-from vidtune.memory.suggest import HOST_RESERVE_GIB, fits, suggest
+from vidtune.memory.suggest import HEADROOM_SHARE, HOST_RESERVE_GIB, fits, suggest, usable_gib
 
 # Stands for the clips' folder in a printed command when the plan was made without one.
 DATA_ROOT_PLACEHOLDER = "/path/to/your/clips"
@@ -58,6 +58,12 @@ def machine_memory_gib() -> float:
     return psutil.virtual_memory().total / GIB
 
 
+def headroom_words() -> str:
+    """Why a plan keeps part of the card free, in words."""
+    return (f"{HEADROOM_SHARE:.0%} of the card, kept below it because the plan does not count the allocator's "
+            "rounding, fragmentation or the CUDA context")
+
+
 def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory: float | None, as_json: bool,
              gpus: int, host_memory: float | None = None) -> int:
     """Print the plan of `config` (read from `path` and `overrides`, which the example command repeats)."""
@@ -70,9 +76,11 @@ def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory:
     with traces_kept_on_disk():  # the same question comes again while settings are chosen
         plan = plan_memory(config, gpus)
         fitting = gpu_memory is not None and fits(plan, gpu_memory, host)
+        usable = usable_gib(gpu_memory) if gpu_memory is not None else None
         if gpu_memory is not None and not fitting:
             say(f"Peak {plan.peak / GIB:.2f} GiB (host memory {plan.host_peak / GIB:.2f} of {host:.1f} GiB) is over "
-                f"{gpu_memory:g} GiB: tracing combinations of memory savers for the fastest one that fits ...")
+                f"{usable:.3g} GiB, the {HEADROOM_SHARE:.0%} of {gpu_memory:g} GiB a plan may fill: tracing "
+                "combinations of memory savers for the fastest one that fits ...")
         suggestion = suggest(config, gpu_memory, gpus, host) if gpu_memory is not None and not fitting else None
         # Nothing fits this host: what a larger host would allow (the traces are at hand, so it costs little).
         larger_host = suggest(config, gpu_memory, gpus) if gpu_memory is not None and not fitting and \
@@ -80,6 +88,7 @@ def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory:
     result = plan.to_json()
     if gpu_memory is not None:
         result["gpu_memory_gib"] = gpu_memory
+        result["usable_gpu_memory_gib"] = round(usable, 3)  # what a plan may fill of the card: its headroom kept
         result["host_memory_gib"] = round(host, 3)
         result["fits"] = fitting
         result["suggested_overrides"] = suggestion.overrides if suggestion else []
@@ -96,10 +105,12 @@ def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory:
     if gpu_memory is None:
         return 0
     if result["fits"]:
-        print(f"\nFits in {gpu_memory:g} GiB (host memory: {plan.host_peak / GIB:.2f} of {host:.1f} GiB).")
+        print(f"\nFits in {gpu_memory:g} GiB: peak {plan.peak / GIB:.2f} GiB, within the {usable:.1f} GiB a plan may "
+              f"fill ({headroom_words()}; host memory: {plan.host_peak / GIB:.2f} of {host:.1f} GiB).")
     elif suggestion is not None:
         print(f"\nDoes not fit in {gpu_memory:g} GiB (with {host:.1f} GiB of host memory). It fits with these settings "
-              f"(the fastest combination found; peak {suggestion.plan.peak / GIB:.2f} GiB, host memory "
+              f"(the fastest combination found; peak {suggestion.plan.peak / GIB:.2f} GiB, within the {usable:.1f} GiB "
+              f"a plan may fill: {headroom_words()}; host memory "
               f"{suggestion.plan.host_peak / GIB:.2f} GiB):\n  {' '.join(suggestion.overrides)}\n"
               f"{train_example(config, path, overrides, suggestion.overrides)}")
     elif larger_host is not None:

@@ -7,6 +7,11 @@ the training device. For training, every combination of the savers is planned (t
 each costs only the accounting) and the cheapest that fits wins; block swap, the slowest, comes last, with the
 fewest blocks that fit.
 
+A suggestion leaves headroom on the card (`usable_gib`): its planned peak is at most 90 % of the card, or the card
+less the planner's largest measured error, whichever is smaller. The plan does not model the allocator's rounding,
+fragmentation or the CUDA context, and a plan that fills the card to the last megabyte fails on the first
+fragmented step.
+
 A suggestion must fit the host as well (`host_gib`): what the savers keep in host memory (activation offload's
 pinned copies, swapped blocks, the CPU-offload optimizer's state, loading a quantized base) stays within it, less
 `HOST_RESERVE_GIB` for the system, Python and the CUDA libraries. Activation offload without gradient
@@ -49,6 +54,10 @@ COST = {
 }
 # Activation offload beside gradient checkpointing: only each block's input is copied, overlapped with compute.
 OFFLOAD_WITH_CHECKPOINTING = 1.1
+# The share of a card a plan may fill, and the planner's largest under-estimate of a measured peak (the tiny rows of
+# docs/benchmarks.md, "Memory planner: planned vs measured": ratios 0.976-1.008).
+HEADROOM_SHARE = 0.9
+PLANNER_ERROR = 0.024
 # Host memory the planner does not count: the system, the Python process, torch's and CUDA's libraries.
 HOST_RESERVE_GIB = 4.0
 SWAP_COST_PER_BLOCK_SHARE = 0.5  # block swap: + this x the share of blocks swapped
@@ -71,16 +80,23 @@ def host_budget(host_gib: float | None) -> float:
     return math.inf if host_gib is None else max(host_gib - HOST_RESERVE_GIB, 0.0) * GIB
 
 
+def usable_gib(card_gib: float) -> float:
+    """How much of a card of `card_gib` a plan may fill: 90 % of it, or the card less the planner's measured error,
+    whichever is smaller."""
+    return min(HEADROOM_SHARE * card_gib, card_gib * (1 - PLANNER_ERROR))
+
+
 def fits(plan: MemoryPlan, budget_gib: float, host_gib: float | None = None) -> bool:
-    """The plan fits a device of `budget_gib` and a host of `host_gib` (see `host_budget`)."""
-    return plan.peak <= budget_gib * GIB and plan.host_peak <= host_budget(host_gib)
+    """The plan fits a card of `budget_gib` with its headroom (`usable_gib`) and a host of `host_gib` (see
+    `host_budget`)."""
+    return plan.peak <= usable_gib(budget_gib) * GIB and plan.host_peak <= host_budget(host_gib)
 
 
 def suggest(config: Config, budget_gib: float, world_size: int = 1,
             host_gib: float | None = None) -> Suggestion | None:
-    """The cheapest overrides whose plan fits `budget_gib` of device memory and `host_gib` of host memory (None:
-    the host is not checked); None when nothing vidtune offers does."""
-    budget = budget_gib * GIB
+    """The cheapest overrides whose plan fits a card of `budget_gib` with its headroom (`usable_gib`) and `host_gib` of
+    host memory (None: the host is not checked); None when nothing vidtune offers does."""
+    budget = usable_gib(budget_gib) * GIB
     plan = plan_memory(config, world_size)
     if fits(plan, budget_gib, host_gib):
         return Suggestion([], plan, 1.0)

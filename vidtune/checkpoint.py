@@ -187,15 +187,19 @@ def verify(folder: Path, digests: bool = True, progress: bool = False) -> Verdic
     return verify_folder(folder, digests, progress, required=(STATE, CONFIG, weights))
 
 
-def newest_intact(root: Path, progress: bool = False, digests: bool = True) -> tuple[Path | None, list[Verdict]]:
-    """The newest checkpoint under `root` that is whole, and the verdicts on the newer ones skipped (damaged);
-    `digests`: check the files' SHA-256 (else only that each is there, of its size)."""
+def step_folders(root: Path) -> list[Path]:
+    """The folders under `root` named as checkpoints, whole or not, oldest first."""
+    return sorted((path for path in root.iterdir() if is_step_folder(path)), key=step_of) if root.is_dir() else []
+
+
+def newest_intact(root: Path, progress: bool = False, digests: bool = True) -> tuple[Verdict | None, list[Verdict]]:
+    """The verdict on the newest checkpoint under `root` that is whole, and those on the newer ones skipped
+    (damaged); `digests`: check the files' SHA-256 (else only that each is there, of its size)."""
     skipped = []
-    folders = sorted((path for path in root.iterdir() if is_step_folder(path)), key=step_of) if root.is_dir() else []
-    for folder in reversed(folders):
+    for folder in reversed(step_folders(root)):
         verdict = verify(folder, digests, progress)
         if verdict.intact:
-            return folder, skipped
+            return verdict, skipped
         skipped.append(verdict)
     return None, skipped
 

@@ -59,14 +59,10 @@ def find_checkpoint(path: str | os.PathLike[str], progress: bool = False) -> Pat
         raise CheckpointError(f"{folder} is not a complete checkpoint (it was not fully written); use an earlier "
                               f"one from {folder.parent}.")
     for root in (folder, checkpoints_root(folder)):
-        if step_folders(root):
+        if checkpoints.step_folders(root):
             return newest_whole(root, progress, f"{folder}")
     raise CheckpointError(f"{folder} holds no complete checkpoint (looked for step-XXXXXXXX folders in it and in "
                           f"{checkpoints_root(folder)}).")
-
-
-def step_folders(root: Path) -> list[Path]:
-    return [path for path in root.iterdir() if checkpoints.is_step_folder(path)] if root.is_dir() else []
 
 
 def checked(folder: Path, progress: bool = False) -> Path:
@@ -86,7 +82,7 @@ def checked(folder: Path, progress: bool = False) -> Path:
 
 def whole_beside(folder: Path) -> list[Path]:
     """The whole checkpoints in `folder`'s folder but `folder`, newest first."""
-    return [path for path in sorted(step_folders(folder.parent), key=checkpoints.step_of, reverse=True)
+    return [path for path in reversed(checkpoints.step_folders(folder.parent))
             if path != folder and checkpoints.verify(path).intact]
 
 
@@ -102,9 +98,9 @@ def newest_whole(root: Path, progress: bool, setting: str) -> Path:
                               f"{lines}\nWhat to do: restore the run folder from a backup, or start a new run in "
                               "another output_dir.")
     if skipped:
-        print(f"Continuing from the newest whole checkpoint, {chosen}.", flush=True)
-    note_unverified(checkpoints.verify(chosen, digests=False))
-    return chosen
+        print(f"Continuing from the newest whole checkpoint, {chosen.folder}.", flush=True)
+    note_unverified(chosen)
+    return chosen.folder
 
 
 def note_unverified(verdict: Verdict) -> None:
@@ -133,7 +129,7 @@ def resolve_resume(config: Config) -> Path | None:
         return None
     progress = config.logging.progress
     if resume == "latest":
-        if step_folders(root):
+        if checkpoints.step_folders(root):
             return newest_whole(root, progress, "checkpoint.resume=latest")
         finished = [name for name in FINAL_OUTPUTS if (output_dir / name).exists()]
         if finished:

@@ -73,7 +73,7 @@ class Trainer:
                           "(or move that folder to a bigger disk and set output_dir to its new place)")
         newest, _ = checkpoints.newest_intact(checkpoints_root(self.config.output_dir), digests=False)
         if newest is not None:
-            notes.append(f"Nothing written earlier was lost: the newest checkpoint, {newest}, is whole.")
+            notes.append(f"Nothing written earlier was lost: the newest checkpoint, {newest.folder}, is whole.")
             then = "then continue the run from it with checkpoint.resume=latest"
         else:
             notes.append("Nothing written earlier was lost (no checkpoint was written yet).")

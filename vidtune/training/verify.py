@@ -64,8 +64,7 @@ def verify_run(path: Path, progress: bool = True) -> list[Finding]:
         raise CheckpointError(f"{path} is not a folder.\nWhat to do: give a run's output_dir, or one checkpoint "
                               "folder (.../checkpoints/step-XXXXXXXX).")
     root = path if path.name == CHECKPOINTS else path / CHECKPOINTS
-    folders = sorted((p for p in root.iterdir() if checkpoints.is_step_folder(p)), key=checkpoints.step_of) \
-        if root.is_dir() else []
+    folders = checkpoints.step_folders(root)
     files = weights_files(path) if root != path else []
     if not folders and not files:
         raise CheckpointError(f"{path} holds no checkpoint (checkpoints/step-XXXXXXXX) and no weights file.\n"

@@ -36,6 +36,8 @@ from vidtune.data.inputs import INPUT_KINDS
 from vidtune.data.sources import Clip, read_sources
 from vidtune.data.video import ClipWindow, frames_to_uint8, is_image_path, read_clip, write_video
 from vidtune.errors import ConfigError, VidtuneError
+from vidtune.export.comfyui_sigmas import ComfyUISchedule, ltxv_tokens
+from vidtune.export.comfyui_workflow import pipeline_shift
 from vidtune.files import atomic_path, atomic_write_text, follow_umask
 from vidtune.given_frames import given_from_files
 from vidtune.in_context import read_reference, referenced
@@ -44,7 +46,7 @@ from vidtune.models.registry import get_spec_class
 from vidtune.models.spec import ModelSpec
 from vidtune.parallel import parse_device
 from vidtune.processors import ProcessorChoice, configured_processor, control_downscale, with_reference_controls
-from vidtune.schedulers import student_scheduler
+from vidtune.schedulers import fixed_sigmas_scheduler, student_scheduler
 from vidtune.sheets import write_contact_sheet
 
 
@@ -60,6 +62,7 @@ class SampleSettings:
     guidance_scale: float
     seed: int
     frame_rate: float
+    comfyui: ComfyUISchedule | None = None  # `validation.sampler: comfyui`: Euler through ComfyUI's sigmas
 
     @classmethod
     def from_config(cls, config: Config, spec: ModelSpec, default_prompt: str) -> SampleSettings:
@@ -77,7 +80,46 @@ class SampleSettings:
                             else options.guidance_scale),
             seed=options.seed,
             frame_rate=config.frame_rate,
+            comfyui=comfyui_schedule(config, spec) if options.sampler == "comfyui" else None,
         )
+
+
+def comfyui_schedule(config: Config, spec: ModelSpec) -> ComfyUISchedule:
+    """The ComfyUI schedule of the run's workflow: `validation.comfyui_scheduler` (default: the family's) over the
+    model's noise levels shifted by `validation.comfyui_shift` (default: the family scheduler's shift)."""
+    layout = spec.comfyui_workflow()
+    if layout is None:
+        why = spec.comfyui_absent() if spec.comfyui_model() is None else f"vidtune has no {spec.name} workflow yet."
+        raise ConfigError(f"validation.sampler=comfyui: {why}\nWhat to do: use validation.sampler=pipeline (the "
+                          "default) for this family.")
+    options = config.validation
+    shift = options.comfyui_shift or pipeline_shift(dict(spec.load_scheduler().config))
+    return ComfyUISchedule(options.comfyui_scheduler or layout.scheduler, shift)
+
+
+def comfyui_sigmas(spec: ModelSpec, settings: SampleSettings) -> torch.Tensor:
+    """The sigmas a sample of `settings` goes through with `validation.sampler: comfyui`; LTXVScheduler's shift
+    follows the latent's frames x height x width, with the family's compression."""
+    if settings.comfyui is None:
+        raise ValueError("these settings sample with the pipeline's own scheduler")
+    spatial, temporal = getattr(spec, "compression", (32, 8))[:2]
+    tokens = ltxv_tokens(settings.frames, settings.height, settings.width, spatial, temporal)
+    return settings.comfyui.sigmas(settings.num_inference_steps, tokens)
+
+
+@contextlib.contextmanager
+def comfyui_scheduler(spec: ModelSpec, pipeline: Any, settings: SampleSettings) -> Iterator[None]:
+    """With `validation.sampler: comfyui`, the pipeline steps with Euler through ComfyUI's sigmas while active (its
+    own scheduler is put back after)."""
+    if settings.comfyui is None:
+        yield
+        return
+    own = pipeline.scheduler
+    pipeline.scheduler = fixed_sigmas_scheduler(own, comfyui_sigmas(spec, settings))
+    try:
+        yield
+    finally:
+        pipeline.scheduler = own
 
 
 def validation_shape(config: Config) -> tuple[tuple[int, int, int], str]:
@@ -243,7 +285,8 @@ def render_sample(spec: ModelSpec, pipeline: Any, prompt: str, settings: SampleS
         return tensors
 
     try:
-        with stoppable(pipeline, stop), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        with stoppable(pipeline, stop), comfyui_scheduler(spec, pipeline, settings), \
+                torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             sample = spec.sample(pipeline, prompt, frames=settings.frames, height=settings.height,
                                  width=settings.width, num_inference_steps=settings.num_inference_steps,
                                  guidance_scale=settings.guidance_scale, generator=torch.Generator().manual_seed(seed),
@@ -294,6 +337,8 @@ def sheet_caption(prompt: str, settings: SampleSettings, seed: int, step: int | 
     made = [f"step {step}"] if step is not None else []
     made += [f"seed {seed}", f"{settings.frames}x{settings.height}x{settings.width} (frames x height x width)",
              f"{settings.num_inference_steps} denoising steps", f"guidance {settings.guidance_scale:g}"]
+    if settings.comfyui is not None:
+        made.append(f"as ComfyUI: euler, {settings.comfyui.describe()}")
     return [prompt, ", ".join(made)]
 
 

@@ -48,3 +48,26 @@ def student_scheduler(scheduler: Any, sigma_shift: float) -> StudentEulerSchedul
                                     use_dynamic_shifting=False, invert_sigmas=config.get("invert_sigmas", False))
     student.sigma_shift = sigma_shift
     return student
+
+
+class FixedSigmasEulerScheduler(FlowMatchEulerDiscreteScheduler):
+    """Euler through the sigmas `fixed` (highest first, ending in 0), whatever the pipeline asks for: ComfyUI's
+    schedule of a run's workflow (`validation.sampler: comfyui`, vidtune/export/comfyui_sigmas.py)."""
+
+    fixed: tuple[float, ...] = ()
+
+    def set_timesteps(self, num_inference_steps: int | None = None, device: str | torch.device | None = None,
+                      sigmas: list[float] | None = None, mu: float | None = None,
+                      timesteps: list[float] | None = None) -> None:
+        # Shift 1, no dynamic shifting: the sigmas are used as they are; the scheduler appends the final 0.
+        super().set_timesteps(sigmas=list(self.fixed[:-1]), device=device)
+
+
+def fixed_sigmas_scheduler(scheduler: Any, sigmas: torch.Tensor) -> FixedSigmasEulerScheduler:
+    """A FixedSigmasEulerScheduler through `sigmas` in the time convention of the family's `scheduler` (its
+    training timesteps, Mochi's inverted sigmas)."""
+    config = scheduler.config
+    fixed = FixedSigmasEulerScheduler(num_train_timesteps=config.get("num_train_timesteps", 1000), shift=1.0,
+                                      use_dynamic_shifting=False, invert_sigmas=config.get("invert_sigmas", False))
+    fixed.fixed = tuple(float(sigma) for sigma in sigmas)
+    return fixed

@@ -29,6 +29,7 @@ from vidtune.algorithms.build import build_part, build_spec
 from vidtune.algorithms.lora import linear_module_names
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.export.comfyui import ComfyUIExportError, Rule, comfyui_lora, fuse, fused, save_comfyui_lora
+from vidtune.export.comfyui_workflow import workflow_file
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.spec import ModelSpec
 from vidtune.models.tiny import TINY_SHAPES
@@ -494,13 +495,16 @@ def test_vidtune_export_format_comfyui_from_a_checkpoint_and_from_a_finished_run
     assert cli_main(["export", str(run / "checkpoints" / "step-00000001"), "--output", str(tmp_path / "step1"),
                      "--format", "comfyui"]) == 0
     step1_name = comfyui_lora_weights(f"{RUN}_step-00000001")
-    assert [path.name for path in (tmp_path / "step1").iterdir()] == [step1_name]
+    # With the workflow that loads it (tests/export/test_comfyui_workflow.py).
+    assert sorted(path.name for path in (tmp_path / "step1").iterdir()) == sorted(
+        [step1_name, workflow_file(f"{RUN}_step-00000001")])
     # Without --format, a LoRA export writes both files, as the end of a run does, and says so.
     capsys.readouterr()
     assert cli_main(["export", str(run / "checkpoints" / "step-00000002"), "--output", str(tmp_path / "both")]) == 0
     step2_name = comfyui_lora_weights(f"{RUN}_step-00000002")
     # With the checkpoint's config.yaml, which `vidtune sample` reads to sample the export.
-    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, step2_name, "config.yaml"}
+    assert {path.name for path in (tmp_path / "both").iterdir()} == {LORA_WEIGHTS, step2_name, "config.yaml",
+                                                                   workflow_file(f"{RUN}_step-00000002")}
     assert f"Wrote the LoRA for ComfyUI: {tmp_path / 'both' / step2_name}" in capsys.readouterr().out
     # A finished run's folder, even without checkpoints: its final adapter, the file the run wrote at its end.
     shutil.rmtree(run / "checkpoints")

@@ -702,6 +702,22 @@ class ValidationConfig(Section):
         None, ge=0, description="Classifier-free guidance of the samples; default: the family's recommended value."
     )
     every: int = Field(0, ge=0, description="Also sample every N steps; 0: only at the end of the run.")
+    sampler: Literal["pipeline", "comfyui"] = Field(
+        "pipeline", description="How samples are denoised. `pipeline`: the family's diffusers pipeline with its "
+        "own scheduler (the model makers' sampling). `comfyui`: Euler through the sigmas ComfyUI computes for "
+        "`comfyui_scheduler` and `comfyui_shift`, exactly what the run's ComfyUI workflow (<run>_workflow.json) "
+        "samples. Applies to validation and `vidtune sample`. See docs/comfyui.md.",
+    )
+    comfyui_scheduler: Literal["simple", "normal", "sgm_uniform", "beta", "linear_quadratic", "ltxv"] | None = Field(
+        None, description="The ComfyUI scheduler of the run's workflow and of `sampler: comfyui`. Default: the "
+        "family's (LTX-Video: `ltxv`, LTXVScheduler; Mochi: `linear_quadratic`, Genmo's; the others: "
+        "`simple`).",
+    )
+    comfyui_shift: float | None = Field(
+        None, gt=0, description="The shift of the workflow's ModelSamplingSD3 node (and of `sampler: comfyui`). "
+        "Default: the shift of the family's diffusers scheduler (`shift`, or UniPC's `flow_shift`). Not used by "
+        "`ltxv` (its shift follows the clip size) or `linear_quadratic`.",
+    )
     seed: int = Field(0, ge=0, description="Seed of the validation samples' noise (and of the held-out score's).")
     frames: int | None = Field(None, gt=0, description="Default: a shape the run trains: with data.buckets the first "
                                "bucket of more than one frame's, else data.frames.")

@@ -23,6 +23,7 @@ from vidtune.algorithms.lora import base_weights_for
 from vidtune.config import load_config, write_resolved_config
 from vidtune.errors import CheckpointError
 from vidtune.export.comfyui import save_comfyui_lora
+from vidtune.export.workflow_file import newest_sample_prompt, write_run_workflow
 from vidtune.files import check_writable
 from vidtune.outputs import (
     CHECKPOINTS,
@@ -81,12 +82,25 @@ def export_checkpoint(checkpoint: str | os.PathLike[str], output: str | os.PathL
     check_writable(output, "--output")
     spec = build_spec(config)
     if format == "comfyui":
-        return save_comfyui_lora(spec, output, weights, config.lora.alpha, name, rank=config.lora.rank,
-                                 base=base_weights_for(spec, weights))
+        written = save_comfyui_lora(spec, output, weights, config.lora.alpha, name, rank=config.lora.rank,
+                                    base=base_weights_for(spec, weights))
+        write_run_workflow(spec, config, output, name, prompt=sample_prompt(run, weights_file))
+        return written
     written = build_part(config, spec).export(weights, output, ema, name)
+    if traits.trains_adapter:
+        write_run_workflow(spec, config, output, name, prompt=sample_prompt(run, weights_file))
     if not (output / RESOLVED_CONFIG).is_file():  # what `vidtune sample` reads to sample them; a run's own is kept
         write_resolved_config(config, output)
     return written
+
+
+def sample_prompt(given: Path, weights_file: Path | None) -> str | None:
+    """The prompt of the newest validation sample of the run being exported (`given`: its folder, or one of its
+    checkpoints), which its workflow samples when the config names no validation prompt."""
+    folder = given.resolve()
+    if weights_file is None and folder.parent.name == CHECKPOINTS:
+        folder = folder.parent.parent
+    return newest_sample_prompt(folder)
 
 
 def run_name(checkpoint: Path) -> str:

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer, CLIPTextModel, LlamaModel
 
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
+from vidtune.export.comfyui_workflow import ModelFiles, WorkflowLayout, hunyuan_video_parts
 from vidtune.models.defaults import HUNYUAN_VIDEO
 from vidtune.models.hunyuan_comfyui import embedder, shared_rules
 from vidtune.models.spec import (
@@ -227,6 +228,16 @@ class HunyuanVideoSpec(ModelSpec):
         config = self.load_config(HunyuanVideoTransformer3DModel, "transformer")
         return hunyuan_video(config["num_layers"], config["num_single_layers"], config["num_refiner_layers"],
                              guidance=bool(config["guidance_embeds"]), vector=True)
+
+    def comfyui_workflow(self) -> WorkflowLayout:
+        """`hunyuan_video_text_to_video`: Comfy-Org's repackaged 720p model, CLIP-L and LLaVA-Llama-3, and the
+        embedded guidance this run trains with (model.guidance_scale)."""
+        embeds = bool(self.load_config(HunyuanVideoTransformer3DModel, "transformer")["guidance_embeds"])
+        files = ModelFiles(("hunyuan_video_t2v_720p_bf16.safetensors",),
+                           ("clip_l.safetensors", "llava_llama3_fp8_scaled.safetensors"), "hunyuan_video",
+                           "hunyuan_video_vae_bf16.safetensors")
+        return WorkflowLayout(files, functools.partial(hunyuan_video_parts,
+                                                       embedded=self.guidance_scale if embeds else None))
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> HunyuanVideoPipeline:

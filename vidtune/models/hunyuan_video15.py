@@ -48,6 +48,7 @@ from transformers import AutoTokenizer, Qwen2_5_VLTextModel, SiglipImageProcesso
 from vidtune.errors import ConfigError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, hunyuan_video
+from vidtune.export.comfyui_workflow import ModelFiles, WorkflowLayout, hunyuan_video15_parts
 from vidtune.models import conditioning, in_context
 from vidtune.models.conditioning import Given
 from vidtune.models.defaults import HUNYUAN_VIDEO_15
@@ -312,6 +313,16 @@ class HunyuanVideo15Spec(ModelSpec):
     def comfyui_model(self) -> ComfyUIModel:
         config = self.transformer_config
         return hunyuan_video(config["num_layers"], refiner=config["num_refiner_layers"], glyph=True, image=True)
+
+    def comfyui_workflow(self) -> WorkflowLayout:
+        """`video_hunyuan_video_1.5_720p_t2v` / `_i2v` (without their super-resolution pass): Comfy-Org's
+        repackaged 720p models, Qwen2.5-VL and ByT5, and SigLIP for image-to-video."""
+        kind = "i2v" if self.image_to_video else "t2v"
+        files = ModelFiles((f"hunyuanvideo1.5_720p_{kind}_fp16.safetensors",),
+                           ("qwen_2.5_vl_7b_fp8_scaled.safetensors", "byt5_small_glyphxl_fp16.safetensors"),
+                           "hunyuan_video_15", "hunyuanvideo15_vae_fp16.safetensors",
+                           clip_vision="sigclip_vision_patch14_384.safetensors" if self.image_to_video else "")
+        return WorkflowLayout(files, functools.partial(hunyuan_video15_parts, image=self.image_to_video))
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

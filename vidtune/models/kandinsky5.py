@@ -43,6 +43,7 @@ from transformers import AutoTokenizer, CLIPTextModel, Qwen2_5_VLForConditionalG
 from vidtune.errors import ConfigError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, kandinsky5
+from vidtune.export.comfyui_workflow import ModelFiles, WorkflowLayout, kandinsky5_parts
 from vidtune.models.defaults import KANDINSKY_5
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -246,6 +247,14 @@ class Kandinsky5Spec(ModelSpec):
 
     def comfyui_model(self) -> ComfyUIModel:
         return kandinsky5(self.transformer_config)
+
+    def comfyui_workflow(self) -> WorkflowLayout:
+        """`video_kandinsky5_t2v` / `_i2v`: Comfy-Org's repackaged Lite 5 s models, Qwen2.5-VL and CLIP-L, and
+        HunyuanVideo's VAE."""
+        model = "kandinsky5lite_i2v_5s.safetensors" if self.image_to_video else "kandinsky5lite_t2v_sft_5s.safetensors"
+        files = ModelFiles((model,), ("qwen_2.5_vl_7b_fp8_scaled.safetensors", "clip_l.safetensors"), "kandinsky5",
+                           "hunyuan_video_vae_bf16.safetensors")
+        return WorkflowLayout(files, functools.partial(kandinsky5_parts, image=self.image_to_video))
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

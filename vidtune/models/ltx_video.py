@@ -22,6 +22,7 @@ from transformers import T5EncoderModel
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxv
+from vidtune.export.comfyui_workflow import ModelFiles, WorkflowLayout, ltxv_parts
 from vidtune.models import conditioning, first_frame, key_mask
 from vidtune.models.conditioning import Given
 from vidtune.models.defaults import LTX_VIDEO
@@ -230,6 +231,13 @@ class LTXVideoSpec(ModelSpec):
 
     def comfyui_model(self) -> ComfyUIModel:
         return ltxv(self.load_config(LTXVideoTransformer3DModel, "transformer"))
+
+    def comfyui_workflow(self) -> WorkflowLayout:
+        """Lightricks' single checkpoint (model and VAE) in models/checkpoints: the 13B's or the 2B's by size."""
+        large = self.load_config(LTXVideoTransformer3DModel, "transformer")["num_layers"] > 28
+        checkpoint = "ltxv-13b-0.9.8-dev.safetensors" if large else "ltx-video-2b-v0.9.5.safetensors"
+        files = ModelFiles(checkpoint=checkpoint, text_encoders=("t5xxl_fp16.safetensors",), clip_type="ltxv")
+        return WorkflowLayout(files, functools.partial(ltxv_parts, image=self.image_to_video), scheduler="ltxv")
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> LTXPipeline:

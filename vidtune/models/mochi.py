@@ -33,6 +33,7 @@ from transformers import T5EncoderModel
 
 from vidtune.export.comfyui import Rule, fused
 from vidtune.export.comfyui_models import ComfyUIModel, mochi
+from vidtune.export.comfyui_workflow import ModelFiles, WorkflowLayout, mochi_parts
 from vidtune.models.defaults import MOCHI
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -201,6 +202,13 @@ class MochiSpec(ModelSpec):
 
     def comfyui_model(self) -> ComfyUIModel:
         return mochi(self.transformer_config)
+
+    def comfyui_workflow(self) -> WorkflowLayout:
+        """Comfy-Org's repackaged Mochi preview, T5-XXL and VAE; Genmo's linear-quadratic schedule, which ComfyUI
+        has as the `linear_quadratic` scheduler and MochiPipeline samples with."""
+        files = ModelFiles(("mochi_preview_bf16.safetensors",), ("t5xxl_fp16.safetensors",), "mochi",
+                           "mochi_vae.safetensors")
+        return WorkflowLayout(files, mochi_parts, scheduler="linear_quadratic")
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> MochiPipeline:

@@ -55,6 +55,11 @@ class SkyReelsV2Spec(EmbeddedPrompts, WanSpec):
     validation_guidance_scale = 6.0  # SkyReelsV2Pipeline's default and the README's for text-to-video
     model_title = "SkyReels V2"
 
+    def comfyui_workflow(self) -> None:
+        """No workflow yet: Comfy-Org publishes no repackaged SkyReels V2 files whose names a workflow could load.
+        The LoRA file for ComfyUI is still written (docs/comfyui.md)."""
+        return None
+
     def check_video_shape(self, frames: int, height: int, width: int) -> None:
         super().check_video_shape(frames, height, width)
         self.check_no_sample_info()  # read with the shape rules: before anything loads

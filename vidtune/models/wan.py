@@ -39,6 +39,7 @@ from transformers import CLIPImageProcessor, CLIPVisionModel, UMT5EncoderModel
 from vidtune.errors import ConfigError, SchedulerError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, wan21
+from vidtune.export.comfyui_workflow import ModelFiles, WorkflowLayout, wan_parts
 from vidtune.models.defaults import WAN
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -84,6 +85,9 @@ def wan_vae_compression(spec: ModelSpec) -> tuple[int, int, tuple[int, int, int]
     temporal = vae.get("scale_factor_temporal") or 2 ** sum(vae.get("temperal_downsample", [False, True, True]))
     transformer = spec.load_config(spec.denoiser_class, "transformer")
     return spatial, temporal, tuple(transformer.get("patch_size", (1, 2, 2)))
+# Comfy-Org's repackaged umT5-XXL (the text encoder of every Wan workflow template).
+WAN_TEXT_ENCODERS = ("umt5_xxl_fp8_e4m3fn_scaled.safetensors",)
+
 
 class WanSpec(ModelSpec):
     name = "wan"
@@ -210,6 +214,17 @@ class WanSpec(ModelSpec):
 
     def comfyui_model(self) -> ComfyUIModel:
         return wan21(self.load_config(self.denoiser_class, "transformer"))
+
+    def comfyui_workflow(self) -> WorkflowLayout | None:
+        """Comfy-Org's repackaged Wan 2.1 files (`text_to_video_wan`, `image_to_video_wan`): the 1.3B or 14B
+        text-to-video model by size, the 480p image-to-video model with CLIP vision H."""
+        large = self.load_config(self.denoiser_class, "transformer")["num_layers"] > 30
+        model = ("wan2.1_i2v_480p_14B_fp16.safetensors" if self.image_to_video
+                 else f"wan2.1_t2v_{'14B' if large else '1.3B'}_fp16.safetensors")
+        files = ModelFiles((model,), WAN_TEXT_ENCODERS, "wan", "wan_2.1_vae.safetensors",
+                           clip_vision="clip_vision_h.safetensors" if self.image_to_video else "")
+        return WorkflowLayout(files, functools.partial(wan_parts, image=self.image_to_video,
+                                                       latent_node="EmptyHunyuanLatentVideo"))
 
     # ----- pipeline and outputs ----------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: nn.Module, denoiser: nn.Module) -> Any:

@@ -34,11 +34,12 @@ from vidtune import parallel
 from vidtune.algorithms import traits_of
 from vidtune.config import Config, TrainingConfig
 from vidtune.errors import ConfigError, ModelError
+from vidtune.export.comfyui_workflow import ModelFiles, WorkflowLayout, wan_parts
 from vidtune.models.conditioning import LATENTS, MODE, Given, ModeName, give, is_mode
 from vidtune.models.defaults import WAN_22
 from vidtune.models.experts import EXPERT_NAMES, NoiseRange, StepRouted, TwoExperts, expert_file
 from vidtune.models.spec import Conditions, Latents, StepCallback, TextComponents
-from vidtune.models.wan import WanImageConditioning, WanSpec
+from vidtune.models.wan import WAN_TEXT_ENCODERS, WanImageConditioning, WanSpec
 from vidtune.models.wan_modes import FIRST_LAST_CONDITION, REGION_MODES
 from vidtune.objectives import Objective
 from vidtune.outputs import LORA_WEIGHTS
@@ -97,6 +98,21 @@ class Wan22Spec(WanSpec):
 
     def required_components(self) -> tuple[str, ...]:
         return (*super().required_components(), *(("transformer_2",) if self.two_experts else ()))
+
+    def comfyui_workflow(self) -> WorkflowLayout | None:
+        """A14B (`video_wan2_2_14B_t2v` / `_i2v`): the two experts' fp8 files, split at the boundary; TI2V-5B
+        (`video_wan2_2_5B_ti2v`): one model, its own VAE, Wan22ImageToVideoLatent (with the start image for
+        image-to-video)."""
+        kind = "i2v" if self.image_to_video else "t2v"
+        if self.two_experts:
+            experts = tuple(f"wan2.2_{kind}_{expert}_noise_14B_fp8_scaled.safetensors" for expert in ("high", "low"))
+            files = ModelFiles(experts, WAN_TEXT_ENCODERS, "wan", "wan_2.1_vae.safetensors")
+            return WorkflowLayout(files, functools.partial(wan_parts, image=self.image_to_video,
+                                                           latent_node="EmptyHunyuanLatentVideo"),
+                                  boundary=self.boundary_ratio)
+        files = ModelFiles(("wan2.2_ti2v_5B_fp16.safetensors",), WAN_TEXT_ENCODERS, "wan", "wan2.2_vae.safetensors")
+        return WorkflowLayout(files, functools.partial(wan_parts, image=self.image_to_video,
+                                                       latent_node="Wan22ImageToVideoLatent"))
 
     def check_source(self) -> None:
         super().check_source()

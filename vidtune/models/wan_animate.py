@@ -89,6 +89,11 @@ class WanAnimateSpec(WanImageToVideoSpec):
     reads_control_clip = True  # the pose video of a clip without a `pose` input: its control clip
     takes_animate_settings = True
 
+    def comfyui_workflow(self) -> None:
+        """No workflow yet: a Wan Animate workflow takes the pose and face videos of WanAnimateToVideo.
+        The LoRA file for ComfyUI is still written (docs/comfyui.md)."""
+        return None
+
     @property
     def mode(self) -> str:
         """`model.animate_mode`: `animate` (the default) or `replace`."""

@@ -92,6 +92,11 @@ class WanVACESpec(EmbeddedPrompts, Wan22Spec):
     # The VACE blocks run first (their hints join the main blocks'), and are swapped like them.
     block_lists = ("vace_blocks", "blocks")
 
+    def comfyui_workflow(self) -> None:
+        """No workflow yet: a VACE workflow takes the control video, masks and reference images of WanVaceToVideo.
+        The LoRA file for ComfyUI is still written (docs/comfyui.md)."""
+        return None
+
     @functools.cached_property
     def pipeline_config(self) -> dict[str, Any]:
         """model_index.json (`boundary_ratio` and `transformer_2` of a Wan 2.2 VACE-Fun A14B folder); without one,

@@ -50,6 +50,7 @@ from vidtune.precompute import CachedClips, precompute
 from vidtune.precompute.plan import cache_root
 from vidtune.processors import with_reference_controls
 from vidtune.resume import resolve_resume
+from vidtune.sampling import comfyui_schedule
 from vidtune.state import SavedState, TrainingState, read_checkpoint, restore_rng, resume_stream
 from vidtune.storage.space import CheckpointSpace, check_space, optimizer_state_bytes
 from vidtune.trackers import check_trackers, open_trackers
@@ -153,6 +154,8 @@ def check_inputs(config: Config, spec: ModelSpec, part: AlgorithmPart, device: t
     spec.check_source()
     check_bucket_shapes(spec, data.bucket_shapes(), single=not data.buckets)
     spec.check_training(config)
+    if config.validation.sampler == "comfyui":
+        comfyui_schedule(config, spec)  # a family without a ComfyUI workflow is refused here
     objective = spec.objective(config.training)  # an unknown scheduler fails here, not later
     check_trackers(config)
     check_optimizer(config, device)

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from vidtune import outputs
 from vidtune.algorithms.build import build_part
 from vidtune.compile import eager
+from vidtune.export.workflow_file import write_run_workflow
 from vidtune.given_frames import validation_given
 from vidtune.metrics import plot_loss_curve
 from vidtune.sampling import (
@@ -87,10 +88,21 @@ def validate_in_place(context: TrainingContext, stop: StopSignals | None = None)
         return validate(context, part, stop)
 
 
+def write_workflow(context: TrainingContext, name: str | None = None) -> Path | None:
+    """The ComfyUI workflow beside the run's ComfyUI LoRA, sampling what validation samples (an image-to-video run's
+    start image: the first frame validation starts from)."""
+    spec, config, clips = context.spec, context.config, context.clips
+    settings = SampleSettings.from_config(config, spec, default_prompt=default_prompt(clips))
+    reference = reference_clip(spec, clips, settings, config.data.fps) if spec.samples_from_image else None
+    return write_run_workflow(spec, config, context.output_dir, context.part.run_name(name),
+                              prompt=default_prompt(clips), reference=reference)
+
+
 def write_results(context: TrainingContext, name: str | None = None) -> tuple[Path, list[Path]]:
     """What a finished run leaves: the weights, the loss curve, the validation samples (rank 0 only); `name`: what
     files named after the run are called (default: the output folder's name)."""
     weights = context.part.save_final(context.output_dir, context.average.average, name)
+    write_workflow(context, name)
     plot_loss_curve(context.output_dir / outputs.METRICS, context.output_dir / outputs.LOSS_PLOT)
     if not context.config.validation.enabled:
         return weights, []

@@ -17,6 +17,7 @@ from vidtune.algorithms.adapters import LORA, add_saved_adapter, file_settings, 
 from vidtune.errors import ConfigError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel
+from vidtune.export.comfyui_workflow import WorkflowLayout
 from vidtune.files import INCOMPLETE, follow_umask
 from vidtune.models.spec.base import SpecBase
 from vidtune.outputs import LORA_WEIGHTS, TRANSFORMER_FOLDER
@@ -116,6 +117,11 @@ class Formats(SpecBase):
     def comfyui_model(self) -> ComfyUIModel | None:
         """The model of ComfyUI's core that runs this family (vidtune/export/comfyui_models.py), whose LoRA names
         every ComfyUI file is checked against; None: ComfyUI's core has no model for it, and no file is written."""
+        return None
+
+    def comfyui_workflow(self) -> WorkflowLayout | None:
+        """The ComfyUI workflow written beside the family's ComfyUI LoRA (vidtune/export/comfyui_workflow.py): its
+        model files and node layout; None: vidtune has no workflow for it yet (the LoRA file is still written)."""
         return None
 
     def comfyui_absent(self) -> str:

@@ -58,6 +58,18 @@ def test_a_run_starts_stops_resumes_samples_and_exports(studio):
     assert "a blue square" in prompts
     written = list((studio.root / run / "exports" / "comfyui").glob("*_comfyui.safetensors"))
     assert written, studio.job(exported["id"])["tail"]
+
+    # The run page offers the ComfyUI files for download: the LoRA and its workflow, nothing else of the run.
+    panel = studio.get("/run/panel", path=run).text
+    workflow = f"{run}/exports/comfyui/{written[0].name.removesuffix('_comfyui.safetensors')}_workflow.json"
+    for file in (f"{run}/exports/comfyui/{written[0].name}", workflow):
+        assert f'href="/download/{file}"' in panel
+    downloaded = studio.get(f"/download/{workflow}")
+    assert downloaded.status_code == 200 and workflow.rsplit("/")[-1] in downloaded.headers["content-disposition"]
+    assert any(node["class_type"] == "LoraLoaderModelOnly" for node in downloaded.json().values())
+    for refused in (f"{run}/{outputs.RESOLVED_CONFIG}", f"{run}/exports/comfyui/../../{outputs.METRICS}",
+                    "../outside_workflow.json"):
+        assert studio.get(f"/download/{refused}").status_code in (400, 403, 404), refused
     assert not (studio.root / run / outputs.LORA_WEIGHTS).exists()  # stopped: never finished
 
 

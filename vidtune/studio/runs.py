@@ -51,6 +51,32 @@ def _changed(folder: Path) -> float:
     return (metrics if metrics.is_file() else folder / outputs.RESOLVED_CONFIG).stat().st_mtime
 
 
+# What a run leaves for ComfyUI (vidtune/export/comfyui.py, workflow_file.py): the files the run page offers.
+COMFYUI_ENDINGS = ("_comfyui.safetensors", "_workflow.json", "_start_image.png")
+
+
+# Where the studio's Export (format comfyui) writes, inside the run folder.
+COMFYUI_EXPORTS = Path("exports") / "comfyui"
+
+
+def comfyui_files(folder: Path) -> list[Path]:
+    """The run's ComfyUI LoRA files, its workflow and an image-to-video workflow's start image: those the run
+    wrote at its end, then those an export wrote."""
+    found = []
+    for place in (folder, folder / COMFYUI_EXPORTS):
+        if place.is_dir():
+            found += sorted(path for path in place.iterdir() if path.is_file() and path.name.endswith(COMFYUI_ENDINGS))
+    return found
+
+
+def comfyui_run(file: Path) -> Path | None:
+    """The run folder whose ComfyUI files (`comfyui_files`) include `file`; None for any other file."""
+    for folder in (file.parent, file.parent.parent.parent):
+        if is_run_folder(folder) and file in comfyui_files(folder):
+            return folder
+    return None
+
+
 @dataclass(frozen=True)
 class Sample:
     step: int

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse
 
 from vidtune import outputs
 from vidtune.studio import charts, runs
@@ -79,7 +79,17 @@ def runs_routes(studio: Studio) -> APIRouter:
             view=view, path=relative, pictures=pictures, jobs=jobs, active=active.to_json() if active else None,
             seconds=None if math.isnan(latest) else latest,
             samples=[{"step": s.step, "prompt": s.prompt, "url": "/files/" + place.relative(s.video)}
-                     for s in view.samples])
+                     for s in view.samples],
+            comfyui=[{"name": path.name, "url": "/download/" + place.relative(path)}
+                     for path in runs.comfyui_files(folder)])
+
+    @router.get("/download/{path:path}")
+    def download(path: str) -> FileResponse:
+        """A run's file for ComfyUI (LoRA, workflow, start image), as a download under its own name."""
+        file = place.path(path)
+        if runs.comfyui_run(file) is None:
+            raise BadRequest(f"{path}: not a ComfyUI file of a run under the studio's folder.")
+        return FileResponse(file, filename=file.name)
 
     @router.get("/api/run")
     def api_run(path: str) -> dict[str, Any]:

@@ -476,6 +476,9 @@ def _decoded_frames(
         yield from packet.decode()
 
 
+SCALE_THREADS = 1  # swscale's threads per conversion (see _to_rgb)
+
+
 def _to_rgb(
     frame: av.VideoFrame, stream: av.video.stream.VideoStream, size: tuple[int, int] | None, resize: str = "crop"
 ) -> np.ndarray:
@@ -500,7 +503,10 @@ def _to_rgb(
     shrinking = coded_w * coded_h < frame.width * frame.height
     kernel = Interpolation.AREA if shrinking else Interpolation.BICUBIC
     flags = kernel | Interpolation.ACCURATE_RND | Interpolation.FULL_CHR_H_INT
-    image = frame.reformat(width=coded_w, height=coded_h, format="rgb24", interpolation=flags).to_ndarray()
+    # One scaling thread: PyAV 18.1.1 defaults swscale to a thread pool, which a DataLoader worker forked after the
+    # parent scaled a frame inherits without its threads, and waits on for ever.
+    image = frame.reformat(width=coded_w, height=coded_h, format="rgb24", interpolation=flags,
+                           threads=SCALE_THREADS).to_ndarray()
     if turns:
         image = np.rot90(image, k=turns)
     if size is not None and resize == "fit":
@@ -621,4 +627,4 @@ def _encode_audio(container: av.container.OutputContainer, stream: av.audio.stre
 
 
 def _to_video_frame(image: np.ndarray) -> av.VideoFrame:
-    return av.VideoFrame.from_ndarray(image, format="rgb24").reformat(format="yuv420p")
+    return av.VideoFrame.from_ndarray(image, format="rgb24").reformat(format="yuv420p", threads=SCALE_THREADS)

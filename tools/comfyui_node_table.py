@@ -35,18 +35,21 @@ SOURCES = ("nodes.py", "comfy_extras/nodes_custom_sampler.py", "comfy_extras/nod
 NODES = (
     # loaders
     "UNETLoader", "CheckpointLoaderSimple", "CLIPLoader", "DualCLIPLoader", "VAELoader", "CLIPVisionLoader",
-    "LoraLoaderModelOnly", "LoadImage",
+    "LoraLoaderModelOnly", "LoadImage", "LoadVideo", "GetVideoComponents", "LTXAVTextEncoderLoader",
+    "LTXVAudioVAELoader",
     # conditioning
     "CLIPTextEncode", "CLIPVisionEncode", "FluxGuidance", "LTXVConditioning",
     # latents and image-to-video
-    "EmptyLTXVLatentVideo", "LTXVImgToVideo", "EmptyHunyuanLatentVideo", "EmptyHunyuanVideo15Latent",
+    "EmptyLTXVLatentVideo", "LTXVImgToVideo", "LTXVImgToVideoInplace", "LTXVEmptyLatentAudio", "LTXVConcatAVLatent",
+    "LTXVSeparateAVLatent", "EmptyHunyuanLatentVideo", "EmptyHunyuanVideo15Latent",
     "HunyuanVideo15ImageToVideo", "EmptyMochiLatentVideo", "WanImageToVideo", "Wan22ImageToVideoLatent",
+    "WanVaceToVideo", "TrimVideoLatent",
     "Kandinsky5ImageToVideo", "ReplaceVideoLatentFrames", "NormalizeVideoLatentStart",
     # model sampling and sampling
     "ModelSamplingSD3", "KSamplerSelect", "BasicScheduler", "LTXVScheduler", "RandomNoise", "DisableNoise",
     "CFGGuider", "BasicGuider", "SplitSigmas", "SamplerCustomAdvanced",
     # output
-    "VAEDecode", "CreateVideo", "SaveVideo",
+    "VAEDecode", "LTXVAudioVAEDecode", "CreateVideo", "SaveVideo",
 )
 
 

@@ -18,7 +18,12 @@ from vidtune.algorithms.build import build_spec
 from vidtune.export.comfyui_graph import Graph, node_table, problems
 from vidtune.export.comfyui_sigmas import ComfyUISchedule
 from vidtune.export.comfyui_workflow import WorkflowInputs, build_workflow, workflow_file
-from vidtune.export.workflow_file import start_image_file, write_run_workflow
+from vidtune.export.workflow_file import (
+    control_video_file,
+    follows_control_video,
+    start_image_file,
+    write_run_workflow,
+)
 from vidtune.models.registry import available_models, get_spec_class
 from vidtune.models.tiny.wan22 import write_tiny_wan22
 from vidtune.outputs import comfyui_lora_weights
@@ -27,13 +32,14 @@ from vidtune.trainers import build_trainer
 
 WORKFLOW_FAMILIES = [name for name in available_models()
                      if get_spec_class(name).comfyui_workflow is not get_spec_class("cogvideox").comfyui_workflow
-                     and name not in ("skyreels-v2", "skyreels-v2-i2v", "skyreels-v2-df", "wan-vace", "wan-animate")]
+                     and name not in ("skyreels-v2", "skyreels-v2-i2v", "skyreels-v2-df", "wan-animate")]
 
 
 def _inputs(spec, loras: tuple[str | None, ...], schedule: ComfyUISchedule) -> WorkflowInputs:
     return WorkflowInputs(prompt="a red circle on a blue floor", frames=17, height=32, width=64, steps=6,
                           guidance=4.5, seed=11, frame_rate=24.0, schedule=schedule, loras=loras,
-                          start_image="run_start_image.png" if spec.samples_from_image else "", name="run")
+                          start_image="run_start_image.png" if spec.samples_from_image else "",
+                          control_video="run_control_video.mp4" if follows_control_video(spec) else "", name="run")
 
 
 def _nodes(api: dict, kind: str) -> list[dict]:
@@ -161,6 +167,29 @@ def test_kandinsky5_image_to_video_ends_as_its_pipeline_does(make_config):
     assert api[decode["inputs"]["samples"][0]]["class_type"] == "NormalizeVideoLatentStart"
 
 
+@pytest.mark.parametrize("family", ["ltx-2", "ltx-2-i2v"])
+def test_ltx2_samples_video_and_sound_together_and_muxes_the_sound(make_config, family):
+    spec = build_spec(make_config(family))
+    layout = spec.comfyui_workflow()
+    api = build_workflow(layout, _inputs(spec, ("run_comfyui.safetensors",), ComfyUISchedule("ltxv", 1.0)),
+                         spec.name)
+    ids = {node["class_type"]: node_id for node_id, node in api.items()}
+    concat = _nodes(api, "LTXVConcatAVLatent")[0]["inputs"]
+    assert concat["audio_latent"] == [ids["LTXVEmptyLatentAudio"], 0]
+    video_source = ids["LTXVImgToVideoInplace" if spec.samples_from_image else "EmptyLTXVLatentVideo"]
+    assert concat["video_latent"] == [video_source, 0]
+    assert _nodes(api, "LTXVScheduler")[0]["inputs"]["latent"] == [ids["LTXVConcatAVLatent"], 0]
+    audio = _nodes(api, "LTXVEmptyLatentAudio")[0]["inputs"]
+    assert (audio["frames_number"], audio["frame_rate"]) == (17, 24)
+    separate = ids["LTXVSeparateAVLatent"]
+    assert _nodes(api, "VAEDecode")[0]["inputs"]["samples"] == [separate, 0]
+    assert _nodes(api, "LTXVAudioVAEDecode")[0]["inputs"]["samples"] == [separate, 1]
+    assert _nodes(api, "CreateVideo")[0]["inputs"]["audio"] == [ids["LTXVAudioVAEDecode"], 0]
+    checkpoint = _nodes(api, "CheckpointLoaderSimple")[0]["inputs"]["ckpt_name"]
+    assert {node["inputs"]["ckpt_name"] for node in (*_nodes(api, "LTXAVTextEncoderLoader"),
+                                                     *_nodes(api, "LTXVAudioVAELoader"))} == {checkpoint}
+
+
 # ----- written by a run and by `vidtune export` ---------------------------------------------------------------
 def test_a_lora_run_writes_its_workflow_beside_its_comfyui_lora(make_config):
     config = make_config("wan", training={"steps": 1}, validation={"enabled": False,
@@ -188,6 +217,24 @@ def test_an_image_to_video_run_writes_the_start_image_its_workflow_loads(make_co
         assert image.size == (config.data.width, config.data.height)
 
 
+def test_a_wan_vace_run_writes_the_control_video_its_workflow_follows(make_config):
+    from vidtune.data.video import ClipWindow, read_clip
+
+    config = make_config("wan-vace", training={"steps": 1}, validation={"enabled": False})
+    trainer = build_trainer(config)
+    trainer.run()
+    run = Path(config.output_dir)
+    name = run.resolve().name
+    api = json.loads((run / workflow_file(name)).read_text())
+    loaded = _nodes(api, "LoadVideo")[0]["inputs"]["file"]
+    assert loaded == control_video_file(name)
+    frames, height, width = config.data.frames, config.data.height, config.data.width
+    written = read_clip(run / loaded, ClipWindow(frames, height, width))
+    assert written.shape == (frames, 3, height, width)
+    vace = next(node_id for node_id, node in api.items() if node["class_type"] == "WanVaceToVideo")
+    assert _nodes(api, "TrimVideoLatent")[0]["inputs"]["trim_amount"] == [vace, 3]
+
+
 def test_vidtune_export_comfyui_writes_the_workflow_too(make_config, tmp_path):
     config = make_config("ltx-video", training={"steps": 1}, validation={"enabled": False})
     build_trainer(config).run()
@@ -201,11 +248,11 @@ def test_vidtune_export_comfyui_writes_the_workflow_too(make_config, tmp_path):
 
 
 def test_a_family_without_a_workflow_says_so_and_writes_none(make_config, tmp_path, capsys):
-    config = make_config("wan-vace")
+    config = make_config("skyreels-v2")
     spec = build_spec(config)
     (tmp_path / comfyui_lora_weights("run")).write_bytes(b"")
     assert write_run_workflow(spec, config, tmp_path, "run") is None
-    assert "No ComfyUI workflow for wan-vace yet" in capsys.readouterr().out
+    assert "No ComfyUI workflow for skyreels-v2 yet" in capsys.readouterr().out
     assert not (tmp_path / workflow_file("run")).exists()
 
 

@@ -3,6 +3,7 @@ by the boundary, an adapter per expert, each loaded into its pipeline transforme
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from vidtune import checkpoint
 from vidtune.config import TrainingConfig
 from vidtune.data.video import ClipWindow, read_clip
 from vidtune.errors import ConfigError
+from vidtune.export.comfyui_workflow import workflow_file
 from vidtune.export.command import export_checkpoint
 from vidtune.models.experts import TwoExperts
 from vidtune.models.spec import POSTERIOR_KEYS
@@ -342,7 +344,11 @@ def test_one_low_noise_expert_writes_the_second_file_only(make_config, two_exper
     assert (out / LORA_WEIGHTS_2).is_file() and not (out / LORA_WEIGHTS).exists()
     assert result.sample_paths and all(path.is_file() for path in result.sample_paths)  # validated with both
     export_checkpoint(out, tmp_path / "comfy", format="comfyui")
-    assert sorted(path.name for path in (tmp_path / "comfy").iterdir()) == [comfyui_lora_weights(out.name, second=True)]
+    assert sorted(path.name for path in (tmp_path / "comfy").iterdir()) == sorted(
+        [comfyui_lora_weights(out.name, second=True), workflow_file(out.name)])  # its workflow loads that one file
+    workflow = json.loads((tmp_path / "comfy" / workflow_file(out.name)).read_text())
+    assert [node["inputs"]["lora_name"] for node in workflow.values()
+            if node["class_type"] == "LoraLoaderModelOnly"] == [comfyui_lora_weights(out.name, second=True)]
     assert not any("lora_" in name for name, _ in trainer.context.denoiser.transformer.named_parameters())
     run = load_pipeline(out, device="cpu")
     assert any("lora_" in name for name, _ in run.pipeline.transformer_2.named_parameters())

@@ -28,6 +28,7 @@ from tests.helpers.distributed import (
 )
 from tests.helpers.wan22 import record_routing
 from vidtune import checkpoint
+from vidtune.export.comfyui_workflow import workflow_file
 from vidtune.models.tiny.wan22 import TWO_EXPERT_SHAPE, write_tiny_wan22
 from vidtune.outputs import comfyui_lora_weights
 from vidtune.trainers import build_trainer
@@ -93,7 +94,7 @@ def test_two_ranks_train_what_one_process_trains_with_twice_the_batch(make_confi
 
     # (c) One set of outputs: rank 0's, each step logged once; checkpoints hold both ranks' RNGs.
     expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE,
-                comfyui_lora_weights(ddp_dir.name)]
+                comfyui_lora_weights(ddp_dir.name), workflow_file(ddp_dir.name)]
     assert sorted(p.name for p in ddp_dir.iterdir()) == sorted(expected)
     rows = [json.loads(line) for line in (ddp_dir / "metrics.jsonl").read_text().splitlines()]
     single_rows = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
@@ -154,7 +155,7 @@ def test_torchrun_runs_the_vidtune_command(make_config, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "run"
     expected = ["checkpoints", "config.yaml", "dataset_overview.png", "loss.png", "metrics.jsonl", LORA_FILE,
-                comfyui_lora_weights(out.name)]
+                comfyui_lora_weights(out.name), workflow_file(out.name)]
     assert sorted(p.name for p in out.iterdir()) == sorted(expected)
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert result.stdout.count("Finished 2 steps") == 1  # the summary, from rank 0

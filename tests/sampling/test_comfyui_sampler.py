@@ -41,7 +41,7 @@ def _told(pipeline) -> list[float]:
 
 
 @pytest.mark.parametrize(("family", "scheduler", "shift"), [
-    ("ltx-video", "ltxv", None), ("wan", "simple", 5.0), ("mochi", "linear_quadratic", None),
+    ("ltx-video", "ltxv", None), ("ltx-2", "ltxv", None), ("wan", "simple", 5.0), ("mochi", "linear_quadratic", None),
     ("hunyuan-video", "beta", 7.0)])
 def test_the_denoiser_is_told_comfyuis_noise_levels(make_config, family, scheduler, shift, tmp_path):
     """Each denoising step is at a level of ComfyUI's schedule for the sample's size: the pipeline's own scheduler
@@ -100,7 +100,7 @@ def test_the_shift_defaults_to_the_family_schedulers(make_config):
     assert SampleSettings.from_config(config, spec, PROMPT).comfyui == ComfyUISchedule("simple", float(expected))
 
 
-@pytest.mark.parametrize("family", ["cogvideox", "sana-video", "wan-vace"])
+@pytest.mark.parametrize("family", ["cogvideox", "sana-video", "skyreels-v2"])
 def test_a_family_without_a_comfyui_workflow_refuses_the_comfyui_sampler_before_training(make_config, family):
     from vidtune.trainers import build_trainer
 

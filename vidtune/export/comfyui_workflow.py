@@ -9,11 +9,12 @@ seed; then decodes it and saves an mp4 at the run's frame rate. `validation.samp
 own sheets through the same sigmas (vidtune/export/comfyui_sigmas.py), so the two show the same thing.
 
 The node layout of each family follows ComfyUI's own templates (the `comfyui-workflow-templates` package:
-`ltxv_text_to_video`, `ltxv_image_to_video`, `text_to_video_wan`, `image_to_video_wan`, `video_wan2_2_14B_t2v`,
-`video_wan2_2_5B_ti2v`, `hunyuan_video_text_to_video`, `video_hunyuan_video_1.5_720p_t2v`,
-`video_kandinsky5_t2v` / `_i2v`), with the sampler chain of `SamplerCustomAdvanced` (noise, guider, sampler, sigmas) so
-the sigmas are explicit; a two-expert Wan 2.2 splits them at its boundary (`SplitSigmas`), the high-noise expert
-sampling the first part and the low-noise expert the rest, as the pipeline routes them.
+`ltxv_text_to_video`, `ltxv_image_to_video`, `video_ltx2_t2v`, `video_ltx2_i2v`, `text_to_video_wan`,
+`image_to_video_wan`, `video_wan2_2_14B_t2v`, `video_wan2_2_5B_ti2v`, `video_wan_vace_14B_v2v`,
+`hunyuan_video_text_to_video`, `video_hunyuan_video_1.5_720p_t2v`, `video_kandinsky5_t2v` / `_i2v`), with the
+sampler chain of `SamplerCustomAdvanced` (noise, guider, sampler, sigmas) so the sigmas are explicit; a two-expert
+Wan 2.2 splits them at its boundary (`SplitSigmas`), the high-noise expert sampling the first part and the
+low-noise expert the rest, as the pipeline routes them.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class WorkflowInputs:
     frame_rate: float
     schedule: ComfyUISchedule
     loras: tuple[str | None, ...]  # the ComfyUI LoRA file of each denoiser (None: that one was not trained)
-    start_image: str = ""  # models/input file an image-to-video workflow starts from
+    start_image: str = ""  # ComfyUI/input file an image-to-video workflow starts from
+    control_video: str = ""  # ComfyUI/input file a control workflow (Wan VACE) follows
     name: str = "vidtune"  # the saved video's file name prefix
 
 
@@ -78,8 +80,9 @@ class Parts:
     latent: Link
     vae: Link
     sigmas_from_latent: bool = False  # LTXVScheduler: its shift follows the latent's size
-    # What the family's pipeline does to the sampled latent before decoding (Kandinsky 5 image-to-video).
-    finish: Callable[[Graph, Link], Link] | None = None
+    # What the family's pipeline does to the sampled latent before decoding (Kandinsky 5 image-to-video's first
+    # frames, LTX-2's audio): the latent to decode and the audio to put in the video, if any.
+    finish: Callable[[Graph, Link], tuple[Link, Link | None]] | None = None
 
 
 def _text(graph: Graph, clip: Link, inputs: WorkflowInputs) -> tuple[Link, Link]:
@@ -139,6 +142,34 @@ def ltxv_parts(graph: Graph, files: ModelFiles, inputs: WorkflowInputs, image: b
     return Parts([model], positive, negative, latent, vae, sigmas_from_latent=True)
 
 
+def ltx2_parts(graph: Graph, files: ModelFiles, inputs: WorkflowInputs, image: bool) -> Parts:
+    """LTX-2 (`video_ltx2_t2v`, `video_ltx2_i2v`, their first stage at the validation size): the checkpoint holds
+    the model, both VAEs and the text connectors, Gemma 3 loads beside it (LTXAVTextEncoderLoader); video and audio
+    latents are sampled together (LTXVConcatAVLatent, the start image in place for image-to-video), then split,
+    decoded each, and the sound muxed into the video."""
+    checkpoint = graph.add("CheckpointLoaderSimple", ckpt_name=files.checkpoint)
+    model, _, vae = graph.outputs(checkpoint, 3)
+    model = _with_lora(graph, model, inputs.loras[0], 0)
+    clip = graph.add("LTXAVTextEncoderLoader", text_encoder=files.text_encoders[0], ckpt_name=files.checkpoint)
+    positive, negative = _text(graph, clip, inputs)
+    conditioned = graph.add("LTXVConditioning", positive=positive, negative=negative, frame_rate=inputs.frame_rate)
+    positive, negative = graph.outputs(conditioned, 2)
+    video = graph.add("EmptyLTXVLatentVideo", **_size(inputs))
+    if image:
+        video = graph.add("LTXVImgToVideoInplace", vae=vae, image=_start_image(graph, inputs), latent=video,
+                          strength=1.0, bypass=False)
+    audio_vae = graph.add("LTXVAudioVAELoader", ckpt_name=files.checkpoint)
+    audio = graph.add("LTXVEmptyLatentAudio", frames_number=inputs.frames, frame_rate=round(inputs.frame_rate),
+                      batch_size=1, audio_vae=audio_vae)
+    latent = graph.add("LTXVConcatAVLatent", video_latent=video, audio_latent=audio)
+
+    def finish(graph: Graph, sampled: Link) -> tuple[Link, Link]:
+        video, audio = graph.outputs(graph.add("LTXVSeparateAVLatent", av_latent=sampled), 2)
+        return video, graph.add("LTXVAudioVAEDecode", samples=audio, audio_vae=audio_vae)
+
+    return Parts([model], positive, negative, latent, vae, sigmas_from_latent=True, finish=finish)
+
+
 def wan_parts(graph: Graph, files: ModelFiles, inputs: WorkflowInputs, image: bool, latent_node: str) -> Parts:
     """Wan 2.1 / 2.2 and SkyReels V2 (`text_to_video_wan`, `image_to_video_wan`, `video_wan2_2_14B_t2v`,
     `video_wan2_2_5B_ti2v`): umT5 as `wan`; the latent from EmptyHunyuanLatentVideo (2.1 text-to-video),
@@ -161,6 +192,24 @@ def wan_parts(graph: Graph, files: ModelFiles, inputs: WorkflowInputs, image: bo
     else:
         latent = graph.add("EmptyHunyuanLatentVideo", **_size(inputs))
     return Parts(models, positive, negative, latent, vae)
+
+
+def wan_vace_parts(graph: Graph, files: ModelFiles, inputs: WorkflowInputs) -> Parts:
+    """Wan VACE (`video_wan_vace_14B_v2v`): Wan 2.1's loaders, the control video (LoadVideo, its frames) into
+    WanVaceToVideo, and the reference frames it puts in front trimmed after sampling (TrimVideoLatent)."""
+    models = _unet_models(graph, files, inputs)
+    positive, negative = _text(graph, _text_encoder(graph, files), inputs)
+    vae = graph.add("VAELoader", vae_name=files.vae)
+    video = graph.add("LoadVideo", "Control video (put it in ComfyUI/input)", file=inputs.control_video)
+    frames = graph.add("GetVideoComponents", video=video)
+    made = graph.add("WanVaceToVideo", positive=positive, negative=negative, vae=vae, **_size(inputs), strength=1.0,
+                     control_video=frames)
+    positive, negative, latent, trim = graph.outputs(made, 4)
+
+    def finish(graph: Graph, sampled: Link) -> tuple[Link, None]:
+        return graph.add("TrimVideoLatent", samples=sampled, trim_amount=trim), None
+
+    return Parts(models, positive, negative, latent, vae, finish=finish)
 
 
 def hunyuan_video_parts(graph: Graph, files: ModelFiles, inputs: WorkflowInputs, embedded: float | None) -> Parts:
@@ -214,11 +263,12 @@ def kandinsky5_parts(graph: Graph, files: ModelFiles, inputs: WorkflowInputs, im
                      start_image=_start_image(graph, inputs) if image else None)
     positive, negative, latent, start = graph.outputs(made, 4)
 
-    def finish(graph: Graph, sampled: Link) -> Link:
+    def finish(graph: Graph, sampled: Link) -> tuple[Link, None]:
         # Kandinsky5I2VPipeline's ending: the clean start frames, then its first four latent frames normalized
         # to the next five (`normalize_first_frame`), as the template's two nodes do.
         replaced = graph.add("ReplaceVideoLatentFrames", destination=sampled, source=start, index=0)
-        return graph.add("NormalizeVideoLatentStart", latent=replaced, start_frame_count=4, reference_frame_count=5)
+        return graph.add("NormalizeVideoLatentStart", latent=replaced, start_frame_count=4,
+                         reference_frame_count=5), None
 
     return Parts(models, positive, negative, latent, vae, finish=finish if image else None)
 
@@ -260,10 +310,11 @@ def sample(graph: Graph, parts: Parts, inputs: WorkflowInputs, split_at: int | N
         latent = graph.add("SamplerCustomAdvanced", noise=noise,
                            guider=_guider(graph, parts, parts.models[0], inputs.guidance), sampler=sampler,
                            sigmas=sigmas, latent_image=latent)
+    audio = None
     if parts.finish is not None:
-        latent = parts.finish(graph, latent)
+        latent, audio = parts.finish(graph, latent)
     images = graph.add("VAEDecode", samples=latent, vae=parts.vae)
-    video = graph.add("CreateVideo", images=images, fps=float(inputs.frame_rate))
+    video = graph.add("CreateVideo", images=images, fps=float(inputs.frame_rate), audio=audio)
     graph.add("SaveVideo", video=video, filename_prefix=f"video/{inputs.name}", format="auto", codec="auto")
 
 

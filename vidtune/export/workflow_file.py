@@ -4,7 +4,8 @@ and by `vidtune export --format comfyui` (the layout and nodes: comfyui_workflow
 It samples what the run's validation samples: `validation.prompts[0]` (else the prompt validation used: the first
 caption, or the newest validation sample's prompt when exported), the validation shape, steps, guidance and seed,
 the run's frame rate, and the schedule of `validation.comfyui_scheduler` / `comfyui_shift`. An image-to-video
-workflow starts from `<run>_start_image.png`, the first frame validation started from, written beside it.
+workflow starts from `<run>_start_image.png`, the first frame validation started from, written beside it; a Wan VACE
+workflow follows `<run>_control_video.mp4`, the control clip validation followed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from PIL import Image
 
 from vidtune.config import Config
-from vidtune.data.video import frames_to_uint8
+from vidtune.data.video import frames_to_uint8, write_video
 from vidtune.export.comfyui_workflow import (
     PROMPT_PLACEHOLDER,
     WorkflowInputs,
@@ -33,6 +34,15 @@ def start_image_file(name: str) -> str:
     return f"{name}_start_image.png"
 
 
+def control_video_file(name: str) -> str:
+    return f"{name}_control_video.mp4"
+
+
+def follows_control_video(spec: ModelSpec) -> bool:
+    """A family whose workflow loads the control clip validation follows (Wan VACE; not Wan Animate's pose)."""
+    return spec.reads_control_clip and spec.control_input_kind is None
+
+
 def newest_sample_prompt(folder: Path) -> str | None:
     """The prompt of the newest validation sample in a run folder (its .txt beside the mp4), if any."""
     prompts = sorted((folder / SAMPLES).glob("*/*.txt"), key=lambda path: path.stat().st_mtime)
@@ -48,9 +58,11 @@ def write_start_image(path: Path, reference: torch.Tensor) -> Path:
 
 
 def write_run_workflow(spec: ModelSpec, config: Config, folder: Path, name: str, prompt: str | None = None,
-                       reference: torch.Tensor | None = None) -> Path | None:
+                       reference: torch.Tensor | None = None, left_out: tuple[str, ...] = ()) -> Path | None:
     """Write `folder/<name>_workflow.json` for the ComfyUI LoRA files of run `name` in `folder` (and with
-    `reference`, an image-to-video run's start image); say where, or why there is none. Returns the workflow."""
+    `reference` [F, 3, H, W], an image-to-video run's start image or Wan VACE's control video); say where, or why
+    there is none, and which of validation's inputs (`left_out`: Wan VACE's mask, reference images) it does not
+    load. Returns the workflow."""
     files = [comfyui_lora_weights(name), comfyui_lora_weights(name, second=True)]
     loras = tuple(file if (folder / file).is_file() else None for file in files)
     if not any(loras):  # no ComfyUI LoRA was written (the run said why): nothing for a workflow to load
@@ -65,17 +77,26 @@ def write_run_workflow(spec: ModelSpec, config: Config, folder: Path, name: str,
     chosen = chosen or newest_sample_prompt(folder) or PROMPT_PLACEHOLDER
     settings = SampleSettings.from_config(config, spec, default_prompt=chosen)
     start = start_image_file(name) if spec.samples_from_image else ""
+    control = control_video_file(name) if follows_control_video(spec) else ""
     if start and reference is not None:
         write_start_image(folder / start, reference)
+    if control and reference is not None:
+        write_video(folder / control, reference, settings.frame_rate)
     inputs = WorkflowInputs(prompt=settings.prompts[0], frames=settings.frames, height=settings.height,
                             width=settings.width, steps=settings.num_inference_steps,
                             guidance=settings.guidance_scale, seed=settings.seed, frame_rate=settings.frame_rate,
-                            schedule=comfyui_schedule(config, spec), loras=loras, start_image=start, name=name)
+                            schedule=comfyui_schedule(config, spec), loras=loras, start_image=start,
+                            control_video=control, name=name)
     path = write_workflow(folder / workflow_file(name), build_workflow(layout, inputs, spec.name))
     image = ""
-    if start:
-        image = (f"; put {start} in ComfyUI/input" if (folder / start).is_file()
-                 else f"; put the image to start from in ComfyUI/input as {start}")
+    for given, what in ((start, "image to start from"), (control, "control video")):
+        if given:
+            image += (f"; put {given} in ComfyUI/input" if (folder / given).is_file()
+                      else f"; put the {what} in ComfyUI/input as {given}")
     print(f"Wrote the ComfyUI workflow: {path} (open it in ComfyUI with Workflow > Open; the LoRA files go in "
           f"ComfyUI/models/loras{image}).", flush=True)
+    if left_out:
+        print(f"The workflow follows the control video only: validation also used the first clip's "
+              f"{' and '.join(kind.replace('_', ' ') for kind in left_out)}, which it does not load; add them to "
+              "WanVaceToVideo (control_masks, reference_image) to see the same.", flush=True)
     return path

@@ -68,6 +68,7 @@ from vidtune.data.sources import Clip
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, ltxav
+from vidtune.export.comfyui_workflow import ModelFiles, WorkflowLayout, ltx2_parts
 from vidtune.models import conditioning, first_frame, in_context, key_mask
 from vidtune.models.conditioning import Given
 from vidtune.models.defaults import LTX_2
@@ -732,6 +733,15 @@ class LTX2Spec(InPlaceModes, ModelSpec):
 
     def comfyui_model(self) -> ComfyUIModel:
         return ltxav(self.load_config(LTX2VideoTransformer3DModel, "transformer"))
+
+    def comfyui_workflow(self) -> WorkflowLayout:
+        """Lightricks' single checkpoint (model, both VAEs, text connectors) with Comfy-Org's Gemma 3 12B, as
+        `video_ltx2_t2v` / `video_ltx2_3_t2v` load them: LTX-2.3's (the bandwidth-extending vocoder) or LTX-2's;
+        LTXVScheduler, as LTX-Video."""
+        newer = self.component_class("vocoder", VOCODERS) is LTX2VocoderWithBWE
+        checkpoint = "ltx-2.3-22b-dev-fp8.safetensors" if newer else "ltx-2-19b-dev-fp8.safetensors"
+        files = ModelFiles(checkpoint=checkpoint, text_encoders=("gemma_3_12B_it_fp4_mixed.safetensors",))
+        return WorkflowLayout(files, functools.partial(ltx2_parts, image=self.image_to_video), scheduler="ltxv")
 
     # ----- pipeline and outputs -----------------------------------------------------------------------------
     def pipeline(self, text: TextComponents, vae: LTX2Autoencoders, denoiser: nn.Module) -> LTX2Pipeline:

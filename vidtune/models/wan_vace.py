@@ -40,6 +40,7 @@ from vidtune.data.inputs import input_key
 from vidtune.errors import ConfigError, ModelError
 from vidtune.export.comfyui import Rule
 from vidtune.export.comfyui_models import ComfyUIModel, wan21_vace
+from vidtune.export.comfyui_workflow import ModelFiles, WorkflowLayout, wan_vace_parts
 from vidtune.models.defaults import WAN_VACE
 from vidtune.models.spec import (
     ALL_LINEAR,
@@ -51,7 +52,7 @@ from vidtune.models.spec import (
     frames_to_pil,
 )
 from vidtune.models.spec.sampling import step_callback
-from vidtune.models.wan import WAN_FEED_FORWARD_TARGETS, EmbeddedPrompts
+from vidtune.models.wan import WAN_FEED_FORWARD_TARGETS, WAN_TEXT_ENCODERS, EmbeddedPrompts
 from vidtune.models.wan22 import Wan22Spec
 
 # The latents of the inactive video (a black clip when no mask is given), beside each clip's posterior.
@@ -92,10 +93,16 @@ class WanVACESpec(EmbeddedPrompts, Wan22Spec):
     # The VACE blocks run first (their hints join the main blocks'), and are swapped like them.
     block_lists = ("vace_blocks", "blocks")
 
-    def comfyui_workflow(self) -> None:
-        """No workflow yet: a VACE workflow takes the control video, masks and reference images of WanVaceToVideo.
-        The LoRA file for ComfyUI is still written (docs/comfyui.md)."""
-        return None
+    def comfyui_workflow(self) -> WorkflowLayout | None:
+        """Comfy-Org's repackaged Wan 2.1 VACE (`video_wan_vace_14B_v2v`), 1.3B or 14B by size, following the run's
+        validation control video. None for Wan 2.2 VACE-Fun's two experts: Comfy-Org publishes no files of it to
+        name (its ComfyUI LoRA files are still written)."""
+        if self.two_experts:
+            return None
+        large = self.load_config(self.denoiser_class, "transformer")["num_layers"] > 30
+        files = ModelFiles((f"wan2.1_vace_{'14B' if large else '1.3B'}_fp16.safetensors",), WAN_TEXT_ENCODERS, "wan",
+                           "wan_2.1_vae.safetensors")
+        return WorkflowLayout(files, wan_vace_parts)
 
     @functools.cached_property
     def pipeline_config(self) -> dict[str, Any]:

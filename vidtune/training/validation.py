@@ -90,12 +90,15 @@ def validate_in_place(context: TrainingContext, stop: StopSignals | None = None)
 
 def write_workflow(context: TrainingContext, name: str | None = None) -> Path | None:
     """The ComfyUI workflow beside the run's ComfyUI LoRA, sampling what validation samples (an image-to-video run's
-    start image: the first frame validation starts from)."""
+    start image: the first frame validation starts from; Wan VACE's control video: the one validation follows)."""
     spec, config, clips = context.spec, context.config, context.clips
     settings = SampleSettings.from_config(config, spec, default_prompt=default_prompt(clips))
-    reference = reference_clip(spec, clips, settings, config.data.fps) if spec.samples_from_image else None
+    if spec.comfyui_workflow() is None:  # nothing to read clips for; the writer says there is none
+        return write_run_workflow(spec, config, context.output_dir, context.part.run_name(name))
+    reference = reference_clip(spec, clips, settings, config.data.fps)
+    inputs = clip_sampling_inputs(spec, clips[0], settings, config.data.fps) or {}
     return write_run_workflow(spec, config, context.output_dir, context.part.run_name(name),
-                              prompt=default_prompt(clips), reference=reference)
+                              prompt=default_prompt(clips), reference=reference, left_out=tuple(inputs))
 
 
 def write_results(context: TrainingContext, name: str | None = None) -> tuple[Path, list[Path]]:

@@ -103,6 +103,8 @@ def command_quickstart(args: argparse.Namespace) -> int:
           f"a line) in their folder (clips of at least {data['frames']} frames at {data['fps']} fps), then run")
     print("  " + shlex.join(["vidtune", "train", str(config), "data.root=/path/to/your/clips",
                              "output_dir=my-first-run"]))
+    print("The samples look like noise: the tiny model has random weights, so the quickstart shows the whole path "
+          "(clips, training, checkpoints, samples), not a good video.")
     print("For a real model, start from the config under \"Train on your own clips\" in README.md.")
     return 0
 
@@ -118,9 +120,11 @@ def command_data_check(args: argparse.Namespace) -> int:
     spec.check_source()
     check = check_data(config, spec, progress=config.logging.progress)
     print(table(check, config.data.fps))
-    overview = Path(args.overview) if args.overview else Path(config.output_dir) / outputs.DATASET_OVERVIEW
+    overview, kept = check_overview_path(Path(config.output_dir), args.overview)
     with _writing("--overview" if args.overview else "output_dir", "overview", overview):
         sheets = write_sheets(check, overview)
+    if kept is not None:
+        print(f"The run in {kept.parent} keeps its own {kept.name} (what it trained); this check's is beside it.")
     report = Path(args.report) if args.report else None
     if report is not None:
         with _writing("--report", "report", report):
@@ -140,6 +144,18 @@ def command_data_check(args: argparse.Namespace) -> int:
         return 1
     print(f"\nThe dataset is ready: {len(check.clips)} samples, every one in a bucket.")
     return 0
+
+
+def check_overview_path(output_dir: Path, given: str | None) -> tuple[Path, Path | None]:
+    """Where `vidtune data check` draws its overview, and the run overview it leaves alone: `--overview`, else
+    output_dir's dataset_overview.png, unless a run already trained there (its resolved config): then
+    data_check_overview.png beside it, so a check with other settings never rewrites the run's record."""
+    if given:
+        return Path(given), None
+    run_overview = output_dir / outputs.DATASET_OVERVIEW
+    if (output_dir / outputs.RESOLVED_CONFIG).is_file():
+        return output_dir / outputs.DATA_CHECK_OVERVIEW, run_overview if run_overview.is_file() else None
+    return run_overview, None
 
 
 @contextlib.contextmanager
@@ -498,8 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--caption-column", metavar="NAME", help="a .csv / .jsonl: the column or key captions go to "
                          "(default caption; a missing CSV column is added)")
     caption.add_argument("--overwrite", action="store_true", help="replace captions that are already there")
-    caption.add_argument("--dry-run", action="store_true", help="print each caption and where it would go; write "
-                         "nothing")
+    caption.add_argument("--dry-run", action="store_true", help="list the clips that have no caption yet and where "
+                         "each caption would go; load no model, write nothing")
     caption.set_defaults(handler=command_caption)
 
     precompute = commands.add_parser(

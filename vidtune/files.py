@@ -218,3 +218,22 @@ def fsync_folder(folder: Path) -> None:
             raise
     finally:
         os.close(handle)
+
+
+def did_you_mean(path: Path) -> str:
+    """" Did you mean NAME?", naming the file beside a missing `path` whose name it most likely meant (the same
+    name in another case, or a close spelling); "" when there is none."""
+    folder = path.parent
+    if not folder.is_dir():
+        return ""
+    try:
+        names = [entry.name for entry in folder.iterdir()]
+    except OSError:  # an unreadable folder: no suggestion, the message still names the path
+        return ""
+    same = [name for name in names if name.lower() == path.name.lower()]
+    if same:
+        return f" Did you mean {same[0]} (the same name, in other capitals)?"
+    import difflib
+
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.8)
+    return f" Did you mean {close[0]}?" if close else ""

@@ -17,6 +17,8 @@ METRICS = "metrics.jsonl"
 LOSS_PLOT = "loss.png"
 EVAL_PLOT = "eval_loss.png"  # the held-out score over steps (validation.eval_clips)
 DATASET_OVERVIEW = "dataset_overview.png"
+# `vidtune data check`'s overview in a folder a run trained in (the run's own is kept as it trained).
+DATA_CHECK_OVERVIEW = "data_check_overview.png"
 SAMPLES = "samples"
 SAMPLES_BY_STEP = "samples_by_step.png"  # every validation's samples side by side, one column per training step
 RESOLVED_CONFIG = "config.yaml"

@@ -7,7 +7,6 @@ one folder, so the user can open the config, change it and run `vidtune train` o
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import yaml
@@ -36,8 +35,18 @@ QUICKSTART_SETTINGS = {
 }
 
 
-def prepare_quickstart(folder: Path, num_clips: int = 4) -> Path:
-    """Write model, clips and config under `folder`; return the config path."""
+def quickstart_run_folder(folder: Path) -> Path:
+    """Where this quickstart's run goes: `folder/run`, or the first free `run-2`, `run-3`, ... when an earlier
+    quickstart's run is there (it is kept)."""
+    run, number = folder / "run", 2
+    while run.exists():
+        run, number = folder / f"run-{number}", number + 1
+    return run
+
+
+def prepare_quickstart(folder: Path, num_clips: int = 4, run: Path | None = None) -> Path:
+    """Write model, clips and config (training into `run`, default `folder/run`) under `folder`; return the
+    config path."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:  # a file in the way, no permission
@@ -62,7 +71,7 @@ def prepare_quickstart(folder: Path, num_clips: int = 4) -> Path:
         "model": {"name": "ltx-video", "pretrained": str(model_dir.resolve())},
         "data": {"root": str(data_dir.resolve()), **data},
         **{key: value for key, value in QUICKSTART_SETTINGS.items() if key != "data"},
-        "output_dir": str((folder / "run").resolve()),
+        "output_dir": str((run or folder / "run").resolve()),
     }
     path = folder / "quickstart.yaml"
     header = f"# Run with: vidtune train {path}\n# The tiny model and clips were written by vidtune quickstart.\n"
@@ -71,11 +80,12 @@ def prepare_quickstart(folder: Path, num_clips: int = 4) -> Path:
 
 
 def run_quickstart(folder: Path, overrides: list[str] | None = None) -> TrainResult:
+    """Train the quickstart in `folder`; an earlier quickstart's run there is kept, and this one goes beside it."""
     folder = Path(folder)
-    # Only the quickstart's own previous run is replaced; nothing else in the folder is touched.
-    if (folder / "run").exists():
-        shutil.rmtree(folder / "run")
-    config_path = prepare_quickstart(folder)
+    run = quickstart_run_folder(folder)
+    if run.name != "run":
+        print(f"An earlier quickstart run is in {folder / 'run'} (kept); this one trains in {run}.", flush=True)
+    config_path = prepare_quickstart(folder, run=run)
     config = load_config(config_path, overrides)
     configure_cpu_threads(config)
     return build_trainer(config).run()

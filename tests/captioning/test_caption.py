@@ -131,6 +131,40 @@ def test_captions_are_kept_unless_overwrite_and_a_dry_run_writes_nothing(tiny_vl
     assert (data / "a.txt").read_text().startswith("vtstyle ") and (data / "b.txt").read_text().startswith("vtstyle ")
 
 
+def test_a_dry_run_lists_what_lacks_a_caption_without_loading_any_model(tmp_path: Path, clips, monkeypatch,
+                                                                        capsys):
+    data = clips(tmp_path, ["a.mp4", "b.mp4"])
+    (data / "a.txt").write_text("mine\n")
+
+    def never(*args, **kwargs):
+        raise AssertionError("a dry run loaded the captioner")
+
+    monkeypatch.setattr(run, "load_captioner", never)
+    assert main(["caption", str(data), "--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"{data / 'b.txt'}: would caption " in out and f"{data / 'a.txt'}: would caption" not in out
+    assert "would write 1, kept 1" in out
+    assert sorted(path.name for path in data.iterdir()) == ["a.mp4", "a.txt", "b.mp4"]
+
+
+def test_offline_without_the_captioner_in_the_cache_says_so_before_loading(tmp_path: Path, clips, monkeypatch,
+                                                                          capsys):
+    from huggingface_hub import constants
+
+    data = clips(tmp_path / "data", ["a.mp4"])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the captioner was loaded although it cannot be")
+
+    monkeypatch.setattr("vidtune.captioning.vlm.Captioner", never)
+    assert main(["caption", str(data), "--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert "caption.model (--model): Qwen/Qwen2.5-VL-7B-Instruct is not in this machine's hub cache" in error
+    assert "hf download Qwen/Qwen2.5-VL-7B-Instruct" in error and "set caption.model (--model) to that folder" in error
+
+
 def test_a_clip_that_does_not_decode_is_reported_with_its_line_and_the_rest_captioned(tiny_vlm: Path,
                                                                                       tmp_path: Path, clips, capsys):
     data = clips(tmp_path, ["a.mp4", "c.mp4"])
@@ -160,7 +194,7 @@ def test_a_wrong_model_is_reported_before_any_clip_is_read(tmp_path: Path, clips
     assert "is a t5 model" in capsys.readouterr().err
     assert main(["caption", str(data), "--model", "someone/not-downloaded", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert "the hub model 'someone/not-downloaded' cannot be read" in err and "HF_HUB_OFFLINE=1 is set" in err
+    assert "someone/not-downloaded is not in this machine's hub cache" in err and "HF_HUB_OFFLINE=1" in err
     assert not (data / "a.txt").exists()
 
 

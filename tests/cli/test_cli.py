@@ -31,6 +31,9 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert list((run / "samples").glob("*.mp4")) and list((run / "samples").glob("*.png"))
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 10
     assert "pytorch_lora_weights.safetensors" in result.stdout
+    # No engine's guess about the machine as the first words a creator reads; the noise in the samples explained.
+    assert "Setting accelerator to CPU" not in result.stdout + result.stderr
+    assert "the tiny model has random weights" in result.stdout
     # The written config is a normal one: the user can train on it again.
     config = yaml.safe_load((out / "quickstart.yaml").read_text())
     assert config["model"]["name"] == "ltx-video"
@@ -50,6 +53,31 @@ def test_quickstart_runs_end_to_end(tmp_path):
     assert (f"does not fit the ltx-video model at {out / 'tiny-ltx-video'} (its rule, read from its own configs: "
             "frames 4k+1, sides multiples of 4)") in shape.stderr
     assert "the published LTX-Video checkpoints need frames 8k+1, sides multiples of 32" in shape.stderr
+
+
+def test_a_second_quickstart_keeps_the_first_run(tmp_path, monkeypatch, capsys):
+    from vidtune import quickstart
+
+    trained: list[str] = []
+
+    class Recorder:
+        def __init__(self, config):
+            trained.append(config.output_dir)
+
+        def run(self):
+            Path(trained[-1]).mkdir(parents=True)
+            (Path(trained[-1]) / "metrics.jsonl").write_text("{}\n")
+
+    monkeypatch.setattr(quickstart, "build_trainer", Recorder)
+    monkeypatch.setattr(quickstart, "prepare_quickstart",
+                        lambda folder, run: _write_config(folder, tmp_path / "m", tmp_path / "d", output_dir=str(run)))
+    (tmp_path / "m" / "transformer").mkdir(parents=True)
+    (tmp_path / "d").mkdir()
+    quickstart.run_quickstart(tmp_path)
+    quickstart.run_quickstart(tmp_path)
+    assert [Path(path).name for path in trained] == ["run", "run-2"]
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()  # the first run is still there
+    assert f"An earlier quickstart run is in {tmp_path / 'run'} (kept)" in capsys.readouterr().out
 
 
 def _write_config(tmp_path: Path, tiny: Path, root: Path, **extra) -> Path:
@@ -198,3 +226,15 @@ def test_every_error_says_what_where_and_what_to_do(case, tmp_path, tiny_model_d
     err = err[err.index(opening):]  # (a fixture's progress bar may come first)
     assert where in err, err
     assert err.strip().splitlines()[-1].startswith("What to do: "), err
+
+
+def test_deepspeeds_guess_about_the_machine_is_not_shown():
+    """accelerate imports DeepSpeed whenever a model is saved (the quickstart's first step); on a machine without
+    a GPU its import warns "Setting accelerator to CPU", which would be the first line a creator reads."""
+    pytest.importorskip("deepspeed")
+    code = ("import vidtune\nfrom deepspeed.accelerator import get_accelerator\nprint(get_accelerator()._name)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**ENV, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().endswith("cpu")
+    assert "Setting accelerator to CPU" not in result.stdout + result.stderr

@@ -108,6 +108,7 @@ def test_cross_section_checks_name_both_keys_plainly():
         load_config(None, [*REQUIRED, "training.steps=6", "optimizer.warmup_steps=10"])
     message = str(error.value)
     assert "optimizer.warmup_steps (10) is larger than training.steps (6)" in message
+    assert "Set optimizer.warmup_steps to at most 6" in message  # what to do, with the number
     assert "model" not in message.split("\n", 1)[1]  # the input is not dumped
 
 

@@ -191,8 +191,11 @@ def test_a_clip_with_non_square_pixels_gives_its_size_as_shown_and_as_stored(tmp
     config = write_config(tmp_path, tiny_model_dir("ltx-video"), [{"type": "pairs", "root": str(root)}],
                           buckets=[[9, 32, 32]])
     assert main(["data", "check", str(config), "--report", str(tmp_path / "report.json")]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if "pal.mp4" in line)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "pal.mp4" in line)
     assert "144x193 (stored 144x176, pixel aspect 128:117)" in row and "9x32x32" in row
+    assert ("tokens: the caption's length in the text encoder's tokens / the most it reads "
+            "(model.max_sequence_length)") in out
     clip = json.loads((tmp_path / "report.json").read_text())["clips"][0]
     assert (clip["size"], clip["stored_size"], clip["pixel_aspect"]) == ([144, 193], [144, 176], "128:117")
 
@@ -234,3 +237,23 @@ def test_training_refuses_clips_that_would_train_as_stills(make_config):
     trainer = build_trainer(make_config(data={"buckets": [[1, 32, 32]]}))
     with pytest.raises(DataError, match="4 clips would train as stills"):
         trainer.check_inputs()
+
+
+def test_a_check_in_a_run_folder_leaves_the_runs_overview_as_it_trained(tmp_path, tiny_model_dir, capsys):
+    """`vidtune data check my.yaml data.frames=...` after a run: the run's dataset_overview.png stays what the run
+    trained; the check draws its own beside it and says so."""
+    from vidtune import outputs
+
+    datasets = render_mixed_dataset(tmp_path / "data")
+    config = write_config(tmp_path, tiny_model_dir("ltx-video"), datasets)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / outputs.RESOLVED_CONFIG).write_text("training:\n  steps: 10\n")  # a run trained here
+    (run / outputs.DATASET_OVERVIEW).write_bytes(b"the run's own overview")
+    code = main(["data", "check", str(config), "data.frames=201"])
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    assert (run / outputs.DATASET_OVERVIEW).read_bytes() == b"the run's own overview"
+    with Image.open(run / outputs.DATA_CHECK_OVERVIEW) as sheet:
+        assert sheet.size[0] > 0
+    assert f"keeps its own {outputs.DATASET_OVERVIEW}" in out and outputs.DATA_CHECK_OVERVIEW in out

@@ -154,6 +154,30 @@ def test_overview_png_shows_each_clip_cropped_to_its_bucket(shapes: Path, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["overview.png"]  # no temp file left behind
 
 
+def test_no_text_of_the_overview_runs_past_its_right_edge(shapes: Path, tmp_path: Path, monkeypatch) -> None:
+    """Long names, captions and reasons are wrapped or cut to the sheet, measured in its font."""
+    import dataclasses
+
+    data, report = _bucketed(shapes, frames=8, height=32, width=32)
+    long = "a very long caption with many wide words such as MMMMMMMM and WWWWWWWW, " * 6
+    clips = [dataclasses.replace(clip, caption=long, source=f"a/long/folder/name/{'w' * 60}/videos.txt")
+             for clip in report.clips]
+    drawn: list[tuple[int, str]] = []
+    text = overview.ImageDraw.ImageDraw.text
+
+    def record(self, xy, content, *args, **kwargs):
+        drawn.append((xy[0], content))
+        return text(self, xy, content, *args, **kwargs)
+
+    monkeypatch.setattr(overview.ImageDraw.ImageDraw, "text", record)
+    problems = {0: ["it is too short: " + "x" * 300]}
+    overview.write_dataset_overview(clips, data, tmp_path / "sheet.png", problems, ["videos.txt line 9: " + long],
+                                    header="H" * 200)
+    font = overview.sheet_font()
+    assert drawn and all(left + font.getlength(content) <= overview.WIDTH - overview.PAD for left, content in drawn)
+    assert any(content.endswith("...") for _, content in drawn)  # what did not fit is cut visibly
+
+
 def test_overview_caps_rows_and_notes_the_rest(shapes: Path, tmp_path: Path) -> None:
     data, report = _bucketed(shapes, frames=8, height=32, width=32)
     path = overview.write_dataset_overview(report.clips, data, tmp_path / "sheet.png", max_rows=2)

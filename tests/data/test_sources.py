@@ -155,6 +155,15 @@ def test_missing_clip_names_line_and_resolved_path(tmp_path: Path) -> None:
     assert f"(looked for {tmp_path / 'clips' / 'typo.mp4'})" in problem
 
 
+def test_a_clip_named_in_other_capitals_or_misspelt_gets_a_did_you_mean(tmp_path: Path) -> None:
+    root = make_dataset(tmp_path, "Beach.MP4\nsunset.mp\nzzz.mp4\n", "sea\nsky\nnone\n",
+                        clips=["beach.mp4", "sunset.mp4"])
+    capitals, spelling, unlike = problems_of(root)
+    assert "was not found" in capitals and "Did you mean beach.mp4 (the same name, in other capitals)?" in capitals
+    assert "Did you mean sunset.mp4?" in spelling
+    assert "Did you mean" not in unlike
+
+
 def test_one_error_lists_every_bad_line(tmp_path: Path) -> None:
     root = make_dataset(
         tmp_path,
@@ -213,7 +222,7 @@ def test_every_bad_clip_is_reported_at_once(tmp_path: Path, clip_folder: Path) -
     assert problems[0].startswith(f"videos.txt line 2 ({clip_folder / 'random.mp4'}): it is not a video file")
     assert problems[1] == (
         f"videos.txt line 3 ({clip_folder / 'short.mp4'}): it is too short: 0.42 s at its own 24 fps gives 10 "
-        "frames; the bucket needs 25. Use a longer clip, add a bucket with fewer frames; it is never stretched in time"
+        "frames; the bucket needs 25. Use a longer clip, lower data.frames; it is never stretched in time"
     )
     assert problems[2].startswith(f"videos.txt line 5 ({clip_folder / 'cut.mp4'}): the file is incomplete")
 

@@ -299,6 +299,16 @@ def test_plan_refuses_an_unknown_hub_id(capsys):
     assert main(["plan", "model.name=wan", "model.pretrained=someone/unknown-model"]) == 2
     error = capsys.readouterr().err
     assert "someone/unknown-model" in error and "What to do:" in error
+    # The command a user has (huggingface_hub's `hf`), and no near miss to suggest for an id like no other.
+    assert "hf download someone/unknown-model --include '*.json' --local-dir unknown-model" in error
+    assert "huggingface-cli" not in error and "Did you mean" not in error
+
+
+def test_plan_suggests_the_known_hub_id_a_typo_or_wrong_case_meant(capsys):
+    known = sorted(shipped_architectures())[0]
+    typo = known.lower()[:-1] + ("x" if known[-1] != "x" else "y")
+    assert main(["plan", f"model.name={families(known)[0]}", f"model.pretrained={typo}"]) == 2
+    assert f"Did you mean {known}?" in capsys.readouterr().err
 
 
 def test_known_values_let_the_trace_branch_and_copy_to_the_host():
@@ -487,8 +497,16 @@ def test_suggestions_fit_the_stated_host(fresh_traces, monkeypatch, tmp_path, ca
     assert main(["plan", "model.name=wan", "model.pretrained=Wan-AI/Wan2.1-T2V-14B-Diffusers", "data.frames=81",
                  "data.height=480", "data.width=832", "--gpu-memory", "24", "--host-memory", "16"]) == 0
     said = capsys.readouterr().out
-    assert "Does not fit in 24 GiB with 16.0 GiB of host memory. With more host memory it fits" in said
+    assert ("Does not fit in 24 GiB at 81x480x832 (frames x height x width) with 16.0 GiB of host memory. With more "
+            "host memory it fits") in said
     assert "--host-memory GIB" in said
+    # The JSON answer gives the same: what a host with more RAM allows, and how much it needs.
+    assert main(["plan", "model.name=wan", "model.pretrained=Wan-AI/Wan2.1-T2V-14B-Diffusers", "data.frames=81",
+                 "data.height=480", "data.width=832", "--gpu-memory", "24", "--host-memory", "16", "--json"]) == 0
+    answer = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert answer["fits"] is False and answer["suggestion"] is None
+    more = answer["with_more_host_memory"]
+    assert more["overrides"] and more["peak_gib"] <= 24 * 0.9 and more["host_gib"] > 16 - 4
 
 
 def test_plan_command_reads_the_host_memory(tiny_model_dir, capsys, monkeypatch, tmp_path):

@@ -92,13 +92,18 @@ def caption_all(files: Sequence[CaptionFiles], settings: CaptionConfig, load_mod
                 overwrite: bool = False, dry_run: bool = False, progress: bool = True,
                 show: Callable[[str], None] = tqdm.write) -> CaptionSummary:
     """Caption what `files` lack (everything with `overwrite`), `settings.batch_size` samples a model call, each
-    caption written as soon as it is made (a dry run shows it instead). The model is loaded only when there is
-    something to caption."""
+    caption written as soon as it is made. A dry run lists what would be captioned and where each caption would
+    go, and loads no model. The model is loaded only when there is something to caption."""
     summary = CaptionSummary(dry_run=dry_run)
     for source in files:
         summary.skipped.extend(source.problems)
     todo, summary.kept = to_caption(files, overwrite)
     if not todo:
+        return summary
+    if dry_run:
+        for source, slot in todo:
+            show(f"{source.target(slot)}: would caption {slot.where}")
+        summary.written = len(todo)
         return summary
     model = load_model()
     pending: list[tuple[CaptionFiles, CaptionSlot, Media]] = []
@@ -111,11 +116,7 @@ def caption_all(files: Sequence[CaptionFiles], settings: CaptionConfig, load_mod
                 summary.skipped.append(f"{slot.where} ({slot.media}): the model wrote no caption for it (try another "
                                        "--instruction, or a larger --max-new-tokens).")
                 continue
-            caption = with_prefix(settings, caption)
-            if dry_run:
-                show(f"{source.target(slot)}: {caption}")
-            else:
-                source.write(slot, caption)
+            source.write(slot, with_prefix(settings, caption))
             summary.written += 1
         pending.clear()
 
@@ -166,8 +167,11 @@ def load_captioner(settings: CaptionConfig) -> Model:
     import torch
 
     from vidtune.captioning.vlm import Captioner, resolve_dtype
+    from vidtune.models.hub import check_hub_model, looks_local
     from vidtune.parallel import parse_device
 
+    if not looks_local(settings.model):  # offline or the hub unreachable: said at once, before a long load
+        check_hub_model(settings.model, None, "captioning", (), setting="caption.model (--model)")
     name = settings.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

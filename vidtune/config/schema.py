@@ -710,7 +710,7 @@ class ValidationConfig(Section):
     )
     comfyui_scheduler: Literal["simple", "normal", "sgm_uniform", "beta", "linear_quadratic", "ltxv"] | None = Field(
         None, description="The ComfyUI scheduler of the run's workflow and of `sampler: comfyui`. Default: the "
-        "family's (LTX-Video: `ltxv`, LTXVScheduler; Mochi: `linear_quadratic`, Genmo's; the others: "
+        "family's (LTX-Video and LTX-2: `ltxv`, LTXVScheduler; Mochi: `linear_quadratic`, Genmo's; the others: "
         "`simple`).",
     )
     comfyui_shift: float | None = Field(
@@ -1036,7 +1036,9 @@ class Config(Section):
         if self.optimizer.warmup_steps > self.training.steps:
             raise ValueError(
                 f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) is larger than training.steps "
-                f"({self.training.steps})"
+                f"({self.training.steps}): the learning rate would still be rising when the run ends. Set "
+                f"optimizer.warmup_steps to at most {self.training.steps} (a tenth, "
+                f"{max(1, self.training.steps // 10)}, is common), or raise training.steps"
             )
         base_weights = self.memory.base_weights
         algorithm = self.training.algorithm

@@ -115,8 +115,9 @@ def _too_short(info: VideoInfo, available: int, fps: float | None, smallest: int
     rate = f"{format_fps(fps)} fps" if fps is not None else f"its own {format_fps(info.fps)} fps"
     what = "the bucket needs" if single else "the smallest bucket needs"
     return (f"it is too short: {seconds} at {rate} gives {available} frame{'s' if available != 1 else ''}; "
-            f"{what} {smallest}. Use a longer clip, add a bucket with fewer frames"
-            f"{' or raise data.fps' if fps is not None else ''}; it is never stretched in time")
+            f"{what} {smallest}. Use a longer clip, "
+            f"{'lower data.frames' if single else 'add a bucket with fewer frames'}"
+            f"{', or raise data.fps' if fps is not None else ''}; it is never stretched in time")
 
 
 def check_bucket_shapes(spec, shapes: Sequence[Shape], single: bool) -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from vidtune.data.sources import MEDIA_SUFFIXES, folder_files, read_lines
 from vidtune.data.video import is_image_path
 from vidtune.errors import DataError, VidtuneError
-from vidtune.files import atomic_write_bytes
+from vidtune.files import atomic_write_bytes, did_you_mean
 
 if TYPE_CHECKING:  # the config's source sections, named for annotations only (vidtune.config sits above data/)
     from vidtune.config import FolderSource, MetadataSource, PairsSource
@@ -169,8 +169,8 @@ def _resolve(base: Path, text: str) -> Path:
 
 def _media_problem(where: str, text: str, path: Path, base: Path) -> str | None:
     if not path.exists():
-        return f"{where}: the clip {text!r} was not found (looked for {path}). Check the spelling, or write the path " \
-            f"relative to {base}."
+        return (f"{where}: the clip {text!r} was not found (looked for {path}).{did_you_mean(path)} Check the "
+                f"spelling, or write the path relative to {base}.")
     if path.is_dir():
         return f"{where}: {path} is a folder, not a clip or image."
     return None

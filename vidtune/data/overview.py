@@ -10,6 +10,7 @@ caption) are listed in red at the end of the last page. The header counts what t
 
 from __future__ import annotations
 
+import functools
 import os
 import textwrap
 from collections.abc import Sequence
@@ -45,8 +46,8 @@ _TEXT = (235, 235, 235)
 _DIM_TEXT = (160, 160, 170)
 _TRAINS = (140, 210, 140)
 _MARK = (225, 70, 70)  # what will not train
-_TEXT_CHARS = 62  # characters per text line; the default font is about 7 px per character
-_NOTE_CHARS = (WIDTH - 2 * PAD) // 7
+_TEXT_PX = TEXT_W - PAD  # a row's text column, in pixels
+_NOTE_PX = WIDTH - 2 * PAD
 _NOTE_LINES = 3  # lines of each source problem at the end of the sheet, at most
 
 
@@ -156,7 +157,7 @@ def write_dataset_overview(
     more = len(clips) - len(rows)
     sheet = Image.new("RGB", overview_size(len(clips), max_rows, unused), _BACKGROUND)
     draw = ImageDraw.Draw(sheet)
-    font = ImageFont.load_default(size=13)
+    font = sheet_font()
     if header is None:
         header = summary(clips, problems, unused)
     _text(draw, (PAD, PAD), header + (f" (showing the first {len(rows)})" if more else ""), font, _TEXT)
@@ -188,12 +189,12 @@ def _draw_row(sheet: Image.Image, draw: ImageDraw.ImageDraw, font: ImageFont.Ima
     if row.trains:
         lines.append((_trains_as(row), _TRAINS))
     else:
-        reason = textwrap.wrap("WILL NOT TRAIN: " + "; ".join(row.problems), _TEXT_CHARS)
+        reason = _wrap("WILL NOT TRAIN: " + "; ".join(row.problems), _TEXT_PX)
         lines += [(line, _MARK) for line in _cut(reason, 2)]
     if row.info is not None:
         lines.append((clip_details(row.clip, row.info, sound), _DIM_TEXT))
     room = ROW_H // LINE_H - len(lines)
-    lines += [(line, _TEXT) for line in _cut(textwrap.wrap(row.clip.caption, _TEXT_CHARS) or [""], room)]
+    lines += [(line, _TEXT) for line in _cut(_wrap(row.clip.caption, _TEXT_PX) or [""], room)]
     for number, (line, color) in enumerate(lines):
         _text(draw, (text_left, top + PAD + number * LINE_H), line, font, color)
     if not row.trains:
@@ -234,7 +235,7 @@ def _unused_lines(unused: Sequence[str]) -> list[str]:
         return []
     lines = [f"{_lines_without_sample(len(unused))} (they will not train):"]
     for problem in unused:
-        lines += _cut(textwrap.wrap(problem, _NOTE_CHARS, initial_indent="- ", subsequent_indent="  "), _NOTE_LINES)
+        lines += _cut(_wrap(problem, _NOTE_PX, initial_indent="- ", subsequent_indent="  "), _NOTE_LINES)
     return lines
 
 
@@ -248,12 +249,39 @@ def _draw_unused(draw: ImageDraw.ImageDraw, font: ImageFont.ImageFont, top: int,
         _text(draw, (PAD, top + PAD + number * LINE_H), line, font, _MARK)
 
 
+@functools.cache
+def sheet_font() -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    return ImageFont.load_default(size=13)
+
+
+def _wrap(text: str, width: int, **options: str) -> list[str]:
+    """`text` in lines at most `width` pixels wide in the sheet's font (textwrap's breaks at measured widths; a
+    word longer than a line is broken)."""
+    font = sheet_font()
+    chars = max(8, int(width / max(font.getlength("n"), 1.0)))
+    while True:
+        lines = textwrap.wrap(text, chars, **options)
+        if chars <= 8 or all(font.getlength(line) <= width for line in lines):
+            return lines
+        chars -= 2
+
+
+def _fit(text: str, width: float) -> str:
+    """`text` as one line at most `width` pixels wide, ending in "..." when cut."""
+    font = sheet_font()
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "...") > width:
+        text = text[:-1]
+    return text.rstrip() + "..."
+
+
 def _cut(lines: list[str], count: int) -> list[str]:
     """At most `count` lines, the last ending in "..." when some were left out."""
     if len(lines) <= count:
         return lines
     kept = lines[: max(count, 1)]
-    kept[-1] = kept[-1][: _TEXT_CHARS - 3].rstrip() + "..."
+    kept[-1] = kept[-1].rstrip() + "..."
     return kept
 
 
@@ -264,6 +292,7 @@ def _text(
     font: ImageFont.ImageFont,
     color: tuple[int, int, int],
 ) -> None:
+    text = _fit(text, WIDTH - PAD - xy[0])  # never past the sheet's right edge
     try:
         draw.text(xy, text, font=font, fill=color)
     except UnicodeEncodeError:  # bitmap fallback font (Pillow without FreeType) only knows Latin-1

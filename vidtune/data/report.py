@@ -206,6 +206,10 @@ def table(check: DataCheck, fps: float | None) -> str:
     widths = [min(48, max(len(row[column]) for row in rows)) for column in range(len(header))]
     lines = ["  ".join(_cell(text, width) for text, width in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    if check.tokens:
+        lines.append("tokens: the caption's length in the text encoder's tokens" + (
+            " / the most it reads (model.max_sequence_length); CUT: the rest of the caption is not read"
+            if check.token_limit else ""))
     lines.append("")
     lines.append("Samples per bucket (frames x height x width):")
     for key, count in check.bucket_counts().items():

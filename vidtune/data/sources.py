@@ -48,6 +48,7 @@ from vidtune.data.video import (
     probe_video,
 )
 from vidtune.errors import DataError
+from vidtune.files import did_you_mean
 
 if TYPE_CHECKING:  # the config's data section, named for annotations only (vidtune.config sits above data/)
     from vidtune.config import DataConfig
@@ -244,8 +245,8 @@ def _check_clip_line(
     clip = _resolve_clip(root, text)
     if not clip.exists():
         problems.append(
-            f"{videos_name} line {number}: the clip {_preview(text)} was not found (looked for {clip}). "
-            f"Check the spelling, or write the path relative to {root}."
+            f"{videos_name} line {number}: the clip {_preview(text)} was not found (looked for {clip})."
+            f"{did_you_mean(clip)} Check the spelling, or write the path relative to {root}."
         )
         return None
     if clip.is_dir():

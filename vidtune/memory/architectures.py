@@ -10,6 +10,7 @@ folder is read as it is.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import json
@@ -79,10 +80,15 @@ def architecture_folder(pretrained: str, family: str) -> tuple[Path, str]:
         return folder, str(folder.resolve())
     known = shipped_architectures()
     if pretrained not in known:
+        by_case = {hub_id.lower(): hub_id for hub_id in known}
+        close = difflib.get_close_matches(pretrained.lower(), list(by_case), n=1, cutoff=0.75)
+        meant = f"Did you mean {by_case[close[0]]}? " if close else ""
+        folder = pretrained.rstrip("/").split("/")[-1]
         raise ConfigError(
             f"model.pretrained: `vidtune plan` has no architecture for the hub id {pretrained}.\n"
-            f"What to do: use one it knows ({', '.join(known)}), or download the model (its config.json files are "
-            "enough: `huggingface-cli download ID --include '*.json'`) and set model.pretrained to that folder."
+            f"What to do: {meant}Use one it knows ({', '.join(known)}), or download the model's config files where "
+            f"there is network (`hf download {pretrained} --include '*.json' --local-dir {folder}`) and set "
+            "model.pretrained to that folder."
         )
     if family not in families(pretrained):
         names = " or ".join(families(pretrained))

@@ -86,6 +86,8 @@ def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory:
         larger_host = suggest(config, gpu_memory, gpus) if gpu_memory is not None and not fitting and \
             suggestion is None else None
     result = plan.to_json()
+    frames, height, width = plan.shape
+    size = f"at {frames}x{height}x{width} (frames x height x width)"
     if gpu_memory is not None:
         result["gpu_memory_gib"] = gpu_memory
         result["usable_gpu_memory_gib"] = round(usable, 3)  # what a plan may fill of the card: its headroom kept
@@ -98,6 +100,11 @@ def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory:
             result["suggested_host_gib"] = round(suggestion.plan.host_peak / GIB, 3)
         elif not result["fits"]:
             result["suggestion"] = None
+            if larger_host is not None:  # what the text says too: the settings a host with more RAM allows
+                result["with_more_host_memory"] = {
+                    "overrides": larger_host.overrides, "peak_gib": round(larger_host.plan.peak / GIB, 3),
+                    "host_gib": round(larger_host.plan.host_peak / GIB, 3),
+                    "host_gib_with_system": round(larger_host.plan.host_peak / GIB + HOST_RESERVE_GIB, 3)}
     if as_json:
         print(json.dumps(result))
         return 0
@@ -105,23 +112,24 @@ def run_plan(config: Config, path: str | None, overrides: list[str], gpu_memory:
     if gpu_memory is None:
         return 0
     if result["fits"]:
-        print(f"\nFits in {gpu_memory:g} GiB: peak {plan.peak / GIB:.2f} GiB, within the {usable:.1f} GiB a plan may "
-              f"fill ({headroom_words()}; host memory: {plan.host_peak / GIB:.2f} of {host:.1f} GiB).")
+        print(f"\nFits in {gpu_memory:g} GiB {size}: peak {plan.peak / GIB:.2f} GiB, within the {usable:.1f} GiB a "
+              f"plan may fill ({headroom_words()}; host memory: {plan.host_peak / GIB:.2f} of {host:.1f} GiB).")
     elif suggestion is not None:
-        print(f"\nDoes not fit in {gpu_memory:g} GiB (with {host:.1f} GiB of host memory). It fits with these settings "
+        print(f"\nDoes not fit in {gpu_memory:g} GiB {size} with {host:.1f} GiB of host memory. It fits with these "
+              "settings "
               f"(the fastest combination found; peak {suggestion.plan.peak / GIB:.2f} GiB, within the {usable:.1f} GiB "
               f"a plan may fill: {headroom_words()}; host memory "
               f"{suggestion.plan.host_peak / GIB:.2f} GiB):\n  {' '.join(suggestion.overrides)}\n"
               f"{train_example(config, path, overrides, suggestion.overrides)}")
     elif larger_host is not None:
-        print(f"\nDoes not fit in {gpu_memory:g} GiB with {host:.1f} GiB of host memory. With more host memory it "
-              f"fits with these settings (peak {larger_host.plan.peak / GIB:.2f} GiB), which need "
+        print(f"\nDoes not fit in {gpu_memory:g} GiB {size} with {host:.1f} GiB of host memory. With more host "
+              f"memory it fits with these settings (peak {larger_host.plan.peak / GIB:.2f} GiB), which need "
               f"{larger_host.plan.host_peak / GIB:.2f} GiB of host memory (plus about {HOST_RESERVE_GIB:g} GiB for "
               f"the system):\n  {' '.join(larger_host.overrides)}\nWhat to do: train on a machine with more RAM "
               "(plan for it with --host-memory GIB), or at a smaller size (data.frames, data.height, data.width).")
     else:
-        print(f"\nDoes not fit in {gpu_memory:g} GiB (with {host:.1f} GiB of host memory), even with every memory "
-              "saver vidtune has.\nWhat to do: train at "
+        print(f"\nDoes not fit in {gpu_memory:g} GiB {size} with {host:.1f} GiB of host memory, even with every "
+              "memory saver vidtune has.\nWhat to do: train at "
               "a smaller size (data.frames, data.height, data.width), with a smaller lora.rank, on a larger GPU, or "
               "on several (parallel.strategy=fsdp, then plan with --gpus N).")
     return 0

@@ -46,11 +46,11 @@ def cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
         return None
 
 
-def _download_hint(repo_id: str, revision: str | None) -> str:
+def _download_hint(repo_id: str, revision: str | None, setting: str = "model.pretrained") -> str:
     folder = repo_id.rsplit("/", 1)[-1]
     rev = f" --revision {revision}" if revision else ""
     return (f"download it where there is network: `hf download {repo_id}{rev} --local-dir {folder}`, bring the "
-            f"folder here and set model.pretrained to that folder")
+            f"folder here and set {setting} to that folder")
 
 
 def _where(repo_id: str, revision: str | None) -> str:
@@ -74,10 +74,11 @@ class HubCheck:
 
 
 def check_hub_model(repo_id: str, revision: str | None, family: str, components: tuple[str, ...],
-                    folder: str | None = None) -> None:
+                    folder: str | None = None, setting: str = "model.pretrained") -> None:
     """Raise a ModelError naming what to do when `repo_id` cannot give the family's `components`. `folder`: the
-    folder `repo_id` was first looked for as (a relative path), named when the hub has no such model either.
-    Asks every time it is called; `HubCheck` asks once."""
+    folder `repo_id` was first looked for as (a relative path), named when the hub has no such model either;
+    `setting`: the setting that named it, as the messages name it. Asks every time it is called; `HubCheck` asks
+    once."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import (
         DisabledRepoError,
@@ -93,9 +94,10 @@ def check_hub_model(repo_id: str, revision: str | None, family: str, components:
         snapshot = cached_snapshot(repo_id, revision)
         if snapshot is None:
             raise ModelError(
-                f"model.pretrained: {where} is not in this machine's hub cache ({constants.HF_HUB_CACHE}), and "
+                f"{setting}: {where} is not in this machine's hub cache ({constants.HF_HUB_CACHE}), and "
                 f"HF_HUB_OFFLINE=1 forbids downloading it.{_no_folder(folder)}\n"
-                f"What to do: unset HF_HUB_OFFLINE to let vidtune download it, or {_download_hint(repo_id, revision)}."
+                "What to do: unset HF_HUB_OFFLINE to let vidtune download it, or "
+                f"{_download_hint(repo_id, revision, setting)}."
             )
         present = {name for name in components if (snapshot / name).is_dir()}
         _check_components(repo_id, revision, family, components, present, f"the cached copy in {snapshot}")
@@ -105,14 +107,14 @@ def check_hub_model(repo_id: str, revision: str | None, family: str, components:
         info = HfApi().model_info(repo_id, revision=revision, timeout=PROBE_TIMEOUT_S)
     except HFValidationError:
         raise ModelError(
-            f"model.pretrained: '{repo_id}' is neither an existing folder nor a valid hub id (owner/name)."
+            f"{setting}: '{repo_id}' is neither an existing folder nor a valid hub id (owner/name)."
             f"{_no_folder(folder)}\n"
-            "What to do: point model.pretrained at a model folder in the diffusers layout (relative paths in a "
+            f"What to do: point {setting} at a model folder in the diffusers layout (relative paths in a "
             "config file are relative to the file's folder), or give a hub id such as Lightricks/LTX-Video."
         ) from None
     except GatedRepoError:
         raise ModelError(
-            f"model.pretrained: {repo_id} is a gated repository on the hub, and this machine has no access to it.\n"
+            f"{setting}: {repo_id} is a gated repository on the hub, and this machine has no access to it.\n"
             f"What to do: accept its licence at {constants.ENDPOINT}/{repo_id} (logged in), then log in here with "
             "`hf auth login` (or set HF_TOKEN) and run again."
         ) from None
@@ -124,23 +126,23 @@ def check_hub_model(repo_id: str, revision: str | None, family: str, components:
         ) from None
     except RepositoryNotFoundError:
         raise ModelError(
-            f"model.pretrained: there is no model {repo_id} on the hub (or it is private and this machine is not "
+            f"{setting}: there is no model {repo_id} on the hub (or it is private and this machine is not "
             f"logged in), nor a local folder of that name.{_no_folder(folder)}\n"
             "What to do: check the spelling of the hub id (e.g. Lightricks/LTX-Video); for a private model run "
             "`hf auth login`; for a local folder give its path (relative paths in a config file are relative to "
             "the file's folder)."
         ) from None
     except DisabledRepoError:
-        raise ModelError(f"model.pretrained: {repo_id} has been disabled on the hub by its author.\n"
+        raise ModelError(f"{setting}: {repo_id} has been disabled on the hub by its author.\n"
                          "What to do: use another copy of the model (a local folder or another hub id).") from None
     except HfHubHTTPError as error:
         status = getattr(getattr(error, "response", None), "status_code", "?")
         raise ModelError(
-            f"model.pretrained: the hub ({constants.ENDPOINT}) answered with an error ({status}) about {where}.\n"
-            f"What to do: try again in a few minutes, or {_download_hint(repo_id, revision)}."
+            f"{setting}: the hub ({constants.ENDPOINT}) answered with an error ({status}) about {where}.\n"
+            f"What to do: try again in a few minutes, or {_download_hint(repo_id, revision, setting)}."
         ) from None
     except Exception as error:  # no answer at all (DNS, refused, timeout, proxy): the hub is unreachable
-        raise ModelError(_unreachable_message(repo_id, revision, error)) from None
+        raise ModelError(_unreachable_message(repo_id, revision, error, setting)) from None
     present = {name for name in components
                if any(sibling.rfilename.startswith(f"{name}/") for sibling in info.siblings or [])}
     _check_components(repo_id, revision, family, components, present, f"the hub repository {where}")
@@ -153,18 +155,20 @@ def _no_folder(folder: str | None) -> str:
             "relative to the file's folder; on the command line, to the current folder).")
 
 
-def _unreachable_message(repo_id: str, revision: str | None, error: BaseException) -> str:
+def _unreachable_message(repo_id: str, revision: str | None, error: BaseException,
+                         setting: str = "model.pretrained") -> str:
     from huggingface_hub import constants
 
     reason = f"{type(error).__name__}: {error}".strip().rstrip(":")
     snapshot = cached_snapshot(repo_id, revision)
-    lines = [f"model.pretrained: cannot reach the Hugging Face hub ({constants.ENDPOINT}) to get "
+    lines = [f"{setting}: cannot reach the Hugging Face hub ({constants.ENDPOINT}) to get "
              f"{_where(repo_id, revision)} ({reason}). Nothing was started."]
     if snapshot is not None:
         lines.append(f"What to do: the model is in this machine's hub cache ({snapshot}); run again with "
                      "HF_HUB_OFFLINE=1 to use it without the network.")
     else:
-        lines.append(f"What to do: check the network (or the proxy settings), or {_download_hint(repo_id, revision)}.")
+        lines.append(f"What to do: check the network (or the proxy settings), or "
+                     f"{_download_hint(repo_id, revision, setting)}.")
     return "\n".join(lines)
 
 

@@ -3,9 +3,11 @@ uvicorn on a free local port in a thread, as `vidtune studio` serves it."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,10 +80,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def studio(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Studio:
-    root = tmp_path_factory.mktemp("studio-root")
-    render_shapes_dataset(root / "clips", num_clips=2, num_frames=17, height=48, width=48, fps=24, seed=0)
+@contextlib.contextmanager
+def serve_studio(root: Path, model: Path) -> Iterator[Studio]:
+    """`vidtune studio --root root`, served by uvicorn on a free local port in a thread while the block runs."""
     app = create_app(root)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -91,6 +92,16 @@ def studio(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Studio:
     while not server.started:
         assert time.monotonic() < deadline, "the studio server did not start"
         time.sleep(0.05)
-    yield Studio(f"http://127.0.0.1:{port}", root, app.state.access.csrf, tiny_model_dir("ltx-video"))
-    server.should_exit = True
-    thread.join(timeout=120)
+    try:
+        yield Studio(f"http://127.0.0.1:{port}", root, app.state.access.csrf, model)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=120)
+
+
+@pytest.fixture(scope="session")
+def studio(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[Studio]:
+    root = tmp_path_factory.mktemp("studio-root")
+    render_shapes_dataset(root / "clips", num_clips=2, num_frames=17, height=48, width=48, fps=24, seed=0)
+    with serve_studio(root, tiny_model_dir("ltx-video")) as served:
+        yield served

@@ -108,3 +108,46 @@ def test_the_studio_in_a_browser(studio, browser, tmp_path):
     if keep:
         for path in shots:
             shutil.copy(path, Path(keep) / f"studio-{path.name}")
+
+
+def test_the_first_screens_a_failed_job_and_a_terminal_stopped_run_in_a_browser(browser, tiny_model_dir, tmp_path):
+    """A first visit with an empty root: the clips page says what to put there, the settings page starts a new
+    config without a page of errors. Then a run stopped in a terminal reads "stopped, can resume", and a job that
+    fails at once shows vidtune's own message in the queue."""
+    import time
+
+    from tests.studio.conftest import serve_studio
+    from vidtune import outputs
+    from vidtune.studio.runs import TERMINAL_QUIET_S
+
+    root = tmp_path / "root"
+    root.mkdir()
+    with serve_studio(root, tiny_model_dir("ltx-video")) as studio:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(f"{studio.url}/clips")
+        assert "No clips under" in page.inner_text("#data-places")
+        page.goto(f"{studio.url}/settings")
+        assert "is a new config" in page.inner_text("#new-config")
+        page.wait_for_timeout(800)  # what a validation on arrival would have needed
+        assert "invalid" not in (page.get_attribute("#validation", "class") or "")
+        shot = tmp_path / "new-config.png"
+        page.screenshot(path=str(shot))
+        not_blank(shot)
+
+        stopped = root / "terminal-run"
+        (stopped / outputs.CHECKPOINTS / "step-00000004").mkdir(parents=True)
+        (stopped / outputs.RESOLVED_CONFIG).write_text("training:\n  steps: 10\n")
+        (stopped / outputs.METRICS).write_text('{"step": 4, "loss": 0.5}\n')
+        long_ago = time.time() - 2 * TERMINAL_QUIET_S
+        os.utime(stopped / outputs.METRICS, (long_ago, long_ago))
+        (root / "clips").mkdir()
+        (root / "clips" / "videos.txt").write_text("missing.mp4\n")
+        (root / "clips" / "prompts.txt").write_text("a caption\n")
+        name = studio.write_config("broken.yaml")
+        page.goto(studio.url + "/")
+        assert "stopped, can resume" in page.inner_text("#runs-table")
+        page.select_option("#train-config", name)
+        page.click("#start-run")
+        page.wait_for_selector("#jobs-table .job-message", timeout=120_000)
+        assert "missing.mp4" in page.inner_text("#jobs-table .job-message")
+        assert page.locator("#jobs-table a", has_text="log").count() == 1

@@ -81,7 +81,7 @@ def test_a_run_started_from_the_command_line_appears(studio):
                                           '"sigmas": [0.15], "sample_losses": [0.5]}\n{"step": 2, "loss": 0.4}\n'
                                           '{"step": 2, "eval_loss": 0.45}\n{"step": 3, "lo')  # cut by a kill
     rows = {row["path"]: row for row in studio.get("/api/runs").json()["runs"]}
-    assert rows["cli-runs/outside-the-studio"]["state"] == "not running from the studio"
+    assert rows["cli-runs/outside-the-studio"]["state"] == "running from a terminal"  # its metrics just written
     view = studio.get("/api/run", path="cli-runs/outside-the-studio").json()
     assert (view["steps"], view["losses"], view["eval_losses"], view["total_steps"]) == ([1, 2], [0.5, 0.4], [0.45],
                                                                                          10)
@@ -89,3 +89,46 @@ def test_a_run_started_from_the_command_line_appears(studio):
     refused = studio.post("/api/stop", {"run": "cli-runs/outside-the-studio"})
     assert refused.status_code == 400 and "Ctrl-C" in refused.json()["error"]
     assert studio.post("/api/resume", {"run": "cli-runs/outside-the-studio"}).status_code == 400  # no checkpoint
+
+
+def test_a_run_stopped_in_a_terminal_says_it_can_resume(studio):
+    """Ctrl-C in a terminal: the run's metrics stop changing, its newest checkpoint is there; the runs page says it
+    stopped and can resume (not that it merely runs elsewhere), and its page offers no Stop."""
+    import os
+    import time
+
+    from vidtune.studio.runs import TERMINAL_QUIET_S
+
+    folder = studio.root / "cli-runs" / "stopped-with-ctrl-c"
+    (folder / outputs.CHECKPOINTS / "step-00000002").mkdir(parents=True)
+    (folder / outputs.RESOLVED_CONFIG).write_text("training:\n  steps: 10\n")
+    (folder / outputs.METRICS).write_text('{"step": 1, "loss": 0.5, "seconds_per_step": 0.2}\n'
+                                          '{"step": 2, "loss": 0.4, "seconds_per_step": 0.2}\n')
+    long_ago = time.time() - 2 * TERMINAL_QUIET_S
+    os.utime(folder / outputs.METRICS, (long_ago, long_ago))
+    rows = {row["path"]: row for row in studio.get("/api/runs").json()["runs"]}
+    assert rows["cli-runs/stopped-with-ctrl-c"]["state"] == "stopped, can resume"
+    page = studio.get("/run", path="cli-runs/stopped-with-ctrl-c").text
+    assert 'data-action="stop-run" data-run="cli-runs/stopped-with-ctrl-c" disabled' in page
+
+
+def test_a_job_that_fails_early_shows_its_plain_message_and_log(studio):
+    """A run whose data is wrong fails before it writes a run folder: the queue shows why in vidtune's words, with
+    its log a click away; the run's page says the same as a page, not raw JSON."""
+    (studio.root / "bad-clips").mkdir()
+    (studio.root / "bad-clips" / "videos.txt").write_text("missing.mp4\n")
+    (studio.root / "bad-clips" / "prompts.txt").write_text("a caption\n")
+    name = studio.write_config("broken.yaml", data={"root": "bad-clips"})
+    job = studio.post("/api/train", {"config": name}).json()
+    done = studio.wait_for("the job to fail", lambda: studio.job(job["id"])["state"] in ("failed", "finished")
+                           and studio.job(job["id"]))
+    assert done["state"] == "failed"
+    assert "videos.txt line 1: the clip 'missing.mp4' was not found" in done["message"]
+    assert "Traceback" not in done["message"]
+    home = studio.get("/").text
+    assert "was not found" in home and f'href="/jobs/{job["id"]}/log"' in home
+    log = studio.get(f"/jobs/{job['id']}/log")
+    assert log.status_code == 200 and "missing.mp4" in log.text
+    run_page = studio.get("/run", path=job["run_path"])
+    assert run_page.headers["content-type"].startswith("text/html")
+    assert "No run here yet" in run_page.text and "was not found" in run_page.text

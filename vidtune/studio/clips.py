@@ -96,6 +96,33 @@ def caption_files(path: Path) -> list[CaptionFiles]:
     return opened
 
 
+def data_places(root: Path, depth: int = 3) -> list[str]:
+    """The folders under `root` that hold clips (a videos.txt, a .csv / .jsonl list, or video and image files),
+    relative to it, for the clips page's first screen (hidden folders, runs and the studio's own left out)."""
+    from vidtune.data.sources import MEDIA_SUFFIXES
+    from vidtune.studio import runs
+
+    found: list[str] = []
+
+    def walk(folder: Path, level: int) -> None:
+        try:
+            entries = sorted(folder.iterdir())
+        except OSError:  # unreadable: nothing to offer there
+            return
+        files = [entry for entry in entries if entry.is_file()]
+        if any(entry.name == "videos.txt" or entry.suffix.lower() in (*MEDIA_SUFFIXES, ".csv", ".jsonl")
+               for entry in files):
+            found.append(folder.relative_to(root).as_posix() if folder != root else ".")
+        if level < depth:
+            for entry in entries:
+                if (entry.is_dir() and not entry.name.startswith(".") and entry.name not in runs.SKIPPED
+                        and not runs.is_run_folder(entry)):
+                    walk(entry, level + 1)
+
+    walk(root, 0)
+    return found
+
+
 def view_clips(path: Path, shown_as: str) -> ClipsView:
     """Every sample of the data at `path` (a config file, a folder, a clip list, a .csv / .jsonl) as a card."""
     _, config, data = open_sources(path)
@@ -206,18 +233,23 @@ def window_of(path: Path, source: int, slot: int) -> tuple[Path, tuple[int, int,
 
 
 # ----- pictures --------------------------------------------------------------------------------------------------
-def frame_png(media: Path, at: str) -> bytes:
-    """The first, middle or last frame of a clip (a still: itself) as PNG bytes, at most 320 pixels wide."""
+def frame_png(media: Path, at: str, size: tuple[int, int] | None = None, resize: str = "crop") -> bytes:
+    """The first, middle or last frame of a clip (a still: itself) as PNG bytes, at most 320 pixels wide; with
+    `size` (height, width: its bucket's), resized to it as training resizes it (`resize`: data.resize), so the card
+    shows the crop that trains."""
     from PIL import Image
 
     from vidtune.data.video import is_image_path, probe_video, read_frames
 
     if is_image_path(media):
-        image = Image.open(media).convert("RGB")
+        index = 0
     else:
         count = probe_video(media).num_frames
         index = {"first": 0, "middle": count // 2, "last": count - 1}[at]
-        image = Image.fromarray(read_frames(media, [index])[0])
+    if size is None and is_image_path(media):
+        image = Image.open(media).convert("RGB")
+    else:
+        image = Image.fromarray(read_frames(media, [index], size, resize)[0])
     image.thumbnail((320, 320))
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")

@@ -31,7 +31,8 @@ def clips_routes(studio: Studio) -> APIRouter:
         view = clips.view_clips(data_path(data), data) if data else None
         return page("clips.html", request, data=data or "", view=view,
                     cards=view.to_json(lambda p: shown_path(place, p))["cards"] if view else [],
-                    configs=configs())
+                    configs=configs(), places=[] if view else clips.data_places(place.folder),
+                    resize=view.data_config.resize if view else "crop")
 
     @router.get("/api/clips")
     def api_clips(data: str) -> dict[str, Any]:
@@ -60,10 +61,14 @@ def clips_routes(studio: Studio) -> APIRouter:
         return queue.add(Command("caption", (str(path),), f"caption {place.relative(path)}")).to_json()
 
     @router.get("/api/frame")
-    def api_frame(path: str, at: str = "first") -> Response:
+    def api_frame(path: str, at: str = "first", height: int | None = None, width: int | None = None,
+                  resize: str = "crop") -> Response:
         if at not in ("first", "middle", "last"):
             raise BadRequest("at: first, middle or last.")
-        return Response(clips.frame_png(media_path(place, path), at), media_type="image/png")
+        if resize not in ("crop", "fit", "stretch"):
+            raise BadRequest("resize: crop, fit or stretch (data.resize).")
+        size = (height, width) if height and width else None
+        return Response(clips.frame_png(media_path(place, path), at, size, resize), media_type="image/png")
 
     @router.get("/api/window")
     def api_window(data: str, source: int, slot: int) -> FileResponse:

@@ -59,7 +59,20 @@ class Job:
     def to_json(self) -> dict:
         return {"id": self.number, "command": self.command.name, "title": self.command.title,
                 "args": list(self.command.args), "state": self.state, "exit_code": self.exit_code,
-                "run": str(self.command.run) if self.command.run else None, "log": self.log.name}
+                "run": str(self.command.run) if self.command.run else None, "log": self.log.name,
+                "message": self.message()}
+
+    def message(self) -> str | None:
+        """Why a failed job failed, as vidtune said it: its last `error:` message (what the command line shows),
+        else the last lines of its log; None for a job that did not fail."""
+        if self.state != "failed":
+            return None
+        tail = "\n" + self.tail(8000)
+        marker = tail.rfind("\nerror: ")
+        if marker >= 0:
+            return tail[marker + len("\nerror: "):].strip()
+        lines = tail.strip().splitlines()[-5:]
+        return "\n".join(lines) if lines else f"It exited with code {self.exit_code} and wrote nothing to its log."
 
     def tail(self, characters: int = 4000) -> str:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,12 @@ def _changed(folder: Path) -> float:
     return (metrics if metrics.is_file() else folder / outputs.RESOLVED_CONFIG).stat().st_mtime
 
 
+# A terminal's run whose metrics were written this recently (seconds) is taken as running (validation samples and
+# slow steps write nothing for a while).
+TERMINAL_QUIET_S = 300.0
+
 # What a run leaves for ComfyUI (vidtune/export/comfyui.py, workflow_file.py): the files the run page offers.
-COMFYUI_ENDINGS = ("_comfyui.safetensors", "_workflow.json", "_start_image.png")
+COMFYUI_ENDINGS = ("_comfyui.safetensors", "_workflow.json", "_start_image.png", "_control_video.mp4")
 
 
 # Where the studio's Export (format comfyui) writes, inside the run folder.
@@ -60,7 +65,7 @@ COMFYUI_EXPORTS = Path("exports") / "comfyui"
 
 
 def comfyui_files(folder: Path) -> list[Path]:
-    """The run's ComfyUI LoRA files, its workflow and an image-to-video workflow's start image: those the run
+    """The run's ComfyUI LoRA files, its workflow and the start image or control video it loads: those the run
     wrote at its end, then those an export wrote."""
     found = []
     for place in (folder, folder / COMFYUI_EXPORTS):
@@ -112,6 +117,22 @@ class RunView:
                 "samples": [{"step": s.step, "video": s.video.name, "prompt": s.prompt} for s in self.samples],
                 "checkpoints": [path.name for path in self.checkpoints], "finished": self.finished,
                 "last_step": self.last_step, "total_steps": self.total_steps}
+
+
+def terminal_state(view: RunView, now: float | None = None) -> str:
+    """The state of a run the studio did not start (a terminal's `vidtune train`): finished, running (its metrics
+    written within a few of its own logging intervals), or stopped: resumable from its newest checkpoint, or not."""
+    if view.finished:
+        return "finished"
+    metrics = view.folder / outputs.METRICS
+    if metrics.is_file():
+        interval = 0.0
+        if len(view.steps) >= 2 and view.seconds_per_step:
+            interval = (view.steps[-1] - view.steps[-2]) * view.seconds_per_step[-1]
+        quiet = (time.time() if now is None else now) - metrics.stat().st_mtime
+        if quiet < max(TERMINAL_QUIET_S, 3 * interval):
+            return "running from a terminal"
+    return "stopped, can resume" if view.checkpoints else "stopped before its first checkpoint"
 
 
 def read_run(folder: Path) -> RunView:

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse
 
 from vidtune import outputs
-from vidtune.studio import charts, runs
+from vidtune.studio import charts, clips, runs
 from vidtune.studio.jobs import Command
 from vidtune.studio.web import CONFIG_SUFFIXES, EXPORT_FORMATS, MAX_PROMPT, BadRequest, Studio, read_body, text_of
 
@@ -33,8 +33,7 @@ def runs_routes(studio: Studio) -> APIRouter:
         for folder in runs.find_runs(place.folder):
             view = runs.read_run(folder)
             latest = queue.latest_for(folder)
-            state = (latest.state if latest else "finished" if view.finished else
-                     "not running from the studio")
+            state = latest.state if latest else runs.terminal_state(view)
             rows.append({"path": place.relative(folder), "state": state, "last_step": view.last_step,
                          "total_steps": view.total_steps, "loss": view.losses[-1] if view.losses else None,
                          "samples": len(view.samples), "checkpoints": len(view.checkpoints)})
@@ -42,8 +41,20 @@ def runs_routes(studio: Studio) -> APIRouter:
 
     @router.get("/", response_class=HTMLResponse)
     def home(request: Request) -> HTMLResponse:
-        return page("runs.html", request, runs=run_rows(), jobs=[job.to_json() for job in queue.jobs],
-                    configs=configs())
+        names = configs()
+        # Start offers the config written last (the one just made on the settings page), not the first by name.
+        newest = max(names, key=lambda name: (place.folder / name).stat().st_mtime, default=None)
+        rows = run_rows()
+        jobs = [job.to_json() | {"run_path": place.relative(job.command.run) if job.command.run else None}
+                for job in queue.jobs]
+        return page("runs.html", request, runs=rows, jobs=jobs,
+                    configs=names, newest=newest, places=[] if rows else clips.data_places(place.folder))
+
+    @router.get("/jobs/{number}/log", response_class=PlainTextResponse)
+    def job_log(number: int) -> PlainTextResponse:
+        """A job's whole log, as the command wrote it."""
+        log = queue.get(number).log
+        return PlainTextResponse(log.read_text(errors="replace") if log.is_file() else "(nothing written yet)")
 
     @router.get("/api/runs")
     def api_runs() -> dict[str, Any]:
@@ -51,8 +62,15 @@ def runs_routes(studio: Studio) -> APIRouter:
 
     @router.get("/run", response_class=HTMLResponse)
     def run_page(request: Request, path: str) -> HTMLResponse:
-        folder = run_folder(path)
-        return page("run.html", request, path=place.relative(folder), panel=run_panel(folder))
+        folder = place.path(path)
+        if not runs.is_run_folder(folder):  # a job that failed before its run began, or a wrong link: say which
+            job = queue.latest_for(folder)
+            response = page("no_run.html", request, path=path, job=job.to_json() if job else None)
+            response.status_code = 200 if job else 404
+            return response
+        active = queue.active_for(folder)
+        return page("run.html", request, path=place.relative(folder), panel=run_panel(folder),
+                    stoppable=active is not None)
 
     @router.get("/run/panel", response_class=HTMLResponse)
     def run_panel_part(path: str) -> HTMLResponse:
@@ -76,7 +94,8 @@ def runs_routes(studio: Studio) -> APIRouter:
         jobs = [job.to_json() | {"tail": job.tail(1500)} for job in queue.for_run(folder)]
         latest = view.seconds_per_step[-1] if view.seconds_per_step else math.nan
         return pages.get_template("run_panel.html").render(
-            view=view, path=relative, pictures=pictures, jobs=jobs, active=active.to_json() if active else None,
+            view=view, path=relative, terminal=runs.terminal_state(view), pictures=pictures, jobs=jobs,
+            active=active.to_json() if active else None,
             seconds=None if math.isnan(latest) else latest,
             samples=[{"step": s.step, "prompt": s.prompt, "url": "/files/" + place.relative(s.video)}
                      for s in view.samples],

@@ -25,11 +25,20 @@ def settings_routes(studio: Studio) -> APIRouter:
         return path
 
     @router.get("/settings", response_class=HTMLResponse)
-    def settings_page(request: Request, file: str = "studio.yaml") -> HTMLResponse:
+    def settings_page(request: Request, file: str | None = None, data_root: str | None = None) -> HTMLResponse:
+        """A config's form: `file`, else the config written last under the root, else a new studio.yaml; a new
+        file starts empty (with `data_root`, from the clips page: that folder), and is not judged before it is
+        filled in."""
+        if file is None:
+            names = configs()
+            file = max(names, key=lambda name: (place.folder / name).stat().st_mtime) if names else "studio.yaml"
         path = config_file(file)
+        new = not path.is_file()
         values = form.read_values(path)
+        if new and data_root:
+            values = {**values, "data.root": data_root}
         return page("settings.html", request, file=file, sections=form.form_sections(), values=values,
-                    family=form.family_defaults(values.get("model.name", "")), configs=configs())
+                    family=form.family_defaults(values.get("model.name", "")), configs=configs(), new=new)
 
     @router.get("/api/form")
     def api_form(file: str = "studio.yaml", family: str | None = None) -> dict[str, Any]:

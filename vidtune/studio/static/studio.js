@@ -185,7 +185,8 @@ if (settingsForm) {
     timer = setTimeout(() => validateForm().catch(() => {}), 400);
   });
   settingsForm.addEventListener("submit", (event) => event.preventDefault());
-  validateForm().catch(() => {});
+  // A new file is judged once something is filled in, not as a page of errors on arrival.
+  if (!settingsForm.dataset.new) validateForm().catch(() => {});
 }
 
 // ----- live refresh -----------------------------------------------------------------------------------------------
@@ -194,6 +195,10 @@ if (runPanel) {
   setInterval(() => {
     refreshParts(`/run/panel?path=${encodeURIComponent(runPanel.dataset.run)}`, "section", runPanel);
   }, 2000);
+}
+// A run's page opened before its first step (a queued or starting job): look again until the run is there.
+if (document.querySelector("#no-run-status[data-waiting]")) {
+  setTimeout(() => window.location.reload(), 2000);
 }
 if (document.body.dataset.page === "runs") {
   setInterval(refreshRunsPage, 3000);

@@ -42,8 +42,7 @@ def runs_routes(studio: Studio) -> APIRouter:
     @router.get("/", response_class=HTMLResponse)
     def home(request: Request) -> HTMLResponse:
         names = configs()
-        # Start offers the config written last (the one just made on the settings page), not the first by name.
-        newest = max(names, key=lambda name: (place.folder / name).stat().st_mtime, default=None)
+        newest = studio.newest_config(names)  # the one just made on the settings page, not the first by name
         rows = run_rows()
         jobs = [job.to_json() | {"run_path": place.relative(job.command.run) if job.command.run else None}
                 for job in queue.jobs]

@@ -30,8 +30,7 @@ def settings_routes(studio: Studio) -> APIRouter:
         file starts empty (with `data_root`, from the clips page: that folder), and is not judged before it is
         filled in."""
         if file is None:
-            names = configs()
-            file = max(names, key=lambda name: (place.folder / name).stat().st_mtime) if names else "studio.yaml"
+            file = studio.newest_config() or "studio.yaml"
         path = config_file(file)
         new = not path.is_file()
         values = form.read_values(path)

@@ -44,6 +44,11 @@ class Studio:
     def configs(self) -> list[str]:
         return configs_under(self.place.folder)
 
+    def newest_config(self, names: list[str] | None = None) -> str | None:
+        """The config written last under the root (of `names`, default all): what Start and Settings open on."""
+        names = self.configs() if names is None else names
+        return max(names, key=lambda name: (self.place.folder / name).stat().st_mtime, default=None)
+
 
 def configs_under(root: Path) -> list[str]:
     """The YAML configs under `root`, relative to it (hidden folders, run folders' own copies, checkpoints and

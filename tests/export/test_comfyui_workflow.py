@@ -191,13 +191,17 @@ def test_ltx2_samples_video_and_sound_together_and_muxes_the_sound(make_config, 
 
 
 # ----- written by a run and by `vidtune export` ---------------------------------------------------------------
-def test_a_lora_run_writes_its_workflow_beside_its_comfyui_lora(make_config):
-    config = make_config("wan", training={"steps": 1}, validation={"enabled": False,
-                                                                    "prompts": ["a blue square turning"]})
+def _trained_workflow(config) -> tuple[Path, str, dict]:
+    """Train `config` one step; its run folder, the run's name and the workflow it wrote."""
     build_trainer(config).run()
     run = Path(config.output_dir)
     name = run.resolve().name
-    api = json.loads((run / workflow_file(name)).read_text())
+    return run, name, json.loads((run / workflow_file(name)).read_text())
+
+
+def test_a_lora_run_writes_its_workflow_beside_its_comfyui_lora(make_config):
+    _, name, api = _trained_workflow(make_config("wan", training={"steps": 1}, validation={
+        "enabled": False, "prompts": ["a blue square turning"]}))
     assert problems(api) == []
     assert [node["inputs"]["lora_name"] for node in _nodes(api, "LoraLoaderModelOnly")] == [comfyui_lora_weights(name)]
     assert "a blue square turning" in [node["inputs"]["text"] for node in _nodes(api, "CLIPTextEncode")]
@@ -207,11 +211,7 @@ def test_an_image_to_video_run_writes_the_start_image_its_workflow_loads(make_co
     from PIL import Image
 
     config = make_config("wan-i2v", training={"steps": 1}, validation={"enabled": False})
-    trainer = build_trainer(config)
-    trainer.run()
-    run = Path(config.output_dir)
-    name = run.resolve().name
-    api = json.loads((run / workflow_file(name)).read_text())
+    run, name, api = _trained_workflow(config)
     assert [node["inputs"]["image"] for node in _nodes(api, "LoadImage")] == [start_image_file(name)]
     with Image.open(run / start_image_file(name)) as image:
         assert image.size == (config.data.width, config.data.height)
@@ -221,11 +221,7 @@ def test_a_wan_vace_run_writes_the_control_video_its_workflow_follows(make_confi
     from vidtune.data.video import ClipWindow, read_clip
 
     config = make_config("wan-vace", training={"steps": 1}, validation={"enabled": False})
-    trainer = build_trainer(config)
-    trainer.run()
-    run = Path(config.output_dir)
-    name = run.resolve().name
-    api = json.loads((run / workflow_file(name)).read_text())
+    run, name, api = _trained_workflow(config)
     loaded = _nodes(api, "LoadVideo")[0]["inputs"]["file"]
     assert loaded == control_video_file(name)
     frames, height, width = config.data.frames, config.data.height, config.data.width

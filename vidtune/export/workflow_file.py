@@ -49,6 +49,13 @@ def newest_sample_prompt(folder: Path) -> str | None:
     return prompts[-1].read_text().strip() if prompts else None
 
 
+def written_loras(folder: Path, name: str) -> tuple[str | None, str | None]:
+    """The ComfyUI LoRA files of run `name` in `folder`, the first and the second denoiser's (None: not written)."""
+    files = (comfyui_lora_weights(name), comfyui_lora_weights(name, second=True))
+    first, second = (file if (folder / file).is_file() else None for file in files)
+    return first, second
+
+
 def write_start_image(path: Path, reference: torch.Tensor) -> Path:
     """The first frame of `reference` ([F, 3, H, W] in [-1, 1]) as a PNG."""
     pixels = frames_to_uint8(reference[:1])[0]  # [H, W, 3] uint8
@@ -63,8 +70,7 @@ def write_run_workflow(spec: ModelSpec, config: Config, folder: Path, name: str,
     `reference` [F, 3, H, W], an image-to-video run's start image or Wan VACE's control video); say where, or why
     there is none, and which of validation's inputs (`left_out`: Wan VACE's mask, reference images) it does not
     load. Returns the workflow."""
-    files = [comfyui_lora_weights(name), comfyui_lora_weights(name, second=True)]
-    loras = tuple(file if (folder / file).is_file() else None for file in files)
+    loras = written_loras(folder, name)
     if not any(loras):  # no ComfyUI LoRA was written (the run said why): nothing for a workflow to load
         return None
     layout = spec.comfyui_workflow()
@@ -85,7 +91,8 @@ def write_run_workflow(spec: ModelSpec, config: Config, folder: Path, name: str,
     inputs = WorkflowInputs(prompt=settings.prompts[0], frames=settings.frames, height=settings.height,
                             width=settings.width, steps=settings.num_inference_steps,
                             guidance=settings.guidance_scale, seed=settings.seed, frame_rate=settings.frame_rate,
-                            schedule=comfyui_schedule(config, spec), loras=loras, start_image=start,
+                            schedule=settings.comfyui or comfyui_schedule(config, spec), loras=loras,
+                            start_image=start,
                             control_video=control, name=name)
     path = write_workflow(folder / workflow_file(name), build_workflow(layout, inputs, spec.name))
     image = ""

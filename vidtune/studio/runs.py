@@ -60,15 +60,15 @@ TERMINAL_QUIET_S = 300.0
 COMFYUI_ENDINGS = ("_comfyui.safetensors", "_workflow.json", "_start_image.png", "_control_video.mp4")
 
 
-# Where the studio's Export (format comfyui) writes, inside the run folder.
-COMFYUI_EXPORTS = Path("exports") / "comfyui"
+# Where the studio's Export writes, inside the run folder: one folder per format.
+EXPORTS = Path("exports")
 
 
 def comfyui_files(folder: Path) -> list[Path]:
     """The run's ComfyUI LoRA files, its workflow and the start image or control video it loads: those the run
     wrote at its end, then those an export wrote."""
     found = []
-    for place in (folder, folder / COMFYUI_EXPORTS):
+    for place in (folder, folder / EXPORTS / "comfyui"):
         if place.is_dir():
             found += sorted(path for path in place.iterdir() if path.is_file() and path.name.endswith(COMFYUI_ENDINGS))
     return found

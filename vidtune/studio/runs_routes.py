@@ -185,7 +185,7 @@ def runs_routes(studio: Studio) -> APIRouter:
         kind = text_of(body, "format")
         if kind not in EXPORT_FORMATS:
             raise BadRequest(f"format: {kind!r} is not one of {', '.join(EXPORT_FORMATS)}.")
-        target = folder / "exports" / kind
+        target = folder / runs.EXPORTS / kind
         job = queue.add(Command("export", (str(folder), f"--output={target}", f"--format={kind}", "--overwrite"),
                                 f"export {place.relative(folder)} ({kind})", folder))
         return job.to_json() | {"output": place.relative(target.parent) + "/" + kind}

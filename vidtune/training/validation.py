@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from vidtune import outputs
 from vidtune.algorithms.build import build_part
 from vidtune.compile import eager
-from vidtune.export.workflow_file import write_run_workflow
+from vidtune.export.workflow_file import write_run_workflow, written_loras
 from vidtune.given_frames import validation_given
 from vidtune.metrics import plot_loss_curve
 from vidtune.sampling import (
@@ -92,13 +92,15 @@ def write_workflow(context: TrainingContext, name: str | None = None) -> Path | 
     """The ComfyUI workflow beside the run's ComfyUI LoRA, sampling what validation samples (an image-to-video run's
     start image: the first frame validation starts from; Wan VACE's control video: the one validation follows)."""
     spec, config, clips = context.spec, context.config, context.clips
+    run_name = context.part.run_name(name)
+    if not any(written_loras(context.output_dir, run_name)) or spec.comfyui_workflow() is None:
+        # No ComfyUI LoRA (a full fine-tune) or no workflow for the family: no clip to read; the writer says why.
+        return write_run_workflow(spec, config, context.output_dir, run_name)
     settings = SampleSettings.from_config(config, spec, default_prompt=default_prompt(clips))
-    if spec.comfyui_workflow() is None:  # nothing to read clips for; the writer says there is none
-        return write_run_workflow(spec, config, context.output_dir, context.part.run_name(name))
     reference = reference_clip(spec, clips, settings, config.data.fps)
     inputs = clip_sampling_inputs(spec, clips[0], settings, config.data.fps) or {}
-    return write_run_workflow(spec, config, context.output_dir, context.part.run_name(name),
-                              prompt=default_prompt(clips), reference=reference, left_out=tuple(inputs))
+    return write_run_workflow(spec, config, context.output_dir, run_name, prompt=default_prompt(clips),
+                              reference=reference, left_out=tuple(inputs))
 
 
 def write_results(context: TrainingContext, name: str | None = None) -> tuple[Path, list[Path]]:
